@@ -1,0 +1,23 @@
+"""Typed errors. Each maps to one gRPC status / HTTP code at the service boundary."""
+
+from __future__ import annotations
+
+
+class PdclusterError(Exception):
+    """Base of every error pdcluster raises on purpose."""
+
+
+class InvalidRequestError(PdclusterError, ValueError):
+    """The request is malformed; the message names the field and what to fix (INVALID_ARGUMENT / HTTP 400)."""
+
+
+class CapacityError(PdclusterError):
+    """The request can never fit this server (prompt over context or KV capacity) (INVALID_ARGUMENT / HTTP 400)."""
+
+
+class ModelLoadError(PdclusterError):
+    """The model folder is unusable: missing files, unknown architecture, bad config."""
+
+
+class ConfigError(PdclusterError, ValueError):
+    """A server flag or flag combination is invalid."""
