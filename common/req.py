@@ -32,6 +32,7 @@ class Finished:
     reason: FinishReason
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str = ""  # for ABORT: why
+    code: str = "CANCELLED"  # for ABORT: the gRPC status name the client sees
 
 
 @dataclass
@@ -78,6 +79,8 @@ class Req:
         self.extend_input_len = 0
         self.is_chunked = 0  # > 0 while a chunked prefill of this request is in progress
         self.is_retracted = False
+        self.to_abort: str | None = None  # set by an abort while the request sits in a batch
+        self.sent_len = 0  # output tokens already streamed out
 
         # Output.
         self.finished_reason: Finished | None = None
@@ -117,8 +120,8 @@ class Req:
         self.is_chunked = 0
         self.is_retracted = True
 
-    def abort(self, message: str) -> None:
-        self.finished_reason = Finished(FinishReason.ABORT, message=message)
+    def abort(self, message: str, code: str = "CANCELLED") -> None:
+        self.finished_reason = Finished(FinishReason.ABORT, message=message, code=code)
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input_len={len(self.origin_input_ids)}, output_len={len(self.output_ids)})"

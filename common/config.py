@@ -1,0 +1,135 @@
+"""``ServerArgs``: the one frozen config of a serving process, parsed once from SGLang-style CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from common.errors import ConfigError
+
+DisaggregationMode = Literal["null", "prefill", "decode"]
+KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "shm", "fake")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = None  # None: the embedded default model, generated once into the cache dir
+    host: str = "127.0.0.1"
+    port: int = 30000
+    metrics_port: int | None = None
+    disaggregation_mode: DisaggregationMode = "null"
+    disaggregation_bootstrap_port: int = 8998
+    kv_transfer_backend: str = "tcp"
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    # Memory.
+    page_size: int = 1
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.1
+    max_running_requests: int = 256
+    disable_radix_cache: bool = False
+    # Scheduling.
+    chunked_prefill_size: int = 2048  # -1 disables chunking
+    max_prefill_tokens: int = 16384
+    enable_mixed_chunk: bool = False
+    schedule_conservativeness: float = 1.0
+    num_reserved_decode_tokens: int = 128
+    decode_log_interval: int = 40
+    torch_num_threads: int | None = None
+    # Parallelism.
+    tp_size: int = 1
+    dp_size: int = 1
+    # Deadlines (seconds) of the disaggregation states.
+    bootstrap_timeout: float = 30.0
+    waiting_timeout: float = 60.0
+    transfer_timeout: float = 60.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            raise ConfigError(f"--disaggregation-mode must be null, prefill or decode, got {self.disaggregation_mode!r}")
+        if self.kv_transfer_backend not in KV_TRANSFER_BACKENDS:
+            raise ConfigError(
+                f"--kv-transfer-backend must be one of {', '.join(KV_TRANSFER_BACKENDS)}, got {self.kv_transfer_backend!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.page_size < 1:
+            raise ConfigError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.chunked_prefill_size != -1:
+            if self.chunked_prefill_size < self.page_size or self.chunked_prefill_size % self.page_size:
+                raise ConfigError(
+                    f"--chunked-prefill-size ({self.chunked_prefill_size}) must be -1 or a positive multiple of "
+                    f"--page-size ({self.page_size})"
+                )
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ConfigError(f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction_static <= 0.95:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 0.95], got {self.mem_fraction_static}")
+        for name in ("max_running_requests", "max_prefill_tokens", "tp_size", "dp_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.tp_size != 1:
+            raise ConfigError("--tp-size > 1 is not supported yet on this build; use --dp-size for replicas")
+        for name in ("port", "disaggregation_bootstrap_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a TCP port, got {getattr(self, name)}")
+        if self.schedule_conservativeness <= 0:
+            raise ConfigError("--schedule-conservativeness must be > 0")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.disaggregation_mode != "null"
+
+    @property
+    def chunk_size(self) -> int | None:
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    def replace(self, **changes: object) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerArgs()
+    g = parser.add_argument_group("model")
+    g.add_argument("--model-path", default=d.model_path, help="local Hugging Face model folder (default: embedded model)")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    g.add_argument("--device", default=d.device)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--metrics-port", type=int, default=d.metrics_port)
+    g.add_argument("--log-level", default=d.log_level)
+    g = parser.add_argument_group("disaggregation")
+    g.add_argument("--disaggregation-mode", default=d.disaggregation_mode, choices=("null", "prefill", "decode"))
+    g.add_argument("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port)
+    g.add_argument("--kv-transfer-backend", default=d.kv_transfer_backend, choices=KV_TRANSFER_BACKENDS)
+    g.add_argument("--num-reserved-decode-tokens", type=int, default=d.num_reserved_decode_tokens)
+    g.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout)
+    g.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout)
+    g.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout)
+    g = parser.add_argument_group("memory and scheduling")
+    g.add_argument("--page-size", type=int, default=d.page_size)
+    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
+    g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    g.add_argument("--enable-mixed-chunk", action="store_true")
+    g.add_argument("--schedule-conservativeness", type=float, default=d.schedule_conservativeness)
+    g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval)
+    g.add_argument("--torch-num-threads", type=int, default=d.torch_num_threads)
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tp-size", type=int, default=d.tp_size)
+    g.add_argument("--dp-size", type=int, default=d.dp_size)
+
+
+def server_args_from_cli(ns: argparse.Namespace) -> ServerArgs:
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})

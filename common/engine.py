@@ -1,0 +1,274 @@
+"""``Engine``: the in-process colocated server. A scheduler thread runs the loop; callers submit requests and
+read outputs synchronously (``generate``) or as an async token stream (``generate_stream``)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from common.config import ServerArgs
+from common.detokenizer import IncrementalDetokenizer
+from common.errors import CapacityError, InvalidRequestError, PdclusterError
+from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, Timing, TokenOut
+from common.model.config import ModelConfig
+from common.sampling.params import SamplingParams
+from common.scheduler import Scheduler
+from common.tokenizer import load_tokenizer, resolve_model_path
+
+logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.05
+
+
+class RequestFailed(PdclusterError):
+    """The request ended as an abort; ``code`` is the gRPC status name (INVALID_ARGUMENT, CANCELLED, ...)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class GenerateOutput:
+    rid: str
+    prompt_token_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    cached_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    timing: Timing | None = None
+
+
+@dataclass
+class StreamChunk:
+    rid: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    output: GenerateOutput | None = None  # set on the last chunk
+
+
+class _RequestState:
+    def __init__(self, out: GenerateOutput, detok: IncrementalDetokenizer, deliver: Callable[[Any], None]) -> None:
+        self.out = out
+        self.detok = detok
+        self.deliver = deliver
+
+
+class Engine:
+    def __init__(self, args: ServerArgs | None = None, **overrides: Any) -> None:
+        args = (args or ServerArgs()).replace(**overrides) if overrides else (args or ServerArgs())
+        self.args = args
+        self.model_path = str(resolve_model_path(args.model_path))
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.model_config = ModelConfig.from_path(self.model_path)
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._states: dict[str, _RequestState] = {}
+        self._lock = threading.Lock()
+        self._load_waiters: list[queue.Queue[QueueLoad]] = []
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self.scheduler = Scheduler(args, self.model_path, self.tokenizer, self._on_outputs)
+        self._thread = threading.Thread(target=self._loop, name="pdcluster-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- scheduler thread ------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.args.torch_num_threads:
+            torch.set_num_threads(self.args.torch_num_threads)
+        while not self._stop.is_set():
+            msgs = []
+            try:
+                if self.scheduler.is_idle():
+                    msgs.append(self._inbox.get(timeout=IDLE_WAIT_S))
+                while True:
+                    msgs.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            try:
+                self.scheduler.step(msgs)
+            except Exception:
+                logger.exception("scheduler step failed; aborting every request in flight")
+                self._fail_all("internal scheduler error; see the server log")
+                raise
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            states = list(self._states.items())
+        for rid, state in states:
+            state.deliver(TokenOut(rid=rid, token_ids=[], finish_reason="abort", error=message, error_code="INTERNAL"))
+
+    def _on_outputs(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            if isinstance(msg, LoadOut):
+                with self._lock:
+                    waiters, self._load_waiters = self._load_waiters, []
+                for w in waiters:
+                    w.put(msg.load)
+                continue
+            with self._lock:
+                state = self._states.get(msg.rid)
+            if state is not None:
+                state.deliver(msg)
+
+    # -- request building ------------------------------------------------------------------------------------------
+    def _make_input(
+        self,
+        prompt: str | None,
+        input_ids: list[int] | None,
+        sampling_params: SamplingParams | dict[str, Any] | None,
+        return_logprob: bool,
+        top_logprobs_num: int,
+        rid: str | None,
+    ) -> GenerateReqInput:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequestError("pass exactly one of prompt or input_ids")
+        ids = list(input_ids) if input_ids is not None else self.tokenizer.encode(prompt)
+        sp = sampling_params if isinstance(sampling_params, SamplingParams) else msgspec.convert(
+            sampling_params or {}, SamplingParams)
+        sp.verify(self.model_config.vocab_size)
+        if not ids:
+            raise InvalidRequestError("prompt is empty; send at least one token")
+        if len(ids) >= self.model_config.context_len:
+            raise CapacityError(
+                f"prompt has {len(ids)} tokens but the model context is {self.model_config.context_len}; "
+                "shorten the prompt"
+            )
+        if top_logprobs_num < 0:
+            raise InvalidRequestError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+        return GenerateReqInput(
+            rid=rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+            input_ids=ids,
+            sampling_params=sp,
+            return_logprob=return_logprob or top_logprobs_num > 0,
+            top_logprobs_num=top_logprobs_num,
+        )
+
+    def _register(self, msg: GenerateReqInput, deliver: Callable[[Any], None]) -> _RequestState:
+        sp = msg.sampling_params
+        state = _RequestState(
+            GenerateOutput(rid=msg.rid, prompt_token_ids=msg.input_ids),
+            IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens, sp.stop),
+            deliver,
+        )
+        with self._lock:
+            self._states[msg.rid] = state
+        self._inbox.put(msg)
+        return state
+
+    def _apply(self, state: _RequestState, msg: TokenOut) -> str:
+        out = state.out
+        out.output_ids.extend(msg.token_ids)
+        out.logprobs.extend(msg.logprobs)
+        out.top_logprobs.extend(msg.top_logprobs)
+        out.cached_tokens = msg.cached_tokens
+        final = msg.finish_reason is not None
+        delta = state.detok.add(msg.token_ids, final=final)
+        if final:
+            out.finish_reason, out.matched_stop, out.timing = msg.finish_reason, msg.matched_stop, msg.timing
+            out.text = state.detok.text
+            with self._lock:
+                self._states.pop(msg.rid, None)
+            if msg.error_code == "INVALID_ARGUMENT":
+                raise InvalidRequestError(msg.error or "invalid request")
+            if msg.error_code not in (None, "CANCELLED"):
+                raise RequestFailed(msg.error or "request failed", msg.error_code)
+        return delta
+
+    # -- public API ------------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        timeout: float = 600.0,
+    ) -> GenerateOutput | list[GenerateOutput]:
+        """Run one prompt (returns one output) or a batch (returns a list), blocking until all finish."""
+        batched = isinstance(prompt, list) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], list))
+        prompts: list[Any] = (prompt if isinstance(prompt, list) else [prompt]) if prompt is not None else []
+        ids_list: list[Any] = (input_ids if batched else [input_ids]) if input_ids is not None else []
+        msgs = [self._make_input(p, None, sampling_params, return_logprob, top_logprobs_num, None) for p in prompts]
+        msgs += [self._make_input(None, i, sampling_params, return_logprob, top_logprobs_num, None) for i in ids_list]
+        if not msgs:
+            raise InvalidRequestError("pass exactly one of prompt or input_ids")
+        done: queue.Queue[TokenOut] = queue.Queue()
+        states = [self._register(m, done.put) for m in msgs]
+        by_rid = {s.out.rid: s for s in states}
+        remaining = len(states)
+        error: Exception | None = None
+        while remaining:
+            try:
+                msg = done.get(timeout=timeout)
+            except queue.Empty:
+                for s in states:
+                    self.abort(s.out.rid)
+                raise TimeoutError(f"generate did not finish within {timeout} s") from None
+            try:
+                self._apply(by_rid[msg.rid], msg)
+            except PdclusterError as e:
+                error = error or e
+            if msg.finish_reason is not None:
+                remaining -= 1
+        if error is not None:
+            raise error
+        outs = [s.out for s in states]
+        return outs if batched else outs[0]
+
+    async def generate_stream(
+        self,
+        prompt: str | None = None,
+        input_ids: list[int] | None = None,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        rid: str | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """Yield text deltas as tokens arrive; cancelling the consumer aborts the request."""
+        msg = self._make_input(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[TokenOut] = asyncio.Queue()
+        state = self._register(msg, lambda m: loop.call_soon_threadsafe(q.put_nowait, m))
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                text = self._apply(state, out)
+                finished = out.finish_reason is not None
+                yield StreamChunk(out.rid, out.token_ids, text, out.finish_reason, state.out if finished else None)
+        finally:
+            if not finished:
+                self.abort(msg.rid)
+
+    def abort(self, rid: str, reason: str = "aborted by client") -> None:
+        self._inbox.put(AbortReq(rid=rid, reason=reason))
+
+    def get_load(self, timeout: float = 10.0) -> QueueLoad:
+        waiter: queue.Queue[QueueLoad] = queue.Queue()
+        with self._lock:
+            self._load_waiters.append(waiter)
+        self._inbox.put(LoadReq())
+        return waiter.get(timeout=timeout)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,91 @@
+"""Messages between a node's front process (or the in-process ``Engine``) and its scheduler ranks.
+
+All are msgspec structs, tagged so one decoder reads the union: they go over ZMQ IPC as msgpack, or through an
+in-process queue as objects. Token-in/token-out: tokenization and detokenization happen outside the scheduler.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from common.sampling.params import SamplingParams
+
+
+class GenerateReqInput(msgspec.Struct, tag=True, kw_only=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = True
+    # Disaggregation (None in colocated mode).
+    bootstrap_room: int | None = None
+    bootstrap_addr: str | None = None  # decode side: the prefill node's host:bootstrap_port
+    prefill_dp_rank: int | None = None
+
+
+class AbortReq(msgspec.Struct, tag=True, kw_only=True):
+    rid: str
+    reason: str = "aborted by client"
+
+
+class LoadReq(msgspec.Struct, tag=True, kw_only=True):
+    pass
+
+
+class ShutdownReq(msgspec.Struct, tag=True, kw_only=True):
+    pass
+
+
+class Timing(msgspec.Struct, kw_only=True):
+    """Per-request time breakdown in seconds (0 where a phase does not apply)."""
+
+    queue: float = 0.0  # waiting for a prefill batch
+    bootstrap: float = 0.0  # disaggregation: waiting for the peer (handshake, destination pages)
+    prefill: float = 0.0  # first prefill chunk start -> first token
+    transfer: float = 0.0  # KV transfer (decode: prealloc -> transfer done)
+    decode_queue: float = 0.0
+    ttft: float = 0.0  # arrival at the scheduler -> first token
+    e2e: float = 0.0
+    transfer_bytes: int = 0
+
+
+class TokenOut(msgspec.Struct, tag=True, kw_only=True):
+    """New tokens of one request since its last ``TokenOut``; ``finish_reason`` set on the last one."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] = []
+    top_logprobs: list[list[tuple[int, float]]] = []
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop: int | str | None = None
+    error: str | None = None  # for "abort": what happened
+    error_code: str | None = None  # "INVALID_ARGUMENT", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", ...
+    timing: Timing | None = None
+
+
+class QueueLoad(msgspec.Struct, kw_only=True):
+    dp_rank: int
+    running: int
+    waiting: int
+    bootstrap: int = 0
+    inflight: int = 0
+    prealloc: int = 0
+    transfer: int = 0
+    free_kv_pages: int
+    total_kv_pages: int
+    free_req_slots: int
+    total_req_slots: int
+    token_usage: float
+    evictable_tokens: int = 0
+
+
+class LoadOut(msgspec.Struct, tag=True, kw_only=True):
+    load: QueueLoad
+
+
+SchedulerInput = GenerateReqInput | AbortReq | LoadReq | ShutdownReq
+SchedulerOutput = TokenOut | LoadOut

@@ -1,0 +1,225 @@
+"""Batched next-token sampling: ``SamplingBatchInfo`` (per-batch sampling state) and ``Sampler``.
+
+Per step, for logits ``[bs, vocab]`` fp32::
+
+    raw logits ──> logprobs (log_softmax of the RAW logits, when any row asks)
+        └──> penalties (repetition, frequency/presence, min_new_tokens) ──> argmax ............ greedy rows
+                 └──> / temperature ─> softmax ─> top-k ─> top-p ─> min-p ─> inverse-CDF draw ... sampled rows
+
+- Greedy rows take ``argmax`` of the penalised logits; with no penalty in the batch that is exactly
+  ``argmax(raw logits)`` (no softmax, no noise), the same tie-breaking as HF ``generate``.
+- top-k, top-p and min-p truncate the distribution in turn, each on the renormalised result of the previous one
+  (HF warper semantics; min-p is invariant to renormalisation).
+- Logprobs are of the model's distribution (raw logits, before penalties and temperature), what OpenAI clients
+  expect. SGLang returns post-temperature logprobs by default; we deliberately do not.
+
+Randomness: each sampled row consumes exactly one uniform ``u`` per step. A row with ``seed`` derives
+``u = hash(seed, step)`` where ``step = len(output_ids)`` before the draw, so its tokens do not depend on batch
+composition, position in the batch, device, retraction, or which node (prefill or decode) draws the token.
+Unseeded rows take ``u`` from one generator shared by the ``Sampler``.
+
+Lifecycle (owned by the scheduler): ``from_reqs`` when a batch is built; after each step whose tokens are appended
+to every row, ``cumulate_output_tokens(next_ids)`` exactly once; ``filter_batch`` / ``merge_batch`` mirror the
+batch's own. The incremental state always equals ``from_reqs`` rebuilt on the same requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.sampling.penalties import PenaltyState
+
+if TYPE_CHECKING:
+    from common.req import Req
+    from common.sampling.params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, step: int) -> float:
+    """The uniform in [0, 1) that a request with ``seed`` draws for its ``step``-th output token."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ step) >> 11) * 2.0**-53
+
+
+class SamplingBatchInfo:
+    """Sampling state of one batch; row ``i`` is the batch's request ``i``."""
+
+    def __init__(
+        self,
+        params: list[SamplingParams],
+        output_lens: list[int],
+        return_logprob: list[bool],
+        top_logprobs_nums: list[int],
+        penalties: PenaltyState,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.params = params
+        self.output_lens = output_lens  # tokens each row has produced = the step index of its next draw
+        self.return_logprob = return_logprob
+        self.top_logprobs_nums = top_logprobs_nums
+        self.penalties = penalties
+        self.vocab_size = vocab_size
+        self.device = device
+        self._build_tensors()
+
+    @classmethod
+    def from_reqs(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device | str) -> SamplingBatchInfo:
+        device = torch.device(device)
+        return cls(
+            params=[r.sampling_params for r in reqs],
+            output_lens=[len(r.output_ids) for r in reqs],
+            return_logprob=[r.return_logprob for r in reqs],
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+            penalties=PenaltyState.from_reqs(reqs, vocab_size, device),
+            vocab_size=vocab_size,
+            device=device,
+        )
+
+    def _build_tensors(self) -> None:
+        """Derive tensors and flags from the Python-side lists (O(bs), one host-to-device copy each)."""
+        vocab, params = self.vocab_size, self.params
+        greedy = [p.is_greedy for p in params]
+        self.sampled_rows = [i for i, g in enumerate(greedy) if not g]
+        sampled = [params[i] for i in self.sampled_rows]
+        top_ks = [vocab if p.top_k == -1 else min(p.top_k, vocab) for p in sampled]
+        self.all_greedy = not sampled
+        self.need_top_k = any(k < vocab for k in top_ks)
+        self.need_top_p = any(p.top_p < 1.0 for p in sampled)
+        self.need_min_p = any(p.min_p > 0.0 for p in sampled)
+        self.need_logprobs = any(self.return_logprob)
+        self.max_top_logprobs = max(self.top_logprobs_nums, default=0)
+        self.seeds = [p.seed for p in sampled]  # per sampled row
+        dev = self.device
+        # Tensors below cover the sampled rows only, in ``sampled_rows`` order.
+        self.sampled_index = torch.tensor(self.sampled_rows, dtype=torch.int64, device=dev)
+        self.temperatures = torch.tensor([p.temperature for p in sampled], dtype=torch.float32, device=dev)
+        self.top_ks = torch.tensor(top_ks, dtype=torch.int64, device=dev)
+        self.top_ps = torch.tensor([p.top_p for p in sampled], dtype=torch.float32, device=dev)
+        self.min_ps = torch.tensor([p.min_p for p in sampled], dtype=torch.float32, device=dev)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def cumulate_output_tokens(self, next_ids: torch.Tensor) -> None:
+        """Record the token appended to every row this step (int64 ``[bs]``)."""
+        self.penalties.cumulate_output_tokens(next_ids.to(self.device))
+        self.output_lens = [n + 1 for n in self.output_lens]
+
+    def filter_batch(self, keep_indices: list[int]) -> None:
+        """Keep rows ``keep_indices`` in that order (the batch dropped the others)."""
+        self.params = [self.params[i] for i in keep_indices]
+        self.output_lens = [self.output_lens[i] for i in keep_indices]
+        self.return_logprob = [self.return_logprob[i] for i in keep_indices]
+        self.top_logprobs_nums = [self.top_logprobs_nums[i] for i in keep_indices]
+        self.penalties.filter(keep_indices)
+        self._build_tensors()
+
+    def merge_batch(self, other: SamplingBatchInfo) -> None:
+        """Append ``other``'s rows after ours (the batch absorbed ``other``'s requests)."""
+        if other.vocab_size != self.vocab_size:
+            raise ValueError(f"cannot merge batches of vocab {self.vocab_size} and {other.vocab_size}")
+        self.params = self.params + other.params
+        self.output_lens = self.output_lens + other.output_lens
+        self.return_logprob = self.return_logprob + other.return_logprob
+        self.top_logprobs_nums = self.top_logprobs_nums + other.top_logprobs_nums
+        self.penalties.merge(other.penalties)
+        self._build_tensors()
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: torch.Tensor  # int64 [bs]
+    logprobs: torch.Tensor | None  # fp32 [bs], raw-logit logprob of the chosen token; None when no row asked
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row, best first; [] for rows that did not ask
+
+
+class Sampler:
+    """Stateless over requests; owns only the generator shared by unseeded rows."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
+        if logits.shape != (len(info), info.vocab_size):
+            raise ValueError(f"logits shape {tuple(logits.shape)} != (bs={len(info)}, vocab={info.vocab_size})")
+        logits = logits.float()
+        logprobs, top = self._logprobs(logits, info) if info.need_logprobs else (None, None)
+        scores = info.penalties.apply(logits) if info.penalties.is_active else logits
+        next_ids = torch.argmax(scores, dim=-1)
+        if not info.all_greedy:
+            rows = info.sampled_index
+            next_ids[rows] = self._sample(scores[rows], info)
+        if logprobs is not None:
+            logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+        return SampleOutput(next_ids, logprobs, top)
+
+    def _sample(self, scores: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Draw one token per sampled row from ``scores`` ``[n, vocab]`` (penalised logits)."""
+        probs = torch.softmax(scores / info.temperatures.unsqueeze(1), dim=-1)
+        # Stable descending sort: equal probabilities keep token-id order, so the draw is deterministic.
+        probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        if info.need_top_k:
+            ranks = torch.arange(probs.shape[1], device=probs.device)
+            probs = probs.masked_fill(ranks >= info.top_ks.unsqueeze(1), 0.0)
+        if info.need_top_p:
+            cum = probs.cumsum(dim=-1)
+            # Drop a token when the kept mass before it already exceeds top_p; rank 0 is always kept.
+            probs = probs.masked_fill(cum - probs > info.top_ps.unsqueeze(1) * cum[:, -1:], 0.0)
+        if info.need_min_p:
+            probs = probs.masked_fill(probs < probs[:, :1] * info.min_ps.unsqueeze(1), 0.0)
+        cdf = probs.cumsum(dim=-1)
+        target = self._uniforms(info, probs.device) * cdf[:, -1]
+        pos = torch.searchsorted(cdf, target.unsqueeze(1), right=True)
+        # u * total can round up to total; the last kept rank is the right answer then.
+        pos = torch.minimum(pos, (probs > 0).sum(dim=-1, keepdim=True) - 1)
+        return order.gather(1, pos).squeeze(1)
+
+    def _uniforms(self, info: SamplingBatchInfo, device: torch.device) -> torch.Tensor:
+        """One uniform per sampled row: ``seeded_uniform`` for seeded rows, the shared generator otherwise."""
+        n = len(info.seeds)
+        seeded = [(i, s) for i, s in enumerate(info.seeds) if s is not None]
+        if len(seeded) == n:
+            u = [seeded_uniform(s, info.output_lens[info.sampled_rows[i]]) for i, s in seeded]
+            return torch.tensor(u, dtype=torch.float32, device=device)
+        u_shared = torch.rand(n, generator=self._generator(device), device=device)
+        if seeded:
+            idx = torch.tensor([i for i, _ in seeded], dtype=torch.int64, device=device)
+            vals = [seeded_uniform(s, info.output_lens[info.sampled_rows[i]]) for i, s in seeded]
+            u_shared[idx] = torch.tensor(vals, dtype=torch.float32, device=device)
+        return u_shared
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._generators[device] = gen
+        return gen
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, info: SamplingBatchInfo
+    ) -> tuple[torch.Tensor, list[list[tuple[int, float]]] | None]:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if info.max_top_logprobs == 0:
+            return logprobs, None
+        k = min(info.max_top_logprobs, info.vocab_size)
+        vals, ids = logprobs.topk(k, dim=-1)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+        top = [
+            list(zip(ids_l[i][:n], vals_l[i][:n], strict=True)) for i, n in enumerate(info.top_logprobs_nums)
+        ]
+        return logprobs, top

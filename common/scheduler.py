@@ -1,0 +1,360 @@
+"""The scheduler of one rank: SGLang's loop over a ``ModelRunner``, a prefix cache and a waiting queue.
+
+Lifecycle of a colocated request: waiting -> (chunked) prefill -> running (decode) -> finished.
+
+    loop: recv_requests -> process_input_requests -> get_next_batch_to_run -> run_batch -> process_batch_result
+
+The prefill and decode nodes hold a ``Scheduler`` and compose their queues around these same steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from common.config import ServerArgs
+from common.errors import CapacityError, InvalidRequestError
+from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput, TokenOut
+from common.mem.chunk_cache import ChunkCache
+from common.mem.radix_cache import RadixCache
+from common.model_runner import BatchResult, ModelRunner
+from common.req import FinishReason, Req
+from common.sampling.stop import check_finished
+from common.schedule_batch import ScheduleBatch
+from common.schedule_policy import AddReqResult, PrefillAdder
+from common.scheduler_output import OutputCollector
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+class Scheduler:
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_path: str,
+        tokenizer: Any,
+        send_outputs: Callable[[list[Any]], None],
+        dp_rank: int = 0,
+    ) -> None:
+        self.args = args
+        self.dp_rank = dp_rank
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(args, model_path)
+        self.model_config = self.runner.model_config
+        self.req_to_token_pool = self.runner.req_to_token_pool
+        self.allocator = self.runner.allocator
+        self.page_size = args.page_size
+        if args.disable_radix_cache:
+            self.tree_cache: Any = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+        else:
+            self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
+        self.out = OutputCollector(send_outputs)
+        self.waiting_queue: list[Req] = []
+        self.running_batch = self.new_batch([])
+        self.chunked_req: Req | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.reqs_by_rid: dict[str, Req] = {}
+        self.init_new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
+        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+        self.forward_ct = 0
+        self.num_generated_tokens = 0
+        self.last_decode_log = time.monotonic()
+
+    # -- construction helpers --------------------------------------------------------------------------------------
+    def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache)
+
+    @property
+    def max_req_len(self) -> int:
+        return min(self.model_config.context_len, self.runner.max_total_num_tokens)
+
+    # -- input -----------------------------------------------------------------------------------------------------
+    def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
+        for msg in msgs:
+            if isinstance(msg, GenerateReqInput):
+                req = self.build_req(msg)
+                if req is not None:
+                    self.waiting_queue.append(req)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg.rid, msg.reason)
+            elif isinstance(msg, LoadReq):
+                self.out.send_now([LoadOut(load=self.get_load())])
+
+    def validate(self, msg: GenerateReqInput) -> None:
+        """Raise a typed error saying what to fix if the request can never be served here."""
+        sp = msg.sampling_params
+        sp.verify(self.model_config.vocab_size)
+        n = len(msg.input_ids)
+        if n == 0:
+            raise InvalidRequestError("input_ids is empty; send at least one prompt token")
+        if any(not 0 <= t < self.model_config.vocab_size for t in msg.input_ids):
+            raise InvalidRequestError(f"input_ids contains ids outside the vocabulary [0, {self.model_config.vocab_size})")
+        if n >= self.model_config.context_len:
+            raise CapacityError(
+                f"prompt has {n} tokens but the model context is {self.model_config.context_len}; shorten the prompt"
+            )
+        if n + sp.max_new_tokens > self.runner.max_total_num_tokens:
+            raise CapacityError(
+                f"prompt ({n} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the KV cache capacity of "
+                f"{self.runner.max_total_num_tokens} tokens; lower max_new_tokens or raise --max-total-tokens"
+            )
+
+    def build_req(self, msg: GenerateReqInput) -> Req | None:
+        if msg.rid in self.reqs_by_rid:
+            self.out.error(msg.rid, f"request id {msg.rid!r} is already in flight", "INVALID_ARGUMENT")
+            return None
+        try:
+            self.validate(msg)
+        except (InvalidRequestError, CapacityError) as e:
+            self.out.error(msg.rid, str(e), "INVALID_ARGUMENT")
+            return None
+        sp = msg.sampling_params
+        room = self.model_config.context_len - len(msg.input_ids)
+        if sp.max_new_tokens > room:
+            sp = msgspec.structs.replace(sp, max_new_tokens=room)
+        req = Req(
+            msg.rid,
+            msg.input_ids,
+            sp,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            eos_token_ids=self.model_config.eos_token_ids,
+            bootstrap_room=msg.bootstrap_room,
+        )
+        req.times.queue_enter = time.monotonic()
+        self.reqs_by_rid[req.rid] = req
+        return req
+
+    def abort_request(self, rid: str, reason: str) -> None:
+        """Waiting requests leave at once; a request in a batch finishes as ABORT at its next result."""
+        req = self.reqs_by_rid.get(rid)
+        if req is None:
+            return
+        if req in self.waiting_queue:
+            self.waiting_queue.remove(req)
+            req.abort(reason)
+            self.finish_req(req, release=False)
+        else:
+            req.to_abort = reason
+
+    # -- batching --------------------------------------------------------------------------------------------------
+    def merge_last_batch(self) -> None:
+        """Fold the last prefill batch into the running batch; the chunked request stays out and is cached."""
+        if self.last_batch is None or not self.last_batch.forward_mode.is_extend():
+            return
+        if self.chunked_req is not None:
+            self.tree_cache.cache_unfinished_req(self.chunked_req)
+        self.last_batch.filter_batch(exclude=self.chunked_req)
+        if not self.last_batch.is_empty():
+            self.running_batch.merge_batch(self.last_batch)
+            self.running_batch.batch_is_full = False
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        self.merge_last_batch()
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        if not self.running_batch.is_empty():
+            self.update_running_batch(self.running_batch)
+            if not self.running_batch.is_empty():
+                return self.running_batch
+        return None
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if (self.running_batch.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
+            return None
+        running_bs = len(self.running_batch.reqs)
+        if running_bs >= self.args.max_running_requests and self.chunked_req is None:
+            self.running_batch.batch_is_full = True
+            return None
+        mixed = self.args.enable_mixed_chunk and not self.running_batch.is_empty()
+        adder = PrefillAdder(
+            self.page_size,
+            self.tree_cache,
+            self.allocator,
+            self.running_batch.reqs,
+            self.new_token_ratio,
+            self.args.max_prefill_tokens,
+            self.args.chunk_size,
+            running_bs if mixed else 0,
+        )
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input(None)
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if running_bs + len(adder.can_run_list) >= self.args.max_running_requests:
+                self.running_batch.batch_is_full = True
+                break
+            req.init_next_round_input(self.tree_cache)
+            result = adder.add_one_req(req)
+            if result != AddReqResult.CONTINUE:
+                if result == AddReqResult.NO_TOKEN:
+                    self.running_batch.batch_is_full = True
+                break
+        if not adder.can_run_list:
+            return None
+        admitted = {id(r) for r in adder.can_run_list}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+        now = time.monotonic()
+        for req in adder.can_run_list:
+            if not req.times.forward_start:
+                req.times.forward_start = now
+                req.cached_tokens = len(req.prefix_indices)
+        batch = self.new_batch(adder.can_run_list)
+        batch.prepare_for_extend()
+        batch.chunked_req = self.chunked_req
+        self.log_prefill_stats(adder, running_bs)
+        if mixed and not batch.return_logprob and not self.running_batch.return_logprob:
+            self.running_batch.filter_batch()
+            if not self.running_batch.is_empty() and self.running_batch.check_decode_mem():
+                batch.mix_with_running(self.running_batch)
+                self.running_batch = self.new_batch([])
+        return batch
+
+    def update_running_batch(self, batch: ScheduleBatch) -> None:
+        batch.filter_batch()
+        if batch.is_empty():
+            return
+        if not batch.check_decode_mem():
+            retracted, self.new_token_ratio = batch.retract_decode()
+            logger.info(
+                "KV cache is full: retracted %d requests, #running-req: %d, new_token_ratio: %.4f",
+                len(retracted), len(batch.reqs), self.new_token_ratio,
+            )
+            self.waiting_queue[:0] = retracted
+            batch.batch_is_full = False
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        batch.prepare_for_decode()
+
+    def run_batch(self, batch: ScheduleBatch) -> BatchResult:
+        self.forward_ct += 1
+        return self.runner.forward_and_sample(batch.get_model_worker_batch())
+
+    # -- results ---------------------------------------------------------------------------------------------------
+    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        is_prefill = batch.forward_mode.is_extend()
+        decoding = {id(r) for r in batch.decoding_reqs}
+        for i, req in enumerate(batch.reqs):
+            if req.finished():
+                continue
+            if req.is_chunked > 0:  # a middle chunk: its token is not a real sample
+                req.is_chunked -= 1
+                if req.to_abort is not None:
+                    self._abort_chunked(req)
+                continue
+            self.append_token(req, result, i)
+            if req.finished():
+                self.finish_req(req)
+            elif is_prefill and id(req) not in decoding:
+                self.tree_cache.cache_unfinished_req(req)
+        if not is_prefill:
+            self.log_decode_stats()
+        self.out.flush()
+
+    def append_token(self, req: Req, result: BatchResult, i: int) -> None:
+        token = result.next_token_ids[i]
+        req.output_ids.append(token)
+        self.num_generated_tokens += 1
+        if not req.times.first_token:
+            req.times.first_token = time.monotonic()
+        if req.return_logprob and result.sample.logprobs is not None:
+            req.output_logprobs.append(float(result.sample.logprobs[i]))
+            if result.sample.top_logprobs is not None:
+                req.output_top_logprobs.append(result.sample.top_logprobs[i])
+        check_finished(req, token, self.tokenizer)
+        if req.to_abort is not None and not req.finished():
+            req.abort(req.to_abort)
+        self.out.stream_token(req)
+
+    def _abort_chunked(self, req: Req) -> None:
+        if self.chunked_req is req:
+            self.chunked_req = None
+        req.abort(req.to_abort)
+        self.finish_req(req)
+
+    def finish_req(self, req: Req, release: bool = True) -> None:
+        """Hand the request's KV to the prefix cache (or free it) and send its last output."""
+        if release and req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req)
+        req.times.finished = time.monotonic()
+        self.reqs_by_rid.pop(req.rid, None)
+        self.out.finish(req)
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def step(self, msgs: list[SchedulerInput]) -> bool:
+        """One iteration of the loop; returns whether a batch ran."""
+        self.process_input_requests(msgs)
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
+        self.last_batch = batch
+        self.out.flush()
+        return batch is not None
+
+    def is_idle(self) -> bool:
+        return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and (
+            self.last_batch is None)
+
+    # -- observability ---------------------------------------------------------------------------------------------
+    def token_usage(self) -> float:
+        total = self.runner.max_total_num_tokens
+        used = total - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return used / total
+
+    def get_load(self) -> QueueLoad:
+        return QueueLoad(
+            dp_rank=self.dp_rank,
+            running=len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
+            waiting=len(self.waiting_queue),
+            free_kv_pages=self.allocator.available_size() // self.page_size,
+            total_kv_pages=self.runner.max_total_num_tokens // self.page_size,
+            free_req_slots=self.req_to_token_pool.available_size(),
+            total_req_slots=self.args.max_running_requests,
+            token_usage=self.token_usage(),
+            evictable_tokens=self.tree_cache.evictable_size(),
+        )
+
+    def log_prefill_stats(self, adder: PrefillAdder, running_bs: int) -> None:
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            len(adder.can_run_list), adder.log_input_tokens, adder.log_hit_tokens, self.token_usage(),
+            running_bs, len(self.waiting_queue),
+        )
+
+    def log_decode_stats(self) -> None:
+        if self.forward_ct % self.args.decode_log_interval:
+            return
+        now = time.monotonic()
+        gap, self.last_decode_log = now - self.last_decode_log, now
+        tokens, self.num_generated_tokens = self.num_generated_tokens, 0
+        num_used = self.runner.max_total_num_tokens - self.allocator.available_size()
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "#queue-req: %d",
+            len(self.running_batch.reqs), num_used, self.token_usage(), tokens / max(gap, 1e-6),
+            len(self.waiting_queue),
+        )
+
+
+def finish_reason_name(req: Req) -> str | None:
+    return None if req.finished_reason is None else req.finished_reason.reason.value
+
+
+__all__ = ["FinishReason", "Scheduler", "finish_reason_name"]

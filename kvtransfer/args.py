@@ -1,0 +1,176 @@
+"""What a scheduler rank registers for KV transfer (``KVArgs``), its serializable summary (``KVLayout``), the
+transfer config, and the compatibility check run at the first handshake between a decode and a prefill rank.
+
+Buffer layout (one K and one V tensor per layer, see ``common/mem/kv_pool.py``)::
+
+    k_buffers[layer]: [ page 0 (pad) | page 1 | ... ]   page p = slots [p*page_size, (p+1)*page_size)
+                      = bytes [p*item_len, (p+1)*item_len) of the layer's buffer
+    one slot: [kv_heads, head_dim]   (kv_heads = this TP rank's share of total_kv_heads)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+import torch
+
+from kvtransfer import env
+
+if TYPE_CHECKING:
+    from common.mem.kv_pool import MHATokenToKVPool
+
+Mode = Literal["prefill", "decode"]
+
+
+class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """A rank's KV geometry and model identity, sent at the handshake (the compatibility fingerprint)."""
+
+    model: dict[str, str]  # KVTransferConfig.fingerprint: architecture, weights hash, ...
+    num_layers: int
+    total_kv_heads: int  # heads of the whole model
+    kv_heads: int  # heads held by this rank
+    head_dim: int
+    dtype: str  # e.g. "torch.bfloat16"
+    page_size: int
+    item_len: int  # bytes of one page of one layer's K (or V)
+    num_pages: int  # pages per layer buffer, padding page 0 included
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+
+
+@dataclass(frozen=True, eq=False)
+class KVArgs:
+    """One rank's KV buffers and geometry. Tensors may be CPU or CUDA; every buffer is contiguous and equal-sized."""
+
+    k_buffers: tuple[torch.Tensor, ...]
+    v_buffers: tuple[torch.Tensor, ...]
+    page_size: int
+    total_kv_heads: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    num_metadata_slots: int = 256
+    layer_ids: tuple[int, ...] = ()  # global layer ids; default 0..num_layers-1
+
+    def __post_init__(self) -> None:
+        if not self.k_buffers or len(self.k_buffers) != len(self.v_buffers):
+            raise ValueError("KVArgs needs one K and one V buffer per layer")
+        first = self.k_buffers[0]
+        for buf in (*self.k_buffers, *self.v_buffers):
+            if buf.shape != first.shape or buf.dtype != first.dtype or not buf.is_contiguous():
+                raise ValueError("all KV buffers must be contiguous with one shape and dtype")
+        if first.dim() != 3 or first.shape[0] % self.page_size:
+            raise ValueError(f"KV buffers must be [num_slots, kv_heads, head_dim] with page_size | num_slots, got "
+                             f"{tuple(first.shape)} and page_size={self.page_size}")
+        if not self.layer_ids:
+            object.__setattr__(self, "layer_ids", tuple(range(len(self.k_buffers))))
+
+    @classmethod
+    def from_pool(cls, pool: MHATokenToKVPool, *, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0,
+                  total_kv_heads: int | None = None, num_metadata_slots: int = 256) -> KVArgs:
+        """KVArgs over an ``MHATokenToKVPool`` (its tensors are shared, not copied)."""
+        return cls(k_buffers=tuple(pool.k_buffer), v_buffers=tuple(pool.v_buffer), page_size=pool.page_size,
+                   total_kv_heads=total_kv_heads or pool.num_kv_heads * tp_size, tp_rank=tp_rank,
+                   tp_size=tp_size, dp_rank=dp_rank, num_metadata_slots=num_metadata_slots)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_buffers)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_buffers[0].shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_buffers[0].shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_buffers[0].dtype
+
+    @property
+    def num_pages(self) -> int:
+        """Pages per layer buffer, including the padding page 0."""
+        return self.k_buffers[0].shape[0] // self.page_size
+
+    @property
+    def item_len(self) -> int:
+        """Bytes of one page of one layer's K (or V) buffer."""
+        return self.page_size * self.kv_heads * self.head_dim * self.k_buffers[0].element_size()
+
+    def layout(self, model: Mapping[str, str]) -> KVLayout:
+        return KVLayout(model=dict(model), num_layers=self.num_layers, total_kv_heads=self.total_kv_heads,
+                        kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=str(self.dtype),
+                        page_size=self.page_size, item_len=self.item_len, num_pages=self.num_pages,
+                        tp_rank=self.tp_rank, tp_size=self.tp_size, dp_rank=self.dp_rank)
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """KV transfer settings of one process; per-rank variants via ``dataclasses.replace``.
+
+    Deadlines (seconds) bound every non-final state: Bootstrapping (resolve + handshake, or waiting for the decode's
+    TransferInfo), WaitingForInput (waiting for the first chunk), Transferring (longest gap without progress).
+    A peer that sends nothing for ``heartbeat_interval_s * heartbeat_misses`` is declared dead.
+    """
+
+    backend: str = "tcp"
+    cluster_token: str = field(default_factory=env.cluster_token, repr=False)
+    host: str = "127.0.0.1"
+    control_port: int = 0  # 0 = ephemeral; fixed ports let a restarted rank come back on the same address
+    bootstrap_timeout_s: float = 30.0
+    waiting_timeout_s: float = 60.0
+    transfer_timeout_s: float = 60.0
+    abort_ack_timeout_s: float = 5.0  # after an abort, how long to wait for the peer's ack before reusing pages
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = 5
+    tombstone_s: float = 120.0  # how long a finished room's id is remembered (late messages are dropped)
+    fingerprint: Mapping[str, str] = field(default_factory=dict)  # model identity, see model_fingerprint()
+    backend_options: Mapping[str, str] = field(default_factory=dict)  # backend-specific, e.g. {"ucx_tls": ...}
+
+    def __post_init__(self) -> None:
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "abort_ack_timeout_s",
+                     "heartbeat_interval_s", "tombstone_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVTransferConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_misses < 1:
+            raise ValueError(f"KVTransferConfig.heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+
+    @property
+    def peer_dead_after_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_misses
+
+
+def model_fingerprint(architecture: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      weight_shapes: Mapping[str, Sequence[int]]) -> dict[str, str]:
+    """The model identity both sides must share; ``weights`` hashes the sorted (name, shape) list."""
+    digest = hashlib.sha256()
+    for name in sorted(weight_shapes):
+        digest.update(f"{name}:{tuple(weight_shapes[name])}\n".encode())
+    return {"architecture": architecture, "num_layers": str(num_layers), "num_kv_heads": str(num_kv_heads),
+            "head_dim": str(head_dim), "dtype": str(dtype), "weights": digest.hexdigest()[:16]}
+
+
+def compat_problems(prefill: KVLayout, decode: KVLayout) -> list[str]:
+    """Every mismatch that makes a transfer between these ranks wrong, each naming both values; [] if compatible."""
+    problems = []
+    for key in sorted(set(prefill.model) | set(decode.model)):
+        p, d = prefill.model.get(key, "<unset>"), decode.model.get(key, "<unset>")
+        if p != d:
+            problems.append(f"model {key}: prefill={p} decode={d}")
+    for name in ("num_layers", "total_kv_heads", "head_dim", "dtype", "page_size"):
+        p, d = getattr(prefill, name), getattr(decode, name)
+        if p != d:
+            problems.append(f"{name}: prefill={p} decode={d}")
+    for side, layout in (("prefill", prefill), ("decode", decode)):
+        heads, tp = layout.total_kv_heads, layout.tp_size
+        if (heads >= tp and heads % tp) or (heads < tp and tp % heads):
+            problems.append(f"tp_size: {side}={tp} does not divide total_kv_heads={heads} "
+                            f"(prefill tp_size={prefill.tp_size}, decode tp_size={decode.tp_size})")
+    return problems

@@ -1,0 +1,188 @@
+"""The Bootstrap gRPC service (``pdcluster.v1.Bootstrap``): a registry of one prefill node's ranks.
+
+``BootstrapServer`` runs inside the prefill front's ``grpc.aio`` server (``add_to_server``) or standalone
+(``start``/``stop``, its own thread and event loop). ``BootstrapClient`` is the blocking client the managers use
+from their background threads (never from the scheduler thread).
+
+Invariant: the table holds at most one entry per (dp_rank, tp_rank); a re-registration replaces it, so
+"ready" (all dp_size * tp_size ranks present) can not be reached with a restarted rank counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from pdcluster.v1 import bootstrap_pb2 as pb
+from pdcluster.v1 import bootstrap_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    control_addr: str
+    instance_id: str
+    epoch: int
+
+
+class BootstrapError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RankTable:
+    """The registered prefill ranks of one node. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sizes: tuple[int, int] | None = None  # (dp_size, tp_size), fixed by the first registration
+        self._ranks: dict[tuple[int, int], RankEntry] = {}
+
+    def register(self, dp_rank: int, tp_rank: int, dp_size: int, tp_size: int, entry: RankEntry) -> tuple[int, int]:
+        """Add or replace one rank; returns (registered, expected)."""
+        if not (0 <= dp_rank < dp_size and 0 <= tp_rank < tp_size):
+            raise BootstrapError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"rank dp={dp_rank} tp={tp_rank} outside dp_size={dp_size} tp_size={tp_size}")
+        with self._lock:
+            if self._sizes not in (None, (dp_size, tp_size)):
+                raise BootstrapError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"sizes dp_size={dp_size} tp_size={tp_size} disagree with registered ranks' "
+                                     f"dp_size={self._sizes[0]} tp_size={self._sizes[1]}")
+            self._sizes = (dp_size, tp_size)
+            old = self._ranks.get((dp_rank, tp_rank))
+            if old is not None and old.epoch > entry.epoch:
+                raise BootstrapError(grpc.StatusCode.FAILED_PRECONDITION,
+                                     f"rank dp={dp_rank} tp={tp_rank} already registered with newer epoch {old.epoch}")
+            self._ranks[(dp_rank, tp_rank)] = entry
+            return len(self._ranks), dp_size * tp_size
+
+    def topology(self) -> tuple[int, int]:
+        with self._lock:
+            if self._sizes is None or len(self._ranks) < self._sizes[0] * self._sizes[1]:
+                have = len(self._ranks)
+                want = "?" if self._sizes is None else self._sizes[0] * self._sizes[1]
+                raise BootstrapError(grpc.StatusCode.UNAVAILABLE, f"prefill not ready: {have}/{want} ranks registered")
+            return self._sizes
+
+    def rank(self, dp_rank: int, tp_rank: int) -> RankEntry:
+        dp_size, tp_size = self.topology()
+        with self._lock:
+            entry = self._ranks.get((dp_rank, tp_rank))
+        if entry is None:
+            raise BootstrapError(grpc.StatusCode.NOT_FOUND,
+                                 f"no prefill rank dp={dp_rank} tp={tp_rank} (dp_size={dp_size}, tp_size={tp_size})")
+        return entry
+
+
+class _Servicer(pb_grpc.BootstrapServicer):
+    """Thin adapter: proto <-> RankTable."""
+
+    def __init__(self, table: RankTable) -> None:
+        self.table = table
+
+    async def RegisterRank(self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext):
+        entry = RankEntry(request.control_addr, request.instance_id, request.epoch)
+        try:
+            registered, expected = self.table.register(request.dp_rank, request.tp_rank, request.dp_size,
+                                                       request.tp_size, entry)
+        except BootstrapError as exc:
+            await context.abort(exc.code, str(exc))
+        log.info("bootstrap: registered prefill rank dp=%d tp=%d at %s (%d/%d)", request.dp_rank, request.tp_rank,
+                 request.control_addr, registered, expected)
+        return pb.RegisterRankResponse(registered=registered, expected=expected)
+
+    async def GetTopology(self, request: pb.GetTopologyRequest, context: grpc.aio.ServicerContext):
+        try:
+            dp_size, tp_size = self.table.topology()
+        except BootstrapError as exc:
+            await context.abort(exc.code, str(exc))
+        return pb.Topology(dp_size=dp_size, tp_size=tp_size)
+
+    async def GetRank(self, request: pb.GetRankRequest, context: grpc.aio.ServicerContext):
+        try:
+            entry = self.table.rank(request.dp_rank, request.tp_rank)
+        except BootstrapError as exc:
+            await context.abort(exc.code, str(exc))
+        return pb.RankInfo(control_addr=entry.control_addr, instance_id=entry.instance_id, epoch=entry.epoch)
+
+
+class BootstrapServer:
+    """The prefill node's rank registry, served over gRPC."""
+
+    def __init__(self) -> None:
+        self.table = RankTable()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Serve ``pdcluster.v1.Bootstrap`` from an existing ``grpc.aio`` server (the prefill front's)."""
+        pb_grpc.add_BootstrapServicer_to_server(_Servicer(self.table), server)
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Standalone: serve on host:port in a background thread; returns the bound port."""
+        ready = threading.Event()
+        bound: list[int] = []
+
+        async def serve() -> None:
+            self._server = grpc.aio.server()
+            self.add_to_server(self._server)
+            bound.append(self._server.add_insecure_port(f"{host}:{port}"))
+            await self._server.start()
+            ready.set()
+            await self._server.wait_for_termination()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(serve())
+
+        self._thread = threading.Thread(target=run, name="kv-bootstrap-server", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError(f"bootstrap server did not start on {host}:{port}")
+        return bound[0]
+
+    def stop(self) -> None:
+        if self._loop is not None and self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace=None), self._loop).result(5)
+        if self._thread is not None:
+            self._thread.join(5)
+        self._thread = self._loop = self._server = None
+
+
+class BootstrapClient:
+    """Blocking client of one prefill node's Bootstrap service ("host:port"). Call from background threads only."""
+
+    def __init__(self, addr: str, rpc_timeout_s: float = 5.0) -> None:
+        self.addr = addr
+        self.rpc_timeout_s = rpc_timeout_s
+        self._channel = grpc.insecure_channel(addr)
+        self._stub = pb_grpc.BootstrapStub(self._channel)
+
+    def register(self, dp_rank: int, tp_rank: int, dp_size: int, tp_size: int, entry: RankEntry) -> None:
+        self._call(self._stub.RegisterRank, pb.RegisterRankRequest(
+            dp_rank=dp_rank, tp_rank=tp_rank, dp_size=dp_size, tp_size=tp_size, control_addr=entry.control_addr,
+            instance_id=entry.instance_id, epoch=entry.epoch))
+
+    def topology(self) -> tuple[int, int]:
+        reply = self._call(self._stub.GetTopology, pb.GetTopologyRequest())
+        return reply.dp_size, reply.tp_size
+
+    def rank(self, dp_rank: int, tp_rank: int) -> RankEntry:
+        reply = self._call(self._stub.GetRank, pb.GetRankRequest(dp_rank=dp_rank, tp_rank=tp_rank))
+        return RankEntry(reply.control_addr, reply.instance_id, reply.epoch)
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise BootstrapError(exc.code(), f"bootstrap {self.addr}: {exc.details() or exc.code().name}") from None
+
+    def close(self) -> None:
+        self._channel.close()

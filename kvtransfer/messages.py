@@ -1,0 +1,105 @@
+"""Control-plane messages between KV managers (ZMQ, msgpack via msgspec; a tagged union, never positional frames).
+
+Every message names its kind (the ``kind`` tag), the protocol ``version`` and the sender's ``(instance_id, epoch)``:
+``instance_id`` is stable for a rank at one address, ``epoch`` is new on every start. A receiver drops messages of
+an epoch older than the one it has handshaked with, and anything but ``Hello`` from a peer it has not accepted.
+
+Flow of one room (D = decode rank, P = prefill rank)::
+
+    D -> P  Hello(token, layout, endpoint)        once per peer epoch; P answers HelloAck(accepted | reason)
+    D -> P  TransferInfo(room, dst_pages, slot)   P's sender: Bootstrapping -> WaitingForInput
+    P -> D  ChunkDone(room, chunk_id, ...)        after the data plane put each chunk in D's pages;
+                                                  the last one carries num_chunks and the MetadataRecord
+    either  Abort(room, reason) -> AbortAck(room) the acker has no transfer of that room in flight any more
+    P -> D  Status(room, Failed, reason)          P failed the room (transfer error, deadline)
+    both    Heartbeat                             every heartbeat_interval_s to every accepted peer
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvtransfer.args import KVLayout
+from kvtransfer.metadata import MetadataRecord
+
+PROTOCOL_VERSION = 1
+
+
+class ControlMessage(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    version: int = PROTOCOL_VERSION
+    instance_id: str  # sender's rank identity, stable across restarts on one address
+    epoch: int  # sender's start time in ns; larger on every restart
+
+
+class Hello(ControlMessage, tag="hello"):
+    """Decode rank introduces itself to a prefill rank (the KV-args registration)."""
+
+    control_addr: str  # where to send replies (the sender's ROUTER)
+    cluster_token: str
+    layout: KVLayout
+    endpoint: dict[str, str]  # the sender's data-plane endpoint (KVBackend.endpoint())
+
+
+class HelloAck(ControlMessage, tag="hello_ack"):
+    """Prefill rank's answer; when refused, ``reason`` says why and nothing else is accepted from that epoch."""
+
+    accepted: bool
+    reason: str = ""
+    layout: KVLayout | None = None
+    endpoint: dict[str, str] = {}
+
+
+class TransferInfo(ControlMessage, tag="transfer_info"):
+    """Where one room's KV goes on one decode rank."""
+
+    room: int
+    dst_pages: list[int]  # destination page numbers, in token order
+    metadata_slot: int
+
+
+class ChunkDone(ControlMessage, tag="chunk_done"):
+    """Chunk ``chunk_id`` of ``room`` is in the destination pages."""
+
+    room: int
+    chunk_id: int
+    num_pages: int
+    num_chunks: int = 0  # set on the last message: the total number of chunks
+    metadata: MetadataRecord | None = None  # set on the last message by the metadata writer
+
+
+class Status(ControlMessage, tag="status"):
+    """The sender's room state changed in a way the peer must know (today: Failed with a reason)."""
+
+    room: int
+    state: int
+    reason: str = ""
+
+
+class Abort(ControlMessage, tag="abort"):
+    room: int
+    reason: str
+
+
+class AbortAck(ControlMessage, tag="abort_ack"):
+    """No transfer of ``room`` is in flight on the acking side; the peer may reuse the room's pages."""
+
+    room: int
+
+
+class Heartbeat(ControlMessage, tag="heartbeat"):
+    pass
+
+
+AnyMessage = Hello | HelloAck | TransferInfo | ChunkDone | Status | Abort | AbortAck | Heartbeat
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(msg: AnyMessage) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> AnyMessage:
+    """Raises msgspec.DecodeError/ValidationError on bytes that are not a known message."""
+    return _decoder.decode(data)
