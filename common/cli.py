@@ -17,6 +17,8 @@ from common.errors import PdclusterError
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "make-model": ("common.cli:add_make_model_args", "common.cli:run_make_model", "build a random HF model offline"),
     "generate": ("common.cli:add_generate_args", "common.cli:run_generate", "generate a completion in-process"),
+    "router": ("router.cli:add_router_args", "router.cli:run_router", "run the router (gRPC + OpenAI HTTP)"),
+    "serve": ("common.config:add_server_args", "common.cli:run_serve", "run one node (colocated, prefill or decode)"),
 }
 
 
@@ -79,6 +81,14 @@ def run_generate(ns: argparse.Namespace) -> int:
     else:
         print(out.text)
     return 0
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from common.server.serve import serve
+
+    return asyncio.run(serve(server_args_from_cli(ns)))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,6 +47,8 @@ class ServerArgs:
     bootstrap_timeout: float = 30.0
     waiting_timeout: float = 60.0
     transfer_timeout: float = 60.0
+    request_timeout: float = 600.0  # upper bound of one request on a node when the client set no deadline
+    drain_timeout: float = 30.0  # SIGTERM: how long in-flight requests may finish before they are aborted
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -60,12 +62,13 @@ class ServerArgs:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be >= 1, got {self.page_size}")
-        if self.chunked_prefill_size != -1:
-            if self.chunked_prefill_size < self.page_size or self.chunked_prefill_size % self.page_size:
-                raise ConfigError(
-                    f"--chunked-prefill-size ({self.chunked_prefill_size}) must be -1 or a positive multiple of "
-                    f"--page-size ({self.page_size})"
-                )
+        if self.chunked_prefill_size != -1 and (
+            self.chunked_prefill_size < self.page_size or self.chunked_prefill_size % self.page_size
+        ):
+            raise ConfigError(
+                f"--chunked-prefill-size ({self.chunked_prefill_size}) must be -1 or a positive multiple of "
+                f"--page-size ({self.page_size})"
+            )
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static <= 0.95:
@@ -113,6 +116,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout)
     g.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout)
     g.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout)
+    g.add_argument("--request-timeout", type=float, default=d.request_timeout)
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout)
     g = parser.add_argument_group("memory and scheduling")
     g.add_argument("--page-size", type=int, default=d.page_size)
     g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)

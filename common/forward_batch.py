@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING, Any
 
 import torch

@@ -87,5 +87,24 @@ class LoadOut(msgspec.Struct, tag=True, kw_only=True):
     load: QueueLoad
 
 
+class RankReady(msgspec.Struct, tag=True, kw_only=True):
+    """A scheduler rank finished loading and serves; or failed to start (``error`` set)."""
+
+    dp_rank: int
+    max_total_tokens: int = 0
+    error: str | None = None
+
+
+class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
+    """Prefill node: the request's KV reached the decode node (or failed: ``error``/``error_code`` set)."""
+
+    rid: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    error_code: str | None = None
+    timing: Timing | None = None
+
+
 SchedulerInput = GenerateReqInput | AbortReq | LoadReq | ShutdownReq
-SchedulerOutput = TokenOut | LoadOut
+SchedulerOutput = TokenOut | LoadOut | RankReady | PrefillDone

@@ -13,10 +13,9 @@ from common.forward_batch import ForwardBatch, ForwardMode
 from common.mem.allocator import TokenToKVPoolAllocator
 from common.mem.kv_pool import MHATokenToKVPool
 from common.mem.req_to_token_pool import ReqToTokenPool
-from common.model.attention import TorchAttentionBackend
 from common.model.config import ModelConfig
 from common.model.loader import load_model
-from common.sampling.sampler import Sampler, SampleOutput, SamplingBatchInfo
+from common.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from common.schedule_batch import ModelWorkerBatch
 
 logger = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(num_pages, args.page_size, self.device)
         self.max_context_len = cfg.context_len
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, cfg.context_len + 8, self.device)
-        self.attn_backend = TorchAttentionBackend()
+        self.attn_backend = self.model.make_attn_backend()
         self.sampler = Sampler(seed=args.seed)
         logger.info(
             "KV cache: %d pages x %d tokens (%.1f MiB), max running requests %d",

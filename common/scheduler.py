@@ -18,7 +18,7 @@ import msgspec
 
 from common.config import ServerArgs
 from common.errors import CapacityError, InvalidRequestError
-from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput, TokenOut
+from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 from common.mem.chunk_cache import ChunkCache
 from common.mem.radix_cache import RadixCache
 from common.model_runner import BatchResult, ModelRunner
@@ -67,12 +67,20 @@ class Scheduler:
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
         self.forward_ct = 0
+        self.num_retracted = 0
         self.num_generated_tokens = 0
         self.last_decode_log = time.monotonic()
 
     # -- construction helpers --------------------------------------------------------------------------------------
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache)
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.runner.max_total_num_tokens
+
+    def close(self) -> None:
+        """Release resources held outside this process (none in colocated mode)."""
 
     @property
     def max_req_len(self) -> int:
@@ -171,6 +179,8 @@ class Scheduler:
         return None
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if self.running_batch.is_empty():
+            self.running_batch.batch_is_full = False  # nothing holds memory for decode; always try the queue
         if (self.running_batch.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
             return None
         running_bs = len(self.running_batch.reqs)
@@ -231,6 +241,7 @@ class Scheduler:
             return
         if not batch.check_decode_mem():
             retracted, self.new_token_ratio = batch.retract_decode()
+            self.num_retracted += len(retracted)
             logger.info(
                 "KV cache is full: retracted %d requests, #running-req: %d, new_token_ratio: %.4f",
                 len(retracted), len(batch.reqs), self.new_token_ratio,
@@ -291,6 +302,7 @@ class Scheduler:
         """Hand the request's KV to the prefix cache (or free it) and send its last output."""
         if release and req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
+            self.running_batch.batch_is_full = False  # memory came back: the queue may fit again
         req.times.finished = time.monotonic()
         self.reqs_by_rid.pop(req.rid, None)
         self.out.finish(req)

@@ -16,7 +16,6 @@ import threading
 from dataclasses import dataclass
 
 import grpc
-
 from pdcluster.v1 import bootstrap_pb2 as pb
 from pdcluster.v1 import bootstrap_pb2_grpc as pb_grpc
 
@@ -120,6 +119,7 @@ class BootstrapServer:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
+        self._stop: asyncio.Event | None = None
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Serve ``pdcluster.v1.Bootstrap`` from an existing ``grpc.aio`` server (the prefill front's)."""
@@ -135,8 +135,10 @@ class BootstrapServer:
             self.add_to_server(self._server)
             bound.append(self._server.add_insecure_port(f"{host}:{port}"))
             await self._server.start()
+            self._stop = asyncio.Event()
             ready.set()
-            await self._server.wait_for_termination()
+            await self._stop.wait()
+            await self._server.stop(grace=None)
 
         def run() -> None:
             self._loop = asyncio.new_event_loop()
@@ -149,11 +151,11 @@ class BootstrapServer:
         return bound[0]
 
     def stop(self) -> None:
-        if self._loop is not None and self._server is not None:
-            asyncio.run_coroutine_threadsafe(self._server.stop(grace=None), self._loop).result(5)
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread is not None:
             self._thread.join(5)
-        self._thread = self._loop = self._server = None
+        self._thread = self._loop = self._server = self._stop = None
 
 
 class BootstrapClient:

@@ -11,6 +11,7 @@ Flow of one room (D = decode rank, P = prefill rank)::
     P -> D  ChunkDone(room, chunk_id, ...)        after the data plane put each chunk in D's pages;
                                                   the last one carries num_chunks and the MetadataRecord
     either  Abort(room, reason) -> AbortAck(room) the acker has no transfer of that room in flight any more
+    D -> P  Status(room, Success)                 D has every chunk and a valid record; P's sender: -> Success
     P -> D  Status(room, Failed, reason)          P failed the room (transfer error, deadline)
     both    Heartbeat                             every heartbeat_interval_s to every accepted peer
 """
@@ -68,7 +69,7 @@ class ChunkDone(ControlMessage, tag="chunk_done"):
 
 
 class Status(ControlMessage, tag="status"):
-    """The sender's room state changed in a way the peer must know (today: Failed with a reason)."""
+    """A room's state changed in a way the peer must know: decode's Success confirmation, prefill's Failed."""
 
     room: int
     state: int

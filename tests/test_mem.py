@@ -175,7 +175,7 @@ def test_radix_page_aligned(ps: int) -> None:
     assert slots is not None
     assert c.insert(key, slots) == 0
     assert c.total_size() == 2 * ps  # the unaligned tail is not cached
-    m = c.match_prefix(key[: ps + 2] + [0])
+    m = c.match_prefix([*key[: ps + 2], 0])
     assert m.device_indices.tolist() == slots[:ps].tolist()
     # A key that diverges inside the second page matches only the first page and splits on the boundary.
     other = [*key[: ps + 1], -1, *key[ps + 2 : 2 * ps]]
@@ -193,9 +193,9 @@ def test_lock_ref_protects_and_lru_order() -> None:
     ps = 4
     c = make_cache(ps, num_pages=16)
     a = c.token_to_kv_pool_allocator
-    sa = insert_fresh(c, [1] * 8)
+    insert_fresh(c, [1] * 8)
     sb = insert_fresh(c, [2] * 8)
-    sc = insert_fresh(c, [3] * 4)
+    insert_fresh(c, [3] * 4)
     assert a.num_free_pages == 16 - 5
     node_b = c.match_prefix([2] * 8).last_node  # b is now the most recently used
     assert c.inc_lock_ref(node_b) == -8
@@ -212,7 +212,6 @@ def test_lock_ref_protects_and_lru_order() -> None:
     with pytest.raises(RuntimeError):
         c.dec_lock_ref(node_b)
     assert c.evict(8) == 8 and a.num_free_pages == 16 and c.total_size() == 0
-    del sa, sc
 
 
 def test_evict_frees_exactly_leaf_pages() -> None:
@@ -296,7 +295,9 @@ class Sim:
         n_in = len(req.origin_input_ids)
         if start < n_in:  # prefill
             end = min(n_in, start + chunk)
-            slots = self._alloc(lambda: self.alloc.alloc_extend([start], [end], [last]), end - start + self.ps)
+            slots = self._alloc(
+                lambda: self.alloc.alloc_extend([start], [end], [last]), end - start + self.ps
+            )
             if slots is None:
                 return False
             self._commit(req, start, slots)
@@ -422,7 +423,9 @@ def test_random_lifecycles_keep_pages_accounted(ps: int, seed: int, radix: bool)
         action = rng.random()
         if action < 0.25 and len(sim.live) < sim.r2t.size:
             base = rng.choice(bases)
-            ids = base[: rng.randrange(len(base) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(1, 40))]
+            ids = base[: rng.randrange(len(base) + 1)] + [
+                rng.randrange(50) for _ in range(rng.randrange(1, 40))
+            ]
             sim.admit(f"r{next_id}", ids)
             next_id += 1
         elif action < 0.85 and sim.live:

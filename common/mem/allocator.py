@@ -31,7 +31,8 @@ class TokenToKVPoolAllocator:
         self.page_size = page_size
         self.device = torch.device(device)
         self._free_pages = torch.empty(0, dtype=torch.int64, device=self.device)
-        # Freed pages are appended here and merged (sorted) into _free_pages lazily, when an alloc needs them.
+        # Freed pages are queued here and appended to _free_pages lazily, when an alloc needs them: freeing
+        # never copies the (large) free stack.
         self._released: list[torch.Tensor] = []
         self._num_released = 0
         self._is_free = torch.ones(num_pages + 1, dtype=torch.bool, device=self.device)
@@ -160,7 +161,9 @@ class TokenToKVPoolAllocator:
 
     def _merge(self) -> None:
         if self._released:
-            self._free_pages = torch.sort(torch.cat([self._free_pages, *self._released])).values
+            # NOTE: no global sort (O(n log n) on every merge); each released batch is sorted (torch.unique),
+            # so a request's pages come back as ascending runs, which keeps KV transfers coalescable.
+            self._free_pages = torch.cat([self._free_pages, *self._released])
             self._released, self._num_released = [], 0
 
     def _take(self, n: int) -> torch.Tensor | None:

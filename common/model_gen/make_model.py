@@ -32,7 +32,7 @@ from common.model_gen.tokenizer import EOS, IM_END, write_tokenizer_files
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 MIN_MEDIAN_MARGIN = 0.05  # median top-1 minus top-2 logit over the check prompts; fp32 noise is ~1e-5
-_CHECK_PROMPTS = (
+CHECK_PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
     "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
     "1234 + 5678 = 6912; the answer is",
@@ -89,7 +89,9 @@ def default_model_path(cache_dir: Path | None = None) -> Path:
     private temp folder and renames it into place, so concurrent callers never see a partial folder.
     """
     if cache_dir is None:
-        cache_dir = Path(os.environ.get("PDCLUSTER_CACHE_DIR", Path.home() / ".cache" / "pdcluster" / "models"))
+        cache_dir = Path(
+            os.environ.get("PDCLUSTER_CACHE_DIR", Path.home() / ".cache" / "pdcluster" / "models")
+        )
     final = Path(cache_dir) / "llama-small-s0"
     if (final / "model.safetensors").exists():
         return final
@@ -135,21 +137,29 @@ def _hf_config(arch: str, size: str, spec: SizeSpec, tok_ids: dict[str, int]) ->
         config.architectures = ["LlamaForCausalLM"]
     elif arch == "qwen2":
         rope = {"rope_type": "default", "rope_theta": 1000000.0}
-        config = Qwen2Config(**common, rope_parameters=rope, tie_word_embeddings=True, use_sliding_window=False)
+        config = Qwen2Config(
+            **common, rope_parameters=rope, tie_word_embeddings=True, use_sliding_window=False
+        )
         config.architectures = ["Qwen2ForCausalLM"]
     elif arch == "qwen3":
         # head_dim deliberately != hidden / heads on tiny, so the explicit head_dim path is exercised.
         head_dim = 48 if size == "tiny" else spec.hidden // spec.heads
         rope = {"rope_type": "default", "rope_theta": 1000000.0}
         config = Qwen3Config(
-            **common, head_dim=head_dim, rope_parameters=rope, tie_word_embeddings=False, use_sliding_window=False
+            **common,
+            head_dim=head_dim,
+            rope_parameters=rope,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
         )
         config.architectures = ["Qwen3ForCausalLM"]
     else:
         # tiny: a window shorter than test prompts, so sliding-window masking is exercised.
         window = 48 if size == "tiny" else spec.max_pos
         rope = {"rope_type": "default", "rope_theta": 10000.0}
-        config = MistralConfig(**common, rope_parameters=rope, sliding_window=window, tie_word_embeddings=False)
+        config = MistralConfig(
+            **common, rope_parameters=rope, sliding_window=window, tie_word_embeddings=False
+        )
         config.architectures = ["MistralForCausalLM"]
     return config
 
@@ -158,7 +168,9 @@ def _init_weights(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor
     """Random fp32 weights by HF name. Norm weights are non-unit and biases nonzero so a loader that drops them
     fails the logits comparison."""
     with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        shapes = {
+            name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()
+        }
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     gen = torch.Generator().manual_seed(seed)
@@ -188,7 +200,7 @@ def _ensure_margin(
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(out_dir / "tokenizer.json"))
-    prompts = [tok(p)["input_ids"] for p in _CHECK_PROMPTS]
+    prompts = [tok(p)["input_ids"] for p in CHECK_PROMPTS]
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     for _ in range(6):
         margin = median_greedy_margin(config, weights, prompts)

@@ -19,9 +19,7 @@ SPECIAL_TOKENS = (BOS, EOS, PAD, IM_START, IM_END)  # ids 0..4, in this order
 
 # Qwen2's split pattern (digits one by one). transformers' AutoTokenizer rebuilds qwen2 tokenizers with this pattern
 # whatever tokenizer.json says, so using it for every arch keeps tokenizer.json and AutoTokenizer in agreement.
-PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -74,7 +72,12 @@ def write_tokenizer_files(out_dir: Path, vocab_size: int, max_len: int) -> dict[
         "model_max_length": max_len,
         "chat_template": CHAT_TEMPLATE,
     }
-    special_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "additional_special_tokens": [IM_START, IM_END]}
+    special_map = {
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "additional_special_tokens": [IM_START, IM_END],
+    }
     _write_json(out_dir / "tokenizer_config.json", tok_config)
     _write_json(out_dir / "special_tokens_map.json", special_map)
     return {**ids, "vocab_size": tok.get_vocab_size()}

@@ -48,7 +48,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         """Raise ``InvalidRequestError`` naming the first invalid field and the accepted range."""
         for name in ("max_new_tokens", "min_new_tokens", "top_k"):
             _require_int(name, getattr(self, name))
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
             _require_number(name, getattr(self, name))
 
         if self.max_new_tokens < 0:
@@ -86,7 +93,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             if not s:
                 _fail("stop must not contain an empty string (it would match immediately); remove it")
             if len(s.encode("utf-8")) > MAX_STOP_STRING_BYTES:
-                _fail(f"stop strings must be at most {MAX_STOP_STRING_BYTES} bytes in UTF-8, got {s[:32]!r}...")
+                _fail(
+                    f"stop strings must be at most {MAX_STOP_STRING_BYTES} bytes in UTF-8, got {s[:32]!r}..."
+                )
         bound = "vocab_size" if vocab_size is None else f"vocab_size={vocab_size}"
         for t in self.stop_token_ids:
             _require_int("stop_token_ids", t)

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from common.req import Req
 
 
-def _row_mask(rows: list[list[int]], vocab_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _row_mask(
+    rows: list[list[int]], vocab_size: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """``[len(rows), vocab]`` tensor with ``out[i, t]`` = how often ``t`` occurs in ``rows[i]`` (0/1 for bool)."""
     out = torch.zeros(len(rows), vocab_size, dtype=dtype, device=device)
     lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
@@ -54,7 +56,9 @@ class RepetitionPenalty:
     @classmethod
     def build(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> Self:
         values = [float(r.sampling_params.repetition_penalty) for r in reqs]
-        rows = [r.origin_input_ids + r.output_ids if v != 1.0 else [] for r, v in zip(reqs, values, strict=True)]
+        rows = [
+            r.origin_input_ids + r.output_ids if v != 1.0 else [] for r, v in zip(reqs, values, strict=True)
+        ]
         return cls(values, _row_mask(rows, vocab_size, device, torch.bool))
 
     @classmethod

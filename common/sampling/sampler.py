@@ -154,7 +154,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         if logits.shape != (len(info), info.vocab_size):
-            raise ValueError(f"logits shape {tuple(logits.shape)} != (bs={len(info)}, vocab={info.vocab_size})")
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} != (bs={len(info)}, vocab={info.vocab_size})"
+            )
         logits = logits.float()
         logprobs, top = self._logprobs(logits, info) if info.need_logprobs else (None, None)
         scores = info.penalties.apply(logits) if info.penalties.is_active else logits

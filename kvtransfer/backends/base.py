@@ -2,8 +2,9 @@
 
 How a backend is driven
 -----------------------
-* One backend instance per ``KVManager`` (one per scheduler rank), built as ``Cls(args, config, mode, events)``
-  through ``kvtransfer.registry``. ``mode`` is "prefill" (moves bytes out) or "decode" (bytes land in its buffers).
+* One backend instance per ``KVManager`` (one per scheduler rank), built as ``Cls(args, config, mode, events,
+  local)`` through ``kvtransfer.registry``. ``mode`` is "prefill" (moves bytes out) or "decode" (bytes land in its
+  buffers); ``local`` is this rank's own ``PeerKey`` (what the peers know it as, e.g. to name a data connection).
 * ``endpoint()`` is called once after construction; the returned strings travel to peers inside the control-plane
   handshake (``Hello``/``HelloAck``) and come back to the peer's backend as ``PeerInfo.endpoint``.
 * ``add_peer(peer)`` is called on both sides when a handshake with a peer epoch succeeds, before any job for it;
@@ -17,6 +18,7 @@ How a backend is driven
 * ``cancel_room(room)``: queued jobs of that room finish with an error without moving; jobs already moving
   finish normally. The manager sends ``AbortAck`` once every job of the room is done, which is what lets decode
   reuse the pages: after the last ``on_job_done`` of a room nothing may write to its destination pages.
+* A job may have no runs (an empty last chunk); it completes in order like any other.
 * Decode side: ``submit`` is never called. A two-sided backend receives what the prefill peer sends and writes
   it into ``args`` buffers at the pages and heads the job describes (it may trust only pages in
   [1, num_pages) and heads in [0, kv_heads)); a one-sided backend exposes its buffers through ``endpoint()``.
@@ -76,8 +78,10 @@ class BackendEvents(Protocol):
 class KVBackend(ABC):
     """Moves KV pages between one prefill rank and its decode peers. See the module docstring for the contract."""
 
-    def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents) -> None:
+    def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
+                 local: PeerKey) -> None:
         self.args = args
+        self.local = local
         self.config = config
         self.mode = mode
         self.events = events

@@ -1,0 +1,104 @@
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral) over the paged KV pool.
+
+Feature flags come from ``ModelConfig``: qkv_bias / o_bias (Qwen2), qk_norm (Qwen3), tie_word_embeddings,
+sliding_window (Mistral, in the attention backend), RoPE scaling (in ``RotaryEmbedding``).
+Parameter names are HF's except the fused ``qkv_proj`` (rows: q | k | v) and ``gate_up_proj`` (rows: gate | up).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.forward_batch import ForwardBatch
+from common.model.attention import TorchAttentionBackend
+from common.model.config import ModelConfig
+from common.model.layers import Embedding, GatedMLP, Linear, RMSNorm
+from common.model.rope import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias, dtype, device)
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(fb.attn_backend.forward(q, k, v, self.layer_id, fb))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, dtype, device)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, fb)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.context_len).to(device)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(fb.input_ids)
+        cos, sin = self.rotary.cos_sin(fb.positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, fb)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, device)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        )
+
+    def make_attn_backend(self) -> TorchAttentionBackend:
+        cfg = self.config
+        return TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]. Writes every layer's K/V of the new tokens to
+        ``fb.kv_pool`` at ``fb.out_cache_loc``. Builds ``fb.attn_metadata`` first if the runner has not."""
+        if fb.attn_metadata is None:
+            fb.attn_backend.init_forward_metadata(fb)
+        return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [n, vocab] for hidden states [n, hidden] (select the rows you need first)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,188 @@
+"""The front process of a node: the gRPC ``pdcluster.v1.Worker`` service over the node's scheduler ranks.
+
+``WorkerServicer`` serves colocated mode (``Generate``) and the RPCs every role shares (``Abort``, ``GetLoad``,
+``GetServerInfo``). The prefill and decode nodes subclass it to add ``Prefill`` / ``Decode``. Servicer methods
+convert protobuf to internal messages and delegate; errors become gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from common.config import ServerArgs
+from common.errors import InvalidRequestError
+from common.io_struct import AbortReq, GenerateReqInput, TokenOut
+from common.model.config import ModelConfig
+from common.server.convert import request_from_proto, token_out_to_proto
+from common.server.ranks import RankClient
+from pdcluster.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+STATUS = {
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "CANCELLED": grpc.StatusCode.CANCELLED,
+    "INTERNAL": grpc.StatusCode.INTERNAL,
+}
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, args: ServerArgs, model_path: str, model_config: ModelConfig, ranks: RankClient) -> None:
+        self.args = args
+        self.model_path = model_path
+        self.model_config = model_config
+        self.ranks = ranks
+        self.draining = False
+
+    # -- helpers shared by the roles -------------------------------------------------------------------------------
+    async def fail(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
+        await context.abort(STATUS.get(code, grpc.StatusCode.UNKNOWN), message)
+
+    def check_rank(self, rank: int | None, name: str) -> int:
+        if rank is None:
+            if self.args.dp_size > 1 and name != "dp_rank":
+                raise InvalidRequestError(f"{name} is required: this node runs {self.args.dp_size} DP ranks")
+            return self.ranks.least_loaded_rank() if rank is None else rank
+        if not 0 <= rank < self.args.dp_size:
+            raise InvalidRequestError(f"{name} {rank} is out of range: this node has DP ranks 0..{self.args.dp_size - 1}")
+        return rank
+
+    def check_role(self, rpc: str, mode: str) -> None:
+        if self.args.disaggregation_mode != mode:
+            raise InvalidRequestError(
+                f"{rpc} is not served here: this node runs in disaggregation mode {self.args.disaggregation_mode!r}; "
+                f"send {rpc} to a {mode!r} node"
+            )
+        if self.draining:
+            raise _Unavailable("node is draining (shutting down); retry on another node")
+
+    def timeout(self, context: grpc.aio.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        return self.args.request_timeout if remaining is None else min(remaining, self.args.request_timeout)
+
+    async def run_request(
+        self, msg: GenerateReqInput, rank: int, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """Send one request to its rank and yield its outputs until the final one; abort it if the caller goes."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        if msg.rid in self.ranks.waiters:
+            raise InvalidRequestError(f"request id {msg.rid!r} is already in flight on this node")
+        self.ranks.register(msg.rid, rank, queue.put_nowait)
+        deadline = asyncio.get_running_loop().time() + self.timeout(context)
+        finished = False
+        try:
+            self.ranks.send(rank, msg)
+            while not finished:
+                left = deadline - asyncio.get_running_loop().time()
+                try:
+                    out = await asyncio.wait_for(queue.get(), max(left, 0.0))
+                except TimeoutError:
+                    raise _Deadline(f"request {msg.rid} did not finish within {self.timeout(context):.0f} s") from None
+                finished = getattr(out, "finish_reason", None) is not None or not isinstance(out, TokenOut)
+                yield out
+        finally:
+            if not finished:
+                self.ranks.send(rank, AbortReq(rid=msg.rid, reason="client cancelled or deadline passed"))
+            self.ranks.unregister(msg.rid)
+
+    async def guarded(self, context: grpc.aio.ServicerContext, agen: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Map typed errors raised while serving to gRPC status codes."""
+        try:
+            async for item in agen:
+                yield item
+        except InvalidRequestError as e:
+            await self.fail(context, "INVALID_ARGUMENT", str(e))
+        except _Unavailable as e:
+            await self.fail(context, "UNAVAILABLE", str(e))
+        except _Deadline as e:
+            await self.fail(context, "DEADLINE_EXCEEDED", str(e))
+
+    async def stream_tokens(
+        self, msg: GenerateReqInput, rank: int, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        async for out in self.run_request(msg, rank, context):
+            if out.error_code is not None:
+                await self.fail(context, out.error_code, out.error or "request failed")
+            yield token_out_to_proto(out)
+
+    # -- RPCs ------------------------------------------------------------------------------------------------------
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[
+            worker_pb2.GenerateResponse]:
+        async def body() -> AsyncIterator[worker_pb2.GenerateResponse]:
+            self.check_role("Generate", "null")
+            msg = request_from_proto(request)
+            rank = self.check_rank(request.dp_rank if request.HasField("dp_rank") else None, "dp_rank")
+            async for resp in self.stream_tokens(msg, rank, context):
+                yield resp
+
+        async for resp in self.guarded(context, body()):
+            yield resp
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> Any:
+        await self.fail(context, "INVALID_ARGUMENT", self._wrong_role("Prefill", "prefill"))
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
+        await self.fail(context, "INVALID_ARGUMENT", self._wrong_role("Decode", "decode"))
+
+    def _wrong_role(self, rpc: str, mode: str) -> str:
+        return (f"{rpc} is not served here: this node runs in disaggregation mode {self.args.disaggregation_mode!r}; "
+                f"send {rpc} to a {mode!r} node")
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
+        rank = self.ranks.rid_rank.get(request.rid)
+        if rank is not None:
+            self.ranks.send(rank, AbortReq(rid=request.rid, reason="aborted through Worker.Abort"))
+        return worker_pb2.AbortResponse(found=rank is not None)
+
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            loads = await self.ranks.get_load()
+        except TimeoutError:
+            await self.fail(context, "UNAVAILABLE", "scheduler ranks did not report their load in time")
+        return worker_pb2.GetLoadResponse(
+            page_size=self.args.page_size,
+            ranks=[
+                worker_pb2.RankLoad(
+                    dp_rank=q.dp_rank, running=q.running, waiting=q.waiting, bootstrap=q.bootstrap,
+                    inflight=q.inflight, prealloc=q.prealloc, transfer=q.transfer, free_kv_pages=q.free_kv_pages,
+                    total_kv_pages=q.total_kv_pages, free_req_slots=q.free_req_slots,
+                    total_req_slots=q.total_req_slots, token_usage=q.token_usage, evictable_tokens=q.evictable_tokens,
+                )
+                for q in loads
+            ],
+        )
+
+    async def GetServerInfo(self, request: worker_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> Any:
+        cfg = self.model_config
+        return worker_pb2.ServerInfo(
+            mode=self.args.disaggregation_mode,
+            model_path=self.model_path,
+            served_model_name=Path(self.model_path).name,
+            model_fingerprint=json.dumps(cfg.fingerprint(), sort_keys=True),
+            page_size=self.args.page_size,
+            tp_size=self.args.tp_size,
+            dp_size=self.args.dp_size,
+            bootstrap_port=self.args.disaggregation_bootstrap_port if self.args.disaggregation_mode == "prefill" else 0,
+            context_len=cfg.context_len,
+            vocab_size=cfg.vocab_size,
+            kv_transfer_backend=self.args.kv_transfer_backend if self.args.is_disaggregated else "",
+            max_total_tokens=self.ranks.max_total_tokens,
+        )
+
+
+class _Unavailable(Exception):
+    pass
+
+
+class _Deadline(Exception):
+    pass

@@ -1,0 +1,137 @@
+"""``pdcluster serve``: run one node (front process + DP scheduler ranks) until SIGINT/SIGTERM.
+
+On SIGTERM the node drains: health turns NOT_SERVING, new requests get UNAVAILABLE, in-flight requests get
+``--drain-timeout`` seconds to finish, then the ranks stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from common.config import ServerArgs
+from common.model.config import ModelConfig
+from common.server.front import WorkerServicer
+from common.server.ranks import RankClient
+from common.tokenizer import resolve_model_path
+from pdcluster.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """What a node role plugs into the shared front: its scheduler class and servicer class."""
+
+    scheduler_ref: str  # "module:Class" built inside each rank process
+    servicer_ref: str  # "module:Class", a WorkerServicer subclass
+    extra_services: str | None = None  # "module:function(server, args, servicer) -> awaitable cleanup", optional
+
+
+ROLES: dict[str, RoleSpec] = {
+    "null": RoleSpec("common.scheduler:Scheduler", "common.server.front:WorkerServicer"),
+    "prefill": RoleSpec(
+        "prefill_node.scheduler:PrefillScheduler", "prefill_node.servicer:PrefillServicer",
+        "prefill_node.servicer:add_bootstrap_service",
+    ),
+    "decode": RoleSpec("decode_node.scheduler:DecodeScheduler", "decode_node.servicer:DecodeServicer"),
+}
+
+
+def _load(ref: str) -> Any:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class NodeServer:
+    """A running node. ``start`` returns when every rank is ready and the gRPC port serves."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.role = ROLES[args.disaggregation_mode]
+        self.model_path = str(resolve_model_path(args.model_path))
+        self.args = args.replace(model_path=self.model_path)
+        self.model_config = ModelConfig.from_path(self.model_path)
+        self.ranks = RankClient(self.args, self.model_path, self.role.scheduler_ref)
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.servicer: WorkerServicer | None = None
+        self._cleanups: list[Callable[[], Any]] = []
+        self.port = args.port
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        servicer_cls = _load(self.role.servicer_ref)
+        self.servicer = servicer_cls(self.args, self.model_path, self.model_config, self.ranks)
+        if self.role.extra_services:
+            cleanup = await _load(self.role.extra_services)(self.args, self.servicer)
+            if cleanup is not None:
+                self._cleanups.append(cleanup)
+        await self.ranks.start()
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name, reflection.SERVICE_NAME,
+                 health.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{self.args.host}:{self.args.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind the Worker gRPC port {self.args.host}:{self.args.port}")
+        await self.server.start()
+        if self.args.metrics_port is not None:
+            start_http_server(self.args.metrics_port, addr=self.args.host)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("pdcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+        logger.info(
+            "node ready: mode=%s grpc=%s:%d dp=%d model=%s", self.args.disaggregation_mode, self.args.host,
+            self.port, self.args.dp_size, self.model_path,
+        )
+
+    async def drain_and_stop(self) -> None:
+        assert self.servicer is not None and self.server is not None
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        deadline = asyncio.get_running_loop().time() + self.args.drain_timeout
+        while self.ranks.waiters and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        await self.server.stop(grace=1.0)
+        for cleanup in self._cleanups:
+            await cleanup()
+        await self.ranks.close()
+
+    async def wait_for_signal(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        ranks_dead = asyncio.create_task(self._watch_ranks(stop))
+        await stop.wait()
+        ranks_dead.cancel()
+
+    async def _watch_ranks(self, stop: asyncio.Event) -> None:
+        while self.ranks.alive():
+            await asyncio.sleep(0.5)
+        logger.error("a scheduler rank died; the node shuts down")
+        stop.set()
+
+
+async def serve(args: ServerArgs) -> int:
+    node = NodeServer(args)
+    try:
+        await node.start()
+    except BaseException:
+        await node.ranks.close()
+        raise
+    print(f"pdcluster node ready: mode={args.disaggregation_mode} grpc={args.host}:{node.port}", flush=True)
+    await node.wait_for_signal()
+    await node.drain_and_stop()
+    return 0

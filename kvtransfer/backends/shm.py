@@ -1,0 +1,162 @@
+"""``shm``: same-host shared memory. The decode rank's KV pool lives in one ``/dev/shm`` file; the prefill rank maps
+it and copies each page run straight into the destination pages (one ``memmove`` per run per layer, K and V).
+
+Decode side, at construction: the pool's K/V tensors are re-homed into the shared file with ``Tensor.set_`` (their
+contents are copied first), so every existing reference to them (the KV pool, the model runner) keeps working
+and now points at shared memory. Layout of the file: K0 | V0 | K1 | V1 | ... each ``layer_bytes`` long.
+The file is unlinked when the manager closes; files of dead processes are swept at the next start.
+Completion: a memmove is synchronous, so a job is done when its copies return (no confirmation needed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import re
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtransfer.args import KVArgs, KVTransferConfig, Mode
+from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.workers import PeerWorkers, TransferError
+from kvtransfer.pages import copy_runs
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "pdcluster-kv-"
+
+
+@dataclass
+class _Mapping:
+    """A decode peer's shared pool, mapped into this (prefill) process."""
+
+    mm: mmap.mmap
+    array: np.ndarray  # uint8 over the whole file (holds the buffer export until released)
+    base: int  # address of byte 0
+    layer_bytes: int
+    num_pages: int
+    kv_heads: int
+
+
+def _sweep_stale() -> None:
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        match = re.match(rf"{PREFIX}(\d+)-", path.name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            log.info("kv shm: removed stale segment %s of a dead process", path)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
+class ShmBackend(KVBackend):
+    def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
+                 local: PeerKey) -> None:
+        super().__init__(args, config, mode, events, local)
+        if args.k_buffers[0].device.type != "cpu":
+            raise ValueError("the shm backend needs CPU KV buffers; use nccl or ucx for GPU buffers")
+        self._buffers = [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
+        self._layer_bytes = self._buffers[0].numel() * self._buffers[0].element_size()
+        self._lock = threading.Lock()
+        self._maps: dict[PeerKey, _Mapping] = {}
+        self._workers = PeerWorkers(events, self._move, "shm", on_stop=self._unmap)
+        self._path: Path | None = None
+        if mode == "decode":
+            self._path = self._share_pool()
+
+    def _share_pool(self) -> Path:
+        _sweep_stale()
+        path = SHM_DIR / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        size = self._layer_bytes * len(self._buffers)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        shared = torch.frombuffer(self._mm, dtype=torch.uint8)
+        for i, buf in enumerate(self._buffers):
+            region = shared[i * self._layer_bytes:(i + 1) * self._layer_bytes]
+            region.copy_(buf.reshape(-1).view(torch.uint8))
+            # NOTE: set_ rebinds the tensor object in place; every holder of it now sees the shared memory.
+            buf.set_(shared.untyped_storage(), i * self._layer_bytes // buf.element_size(), buf.shape, buf.stride())
+        return path
+
+    # ---- interface ---------------------------------------------------------------------------------------------
+    def endpoint(self) -> dict[str, str]:
+        if self._path is None:
+            return {}
+        return {"path": str(self._path), "layer_bytes": str(self._layer_bytes)}
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        if self.mode != "prefill":
+            return
+        try:
+            path, layer_bytes = peer.endpoint["path"], int(peer.endpoint["layer_bytes"])
+            fd = os.open(path, os.O_RDWR)
+        except (KeyError, OSError) as exc:
+            log.warning("kv shm: cannot map the pool of %s (%s); its jobs will fail", peer.key.instance_id, exc)
+            return
+        try:
+            mm = mmap.mmap(fd, layer_bytes * len(self._buffers))
+        finally:
+            os.close(fd)
+        array = np.frombuffer(mm, dtype=np.uint8)
+        with self._lock:
+            self._maps[peer.key] = _Mapping(mm, array, array.ctypes.data, layer_bytes, peer.layout.num_pages,
+                                            peer.layout.kv_heads)
+        self._workers.add_peer(peer.key)
+
+    def remove_peer(self, key: PeerKey) -> None:
+        self._workers.remove_peer(key, "peer removed")  # the worker unmaps after its last job (_unmap)
+
+    def submit(self, job: TransferJob) -> None:
+        self._workers.submit(job)
+
+    def cancel_room(self, room: int) -> None:
+        self._workers.cancel_room(room)
+
+    def close(self) -> None:
+        self._workers.close("backend closed")
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)
+
+    # ---- prefill worker thread ----------------------------------------------------------------------------------
+    def _move(self, job: TransferJob) -> None:
+        with self._lock:
+            m = self._maps.get(job.peer)
+        if m is None:
+            raise TransferError("the peer's shared pool is not mapped")
+        if any(r.dst_page < 1 or r.dst_page + r.num_pages > m.num_pages for r in job.runs):
+            raise TransferError(f"destination pages of room {job.room} outside the peer's {m.num_pages} pages")
+        item = self.args.item_len
+        if job.heads is None:
+            for i, buf in enumerate(self._buffers):
+                src, dst = buf.data_ptr(), m.base + i * m.layer_bytes
+                for run in job.runs:
+                    ctypes.memmove(dst + run.dst_page * item, src + run.src_page * item, run.num_pages * item)
+            return
+        a = self.args
+        shape = (m.num_pages * a.page_size, m.kv_heads, a.head_dim)
+        shared = torch.from_numpy(m.array)
+        for i, buf in enumerate(self._buffers):
+            dst = shared[i * m.layer_bytes:(i + 1) * m.layer_bytes].view(a.dtype).view(shape)
+            copy_runs(buf, dst, job.runs, a.page_size, job.heads)
+
+    def _unmap(self, key: PeerKey) -> None:
+        with self._lock:
+            m = self._maps.pop(key, None)
+        if m is not None:
+            del m.array
+            m.mm.close()

@@ -1,0 +1,283 @@
+"""``tcp``: KV pages over plain TCP sockets, scatter/gather with ``sendmsg``/``recvmsg_into`` straight from the
+source pages into the destination pages (no staging copy for whole pages). Works everywhere; CPU buffers only.
+
+One connection per (prefill rank, decode peer), opened lazily by the prefill side's per-peer worker. Stream::
+
+    prefill -> decode   frame(DataHello)                                  once per connection
+    prefill -> decode   frame(ChunkHeader) payload                        per job
+    decode -> prefill   frame(ChunkAck)                                   per job, after the payload landed
+    frame = u32 little-endian length + msgpack;  payload = for layer: for K, V: for run: the run's bytes
+
+The ack is what makes ``on_job_done(job, None)`` mean "in the destination pages" (see ``base.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import struct
+import threading
+
+import msgspec
+import torch
+
+from kvtransfer.args import KVArgs, KVTransferConfig, Mode
+from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.workers import PeerWorkers, TransferError
+from kvtransfer.pages import HeadSlice, PageRun
+
+log = logging.getLogger(__name__)
+
+IOV_BATCH = 64
+_LEN = struct.Struct("<I")
+
+
+class DataHello(msgspec.Struct, frozen=True, tag=True):
+    instance_id: str
+    epoch: int
+
+
+class ChunkHeader(msgspec.Struct, frozen=True, tag=True):
+    room: int
+    chunk_id: int
+    dst_runs: list[tuple[int, int]]  # (first destination page, pages)
+    heads: tuple[int, int, int] | None  # (src_head, dst_head, num_heads); None = whole pages
+    nbytes: int
+
+
+class ChunkAck(msgspec.Struct, frozen=True, tag=True):
+    room: int
+    chunk_id: int
+    error: str = ""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(DataHello | ChunkHeader | ChunkAck)
+
+
+def _send_frame(sock: socket.socket, msg: msgspec.Struct) -> None:
+    body = _encoder.encode(msg)
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_views(sock, [memoryview(buf)])
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> DataHello | ChunkHeader | ChunkAck:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    return _decoder.decode(_recv_exact(sock, n))
+
+
+def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    i, off = 0, 0
+    while i < len(views):
+        batch = views[i:i + IOV_BATCH]
+        if off:
+            batch[0] = batch[0][off:]
+        sent = sock.sendmsg(batch)
+        while sent and i < len(views):
+            rest = len(views[i]) - off
+            if sent >= rest:
+                sent, i, off = sent - rest, i + 1, 0
+            else:
+                off, sent = off + sent, 0
+        while i < len(views) and len(views[i]) == 0:
+            i += 1
+
+
+def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    i, off = 0, 0
+    while i < len(views) and len(views[i]) == 0:
+        i += 1
+    while i < len(views):
+        batch = views[i:i + IOV_BATCH]
+        if off:
+            batch[0] = batch[0][off:]
+        got = sock.recvmsg_into(batch)[0]
+        if got == 0:
+            raise ConnectionError("connection closed by peer")
+        while got and i < len(views):
+            rest = len(views[i]) - off
+            if got >= rest:
+                got, i, off = got - rest, i + 1, 0
+            else:
+                off, got = off + got, 0
+        while i < len(views) and len(views[i]) == 0:
+            i += 1
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class TcpBackend(KVBackend):
+    def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
+                 local: PeerKey) -> None:
+        super().__init__(args, config, mode, events, local)
+        if args.k_buffers[0].device.type != "cpu":
+            raise ValueError("the tcp backend moves CPU KV buffers only; use nccl or ucx for GPU buffers")
+        self._buffers = [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
+        self._views = [_bytes_of(buf) for buf in self._buffers]  # layer-major: K0, V0, K1, V1, ...
+        self._lock = threading.Lock()
+        self._closed = False
+        self._peers: dict[PeerKey, PeerInfo] = {}
+        self._socks: dict[PeerKey, socket.socket] = {}  # prefill: connection per decode peer
+        self._accepted: dict[socket.socket, PeerKey | None] = {}  # decode: connections by sending peer
+        self._workers = PeerWorkers(events, self._move, "tcp")
+        self._listener: socket.socket | None = None
+        if mode == "decode":
+            self._listener = socket.create_server((config.host, 0))
+            threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True).start()
+
+    # ---- interface ---------------------------------------------------------------------------------------------
+    def endpoint(self) -> dict[str, str]:
+        if self._listener is None:
+            return {}
+        host, port = self._listener.getsockname()[:2]
+        return {"host": host, "port": str(port)}
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        with self._lock:
+            self._peers[peer.key] = peer
+        if self.mode == "prefill":
+            self._workers.add_peer(peer.key)
+
+    def remove_peer(self, key: PeerKey) -> None:
+        with self._lock:
+            self._peers.pop(key, None)
+            socks = [self._socks.pop(key)] if key in self._socks else []
+            socks += [s for s, k in self._accepted.items() if k == key]
+        self._workers.remove_peer(key, "peer removed")
+        for sock in socks:
+            _shutdown(sock)
+
+    def submit(self, job: TransferJob) -> None:
+        self._workers.submit(job)
+
+    def cancel_room(self, room: int) -> None:
+        self._workers.cancel_room(room)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks = [*self._socks.values(), *self._accepted]
+            self._socks.clear()
+        for sock in socks:
+            _shutdown(sock)
+        if self._listener is not None:
+            _shutdown(self._listener)
+        self._workers.close("backend closed")
+
+    # ---- prefill: one worker thread per peer --------------------------------------------------------------------
+    def _move(self, job: TransferJob) -> None:
+        sock = self._connection(job.peer)
+        views, nbytes = self._source_views(job.runs, job.heads)
+        heads = None if job.heads is None else (job.heads.src_head, job.heads.dst_head, job.heads.num_heads)
+        _send_frame(sock, ChunkHeader(job.room, job.chunk_id, [(r.dst_page, r.num_pages) for r in job.runs],
+                                      heads, nbytes))
+        _send_views(sock, views)
+        ack = _recv_frame(sock)
+        if not isinstance(ack, ChunkAck) or (ack.room, ack.chunk_id) != (job.room, job.chunk_id):
+            raise TransferError(f"unexpected reply {ack!r} to room {job.room} chunk {job.chunk_id}")
+        if ack.error:
+            raise TransferError(f"decode rejected room {job.room} chunk {job.chunk_id}: {ack.error}")
+
+    def _connection(self, key: PeerKey) -> socket.socket:
+        with self._lock:
+            sock, peer = self._socks.get(key), self._peers.get(key)
+        if sock is not None:
+            return sock
+        if peer is None or "port" not in peer.endpoint:
+            raise TransferError("peer has no tcp endpoint")
+        sock = socket.create_connection((peer.endpoint["host"], int(peer.endpoint["port"])), timeout=10)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _send_frame(sock, DataHello(self.local.instance_id, self.local.epoch))
+        with self._lock:
+            if self._closed or key not in self._peers:
+                _shutdown(sock)
+                raise TransferError("peer removed")
+            self._socks[key] = sock
+        return sock
+
+    def _source_views(self, runs: tuple[PageRun, ...], heads: HeadSlice | None) -> tuple[list[memoryview], int]:
+        item = self.args.item_len
+        if heads is None:
+            views = [view[r.src_page * item:(r.src_page + r.num_pages) * item]
+                     for view in self._views for r in runs]
+        else:
+            ps, h = self.args.page_size, heads
+            views = [_bytes_of(buf[r.src_page * ps:(r.src_page + r.num_pages) * ps,
+                                   h.src_head:h.src_head + h.num_heads].contiguous())
+                     for buf in self._buffers for r in runs]
+        return views, sum(len(v) for v in views)
+
+    # ---- decode: one reader thread per incoming connection ------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(sock,), name="kv-tcp-recv", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            hello = _recv_frame(sock)
+            if not isinstance(hello, DataHello):
+                raise TransferError(f"expected DataHello, got {type(hello).__name__}")
+            key = PeerKey(hello.instance_id, hello.epoch)
+            with self._lock:
+                if self._closed or key not in self._peers:
+                    raise TransferError(f"data connection from {key.instance_id} which passed no handshake")
+                self._accepted[sock] = key
+            while True:
+                header = _recv_frame(sock)
+                if not isinstance(header, ChunkHeader):
+                    raise TransferError(f"expected ChunkHeader, got {type(header).__name__}")
+                error = self._receive_chunk(sock, header)
+                _send_frame(sock, ChunkAck(header.room, header.chunk_id, error))
+        except (OSError, ConnectionError, TransferError, msgspec.DecodeError) as exc:
+            log.debug("kv tcp: data connection closed: %s", exc)
+        finally:
+            with self._lock:
+                self._accepted.pop(sock, None)
+            _shutdown(sock)
+
+    def _receive_chunk(self, sock: socket.socket, header: ChunkHeader) -> str:
+        """Land one chunk's payload in the destination pages; "" or why it was refused (payload then discarded)."""
+        a, ps, item = self.args, self.args.page_size, self.args.item_len
+        heads = HeadSlice(*header.heads) if header.heads is not None else None
+        bad = [r for r in header.dst_runs if r[0] < 1 or r[1] < 0 or r[0] + r[1] > a.num_pages]
+        if heads is not None and not (heads.dst_head >= 0 and heads.dst_head + heads.num_heads <= a.kv_heads):
+            bad.append((-1, heads.dst_head))
+        if heads is None:
+            views = [view[p * item:(p + n) * item] for view in self._views for p, n in header.dst_runs]
+            scatter = None
+        else:
+            temps = [torch.empty((n * ps, heads.num_heads, a.head_dim), dtype=a.dtype)
+                     for _ in self._buffers for _, n in header.dst_runs]
+            views = [_bytes_of(t) for t in temps]
+            scatter = temps
+        if bad or sum(len(v) for v in views) != header.nbytes:
+            _recv_views(sock, [memoryview(bytearray(header.nbytes))])
+            return f"destination runs {bad[:3]} or size {header.nbytes} do not fit this rank's buffers"
+        _recv_views(sock, views)
+        if scatter is not None and heads is not None:
+            it = iter(scatter)
+            for buf in self._buffers:
+                for p, n in header.dst_runs:
+                    buf[p * ps:(p + n) * ps, heads.dst_head:heads.dst_head + heads.num_heads].copy_(next(it))
+        return ""
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # already closed by the peer
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()

@@ -1,0 +1,311 @@
+"""``ucx``: KV pages over UCX tag messages (``ucxx``, its asyncio API), straight from the source page runs into the
+destination page runs; UCX picks the transport (CMA/shared memory on one host, TCP across hosts, CUDA IPC or
+RDMA for GPU buffers where built in).
+
+    decode rank: a UCX listener, address in endpoint() {"host", "port"}
+    prefill rank: one endpoint per decode peer, opened by the peer's first job
+    per connection:  P -> D  DataHello(instance_id, epoch)                               once
+    per job:         P -> D  ChunkHeader;  payload: for layer: for K, V: for run: one tag message
+                     D -> P  ChunkAck      after every payload message landed         (see ``_twosided``)
+
+Threads: all UCX calls run on one asyncio loop thread per process (``_Runtime``, shared by the process's UCX
+backends and stopped with the last of them); the prefill side's per-peer worker threads (``PeerWorkers``) hand
+each job to that loop and wait for it, so jobs to one peer complete in submission order and the scheduler thread
+never blocks. Within one endpoint and tag UCX matches messages in posting order, which keeps header and payload
+aligned without per-message tags.
+
+Failure: an error or a job over ``transfer_timeout_s`` aborts the endpoint and marks the peer broken (later jobs
+fail at once naming it); a dead peer's endpoint errors out through UCX's error handling.
+
+Settings (``KVTransferConfig.backend_options``): ``ucx_tls`` (default "sm,tcp": "sm" alone cannot connect; the
+user's ``UCX_TLS`` wins), ``ucx_progress_mode`` (default "blocking", fastest on few cores). Both are per process:
+the first UCX backend of a process fixes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import msgspec
+import torch
+import ucxx
+from ucxx.exceptions import UCXError
+
+from kvtransfer.args import KVArgs, KVTransferConfig, Mode
+from kvtransfer.backends import _twosided as wire
+from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.workers import PeerWorkers, TransferError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TLS = "sm,tcp"
+DEFAULT_PROGRESS = "blocking"
+CALL_TIMEOUT_S = 10.0  # loop-thread housekeeping calls (listen, abort, shutdown)
+_WIRE_ERRORS = (UCXError, msgspec.MsgspecError, TransferError, ConnectionError, asyncio.TimeoutError)
+
+
+class _Runtime:
+    """The process's UCX context and the event loop thread it progresses on (refcounted by backends)."""
+
+    _lock = threading.Lock()
+    _users = 0
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def acquire(cls, tls: str, progress_mode: str) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="kv-ucx-loop", daemon=True)
+                thread.start()
+
+                async def init() -> None:
+                    # env_takes_precedence: a user's UCX_TLS overrides our default
+                    ucxx.init(options={"TLS": tls}, env_takes_precedence=True, progress_mode=progress_mode)
+
+                try:
+                    asyncio.run_coroutine_threadsafe(init(), loop).result(CALL_TIMEOUT_S)
+                except BaseException:
+                    loop.call_soon_threadsafe(loop.stop)
+                    thread.join(CALL_TIMEOUT_S)
+                    loop.close()
+                    raise
+                cls._loop, cls._thread = loop, thread
+            cls._users += 1
+            return cls._loop
+
+    @classmethod
+    def release(cls) -> None:
+        with cls._lock:
+            cls._users -= 1
+            if cls._users or cls._loop is None or cls._thread is None:
+                return
+            loop, thread = cls._loop, cls._thread
+            cls._loop = cls._thread = None
+
+            async def reset() -> None:
+                gc.collect()  # endpoints/listeners must be gone before reset()
+                ucxx.reset()
+
+            try:
+                asyncio.run_coroutine_threadsafe(reset(), loop).result(CALL_TIMEOUT_S)
+            except (UCXError, FutureTimeout) as exc:
+                log.warning("kv ucx: UCX reset incomplete: %s", exc)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(CALL_TIMEOUT_S)
+            loop.close()
+
+
+def _buffer(t: torch.Tensor) -> Any:
+    """A zero-copy UCX-sendable view of a contiguous tensor (numpy for host memory, CUDA array interface else)."""
+    flat = wire.as_bytes(t)
+    return flat.numpy() if flat.device.type == "cpu" else flat
+
+
+class UcxBackend(KVBackend):
+    def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
+                 local: PeerKey) -> None:
+        super().__init__(args, config, mode, events, local)
+        opts = config.backend_options
+        self._loop = _Runtime.acquire(opts.get("ucx_tls", DEFAULT_TLS), opts.get("ucx_progress_mode", DEFAULT_PROGRESS))
+        self._lock = threading.Lock()
+        self._closed = False
+        self._peers: dict[PeerKey, PeerInfo] = {}
+        self._broken: dict[PeerKey, str] = {}
+        self._eps: dict[PeerKey, Any] = {}  # prefill: endpoint per decode peer (touched on the loop only)
+        self._serving: dict[asyncio.Task[None], PeerKey | None] = {}  # decode: one task per connection (loop only)
+        self._listener: Any = None
+        self._workers = PeerWorkers(events, self._move, "ucx")
+        if mode == "decode":
+            self._call(self._listen())
+
+    # ---- interface ---------------------------------------------------------------------------------------------
+    def endpoint(self) -> dict[str, str]:
+        """Decode: the listener's address; prefill: nothing (it connects out)."""
+        if self._listener is None:
+            return {}
+        return {"host": self.config.host, "port": str(self._listener.port)}
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._peers[peer.key] = peer
+        if self.mode == "prefill":
+            self._workers.add_peer(peer.key)
+
+    def remove_peer(self, key: PeerKey) -> None:
+        with self._lock:
+            self._peers.pop(key, None)
+            self._broken.pop(key, None)
+        self._workers.remove_peer(key, "peer removed")
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._drop_connections, key)
+
+    def submit(self, job: TransferJob) -> None:
+        self._workers.submit(job)
+
+    def cancel_room(self, room: int) -> None:
+        self._workers.cancel_room(room)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._peers.clear()
+        try:
+            self._call(self._shutdown())
+        finally:
+            self._workers.close("backend closed")
+            _Runtime.release()
+
+    # ---- loop-thread plumbing ----------------------------------------------------------------------------------
+    def _call(self, coro: Coroutine[Any, Any, Any], timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    async def _listen(self) -> None:
+        self._listener = ucxx.create_listener(self._serve, port=0)
+
+    async def _shutdown(self) -> None:
+        for key in list(self._eps):
+            self._drop_connections(key)
+        tasks = list(self._serving)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def _drop_connections(self, key: PeerKey) -> None:
+        """Loop thread: abort the endpoint to ``key`` and stop serving its connections."""
+        ep = self._eps.pop(key, None)
+        if ep is not None:
+            ep.abort()
+        for task, peer in list(self._serving.items()):
+            if peer == key:
+                task.cancel()
+
+    # ---- prefill: the peer's worker thread waits for its job on the loop ----------------------------------------
+    def _move(self, job: TransferJob) -> None:
+        with self._lock:
+            broken, known = self._broken.get(job.peer), job.peer in self._peers
+        if not known:
+            raise TransferError("peer removed")
+        if broken is not None:
+            raise TransferError(f"connection broken earlier: {broken}")
+        future = asyncio.run_coroutine_threadsafe(self._move_async(job), self._loop)
+        try:
+            ack = future.result(self.config.transfer_timeout_s)
+        except FutureTimeout as exc:
+            if not future.cancel():  # done: the job itself raised a TimeoutError (e.g. connecting)
+                reason = f"room {job.room} chunk {job.chunk_id}: {type(exc).__name__}: {exc}"
+            else:
+                reason = f"room {job.room} chunk {job.chunk_id}: no ack within {self.config.transfer_timeout_s}s"
+        except _WIRE_ERRORS as exc:
+            reason = f"room {job.room} chunk {job.chunk_id}: {type(exc).__name__}: {exc}"
+        else:
+            if not ack.error:
+                return
+            # NOTE: the refused payload was never read; the connection cannot be reused.
+            reason = f"decode refused room {job.room} chunk {job.chunk_id}: {ack.error}"
+        with self._lock:
+            self._broken.setdefault(job.peer, reason)
+        self._loop.call_soon_threadsafe(self._drop_connections, job.peer)
+        raise TransferError(reason)
+
+    async def _move_async(self, job: TransferJob) -> wire.ChunkAck:
+        ep = await self._endpoint(job.peer)
+        tensors = wire.source_tensors(self.args, job)
+        await ep.send_obj(wire.encode(wire.header_for(job, tensors)))
+        sends = asyncio.gather(*(ep.send(_buffer(t)) for t in tensors), return_exceptions=True)
+        try:
+            ack = wire.decode(await ep.recv_obj())
+            if not isinstance(ack, wire.ChunkAck) or (ack.room, ack.chunk_id) != (job.room, job.chunk_id):
+                raise TransferError(f"unexpected reply {ack!r}")
+        except BaseException:
+            sends.cancel()
+            raise
+        if ack.error:  # the refused payload is never received
+            sends.cancel()
+            return ack
+        for result in await sends:
+            if isinstance(result, BaseException):
+                raise result
+        return ack
+
+    async def _endpoint(self, key: PeerKey) -> Any:
+        ep = self._eps.get(key)
+        if ep is not None:
+            return ep
+        with self._lock:
+            peer = self._peers.get(key)
+        if peer is None or "port" not in peer.endpoint:
+            raise TransferError(f"peer has no ucx endpoint: {peer.endpoint if peer else 'removed'}")
+        ep = await ucxx.create_endpoint(peer.endpoint["host"], int(peer.endpoint["port"]),
+                                       connect_timeout=min(self.config.bootstrap_timeout_s, 30.0))
+        await ep.send_obj(wire.encode(wire.DataHello(self.local.instance_id, self.local.epoch)))
+        with self._lock:
+            gone = self._closed or key not in self._peers
+        if gone:
+            ep.abort()
+            raise TransferError("peer removed")
+        self._eps[key] = ep
+        return ep
+
+    # ---- decode: one task per incoming connection --------------------------------------------------------------
+    async def _serve(self, ep: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving[task] = None
+        try:
+            hello = wire.decode(await asyncio.wait_for(ep.recv_obj(), self.config.bootstrap_timeout_s))
+            if not isinstance(hello, wire.DataHello):
+                raise TransferError(f"expected DataHello, got {type(hello).__name__}")
+            key = PeerKey(hello.instance_id, hello.epoch)
+            await self._await_peer(key)
+            self._serving[task] = key
+            while True:
+                header = wire.decode(await ep.recv_obj())
+                if not isinstance(header, wire.ChunkHeader):
+                    raise TransferError(f"expected ChunkHeader, got {type(header).__name__}")
+                await self._receive(ep, header)
+        except _WIRE_ERRORS as exc:
+            log.info("kv ucx: data connection closed: %s", exc)
+        finally:
+            self._serving.pop(task, None)
+            ep.abort()
+
+    async def _await_peer(self, key: PeerKey) -> None:
+        """The prefill side may connect before this side's add_peer for it ran; wait for it (bounded)."""
+        end = time.monotonic() + self.config.bootstrap_timeout_s
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise TransferError("backend closed")
+                if key in self._peers:
+                    return
+            if time.monotonic() > end:
+                raise TransferError(f"data connection from {key.instance_id} which passed no handshake")
+            await asyncio.sleep(0.01)
+
+    async def _receive(self, ep: Any, header: wire.ChunkHeader) -> None:
+        """Land one job's payload in the pool, then ack; a refused header is acked with the reason and the
+        connection dropped (its payload is never read, so nothing of it is written)."""
+        try:
+            plan = wire.plan_destination(self.args, header)
+        except wire.RefusedHeader as exc:
+            await ep.send_obj(wire.encode(wire.ChunkAck(header.room, header.chunk_id, str(exc))))
+            raise TransferError(f"refused room {header.room} chunk {header.chunk_id}: {exc}") from exc
+        await asyncio.gather(*(ep.recv(_buffer(t)) for t in plan.tensors))
+        plan.finish()
+        await ep.send_obj(wire.encode(wire.ChunkAck(header.room, header.chunk_id)))

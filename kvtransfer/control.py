@@ -1,0 +1,160 @@
+"""The ZMQ control plane of one manager: one ROUTER it receives on, one DEALER per peer address it sends on.
+
+A single control thread owns every socket. Other threads hand it work through ``send`` (a message to an address)
+and ``call_soon`` (a callable run on the control thread), both thread-safe and non-blocking. ``on_message`` and
+``on_tick`` run on the control thread; an exception in them is logged and the thread goes on (a dead control
+thread would hang every room of the rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from kvtransfer import messages
+from kvtransfer.messages import AnyMessage
+
+log = logging.getLogger(__name__)
+
+
+class ControlPlane:
+    def __init__(self, host: str, port: int, on_message: Callable[[AnyMessage], None],
+                 on_tick: Callable[[], None], tick_s: float = 0.02) -> None:
+        self._on_message = on_message
+        self._on_tick = on_tick
+        self._tick_s = tick_s
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        if port:
+            self._router.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._router.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._lock = threading.Lock()
+        self._outbox: deque[tuple[str, bytes] | Callable[[], None]] = deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"kv-control-{port}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, addr: str, msg: AnyMessage) -> None:
+        """Queue ``msg`` for the peer whose ROUTER is at ``addr``. Delivery is best effort (peer may be gone)."""
+        self._push((addr, messages.encode(msg)))
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the control thread."""
+        self._push(fn)
+
+    def forget(self, addr: str) -> None:
+        """Close the DEALER to ``addr`` (the peer is gone); a later send reconnects."""
+        self.call_soon(lambda: self._close_dealer(addr))
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+        self._wake()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for addr in list(self._dealers):
+            self._close_dealer(addr)
+        self._router.close(0)
+        self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _push(self, item: tuple[str, bytes] | Callable[[], None]) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            self._outbox.append(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+            self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_tick = time.monotonic()
+        while True:
+            timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
+            ready = dict(poller.poll(timeout_ms))
+            if self._wake_r.fileno() in ready:
+                self._drain_wake()
+            with self._lock:
+                if self._stopping:
+                    return
+                work = list(self._outbox)
+                self._outbox.clear()
+            for item in work:
+                self._guarded(self._do, item)
+            if self._router in ready:
+                self._receive_all()
+            if time.monotonic() >= next_tick:
+                self._guarded(self._on_tick)
+                next_tick = time.monotonic() + self._tick_s
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = messages.decode(frames[-1])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("control %s: dropped an undecodable message (%s)", self.address, exc)
+                continue
+            self._guarded(self._on_message, msg)
+
+    def _do(self, item: tuple[str, bytes] | Callable[[], None]) -> None:
+        if callable(item):
+            item()
+            return
+        addr, payload = item
+        dealer = self._dealers.get(addr)
+        if dealer is None:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.SNDHWM, 100_000)
+            dealer.connect(addr)
+            self._dealers[addr] = dealer
+        try:
+            dealer.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("control %s: queue to %s is full; message dropped (peer unresponsive)", self.address, addr)
+
+    def _close_dealer(self, addr: str) -> None:
+        dealer = self._dealers.pop(addr, None)
+        if dealer is not None:
+            dealer.close(0)
+
+    @staticmethod
+    def _guarded(fn: Callable, *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:  # logged, not swallowed: one bad message must not kill the control thread
+            log.exception("kv control thread: handler failed")

@@ -1,0 +1,202 @@
+"""``KVManager``: one per scheduler rank. Owns the control plane, the data-plane backend, the peers and the rooms.
+
+Threads: the scheduler thread creates ``KVSender``/``KVReceiver`` handles and calls their non-blocking methods;
+the control thread (``control.ControlPlane``) handles every incoming message, backend completion, bootstrap
+lookup result and the periodic sweep (deadlines, heartbeats). Shared state is guarded by ``self.lock``; nothing
+blocking runs under it. Bootstrap gRPC calls run on a small executor and report back through ``call_soon``.
+
+Peers: a peer is one start (``PeerKey(instance_id, epoch)``) of a rank on the other side that passed the
+handshake (cluster token, protocol version, compatibility). A message from an unknown peer or an old epoch is
+dropped; a newer epoch of a known instance means it restarted: the old peer is lost and its rooms fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
+from kvtransfer.backends.base import PeerInfo, PeerKey, TransferJob
+from kvtransfer.bootstrap import BootstrapClient, BootstrapError, RankEntry
+from kvtransfer.control import ControlPlane
+from kvtransfer.messages import PROTOCOL_VERSION, AnyMessage, Heartbeat, Hello, HelloAck
+from kvtransfer.metadata import MetadataBuffers
+from kvtransfer.registry import backend_class
+
+if TYPE_CHECKING:
+    from kvtransfer.receiver import DecodeRooms
+    from kvtransfer.sender import PrefillRooms
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    key: PeerKey
+    control_addr: str
+    layout: KVLayout
+    last_seen: float
+
+    def describe(self) -> str:
+        return f"{self.key.instance_id} (epoch {self.key.epoch})"
+
+
+class KVManager:
+    """KV transfer endpoint of one scheduler rank (``mode`` "prefill" or "decode")."""
+
+    def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, bootstrap_addr: str | None = None,
+                 dp_size: int = 1) -> None:
+        if mode == "prefill" and bootstrap_addr is None:
+            raise ValueError("a prefill KVManager needs bootstrap_addr (the prefill node's Bootstrap service)")
+        self.args, self.config, self.mode = args, config, mode
+        self.bootstrap_addr, self.dp_size = bootstrap_addr, dp_size
+        self.lock = threading.RLock()
+        self.epoch = time.time_ns()
+        self.peers: dict[str, Peer] = {}  # instance_id -> the accepted start of that instance
+        self.metadata = MetadataBuffers(args.num_metadata_slots)
+        self.layout = args.layout(config.fingerprint)
+        self._closed = False
+        self._next_heartbeat = 0.0
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kv-{mode}-bootstrap")
+        self._clients: dict[str, BootstrapClient] = {}
+        self.control = ControlPlane(config.host, config.control_port, self._on_message, self._on_tick)
+        self.instance_id = f"{mode}/dp{args.dp_rank}/tp{args.tp_rank}@{self.control.address}"
+        self.backend = backend_class(config.backend)(args, config, mode, self, PeerKey(self.instance_id, self.epoch))
+        self.endpoint = self.backend.endpoint()
+        if mode == "prefill":
+            from kvtransfer.sender import PrefillRooms
+            self.rooms: PrefillRooms | DecodeRooms = PrefillRooms(self)
+        else:
+            from kvtransfer.receiver import DecodeRooms
+            self.rooms = DecodeRooms(self)
+        self.control.start()
+        if mode == "prefill":
+            self._executor.submit(self._register_forever)
+
+    # ---- identity and messaging -------------------------------------------------------------------------------
+    def stamp(self) -> dict[str, object]:
+        """The (instance_id, epoch) every outgoing message carries."""
+        return {"instance_id": self.instance_id, "epoch": self.epoch}
+
+    def send_to(self, key: PeerKey, msg: AnyMessage) -> None:
+        peer = self.peers.get(key.instance_id)
+        if peer is not None and peer.key == key:
+            self.control.send(peer.control_addr, msg)
+
+    def bootstrap_client(self, addr: str) -> BootstrapClient:
+        with self.lock:
+            client = self._clients.get(addr)
+            if client is None:
+                client = self._clients[addr] = BootstrapClient(addr)
+            return client
+
+    def run_in_background(self, fn, *args) -> None:
+        """Run a blocking call (a bootstrap lookup) off the control and scheduler threads."""
+        if not self._closed:
+            self._executor.submit(fn, *args)
+
+    # ---- backend events (any backend thread) ------------------------------------------------------------------
+    def on_job_done(self, job: TransferJob, error: str | None) -> None:
+        self.control.call_soon(lambda: self.rooms.job_done(job, error))
+
+    # ---- peers -------------------------------------------------------------------------------------------------
+    def accept_peer(self, key: PeerKey, control_addr: str, layout: KVLayout, endpoint: dict[str, str]) -> Peer:
+        """Register a peer that passed the handshake (replacing an older epoch of the same instance)."""
+        with self.lock:
+            old = self.peers.get(key.instance_id)
+            if old is not None and old.key == key:
+                return old
+            if old is not None:
+                self.lose_peer(old.key, f"{old.describe()} restarted (new epoch {key.epoch})")
+            peer = self.peers[key.instance_id] = Peer(key, control_addr, layout, time.monotonic())
+        self.backend.add_peer(PeerInfo(key, layout, endpoint))
+        log.info("kv %s: peer %s accepted", self.instance_id, peer.describe())
+        return peer
+
+    def lose_peer(self, key: PeerKey, reason: str) -> None:
+        """The peer is dead or restarted: fail its rooms, drop its connections."""
+        with self.lock:
+            peer = self.peers.get(key.instance_id)
+            if peer is None or peer.key != key:
+                return
+            del self.peers[key.instance_id]
+        log.warning("kv %s: lost peer: %s", self.instance_id, reason)
+        self.rooms.peer_lost(key, reason)
+        self.backend.remove_peer(key)
+        self.control.forget(peer.control_addr)
+
+    # ---- control thread ----------------------------------------------------------------------------------------
+    def _on_message(self, msg: AnyMessage) -> None:
+        if msg.version != PROTOCOL_VERSION:
+            log.warning("kv %s: dropped %s of protocol version %d (ours is %d) from %s", self.instance_id,
+                        type(msg).__name__, msg.version, PROTOCOL_VERSION, msg.instance_id)
+            if isinstance(msg, Hello):
+                self.control.send(msg.control_addr, HelloAck(**self.stamp(), accepted=False, reason=(
+                    f"protocol version mismatch: prefill={PROTOCOL_VERSION} decode={msg.version}")))
+            return
+        if isinstance(msg, Hello | HelloAck):
+            self.rooms.handshake(msg)
+            return
+        restarted = False
+        with self.lock:
+            peer = self.peers.get(msg.instance_id)
+            if peer is None or peer.key.epoch != msg.epoch:
+                restarted = peer is not None and msg.epoch > peer.key.epoch
+                if not restarted:
+                    log.debug("kv %s: dropped %s from unknown or stale peer %s epoch %d", self.instance_id,
+                              type(msg).__name__, msg.instance_id, msg.epoch)
+                    return
+            else:
+                peer.last_seen = time.monotonic()
+        if restarted and peer is not None:
+            self.lose_peer(peer.key, f"{peer.describe()} restarted (message of epoch {msg.epoch})")
+            return
+        if not isinstance(msg, Heartbeat):
+            self.rooms.handle(msg, peer)
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval_s
+            with self.lock:
+                peers = list(self.peers.values())
+            for peer in peers:
+                silent = now - peer.last_seen
+                if silent > self.config.peer_dead_after_s:
+                    self.lose_peer(peer.key, f"{peer.describe()} at {peer.control_addr} silent for {silent:.1f}s "
+                                             f"(heartbeat every {self.config.heartbeat_interval_s}s)")
+                else:
+                    self.control.send(peer.control_addr, Heartbeat(**self.stamp()))
+        self.rooms.tick(now)
+
+    def _register_forever(self) -> None:
+        """Prefill: register this rank with the Bootstrap service, retrying until it answers (or we close)."""
+        assert self.bootstrap_addr is not None
+        client = self.bootstrap_client(self.bootstrap_addr)
+        entry = RankEntry(self.control.address, self.instance_id, self.epoch)
+        delay = 0.05
+        while not self._closed:
+            try:
+                client.register(self.args.dp_rank, self.args.tp_rank, self.dp_size, self.args.tp_size, entry)
+                return
+            except BootstrapError as exc:
+                log.warning("kv %s: bootstrap registration at %s failed (%s); retrying", self.instance_id,
+                            self.bootstrap_addr, exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def close(self) -> None:
+        """Stop threads and release sockets, mappings and the backend. Rooms still open are failed."""
+        if self._closed:
+            return
+        self._closed = True
+        self.rooms.close("KV manager closed")
+        self.control.close()
+        self.backend.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for client in self._clients.values():
+            client.close()

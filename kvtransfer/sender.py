@@ -1,0 +1,346 @@
+"""Prefill side: ``KVSender`` (the scheduler's per-request handle) and ``PrefillRooms`` (the manager's room logic).
+
+Sender lifecycle::
+
+    Bootstrapping --(TransferInfo from every decode rank this rank serves)--> WaitingForInput
+      --send(chunk)--> Transferring --(last chunk's jobs done, final ChunkDone sent, decode confirmed)--> Success
+    any non-final state --(deadline, transfer error, peer lost, abort either side)--> Failed
+
+Chunk k of a room becomes one ``TransferJob`` per destination decode rank: this chunk's source pages paired with
+``dst_pages[pages_sent : pages_sent + len(chunk)]`` of that rank's TransferInfo, coalesced into runs.
+Invariant: ``outstanding`` counts submitted jobs not yet done; the room is quiesced (its pages may be freed)
+once it is final and ``outstanding == 0``; a failed room tells its decode peers only then.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtransfer.args import compat_problems
+from kvtransfer.backends.base import PeerKey, TransferJob
+from kvtransfer.messages import Abort, AbortAck, AnyMessage, ChunkDone, Hello, HelloAck, Status, TransferInfo
+from kvtransfer.metadata import MetadataRecord
+from kvtransfer.pages import (
+    HeadSlice,
+    coalesce_runs,
+    dst_ranks_served,
+    head_slice_for,
+    is_whole_page,
+    source_plan,
+)
+from kvtransfer.poll import KVPoll
+from kvtransfer.rooms import RoomRecord
+
+if TYPE_CHECKING:
+    from kvtransfer.manager import KVManager, Peer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeTarget:
+    """One decode rank a room's KV goes to."""
+
+    key: PeerKey
+    info: TransferInfo
+    heads: HeadSlice | None  # None: whole pages
+    writes_metadata: bool  # this prefill rank is the one that delivers the metadata record to that rank
+    final_sent: bool = False
+    confirmed: bool = False  # the decode rank reported Success (it has every chunk and a valid metadata record)
+
+
+@dataclass
+class SendRoom(RoomRecord):
+    targets: dict[PeerKey, DecodeTarget] = field(default_factory=dict)
+    required: int = 0  # decode ranks to wait for (known from the first TransferInfo)
+    num_pages: int | None = None
+    metadata_slot: int | None = None
+    pages_sent: int = 0
+    next_chunk: int = 0
+    outstanding: int = 0
+    last_submitted: bool = False
+    metadata: MetadataRecord | None = None
+    abort_from: PeerKey | None = None  # the decode peer whose Abort we must ack
+    notify: type[Status] | type[Abort] = Status  # how the other decode peers hear of a failure
+
+
+class PrefillRooms:
+    def __init__(self, mgr: KVManager) -> None:
+        self.mgr = mgr
+        self.rooms: dict[int, SendRoom] = {}
+        self.early: dict[int, tuple[float, list[tuple[Peer, TransferInfo]]]] = {}  # TransferInfo before the sender
+        self.tombstones: dict[int, tuple[float, str]] = {}  # finished room -> (forget at, failure reason or "")
+
+    # ---- scheduler thread -------------------------------------------------------------------------------------
+    def create(self, room: int) -> SendRoom:
+        now = time.monotonic()
+        with self.mgr.lock:
+            rec = SendRoom(room, self.mgr.config, now, waiting_for="the decode side's TransferInfo")
+            if room in self.rooms:
+                rec.fail(f"room {room}: duplicate bootstrap room (already in flight on this prefill rank)", now)
+                rec.quiesced = True
+                return rec
+            self.rooms[room] = rec
+            _, reason = self.tombstones.pop(room, (0.0, ""))
+            if reason:
+                rec.fail(reason, now)
+                rec.quiesced = True
+            for peer, info in self.early.pop(room, (0.0, []))[1]:
+                self._add_info(rec, peer, info, now)
+            return rec
+
+    def init(self, rec: SendRoom, num_pages: int, metadata_slot: int | None) -> None:
+        with self.mgr.lock:
+            rec.num_pages, rec.metadata_slot = num_pages, metadata_slot
+            self._check_page_counts(rec, time.monotonic())
+
+    def send(self, rec: SendRoom, pages: Sequence[int], last: bool, metadata: MetadataRecord | None) -> None:
+        if last and (metadata is None or metadata.room != rec.room):
+            raise ValueError(f"room {rec.room}: the last send() needs a MetadataRecord for this room, got {metadata}")
+        bad = [p for p in pages if not 0 < p < self.mgr.args.num_pages]
+        if bad:
+            raise ValueError(f"room {rec.room}: page numbers {bad[:5]} outside [1, {self.mgr.args.num_pages})")
+        now = time.monotonic()
+        with self.mgr.lock:
+            if rec.state.is_final:
+                return
+            if rec.state < KVPoll.WaitingForInput or rec.last_submitted:
+                self.fail(rec, f"room {rec.room}: send() in state {rec.state.name}"
+                               f"{' after the last chunk' if rec.last_submitted else ''}", now)
+                return
+            start, stop = rec.pages_sent, rec.pages_sent + len(pages)
+            jobs = []
+            for target in rec.targets.values():
+                dst = target.info.dst_pages
+                if stop > len(dst):
+                    self.fail(rec, f"room {rec.room}: prefill sent {stop} pages but decode {target.key.instance_id} "
+                                   f"allocated {len(dst)}", now)
+                    return
+                runs = tuple(coalesce_runs(pages, dst[start:stop]))
+                jobs.append(TransferJob(rec.room, rec.next_chunk, target.key, runs, target.heads))
+            rec.pages_sent, rec.next_chunk = stop, rec.next_chunk + 1
+            rec.last_submitted, rec.metadata = last, metadata
+            rec.outstanding += len(jobs)
+            rec.advance(KVPoll.Transferring, now)
+            rec.progress(now)
+            rec.waiting_for = "the data plane to deliver the chunks"
+            for job in jobs:
+                self.mgr.backend.submit(job)
+
+    def abort(self, rec: SendRoom, reason: str) -> None:
+        with self.mgr.lock:
+            self.fail(rec, reason, time.monotonic(), notify=Abort)
+
+    def clear(self, rec: SendRoom) -> None:
+        with self.mgr.lock:
+            if self.rooms.get(rec.room) is rec:
+                if not rec.state.is_final:
+                    self.fail(rec, f"room {rec.room}: cleared while {rec.state.name}", time.monotonic(), notify=Abort)
+                if rec.quiesced:
+                    del self.rooms[rec.room]
+
+    # ---- control thread ---------------------------------------------------------------------------------------
+    def handshake(self, msg: Hello | HelloAck) -> None:
+        if not isinstance(msg, Hello):
+            return
+        layout = self.mgr.layout
+        reason = ""
+        if not hmac.compare_digest(msg.cluster_token.encode(), self.mgr.config.cluster_token.encode()):
+            reason = "cluster token mismatch: the decode rank does not present this cluster's token"
+        elif problems := compat_problems(layout, msg.layout):
+            reason = "incompatible KV layout: " + "; ".join(problems)
+        key = PeerKey(msg.instance_id, msg.epoch)
+        if reason:
+            log.warning("kv %s: refused %s: %s", self.mgr.instance_id, msg.instance_id, reason)
+            self.mgr.control.send(msg.control_addr, HelloAck(**self.mgr.stamp(), accepted=False, reason=reason))
+            return
+        known = self.mgr.peers.get(msg.instance_id)
+        if known is not None and known.key.epoch > msg.epoch:
+            return  # a Hello from a start older than the one we accepted
+        self.mgr.accept_peer(key, msg.control_addr, msg.layout, msg.endpoint)
+        self.mgr.control.send(msg.control_addr, HelloAck(**self.mgr.stamp(), accepted=True, layout=layout,
+                                                         endpoint=self.mgr.endpoint))
+
+    def handle(self, msg: AnyMessage, peer: Peer) -> None:
+        now = time.monotonic()
+        with self.mgr.lock:
+            rec = self.rooms.get(getattr(msg, "room", -1))
+            if isinstance(msg, TransferInfo):
+                if rec is not None:
+                    self._add_info(rec, peer, msg, now)
+                elif msg.room in self.tombstones:
+                    self.mgr.send_to(peer.key, Status(**self.mgr.stamp(), room=msg.room, state=KVPoll.Failed,
+                                                      reason=self.tombstones[msg.room][1] or "room already finished"))
+                else:
+                    expires, infos = self.early.get(msg.room, (now + self.mgr.config.bootstrap_timeout_s, []))
+                    self.early[msg.room] = (expires, [*infos, (peer, msg)])
+            elif isinstance(msg, Abort):
+                reason = f"room {msg.room}: aborted by decode {peer.describe()}: {msg.reason}"
+                if rec is None or rec.quiesced:
+                    self.early.pop(msg.room, None)
+                    self.tombstones.setdefault(msg.room, (now + self.mgr.config.tombstone_s, reason))
+                    self.mgr.send_to(peer.key, AbortAck(**self.mgr.stamp(), room=msg.room))
+                else:
+                    rec.abort_from = peer.key
+                    if not self.fail(rec, reason, now) and rec.quiesced:
+                        self.mgr.send_to(peer.key, AbortAck(**self.mgr.stamp(), room=msg.room))
+            elif isinstance(msg, Status) and rec is not None and msg.state == KVPoll.Success:
+                target = rec.targets.get(peer.key)
+                if target is not None and target.final_sent:
+                    target.confirmed = True
+                    if all(t.confirmed for t in rec.targets.values()):
+                        rec.advance(KVPoll.Success, now)
+            # AbortAck from decode: nothing of ours is in flight any more; the room is already quiesced.
+
+    def job_done(self, job: TransferJob, error: str | None) -> None:
+        now = time.monotonic()
+        with self.mgr.lock:
+            rec = self.rooms.get(job.room)
+            if rec is None:
+                return
+            rec.outstanding -= 1
+            target = rec.targets.get(job.peer)
+            if error is not None:
+                self.fail(rec, f"room {job.room}: chunk {job.chunk_id} to {job.peer.instance_id} failed: {error}", now)
+            elif not rec.state.is_final and target is not None:
+                final = rec.last_submitted and job.chunk_id == rec.next_chunk - 1
+                self.mgr.send_to(job.peer, ChunkDone(
+                    **self.mgr.stamp(), room=job.room, chunk_id=job.chunk_id, num_pages=job.num_pages,
+                    num_chunks=rec.next_chunk if final else 0,
+                    metadata=rec.metadata if final and target.writes_metadata else None))
+                target.final_sent = final
+                rec.progress(now)
+                if final:
+                    rec.waiting_for = "the decode side to confirm the last chunk"
+            self._maybe_drained(rec)
+
+    def peer_lost(self, key: PeerKey, reason: str) -> None:
+        now = time.monotonic()
+        with self.mgr.lock:
+            for rec in list(self.rooms.values()):
+                if key in rec.targets:
+                    self.fail(rec, f"room {rec.room}: {reason} while {rec.state.name}", now)
+            for room, (expires, infos) in list(self.early.items()):
+                self.early[room] = (expires, [(p, i) for p, i in infos if p.key != key])
+
+    def tick(self, now: float) -> None:
+        with self.mgr.lock:
+            for rec in list(self.rooms.values()):
+                if rec.expired(now):
+                    self.fail(rec, rec.expiry_reason(), now)
+                elif rec.state.is_final and rec.quiesced and now - rec.finished_at > self.mgr.config.tombstone_s:
+                    del self.rooms[rec.room]  # never cleared by the scheduler; bound the table
+            for room, (expires, infos) in list(self.early.items()):
+                if now > expires:
+                    del self.early[room]
+                    for peer, _ in infos:
+                        self.mgr.send_to(peer.key, Status(**self.mgr.stamp(), room=room, state=KVPoll.Failed, reason=(
+                            f"room {room}: no prefill request for it arrived within "
+                            f"{self.mgr.config.bootstrap_timeout_s:.1f}s on {self.mgr.instance_id}")))
+            for room, (expires, _) in list(self.tombstones.items()):
+                if now > expires:
+                    del self.tombstones[room]
+
+    def close(self, reason: str) -> None:
+        with self.mgr.lock:
+            for rec in self.rooms.values():
+                self.fail(rec, reason, time.monotonic())
+
+    # ---- internals (lock held) --------------------------------------------------------------------------------
+    def fail(self, rec: SendRoom, reason: str, now: float, notify: type[Status] | type[Abort] | None = Status) -> bool:
+        """Fail the room, stop its queued jobs; its decode peers hear of it once nothing is in flight."""
+        if not rec.fail(reason, now):
+            return False
+        log.warning("kv %s: %s", self.mgr.instance_id, reason)
+        self.tombstones[rec.room] = (now + self.mgr.config.tombstone_s, reason)
+        rec.waiting_for = "in-flight jobs to drain"
+        rec.notify = notify or Status
+        rec.unacked = set(rec.targets) if notify is not None else set()
+        self.mgr.backend.cancel_room(rec.room)
+        self._maybe_drained(rec)
+        return True
+
+    def _maybe_drained(self, rec: SendRoom) -> None:
+        if not rec.state.is_final or rec.outstanding > 0 or rec.quiesced:
+            return
+        rec.quiesced = True
+        if rec.state == KVPoll.Failed:
+            for key in rec.unacked:
+                if key == rec.abort_from:
+                    self.mgr.send_to(key, AbortAck(**self.mgr.stamp(), room=rec.room))
+                elif rec.notify is Abort:
+                    self.mgr.send_to(key, Abort(**self.mgr.stamp(), room=rec.room, reason=rec.reason))
+                else:
+                    self.mgr.send_to(key, Status(**self.mgr.stamp(), room=rec.room, state=KVPoll.Failed,
+                                                 reason=rec.reason))
+            rec.unacked = set()
+
+    def _add_info(self, rec: SendRoom, peer: Peer, info: TransferInfo, now: float) -> None:
+        if rec.state != KVPoll.Bootstrapping or peer.key in rec.targets:
+            return
+        me, dst = self.mgr.layout, peer.layout
+        heads = head_slice_for(me.tp_rank, me.tp_size, dst.tp_rank, dst.tp_size, me.total_kv_heads)
+        if heads is None:
+            self.fail(rec, f"room {rec.room}: decode rank {peer.describe()} takes no KV heads from prefill tp rank "
+                           f"{me.tp_rank}/{me.tp_size}", now)
+            return
+        writer = source_plan(dst.tp_rank, dst.tp_size, me.tp_size, me.total_kv_heads)[0][0] == me.tp_rank
+        whole = is_whole_page(heads, me.kv_heads, dst.kv_heads)
+        rec.targets[peer.key] = DecodeTarget(peer.key, info, None if whole else heads, writer)
+        rec.required = len(dst_ranks_served(me.tp_rank, me.tp_size, dst.tp_size, me.total_kv_heads))
+        if len(rec.targets) >= rec.required:
+            rec.advance(KVPoll.WaitingForInput, now)
+            rec.waiting_for = "the prefill scheduler to send the first chunk"
+            self._check_page_counts(rec, now)
+
+    def _check_page_counts(self, rec: SendRoom, now: float) -> None:
+        if rec.num_pages is None:
+            return
+        for target in rec.targets.values():
+            if len(target.info.dst_pages) != rec.num_pages:
+                self.fail(rec, f"room {rec.room}: page count mismatch: prefill={rec.num_pages} "
+                               f"decode={len(target.info.dst_pages)} ({target.key.instance_id})", now)
+                return
+
+
+class KVSender:
+    """The prefill scheduler's handle on one request's transfer. Every method is non-blocking."""
+
+    def __init__(self, mgr: KVManager, bootstrap_room: int) -> None:
+        self._rooms: PrefillRooms = mgr.rooms  # type: ignore[assignment]
+        self._lock = mgr.lock
+        self.room = bootstrap_room
+        self._rec = self._rooms.create(bootstrap_room)
+
+    def init(self, num_pages: int, metadata_slot: int | None = None) -> None:
+        """Declare the request's total page count (must equal what decode allocated) and its metadata slot."""
+        self._rooms.init(self._rec, num_pages, metadata_slot)
+
+    def send(self, page_indices: Sequence[int], last: bool = False, metadata: MetadataRecord | None = None) -> None:
+        """Queue one chunk's pages (page numbers, in token order). The last chunk carries the metadata record."""
+        self._rooms.send(self._rec, page_indices, last, metadata)
+
+    def poll(self) -> KVPoll:
+        """The room's state; cheap, never blocks."""
+        return self._rec.state
+
+    def failure(self) -> str:
+        """Why the room failed (names the peer and the state), or "" if it has not."""
+        return self._rec.reason
+
+    def abort(self, reason: str = "aborted by the prefill scheduler") -> None:
+        """Fail the room here and on the decode side (which acks)."""
+        self._rooms.abort(self._rec, f"room {self.room}: {reason}")
+
+    def is_quiesced(self) -> bool:
+        """True once no transfer reads this room's pages any more: they may be released."""
+        return self._rec.quiesced
+
+    def clear(self) -> None:
+        """Forget the room (after acting on a final poll). Clearing an open room aborts it."""
+        self._rooms.clear(self._rec)

@@ -1,0 +1,49 @@
+"""Circuit breaker per worker: closed -> open after N consecutive failures -> half-open after a cool-down.
+
+Half-open lets one probe request through at a time; its success closes the circuit, its failure re-opens it. A
+probe that ends with neither (client cancel) frees the slot after another ``open_s``.
+Only worker faults count (transport errors, crashes, timeouts), never a client's bad input.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+class CircuitBreaker:
+    def __init__(self, failure_threshold: int, open_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.failure_threshold = failure_threshold
+        self.open_s = open_s
+        self.clock = clock
+        self.failures = 0
+        self.opened_at = 0.0
+        self._state = CLOSED
+        self._probe_at: float | None = None  # half-open: when the probe in flight was sent
+
+    @property
+    def state(self) -> str:
+        if self._state == OPEN and self.clock() - self.opened_at >= self.open_s:
+            self._state, self._probe_at = HALF_OPEN, None
+        return self._state
+
+    def allows(self) -> bool:
+        """May a request be routed here now? (Does not reserve the half-open probe; see ``on_dispatch``.)"""
+        state = self.state
+        if state == CLOSED:
+            return True
+        return state == HALF_OPEN and (self._probe_at is None or self.clock() - self._probe_at >= self.open_s)
+
+    def on_dispatch(self) -> None:
+        if self.state == HALF_OPEN:
+            self._probe_at = self.clock()
+
+    def record_success(self) -> None:
+        self.failures, self._state, self._probe_at = 0, CLOSED, None
+
+    def record_failure(self) -> None:
+        self.failures += 1
+        if self._state == HALF_OPEN or self.failures >= self.failure_threshold:
+            self._state, self.opened_at, self._probe_at = OPEN, self.clock(), None

@@ -1,0 +1,90 @@
+"""``RouterConfig``: the one frozen config of a router process, built once from CLI flags (or by tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from common.errors import ConfigError
+
+Role = Literal["prefill", "decode", "colocated"]
+POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker given on the command line or registered at runtime."""
+
+    address: str  # host:port of the Worker gRPC service
+    role: Role
+    bootstrap_port: int | None = None  # prefill only; None: asked from GetServerInfo
+
+    @staticmethod
+    def parse(text: str, role: Role) -> WorkerSpec:
+        """``host:port`` or, for prefill, ``host:port:bootstrap_port`` (``grpc://`` prefix allowed)."""
+        raw = text.removeprefix("grpc://")
+        parts = raw.rsplit(":", 2) if raw.count(":") >= 2 else raw.rsplit(":", 1)
+        flag = f"--{'worker' if role == 'colocated' else role}"
+        if len(parts) < 2 or not parts[0] or not all(p.isdigit() for p in parts[1:]):
+            raise ConfigError(f"{flag} {text!r}: expected HOST:PORT" + ("[:BOOTSTRAP_PORT]" if role == "prefill" else ""))
+        if len(parts) == 3 and role != "prefill":
+            raise ConfigError(f"{flag} {text!r}: only prefill workers take a bootstrap port (HOST:PORT)")
+        host, port = parts[0], int(parts[1])
+        bootstrap = int(parts[2]) if len(parts) == 3 else None
+        for value in (port, bootstrap):
+            if value is not None and not 0 < value < 65536:
+                raise ConfigError(f"{flag} {text!r}: ports must be in 1..65535")
+        return WorkerSpec(f"{host}:{port}", role, bootstrap)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_path: str | None = None  # local HF folder: tokenizer, chat template, config.json
+    served_model_name: str | None = None  # default: the model folder's name
+    host: str = "127.0.0.1"
+    grpc_port: int = 30100  # 0: pick a free port (tests)
+    http_port: int | None = 30101  # None: no HTTP gateway; 0: pick a free port
+    workers: tuple[WorkerSpec, ...] = ()
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "power_of_two"
+    # Failures.
+    max_retries: int = 3  # extra attempts after the first, only before the first token reached the client
+    retry_backoff_s: float = 0.05  # first backoff; doubles each retry, with jitter
+    retry_backoff_max_s: float = 1.0
+    request_timeout_s: float = 300.0  # whole-request deadline when the client sets none
+    cb_failure_threshold: int = 5  # consecutive failures that open a worker's circuit
+    cb_open_s: float = 10.0  # open -> half-open after this long
+    # Monitoring.
+    health_interval_s: float = 2.0
+    health_failure_threshold: int = 2  # consecutive failed health checks that mark a worker unhealthy
+    load_interval_s: float = 0.25  # GetLoad poll period (policies use the cached reports)
+    rpc_timeout_s: float = 2.0  # health, load, server-info and abort RPCs
+    # Policies.
+    cache_threshold: float = 0.5  # cache_aware: prefix match rate above which the match wins
+    balance_abs_threshold: int = 32  # cache_aware: load gap (in-flight requests) that forces balancing ...
+    balance_rel_threshold: float = 1.5  # ... when also max > rel * min
+    prefix_tree_blocks: int = 1 << 16  # cache_aware: blocks remembered per worker (LRU)
+    prefix_block_tokens: int = 16  # cache_aware: tokens per hashed block
+    # Limits.
+    max_request_bytes: int = 4 << 20
+    max_n: int = 1
+    timing_keep: int = 1024  # /v1/requests/{id}/timing: last N requests ...
+    timing_ttl_s: float = 300.0  # ... for at most this long
+    default_max_tokens: int = 128  # gRPC requests without max_new_tokens (clamped to the context)
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be one of {', '.join(POLICIES)}, got {getattr(self, name)!r}")
+        if self.max_retries < 0:
+            raise ConfigError(f"--max-retries must be >= 0, got {self.max_retries}")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if self.max_n < 1:
+            raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
+        seen: set[str] = set()
+        for w in self.workers:
+            if w.address in seen:
+                raise ConfigError(f"worker {w.address} is given twice; each address has one role")
+            seen.add(w.address)

@@ -1,0 +1,251 @@
+"""``RouterCore``: route one request, run its attempts with retries, stream its output.
+
+Per request: pick a prefill worker P and a decode worker D (separate policies), a DP rank on each by load, and a
+fresh bootstrap room; run the PD attempt; stream D's tokens. A failed attempt is retried - new room, the failed
+worker excluded while another exists, exponential backoff with jitter - only while nothing reached the client
+(streaming: no chunk yet; non-streaming: always) and within ``max_retries`` and the deadline. A fleet of colocated
+workers (``--worker``) is served the same way with one ``Generate`` leg; PD pairs are preferred when both exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from pdcluster.v1 import worker_pb2
+
+from common.errors import CapacityError, InvalidRequestError
+from router.config import Role, RouterConfig
+from router.errors import DeadlineError, LegError, RouterError, UnavailableError
+from router.inputs import InputProcessor
+from router.legs import Aborter, ColocatedAttempt, PdAttempt
+from router.metrics import RouterMetrics
+from router.output import OutputState
+from router.policies import Policy, RouteHint, make_policy, pick_rank
+from router.request import Delta, Final, GenRequest
+from router.rooms import RoomAllocator
+from router.timing_store import TimingStore
+from router.workers import Lease, Registry, Worker
+
+logger = logging.getLogger(__name__)
+
+# Worker statuses that say nothing about the worker's health (the request itself is at fault).
+NOT_WORKER_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED})
+
+
+@dataclass(slots=True)
+class Plan:
+    """One attempt's choice: P and D (PD) or only D (colocated), with their ranks and leases."""
+
+    leases: list[Lease]
+    room: int
+    prefill: Worker | None
+    prefill_rank: int
+    worker: Worker  # decode or colocated
+    rank: int
+
+    @property
+    def served_by(self) -> str:
+        return f"{self.prefill.address} -> {self.worker.address}" if self.prefill else self.worker.address
+
+
+class RouterCore:
+    def __init__(self, cfg: RouterConfig, inputs: InputProcessor, tokenizer_hf: object, metrics: RouterMetrics,
+                 registry: Registry) -> None:
+        self.cfg = cfg
+        self.inputs = inputs
+        self.tokenizer_hf = tokenizer_hf
+        self.metrics = metrics
+        self.registry = registry
+        self.rng = random.Random()
+        self.prefill_policy = make_policy(cfg.prefill_policy, cfg, self.rng)
+        self.decode_policy = make_policy(cfg.decode_policy, cfg, self.rng)
+        self.colocated_policy = make_policy(cfg.prefill_policy, cfg, self.rng)
+        self.rooms = RoomAllocator()
+        self.aborter = Aborter(cfg.rpc_timeout_s, metrics)
+        self.timings = TimingStore(cfg.timing_keep, cfg.timing_ttl_s)
+        self.active: set[str] = set()
+
+    def forget_worker(self, address: str) -> None:
+        for p in (self.prefill_policy, self.decode_policy, self.colocated_policy):
+            p.forget(address)
+
+    # -- the request loop ------------------------------------------------------------------------------------
+    async def generate(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
+        """Deltas (streaming requests only), then exactly one Final; or raises a typed error."""
+        if req.rid in self.active:
+            raise InvalidRequestError(f"request_id {req.rid!r} is already in flight; request ids must be unique")
+        self.active.add(req.rid)
+        self.metrics.inflight.inc()
+        outcome = "cancelled"
+        try:
+            async for ev in self._attempts(req):
+                yield ev
+            outcome = "success"
+        except (InvalidRequestError, CapacityError):
+            outcome = "invalid"
+            raise
+        except RouterError as e:
+            outcome = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+                       grpc.StatusCode.INVALID_ARGUMENT: "invalid"}.get(e.code, "error")
+            logger.warning("[rid=%s] failed: %s: %s", req.rid, e.code.name, e)
+            raise
+        finally:
+            self.active.discard(req.rid)
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(req.api, outcome).inc()
+
+    async def _attempts(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
+        failed: set[str] = set()
+        attempt = 0
+        while True:
+            plan = self._route(req, failed)
+            node_rid = req.rid if attempt == 0 else f"{req.rid}#{attempt}"
+            node_req = worker_pb2.GenerateRequest(
+                rid=node_rid, input_ids=req.input_ids, sampling_params=req.sampling_pb,
+                return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+            )
+            dispatched_at = time.monotonic()
+            out = OutputState(req, self.tokenizer_hf, self.metrics)
+            emitted = False
+            try:
+                if plan.prefill is not None:
+                    leg: PdAttempt | ColocatedAttempt = PdAttempt(
+                        node_req, plan.prefill, plan.prefill_rank, plan.worker, plan.rank, plan.room, req.deadline,
+                        self.aborter)
+                else:
+                    if plan.worker.dp_size > 1:
+                        node_req.dp_rank = plan.rank
+                    leg = ColocatedAttempt(node_req, plan.worker, req.deadline, self.aborter)
+                fin: worker_pb2.Finished | None = None
+                async with contextlib.aclosing(leg.stream()) as msgs:
+                    async for msg in msgs:
+                        if msg.WhichOneof("kind") == "chunk":
+                            delta = out.add(msg.chunk)
+                        else:
+                            fin = msg.finished
+                            if fin.finish_reason == "abort":
+                                raise LegError(f"{plan.worker.address} aborted the request", grpc.StatusCode.ABORTED,
+                                               plan.worker.address, True)
+                            delta = out.add(fin.last, final=True)
+                        if req.stream and delta is not None and (delta.text or delta.token_ids):
+                            emitted = True
+                            yield delta
+                        if out.stopped:
+                            break  # closing the legs aborts them on both nodes
+                if not out.ids:
+                    raise LegError(f"{plan.served_by} finished without producing a token", grpc.StatusCode.INTERNAL,
+                                   plan.worker.address, True)
+                for lease in plan.leases:
+                    lease.worker.breaker.record_success()
+                prefill_resp = leg.prefill_resp if isinstance(leg, PdAttempt) else None
+                final = out.finish(fin, prefill_resp, plan.served_by, attempt + 1, dispatched_at)
+                self.timings.put(req.rid, {**final.timing, "served_by": final.served_by})
+                yield final
+                return
+            except LegError as e:
+                if e.code not in NOT_WORKER_FAULTS:
+                    w = self.registry.workers.get(e.worker)
+                    if w is not None:
+                        w.breaker.record_failure()
+                if not e.retryable or emitted:
+                    if emitted:
+                        raise RouterError(f"the request failed after streaming began: {e}", e.code) from None
+                    raise
+                attempt += 1
+                failed.add(e.worker)
+                now = time.monotonic()
+                if now >= req.deadline:
+                    raise DeadlineError(f"request deadline exceeded after {attempt} attempt(s); last error: {e}") from None
+                if attempt > self.cfg.max_retries:
+                    raise UnavailableError(f"all {attempt} attempts failed; last error: {e}") from None
+                backoff = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1), self.cfg.retry_backoff_max_s)
+                backoff *= 0.5 + self.rng.random() / 2
+                if now + backoff >= req.deadline:
+                    raise DeadlineError(f"request deadline exceeded after {attempt} attempt(s); last error: {e}") from None
+                leg_name = "decode" if e.worker == plan.worker.address and plan.prefill is not None else (
+                    "prefill" if plan.prefill is not None else "generate")
+                self.metrics.retries.labels(leg_name).inc()
+                logger.info("[rid=%s room=%d] attempt %d failed (%s); retrying in %.0f ms", req.rid, plan.room,
+                            attempt, e, backoff * 1000)
+                await asyncio.sleep(backoff)
+            finally:
+                for lease in plan.leases:
+                    lease.release()
+                self.rooms.release(plan.room)
+
+    # -- routing ---------------------------------------------------------------------------------------------
+    def _route(self, req: GenRequest, failed: set[str]) -> Plan:
+        hint = RouteHint(req.input_ids, len(req.input_ids) + req.max_new_tokens)
+        prefills = self._candidates("prefill", failed, len(req.input_ids))
+        decodes = self._candidates("decode", failed, hint.tokens)
+        if prefills and decodes:
+            p, p_rank = self._choose(self.prefill_policy, prefills, hint, len(req.input_ids))
+            d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)
+            leases = [Lease(p, p.ranks[p_rank], len(req.input_ids), p.pages_for(len(req.input_ids))),
+                      Lease(d, d.ranks[d_rank], hint.tokens, d.pages_for(hint.tokens))]
+            self.metrics.disagg_decisions.labels(p.address, d.address).inc()
+            return Plan(leases, self.rooms.acquire(), p, p_rank, d, d_rank)
+        colocated = self._candidates("colocated", failed, hint.tokens)
+        if colocated:
+            w, rank = self._choose(self.colocated_policy, colocated, hint, hint.tokens)
+            self.metrics.disagg_decisions.labels(w.address, "").inc()
+            return Plan([Lease(w, w.ranks[rank], hint.tokens, w.pages_for(hint.tokens))], 0, None, 0, w, rank)
+        raise UnavailableError(self._why_unavailable(prefills, decodes))
+
+    def _candidates(self, role: Role, failed: set[str], tokens: int) -> list[Worker]:
+        """Routable workers of ``role``: not yet failed for this request if possible, that can hold it if possible."""
+        ws = self.registry.routable(role)
+        if len(ws) > 1 and failed:
+            ws = [w for w in ws if w.address not in failed] or ws
+        if len(ws) > 1:
+            fit = []
+            for w in ws:
+                free = w.free_pages()
+                if free is None or free >= w.pages_for(tokens):
+                    fit.append(w)
+            ws = fit or ws
+        return ws
+
+    def _choose(self, policy: Policy, workers: list[Worker], hint: RouteHint, tokens: int) -> tuple[Worker, int]:
+        w, rank = policy.pick(workers, hint)
+        if rank is None:
+            rank = pick_rank(w, w.pages_for(tokens))
+        policy.routed(w, rank, hint)
+        return w, rank
+
+    def _why_unavailable(self, prefills: list[Worker], decodes: list[Worker]) -> str:
+        reg = self.registry
+        if not reg.workers:
+            return "no workers are registered with the router"
+
+        def describe(role: Role) -> str:
+            ws = [w for w in reg if w.role == role]
+            if not ws:
+                return f"no {role} workers registered"
+            states = ", ".join(f"{w.address} {_state(w)}" for w in ws)
+            return f"no routable {role} worker ({states})"
+
+        if reg.has_role("prefill") or reg.has_role("decode"):
+            parts = [describe(r) for r, got in (("prefill", prefills), ("decode", decodes)) if not got]
+            return "; ".join(parts)
+        return describe("colocated")
+
+
+def _state(w: Worker) -> str:
+    if w.error:
+        return f"unusable: {w.error}"
+    if w.info is None:
+        return "not reachable yet"
+    if not w.healthy:
+        return "unhealthy"
+    if not w.breaker.allows():
+        return f"circuit {w.breaker.state}"
+    return "ok"

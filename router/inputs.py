@@ -1,0 +1,165 @@
+"""Input processing: model check, tokenization (text, token ids or chat messages), sampling-param validation.
+
+Every rejection is an ``InvalidRequestError`` (or ``CapacityError`` for context overflow) whose message names the
+field as the client spelled it (``max_tokens`` on the OpenAI API, ``sampling_params.max_new_tokens`` on gRPC).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from common.errors import CapacityError, InvalidRequestError
+from common.sampling.params import SamplingParams
+from router.request import GenRequest, sampling_to_proto
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_TOP_LOGPROBS = 20
+
+
+class Tokenizer:
+    """The HF tokenizer, with a fast path straight into the Rust tokenizer when it encodes identically."""
+
+    def __init__(self, hf: Any) -> None:
+        self.hf = hf
+        self.vocab_size = len(hf)
+        self.has_chat_template = bool(getattr(hf, "chat_template", None))
+        backend = getattr(hf, "backend_tokenizer", None)
+        probe = "Hello, world! 12 \u00e9t\u00e9 \U0001f600\n  x"
+        self._fast = backend if backend is not None and backend.encode(probe).ids == hf.encode(probe) else None
+
+    def encode(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text).ids
+        return self.hf.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja raises anything (TemplateError, TypeError) on input the template rejects
+            raise InvalidRequestError(f"messages: the model's chat template rejected them: {e}") from e
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
+        return self.hf.encode(text, add_special_tokens=False)
+
+
+def config_context_len(model_path: Path) -> int | None:
+    try:
+        cfg = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+        if isinstance(cfg.get(key), int) and cfg[key] > 0:
+            return int(cfg[key])
+    return None
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, model_name: str, config_context_len: int | None,
+                 default_max_tokens: int, request_timeout_s: float) -> None:
+        self.tok = tokenizer
+        self.model_name = model_name
+        self.config_context_len = config_context_len
+        self.worker_context_len: int | None = None  # from the workers' GetServerInfo, when known
+        self.default_max_tokens = default_max_tokens
+        self.request_timeout_s = request_timeout_s
+
+    @property
+    def context_len(self) -> int | None:
+        return self.worker_context_len or self.config_context_len
+
+    def build(
+        self,
+        *,
+        rid: str,
+        api: str,
+        sampling: dict[str, Any],
+        text: str | None = None,
+        input_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        model: str = "",
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        timeout_s: float | None = None,
+        max_tokens_field: str = "max_tokens",
+        default_max_tokens: int | None = None,
+    ) -> GenRequest:
+        """``sampling`` holds ``SamplingParams`` fields; ``max_new_tokens`` None means the default (clamped to the
+        context); ``default_max_tokens`` None means "up to the context" (chat)."""
+        arrival = time.monotonic()
+        if model and model != self.model_name:
+            raise InvalidRequestError(f"model: {model!r} is not served here; available models: [{self.model_name!r}]")
+        ids = self._tokenize(text, input_ids, messages)
+        tokenize_s = time.monotonic() - arrival
+
+        ctx = self.context_len
+        n = len(ids)
+        if ctx is not None and n >= ctx:
+            raise CapacityError(f"prompt: {n} tokens, but the model's context is {ctx} tokens "
+                                "(one more is needed to generate); shorten the prompt")
+        max_new = sampling.get("max_new_tokens")
+        if max_new is None:
+            room = (ctx - n) if ctx is not None else self.default_max_tokens
+            want = self.default_max_tokens if default_max_tokens is None else default_max_tokens
+            sampling["max_new_tokens"] = max(1, min(want, room)) if api != "chat" else max(1, room)
+        else:
+            if isinstance(max_new, bool) or not isinstance(max_new, int):
+                raise InvalidRequestError(f"{max_tokens_field} must be an integer, got {max_new!r}")
+            if max_new <= 0:
+                raise InvalidRequestError(f"{max_tokens_field} must be >= 1, got {max_new}")
+            if ctx is not None and n + max_new > ctx:
+                raise CapacityError(f"{max_tokens_field}: prompt ({n} tokens) + {max_tokens_field} ({max_new}) = "
+                                    f"{n + max_new} exceeds the model's context of {ctx} tokens; lower {max_tokens_field}")
+        if top_logprobs_num < 0 or top_logprobs_num > MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}")
+        try:
+            sp = SamplingParams(**sampling)
+        except TypeError as e:
+            raise InvalidRequestError(f"sampling parameters: {e}") from e
+        sp.verify(self.tok.vocab_size)
+
+        timeout = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
+        return GenRequest(
+            rid=rid, api=api, input_ids=ids, sampling=sp, sampling_pb=sampling_to_proto(sp), stream=stream,
+            arrival=arrival, deadline=arrival + timeout, return_logprob=return_logprob or top_logprobs_num > 0,
+            top_logprobs_num=top_logprobs_num, tokenize_s=tokenize_s,
+        )
+
+    def _tokenize(self, text: str | None, input_ids: list[int] | None,
+                  messages: list[dict[str, str]] | None) -> list[int]:
+        given = sum(x is not None for x in (text, input_ids, messages))
+        if given != 1:
+            raise InvalidRequestError("exactly one of prompt text, input_ids or messages is required")
+        if text is not None:
+            if not text:
+                raise InvalidRequestError("prompt must not be empty")
+            ids = self.tok.encode(text)
+            if not ids:
+                raise InvalidRequestError("prompt encodes to no tokens")
+            return ids
+        if input_ids is not None:
+            if not input_ids:
+                raise InvalidRequestError("input_ids (prompt token ids) must not be empty")
+            vocab = self.tok.vocab_size
+            for i, t in enumerate(input_ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise InvalidRequestError(f"input_ids[{i}] = {t!r} is not a token id in [0, {vocab})")
+            return list(input_ids)
+        assert messages is not None
+        if not messages:
+            raise InvalidRequestError("messages must not be empty")
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role not in CHAT_ROLES:
+                raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+            if not isinstance(m.get("content"), str):
+                raise InvalidRequestError(f"messages[{i}].content must be a string")
+        if not self.tok.has_chat_template:
+            raise InvalidRequestError("messages: this model has no chat template; send a prompt to /v1/completions")
+        ids = self.tok.encode_chat(messages)
+        if not ids:
+            raise InvalidRequestError("messages render to no tokens")
+        return ids

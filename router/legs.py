@@ -1,0 +1,167 @@
+"""One attempt at serving a request: the RPC legs on the chosen workers, under one deadline and one cancel scope.
+
+PD attempt: ``Prefill`` on P and ``Decode`` on D start together. D's stream is passed through as it arrives (the
+first token is not held back until P answers); P's answer (cached tokens, timings) is awaited before the final
+message. If either leg fails, the other is cancelled. Unless the attempt ended with a Finished message, both nodes
+get ``Abort(rid)`` - on leg failure, on client cancel (task cancellation), on deadline, and when the consumer stops
+reading early (router-side stop string). Aborts run in the background so a cancelled client is released at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from pdcluster.v1 import worker_pb2
+
+from router.errors import RETRYABLE, LegError
+from router.metrics import RouterMetrics
+from router.workers import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class Aborter:
+    """Fire-and-forget ``Worker.Abort`` calls, tracked so shutdown can wait for them."""
+
+    def __init__(self, rpc_timeout_s: float, metrics: RouterMetrics) -> None:
+        self.rpc_timeout_s = rpc_timeout_s
+        self.metrics = metrics
+        self.pending: set[asyncio.Task[None]] = set()
+
+    def abort(self, worker: Worker, rid: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort(worker, rid))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def _abort(self, worker: Worker, rid: str) -> None:
+        self.metrics.aborts.labels(worker.role).inc()
+        try:
+            await worker.stub.Abort(worker_pb2.AbortRequest(rid=rid), timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            logger.warning("[rid=%s] Abort on %s failed: %s %s", rid, worker.address, e.code().name, e.details())
+
+    async def drain(self, timeout: float) -> None:
+        if self.pending:
+            await asyncio.wait(list(self.pending), timeout=timeout)
+
+
+def leg_error(leg: str, worker: Worker, e: grpc.aio.AioRpcError) -> LegError:
+    code = e.code()
+    return LegError(f"{leg} on {worker.address} failed: {code.name}: {e.details()}", code, worker.address,
+                    code in RETRYABLE)
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class PdAttempt:
+    """Prefill on (p, p_rank) and Decode on (d, d_rank) for one bootstrap room."""
+
+    def __init__(self, req: worker_pb2.GenerateRequest, p: Worker, p_rank: int, d: Worker, d_rank: int,
+                 room: int, deadline: float, aborter: Aborter) -> None:
+        self.req, self.p, self.p_rank, self.d, self.d_rank = req, p, p_rank, d, d_rank
+        self.room, self.deadline, self.aborter = room, deadline, aborter
+        self.prefill_resp: worker_pb2.PrefillResponse | None = None
+        self.failed_worker: Worker | None = None
+        self._prefill_err: LegError | None = None
+
+    async def stream(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        timeout = max(self.deadline - time.monotonic(), 0.001)
+        p, d, rid = self.p, self.d, self.req.rid
+        pcall = p.stub.Prefill(
+            worker_pb2.PrefillRequest(request=self.req, bootstrap_room=self.room, prefill_dp_rank=self.p_rank),
+            timeout=timeout,
+        )
+        dcall = d.stub.Decode(
+            worker_pb2.DecodeRequest(request=self.req, bootstrap_room=self.room, bootstrap_addr=p.bootstrap_addr,
+                                     prefill_dp_rank=self.p_rank, decode_dp_rank=self.d_rank),
+            timeout=timeout,
+        )
+        ptask: asyncio.Future[worker_pb2.PrefillResponse] = asyncio.ensure_future(pcall)
+
+        def on_prefill_done(t: asyncio.Future[worker_pb2.PrefillResponse]) -> None:
+            if t.cancelled():
+                return
+            e = t.exception()
+            if isinstance(e, grpc.aio.AioRpcError):
+                self._prefill_err = leg_error("Prefill", p, e)
+                dcall.cancel()  # the decode leg can never get its KV now
+
+        ptask.add_done_callback(on_prefill_done)
+        finished = False
+        try:
+            while True:
+                try:
+                    msg = await dcall.read()
+                except asyncio.CancelledError:
+                    if self._prefill_err is not None and not _cancelling():
+                        self.failed_worker = p
+                        raise self._prefill_err from None
+                    raise
+                except grpc.aio.AioRpcError as e:
+                    self.failed_worker = d
+                    raise leg_error("Decode", d, e) from None
+                if msg is grpc.aio.EOF:
+                    self.failed_worker = d
+                    raise LegError(f"Decode on {d.address} ended its stream without a Finished message",
+                                   grpc.StatusCode.INTERNAL, d.address, True)
+                if msg.WhichOneof("kind") == "finished":
+                    self.prefill_resp = await self._prefill_result(ptask)
+                    finished = True
+                yield msg
+                if finished:
+                    return
+        finally:
+            if not finished:
+                pcall.cancel()
+                ptask.cancel()
+                dcall.cancel()
+                self.aborter.abort(p, rid)
+                self.aborter.abort(d, rid)
+
+    async def _prefill_result(self, ptask: asyncio.Future[worker_pb2.PrefillResponse]) -> worker_pb2.PrefillResponse | None:
+        """P's answer. Decode already finished, so a late prefill failure only costs the cached-token count."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(ptask), max(self.deadline - time.monotonic(), 0.001))
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            logger.warning("[rid=%s room=%d] decode finished but Prefill on %s did not answer: %r",
+                           self.req.rid, self.room, self.p.address, e)
+            return None
+
+
+class ColocatedAttempt:
+    """Generate on one colocated (mode ``null``) worker; ``req.dp_rank`` is already set."""
+
+    def __init__(self, req: worker_pb2.GenerateRequest, w: Worker, deadline: float, aborter: Aborter) -> None:
+        self.req, self.w, self.deadline, self.aborter = req, w, deadline, aborter
+        self.failed_worker: Worker | None = None
+
+    async def stream(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        timeout = max(self.deadline - time.monotonic(), 0.001)
+        call = self.w.stub.Generate(self.req, timeout=timeout)
+        finished = False
+        try:
+            while True:
+                try:
+                    msg = await call.read()
+                except grpc.aio.AioRpcError as e:
+                    self.failed_worker = self.w
+                    raise leg_error("Generate", self.w, e) from None
+                if msg is grpc.aio.EOF:
+                    self.failed_worker = self.w
+                    raise LegError(f"Generate on {self.w.address} ended its stream without a Finished message",
+                                   grpc.StatusCode.INTERNAL, self.w.address, True)
+                finished = msg.WhichOneof("kind") == "finished"
+                yield msg
+                if finished:
+                    return
+        finally:
+            if not finished:
+                call.cancel()
+                self.aborter.abort(self.w, self.req.rid)

@@ -1,0 +1,119 @@
+"""Background monitoring of every registered worker: server info, grpc.health.v1 checks, load reports.
+
+- A worker becomes routable once ``GetServerInfo`` answered and its mode matches its role (``probe``).
+- Health: every ``health_interval_s``; ``health_failure_threshold`` failures in a row mark it unhealthy, one
+  success marks it healthy again (and fetches its info if it has none).
+- Load: every ``load_interval_s`` ``GetLoad`` refreshes the per-rank reports the policies read; requests never wait
+  for a load report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2
+from pdcluster.v1 import worker_pb2
+
+from router.breaker import HALF_OPEN, OPEN
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.workers import Registry, Worker
+
+logger = logging.getLogger(__name__)
+CIRCUIT_VALUE = {HALF_OPEN: 1, OPEN: 2}
+
+
+class Monitor:
+    def __init__(self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics,
+                 on_change: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.metrics = metrics
+        self.on_change = on_change  # called when server infos change (context length)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._health_loop()), loop.create_task(self._load_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def probe(self, w: Worker) -> bool:
+        """Fetch server info, health and load once; True when the worker is routable afterwards."""
+        timeout = self.cfg.rpc_timeout_s
+        try:
+            info = await w.stub.GetServerInfo(worker_pb2.GetServerInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            logger.info("worker %s (%s) not reachable yet: %s", w.address, w.role, e.code().name)
+            return False
+        if not w.set_info(info):
+            logger.error("worker %s cannot serve: %s", w.address, w.error)
+            return False
+        self.on_change()
+        await self._check_health(w)
+        await self._load(w)
+        logger.info("worker %s (%s) ready: dp_size=%d page_size=%d context_len=%d bootstrap=%s healthy=%s",
+                    w.address, w.role, w.dp_size, w.page_size, info.context_len,
+                    w.bootstrap_addr if w.role == "prefill" else "-", w.healthy)
+        return w.routable
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(w) for w in self.registry), return_exceptions=False)
+
+    async def _check_health(self, w: Worker) -> None:
+        try:
+            resp = await w.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.rpc_timeout_s)
+            ok = resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            ok = False
+        if ok:
+            if not w.healthy:
+                logger.info("worker %s (%s) is healthy", w.address, w.role)
+            w.healthy, w.health_failures = True, 0
+        else:
+            w.health_failures += 1
+            if w.healthy and w.health_failures >= self.cfg.health_failure_threshold:
+                w.healthy = False
+                logger.warning("worker %s (%s) is unhealthy after %d failed health checks", w.address, w.role,
+                               w.health_failures)
+
+    async def _load(self, w: Worker) -> None:
+        try:
+            load = await w.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=self.cfg.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            logger.debug("GetLoad on %s failed: %s", w.address, e.code().name)
+            return
+        w.set_load(load)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            await asyncio.gather(*(self._health_one(w) for w in self.registry))
+            self._export()
+
+    async def _health_one(self, w: Worker) -> None:
+        if w.info is None:
+            await self.probe(w)
+        else:
+            await self._check_health(w)
+
+    async def _load_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.load_interval_s)
+            await asyncio.gather(*(self._load(w) for w in self.registry if w.info is not None))
+
+    def _export(self) -> None:
+        m = self.metrics
+        for w in self.registry:
+            m.worker_healthy.labels(w.address, w.role).set(1 if w.healthy else 0)
+            m.worker_circuit_open.labels(w.address).set(CIRCUIT_VALUE.get(w.breaker.state, 0))
+            m.worker_inflight.labels(w.address).set(w.inflight)

@@ -1,0 +1,229 @@
+"""OpenAI-compatible request schemas (msgspec) and response bodies, for ``/v1/completions`` and
+``/v1/chat/completions``. The ``pdcluster`` key of a response is our extension: timing breakdown and served_by."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from pdcluster.v1 import common_pb2
+
+from common.errors import InvalidRequestError
+from router.request import Final
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    request_id: str | None = None  # extension: the id to use (default: generated)
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+_DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (CompletionRequest, ChatRequest)}
+
+
+def decode(body: bytes, cls: type[CompletionRequest] | type[ChatRequest]) -> Any:
+    try:
+        return _DECODERS[cls].decode(body)
+    except msgspec.ValidationError as e:
+        raise InvalidRequestError(f"invalid request body: {e}") from e
+    except msgspec.DecodeError as e:
+        raise InvalidRequestError(f"request body is not valid JSON: {e}") from e
+
+
+def _common_checks(r: _Common, max_n: int) -> None:
+    if r.n < 1 or r.n > max_n:
+        raise InvalidRequestError(f"n must be between 1 and {max_n} on this router, got {r.n}; send one request "
+                                  "per completion")
+    if r.best_of not in (None, 1):
+        raise InvalidRequestError(f"best_of is not supported (must be 1), got {r.best_of}")
+    if r.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported; remove it")
+    if r.stream_options is not None and not r.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true")
+
+
+def sampling_of(r: _Common, max_tokens: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": r.min_tokens, "ignore_eos": r.ignore_eos,
+                           "skip_special_tokens": r.skip_special_tokens, "seed": r.seed}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty"):
+        value = getattr(r, name)
+        if value is not None:
+            out[name] = value
+    stop = r.stop
+    out["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    out["stop_token_ids"] = tuple(r.stop_token_ids or ())
+    return out
+
+
+def completion_inputs(r: CompletionRequest, max_n: int) -> dict[str, Any]:
+    """Keyword arguments for ``InputProcessor.build``."""
+    _common_checks(r, max_n)
+    if r.echo:
+        raise InvalidRequestError("echo is not supported; remove it")
+    if r.suffix:
+        raise InvalidRequestError("suffix is not supported; remove it")
+    if r.logprobs is not None and not 0 <= r.logprobs <= 20:
+        raise InvalidRequestError(f"logprobs must be in [0, 20], got {r.logprobs}")
+    kw: dict[str, Any] = {}
+    p = r.prompt
+    if isinstance(p, list):
+        if len(p) == 1 and isinstance(p[0], str | list):
+            p = p[0]
+        elif not p:
+            raise InvalidRequestError("prompt must not be empty")
+    if isinstance(p, str):
+        kw["text"] = p
+    elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        kw["input_ids"] = p
+    else:
+        raise InvalidRequestError("prompt must be a string or a list of token ids (batches are not supported: send "
+                                  "one prompt per request)")
+    lp = r.logprobs
+    return {**kw, "sampling": sampling_of(r, r.max_tokens), "model": r.model, "stream": r.stream,
+            "return_logprob": lp is not None, "top_logprobs_num": lp or 0, "max_tokens_field": "max_tokens",
+            "default_max_tokens": 16}
+
+
+def chat_inputs(r: ChatRequest, max_n: int) -> dict[str, Any]:
+    _common_checks(r, max_n)
+    messages = []
+    for i, m in enumerate(r.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        messages.append({"role": m.role, "content": content if content is not None else ""})
+    field, max_tokens = "max_tokens", r.max_tokens
+    if r.max_completion_tokens is not None:
+        field, max_tokens = "max_completion_tokens", r.max_completion_tokens
+    if r.top_logprobs is not None and not r.logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs to be true")
+    return {"messages": messages, "sampling": sampling_of(r, max_tokens), "model": r.model, "stream": r.stream,
+            "return_logprob": r.logprobs, "top_logprobs_num": r.top_logprobs or 0, "max_tokens_field": field}
+
+
+# -- responses -----------------------------------------------------------------------------------------------
+def usage_of(f: Final) -> dict[str, Any]:
+    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
+            "total_tokens": f.prompt_tokens + f.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}
+
+
+def extension_of(f: Final) -> dict[str, Any]:
+    ext: dict[str, Any] = {"timing": f.timing, "served_by": f.served_by}
+    if f.matched_stop is not None:
+        ext["matched_stop"] = f.matched_stop
+    elif f.matched_token is not None:
+        ext["matched_token"] = f.matched_token
+    return ext
+
+
+class LogprobFormatter:
+    """Token strings for logprobs, from the tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+
+    def token(self, tid: int) -> str:
+        return self.tok.decode([tid], skip_special_tokens=False)
+
+    def chat(self, ids: list[int], lps: list[float], tops: list[common_pb2.TopLogprobs]) -> dict[str, Any]:
+        content = []
+        for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
+            s = self.token(tid)
+            top = tops[i] if i < len(tops) else None
+            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                            "top_logprobs": [] if top is None else [
+                                {"token": (t := self.token(a)), "logprob": b, "bytes": list(t.encode())}
+                                for a, b in zip(top.token_ids, top.logprobs, strict=False)]})
+        return {"content": content}
+
+    def completion(self, ids: list[int], lps: list[float], tops: list[common_pb2.TopLogprobs],
+                   offset: int) -> dict[str, Any]:
+        tokens = [self.token(t) for t in ids[: len(lps)]]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        top = [{self.token(a): b for a, b in zip(t.token_ids, t.logprobs, strict=False)} for t in tops] if tops else None
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def completion_body(rid: str, model: str, created: int, text: str, finish: str | None,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def chat_body(rid: str, model: str, created: int, text: str, finish: str | None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                         "finish_reason": finish}]}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return completion_body(rid, model, created, text, finish, logprobs)
+
+
+def error_body(message: str, status: int, code: str | None = None) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": code or str(status)}}
+
+
+def now_s() -> int:
+    return int(time.time())

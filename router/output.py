@@ -1,0 +1,117 @@
+"""Per-attempt output state: incremental detokenization, stop strings, logprobs, TTFT/ITL, and the final result."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pdcluster.v1 import common_pb2, worker_pb2
+
+from common.detokenizer import IncrementalDetokenizer
+from router.metrics import RouterMetrics
+from router.request import Delta, Final, GenRequest
+
+TIMING_FIELDS = ("queue", "bootstrap", "prefill", "transfer", "decode_queue", "ttft", "e2e")
+
+
+def timing_dict(t: common_pb2.Timing | None) -> dict[str, float]:
+    if t is None:
+        return {}
+    d = {f: round(getattr(t, f), 6) for f in TIMING_FIELDS}
+    d["transfer_bytes"] = t.transfer_bytes
+    return d
+
+
+class OutputState:
+    def __init__(self, req: GenRequest, tokenizer: Any, metrics: RouterMetrics) -> None:
+        self.req = req
+        self.metrics = metrics
+        sp = req.sampling
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop)
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[common_pb2.TopLogprobs] = []
+        self.first_at: float | None = None
+        self.last_at = 0.0
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string matched at the router (the node may still be generating)."""
+        return self.detok.stopped
+
+    def add(self, chunk: worker_pb2.TokenChunk, final: bool = False) -> Delta | None:
+        ids = list(chunk.token_ids)
+        if not ids and not final:
+            return None
+        now = time.monotonic()
+        if ids:
+            if self.first_at is None:
+                self.first_at = now
+                self.metrics.ttft.observe(now - self.req.arrival)
+            else:
+                self.metrics.itl.observe(now - self.last_at)
+            self.last_at = now
+        if self.detok.stopped:
+            return None
+        text = self.detok.add(ids, final=final)
+        self.ids.extend(ids)
+        lps = list(chunk.logprobs)
+        tops = list(chunk.top_logprobs)
+        self.logprobs.extend(lps)
+        self.top_logprobs.extend(tops)
+        return Delta(text, ids, lps, tops)
+
+    def matched_stop(self) -> str | None:
+        d = self.detok
+        for s in d.stop:
+            if d.full.startswith(s, d.emitted):
+                return s
+        return None
+
+    def finish(self, fin: worker_pb2.Finished | None, prefill: worker_pb2.PrefillResponse | None,
+               served_by: str, attempts: int, dispatched_at: float) -> Final:
+        """``fin`` None: the router matched a stop string and ended the request itself."""
+        now = time.monotonic()
+        req = self.req
+        matched_token: int | None = None
+        matched_stop: str | None = None
+        if self.detok.stopped:
+            reason, matched_stop = "stop", self.matched_stop()
+        else:
+            assert fin is not None
+            reason = fin.finish_reason or "stop"
+            which = fin.WhichOneof("matched")
+            if which == "matched_token":
+                matched_token = fin.matched_token
+            elif which == "matched_stop":
+                matched_stop = fin.matched_stop
+        cached = prefill.cached_tokens if prefill is not None else (fin.usage.cached_tokens if fin else 0)
+        p_t = prefill.timing if prefill is not None else None
+        d_t = fin.timing if fin is not None else None
+        ttft = (self.first_at or now) - req.arrival
+        e2e = now - req.arrival
+        merged = common_pb2.Timing(ttft=ttft, e2e=e2e)
+        src = p_t if p_t is not None else d_t
+        if src is not None:
+            merged.queue, merged.bootstrap, merged.prefill = src.queue, src.bootstrap, src.prefill
+        if d_t is not None:
+            merged.transfer, merged.decode_queue = d_t.transfer, d_t.decode_queue
+            merged.transfer_bytes = d_t.transfer_bytes
+        timing: dict[str, Any] = timing_dict(merged)
+        timing.update(
+            tokenize=round(req.tokenize_s, 6),
+            router_queue=round(dispatched_at - req.arrival, 6),  # tokenize + routing + retries/backoff
+            attempts=attempts,
+            prefill_node=timing_dict(p_t),
+            decode_node=timing_dict(d_t),
+        )
+        self.metrics.e2e.observe(e2e)
+        self.metrics.prompt_tokens.inc(len(req.input_ids))
+        self.metrics.completion_tokens.inc(len(self.ids))
+        self.metrics.cached_tokens.inc(cached)
+        return Final(
+            rid=req.rid, text=self.detok.text, output_ids=self.ids, finish_reason=reason,
+            prompt_tokens=len(req.input_ids), completion_tokens=len(self.ids), cached_tokens=cached,
+            served_by=served_by, timing=timing, matched_token=matched_token, matched_stop=matched_stop,
+            logprobs=self.logprobs, top_logprobs=self.top_logprobs, node_timing=merged,
+        )

@@ -1,0 +1,77 @@
+"""The router's internal request and result types, shared by the gRPC service and the HTTP gateway."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdcluster.v1 import common_pb2
+
+from common.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenRequest:
+    """A validated, tokenized request. ``deadline`` and ``arrival`` are ``time.monotonic()`` values."""
+
+    rid: str
+    api: str  # "grpc", "completions" or "chat" (a metrics label)
+    input_ids: list[int]
+    sampling: SamplingParams
+    sampling_pb: common_pb2.SamplingParams
+    stream: bool
+    arrival: float
+    deadline: float
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    tokenize_s: float = 0.0
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output since the last Delta: text that became final (may be empty) and the token ids that arrived."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Final:
+    rid: str
+    text: str
+    output_ids: list[int]
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    served_by: str
+    timing: dict[str, float | int | dict[str, float]]
+    matched_token: int | None = None
+    matched_stop: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)
+    node_timing: common_pb2.Timing | None = None  # merged P + D timing with router-measured ttft/e2e
+
+
+def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        max_new_tokens=sp.max_new_tokens,
+        min_new_tokens=sp.min_new_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        repetition_penalty=sp.repetition_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        stop=sp.stop,
+        stop_token_ids=sp.stop_token_ids,
+        ignore_eos=sp.ignore_eos,
+        seed=sp.seed,
+        skip_special_tokens=sp.skip_special_tokens,
+    )

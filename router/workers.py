@@ -1,0 +1,213 @@
+"""Worker registry: one ``Worker`` per node address, with its channel, server info, load and in-flight counts.
+
+Load a policy sees for one DP rank = the node's last ``GetLoad`` report (polled by ``router.monitor``) plus what
+this router dispatched to the rank and has not yet finished (``RankState.inflight``). KV pages this router
+dispatched *since the last report* are subtracted from the reported free pages (``reserved_pages``); a new report
+resets that, because the node's own count then includes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+from pdcluster.v1 import worker_pb2, worker_pb2_grpc
+
+from router.breaker import CircuitBreaker
+from router.config import Role, RouterConfig, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+MODE_OF_ROLE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    # A restarted worker is reachable again within ~0.1-2 s instead of grpc's default backoff of up to 120 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.enable_retries", 0),
+)
+
+
+class RankState:
+    __slots__ = ("epoch", "inflight", "inflight_tokens", "rank", "report", "reserved_pages")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.report: worker_pb2.RankLoad | None = None
+        self.epoch = 0  # bumped by each report
+        self.inflight = 0
+        self.inflight_tokens = 0
+        self.reserved_pages = 0
+
+    def queued(self) -> int:
+        """Requests on the node not yet running (any router's), plus this router's in flight here."""
+        r = self.report
+        waiting = 0 if r is None else r.waiting + r.bootstrap + r.prealloc + r.transfer
+        return waiting + self.inflight
+
+    def free_pages(self, page_size: int) -> int | None:
+        """Pages a new request may use (None: no report yet, unknown)."""
+        r = self.report
+        if r is None:
+            return None
+        return r.free_kv_pages + r.evictable_tokens // max(page_size, 1) - self.reserved_pages
+
+
+class Lease:
+    """What one attempt holds on one worker rank; ``release`` exactly once when the attempt ends."""
+
+    __slots__ = ("epoch", "pages", "released", "state", "tokens", "worker")
+
+    def __init__(self, worker: Worker, state: RankState, tokens: int, pages: int) -> None:
+        self.worker, self.state, self.tokens, self.pages = worker, state, tokens, pages
+        self.epoch = state.epoch
+        self.released = False
+        worker.inflight += 1
+        worker.inflight_tokens += tokens
+        state.inflight += 1
+        state.inflight_tokens += tokens
+        state.reserved_pages += pages
+        worker.breaker.on_dispatch()
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        w, s = self.worker, self.state
+        w.inflight -= 1
+        w.inflight_tokens -= self.tokens
+        s.inflight -= 1
+        s.inflight_tokens -= self.tokens
+        if s.epoch == self.epoch:  # otherwise a newer report already accounts for these pages
+            s.reserved_pages = max(0, s.reserved_pages - self.pages)
+        if w.removed and w.inflight == 0:
+            w.close_soon()
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, cfg: RouterConfig) -> None:
+        self.spec = spec
+        self.address = spec.address
+        self.role: Role = spec.role
+        self.host = spec.address.rsplit(":", 1)[0]
+        self.channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_open_s)
+        self.info: worker_pb2.ServerInfo | None = None
+        self.error = ""  # why the worker is not usable (shown by ListWorkers and logs)
+        self.healthy = False
+        self.health_failures = 0
+        self.removed = False
+        self.ranks: list[RankState] = [RankState(0)]
+        self.page_size = 1
+        self.inflight = 0
+        self.inflight_tokens = 0
+        self.rr = 0  # rotating tie-break among equally loaded ranks
+
+    # -- facts from GetServerInfo ------------------------------------------------------------------------------
+    def set_info(self, info: worker_pb2.ServerInfo) -> bool:
+        """Adopt the worker's server info; False (with ``error`` set) when it cannot serve in its role."""
+        want = MODE_OF_ROLE[self.role]
+        if info.mode != want:
+            self.error = f"registered as {self.role} but the node runs in mode {info.mode!r} (expected {want!r})"
+            return False
+        if self.role == "prefill" and not (self.spec.bootstrap_port or info.bootstrap_port):
+            self.error = "prefill node reports no bootstrap port; pass --prefill HOST:PORT:BOOTSTRAP_PORT"
+            return False
+        self.info = info
+        self.error = ""
+        self.page_size = max(info.page_size, 1)
+        dp = max(info.dp_size, 1)
+        if len(self.ranks) != dp:
+            self.ranks = [RankState(r) for r in range(dp)]
+        return True
+
+    @property
+    def bootstrap_addr(self) -> str:
+        port = self.spec.bootstrap_port or (self.info.bootstrap_port if self.info else 0)
+        return f"{self.host}:{port}"
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def routable(self) -> bool:
+        return self.info is not None and self.healthy and not self.removed and self.breaker.allows()
+
+    def set_load(self, load: worker_pb2.GetLoadResponse) -> None:
+        for r in load.ranks:
+            if 0 <= r.dp_rank < len(self.ranks):
+                s = self.ranks[r.dp_rank]
+                s.report, s.epoch, s.reserved_pages = r, s.epoch + 1, 0
+
+    def free_pages(self) -> int | None:
+        """The most pages any one rank can take now (None: unknown)."""
+        best: int | None = None
+        for s in self.ranks:
+            f = s.free_pages(self.page_size)
+            if f is None:
+                return None
+            best = f if best is None else max(best, f)
+        return best
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def close_soon(self) -> None:
+        asyncio.get_running_loop().create_task(self.channel.close())
+
+
+class Registry:
+    """Workers by address. Mutated only on the event loop thread."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.workers: dict[str, Worker] = {}
+
+    def add(self, spec: WorkerSpec) -> tuple[Worker, bool]:
+        """Register (idempotent for the same address and role); returns (worker, created)."""
+        old = self.workers.get(spec.address)
+        if old is not None:
+            if old.role != spec.role:
+                raise ValueError(f"worker {spec.address} is already registered as {old.role}; deregister it first")
+            return old, False
+        w = Worker(spec, self.cfg)
+        self.workers[spec.address] = w
+        logger.info("worker added: %s (%s)", spec.address, spec.role)
+        return w, True
+
+    def remove(self, address: str) -> bool:
+        """New requests stop going to the worker at once; its in-flight requests finish."""
+        w = self.workers.pop(address, None)
+        if w is None:
+            return False
+        w.removed = True
+        if w.inflight == 0:
+            w.close_soon()
+        logger.info("worker removed: %s (%s), %d in flight", address, w.role, w.inflight)
+        return True
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self.workers.values()))
+
+    def routable(self, role: Role) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.routable]
+
+    def has_role(self, role: Role) -> bool:
+        return any(w.role == role for w in self.workers.values())
+
+    def context_len(self) -> int | None:
+        lens = [w.info.context_len for w in self.workers.values() if w.info is not None and w.info.context_len > 0]
+        return min(lens) if lens else None
+
+    async def close(self) -> None:
+        for w in list(self.workers.values()):
+            await w.channel.close()
+        self.workers.clear()

@@ -1,0 +1,64 @@
+"""Shared fixtures. Every engine a test builds through ``engine_factory`` is checked at teardown: its KV pages and
+request slots are back at their initial free counts (the prefix cache may hold evictable pages; evicting them must
+return every page to the allocator)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def wait_idle(engine: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.scheduler.is_idle():
+            return
+        time.sleep(0.01)
+    raise AssertionError("engine did not become idle")
+
+
+def assert_pools_released(engine: Any) -> None:
+    """Pools at their initial free counts once the prefix cache is emptied."""
+    wait_idle(engine)
+    s = engine.scheduler
+    free_slots = s.req_to_token_pool.available_size()
+    assert free_slots == s.req_to_token_pool.size, (
+        f"request slots leaked: {s.req_to_token_pool.size - free_slots}"
+    )
+    assert s.tree_cache.protected_size() == 0, "prefix cache still has locked (in-use) nodes"
+    total = s.allocator.size
+    cached = s.tree_cache.evictable_size()
+    assert s.allocator.available_size() + cached == total, (
+        f"KV slots leaked: free {s.allocator.available_size()} + cached {cached} != total {total}"
+    )
+    s.tree_cache.evict(total)
+    assert s.allocator.available_size() == total
+
+
+@pytest.fixture
+def engine_factory() -> Iterator[Callable[..., Any]]:
+    from common.engine import Engine
+
+    engines: list[Any] = []
+
+    def make(model_path: Path | str, **overrides: Any) -> Any:
+        overrides.setdefault("max_total_tokens", 4096)
+        overrides.setdefault("max_running_requests", 64)
+        engine = Engine(model_path=str(model_path), **overrides)
+        engines.append(engine)
+        return engine
+
+    yield make
+    try:
+        for engine in engines:
+            assert_pools_released(engine)
+    finally:
+        for engine in engines:
+            engine.shutdown()

@@ -1,0 +1,510 @@
+"""A mock ``pdcluster.v1.Worker`` (grpc.aio) in any role, for router tests and benchmarks.
+
+- Roles: ``prefill``, ``decode``, ``colocated`` (mode ``null``); serves ``grpc.health.v1`` too.
+- PD pairing like the real nodes, through a ``MockHub`` shared by the mocks of one process: ``Prefill(room)`` waits
+  until a ``Decode`` with the same room arrived, takes ``service_time``, then hands the first token to that decode
+  leg; ``Decode`` streams nothing before the matching prefill finished, and checks that it was sent the prefill
+  node's bootstrap address and prefill DP rank. Either side fails when the other does not come within
+  ``pair_timeout``; an abort on one side fails the other.
+- Output tokens are a deterministic function of the input ids (``fake_tokens``).
+- Faults: fail the next N Prefill calls, die before the first token, die after K tokens, report no free KV pages,
+  hang, or stop serving health.
+- Records what it received (``records``: kind, rid, room, ranks, bootstrap address) and the aborts (``aborts``).
+
+``python -m tests.mock_worker --prefill 1 --decode 1 --colocated 1 --service-time 0.02`` runs a mock fleet in one
+process and prints its addresses as one JSON line (used by ``benchmarks/router_overhead.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
+FIRST_TOKEN = 5  # ids below are special tokens of the test tokenizer
+
+
+def fake_tokens(input_ids: list[int], n: int, vocab_size: int) -> list[int]:
+    """The mock model: n output ids, a deterministic function of the prompt."""
+    base = (sum(input_ids) * 2654435761 + len(input_ids)) & 0xFFFFFFFF
+    span = vocab_size - FIRST_TOKEN
+    return [FIRST_TOKEN + (base + i * 40503) % span for i in range(n)]
+
+
+@dataclass
+class MockConfig:
+    role: str
+    service_time: float = 0.0  # prefill (or colocated generate) time to first token, seconds
+    itl: float = 0.0  # seconds between output chunks
+    chunk_tokens: int = 1  # tokens per streamed chunk
+    dp_size: int = 1
+    page_size: int = 16
+    context_len: int = 2048
+    vocab_size: int = 1536
+    total_kv_pages: int = 4096
+    free_kv_pages: int | None = None  # report this many free pages on every rank (None: total - in use)
+    model_name: str = "mock-model"
+    report_bootstrap_port: bool = True
+    pair_timeout: float = 5.0
+    fail_prefill: int = 0  # fail the next N Prefill calls (-1: every one) with ``fail_code``
+    fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    die_before_first_token: int = 0  # the next N Decode/Generate calls fail before any token (-1: every one)
+    die_after_tokens: int | None = None  # Decode/Generate fail after streaming this many tokens
+    hang: bool = False  # never answer Prefill/Decode/Generate (until cancelled)
+
+
+@dataclass
+class Room:
+    decode_arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    prefill_done: asyncio.Future[tuple[int, int, str, int]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class MockHub:
+    """The rendezvous of the mocks in one process, by bootstrap room (stands in for the KV transfer)."""
+
+    def __init__(self) -> None:
+        self.rooms: dict[int, Room] = {}
+
+    def room(self, room: int) -> Room:
+        r = self.rooms.get(room)
+        if r is None:
+            r = self.rooms[room] = Room()
+        return r
+
+    def fail(self, room: int, why: str) -> None:
+        r = self.rooms.get(room)
+        if r is not None and not r.prefill_done.done():
+            r.prefill_done.set_exception(RuntimeError(why))
+
+
+class Aborted(Exception):
+    pass
+
+
+@dataclass
+class Active:
+    rid: str
+    rank: int
+    pages: int
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class MockWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, cfg: MockConfig, hub: MockHub | None = None) -> None:
+        self.cfg = cfg
+        self.hub = hub or MockHub()
+        self.records: list[dict[str, Any]] = []
+        self.aborts: list[str] = []
+        self.active: dict[str, Active] = {}
+        self.cache: list[set[int]] = [set() for _ in range(cfg.dp_size)]
+        self.port = 0
+        self.bootstrap_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self, port: int = 0) -> str:
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        self.port = server.add_insecure_port(f"127.0.0.1:{port}")
+        if self.cfg.role == "prefill":
+            self.bootstrap_port = free_port()
+        await server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        return self.address
+
+    async def stop(self, grace: float | None = 0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self._health.set("", status)
+
+    def received(self, kind: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["kind"] == kind]
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _begin(self, kind: str, req: worker_pb2.GenerateRequest, rank: int, **extra: Any) -> Active:
+        self.records.append(
+            {
+                "kind": kind,
+                "rid": req.rid,
+                "rank": rank,
+                "input_ids": list(req.input_ids),
+                "max_new_tokens": req.sampling_params.max_new_tokens,
+                **extra,
+            }
+        )
+        pages = -(-(len(req.input_ids) + req.sampling_params.max_new_tokens) // self.cfg.page_size)
+        a = self.active[req.rid] = Active(req.rid, rank, pages)
+        return a
+
+    async def _sleep(self, a: Active, seconds: float) -> None:
+        if a.aborted.is_set():
+            raise Aborted
+        if seconds > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(a.aborted.wait(), seconds)
+                raise Aborted
+
+    async def _until(self, a: Active, fut: asyncio.Future[Any], timeout: float, own: bool = False) -> Any:
+        """``fut``'s result, unless aborted first (Aborted) or ``timeout`` passes (TimeoutError). ``own``: cancel
+        ``fut`` when giving up on it."""
+        waiter = asyncio.ensure_future(a.aborted.wait())
+        try:
+            done, _ = await asyncio.wait({fut, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            if own and not fut.done():
+                fut.cancel()
+        if waiter in done or a.aborted.is_set():
+            raise Aborted
+        if fut not in done:
+            raise TimeoutError
+        return fut.result()
+
+    def _cached(self, rank: int, ids: list[int], insert: bool) -> int:
+        ps, blocks, h = self.cfg.page_size, self.cache[rank], 0
+        hashes = []
+        for start in range(0, len(ids) - ps + 1, ps):
+            h = hash((h, *ids[start : start + ps]))
+            hashes.append(h)
+        n = 0
+        for x in hashes:
+            if x not in blocks:
+                break
+            n += 1
+        if insert:
+            blocks.update(hashes)
+        return min(n * ps, len(ids) - 1)
+
+    def _check_rank(self, rank: int, name: str) -> str | None:
+        if not 0 <= rank < self.cfg.dp_size:
+            return f"{name} {rank} out of range for dp_size {self.cfg.dp_size}"
+        return None
+
+    @staticmethod
+    def _take(counter: int) -> tuple[bool, int]:
+        if counter == 0:
+            return False, 0
+        return True, counter if counter < 0 else counter - 1
+
+    # -- Worker API ------------------------------------------------------------------------------------------
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> Any:
+        req, rank = request.request, request.prefill_dp_rank
+        a = self._begin(
+            "prefill", req, rank, room=request.bootstrap_room if request.HasField("bootstrap_room") else None
+        )
+        try:
+            if self.cfg.role != "prefill":
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"Prefill sent to a {self.cfg.role} node"
+                )
+            if not request.HasField("bootstrap_room"):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room is required")
+            if (bad := self._check_rank(rank, "prefill_dp_rank")) is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
+            fail, self.cfg.fail_prefill = self._take(self.cfg.fail_prefill)
+            if fail:
+                await context.abort(self.cfg.fail_code, "injected prefill failure")
+            if self.cfg.hang:
+                await self._sleep(a, 3600)
+            room = self.hub.room(request.bootstrap_room)
+            t0 = time.monotonic()
+            try:
+                await self._until(
+                    a, asyncio.ensure_future(room.decode_arrived.wait()), self.cfg.pair_timeout, own=True
+                )
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "bootstrap timed out: no decode leg came"
+                )
+            t1 = time.monotonic()
+            await self._sleep(a, self.cfg.service_time)
+            cached = self._cached(rank, list(req.input_ids), insert=True)
+            first = fake_tokens(list(req.input_ids), 1, self.cfg.vocab_size)[0]
+            if not room.prefill_done.done():
+                room.prefill_done.set_result((first, cached, f"127.0.0.1:{self.bootstrap_port}", rank))
+            return worker_pb2.PrefillResponse(
+                rid=req.rid,
+                prompt_tokens=len(req.input_ids),
+                cached_tokens=cached,
+                timing=common_pb2.Timing(bootstrap=t1 - t0, prefill=time.monotonic() - t1),
+            )
+        except Aborted:
+            self.hub.fail(request.bootstrap_room, "prefill aborted")
+            await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+        finally:
+            self.active.pop(req.rid, None)
+            if context.cancelled():
+                self.hub.fail(request.bootstrap_room, "prefill cancelled")
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
+        req, rank = request.request, request.decode_dp_rank
+        a = self._begin(
+            "decode",
+            req,
+            rank,
+            room=request.bootstrap_room if request.HasField("bootstrap_room") else None,
+            bootstrap_addr=request.bootstrap_addr,
+            prefill_dp_rank=request.prefill_dp_rank,
+        )
+        try:
+            if self.cfg.role != "decode":
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"Decode sent to a {self.cfg.role} node"
+                )
+            if not request.HasField("bootstrap_room"):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room is required")
+            if (bad := self._check_rank(rank, "decode_dp_rank")) is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
+            room = self.hub.room(request.bootstrap_room)
+            room.decode_arrived.set()
+            t0 = time.monotonic()
+            try:
+                _first, cached, paddr, prank = await self._until(a, room.prefill_done, self.cfg.pair_timeout)
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "waiting for KV timed out: no prefill leg"
+                )
+            except RuntimeError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
+            finally:
+                self.hub.rooms.pop(request.bootstrap_room, None)
+            if (paddr, prank) != (request.bootstrap_addr, request.prefill_dp_rank):
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"bootstrap mismatch: sent {request.bootstrap_addr}/rank "
+                    f"{request.prefill_dp_rank}, prefill ran on {paddr}/rank {prank}",
+                )
+            transfer = time.monotonic() - t0
+            async for msg in self._tokens(a, req, context, cached, common_pb2.Timing(transfer=transfer)):
+                yield msg
+        except Aborted:
+            await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+        finally:
+            self.active.pop(req.rid, None)
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
+        rank = request.dp_rank if request.HasField("dp_rank") else 0
+        a = self._begin("generate", request, rank)
+        try:
+            if self.cfg.role != "colocated":
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"Generate sent to a {self.cfg.role} node"
+                )
+            if (bad := self._check_rank(rank, "dp_rank")) is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
+            await self._sleep(a, self.cfg.service_time)
+            cached = self._cached(rank, list(request.input_ids), insert=True)
+            async for msg in self._tokens(a, request, context, cached, common_pb2.Timing()):
+                yield msg
+        except Aborted:
+            await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+        finally:
+            self.active.pop(request.rid, None)
+
+    async def _tokens(
+        self,
+        a: Active,
+        req: worker_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        cached: int,
+        timing: common_pb2.Timing,
+    ) -> Any:
+        cfg = self.cfg
+        die, cfg.die_before_first_token = self._take(cfg.die_before_first_token)
+        if die:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: worker died before the first token")
+        if cfg.hang:
+            await self._sleep(a, 3600)
+        n = req.sampling_params.max_new_tokens if req.sampling_params.HasField("max_new_tokens") else 128
+        ids = fake_tokens(list(req.input_ids), n, cfg.vocab_size)
+        stop_ids = set(req.sampling_params.stop_token_ids)
+        reason, matched = "length", None
+        for i, t in enumerate(ids):
+            if t in stop_ids:
+                ids, reason, matched = ids[: i + 1], "stop", t
+                break
+        sent = 0
+        while len(ids) - sent > cfg.chunk_tokens:
+            if cfg.die_after_tokens is not None and sent >= cfg.die_after_tokens:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"injected: worker died after {sent} tokens")
+            yield worker_pb2.GenerateResponse(chunk=self._chunk(req, ids[sent : sent + cfg.chunk_tokens]))
+            sent += cfg.chunk_tokens
+            await self._sleep(a, cfg.itl)
+        fin = worker_pb2.Finished(
+            last=self._chunk(req, ids[sent:]),
+            finish_reason=reason,
+            usage=common_pb2.Usage(
+                prompt_tokens=len(req.input_ids), completion_tokens=len(ids), cached_tokens=cached
+            ),
+            timing=timing,
+        )
+        if matched is not None:
+            fin.matched_token = matched
+        yield worker_pb2.GenerateResponse(finished=fin)
+
+    @staticmethod
+    def _chunk(req: worker_pb2.GenerateRequest, ids: list[int]) -> worker_pb2.TokenChunk:
+        c = worker_pb2.TokenChunk(token_ids=ids)
+        if req.return_logprob or req.top_logprobs_num:
+            c.logprobs.extend(-0.5 - (t % 7) / 10 for t in ids)
+            for t in ids if req.top_logprobs_num else ():
+                c.top_logprobs.add(
+                    token_ids=[t, (t + 1) % 1000 + FIRST_TOKEN][: req.top_logprobs_num],
+                    logprobs=[-0.5 - (t % 7) / 10, -3.0][: req.top_logprobs_num],
+                )
+        return c
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
+        self.aborts.append(request.rid)
+        a = self.active.get(request.rid)
+        if a is not None:
+            a.aborted.set()
+        return worker_pb2.AbortResponse(found=a is not None)
+
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> Any:
+        cfg = self.cfg
+        ranks = []
+        for r in range(cfg.dp_size):
+            mine = [a for a in self.active.values() if a.rank == r]
+            used = sum(a.pages for a in mine)
+            free = cfg.free_kv_pages if cfg.free_kv_pages is not None else cfg.total_kv_pages - used
+            ranks.append(
+                worker_pb2.RankLoad(
+                    dp_rank=r,
+                    running=len(mine),
+                    free_kv_pages=free,
+                    total_kv_pages=cfg.total_kv_pages,
+                    token_usage=1 - free / cfg.total_kv_pages,
+                )
+            )
+        return worker_pb2.GetLoadResponse(ranks=ranks, page_size=cfg.page_size)
+
+    async def GetServerInfo(
+        self, request: worker_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        cfg = self.cfg
+        return worker_pb2.ServerInfo(
+            mode=MODE[cfg.role],
+            model_path=f"/models/{cfg.model_name}",
+            served_model_name=cfg.model_name,
+            model_fingerprint=json.dumps({"arch": "mock"}),
+            page_size=cfg.page_size,
+            tp_size=1,
+            dp_size=cfg.dp_size,
+            bootstrap_port=self.bootstrap_port if cfg.report_bootstrap_port else 0,
+            context_len=cfg.context_len,
+            vocab_size=cfg.vocab_size,
+            kv_transfer_backend="fake",
+            max_total_tokens=cfg.total_kv_pages * cfg.page_size,
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- a model folder the router can load (tokenizer + config.json) ---------------------------------------------
+_MODEL_DIR: Path | None = None
+
+
+def make_model_dir(out: Path, vocab_size: int = 1536, context_len: int = 2048) -> Path:
+    from common.model_gen.tokenizer import write_tokenizer_files
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer_files(out, vocab_size, context_len)
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": ids["vocab_size"],
+                "max_position_embeddings": context_len,
+                "bos_token_id": ids["<s>"],
+                "eos_token_id": ids["</s>"],
+            }
+        )
+    )
+    return out
+
+
+def shared_model_dir() -> Path:
+    """One tokenizer folder per process (training the tokenizer takes ~0.5 s)."""
+    global _MODEL_DIR
+    if _MODEL_DIR is None:
+        _MODEL_DIR = make_model_dir(Path(tempfile.mkdtemp(prefix="pdcluster-router-test-")) / "mock-model")
+    return _MODEL_DIR
+
+
+# -- a fleet in one process -----------------------------------------------------------------------------------
+async def start_fleet(prefill: int, decode: int, colocated: int, **kw: Any) -> list[MockWorker]:
+    hub = MockHub()
+    workers = [
+        MockWorker(MockConfig(role=role, **kw), hub)
+        for role, n in (("prefill", prefill), ("decode", decode), ("colocated", colocated))
+        for _ in range(n)
+    ]
+    for w in workers:
+        await w.start()
+    return workers
+
+
+async def _main(ns: argparse.Namespace) -> None:
+    workers = await start_fleet(
+        ns.prefill, ns.decode, ns.colocated, service_time=ns.service_time, itl=ns.itl, dp_size=ns.dp_size
+    )
+    print(
+        json.dumps(
+            {
+                role: [w.address for w in workers if w.cfg.role == role]
+                for role in ("prefill", "decode", "colocated")
+            }
+        ),
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for w in workers:
+        await w.stop()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="run a mock Worker fleet on 127.0.0.1")
+    ap.add_argument("--prefill", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=1)
+    ap.add_argument("--colocated", type=int, default=0)
+    ap.add_argument("--service-time", type=float, default=0.02)
+    ap.add_argument("--itl", type=float, default=0.0)
+    ap.add_argument("--dp-size", type=int, default=1)
+    asyncio.run(_main(ap.parse_args()))

@@ -1,0 +1,185 @@
+"""The two-sided message backends (``nccl`` on gloo, ``ucx``) beyond the shared suite.
+
+Driven directly through the ``KVBackend`` interface with recording events (prefill and decode backend in this
+process, each on its own threads), plus the shared kill-mid-transfer faults across processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvtransfer.args import KVArgs
+from kvtransfer.backends.base import KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.pages import HeadSlice, PageRun, coalesce_runs
+from kvtransfer.registry import backend_class
+from tests import test_kvtransfer_faults as faults
+from tests.kvtransfer_helpers import PAGE_SIZE, kv_config, make_args
+
+BACKENDS = ["nccl", "ucx"]
+NUM_PAGES = 48
+
+
+class Events:
+    """Records ``on_job_done`` calls; fails the test on a second report of one job."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.done: list[tuple[TransferJob, str | None]] = []
+        self.threads: set[str] = set()
+
+    def on_job_done(self, job: TransferJob, error: str | None) -> None:
+        with self.cond:
+            assert all(j is not job for j, _ in self.done), f"job reported twice: {job}"
+            self.done.append((job, error))
+            self.threads.add(threading.current_thread().name)
+            self.cond.notify_all()
+
+    def wait(self, n: int, timeout_s: float = 20) -> list[tuple[TransferJob, str | None]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.done) >= n, timeout_s), f"{len(self.done)}/{n} jobs done"
+            return list(self.done)
+
+
+class Pair:
+    """A prefill and a decode backend of one kind, handshaken with each other."""
+
+    def __init__(self, backend: str, src: KVArgs, dst: KVArgs, **config: object) -> None:
+        cls = backend_class(backend)
+        cfg = kv_config(backend, **config)
+        self.events, self.decode_events = Events(), Events()
+        self.p_key, self.d_key = PeerKey("prefill/dp0/tp0", time.time_ns()), PeerKey("decode/dp0/tp0", time.time_ns())
+        self.prefill: KVBackend = cls(src, cfg, "prefill", self.events, self.p_key)
+        self.decode: KVBackend = cls(dst, cfg, "decode", self.decode_events, self.d_key)
+        self.src, self.dst = src, dst
+        p_info = PeerInfo(self.p_key, src.layout({}), self.prefill.endpoint())
+        d_info = PeerInfo(self.d_key, dst.layout({}), self.decode.endpoint())
+        self.prefill.add_peer(d_info)  # the prefill side accepts the Hello first
+        self.decode.add_peer(p_info)
+
+    def job(self, room: int, chunk: int, src_pages: list[int], dst_pages: list[int],
+            heads: HeadSlice | None = None) -> TransferJob:
+        return TransferJob(room, chunk, self.d_key, tuple(coalesce_runs(src_pages, dst_pages)), heads)
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    before = set(threading.enumerate())
+    yield request.param
+    end = time.monotonic() + 5
+    while time.monotonic() < end and set(threading.enumerate()) - before:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - before, f"threads left: {set(threading.enumerate()) - before}"
+
+
+def _pages(buf: torch.Tensor, page: int) -> torch.Tensor:
+    return buf[page * PAGE_SIZE:(page + 1) * PAGE_SIZE]
+
+
+def test_jobs_land_in_submission_order_and_empty_jobs_complete(backend: str) -> None:
+    pair = Pair(backend, make_args(1, NUM_PAGES), make_args(2, NUM_PAGES))
+    try:
+        jobs = [pair.job(7, i, [1 + 3 * i, 2 + 3 * i, 40 - i], [10 + 2 * i, 11 + 2 * i, 47 - i]) for i in range(8)]
+        jobs.append(TransferJob(7, 8, pair.d_key, ()))
+        for job in jobs:
+            pair.prefill.submit(job)
+        done = pair.events.wait(len(jobs))
+        assert [j for j, _ in done] == jobs and all(e is None for _, e in done), done
+        for job in jobs:
+            for run in job.runs:
+                for k in range(run.num_pages):
+                    for s, d in zip((*pair.src.k_buffers, *pair.src.v_buffers),
+                                    (*pair.dst.k_buffers, *pair.dst.v_buffers), strict=True):
+                        assert torch.equal(_pages(d, run.dst_page + k), _pages(s, run.src_page + k))
+        assert not pair.decode_events.done  # decode reports nothing; it only receives
+    finally:
+        pair.close()
+
+
+def test_head_slice_moves_only_those_heads(backend: str) -> None:
+    src = make_args(1, NUM_PAGES, heads=4, total_heads=4)  # prefill tp=1 holds heads 0..3
+    dst = make_args(2, NUM_PAGES, heads=2, total_heads=4)  # decode tp rank 1 of 2 holds heads 2..3
+    before = [b.clone() for b in (*dst.k_buffers, *dst.v_buffers)]
+    pair = Pair(backend, src, dst)
+    try:
+        job = pair.job(3, 0, [5, 6, 7, 20], [30, 31, 32, 9], HeadSlice(src_head=2, dst_head=0, num_heads=2))
+        pair.prefill.submit(job)
+        assert pair.events.wait(1) == [(job, None)]
+        for s, d, old in zip((*src.k_buffers, *src.v_buffers), (*dst.k_buffers, *dst.v_buffers), before,
+                             strict=True):
+            for sp, dp in ((5, 30), (6, 31), (7, 32), (20, 9)):
+                assert torch.equal(_pages(d, dp), _pages(s, sp)[:, 2:4])
+            untouched = [p for p in range(dst.num_pages) if p not in (30, 31, 32, 9)]
+            assert all(torch.equal(_pages(d, p), _pages(old, p)) for p in untouched)
+    finally:
+        pair.close()
+
+
+def test_destination_refuses_pages_outside_its_pool_and_writes_nothing(backend: str) -> None:
+    dst = make_args(2, NUM_PAGES)
+    before = [b.clone() for b in (*dst.k_buffers, *dst.v_buffers)]
+    pair = Pair(backend, make_args(1, NUM_PAGES), dst)
+    try:
+        bad = TransferJob(1, 0, pair.d_key, (PageRun(3, NUM_PAGES, 2),))  # runs past the last page
+        zero = TransferJob(2, 0, pair.d_key, (PageRun(3, 0, 1),))  # page 0 is padding, never a destination
+        pair.prefill.submit(bad)
+        pair.prefill.submit(zero)
+        done = pair.events.wait(2)
+        assert "refused" in (done[0][1] or "") and "outside pages" in (done[0][1] or ""), done
+        assert done[1][1] and "decode/dp0/tp0" in done[1][1], done  # the connection is gone; names the peer
+        assert all(torch.equal(b, o) for b, o in zip((*dst.k_buffers, *dst.v_buffers), before, strict=True))
+    finally:
+        pair.close()
+
+
+def test_cancel_room_fails_queued_jobs_and_keeps_order(backend: str) -> None:
+    pair = Pair(backend, make_args(1, NUM_PAGES), make_args(2, NUM_PAGES))
+    try:
+        jobs = [pair.job(room, i, [1 + i], [1 + i]) for i in range(40) for room in (11 if i % 2 else 12,)]
+        for job in jobs:
+            pair.prefill.submit(job)
+        pair.prefill.cancel_room(11)
+        done = pair.events.wait(len(jobs))
+        assert [j for j, _ in done] == jobs
+        assert all(err is None for job, err in done if job.room == 12), done
+        assert any(err == "cancelled" for job, err in done if job.room == 11)
+        assert "kv-" not in threading.current_thread().name and pair.events.threads  # reported off-thread
+    finally:
+        pair.close()
+
+
+def test_remove_peer_and_close_fail_outstanding_jobs_once(backend: str) -> None:
+    pair = Pair(backend, make_args(1, 200, layers=4), make_args(2, 200, layers=4))
+    try:
+        jobs = [pair.job(5, i, list(range(1, 200)), list(range(1, 200))) for i in range(6)]
+        for job in jobs:
+            pair.prefill.submit(job)
+        pair.prefill.remove_peer(pair.d_key)
+        done = pair.events.wait(len(jobs))
+        assert [j for j, _ in done] == jobs
+        assert any(err is not None for _, err in done)
+        pair.prefill.submit(pair.job(6, 0, [1], [1]))  # after removal: an error, never a hang
+        assert pair.events.wait(len(jobs) + 1)[-1][1]
+    finally:
+        pair.close()
+        pair.close()  # idempotent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BACKENDS)
+def test_receiver_killed_mid_transfer_fails_sender_within_deadline(name: str) -> None:
+    faults.test_receiver_killed_mid_transfer_fails_sender_within_deadline(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BACKENDS)
+def test_sender_killed_mid_transfer_fails_receiver_within_deadline(name: str) -> None:
+    faults.test_sender_killed_mid_transfer_fails_receiver_within_deadline(name)
