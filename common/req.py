@@ -40,6 +40,8 @@ class ReqTimes:
     arrival: float = field(default_factory=time.monotonic)
     queue_enter: float = 0.0
     forward_start: float = 0.0  # first prefill chunk started
+    bootstrapped: float = 0.0  # disaggregation: the peer's side is ready (prefill: destination pages known)
+    transfer_done: float = 0.0  # disaggregation: KV transfer finished
     first_token: float = 0.0
     finished: float = 0.0
 
@@ -90,8 +92,12 @@ class Req:
         self.times = ReqTimes()
 
         # Disaggregation: the KV sender/receiver and where the first token came from.
-        self.disagg_kv: Any = None
+        self.disagg_kv: Any = None  # KVSender (prefill node) or KVReceiver (decode node)
         self.metadata_slot: int | None = None
+        self.kv_pages_sent = 0  # prefill node: pages handed to the KVSender so far
+        self.kv_transfer_bytes = 0  # decode node: KV bytes received for this request
+        self.bootstrap_addr: str | None = None
+        self.prefill_dp_rank = 0
 
     # -- lengths ---------------------------------------------------------------------------------------------------
     @property

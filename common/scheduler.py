@@ -157,14 +157,18 @@ class Scheduler:
 
     # -- batching --------------------------------------------------------------------------------------------------
     def merge_last_batch(self) -> None:
-        """Fold the last prefill batch into the running batch; the chunked request stays out and is cached."""
-        if self.last_batch is None or not self.last_batch.forward_mode.is_extend():
+        """Fold the last prefill batch into the running batch; the chunked request stays out and is cached.
+
+        Idempotent: the last batch is consumed, so role schedulers may call it before ``get_next_batch_to_run``.
+        """
+        last, self.last_batch = self.last_batch, None
+        if last is None or not last.forward_mode.is_extend():
             return
         if self.chunked_req is not None:
             self.tree_cache.cache_unfinished_req(self.chunked_req)
-        self.last_batch.filter_batch(exclude=self.chunked_req)
-        if not self.last_batch.is_empty():
-            self.running_batch.merge_batch(self.last_batch)
+        last.filter_batch(exclude=self.chunked_req)
+        if not last.is_empty():
+            self.running_batch.merge_batch(last)
             self.running_batch.batch_is_full = False
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
@@ -337,7 +341,7 @@ class Scheduler:
             free_kv_pages=self.allocator.available_size() // self.page_size,
             total_kv_pages=self.runner.max_total_num_tokens // self.page_size,
             free_req_slots=self.req_to_token_pool.available_size(),
-            total_req_slots=self.args.max_running_requests,
+            total_req_slots=self.req_to_token_pool.size,
             token_usage=self.token_usage(),
             evictable_tokens=self.tree_cache.evictable_size(),
         )

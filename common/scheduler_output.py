@@ -12,12 +12,18 @@ from common.req import Req
 def req_timing(req: Req) -> Timing:
     t = req.times
     first = t.first_token or t.finished
-    return Timing(
-        queue=max(0.0, (t.forward_start or first) - t.queue_enter) if t.queue_enter else 0.0,
-        prefill=max(0.0, first - t.forward_start) if t.forward_start else 0.0,
+    timing = Timing(
         ttft=max(0.0, first - t.arrival),
         e2e=max(0.0, t.finished - t.arrival) if t.finished else 0.0,
     )
+    if t.transfer_done:  # decode node: the prompt's KV came from a prefill node
+        timing.decode_queue = max(0.0, (t.bootstrapped or t.transfer_done) - t.queue_enter)
+        timing.transfer = max(0.0, t.transfer_done - (t.bootstrapped or t.transfer_done))
+        timing.transfer_bytes = req.kv_transfer_bytes
+    else:
+        timing.queue = max(0.0, (t.forward_start or first) - t.queue_enter) if t.queue_enter else 0.0
+        timing.prefill = max(0.0, first - t.forward_start) if t.forward_start else 0.0
+    return timing
 
 
 class OutputCollector:

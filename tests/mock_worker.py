@@ -479,7 +479,13 @@ async def start_fleet(prefill: int, decode: int, colocated: int, **kw: Any) -> l
 
 async def _main(ns: argparse.Namespace) -> None:
     workers = await start_fleet(
-        ns.prefill, ns.decode, ns.colocated, service_time=ns.service_time, itl=ns.itl, dp_size=ns.dp_size
+        ns.prefill,
+        ns.decode,
+        ns.colocated,
+        service_time=ns.service_time,
+        itl=ns.itl,
+        dp_size=ns.dp_size,
+        chunk_tokens=ns.chunk_tokens,
     )
     print(
         json.dumps(
@@ -507,4 +513,5 @@ if __name__ == "__main__":
     ap.add_argument("--service-time", type=float, default=0.02)
     ap.add_argument("--itl", type=float, default=0.0)
     ap.add_argument("--dp-size", type=int, default=1)
+    ap.add_argument("--chunk-tokens", type=int, default=1, help="tokens per streamed chunk")
     asyncio.run(_main(ap.parse_args()))

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from common.errors import ModelLoadError
 from common.forward_batch import ForwardMode
 from common.model.config import ModelConfig
-from common.model.loader import load_model, load_tokenizer
+from common.model.loader import load_model
 from common.model_gen import make_model
 from common.model_gen.make_model import CHECK_PROMPTS, MIN_MEDIAN_MARGIN, default_model_path
 from tests.model_fixtures import PagedHarness, hf_logits, load_tiny_model, make_tiny_model
@@ -46,6 +47,11 @@ class Checker:
             err = (logits - ref).abs().max().item()
             assert err < ATOL, f"{rid} positions {start}..{start + logits.shape[0]}: max |diff| {err:.2e}"
             assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+def _raw_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    """Exactly tokenizer.json (AutoTokenizer adds NFC normalisation for qwen2 model types)."""
+    return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -112,7 +118,7 @@ def test_extend_with_many_chunks_in_one_batch_matches_hf(scatter_slots: bool) ->
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_margin_is_not_a_near_tie(arch: str) -> None:
-    tok = load_tokenizer(make_tiny_model(arch))
+    tok = _raw_tokenizer(make_tiny_model(arch))
     h = PagedHarness(load_tiny_model(arch), 1)
     batch = [(f"p{i}", tok(p)["input_ids"]) for i, p in enumerate(CHECK_PROMPTS)]
     for rid, _ in batch:
@@ -162,8 +168,6 @@ def test_generator_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_tokenizer_round_trips_any_utf8() -> None:
-    from transformers import AutoTokenizer
-
     rng = random.Random(5)
     texts = [
         "Hello, world! 1234567890",
@@ -189,7 +193,7 @@ def test_tokenizer_round_trips_any_utf8() -> None:
         )
     for arch in ARCHS:
         path = make_tiny_model(arch)
-        tok = load_tokenizer(path)
+        tok = _raw_tokenizer(path)
         auto = AutoTokenizer.from_pretrained(path)
         for text in texts:
             assert tok.decode(tok(text)["input_ids"]) == text
@@ -199,7 +203,7 @@ def test_tokenizer_round_trips_any_utf8() -> None:
 
 
 def test_chat_template_and_special_tokens() -> None:
-    tok = load_tokenizer(make_tiny_model("llama"))
+    tok = AutoTokenizer.from_pretrained(make_tiny_model("llama"))
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert (
@@ -275,9 +279,9 @@ def test_missing_or_misshapen_weight_is_a_clear_error(tmp_path: Path) -> None:
 def test_default_model_path_generates_once_even_when_raced(tmp_path: Path) -> None:
     with ThreadPoolExecutor(2) as pool:
         paths = list(pool.map(default_model_path, [tmp_path, tmp_path]))
-    path = tmp_path / "llama-small-s0"
+    path = tmp_path / "models" / "llama-small-s0"
     assert paths == [path, path]
-    assert [p.name for p in tmp_path.iterdir()] == ["llama-small-s0"]  # the loser's temp folder is gone
+    assert [p.name for p in path.parent.iterdir()] == ["llama-small-s0"]  # the loser's temp folder is gone
     weights = path / "model.safetensors"
     mtime = os.stat(weights).st_mtime_ns
     assert default_model_path(tmp_path) == path and os.stat(weights).st_mtime_ns == mtime

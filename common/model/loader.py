@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from common.errors import ModelLoadError
-from common.model.config import ModelConfig, check_model_folder, safetensors_files
+from common.model.config import ModelConfig, safetensors_files
 from common.model.llama import LlamaForCausalLM
 
 # HF name fragment -> (our fused param fragment, shard index). Shard order is the row order of the fused weight.
@@ -47,20 +46,6 @@ def load_model(
     if missing:
         raise ModelLoadError(f"{cfg.path}: weights missing or incomplete for {', '.join(missing[:5])}")
     return model.eval(), cfg
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """The folder's tokenizer exactly as tokenizer.json defines it (``AutoTokenizer`` may rebuild some model
-    types' pre-tokenizers), with tokenizer_config.json's special tokens and chat template."""
-    from transformers import PreTrainedTokenizerFast
-
-    path = Path(path)
-    check_model_folder(path)
-    if not (path / "tokenizer.json").is_file():
-        raise ModelLoadError(
-            f"{path}: needs tokenizer.json (sentencepiece-only tokenizers are not supported)"
-        )
-    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
 
 
 def _our_name(hf_name: str) -> tuple[str, int | None]:

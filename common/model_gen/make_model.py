@@ -28,6 +28,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from common import env
 from common.model_gen.tokenizer import EOS, IM_END, write_tokenizer_files
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -79,20 +80,17 @@ def make_model(arch: str, size: str, out_dir: Path, seed: int = 0) -> Path:
     weights = _init_weights(config, seed)
     weights = _ensure_margin(config, weights, out_dir)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors writes 0600; images may run as another user
     return out_dir
 
 
 def default_model_path(cache_dir: Path | None = None) -> Path:
-    """The default model (llama, small, seed 0), generated once under the cache dir.
+    """The default model (llama, small, seed 0) at ``<cache_dir>/models/llama-small-s0``, generated on first use.
 
-    ``cache_dir`` defaults to ``$PDCLUSTER_CACHE_DIR`` or ``~/.cache/pdcluster/models``. Generation writes to a
-    private temp folder and renames it into place, so concurrent callers never see a partial folder.
+    ``cache_dir`` defaults to ``common.env.cache_dir()``. Generation writes to a private temp folder and renames
+    it into place, so concurrent callers (threads or processes) never see a partial folder.
     """
-    if cache_dir is None:
-        cache_dir = Path(
-            os.environ.get("PDCLUSTER_CACHE_DIR", Path.home() / ".cache" / "pdcluster" / "models")
-        )
-    final = Path(cache_dir) / "llama-small-s0"
+    final = Path(cache_dir if cache_dir is not None else env.cache_dir()) / "models" / "llama-small-s0"
     if (final / "model.safetensors").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

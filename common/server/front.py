@@ -33,6 +33,7 @@ STATUS = {
     "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
     "CANCELLED": grpc.StatusCode.CANCELLED,
     "INTERNAL": grpc.StatusCode.INTERNAL,
+    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

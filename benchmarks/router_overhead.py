@@ -1,0 +1,196 @@
+"""Router overhead: the router in PD mode in front of mock workers, versus calling a mock worker directly.
+
+Mock workers (``tests/mock_worker.py``, one process) answer after a fixed service time (default 20 ms). The same
+closed-loop gRPC client (``--concurrency`` in flight, ``--requests`` in total after a warm-up) measures
+  direct     client -> colocated mock ``Worker.Generate``
+  router_pd  client -> router ``Router.Generate`` -> mock ``Prefill`` + mock ``Decode`` (concurrently)
+and reports the added p50/p99 latency, the throughput ratio, and the router's CPU time per request (from
+/proc: what the router costs independent of how contended the machine is). Prints and writes JSON.
+By default the mocks send all output tokens in one message and router requests are not streamed (one response
+message each way, like an HTTP benchmark of a non-streaming endpoint); ``--chunk-tokens 1 --stream`` streams.
+
+    .venv/bin/python -m benchmarks.router_overhead --requests 2000 --concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+
+PROMPT = "The router tokenizes this prompt, picks a prefill and a decode worker, and streams tokens back."
+
+
+def _spawn(args: list[str], ready: str, env: dict[str, str], timeout: float = 90.0) -> tuple[subprocess.Popen[str], str]:
+    """Start a child and return it with its first stdout line that contains ``ready``."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{args[:4]} exited with {proc.wait()}")
+        if ready in line:
+            return proc, line.strip()
+    proc.kill()
+    raise RuntimeError(f"{args[:4]} not ready in {timeout} s")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def _closed_loop(call: Callable[[], Awaitable[None]], requests: int, concurrency: int,
+                       time_limit: float) -> dict[str, float]:
+    latencies: list[float] = []
+    issued = 0
+    deadline = time.monotonic() + time_limit
+
+    async def client() -> None:
+        nonlocal issued
+        while issued < requests and time.monotonic() < deadline:
+            issued += 1
+            t0 = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    qs = statistics.quantiles(latencies, n=100, method="inclusive")
+    return {"requests": len(latencies), "wall_s": round(wall, 3), "rps": round(len(latencies) / wall, 1),
+            "p50_ms": round(qs[49] * 1000, 3), "p90_ms": round(qs[89] * 1000, 3), "p99_ms": round(qs[98] * 1000, 3),
+            "mean_ms": round(statistics.fmean(latencies) * 1000, 3)}
+
+
+async def _measure(name: str, call: Callable[[], Awaitable[None]], ns: argparse.Namespace,
+                   warmup: bool = True) -> dict[str, float]:
+    if warmup:
+        await _closed_loop(call, ns.warmup, ns.concurrency, ns.time_limit)
+    out = await _closed_loop(call, ns.requests, ns.concurrency, ns.time_limit)
+    print(f"{name:10s} {json.dumps(out)}", flush=True)
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def _run(ns: argparse.Namespace, fleet: dict[str, list[str]], router_addr: str, prompt_ids: list[int],
+               router_pid: int) -> dict[str, Any]:
+    sp = common_pb2.SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=0)
+    direct_ch = grpc.aio.insecure_channel(fleet["colocated"][0])
+    router_ch = grpc.aio.insecure_channel(router_addr)
+    worker = worker_pb2_grpc.WorkerStub(direct_ch)
+    router = router_pb2_grpc.RouterStub(router_ch)
+    seq = iter(range(10**9))
+
+    async def direct() -> None:
+        req = worker_pb2.GenerateRequest(rid=f"d{next(seq)}", input_ids=prompt_ids, sampling_params=sp)
+        n = 0
+        async for m in worker.Generate(req):
+            n += m.HasField("finished")
+        assert n == 1
+
+    async def via_router() -> None:
+        req = router_pb2.RouterGenerateRequest(text=PROMPT, sampling_params=sp, stream=ns.stream)
+        done = 0
+        async for m in router.Generate(req):
+            done += m.HasField("complete")
+        assert done == 1
+
+    results: dict[str, Any] = {"direct": await _measure("direct", direct, ns)}
+    await _closed_loop(via_router, ns.warmup, ns.concurrency, ns.time_limit)
+    cpu0 = _cpu_s(router_pid)
+    results["router_pd"] = await _measure("router_pd", via_router, ns, warmup=False)
+    results["router_cpu_us_per_request"] = round((_cpu_s(router_pid) - cpu0) / results["router_pd"]["requests"] * 1e6, 1)
+    await direct_ch.close()
+    await router_ch.close()
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--service-time", type=float, default=0.02)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--stream", action="store_true", help="router requests stream text chunks")
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="mock tokens per chunk (0: all in one message)")
+    ap.add_argument("--time-limit", type=float, default=120.0, help="per phase, seconds")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router_overhead.json"))
+    ns = ap.parse_args()
+
+    from tests.mock_worker import make_model_dir
+
+    env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+    procs: list[subprocess.Popen[str]] = []
+    with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp:
+        model = make_model_dir(Path(tmp) / "mock-model")
+        from common.tokenizer import load_tokenizer
+
+        prompt_ids = load_tokenizer(model).encode(PROMPT)
+        try:
+            mocks, line = _spawn([sys.executable, "-m", "tests.mock_worker", "--prefill", "1", "--decode", "1",
+                                  "--colocated", "1", "--service-time", str(ns.service_time),
+                                  "--chunk-tokens", str(ns.chunk_tokens or ns.max_new_tokens)], "{", env)
+            procs.append(mocks)
+            fleet = json.loads(line)
+            from tests.mock_worker import free_port
+
+            port = free_port()
+            router, _ = _spawn([sys.executable, "-m", "common.cli", "router", "--model-path", str(model),
+                                "--grpc-port", str(port), "--http-port", "-1", "--prefill", fleet["prefill"][0],
+                                "--decode", fleet["decode"][0]], "router ready", env)
+            procs.append(router)
+            results = asyncio.run(_run(ns, fleet, f"127.0.0.1:{port}", prompt_ids, router.pid))
+        finally:
+            for p in reversed(procs):
+                _stop(p)
+    d, r = results["direct"], results["router_pd"]
+    report = {
+        "benchmark": "router_overhead",
+        "config": {k: getattr(ns, k) for k in ("requests", "warmup", "concurrency", "service_time", "max_new_tokens",
+                                               "stream")},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        **results,
+        "added_p50_ms": round(r["p50_ms"] - d["p50_ms"], 3),
+        "added_p99_ms": round(r["p99_ms"] - d["p99_ms"], 3),
+        "throughput_ratio": round(r["rps"] / d["rps"], 3),
+        "router_cpu_us_per_request": results["router_cpu_us_per_request"],
+        "load_average_at_end": os.getloadavg()[0],
+    }
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: report[k] for k in ("added_p50_ms", "added_p99_ms", "throughput_ratio",
+                                              "router_cpu_us_per_request", "load_average_at_end")}))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

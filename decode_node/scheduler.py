@@ -1,0 +1,124 @@
+"""``DecodeScheduler``: one decode rank. Holds the engine's ``Scheduler``, the KV manager and its two queues.
+
+    step: receive -> resolve + preallocate (prealloc queue) -> poll transfers (transfer queue) -> prebuilt
+          requests join the running batch with their first token -> pick and run a batch -> process results
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common.config import ServerArgs
+from common.disagg import make_kv_manager, transfer_error_code
+from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, SchedulerInput
+from common.req import Req
+from common.sampling.stop import check_finished
+from common.scheduler import Scheduler
+from decode_node.prealloc_queue import DecodePreallocQueue
+from decode_node.transfer_queue import DecodeTransferQueue
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeScheduler:
+    def __init__(
+        self, args: ServerArgs, model_path: str, tokenizer: Any, send_outputs: Callable[[list[Any]], None],
+        dp_rank: int = 0,
+    ) -> None:
+        # The decode side never matches prefixes: every request's KV arrives whole from its prefill node.
+        self.args = args.replace(disable_radix_cache=True)
+        self.sched = Scheduler(self.args, model_path, tokenizer, send_outputs, dp_rank)
+        self.tokenizer = tokenizer
+        self.kv_manager = make_kv_manager(self.args, self.sched.runner, "decode", dp_rank)
+        self.prealloc_queue = DecodePreallocQueue(self.sched, self.kv_manager, args.num_reserved_decode_tokens)
+        self.transfer_queue = DecodeTransferQueue()
+        self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.sched.max_total_num_tokens
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def step(self, msgs: list[SchedulerInput]) -> bool:
+        self.process_input_requests(msgs)
+        admitted, failed = self.prealloc_queue.pop_preallocated(len(self.transfer_queue))
+        self.transfer_queue.extend(admitted)
+        transferred, transfer_failed = self.transfer_queue.pop_transferred()
+        for req in failed + transfer_failed:
+            self.fail(req)
+        self.add_prebuilt(transferred)
+        ran = self.sched.step([])
+        self.sched.out.flush()
+        return ran
+
+    def is_idle(self) -> bool:
+        return self.sched.is_idle() and not self.prealloc_queue.queue and not self.transfer_queue.queue
+
+    def close(self) -> None:
+        self.kv_manager.close()
+
+    # -- input -----------------------------------------------------------------------------------------------------
+    def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
+        for msg in msgs:
+            if isinstance(msg, GenerateReqInput):
+                self.prealloc_queue.add(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort(msg.rid, msg.reason)
+            elif isinstance(msg, LoadReq):
+                load = self.sched.get_load()
+                load.prealloc, load.transfer = len(self.prealloc_queue), len(self.transfer_queue)
+                self.sched.out.send_now([LoadOut(load=load)])
+
+    def abort(self, rid: str, reason: str) -> None:
+        req = self.sched.reqs_by_rid.get(rid)
+        if req is None:
+            return
+        if self.prealloc_queue.remove(req):
+            req.disagg_kv.abort(reason)
+            req.disagg_kv.clear()
+            req.abort(reason)
+            self.sched.finish_req(req, release=False)
+        elif self.transfer_queue.find(rid) is not None:
+            req.to_abort = reason
+            req.disagg_kv.abort(reason)  # pages are freed once the receiver is quiesced
+        else:
+            self.sched.abort_request(rid, reason)
+
+    # -- transfers -------------------------------------------------------------------------------------------------
+    def fail(self, req: Req) -> None:
+        """A request whose transfer failed or was aborted: free its pages (quiesced) and report why."""
+        reason = req.to_abort or req.disagg_kv.failure() or "KV transfer failed"
+        code = "CANCELLED" if req.to_abort else transfer_error_code(reason)
+        if req.to_abort is None:
+            logger.warning("rid=%s room=%s: %s", req.rid, req.bootstrap_room, reason)
+        req.disagg_kv.clear()
+        self.prealloc_queue.release_metadata_slot(req)
+        req.abort(reason, code)
+        self.sched.finish_req(req, release=req.req_pool_idx is not None)
+
+    def add_prebuilt(self, reqs: list[Req]) -> None:
+        """Transferred requests continue from the prefill node's first token, straight into the running batch."""
+        now = time.monotonic()
+        running = []
+        for req in reqs:
+            md = req.disagg_kv.metadata()
+            req.disagg_kv.clear()
+            self.prealloc_queue.release_metadata_slot(req)
+            req.times.transfer_done = req.times.first_token = now
+            req.cached_tokens = md.cached_tokens
+            req.kv_transfer_bytes = -(-len(req.origin_input_ids) // self.args.page_size) * self.bytes_per_page
+            req.output_ids.append(md.first_token)
+            if req.return_logprob:
+                req.output_logprobs.append(md.logprob)
+                req.output_top_logprobs.append(list(zip(md.top_ids, md.top_logprobs, strict=True)))
+            check_finished(req, md.first_token, self.tokenizer)
+            if req.finished():
+                self.sched.finish_req(req)
+            else:
+                self.sched.out.stream_token(req)
+                running.append(req)
+        if running:
+            self.sched.running_batch.merge_batch(self.sched.new_batch(running))

@@ -1,0 +1,194 @@
+"""``PrefillScheduler``: one prefill rank. Holds the engine's ``Scheduler``, the KV manager and its two queues.
+
+    step: receive -> pop bootstrapped into the waiting queue -> fold the last batch (send the chunked request's
+          cached pages) -> pick and run a prefill batch -> send finished prompts' last pages + metadata ->
+          poll the inflight queue (release KV, report PrefillDone)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common.config import ServerArgs
+from common.disagg import make_kv_manager, num_pages, req_pages, transfer_error_code
+from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, PrefillDone, SchedulerInput, Timing
+from common.model_runner import BatchResult
+from common.req import Req
+from common.schedule_batch import ScheduleBatch
+from common.scheduler import Scheduler
+from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
+from kvtransfer.poll import KVPoll
+from prefill_node.bootstrap_queue import PrefillBootstrapQueue
+from prefill_node.inflight_queue import PrefillInflightQueue
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillScheduler:
+    def __init__(
+        self, args: ServerArgs, model_path: str, tokenizer: Any, send_outputs: Callable[[list[Any]], None],
+        dp_rank: int = 0,
+    ) -> None:
+        self.args = args
+        self.sched = Scheduler(args, model_path, tokenizer, send_outputs, dp_rank)
+        self.page_size = args.page_size
+        self.kv_manager = make_kv_manager(args, self.sched.runner, "prefill", dp_rank)
+        self.bootstrap_queue = PrefillBootstrapQueue(self.sched, self.kv_manager)
+        self.inflight_queue = PrefillInflightQueue()
+        self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.sched.max_total_num_tokens
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def step(self, msgs: list[SchedulerInput]) -> bool:
+        self.process_input_requests(msgs)
+        ready, failed = self.bootstrap_queue.pop_bootstrapped()
+        self.sched.waiting_queue.extend(ready)
+        for req in failed:
+            self.finish(req, release=False)
+        self.drop_failed_waiting()
+        self.sched.merge_last_batch()
+        self.send_chunked_pages()
+        batch = self.sched.get_next_batch_to_run()
+        if batch is not None:
+            self.process_batch_result(batch, self.sched.run_batch(batch))
+        self.sched.last_batch = batch
+        self.poll_inflight()
+        self.sched.out.flush()
+        return batch is not None
+
+    def is_idle(self) -> bool:
+        return self.sched.is_idle() and not self.bootstrap_queue.queue and not self.inflight_queue.queue
+
+    def close(self) -> None:
+        self.kv_manager.close()
+
+    # -- input -----------------------------------------------------------------------------------------------------
+    def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
+        for msg in msgs:
+            if isinstance(msg, GenerateReqInput):
+                self.bootstrap_queue.add(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort(msg.rid, msg.reason)
+            elif isinstance(msg, LoadReq):
+                load = self.sched.get_load()
+                load.bootstrap, load.inflight = len(self.bootstrap_queue), len(self.inflight_queue)
+                self.sched.out.send_now([LoadOut(load=load)])
+
+    def abort(self, rid: str, reason: str) -> None:
+        req = self.sched.reqs_by_rid.get(rid)
+        if req is None:
+            return
+        req.disagg_kv.abort(reason)
+        if self.bootstrap_queue.remove(req):
+            self.finish(req, release=False)
+        elif req in self.sched.waiting_queue:
+            self.sched.waiting_queue.remove(req)
+            self.finish(req, release=False)
+        elif self.inflight_queue.find(rid) is None:
+            req.to_abort = reason  # in a prefill batch: stops at its next chunk boundary
+
+    def drop_failed_waiting(self) -> None:
+        """Waiting requests whose decode side failed or went away leave before using any compute."""
+        failed = [r for r in self.sched.waiting_queue if r.disagg_kv.poll() == KVPoll.Failed]
+        for req in failed:
+            self.sched.waiting_queue.remove(req)
+            self.finish(req, release=False)
+
+    # -- sending ---------------------------------------------------------------------------------------------------
+    def send_chunked_pages(self) -> None:
+        """Send the chunked request's pages computed so far.
+
+        NOTE: runs after ``cache_unfinished_req`` (in ``merge_last_batch``), which may replace the request's own
+        slots by the radix tree's copies and free the originals; sending before it could read freed pages.
+        """
+        req = self.sched.chunked_req
+        if req is None or req.req_pool_idx is None:
+            return
+        if req.to_abort is not None or req.disagg_kv.poll() == KVPoll.Failed:
+            return
+        full_pages = req.kv_committed_len // self.page_size
+        if full_pages > req.kv_pages_sent:
+            pages = req_pages(self.sched.req_to_token_pool.req_to_token, req, req.kv_pages_sent,
+                              full_pages * self.page_size, self.page_size)
+            req.disagg_kv.send(pages)
+            req.kv_pages_sent = full_pages
+
+    def send_last_pages(self, req: Req) -> None:
+        total = num_pages(len(req.origin_input_ids), self.page_size)
+        pages = req_pages(self.sched.req_to_token_pool.req_to_token, req, req.kv_pages_sent,
+                          len(req.origin_input_ids), self.page_size)
+        top = req.output_top_logprobs[0][:MAX_TOP_LOGPROBS] if req.output_top_logprobs else []
+        metadata = MetadataRecord(
+            room=req.bootstrap_room,  # type: ignore[arg-type]
+            first_token=req.output_ids[0],
+            logprob=req.output_logprobs[0] if req.output_logprobs else 0.0,
+            cached_tokens=req.cached_tokens,
+            top_ids=tuple(t for t, _ in top),
+            top_logprobs=tuple(lp for _, lp in top),
+        )
+        req.disagg_kv.send(pages, last=True, metadata=metadata)
+        req.kv_pages_sent = total
+
+    # -- results ---------------------------------------------------------------------------------------------------
+    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        for i, req in enumerate(batch.reqs):
+            if req.finished():
+                continue
+            if req.is_chunked > 0:
+                req.is_chunked -= 1
+                if req.to_abort is not None or req.disagg_kv.poll() == KVPoll.Failed:
+                    if self.sched.chunked_req is req:
+                        self.sched.chunked_req = None
+                    req.disagg_kv.abort(req.to_abort or "transfer failed")
+                    req.abort(req.to_abort or req.disagg_kv.failure())
+                    self.inflight_queue.add(req)  # released once quiesced
+                continue
+            self.sched.append_token(req, result, i)  # the first (and only) token; finishes the request
+            if req.to_abort is not None:
+                req.disagg_kv.abort(req.to_abort)
+            else:
+                self.send_last_pages(req)
+            self.inflight_queue.add(req)
+
+    def poll_inflight(self) -> None:
+        for req, state in self.inflight_queue.pop_done():
+            req.times.transfer_done = time.monotonic()
+            if state == KVPoll.Failed and not req.to_abort:
+                logger.warning("rid=%s room=%s: KV transfer failed: %s", req.rid, req.bootstrap_room,
+                               req.disagg_kv.failure())
+            self.finish(req, release=True, state=state)
+
+    def finish(self, req: Req, release: bool, state: KVPoll = KVPoll.Failed) -> None:
+        """Release the request's KV (into the radix cache, unlocked) and report the Prefill leg's outcome."""
+        if release and req.req_pool_idx is not None:
+            self.sched.tree_cache.cache_finished_req(req)
+            self.sched.running_batch.batch_is_full = False
+        self.sched.reqs_by_rid.pop(req.rid, None)
+        error = code = None
+        if state != KVPoll.Success:
+            error = req.to_abort or req.disagg_kv.failure() or "prefill failed"
+            code = "CANCELLED" if req.to_abort else transfer_error_code(error)
+        sent_bytes = req.kv_pages_sent * self.bytes_per_page
+        req.disagg_kv.clear()
+        t = req.times
+        self.sched.out.send_now([PrefillDone(
+            rid=req.rid,
+            prompt_tokens=len(req.origin_input_ids),
+            cached_tokens=req.cached_tokens,
+            error=error,
+            error_code=code,
+            timing=Timing(
+                queue=max(0.0, (t.forward_start or t.queue_enter) - (t.bootstrapped or t.queue_enter)),
+                bootstrap=max(0.0, (t.bootstrapped or t.queue_enter) - t.queue_enter),
+                prefill=max(0.0, (t.first_token or t.forward_start) - t.forward_start) if t.forward_start else 0.0,
+                transfer=max(0.0, t.transfer_done - (t.first_token or t.transfer_done)) if t.transfer_done else 0.0,
+                transfer_bytes=sent_bytes if state == KVPoll.Success else 0,
+                e2e=time.monotonic() - t.arrival,
+            ),
+        )])
