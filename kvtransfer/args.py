@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 import torch
 
-from kvtransfer import env
+from common import env
 
 if TYPE_CHECKING:
     from common.mem.kv_pool import MHATokenToKVPool

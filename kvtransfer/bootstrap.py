@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 
 import grpc
+
 from pdcluster.v1 import bootstrap_pb2 as pb
 from pdcluster.v1 import bootstrap_pb2_grpc as pb_grpc
 

@@ -65,7 +65,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.context_len).to(device)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim).to(device)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(fb.input_ids)

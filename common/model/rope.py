@@ -1,7 +1,7 @@
 """Rotary position embedding (rotate-half / NeoX layout, as HF Llama), with default, linear and llama3 scaling.
 
-cos/sin are precomputed for every position up to the context length in fp32, bitwise as HF computes them
-(``position * inv_freq`` in fp32), and looked up once per forward by ``positions``.
+cos/sin are computed once per forward from ``positions`` in fp32, as HF computes them (``position * inv_freq``),
+then cast to the model dtype.
 """
 
 from __future__ import annotations
@@ -32,19 +32,15 @@ def inv_frequencies(rope: RopeParams, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, rope: RopeParams, head_dim: int, max_positions: int) -> None:
+    def __init__(self, rope: RopeParams, head_dim: int) -> None:
         super().__init__()
-        inv_freq = inv_frequencies(rope, head_dim)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("inv_freq", inv_frequencies(rope, head_dim), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, shaped [num_tokens, 1, head_dim] to broadcast over heads."""
-        cos = self.cos_cache.index_select(0, positions).to(dtype)
-        sin = self.sin_cache.index_select(0, positions).to(dtype)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

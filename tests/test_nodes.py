@@ -1,0 +1,279 @@
+"""Prefill and decode nodes as real processes on 127.0.0.1, driven over gRPC without a router.
+
+The decode node's tokens equal a colocated node's for the same greedy requests, for every KV transfer backend;
+faults end in clear errors within their deadlines, and surviving nodes' pools return to their free counts.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdcluster.v1 import common_pb2, worker_pb2
+from tests.model_fixtures import make_tiny_model
+from tests.node_helpers import Node, start_node
+
+pytestmark = pytest.mark.slow
+
+FAST_DEADLINES = ["--bootstrap-timeout", "6", "--waiting-timeout", "6", "--transfer-timeout", "6"]
+
+
+def greedy_request(rid: str, ids: list[int], n: int = 10) -> worker_pb2.GenerateRequest:
+    sp = common_pb2.SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+    return worker_pb2.GenerateRequest(rid=rid, input_ids=ids, sampling_params=sp)
+
+
+def tokens_of(stream: Iterator[worker_pb2.GenerateResponse]) -> tuple[list[int], worker_pb2.Finished]:
+    ids: list[int] = []
+    for resp in stream:
+        if resp.HasField("chunk"):
+            ids.extend(resp.chunk.token_ids)
+        else:
+            ids.extend(resp.finished.last.token_ids)
+            return ids, resp.finished
+    raise AssertionError("stream ended without a Finished message")
+
+
+def run_pd(prefill: Node, decode: Node, req: worker_pb2.GenerateRequest, room: int, p_rank: int = 0,
+           d_rank: int = 0, timeout: float = 60) -> tuple[list[int], worker_pb2.Finished, worker_pb2.PrefillResponse]:
+    """Both legs at once, as the router does."""
+    with ThreadPoolExecutor(1) as pool:
+        pre = pool.submit(prefill.stub.Prefill, worker_pb2.PrefillRequest(
+            request=req, bootstrap_room=room, prefill_dp_rank=p_rank), timeout=timeout)
+        ids, fin = tokens_of(decode.stub.Decode(worker_pb2.DecodeRequest(
+            request=req, bootstrap_room=room, bootstrap_addr=prefill.bootstrap_addr, prefill_dp_rank=p_rank,
+            decode_dp_rank=d_rank), timeout=timeout))
+        return ids, fin, pre.result()
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def colocated(model_path) -> Iterator[Node]:
+    node = start_node("null", model_path)
+    yield node
+    node.stop()
+
+
+def reference(colocated: Node, req: worker_pb2.GenerateRequest) -> list[int]:
+    return tokens_of(colocated.stub.Generate(req, timeout=60))[0]
+
+
+PROMPT_LENGTHS = [1, 3, 9, 17, 30, 45, 64, 65, 90, 120, 150, 200, 5, 77, 260, 33]
+
+
+@pytest.mark.parametrize(("backend", "page_size"), [("tcp", 16), ("nccl", 1), ("ucx", 1), ("shm", 16)])
+def test_pd_tokens_match_colocated(model_path, colocated, backend, page_size) -> None:
+    extra = ["--page-size", str(page_size), "--chunked-prefill-size", "64"]
+    prefill = start_node("prefill", model_path, backend=backend, extra=extra, wait=False)
+    decode = start_node("decode", model_path, backend=backend, extra=extra, wait=False)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        rng = random.Random(len(backend))
+        reqs = [greedy_request(f"{backend}-{i}", [rng.randrange(10, 1000) for _ in range(n)])
+                for i, n in enumerate(PROMPT_LENGTHS)]
+        expected = [reference(colocated, r) for r in reqs]
+        rooms = rng.sample(range(1, 2**63), len(reqs))
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda a: run_pd(prefill, decode, *a), zip(reqs, rooms, strict=True)))
+        for req, want, (got, fin, pre) in zip(reqs, expected, results, strict=True):
+            assert got == want, f"prompt of {len(req.input_ids)} tokens"
+            assert fin.finish_reason == "length" and fin.usage.completion_tokens == len(want)
+            assert pre.prompt_tokens == len(req.input_ids)
+            assert fin.timing.transfer_bytes > 0
+        prefill.wait_pools_free()
+        decode.wait_pools_free()
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_dp2(model_path) -> Iterator[tuple[Node, Node]]:
+    extra = ["--chunked-prefill-size", "32", *FAST_DEADLINES]
+    prefill = start_node("prefill", model_path, dp_size=2, extra=extra, wait=False)
+    decode = start_node("decode", model_path, dp_size=2, extra=extra, wait=False)
+    prefill.wait_ready()
+    decode.wait_ready()
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+def test_dp2_requests_spread_over_ranks(pd_dp2, colocated) -> None:
+    prefill, decode = pd_dp2
+    rng = random.Random(5)
+    reqs = [greedy_request(f"dp-{i}", [rng.randrange(10, 1000) for _ in range(rng.randrange(1, 120))])
+            for i in range(12)]
+    expected = [reference(colocated, r) for r in reqs]
+    args = [(r, rng.randrange(1, 2**63), i % 2, (i // 2) % 2) for i, r in enumerate(reqs)]
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda a: run_pd(prefill, decode, *a), args))
+    assert [r[0] for r in results] == expected
+    prefill.wait_pools_free()
+    decode.wait_pools_free()
+
+
+def test_prefix_sharing_reports_cached_tokens(pd_dp2, colocated) -> None:
+    prefill, decode = pd_dp2
+    prefix = list(range(100, 180))
+    first = greedy_request("pfx-0", [*prefix, 7, 8])
+    second = greedy_request("pfx-1", [*prefix, 9, 10, 11])
+    _, _, pre0 = run_pd(prefill, decode, first, 11, p_rank=1, d_rank=0)
+    got, fin, pre1 = run_pd(prefill, decode, second, 12, p_rank=1, d_rank=1)
+    assert pre0.cached_tokens == 0
+    assert pre1.cached_tokens >= len(prefix) - 1
+    assert fin.usage.cached_tokens == pre1.cached_tokens
+    assert got == reference(colocated, second)
+
+
+def rpc_code(fn, *args, **kwargs) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as exc:
+        result = fn(*args, **kwargs)
+        if hasattr(result, "__iter__") and not isinstance(result, worker_pb2.PrefillResponse):
+            list(result)
+    return exc.value.code(), exc.value.details()
+
+
+def test_bad_inputs_get_invalid_argument(pd_dp2, colocated) -> None:
+    prefill, decode = pd_dp2
+    req = greedy_request("bad", [1, 2, 3])
+    cases = [
+        (prefill.stub.Prefill, worker_pb2.PrefillRequest(request=req, prefill_dp_rank=0), "bootstrap_room"),
+        (prefill.stub.Prefill, worker_pb2.PrefillRequest(request=req, bootstrap_room=1, prefill_dp_rank=5),
+         "prefill_dp_rank"),
+        (prefill.stub.Prefill, worker_pb2.PrefillRequest(request=req, bootstrap_room=1), "prefill_dp_rank"),
+        (decode.stub.Decode, worker_pb2.DecodeRequest(request=req, bootstrap_addr="x:1", decode_dp_rank=0),
+         "bootstrap_room"),
+        (decode.stub.Decode, worker_pb2.DecodeRequest(request=req, bootstrap_room=1, decode_dp_rank=0),
+         "bootstrap_addr"),
+        (decode.stub.Decode, worker_pb2.DecodeRequest(request=req, bootstrap_room=1, bootstrap_addr="x:1",
+                                                      decode_dp_rank=2), "decode_dp_rank"),
+        (prefill.stub.Generate, req, "prefill"),
+        (decode.stub.Prefill, worker_pb2.PrefillRequest(request=req, bootstrap_room=1), "decode"),
+        (colocated.stub.Decode, worker_pb2.DecodeRequest(request=req, bootstrap_room=1, bootstrap_addr="x:1"),
+         "null"),
+        (colocated.stub.Generate, greedy_request("long", [5] * 5000), "context"),
+        (colocated.stub.Generate, worker_pb2.GenerateRequest(rid="e", input_ids=[]), "input_ids"),
+        (colocated.stub.Generate, worker_pb2.GenerateRequest(
+            rid="t", input_ids=[1], sampling_params=common_pb2.SamplingParams(temperature=-1)), "temperature"),
+        (prefill.stub.Prefill, worker_pb2.PrefillRequest(request=greedy_request("cap", [5] * 4500),
+                                                         bootstrap_room=3, prefill_dp_rank=0), "context"),
+    ]
+    for fn, request, word in cases:
+        code, details = rpc_code(fn, request, timeout=20)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (word, code, details)
+        assert word in details, (word, details)
+    prefill.wait_pools_free()
+    decode.wait_pools_free()
+
+
+def test_decode_leg_cancel_frees_both_sides(pd_dp2) -> None:
+    prefill, decode = pd_dp2
+    req = greedy_request("cancel", list(range(10, 60)), n=3000)
+    pre = prefill.stub.Prefill.future(worker_pb2.PrefillRequest(request=req, bootstrap_room=77, prefill_dp_rank=0),
+                                      timeout=30)
+    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
+        request=req, bootstrap_room=77, bootstrap_addr=prefill.bootstrap_addr, decode_dp_rank=0), timeout=30)
+    got = 0
+    for resp in stream:
+        got += len(resp.chunk.token_ids)
+        if got >= 5:
+            stream.cancel()
+            break
+    pre.result()  # the KV had arrived before the cancel: the prefill leg succeeded
+    decode.wait_pools_free()
+    prefill.wait_pools_free()
+
+
+def test_abort_before_transfer_fails_other_leg(pd_dp2) -> None:
+    """Decode waits for KV that never comes; Abort on the decode node ends both legs."""
+    prefill, decode = pd_dp2
+    req = greedy_request("abort-d", list(range(10, 40)))
+    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
+        request=req, bootstrap_room=91, bootstrap_addr=prefill.bootstrap_addr, decode_dp_rank=1), timeout=30)
+    threading.Timer(1.0, lambda: decode.stub.Abort(worker_pb2.AbortRequest(rid="abort-d"))).start()
+    with pytest.raises(grpc.RpcError) as exc:
+        list(stream)
+    assert exc.value.code() == grpc.StatusCode.CANCELLED
+    decode.wait_pools_free()
+    prefill.wait_pools_free()
+
+
+def test_prefill_without_decode_fails_by_deadline(pd_dp2) -> None:
+    prefill, _ = pd_dp2
+    req = greedy_request("lonely", list(range(10, 40)))
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as exc:
+        prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req, bootstrap_room=4242, prefill_dp_rank=0),
+                             timeout=60)
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc.value.details()
+    assert time.monotonic() - start < 30
+    prefill.wait_pools_free()
+
+
+def test_prefill_killed_mid_transfer(model_path) -> None:
+    extra = ["--chunked-prefill-size", "16", *FAST_DEADLINES]
+    prefill = start_node("prefill", model_path, extra=extra, wait=False)
+    decode = start_node("decode", model_path, extra=extra, wait=False)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        req = greedy_request("victim", [random.Random(1).randrange(10, 1000) for _ in range(1500)])
+        stream = decode.stub.Decode(worker_pb2.DecodeRequest(
+            request=req, bootstrap_room=5, bootstrap_addr=prefill.bootstrap_addr), timeout=60)
+        prefill.stub.Prefill.future(worker_pb2.PrefillRequest(request=req, bootstrap_room=5), timeout=60)
+        deadline = time.monotonic() + 20
+        while decode.load().ranks[0].transfer == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        prefill.kill()
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as exc:
+            list(stream)
+        assert exc.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert time.monotonic() - start < 20
+        decode.wait_pools_free()
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_decode_killed_mid_stream(model_path, colocated) -> None:
+    prefill = start_node("prefill", model_path, extra=FAST_DEADLINES, wait=False)
+    decode = start_node("decode", model_path, extra=FAST_DEADLINES, wait=False)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        victim = greedy_request("long-out", list(range(10, 50)), n=3000)
+        stream = decode.stub.Decode(worker_pb2.DecodeRequest(
+            request=victim, bootstrap_room=9, bootstrap_addr=prefill.bootstrap_addr), timeout=60)
+        pre = prefill.stub.Prefill.future(worker_pb2.PrefillRequest(request=victim, bootstrap_room=9), timeout=60)
+        # A second request is stuck waiting for KV when decode dies: its prefill leg must fail, not hang.
+        waiting = greedy_request("orphan", list(range(10, 30)))
+        orphan = prefill.stub.Prefill.future(worker_pb2.PrefillRequest(request=waiting, bootstrap_room=10),
+                                             timeout=60)
+        got = 0
+        with pytest.raises(grpc.RpcError) as exc:
+            for resp in stream:
+                got += len(resp.chunk.token_ids)
+                if got >= 3:
+                    decode.kill()
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert pre.result().prompt_tokens == 40
+        with pytest.raises(grpc.RpcError) as orphan_exc:
+            orphan.result()
+        assert orphan_exc.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+        prefill.wait_pools_free()
+    finally:
+        prefill.stop()
+        decode.stop()
