@@ -32,12 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 PROMPT = "The router tokenizes this prompt, picks a prefill and a decode worker, and streams tokens back."
 
 
-def _spawn(args: list[str], ready: str, env: dict[str, str], timeout: float = 90.0) -> tuple[subprocess.Popen[str], str]:
+def _spawn(
+    args: list[str], ready: str, env: dict[str, str], timeout: float = 90.0
+) -> tuple[subprocess.Popen[str], str]:
     """Start a child and return it with its first stdout line that contains ``ready``."""
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     deadline = time.monotonic() + timeout
@@ -61,8 +64,9 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         proc.wait()
 
 
-async def _closed_loop(call: Callable[[], Awaitable[None]], requests: int, concurrency: int,
-                       time_limit: float) -> dict[str, float]:
+async def _closed_loop(
+    call: Callable[[], Awaitable[None]], requests: int, concurrency: int, time_limit: float
+) -> dict[str, float]:
     latencies: list[float] = []
     issued = 0
     deadline = time.monotonic() + time_limit
@@ -79,13 +83,20 @@ async def _closed_loop(call: Callable[[], Awaitable[None]], requests: int, concu
     await asyncio.gather(*(client() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     qs = statistics.quantiles(latencies, n=100, method="inclusive")
-    return {"requests": len(latencies), "wall_s": round(wall, 3), "rps": round(len(latencies) / wall, 1),
-            "p50_ms": round(qs[49] * 1000, 3), "p90_ms": round(qs[89] * 1000, 3), "p99_ms": round(qs[98] * 1000, 3),
-            "mean_ms": round(statistics.fmean(latencies) * 1000, 3)}
+    return {
+        "requests": len(latencies),
+        "wall_s": round(wall, 3),
+        "rps": round(len(latencies) / wall, 1),
+        "p50_ms": round(qs[49] * 1000, 3),
+        "p90_ms": round(qs[89] * 1000, 3),
+        "p99_ms": round(qs[98] * 1000, 3),
+        "mean_ms": round(statistics.fmean(latencies) * 1000, 3),
+    }
 
 
-async def _measure(name: str, call: Callable[[], Awaitable[None]], ns: argparse.Namespace,
-                   warmup: bool = True) -> dict[str, float]:
+async def _measure(
+    name: str, call: Callable[[], Awaitable[None]], ns: argparse.Namespace, warmup: bool = True
+) -> dict[str, float]:
     if warmup:
         await _closed_loop(call, ns.warmup, ns.concurrency, ns.time_limit)
     out = await _closed_loop(call, ns.requests, ns.concurrency, ns.time_limit)
@@ -98,8 +109,13 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-async def _run(ns: argparse.Namespace, fleet: dict[str, list[str]], router_addr: str, prompt_ids: list[int],
-               router_pid: int) -> dict[str, Any]:
+async def _run(
+    ns: argparse.Namespace,
+    fleet: dict[str, list[str]],
+    router_addr: str,
+    prompt_ids: list[int],
+    router_pid: int,
+) -> dict[str, Any]:
     sp = common_pb2.SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=0)
     direct_ch = grpc.aio.insecure_channel(fleet["colocated"][0])
     router_ch = grpc.aio.insecure_channel(router_addr)
@@ -125,7 +141,9 @@ async def _run(ns: argparse.Namespace, fleet: dict[str, list[str]], router_addr:
     await _closed_loop(via_router, ns.warmup, ns.concurrency, ns.time_limit)
     cpu0 = _cpu_s(router_pid)
     results["router_pd"] = await _measure("router_pd", via_router, ns, warmup=False)
-    results["router_cpu_us_per_request"] = round((_cpu_s(router_pid) - cpu0) / results["router_pd"]["requests"] * 1e6, 1)
+    results["router_cpu_us_per_request"] = round(
+        (_cpu_s(router_pid) - cpu0) / results["router_pd"]["requests"] * 1e6, 1
+    )
     await direct_ch.close()
     await router_ch.close()
     return results
@@ -139,7 +157,9 @@ def main() -> int:
     ap.add_argument("--service-time", type=float, default=0.02)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--stream", action="store_true", help="router requests stream text chunks")
-    ap.add_argument("--chunk-tokens", type=int, default=0, help="mock tokens per chunk (0: all in one message)")
+    ap.add_argument(
+        "--chunk-tokens", type=int, default=0, help="mock tokens per chunk (0: all in one message)"
+    )
     ap.add_argument("--time-limit", type=float, default=120.0, help="per phase, seconds")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router_overhead.json"))
     ns = ap.parse_args()
@@ -154,17 +174,50 @@ def main() -> int:
 
         prompt_ids = load_tokenizer(model).encode(PROMPT)
         try:
-            mocks, line = _spawn([sys.executable, "-m", "tests.mock_worker", "--prefill", "1", "--decode", "1",
-                                  "--colocated", "1", "--service-time", str(ns.service_time),
-                                  "--chunk-tokens", str(ns.chunk_tokens or ns.max_new_tokens)], "{", env)
+            mocks, line = _spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.mock_worker",
+                    "--prefill",
+                    "1",
+                    "--decode",
+                    "1",
+                    "--colocated",
+                    "1",
+                    "--service-time",
+                    str(ns.service_time),
+                    "--chunk-tokens",
+                    str(ns.chunk_tokens or ns.max_new_tokens),
+                ],
+                "{",
+                env,
+            )
             procs.append(mocks)
             fleet = json.loads(line)
             from tests.mock_worker import free_port
 
             port = free_port()
-            router, _ = _spawn([sys.executable, "-m", "common.cli", "router", "--model-path", str(model),
-                                "--grpc-port", str(port), "--http-port", "-1", "--prefill", fleet["prefill"][0],
-                                "--decode", fleet["decode"][0]], "router ready", env)
+            router, _ = _spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "common.cli",
+                    "router",
+                    "--model-path",
+                    str(model),
+                    "--grpc-port",
+                    str(port),
+                    "--http-port",
+                    "-1",
+                    "--prefill",
+                    fleet["prefill"][0],
+                    "--decode",
+                    fleet["decode"][0],
+                ],
+                "router ready",
+                env,
+            )
             procs.append(router)
             results = asyncio.run(_run(ns, fleet, f"127.0.0.1:{port}", prompt_ids, router.pid))
         finally:
@@ -173,9 +226,15 @@ def main() -> int:
     d, r = results["direct"], results["router_pd"]
     report = {
         "benchmark": "router_overhead",
-        "config": {k: getattr(ns, k) for k in ("requests", "warmup", "concurrency", "service_time", "max_new_tokens",
-                                               "stream")},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "config": {
+            k: getattr(ns, k)
+            for k in ("requests", "warmup", "concurrency", "service_time", "max_new_tokens", "stream")
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
         **results,
         "added_p50_ms": round(r["p50_ms"] - d["p50_ms"], 3),
         "added_p99_ms": round(r["p99_ms"] - d["p99_ms"], 3),
@@ -186,8 +245,20 @@ def main() -> int:
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("added_p50_ms", "added_p99_ms", "throughput_ratio",
-                                              "router_cpu_us_per_request", "load_average_at_end")}))
+    print(
+        json.dumps(
+            {
+                k: report[k]
+                for k in (
+                    "added_p50_ms",
+                    "added_p99_ms",
+                    "throughput_ratio",
+                    "router_cpu_us_per_request",
+                    "load_average_at_end",
+                )
+            }
+        )
+    )
     print(f"wrote {out}")
     return 0
 

@@ -136,7 +136,7 @@ class Scheduler:
             sp,
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
-            eos_token_ids=self.model_config.eos_token_ids,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
             bootstrap_room=msg.bootstrap_room,
         )
         req.times.queue_enter = time.monotonic()

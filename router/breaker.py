@@ -14,7 +14,9 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
 
 class CircuitBreaker:
-    def __init__(self, failure_threshold: int, open_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, failure_threshold: int, open_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.failure_threshold = failure_threshold
         self.open_s = open_s
         self.clock = clock

@@ -14,24 +14,51 @@ logger = logging.getLogger(__name__)
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     d = RouterConfig()
-    p.add_argument("--model-path", default=None,
-                   help="local HF model folder (tokenizer, chat template, config.json); default: the embedded model")
-    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder's name)")
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="local HF model folder (tokenizer, chat template, config.json); default: the embedded model",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: the folder's name)"
+    )
     p.add_argument("--host", default=d.host)
     p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="pdcluster.v1.Router gRPC port")
     p.add_argument("--http-port", type=int, default=d.http_port, help="OpenAI-compatible HTTP port (-1: off)")
-    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT[:BOOTSTRAP_PORT]",
-                   help="prefill worker's gRPC address (repeatable); bootstrap port default: from GetServerInfo")
-    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="decode worker (repeatable)")
-    p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
-                   help="colocated (mode null) worker (repeatable)")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="HOST:PORT[:BOOTSTRAP_PORT]",
+        help="prefill worker's gRPC address (repeatable); bootstrap port default: from GetServerInfo",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="HOST:PORT", help="decode worker (repeatable)"
+    )
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="colocated (mode null) worker (repeatable)",
+    )
     p.add_argument("--prefill-policy", choices=POLICIES, default=d.prefill_policy)
     p.add_argument("--decode-policy", choices=POLICIES, default=d.decode_policy)
-    p.add_argument("--max-retries", type=int, default=d.max_retries,
-                   help="extra attempts before the first token reached the client")
-    p.add_argument("--retry-backoff", type=float, default=d.retry_backoff_s, help="first retry backoff, seconds")
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
-                   help="deadline of a request without a client deadline, seconds")
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=d.max_retries,
+        help="extra attempts before the first token reached the client",
+    )
+    p.add_argument(
+        "--retry-backoff", type=float, default=d.retry_backoff_s, help="first retry backoff, seconds"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout_s,
+        help="deadline of a request without a client deadline, seconds",
+    )
     p.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold)
     p.add_argument("--cb-open-seconds", type=float, default=d.cb_open_s)
     p.add_argument("--health-interval", type=float, default=d.health_interval_s)
@@ -49,13 +76,24 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         + [WorkerSpec.parse(a, "colocated") for a in ns.worker]
     )
     return RouterConfig(
-        model_path=ns.model_path, served_model_name=ns.served_model_name, host=ns.host, grpc_port=ns.grpc_port,
-        http_port=None if ns.http_port < 0 else ns.http_port, workers=workers,
-        prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy, max_retries=ns.max_retries,
-        retry_backoff_s=ns.retry_backoff, request_timeout_s=ns.request_timeout,
-        cb_failure_threshold=ns.cb_failure_threshold, cb_open_s=ns.cb_open_seconds,
-        health_interval_s=ns.health_interval, load_interval_s=ns.load_interval, cache_threshold=ns.cache_threshold,
-        balance_abs_threshold=ns.balance_abs_threshold, balance_rel_threshold=ns.balance_rel_threshold,
+        model_path=ns.model_path,
+        served_model_name=ns.served_model_name,
+        host=ns.host,
+        grpc_port=ns.grpc_port,
+        http_port=None if ns.http_port < 0 else ns.http_port,
+        workers=workers,
+        prefill_policy=ns.prefill_policy,
+        decode_policy=ns.decode_policy,
+        max_retries=ns.max_retries,
+        retry_backoff_s=ns.retry_backoff,
+        request_timeout_s=ns.request_timeout,
+        cb_failure_threshold=ns.cb_failure_threshold,
+        cb_open_s=ns.cb_open_seconds,
+        health_interval_s=ns.health_interval,
+        load_interval_s=ns.load_interval,
+        cache_threshold=ns.cache_threshold,
+        balance_abs_threshold=ns.balance_abs_threshold,
+        balance_rel_threshold=ns.balance_rel_threshold,
         max_request_bytes=ns.max_request_bytes,
     )
 
@@ -75,8 +113,10 @@ async def _serve(cfg: RouterConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"router ready grpc={server.grpc_address} http={server.http_url if cfg.http_port is not None else '-'}",
-          flush=True)
+    print(
+        f"router ready grpc={server.grpc_address} http={server.http_url if cfg.http_port is not None else '-'}",
+        flush=True,
+    )
     await stop.wait()
     logger.info("router stopping")
     await server.stop()

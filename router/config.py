@@ -26,7 +26,9 @@ class WorkerSpec:
         parts = raw.rsplit(":", 2) if raw.count(":") >= 2 else raw.rsplit(":", 1)
         flag = f"--{'worker' if role == 'colocated' else role}"
         if len(parts) < 2 or not parts[0] or not all(p.isdigit() for p in parts[1:]):
-            raise ConfigError(f"{flag} {text!r}: expected HOST:PORT" + ("[:BOOTSTRAP_PORT]" if role == "prefill" else ""))
+            raise ConfigError(
+                f"{flag} {text!r}: expected HOST:PORT" + ("[:BOOTSTRAP_PORT]" if role == "prefill" else "")
+            )
         if len(parts) == 3 and role != "prefill":
             raise ConfigError(f"{flag} {text!r}: only prefill workers take a bootstrap port (HOST:PORT)")
         host, port = parts[0], int(parts[1])

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-from pdcluster.v1 import worker_pb2
 
 from common.errors import CapacityError, InvalidRequestError
+from pdcluster.v1 import worker_pb2
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, RouterError, UnavailableError
 from router.inputs import InputProcessor
@@ -36,8 +36,14 @@ from router.workers import Lease, Registry, Worker
 logger = logging.getLogger(__name__)
 
 # Worker statuses that say nothing about the worker's health (the request itself is at fault).
-NOT_WORKER_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED})
+NOT_WORKER_FAULTS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 
 
 @dataclass(slots=True)
@@ -57,8 +63,14 @@ class Plan:
 
 
 class RouterCore:
-    def __init__(self, cfg: RouterConfig, inputs: InputProcessor, tokenizer_hf: object, metrics: RouterMetrics,
-                 registry: Registry) -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        inputs: InputProcessor,
+        tokenizer_hf: object,
+        metrics: RouterMetrics,
+        registry: Registry,
+    ) -> None:
         self.cfg = cfg
         self.inputs = inputs
         self.tokenizer_hf = tokenizer_hf
@@ -81,7 +93,9 @@ class RouterCore:
     async def generate(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
         """Deltas (streaming requests only), then exactly one Final; or raises a typed error."""
         if req.rid in self.active:
-            raise InvalidRequestError(f"request_id {req.rid!r} is already in flight; request ids must be unique")
+            raise InvalidRequestError(
+                f"request_id {req.rid!r} is already in flight; request ids must be unique"
+            )
         self.active.add(req.rid)
         self.metrics.inflight.inc()
         outcome = "cancelled"
@@ -93,8 +107,11 @@ class RouterCore:
             outcome = "invalid"
             raise
         except RouterError as e:
-            outcome = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
-                       grpc.StatusCode.INVALID_ARGUMENT: "invalid"}.get(e.code, "error")
+            outcome = {
+                grpc.StatusCode.UNAVAILABLE: "unavailable",
+                grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+                grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+            }.get(e.code, "error")
             logger.warning("[rid=%s] failed: %s: %s", req.rid, e.code.name, e)
             raise
         finally:
@@ -109,17 +126,27 @@ class RouterCore:
             plan = self._route(req, failed)
             node_rid = req.rid if attempt == 0 else f"{req.rid}#{attempt}"
             node_req = worker_pb2.GenerateRequest(
-                rid=node_rid, input_ids=req.input_ids, sampling_params=req.sampling_pb,
-                return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+                rid=node_rid,
+                input_ids=req.input_ids,
+                sampling_params=req.sampling_pb,
+                return_logprob=req.return_logprob,
+                top_logprobs_num=req.top_logprobs_num,
             )
             dispatched_at = time.monotonic()
-            out = OutputState(req, self.tokenizer_hf, self.metrics)
+            out = OutputState(req, self.inputs.tok, self.metrics)
             emitted = False
             try:
                 if plan.prefill is not None:
                     leg: PdAttempt | ColocatedAttempt = PdAttempt(
-                        node_req, plan.prefill, plan.prefill_rank, plan.worker, plan.rank, plan.room, req.deadline,
-                        self.aborter)
+                        node_req,
+                        plan.prefill,
+                        plan.prefill_rank,
+                        plan.worker,
+                        plan.rank,
+                        plan.room,
+                        req.deadline,
+                        self.aborter,
+                    )
                 else:
                     if plan.worker.dp_size > 1:
                         node_req.dp_rank = plan.rank
@@ -132,8 +159,12 @@ class RouterCore:
                         else:
                             fin = msg.finished
                             if fin.finish_reason == "abort":
-                                raise LegError(f"{plan.worker.address} aborted the request", grpc.StatusCode.ABORTED,
-                                               plan.worker.address, True)
+                                raise LegError(
+                                    f"{plan.worker.address} aborted the request",
+                                    grpc.StatusCode.ABORTED,
+                                    plan.worker.address,
+                                    True,
+                                )
                             delta = out.add(fin.last, final=True)
                         if req.stream and delta is not None and (delta.text or delta.token_ids):
                             emitted = True
@@ -141,8 +172,12 @@ class RouterCore:
                         if out.stopped:
                             break  # closing the legs aborts them on both nodes
                 if not out.ids:
-                    raise LegError(f"{plan.served_by} finished without producing a token", grpc.StatusCode.INTERNAL,
-                                   plan.worker.address, True)
+                    raise LegError(
+                        f"{plan.served_by} finished without producing a token",
+                        grpc.StatusCode.INTERNAL,
+                        plan.worker.address,
+                        True,
+                    )
                 for lease in plan.leases:
                     lease.worker.breaker.record_success()
                 prefill_resp = leg.prefill_resp if isinstance(leg, PdAttempt) else None
@@ -163,18 +198,31 @@ class RouterCore:
                 failed.add(e.worker)
                 now = time.monotonic()
                 if now >= req.deadline:
-                    raise DeadlineError(f"request deadline exceeded after {attempt} attempt(s); last error: {e}") from None
+                    raise DeadlineError(
+                        f"request deadline exceeded after {attempt} attempt(s); last error: {e}"
+                    ) from None
                 if attempt > self.cfg.max_retries:
                     raise UnavailableError(f"all {attempt} attempts failed; last error: {e}") from None
                 backoff = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1), self.cfg.retry_backoff_max_s)
                 backoff *= 0.5 + self.rng.random() / 2
                 if now + backoff >= req.deadline:
-                    raise DeadlineError(f"request deadline exceeded after {attempt} attempt(s); last error: {e}") from None
-                leg_name = "decode" if e.worker == plan.worker.address and plan.prefill is not None else (
-                    "prefill" if plan.prefill is not None else "generate")
+                    raise DeadlineError(
+                        f"request deadline exceeded after {attempt} attempt(s); last error: {e}"
+                    ) from None
+                leg_name = (
+                    "decode"
+                    if e.worker == plan.worker.address and plan.prefill is not None
+                    else ("prefill" if plan.prefill is not None else "generate")
+                )
                 self.metrics.retries.labels(leg_name).inc()
-                logger.info("[rid=%s room=%d] attempt %d failed (%s); retrying in %.0f ms", req.rid, plan.room,
-                            attempt, e, backoff * 1000)
+                logger.info(
+                    "[rid=%s room=%d] attempt %d failed (%s); retrying in %.0f ms",
+                    req.rid,
+                    plan.room,
+                    attempt,
+                    e,
+                    backoff * 1000,
+                )
                 await asyncio.sleep(backoff)
             finally:
                 for lease in plan.leases:
@@ -189,8 +237,10 @@ class RouterCore:
         if prefills and decodes:
             p, p_rank = self._choose(self.prefill_policy, prefills, hint, len(req.input_ids))
             d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)
-            leases = [Lease(p, p.ranks[p_rank], len(req.input_ids), p.pages_for(len(req.input_ids))),
-                      Lease(d, d.ranks[d_rank], hint.tokens, d.pages_for(hint.tokens))]
+            leases = [
+                Lease(p, p.ranks[p_rank], len(req.input_ids), p.pages_for(len(req.input_ids))),
+                Lease(d, d.ranks[d_rank], hint.tokens, d.pages_for(hint.tokens)),
+            ]
             self.metrics.disagg_decisions.labels(p.address, d.address).inc()
             return Plan(leases, self.rooms.acquire(), p, p_rank, d, d_rank)
         colocated = self._candidates("colocated", failed, hint.tokens)
@@ -214,7 +264,9 @@ class RouterCore:
             ws = fit or ws
         return ws
 
-    def _choose(self, policy: Policy, workers: list[Worker], hint: RouteHint, tokens: int) -> tuple[Worker, int]:
+    def _choose(
+        self, policy: Policy, workers: list[Worker], hint: RouteHint, tokens: int
+    ) -> tuple[Worker, int]:
         w, rank = policy.pick(workers, hint)
         if rank is None:
             rank = pick_rank(w, w.pages_for(tokens))

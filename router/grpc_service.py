@@ -7,18 +7,28 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from pdcluster.v1 import router_pb2, router_pb2_grpc
 
 from common.errors import PdclusterError
+from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.errors import status_of
 from router.request import Delta, Final
 from router.service import RouterService
 
-OPTIONAL_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed",
-                     "skip_special_tokens")
+OPTIONAL_SAMPLING = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "seed",
+    "skip_special_tokens",
+)
 PLAIN_SAMPLING = ("min_new_tokens", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos")
-ROLE_OF = {router_pb2.WORKER_ROLE_PREFILL: "prefill", router_pb2.WORKER_ROLE_DECODE: "decode",
-           router_pb2.WORKER_ROLE_COLOCATED: "colocated"}
+ROLE_OF = {
+    router_pb2.WORKER_ROLE_PREFILL: "prefill",
+    router_pb2.WORKER_ROLE_DECODE: "decode",
+    router_pb2.WORKER_ROLE_COLOCATED: "colocated",
+}
 PB_ROLE = {v: k for k, v in ROLE_OF.items()}
 
 
@@ -37,10 +47,19 @@ def sampling_from_proto(req: router_pb2.RouterGenerateRequest) -> dict[str, Any]
 
 def final_to_proto(f: Final) -> router_pb2.RouterGenerateResponse:
     c = router_pb2.Complete(
-        request_id=f.rid, text=f.text, output_ids=f.output_ids, finish_reason=f.finish_reason,
-        usage={"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-               "cached_tokens": f.cached_tokens},
-        timing=f.node_timing, logprobs=f.logprobs, top_logprobs=f.top_logprobs, served_by=f.served_by,
+        request_id=f.rid,
+        text=f.text,
+        output_ids=f.output_ids,
+        finish_reason=f.finish_reason,
+        usage={
+            "prompt_tokens": f.prompt_tokens,
+            "completion_tokens": f.completion_tokens,
+            "cached_tokens": f.cached_tokens,
+        },
+        timing=f.node_timing,
+        logprobs=f.logprobs,
+        top_logprobs=f.top_logprobs,
+        served_by=f.served_by,
     )
     if f.matched_token is not None:
         c.matched_token = f.matched_token
@@ -53,8 +72,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, service: RouterService) -> None:
         self.service = service
 
-    async def Generate(self, request: router_pb2.RouterGenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+    async def Generate(
+        self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         which = request.WhichOneof("input")
         kw: dict[str, Any] = {}
         if which == "text":
@@ -66,35 +86,54 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         remaining = context.time_remaining()
         try:
             req = self.service.inputs.build(
-                rid=request.request_id or f"gen-{uuid.uuid4().hex[:24]}", api="grpc",
-                sampling=sampling_from_proto(request), model=request.model, stream=request.stream,
-                return_logprob=request.return_logprob, top_logprobs_num=request.top_logprobs_num,
-                timeout_s=remaining, max_tokens_field="sampling_params.max_new_tokens", **kw)
+                rid=request.request_id or f"gen-{uuid.uuid4().hex[:24]}",
+                api="grpc",
+                sampling=sampling_from_proto(request),
+                model=request.model,
+                stream=request.stream,
+                return_logprob=request.return_logprob,
+                top_logprobs_num=request.top_logprobs_num,
+                timeout_s=remaining,
+                max_tokens_field="sampling_params.max_new_tokens",
+                **kw,
+            )
             async for ev in self.service.core.generate(req):
                 if isinstance(ev, Delta):
-                    yield router_pb2.RouterGenerateResponse(chunk=router_pb2.TextChunk(
-                        text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs))
+                    yield router_pb2.RouterGenerateResponse(
+                        chunk=router_pb2.TextChunk(text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs)
+                    )
                 else:
                     yield final_to_proto(ev)
         except PdclusterError as e:
             await context.abort(status_of(e), str(e))
 
-    async def ListModels(self, request: router_pb2.ListModelsRequest,
-                         context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
+    async def ListModels(
+        self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListModelsResponse:
         return router_pb2.ListModelsResponse(models=[self.service.model_name])
 
-    async def ListWorkers(self, request: router_pb2.ListWorkersRequest,
-                          context: grpc.aio.ServicerContext) -> router_pb2.ListWorkersResponse:
-        return router_pb2.ListWorkersResponse(workers=[
-            router_pb2.WorkerStatus(
-                address=s["address"], role=PB_ROLE[s["role"]], bootstrap_port=s["bootstrap_port"],
-                healthy=s["healthy"], dp_size=s["dp_size"], inflight_requests=s["inflight_requests"],
-                free_kv_pages=s["free_kv_pages"], circuit_state=s["circuit_state"])
-            for s in self.service.list_workers()
-        ])
+    async def ListWorkers(
+        self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListWorkersResponse:
+        return router_pb2.ListWorkersResponse(
+            workers=[
+                router_pb2.WorkerStatus(
+                    address=s["address"],
+                    role=PB_ROLE[s["role"]],
+                    bootstrap_port=s["bootstrap_port"],
+                    healthy=s["healthy"],
+                    dp_size=s["dp_size"],
+                    inflight_requests=s["inflight_requests"],
+                    free_kv_pages=s["free_kv_pages"],
+                    circuit_state=s["circuit_state"],
+                )
+                for s in self.service.list_workers()
+            ]
+        )
 
-    async def RegisterWorker(self, request: router_pb2.RegisterWorkerRequest,
-                             context: grpc.aio.ServicerContext) -> router_pb2.RegisterWorkerResponse:
+    async def RegisterWorker(
+        self, request: router_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RegisterWorkerResponse:
         role = ROLE_OF.get(request.role)
         if role is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role must be PREFILL, DECODE or COLOCATED")
@@ -104,6 +143,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(status_of(e), str(e))
         return router_pb2.RegisterWorkerResponse()
 
-    async def DeregisterWorker(self, request: router_pb2.DeregisterWorkerRequest,
-                               context: grpc.aio.ServicerContext) -> router_pb2.DeregisterWorkerResponse:
+    async def DeregisterWorker(
+        self, request: router_pb2.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.DeregisterWorkerResponse:
         return router_pb2.DeregisterWorkerResponse(found=self.service.deregister(request.address))

@@ -54,8 +54,14 @@ class HttpGateway:
 
     # -- plain endpoints -------------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [
-            {"id": self.service.model_name, "object": "model", "created": 0, "owned_by": "pdcluster"}]})
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": self.service.model_name, "object": "model", "created": 0, "owned_by": "pdcluster"}
+                ],
+            }
+        )
 
     async def workers(self, request: web.Request) -> web.Response:
         return json_response({"workers": self.service.list_workers()})
@@ -64,9 +70,14 @@ class HttpGateway:
         rid = request.match_info["rid"]
         t = self.service.core.timings.get(rid)
         if t is None:
-            return json_response(oai.error_body(
-                f"no timing for request {rid!r}: unknown, not finished, or older than the last "
-                f"{self.service.cfg.timing_keep} requests / {self.service.cfg.timing_ttl_s:.0f} s", 404), 404)
+            return json_response(
+                oai.error_body(
+                    f"no timing for request {rid!r}: unknown, not finished, or older than the last "
+                    f"{self.service.cfg.timing_keep} requests / {self.service.cfg.timing_ttl_s:.0f} s",
+                    404,
+                ),
+                404,
+            )
         return json_response({"id": rid, "timing": t})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -92,8 +103,13 @@ class HttpGateway:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             limit = svc.cfg.max_request_bytes
-            return json_response(oai.error_body(
-                f"request body is larger than the router's limit of {limit} bytes (--max-request-bytes)", 413), 413)
+            return json_response(
+                oai.error_body(
+                    f"request body is larger than the router's limit of {limit} bytes (--max-request-bytes)",
+                    413,
+                ),
+                413,
+            )
         try:
             if api == "chat":
                 parsed: Any = oai.decode(body, oai.ChatRequest)
@@ -119,27 +135,54 @@ class HttpGateway:
             except PdclusterError as e:
                 return error_response(e, headers)
             assert final is not None
-            return json_response(self._full_body(api, final, model, created, req.top_logprobs_num,
-                                                 req.return_logprob), headers=headers)
+            return json_response(
+                self._full_body(api, final, model, created, req.top_logprobs_num, req.return_logprob),
+                headers=headers,
+            )
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-        return await self._stream(request, api, req.rid, model, created, req.return_logprob, include_usage, headers,
-                                  svc.core.generate(req))
+        return await self._stream(
+            request,
+            api,
+            req.rid,
+            model,
+            created,
+            req.return_logprob,
+            include_usage,
+            headers,
+            svc.core.generate(req),
+        )
 
-    def _full_body(self, api: str, f: Final, model: str, created: int, top_n: int, want_lp: bool) -> dict[str, Any]:
+    def _full_body(
+        self, api: str, f: Final, model: str, created: int, top_n: int, want_lp: bool
+    ) -> dict[str, Any]:
         lp = None
         if want_lp:
-            lp = (self.logprobs.chat(f.output_ids, f.logprobs, f.top_logprobs) if api == "chat"
-                  else self.logprobs.completion(f.output_ids, f.logprobs, f.top_logprobs if top_n else [], 0))
+            lp = (
+                self.logprobs.chat(f.output_ids, f.logprobs, f.top_logprobs)
+                if api == "chat"
+                else self.logprobs.completion(f.output_ids, f.logprobs, f.top_logprobs if top_n else [], 0)
+            )
         make = oai.chat_body if api == "chat" else oai.completion_body
         body = make(f.rid, model, created, f.text, f.finish_reason, lp)
         body["usage"] = oai.usage_of(f)
         body["pdcluster"] = oai.extension_of(f)
         return body
 
-    async def _stream(self, request: web.Request, api: str, rid: str, model: str, created: int, want_lp: bool,
-                      include_usage: bool, headers: dict[str, str], events: Any) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+    async def _stream(
+        self,
+        request: web.Request,
+        api: str,
+        rid: str,
+        model: str,
+        created: int,
+        want_lp: bool,
+        include_usage: bool,
+        headers: dict[str, str],
+        events: Any,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         chat = api == "chat"
         offset = 0
         async with contextlib.aclosing(events):
@@ -148,27 +191,49 @@ class HttpGateway:
                     if not resp.prepared:
                         await resp.prepare(request)
                         if chat:
-                            await resp.write(_sse(oai.chat_chunk(rid, model, created, {"role": "assistant",
-                                                                                         "content": ""}, None)))
+                            await resp.write(
+                                _sse(
+                                    oai.chat_chunk(
+                                        rid, model, created, {"role": "assistant", "content": ""}, None
+                                    )
+                                )
+                            )
                     if isinstance(ev, Delta):
                         lp = None
                         if want_lp:
-                            lp = (self.logprobs.chat(ev.token_ids, ev.logprobs, ev.top_logprobs) if chat else
-                                  self.logprobs.completion(ev.token_ids, ev.logprobs, ev.top_logprobs, offset))
+                            lp = (
+                                self.logprobs.chat(ev.token_ids, ev.logprobs, ev.top_logprobs)
+                                if chat
+                                else self.logprobs.completion(
+                                    ev.token_ids, ev.logprobs, ev.top_logprobs, offset
+                                )
+                            )
                         offset += len(ev.text)
                         if not ev.text and lp is None:
                             continue
-                        chunk = (oai.chat_chunk(rid, model, created, {"content": ev.text}, None, lp) if chat
-                                 else oai.completion_chunk(rid, model, created, ev.text, None, lp))
+                        chunk = (
+                            oai.chat_chunk(rid, model, created, {"content": ev.text}, None, lp)
+                            if chat
+                            else oai.completion_chunk(rid, model, created, ev.text, None, lp)
+                        )
                         await resp.write(_sse(chunk))
                     else:
-                        last = (oai.chat_chunk(rid, model, created, {}, ev.finish_reason) if chat
-                                else oai.completion_chunk(rid, model, created, "", ev.finish_reason))
+                        last = (
+                            oai.chat_chunk(rid, model, created, {}, ev.finish_reason)
+                            if chat
+                            else oai.completion_chunk(rid, model, created, "", ev.finish_reason)
+                        )
                         last["pdcluster"] = oai.extension_of(ev)
                         await resp.write(_sse(last))
                         if include_usage:
-                            usage = {"id": rid, "object": last["object"], "created": created, "model": model,
-                                     "choices": [], "usage": oai.usage_of(ev)}
+                            usage = {
+                                "id": rid,
+                                "object": last["object"],
+                                "created": created,
+                                "model": model,
+                                "choices": [],
+                                "usage": oai.usage_of(ev),
+                            }
                             await resp.write(_sse(usage))
                         await resp.write(b"data: [DONE]\n\n")
             except PdclusterError as e:

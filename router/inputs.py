@@ -28,7 +28,21 @@ class Tokenizer:
         self.has_chat_template = bool(getattr(hf, "chat_template", None))
         backend = getattr(hf, "backend_tokenizer", None)
         probe = "Hello, world! 12 \u00e9t\u00e9 \U0001f600\n  x"
-        self._fast = backend if backend is not None and backend.encode(probe).ids == hf.encode(probe) else None
+        self._fast = (
+            backend if backend is not None and backend.encode(probe).ids == hf.encode(probe) else None
+        )
+        ids = [*hf.encode(probe), *range(min(self.vocab_size, 64))]
+        same = backend is not None and all(
+            backend.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+            for skip in (True, False)
+        )
+        self._fast_decode = backend if same else None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Same text as the HF tokenizer's ``decode`` (used by the incremental detokenizer on the hot path)."""
+        if self._fast_decode is not None:
+            return self._fast_decode.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:
@@ -38,7 +52,9 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         try:
             text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja raises anything (TemplateError, TypeError) on input the template rejects
+        except (
+            Exception
+        ) as e:  # jinja raises anything (TemplateError, TypeError) on input the template rejects
             raise InvalidRequestError(f"messages: the model's chat template rejected them: {e}") from e
         if self._fast is not None:
             return self._fast.encode(text, add_special_tokens=False).ids
@@ -57,8 +73,14 @@ def config_context_len(model_path: Path) -> int | None:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, model_name: str, config_context_len: int | None,
-                 default_max_tokens: int, request_timeout_s: float) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        config_context_len: int | None,
+        default_max_tokens: int,
+        request_timeout_s: float,
+    ) -> None:
         self.tok = tokenizer
         self.model_name = model_name
         self.config_context_len = config_context_len
@@ -91,15 +113,19 @@ class InputProcessor:
         context); ``default_max_tokens`` None means "up to the context" (chat)."""
         arrival = time.monotonic()
         if model and model != self.model_name:
-            raise InvalidRequestError(f"model: {model!r} is not served here; available models: [{self.model_name!r}]")
+            raise InvalidRequestError(
+                f"model: {model!r} is not served here; available models: [{self.model_name!r}]"
+            )
         ids = self._tokenize(text, input_ids, messages)
         tokenize_s = time.monotonic() - arrival
 
         ctx = self.context_len
         n = len(ids)
         if ctx is not None and n >= ctx:
-            raise CapacityError(f"prompt: {n} tokens, but the model's context is {ctx} tokens "
-                                "(one more is needed to generate); shorten the prompt")
+            raise CapacityError(
+                f"prompt: {n} tokens, but the model's context is {ctx} tokens "
+                "(one more is needed to generate); shorten the prompt"
+            )
         max_new = sampling.get("max_new_tokens")
         if max_new is None:
             room = (ctx - n) if ctx is not None else self.default_max_tokens
@@ -111,10 +137,14 @@ class InputProcessor:
             if max_new <= 0:
                 raise InvalidRequestError(f"{max_tokens_field} must be >= 1, got {max_new}")
             if ctx is not None and n + max_new > ctx:
-                raise CapacityError(f"{max_tokens_field}: prompt ({n} tokens) + {max_tokens_field} ({max_new}) = "
-                                    f"{n + max_new} exceeds the model's context of {ctx} tokens; lower {max_tokens_field}")
+                raise CapacityError(
+                    f"{max_tokens_field}: prompt ({n} tokens) + {max_tokens_field} ({max_new}) = "
+                    f"{n + max_new} exceeds the model's context of {ctx} tokens; lower {max_tokens_field}"
+                )
         if top_logprobs_num < 0 or top_logprobs_num > MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}")
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}"
+            )
         try:
             sp = SamplingParams(**sampling)
         except TypeError as e:
@@ -123,13 +153,22 @@ class InputProcessor:
 
         timeout = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         return GenRequest(
-            rid=rid, api=api, input_ids=ids, sampling=sp, sampling_pb=sampling_to_proto(sp), stream=stream,
-            arrival=arrival, deadline=arrival + timeout, return_logprob=return_logprob or top_logprobs_num > 0,
-            top_logprobs_num=top_logprobs_num, tokenize_s=tokenize_s,
+            rid=rid,
+            api=api,
+            input_ids=ids,
+            sampling=sp,
+            sampling_pb=sampling_to_proto(sp),
+            stream=stream,
+            arrival=arrival,
+            deadline=arrival + timeout,
+            return_logprob=return_logprob or top_logprobs_num > 0,
+            top_logprobs_num=top_logprobs_num,
+            tokenize_s=tokenize_s,
         )
 
-    def _tokenize(self, text: str | None, input_ids: list[int] | None,
-                  messages: list[dict[str, str]] | None) -> list[int]:
+    def _tokenize(
+        self, text: str | None, input_ids: list[int] | None, messages: list[dict[str, str]] | None
+    ) -> list[int]:
         given = sum(x is not None for x in (text, input_ids, messages))
         if given != 1:
             raise InvalidRequestError("exactly one of prompt text, input_ids or messages is required")
@@ -154,11 +193,15 @@ class InputProcessor:
         for i, m in enumerate(messages):
             role = m.get("role")
             if role not in CHAT_ROLES:
-                raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+                raise InvalidRequestError(
+                    f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
+                )
             if not isinstance(m.get("content"), str):
                 raise InvalidRequestError(f"messages[{i}].content must be a string")
         if not self.tok.has_chat_template:
-            raise InvalidRequestError("messages: this model has no chat template; send a prompt to /v1/completions")
+            raise InvalidRequestError(
+                "messages: this model has no chat template; send a prompt to /v1/completions"
+            )
         ids = self.tok.encode_chat(messages)
         if not ids:
             raise InvalidRequestError("messages render to no tokens")

@@ -15,8 +15,8 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from pdcluster.v1 import worker_pb2
 
+from pdcluster.v1 import worker_pb2
 from router.errors import RETRYABLE, LegError
 from router.metrics import RouterMetrics
 from router.workers import Worker
@@ -42,7 +42,9 @@ class Aborter:
         try:
             await worker.stub.Abort(worker_pb2.AbortRequest(rid=rid), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
-            logger.warning("[rid=%s] Abort on %s failed: %s %s", rid, worker.address, e.code().name, e.details())
+            logger.warning(
+                "[rid=%s] Abort on %s failed: %s %s", rid, worker.address, e.code().name, e.details()
+            )
 
     async def drain(self, timeout: float) -> None:
         if self.pending:
@@ -51,8 +53,12 @@ class Aborter:
 
 def leg_error(leg: str, worker: Worker, e: grpc.aio.AioRpcError) -> LegError:
     code = e.code()
-    return LegError(f"{leg} on {worker.address} failed: {code.name}: {e.details()}", code, worker.address,
-                    code in RETRYABLE)
+    return LegError(
+        f"{leg} on {worker.address} failed: {code.name}: {e.details()}",
+        code,
+        worker.address,
+        code in RETRYABLE,
+    )
 
 
 def _cancelling() -> bool:
@@ -63,8 +69,17 @@ def _cancelling() -> bool:
 class PdAttempt:
     """Prefill on (p, p_rank) and Decode on (d, d_rank) for one bootstrap room."""
 
-    def __init__(self, req: worker_pb2.GenerateRequest, p: Worker, p_rank: int, d: Worker, d_rank: int,
-                 room: int, deadline: float, aborter: Aborter) -> None:
+    def __init__(
+        self,
+        req: worker_pb2.GenerateRequest,
+        p: Worker,
+        p_rank: int,
+        d: Worker,
+        d_rank: int,
+        room: int,
+        deadline: float,
+        aborter: Aborter,
+    ) -> None:
         self.req, self.p, self.p_rank, self.d, self.d_rank = req, p, p_rank, d, d_rank
         self.room, self.deadline, self.aborter = room, deadline, aborter
         self.prefill_resp: worker_pb2.PrefillResponse | None = None
@@ -75,12 +90,19 @@ class PdAttempt:
         timeout = max(self.deadline - time.monotonic(), 0.001)
         p, d, rid = self.p, self.d, self.req.rid
         pcall = p.stub.Prefill(
-            worker_pb2.PrefillRequest(request=self.req, bootstrap_room=self.room, prefill_dp_rank=self.p_rank),
+            worker_pb2.PrefillRequest(
+                request=self.req, bootstrap_room=self.room, prefill_dp_rank=self.p_rank
+            ),
             timeout=timeout,
         )
         dcall = d.stub.Decode(
-            worker_pb2.DecodeRequest(request=self.req, bootstrap_room=self.room, bootstrap_addr=p.bootstrap_addr,
-                                     prefill_dp_rank=self.p_rank, decode_dp_rank=self.d_rank),
+            worker_pb2.DecodeRequest(
+                request=self.req,
+                bootstrap_room=self.room,
+                bootstrap_addr=p.bootstrap_addr,
+                prefill_dp_rank=self.p_rank,
+                decode_dp_rank=self.d_rank,
+            ),
             timeout=timeout,
         )
         ptask: asyncio.Future[worker_pb2.PrefillResponse] = asyncio.ensure_future(pcall)
@@ -109,8 +131,12 @@ class PdAttempt:
                     raise leg_error("Decode", d, e) from None
                 if msg is grpc.aio.EOF:
                     self.failed_worker = d
-                    raise LegError(f"Decode on {d.address} ended its stream without a Finished message",
-                                   grpc.StatusCode.INTERNAL, d.address, True)
+                    raise LegError(
+                        f"Decode on {d.address} ended its stream without a Finished message",
+                        grpc.StatusCode.INTERNAL,
+                        d.address,
+                        True,
+                    )
                 if msg.WhichOneof("kind") == "finished":
                     self.prefill_resp = await self._prefill_result(ptask)
                     finished = True
@@ -125,13 +151,22 @@ class PdAttempt:
                 self.aborter.abort(p, rid)
                 self.aborter.abort(d, rid)
 
-    async def _prefill_result(self, ptask: asyncio.Future[worker_pb2.PrefillResponse]) -> worker_pb2.PrefillResponse | None:
+    async def _prefill_result(
+        self, ptask: asyncio.Future[worker_pb2.PrefillResponse]
+    ) -> worker_pb2.PrefillResponse | None:
         """P's answer. Decode already finished, so a late prefill failure only costs the cached-token count."""
+        if ptask.done() and not ptask.cancelled() and ptask.exception() is None:
+            return ptask.result()
         try:
             return await asyncio.wait_for(asyncio.shield(ptask), max(self.deadline - time.monotonic(), 0.001))
         except (grpc.aio.AioRpcError, TimeoutError) as e:
-            logger.warning("[rid=%s room=%d] decode finished but Prefill on %s did not answer: %r",
-                           self.req.rid, self.room, self.p.address, e)
+            logger.warning(
+                "[rid=%s room=%d] decode finished but Prefill on %s did not answer: %r",
+                self.req.rid,
+                self.room,
+                self.p.address,
+                e,
+            )
             return None
 
 
@@ -155,8 +190,12 @@ class ColocatedAttempt:
                     raise leg_error("Generate", self.w, e) from None
                 if msg is grpc.aio.EOF:
                     self.failed_worker = self.w
-                    raise LegError(f"Generate on {self.w.address} ended its stream without a Finished message",
-                                   grpc.StatusCode.INTERNAL, self.w.address, True)
+                    raise LegError(
+                        f"Generate on {self.w.address} ended its stream without a Finished message",
+                        grpc.StatusCode.INTERNAL,
+                        self.w.address,
+                        True,
+                    )
                 finished = msg.WhichOneof("kind") == "finished"
                 yield msg
                 if finished:

@@ -8,8 +8,26 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Latency buckets from 1 ms to 2 min; ITL buckets finer at the low end.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-                   30.0, 60.0, 120.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 OUTCOMES = ("success", "invalid", "unavailable", "deadline", "cancelled", "error")
 
@@ -19,28 +37,46 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         p = "pdcluster_router_"
         self.requests = Counter(p + "requests", "Requests by API and outcome", ["api", "outcome"], registry=r)
-        self.ttft = Histogram(p + "ttft_seconds", "Arrival to first token at the router", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram(p + "itl_seconds", "Gap between token chunks arriving from the decode leg",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_seconds", "Arrival to the final response", buckets=LATENCY_BUCKETS,
-                             registry=r)
-        self.retries = Counter(p + "retries", "Attempts retried before the first token, by failed leg", ["leg"],
-                               registry=r)
+        self.ttft = Histogram(
+            p + "ttft_seconds", "Arrival to first token at the router", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            p + "itl_seconds",
+            "Gap between token chunks arriving from the decode leg",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_seconds", "Arrival to the final response", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.retries = Counter(
+            p + "retries", "Attempts retried before the first token, by failed leg", ["leg"], registry=r
+        )
         self.aborts = Counter(p + "aborts", "Worker.Abort calls sent, by worker role", ["role"], registry=r)
-        self.disagg_decisions = Counter(p + "disagg_decisions", "Requests dispatched per (prefill, decode) pair; "
-                                        "colocated requests count with decode=\"\"", ["prefill", "decode"],
-                                        registry=r)
+        self.disagg_decisions = Counter(
+            p + "disagg_decisions",
+            'Requests dispatched per (prefill, decode) pair; colocated requests count with decode=""',
+            ["prefill", "decode"],
+            registry=r,
+        )
         self.inflight = Gauge(p + "inflight_requests", "Requests in flight through the router", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter(p + "completion_tokens", "Tokens generated", registry=r)
-        self.cached_tokens = Counter(p + "cached_tokens", "Prompt tokens served from a prefix cache", registry=r)
-        self.worker_healthy = Gauge(p + "worker_healthy", "1 when the worker passes health checks",
-                                    ["worker", "role"], registry=r)
-        self.worker_circuit_open = Gauge(p + "worker_circuit_state", "Circuit breaker: 0 closed, 1 half-open, "
-                                         "2 open", ["worker"], registry=r)
-        self.worker_inflight = Gauge(p + "worker_inflight_requests", "Router requests in flight per worker",
-                                     ["worker"], registry=r)
+        self.cached_tokens = Counter(
+            p + "cached_tokens", "Prompt tokens served from a prefix cache", registry=r
+        )
+        self.worker_healthy = Gauge(
+            p + "worker_healthy", "1 when the worker passes health checks", ["worker", "role"], registry=r
+        )
+        self.worker_circuit_open = Gauge(
+            p + "worker_circuit_state",
+            "Circuit breaker: 0 closed, 1 half-open, 2 open",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_inflight = Gauge(
+            p + "worker_inflight_requests", "Router requests in flight per worker", ["worker"], registry=r
+        )
         for outcome in OUTCOMES:
             for api in ("grpc", "completions", "chat"):
                 self.requests.labels(api, outcome)

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2
-from pdcluster.v1 import worker_pb2
 
+from pdcluster.v1 import worker_pb2
 from router.breaker import HALF_OPEN, OPEN
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -28,8 +28,9 @@ CIRCUIT_VALUE = {HALF_OPEN: 1, OPEN: 2}
 
 
 class Monitor:
-    def __init__(self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics,
-                 on_change: Callable[[], None]) -> None:
+    def __init__(
+        self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics, on_change: Callable[[], None]
+    ) -> None:
         self.cfg = cfg
         self.registry = registry
         self.metrics = metrics
@@ -61,9 +62,16 @@ class Monitor:
         self.on_change()
         await self._check_health(w)
         await self._load(w)
-        logger.info("worker %s (%s) ready: dp_size=%d page_size=%d context_len=%d bootstrap=%s healthy=%s",
-                    w.address, w.role, w.dp_size, w.page_size, info.context_len,
-                    w.bootstrap_addr if w.role == "prefill" else "-", w.healthy)
+        logger.info(
+            "worker %s (%s) ready: dp_size=%d page_size=%d context_len=%d bootstrap=%s healthy=%s",
+            w.address,
+            w.role,
+            w.dp_size,
+            w.page_size,
+            info.context_len,
+            w.bootstrap_addr if w.role == "prefill" else "-",
+            w.healthy,
+        )
         return w.routable
 
     async def probe_all(self) -> None:
@@ -71,7 +79,9 @@ class Monitor:
 
     async def _check_health(self, w: Worker) -> None:
         try:
-            resp = await w.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.rpc_timeout_s)
+            resp = await w.health_stub.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.rpc_timeout_s
+            )
             ok = resp.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
             ok = False
@@ -83,8 +93,12 @@ class Monitor:
             w.health_failures += 1
             if w.healthy and w.health_failures >= self.cfg.health_failure_threshold:
                 w.healthy = False
-                logger.warning("worker %s (%s) is unhealthy after %d failed health checks", w.address, w.role,
-                               w.health_failures)
+                logger.warning(
+                    "worker %s (%s) is unhealthy after %d failed health checks",
+                    w.address,
+                    w.role,
+                    w.health_failures,
+                )
 
     async def _load(self, w: Worker) -> None:
         try:

@@ -7,9 +7,9 @@ import time
 from typing import Any
 
 import msgspec
-from pdcluster.v1 import common_pb2
 
 from common.errors import InvalidRequestError
+from pdcluster.v1 import common_pb2
 from router.request import Final
 
 
@@ -74,8 +74,9 @@ def decode(body: bytes, cls: type[CompletionRequest] | type[ChatRequest]) -> Any
 
 def _common_checks(r: _Common, max_n: int) -> None:
     if r.n < 1 or r.n > max_n:
-        raise InvalidRequestError(f"n must be between 1 and {max_n} on this router, got {r.n}; send one request "
-                                  "per completion")
+        raise InvalidRequestError(
+            f"n must be between 1 and {max_n} on this router, got {r.n}; send one request per completion"
+        )
     if r.best_of not in (None, 1):
         raise InvalidRequestError(f"best_of is not supported (must be 1), got {r.best_of}")
     if r.logit_bias:
@@ -85,10 +86,22 @@ def _common_checks(r: _Common, max_n: int) -> None:
 
 
 def sampling_of(r: _Common, max_tokens: int | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": r.min_tokens, "ignore_eos": r.ignore_eos,
-                           "skip_special_tokens": r.skip_special_tokens, "seed": r.seed}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty"):
+    out: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "min_new_tokens": r.min_tokens,
+        "ignore_eos": r.ignore_eos,
+        "skip_special_tokens": r.skip_special_tokens,
+        "seed": r.seed,
+    }
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
         value = getattr(r, name)
         if value is not None:
             out[name] = value
@@ -119,12 +132,21 @@ def completion_inputs(r: CompletionRequest, max_n: int) -> dict[str, Any]:
     elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         kw["input_ids"] = p
     else:
-        raise InvalidRequestError("prompt must be a string or a list of token ids (batches are not supported: send "
-                                  "one prompt per request)")
+        raise InvalidRequestError(
+            "prompt must be a string or a list of token ids (batches are not supported: send "
+            "one prompt per request)"
+        )
     lp = r.logprobs
-    return {**kw, "sampling": sampling_of(r, r.max_tokens), "model": r.model, "stream": r.stream,
-            "return_logprob": lp is not None, "top_logprobs_num": lp or 0, "max_tokens_field": "max_tokens",
-            "default_max_tokens": 16}
+    return {
+        **kw,
+        "sampling": sampling_of(r, r.max_tokens),
+        "model": r.model,
+        "stream": r.stream,
+        "return_logprob": lp is not None,
+        "top_logprobs_num": lp or 0,
+        "max_tokens_field": "max_tokens",
+        "default_max_tokens": 16,
+    }
 
 
 def chat_inputs(r: ChatRequest, max_n: int) -> dict[str, Any]:
@@ -145,15 +167,25 @@ def chat_inputs(r: ChatRequest, max_n: int) -> dict[str, Any]:
         field, max_tokens = "max_completion_tokens", r.max_completion_tokens
     if r.top_logprobs is not None and not r.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true")
-    return {"messages": messages, "sampling": sampling_of(r, max_tokens), "model": r.model, "stream": r.stream,
-            "return_logprob": r.logprobs, "top_logprobs_num": r.top_logprobs or 0, "max_tokens_field": field}
+    return {
+        "messages": messages,
+        "sampling": sampling_of(r, max_tokens),
+        "model": r.model,
+        "stream": r.stream,
+        "return_logprob": r.logprobs,
+        "top_logprobs_num": r.top_logprobs or 0,
+        "max_tokens_field": field,
+    }
 
 
 # -- responses -----------------------------------------------------------------------------------------------
 def usage_of(f: Final) -> dict[str, Any]:
-    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-            "total_tokens": f.prompt_tokens + f.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}
+    return {
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+    }
 
 
 def extension_of(f: Final) -> dict[str, Any]:
@@ -179,44 +211,88 @@ class LogprobFormatter:
         for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
             s = self.token(tid)
             top = tops[i] if i < len(tops) else None
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                            "top_logprobs": [] if top is None else [
-                                {"token": (t := self.token(a)), "logprob": b, "bytes": list(t.encode())}
-                                for a, b in zip(top.token_ids, top.logprobs, strict=False)]})
+            content.append(
+                {
+                    "token": s,
+                    "logprob": lp,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": []
+                    if top is None
+                    else [
+                        {"token": (t := self.token(a)), "logprob": b, "bytes": list(t.encode())}
+                        for a, b in zip(top.token_ids, top.logprobs, strict=False)
+                    ],
+                }
+            )
         return {"content": content}
 
-    def completion(self, ids: list[int], lps: list[float], tops: list[common_pb2.TopLogprobs],
-                   offset: int) -> dict[str, Any]:
+    def completion(
+        self, ids: list[int], lps: list[float], tops: list[common_pb2.TopLogprobs], offset: int
+    ) -> dict[str, Any]:
         tokens = [self.token(t) for t in ids[: len(lps)]]
         offsets = []
         for s in tokens:
             offsets.append(offset)
             offset += len(s)
-        top = [{self.token(a): b for a, b in zip(t.token_ids, t.logprobs, strict=False)} for t in tops] if tops else None
+        top = (
+            [{self.token(a): b for a, b in zip(t.token_ids, t.logprobs, strict=False)} for t in tops]
+            if tops
+            else None
+        )
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
 
-def completion_body(rid: str, model: str, created: int, text: str, finish: str | None,
-                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+def completion_body(
+    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+    }
 
 
-def chat_body(rid: str, model: str, created: int, text: str, finish: str | None,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish}]}
+def chat_body(
+    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
+        ],
+    }
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+def chat_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+    }
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
-                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def completion_chunk(
+    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return completion_body(rid, model, created, text, finish, logprobs)
 
 

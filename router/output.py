@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdcluster.v1 import common_pb2, worker_pb2
-
 from common.detokenizer import IncrementalDetokenizer
+from pdcluster.v1 import common_pb2, worker_pb2
 from router.metrics import RouterMetrics
 from router.request import Delta, Final, GenRequest
 
@@ -17,7 +16,7 @@ TIMING_FIELDS = ("queue", "bootstrap", "prefill", "transfer", "decode_queue", "t
 def timing_dict(t: common_pb2.Timing | None) -> dict[str, float]:
     if t is None:
         return {}
-    d = {f: round(getattr(t, f), 6) for f in TIMING_FIELDS}
+    d = {f: getattr(t, f) for f in TIMING_FIELDS}
     d["transfer_bytes"] = t.transfer_bytes
     return d
 
@@ -27,7 +26,9 @@ class OutputState:
         self.req = req
         self.metrics = metrics
         sp = req.sampling
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop)
+        self.detok = IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop
+        )
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[common_pb2.TopLogprobs] = []
@@ -40,26 +41,36 @@ class OutputState:
         return self.detok.stopped
 
     def add(self, chunk: worker_pb2.TokenChunk, final: bool = False) -> Delta | None:
+        """Streaming requests get a Delta per chunk; the others are detokenized once, at the final chunk."""
         ids = list(chunk.token_ids)
         if not ids and not final:
             return None
-        now = time.monotonic()
+        if not self.req.stream and not final and not self.detok.stop:
+            self._note_arrival()
+            self.ids.extend(ids)
+            self.logprobs.extend(chunk.logprobs)
+            self.top_logprobs.extend(chunk.top_logprobs)
+            return None
         if ids:
-            if self.first_at is None:
-                self.first_at = now
-                self.metrics.ttft.observe(now - self.req.arrival)
-            else:
-                self.metrics.itl.observe(now - self.last_at)
-            self.last_at = now
+            self._note_arrival()
         if self.detok.stopped:
             return None
-        text = self.detok.add(ids, final=final)
         self.ids.extend(ids)
+        text = self.detok.add(self.ids[len(self.detok.ids) :], final=final)
         lps = list(chunk.logprobs)
         tops = list(chunk.top_logprobs)
         self.logprobs.extend(lps)
         self.top_logprobs.extend(tops)
         return Delta(text, ids, lps, tops)
+
+    def _note_arrival(self) -> None:
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            self.metrics.ttft.observe(now - self.req.arrival)
+        else:
+            self.metrics.itl.observe(now - self.last_at)
+        self.last_at = now
 
     def matched_stop(self) -> str | None:
         d = self.detok
@@ -68,8 +79,14 @@ class OutputState:
                 return s
         return None
 
-    def finish(self, fin: worker_pb2.Finished | None, prefill: worker_pb2.PrefillResponse | None,
-               served_by: str, attempts: int, dispatched_at: float) -> Final:
+    def finish(
+        self,
+        fin: worker_pb2.Finished | None,
+        prefill: worker_pb2.PrefillResponse | None,
+        served_by: str,
+        attempts: int,
+        dispatched_at: float,
+    ) -> Final:
         """``fin`` None: the router matched a stop string and ended the request itself."""
         now = time.monotonic()
         req = self.req
@@ -99,8 +116,8 @@ class OutputState:
             merged.transfer_bytes = d_t.transfer_bytes
         timing: dict[str, Any] = timing_dict(merged)
         timing.update(
-            tokenize=round(req.tokenize_s, 6),
-            router_queue=round(dispatched_at - req.arrival, 6),  # tokenize + routing + retries/backoff
+            tokenize=req.tokenize_s,
+            router_queue=dispatched_at - req.arrival,  # tokenize + routing + retries/backoff
             attempts=attempts,
             prefill_node=timing_dict(p_t),
             decode_node=timing_dict(d_t),
@@ -110,8 +127,18 @@ class OutputState:
         self.metrics.completion_tokens.inc(len(self.ids))
         self.metrics.cached_tokens.inc(cached)
         return Final(
-            rid=req.rid, text=self.detok.text, output_ids=self.ids, finish_reason=reason,
-            prompt_tokens=len(req.input_ids), completion_tokens=len(self.ids), cached_tokens=cached,
-            served_by=served_by, timing=timing, matched_token=matched_token, matched_stop=matched_stop,
-            logprobs=self.logprobs, top_logprobs=self.top_logprobs, node_timing=merged,
+            rid=req.rid,
+            text=self.detok.text,
+            output_ids=self.ids,
+            finish_reason=reason,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(self.ids),
+            cached_tokens=cached,
+            served_by=served_by,
+            timing=timing,
+            matched_token=matched_token,
+            matched_stop=matched_stop,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
+            node_timing=merged,
         )

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdcluster.v1 import common_pb2
-
 from common.sampling.params import SamplingParams
+from pdcluster.v1 import common_pb2
 
 
 @dataclass(slots=True)

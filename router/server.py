@@ -11,8 +11,8 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from pdcluster.v1 import router_pb2, router_pb2_grpc
 
+from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.grpc_service import RouterServicer
 from router.http_gateway import HttpGateway
@@ -35,16 +35,23 @@ class RouterServer:
     async def start(self) -> None:
         await self.service.start()
         cfg = self.cfg
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", cfg.max_request_bytes),
-            ("grpc.so_reuseport", 0),
-        ])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_request_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.service), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
-            (ROUTER_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
+            (
+                ROUTER_SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
         self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         if self.grpc_port == 0:
             raise OSError(f"cannot bind the router's gRPC port {cfg.host}:{cfg.grpc_port}")
@@ -62,9 +69,15 @@ class RouterServer:
             self.http_port = sock.getsockname()[1]
             await web.SockSite(runner, sock).start()
             self._http = runner
-        logger.info("router serving: gRPC %s:%d, HTTP %s, model %r, policies prefill=%s decode=%s",
-                    cfg.host, self.grpc_port, f"{cfg.host}:{self.http_port}" if self._http else "off",
-                    self.service.model_name, cfg.prefill_policy, cfg.decode_policy)
+        logger.info(
+            "router serving: gRPC %s:%d, HTTP %s, model %r, policies prefill=%s decode=%s",
+            cfg.host,
+            self.grpc_port,
+            f"{cfg.host}:{self.http_port}" if self._http else "off",
+            self.service.model_name,
+            cfg.prefill_policy,
+            cfg.decode_policy,
+        )
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._http is not None:

@@ -27,8 +27,13 @@ class RouterService:
         self.model_name = cfg.served_model_name or path.name
         self.metrics = RouterMetrics()
         self.registry = Registry(cfg)
-        self.inputs = InputProcessor(Tokenizer(hf), self.model_name, config_context_len(path),
-                                     cfg.default_max_tokens, cfg.request_timeout_s)
+        self.inputs = InputProcessor(
+            Tokenizer(hf),
+            self.model_name,
+            config_context_len(path),
+            cfg.default_max_tokens,
+            cfg.request_timeout_s,
+        )
         self.core = RouterCore(cfg, self.inputs, hf, self.metrics, self.registry)
         self.monitor = Monitor(cfg, self.registry, self.metrics, self._infos_changed)
 
@@ -70,13 +75,20 @@ class RouterService:
         out = []
         for w in self.registry:
             free = w.free_pages()
-            out.append({
-                "address": w.address, "role": w.role,
-                "bootstrap_port": int(w.bootstrap_addr.rsplit(":", 1)[1]) if w.role == "prefill" else 0,
-                "healthy": w.healthy, "routable": w.routable, "dp_size": w.dp_size, "inflight_requests": w.inflight,
-                "free_kv_pages": free if free is not None else -1, "circuit_state": w.breaker.state,
-                "error": w.error,
-            })
+            out.append(
+                {
+                    "address": w.address,
+                    "role": w.role,
+                    "bootstrap_port": int(w.bootstrap_addr.rsplit(":", 1)[1]) if w.role == "prefill" else 0,
+                    "healthy": w.healthy,
+                    "routable": w.routable,
+                    "dp_size": w.dp_size,
+                    "inflight_requests": w.inflight,
+                    "free_kv_pages": free if free is not None else -1,
+                    "circuit_state": w.breaker.state,
+                    "error": w.error,
+                }
+            )
         return out
 
     def ready(self) -> tuple[bool, str]:

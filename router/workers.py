@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
+from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.breaker import CircuitBreaker
 from router.config import Role, RouterConfig, WorkerSpec
 
@@ -115,7 +115,9 @@ class Worker:
         """Adopt the worker's server info; False (with ``error`` set) when it cannot serve in its role."""
         want = MODE_OF_ROLE[self.role]
         if info.mode != want:
-            self.error = f"registered as {self.role} but the node runs in mode {info.mode!r} (expected {want!r})"
+            self.error = (
+                f"registered as {self.role} but the node runs in mode {info.mode!r} (expected {want!r})"
+            )
             return False
         if self.role == "prefill" and not (self.spec.bootstrap_port or info.bootstrap_port):
             self.error = "prefill node reports no bootstrap port; pass --prefill HOST:PORT:BOOTSTRAP_PORT"
@@ -176,7 +178,9 @@ class Registry:
         old = self.workers.get(spec.address)
         if old is not None:
             if old.role != spec.role:
-                raise ValueError(f"worker {spec.address} is already registered as {old.role}; deregister it first")
+                raise ValueError(
+                    f"worker {spec.address} is already registered as {old.role}; deregister it first"
+                )
             return old, False
         w = Worker(spec, self.cfg)
         self.workers[spec.address] = w
@@ -204,7 +208,9 @@ class Registry:
         return any(w.role == role for w in self.workers.values())
 
     def context_len(self) -> int | None:
-        lens = [w.info.context_len for w in self.workers.values() if w.info is not None and w.info.context_len > 0]
+        lens = [
+            w.info.context_len for w in self.workers.values() if w.info is not None and w.info.context_len > 0
+        ]
         return min(lens) if lens else None
 
     async def close(self) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}

@@ -16,9 +16,20 @@ import torch
 from kvtransfer.args import KVArgs
 from kvtransfer.backends.base import KVBackend, PeerInfo, PeerKey, TransferJob
 from kvtransfer.pages import HeadSlice, PageRun, coalesce_runs
+from kvtransfer.poll import KVPoll
 from kvtransfer.registry import backend_class
 from tests import test_kvtransfer_faults as faults
-from tests.kvtransfer_helpers import PAGE_SIZE, kv_config, make_args
+from tests.kvtransfer_helpers import (
+    PAGE_SIZE,
+    PREFILL_SEED,
+    Child,
+    RoleSpec,
+    kv_config,
+    make_args,
+    plan_rooms,
+    start_receivers,
+    wait_final,
+)
 
 BACKENDS = ["nccl", "ucx"]
 NUM_PAGES = 48
@@ -183,3 +194,33 @@ def test_receiver_killed_mid_transfer_fails_sender_within_deadline(name: str) ->
 @pytest.mark.parametrize("name", BACKENDS)
 def test_sender_killed_mid_transfer_fails_receiver_within_deadline(name: str) -> None:
     faults.test_sender_killed_mid_transfer_fails_receiver_within_deadline(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BACKENDS)
+def test_restarted_prefill_on_same_address_moves_pages_again(name: str) -> None:
+    """A prefill killed and restarted on its address (new epoch) gets a fresh data connection / group."""
+    first, second = plan_rooms(2, faults.NUM_PAGES, faults.NUM_PAGES, pages_per_room=4, seed=9)
+    fixed = {"bootstrap_port": faults._free_port()}
+    control = {"control_port": faults._free_port()}
+    old = Child(RoleSpec("prefill", name, [first], num_pages=faults.NUM_PAGES, config_overrides=control, **fixed))
+    mgr = faults._decode(name)
+    try:
+        assert wait_final(start_receivers(mgr, [first], old.bootstrap_addr), 10)[first.room][0] == KVPoll.Success
+        old.kill()
+        new = Child(RoleSpec("prefill", name, [second], num_pages=faults.NUM_PAGES, config_overrides=control,
+                             **fixed))
+        try:
+            assert new.epoch > old.epoch
+            result = wait_final(start_receivers(mgr, [second], new.bootstrap_addr), 15)
+            assert result[second.room][0] == KVPoll.Success, result
+            src = make_args(PREFILL_SEED, faults.NUM_PAGES)
+            for s_buf, d_buf in zip((*src.k_buffers, *src.v_buffers), (*mgr.args.k_buffers, *mgr.args.v_buffers),
+                                    strict=True):
+                for s, d in zip(second.src_pages, second.dst_pages, strict=True):
+                    assert torch.equal(_pages(d_buf, d), _pages(s_buf, s))
+        finally:
+            new.kill()
+    finally:
+        old.kill()
+        mgr.close()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import aiohttp
 import grpc
 import pytest
-from pdcluster.v1 import common_pb2, router_pb2
 
 from common.tokenizer import load_tokenizer
+from pdcluster.v1 import common_pb2, router_pb2
 from tests.mock_worker import fake_tokens, shared_model_dir
 from tests.test_router_support import eventually, fleet
 
@@ -36,8 +36,13 @@ async def test_openai_completions_and_chat_stream_and_not() -> None:
         ext = r.model_extra["pdcluster"]
         assert "->" in ext["served_by"] and ext["timing"]["e2e"] >= ext["timing"]["ttft"] > 0
 
-        stream = await client.completions.create(model="mock-model", prompt="Hello world", max_tokens=7, stream=True,
-                                                 stream_options={"include_usage": True})
+        stream = await client.completions.create(
+            model="mock-model",
+            prompt="Hello world",
+            max_tokens=7,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage = "", None
         async for chunk in stream:
             if chunk.choices:
@@ -48,15 +53,22 @@ async def test_openai_completions_and_chat_stream_and_not() -> None:
         assert usage is not None and usage.completion_tokens == 7 and usage.prompt_tokens == len(ids)
 
         msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-        chat_ids = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-                              add_special_tokens=False)
+        chat_ids = tok.encode(
+            tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
         c = await client.chat.completions.create(model="mock-model", messages=msgs, max_tokens=5)
         assert c.choices[0].message.role == "assistant"
         assert c.choices[0].message.content == expected_text(chat_ids, 5)
         assert c.usage.prompt_tokens == len(chat_ids) and c.usage.completion_tokens == 5
 
-        stream = await client.chat.completions.create(model="mock-model", messages=msgs, max_tokens=5, stream=True,
-                                                      stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(
+            model="mock-model",
+            messages=msgs,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage, reasons = "", None, []
         async for chunk in stream:
             if chunk.choices:
@@ -72,7 +84,9 @@ async def test_cached_tokens_come_from_the_prefill_node() -> None:
     async with fleet(prefill=2, decode=1, prefill_policy="cache_aware") as f:
         client = f.openai()
         first = await client.completions.create(model="mock-model", prompt=LONG_PROMPT, max_tokens=2)
-        second = await client.completions.create(model="mock-model", prompt=LONG_PROMPT + "More.", max_tokens=2)
+        second = await client.completions.create(
+            model="mock-model", prompt=LONG_PROMPT + "More.", max_tokens=2
+        )
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert cached > 0 and cached % 16 == 0 and cached < second.usage.prompt_tokens
@@ -84,8 +98,12 @@ async def test_grpc_generate_stream_and_unary() -> None:
     async with fleet(prefill=1, decode=1) as f:
         stub = f.stub()
         ids = tokenizer().encode("Hello world")
-        req = router_pb2.RouterGenerateRequest(request_id="g-1", text="Hello world", stream=True,
-                                               sampling_params=common_pb2.SamplingParams(max_new_tokens=6))
+        req = router_pb2.RouterGenerateRequest(
+            request_id="g-1",
+            text="Hello world",
+            stream=True,
+            sampling_params=common_pb2.SamplingParams(max_new_tokens=6),
+        )
         msgs = [m async for m in stub.Generate(req)]
         chunks = [m.chunk for m in msgs if m.HasField("chunk")]
         done = msgs[-1].complete
@@ -95,14 +113,17 @@ async def test_grpc_generate_stream_and_unary() -> None:
         assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 6)
         assert done.timing.e2e > 0 and done.served_by == f"{f.prefill[0].address} -> {f.decode[0].address}"
 
-        unary = router_pb2.RouterGenerateRequest(input_ids=router_pb2.TokenIds(ids=[10, 11, 12]),
-                                                 sampling_params=common_pb2.SamplingParams(max_new_tokens=3))
+        unary = router_pb2.RouterGenerateRequest(
+            input_ids=router_pb2.TokenIds(ids=[10, 11, 12]),
+            sampling_params=common_pb2.SamplingParams(max_new_tokens=3),
+        )
         msgs = [m async for m in stub.Generate(unary)]
         assert len(msgs) == 1 and list(msgs[0].complete.output_ids) == fake_tokens([10, 11, 12], 3, 1536)
 
-        chat = router_pb2.RouterGenerateRequest(messages=router_pb2.ChatMessages(
-            messages=[router_pb2.ChatMessage(role="user", content="hi")]),
-            sampling_params=common_pb2.SamplingParams(max_new_tokens=2, stop_token_ids=[]))
+        chat = router_pb2.RouterGenerateRequest(
+            messages=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user", content="hi")]),
+            sampling_params=common_pb2.SamplingParams(max_new_tokens=2, stop_token_ids=[]),
+        )
         msgs = [m async for m in stub.Generate(chat)]
         assert msgs[-1].complete.usage.completion_tokens == 2
 
@@ -140,8 +161,10 @@ async def test_membership_and_observability_endpoints() -> None:
         stub = f.stub()
         listed = await stub.ListWorkers(router_pb2.ListWorkersRequest())
         roles = sorted((w.role, w.healthy, w.circuit_state) for w in listed.workers)
-        assert roles == [(router_pb2.WORKER_ROLE_PREFILL, True, "closed"), (router_pb2.WORKER_ROLE_DECODE, True,
-                                                                              "closed")]
+        assert roles == [
+            (router_pb2.WORKER_ROLE_PREFILL, True, "closed"),
+            (router_pb2.WORKER_ROLE_DECODE, True, "closed"),
+        ]
         prefill_status = next(w for w in listed.workers if w.role == router_pb2.WORKER_ROLE_PREFILL)
         assert prefill_status.bootstrap_port == f.prefill[0].bootstrap_port
 
@@ -152,15 +175,29 @@ async def test_membership_and_observability_endpoints() -> None:
             async for _ in stub.Generate(router_pb2.RouterGenerateRequest(text="x")):
                 pass
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "decode" in e.value.details()
-        await stub.RegisterWorker(router_pb2.RegisterWorkerRequest(address=f.decode[0].address,
-                                                                   role=router_pb2.WORKER_ROLE_DECODE))
-        msgs = [m async for m in stub.Generate(router_pb2.RouterGenerateRequest(
-            text="x", request_id="after-register", sampling_params=common_pb2.SamplingParams(max_new_tokens=2)))]
+        await stub.RegisterWorker(
+            router_pb2.RegisterWorkerRequest(address=f.decode[0].address, role=router_pb2.WORKER_ROLE_DECODE)
+        )
+        msgs = [
+            m
+            async for m in stub.Generate(
+                router_pb2.RouterGenerateRequest(
+                    text="x",
+                    request_id="after-register",
+                    sampling_params=common_pb2.SamplingParams(max_new_tokens=2),
+                )
+            )
+        ]
         assert msgs[-1].complete.usage.completion_tokens == 2
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.RegisterWorker(router_pb2.RegisterWorkerRequest(address=f.decode[0].address,
-                                                                       role=router_pb2.WORKER_ROLE_PREFILL))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already registered" in e.value.details()
+            await stub.RegisterWorker(
+                router_pb2.RegisterWorkerRequest(
+                    address=f.decode[0].address, role=router_pb2.WORKER_ROLE_PREFILL
+                )
+            )
+        assert (
+            e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already registered" in e.value.details()
+        )
 
         async with aiohttp.ClientSession() as http:
             async with http.get(f.server.http_url + "/v1/models") as r:
@@ -174,9 +211,14 @@ async def test_membership_and_observability_endpoints() -> None:
                 assert r.status == 404
             async with http.get(f.server.http_url + "/metrics") as r:
                 text = await r.text()
-        for name in ("pdcluster_router_ttft_seconds_bucket", "pdcluster_router_itl_seconds_bucket",
-                     "pdcluster_router_e2e_seconds_bucket", "pdcluster_router_inflight_requests",
-                     "pdcluster_router_retries_total", "pdcluster_router_aborts_total"):
+        for name in (
+            "pdcluster_router_ttft_seconds_bucket",
+            "pdcluster_router_itl_seconds_bucket",
+            "pdcluster_router_e2e_seconds_bucket",
+            "pdcluster_router_inflight_requests",
+            "pdcluster_router_retries_total",
+            "pdcluster_router_aborts_total",
+        ):
             assert name in text
         assert 'pdcluster_router_requests_total{api="grpc",outcome="success"} 1.0' in text
         assert 'pdcluster_router_requests_total{api="grpc",outcome="unavailable"} 1.0' in text

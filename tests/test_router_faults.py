@@ -8,14 +8,17 @@ import time
 import grpc
 import openai
 import pytest
-from pdcluster.v1 import common_pb2, router_pb2
 
+from pdcluster.v1 import common_pb2, router_pb2
 from tests.test_router_support import eventually, fleet
 
 
-def gen(text: str = "Hello world", n: int = 4, rid: str = "", stream: bool = False) -> router_pb2.RouterGenerateRequest:
-    return router_pb2.RouterGenerateRequest(request_id=rid, text=text, stream=stream,
-                                            sampling_params=common_pb2.SamplingParams(max_new_tokens=n))
+def gen(
+    text: str = "Hello world", n: int = 4, rid: str = "", stream: bool = False
+) -> router_pb2.RouterGenerateRequest:
+    return router_pb2.RouterGenerateRequest(
+        request_id=rid, text=text, stream=stream, sampling_params=common_pb2.SamplingParams(max_new_tokens=n)
+    )
 
 
 async def test_prefill_failure_is_retried_on_another_prefill_worker() -> None:
@@ -85,8 +88,13 @@ async def test_client_cancel_mid_stream_aborts_both_legs() -> None:
 async def test_http_client_disconnect_aborts_both_legs() -> None:
     async with fleet(prefill=1, decode=1, common={"itl": 0.05}) as f:
         client = f.openai()
-        stream = await client.completions.create(model="mock-model", prompt="hi", max_tokens=200, stream=True,
-                                                 extra_headers={"X-Request-ID": "http-cancel"})
+        stream = await client.completions.create(
+            model="mock-model",
+            prompt="hi",
+            max_tokens=200,
+            stream=True,
+            extra_headers={"X-Request-ID": "http-cancel"},
+        )
         n = 0
         async for _ in stream:
             n += 1
@@ -99,8 +107,9 @@ async def test_http_client_disconnect_aborts_both_legs() -> None:
 
 
 async def test_a_decode_worker_without_room_is_skipped() -> None:
-    async with fleet(prefill=1, decode=[{"free_kv_pages": 1}, {"free_kv_pages": 4096}],
-                     decode_policy="round_robin") as f:
+    async with fleet(
+        prefill=1, decode=[{"free_kv_pages": 1}, {"free_kv_pages": 4096}], decode_policy="round_robin"
+    ) as f:
         client = f.openai()
         for _ in range(4):
             await client.completions.create(model="mock-model", prompt="a prompt " * 10, max_tokens=64)
@@ -138,8 +147,13 @@ async def test_deadline_is_enforced_and_both_legs_aborted() -> None:
 
 
 async def test_circuit_breaker_opens_on_repeated_failures() -> None:
-    async with fleet(prefill=[{"fail_prefill": -1}, {}], decode=1, prefill_policy="round_robin",
-                     cb_failure_threshold=2, cb_open_s=60) as f:
+    async with fleet(
+        prefill=[{"fail_prefill": -1}, {}],
+        decode=1,
+        prefill_policy="round_robin",
+        cb_failure_threshold=2,
+        cb_open_s=60,
+    ) as f:
         client = f.openai()
         for _ in range(6):
             await client.completions.create(model="mock-model", prompt="hi", max_tokens=1)
@@ -151,8 +165,9 @@ async def test_circuit_breaker_opens_on_repeated_failures() -> None:
 async def test_concurrent_requests_get_unique_rooms_and_finish() -> None:
     async with fleet(prefill=2, decode=2, common={"service_time": 0.005}) as f:
         client = f.openai()
-        rs = await asyncio.gather(*(client.completions.create(model="mock-model", prompt=f"p{i}", max_tokens=2)
-                                    for i in range(64)))
+        rs = await asyncio.gather(
+            *(client.completions.create(model="mock-model", prompt=f"p{i}", max_tokens=2) for i in range(64))
+        )
         assert all(r.usage.completion_tokens == 2 for r in rs)
         rooms = [r["room"] for w in f.prefill for r in w.received("prefill")]
         assert len(rooms) == 64 == len(set(rooms))

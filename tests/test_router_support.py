@@ -11,8 +11,8 @@ from typing import Any
 
 import grpc
 from openai import AsyncOpenAI
-from pdcluster.v1 import router_pb2_grpc
 
+from pdcluster.v1 import router_pb2_grpc
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer
 from tests.mock_worker import MockConfig, MockHub, MockWorker, shared_model_dir
@@ -48,18 +48,29 @@ def _specs(n_or_list: int | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @contextlib.asynccontextmanager
-async def fleet(prefill: int | list[dict[str, Any]] = 1, decode: int | list[dict[str, Any]] = 1,
-                colocated: int | list[dict[str, Any]] = 0, common: dict[str, Any] | None = None,
-                **router_kw: Any) -> AsyncIterator[Fleet]:
+async def fleet(
+    prefill: int | list[dict[str, Any]] = 1,
+    decode: int | list[dict[str, Any]] = 1,
+    colocated: int | list[dict[str, Any]] = 0,
+    common: dict[str, Any] | None = None,
+    **router_kw: Any,
+) -> AsyncIterator[Fleet]:
     hub = MockHub()
     groups: dict[str, list[MockWorker]] = {}
     for role, spec in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
-        groups[role] = [MockWorker(MockConfig(role=role, **{**(common or {}), **kw}), hub) for kw in _specs(spec)]
+        groups[role] = [
+            MockWorker(MockConfig(role=role, **{**(common or {}), **kw}), hub) for kw in _specs(spec)
+        ]
     everyone = [w for ws in groups.values() for w in ws]
     for w in everyone:
         await w.start()
-    cfg = RouterConfig(model_path=str(shared_model_dir()), grpc_port=0, http_port=0,
-                       workers=tuple(WorkerSpec(w.address, w.cfg.role) for w in everyone), **{**FAST, **router_kw})
+    cfg = RouterConfig(
+        model_path=str(shared_model_dir()),
+        grpc_port=0,
+        http_port=0,
+        workers=tuple(WorkerSpec(w.address, w.cfg.role) for w in everyone),
+        **{**FAST, **router_kw},
+    )
     server = RouterServer(cfg)
     await server.start()
     f = Fleet(server, groups["prefill"], groups["decode"], groups["colocated"])

@@ -6,9 +6,9 @@ import asyncio
 import random
 
 import pytest
-from pdcluster.v1 import worker_pb2
 
 from common.errors import ConfigError
+from pdcluster.v1 import worker_pb2
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig, WorkerSpec
 from router.policies import RouteHint, make_policy, pick_rank
@@ -22,12 +22,22 @@ CFG = RouterConfig(prefix_block_tokens=4, balance_abs_threshold=4, balance_rel_t
 
 def worker(port: int, dp: int = 1, role: str = "decode", free: list[int] | None = None) -> Worker:
     w = Worker(WorkerSpec(f"127.0.0.1:{port}", role), CFG)  # type: ignore[arg-type]
-    w.set_info(worker_pb2.ServerInfo(mode="decode" if role == "decode" else role, dp_size=dp, page_size=4,
-                                     bootstrap_port=9 if role == "prefill" else 0))
+    w.set_info(
+        worker_pb2.ServerInfo(
+            mode="decode" if role == "decode" else role,
+            dp_size=dp,
+            page_size=4,
+            bootstrap_port=9 if role == "prefill" else 0,
+        )
+    )
     w.healthy = True
     if free is not None:
-        w.set_load(worker_pb2.GetLoadResponse(ranks=[worker_pb2.RankLoad(dp_rank=r, free_kv_pages=f)
-                                                     for r, f in enumerate(free)], page_size=4))
+        w.set_load(
+            worker_pb2.GetLoadResponse(
+                ranks=[worker_pb2.RankLoad(dp_rank=r, free_kv_pages=f) for r, f in enumerate(free)],
+                page_size=4,
+            )
+        )
     return w
 
 
@@ -77,9 +87,15 @@ async def test_dp_rank_by_load_and_free_pages_never_by_room() -> None:
     assert sorted(picks) == [0, 0, 1, 1, 2, 2, 3, 3]  # spread evenly by in-flight count
     w2 = worker(2, dp=3, free=[1, 50, 2])
     assert pick_rank(w2, need_pages=10) == 1  # the only rank that can hold it
-    w2.set_load(worker_pb2.GetLoadResponse(ranks=[worker_pb2.RankLoad(dp_rank=0, free_kv_pages=50, waiting=9),
-                                                  worker_pb2.RankLoad(dp_rank=1, free_kv_pages=50, waiting=3),
-                                                  worker_pb2.RankLoad(dp_rank=2, free_kv_pages=50, waiting=5)]))
+    w2.set_load(
+        worker_pb2.GetLoadResponse(
+            ranks=[
+                worker_pb2.RankLoad(dp_rank=0, free_kv_pages=50, waiting=9),
+                worker_pb2.RankLoad(dp_rank=1, free_kv_pages=50, waiting=3),
+                worker_pb2.RankLoad(dp_rank=2, free_kv_pages=50, waiting=5),
+            ]
+        )
+    )
     assert pick_rank(w2, need_pages=10) == 1  # least queued
 
 

@@ -9,8 +9,8 @@ import aiohttp
 import grpc
 import openai
 import pytest
-from pdcluster.v1 import common_pb2, router_pb2
 
+from pdcluster.v1 import common_pb2, router_pb2
 from tests.test_router_support import fleet
 
 TOO_LONG = "word " * 3000  # > 2048 tokens of context
@@ -34,20 +34,34 @@ HTTP_CASES: list[tuple[str, Any, str]] = [
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "top_k": 0}, "top_k"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "echo": True}, "echo"),
     ("/v1/chat/completions", {"model": "mock-model", "messages": []}, "messages"),
-    ("/v1/chat/completions", {"model": "mock-model", "messages": [{"role": "wizard", "content": "x"}]},
-     "messages[0].role"),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "wizard", "content": "x"}]},
+        "messages[0].role",
+    ),
     ("/v1/chat/completions", {"model": "mock-model", "messages": [{"content": "x"}]}, "role"),
-    ("/v1/chat/completions", {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],
-                              "max_completion_tokens": 0}, "max_completion_tokens"),
-    ("/v1/chat/completions", {"model": "mock-model", "messages": [{"role": "user", "content": TOO_LONG}]},
-     "prompt"),
-    ("/v1/chat/completions", {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],
-                              "presence_penalty": 5}, "presence_penalty"),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        "max_completion_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": TOO_LONG}]},
+        "prompt",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 5},
+        "presence_penalty",
+    ),
 ]
 
 
 async def _ok(http: aiohttp.ClientSession, url: str) -> None:
-    async with http.post(url + "/v1/completions", json={"model": "mock-model", "prompt": "hi", "max_tokens": 2}) as r:
+    async with http.post(
+        url + "/v1/completions", json={"model": "mock-model", "prompt": "hi", "max_tokens": 2}
+    ) as r:
         assert r.status == 200, await r.text()
         assert (await r.json())["usage"]["completion_tokens"] == 2
 
@@ -62,12 +76,17 @@ async def test_http_bad_inputs_are_400_naming_the_field() -> None:
                 assert field in err["message"], (field, err["message"])
                 assert err["type"] == "invalid_request_error"
             await _ok(http, url)
-        async with http.post(url + "/v1/completions", data=b'{"model": "mock-model", "prompt": "hi"',
-                             headers={"Content-Type": "application/json"}) as r:
+        async with http.post(
+            url + "/v1/completions",
+            data=b'{"model": "mock-model", "prompt": "hi"',
+            headers={"Content-Type": "application/json"},
+        ) as r:
             assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
         await _ok(http, url)
         big = json.dumps({"model": "mock-model", "prompt": "x" * (100 << 10)})
-        async with http.post(url + "/v1/completions", data=big, headers={"Content-Type": "application/json"}) as r:
+        async with http.post(
+            url + "/v1/completions", data=big, headers={"Content-Type": "application/json"}
+        ) as r:
             assert r.status == 413 and "--max-request-bytes" in (await r.json())["error"]["message"]
         await _ok(http, url)
         # The official client surfaces the message.
@@ -92,8 +111,10 @@ GRPC_CASES: list[tuple[router_pb2.RouterGenerateRequest, str]] = [
     (_req(text=TOO_LONG), "prompt"),
     (_req(input_ids=router_pb2.TokenIds(ids=[])), "input_ids"),
     (_req(input_ids=router_pb2.TokenIds(ids=[5, -1])), "input_ids[1]"),
-    (_req(messages=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="bot", content="x")])),
-     "messages[0].role"),
+    (
+        _req(messages=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="bot", content="x")])),
+        "messages[0].role",
+    ),
     (_req(text="hi", top_logprobs_num=99), "top_logprobs"),
 ]
 
@@ -112,11 +133,17 @@ async def test_grpc_bad_inputs_are_invalid_argument_naming_the_field() -> None:
 
 
 async def test_a_node_rejection_is_passed_through_not_retried() -> None:
-    async with fleet(prefill=[{"fail_prefill": 1, "fail_code": grpc.StatusCode.INVALID_ARGUMENT}, {}], decode=1,
-                     prefill_policy="round_robin") as f:
+    async with fleet(
+        prefill=[{"fail_prefill": 1, "fail_code": grpc.StatusCode.INVALID_ARGUMENT}, {}],
+        decode=1,
+        prefill_policy="round_robin",
+    ) as f:
         stub = f.stub()
         with pytest.raises(grpc.aio.AioRpcError) as e:
             async for _ in stub.Generate(_req(text="hi")):
                 pass
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "injected prefill failure" in e.value.details()
+        assert (
+            e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "injected prefill failure" in e.value.details()
+        )
         assert sum(len(w.received("prefill")) for w in f.prefill) == 1

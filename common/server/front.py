@@ -21,6 +21,7 @@ from common.errors import InvalidRequestError
 from common.io_struct import AbortReq, GenerateReqInput, TokenOut
 from common.model.config import ModelConfig
 from common.server.convert import request_from_proto, token_out_to_proto
+from common.server.metrics import observe_final
 from common.server.ranks import RankClient
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
@@ -90,6 +91,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except TimeoutError:
                     raise _Deadline(f"request {msg.rid} did not finish within {self.timeout(context):.0f} s") from None
                 finished = getattr(out, "finish_reason", None) is not None or not isinstance(out, TokenOut)
+                if finished:
+                    observe_final(out)
                 yield out
         finally:
             if not finished:

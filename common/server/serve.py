@@ -22,6 +22,7 @@ from prometheus_client import start_http_server
 from common.config import ServerArgs
 from common.model.config import ModelConfig
 from common.server.front import WorkerServicer
+from common.server.metrics import poll_load_forever
 from common.server.ranks import RankClient
 from common.tokenizer import resolve_model_path
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
@@ -68,6 +69,7 @@ class NodeServer:
         self.servicer: WorkerServicer | None = None
         self._cleanups: list[Callable[[], Any]] = []
         self.port = args.port
+        self._metrics_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -89,6 +91,7 @@ class NodeServer:
         await self.server.start()
         if self.args.metrics_port is not None:
             start_http_server(self.args.metrics_port, addr=self.args.host)
+            self._metrics_task = asyncio.create_task(poll_load_forever(self.ranks))
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("pdcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
         logger.info(
@@ -104,6 +107,8 @@ class NodeServer:
         while self.ranks.waiters and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
         await self.server.stop(grace=1.0)
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
         for cleanup in self._cleanups:
             await cleanup()
         await self.ranks.close()

@@ -33,7 +33,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 import torch.distributed as dist
 
@@ -77,6 +76,7 @@ class NcclBackend(KVBackend):
         self._lock = threading.Lock()
         self._closed = False
         self._pairs: dict[PeerKey, _Pair] = {}
+        self._threads: list[threading.Thread] = []  # every pair thread not yet known to have ended
         self._gloo_device: object | None = None
         self._connect_s = min(config.bootstrap_timeout_s, 30.0)
         self._store: dist.TCPStore | None = None
@@ -101,13 +101,15 @@ class NcclBackend(KVBackend):
         p_id, d_id = (self._pair_id, peer.endpoint["pair_id"]) if self.mode == "prefill" else \
             (peer.endpoint["pair_id"], self._pair_id)
         pair = _Pair(peer.key, peer, f"kv/{p_id}/{d_id}")
+        target = self._connect if self.mode == "prefill" else self._serve
+        pair.thread = threading.Thread(target=target, args=(pair,), daemon=True,
+                                       name=f"kv-nccl-{self.mode}-{peer.key.instance_id[-12:]}")
         with self._lock:
             if self._closed or peer.key in self._pairs:
                 return
             self._pairs[peer.key] = pair
-        target = self._connect if self.mode == "prefill" else self._serve
-        pair.thread = threading.Thread(target=target, args=(pair,), daemon=True,
-                                       name=f"kv-nccl-{self.mode}-{peer.key.instance_id[-12:]}")
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(pair.thread)
         pair.thread.start()
         if self.mode == "prefill":
             self._workers.add_peer(peer.key)
@@ -130,14 +132,13 @@ class NcclBackend(KVBackend):
             if self._closed:
                 return
             self._closed = True
-            pairs = list(self._pairs.values())
+            pairs, threads = list(self._pairs.values()), list(self._threads)
             self._pairs.clear()
         for pair in pairs:
             self._break(pair, "backend closed")
         self._workers.close("backend closed")
-        for pair in pairs:
-            if pair.thread is not None:
-                pair.thread.join(self._connect_s + 1)
+        for thread in threads:  # bounded: a thread still in a rendezvous ends within _connect_s
+            thread.join(self._connect_s + 1)
         self._store = None
 
     # ---- groups ------------------------------------------------------------------------------------------------
@@ -241,8 +242,8 @@ class NcclBackend(KVBackend):
             if isinstance(ack, wire.ChunkAck) and not ack.error:
                 for work in works:
                     self._wait(work, timeout)
-        except (RuntimeError, msgspec.MsgspecError) as exc:
-            reason = pair.broken or f"room {job.room} chunk {job.chunk_id}: {exc}"
+        except Exception as exc:  # any failure of the group is this job's (reported, never swallowed)
+            reason = pair.broken or f"room {job.room} chunk {job.chunk_id}: {type(exc).__name__}: {exc}"
             self._break(pair, reason)
             raise TransferError(reason) from exc
         # NOTE: a refusal or a stray reply leaves payload unread on the wire: the pair cannot be reused.
@@ -266,9 +267,9 @@ class NcclBackend(KVBackend):
                 if not isinstance(header, wire.ChunkHeader):
                     raise TransferError(f"expected ChunkHeader, got {type(header).__name__}")
                 self._receive(pg, header)
-        except (RuntimeError, TransferError, msgspec.MsgspecError) as exc:
+        except Exception as exc:  # the connection ends; the prefill side fails its jobs (logged, not swallowed)
             if pair.broken is None:
-                log.info("kv nccl: connection from %s ended: %s", pair.key.instance_id, exc)
+                log.info("kv nccl: connection from %s ended: %s: %s", pair.key.instance_id, type(exc).__name__, exc)
             self._break(pair, str(exc))
 
     def _join(self, pair: _Pair) -> dist.ProcessGroup | None:

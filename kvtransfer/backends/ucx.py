@@ -33,7 +33,6 @@ from collections.abc import Coroutine
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-import msgspec
 import torch
 import ucxx
 from ucxx.exceptions import UCXError
@@ -48,7 +47,6 @@ log = logging.getLogger(__name__)
 DEFAULT_TLS = "sm,tcp"
 DEFAULT_PROGRESS = "blocking"
 CALL_TIMEOUT_S = 10.0  # loop-thread housekeeping calls (listen, abort, shutdown)
-_WIRE_ERRORS = (UCXError, msgspec.MsgspecError, TransferError, ConnectionError, asyncio.TimeoutError)
 
 
 class _Runtime:
@@ -125,7 +123,11 @@ class UcxBackend(KVBackend):
         self._listener: Any = None
         self._workers = PeerWorkers(events, self._move, "ucx")
         if mode == "decode":
-            self._call(self._listen())
+            try:
+                self._call(self._listen())
+            except BaseException:
+                _Runtime.release()
+                raise
 
     # ---- interface ---------------------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, str]:
@@ -211,7 +213,7 @@ class UcxBackend(KVBackend):
                 reason = f"room {job.room} chunk {job.chunk_id}: {type(exc).__name__}: {exc}"
             else:
                 reason = f"room {job.room} chunk {job.chunk_id}: no ack within {self.config.transfer_timeout_s}s"
-        except _WIRE_ERRORS as exc:
+        except Exception as exc:  # whatever ended the job is its failure (reported, never swallowed)
             reason = f"room {job.room} chunk {job.chunk_id}: {type(exc).__name__}: {exc}"
         else:
             if not ack.error:
@@ -279,8 +281,8 @@ class UcxBackend(KVBackend):
                 if not isinstance(header, wire.ChunkHeader):
                     raise TransferError(f"expected ChunkHeader, got {type(header).__name__}")
                 await self._receive(ep, header)
-        except _WIRE_ERRORS as exc:
-            log.info("kv ucx: data connection closed: %s", exc)
+        except Exception as exc:  # the connection ends; the prefill side fails its jobs (logged, not swallowed)
+            log.info("kv ucx: data connection closed: %s: %s", type(exc).__name__, exc)
         finally:
             self._serving.pop(task, None)
             ep.abort()

@@ -1,0 +1,264 @@
+"""Engine throughput: our colocated ``Engine`` versus Hugging Face ``generate`` on the same weights.
+
+Workload (the issue's): the ``small`` generated Llama, ``--num-prompts`` random prompts of ``--input-len`` tokens,
+``--output-len`` output tokens each, greedy, EOS ignored. HF runs the whole batch in one left-padded
+``model.generate`` call (its KV cache, no EOS stop). Each side lives in its own worker process (so each reports
+its own peak RSS) with the same ``torch.set_num_threads``; the parent alternates the two per repeat so load drift
+on a shared machine hits both alike, and reports medians.
+
+    .venv/bin/python -m benchmarks.engine_throughput                  # defaults: 64 x 128 -> 128, 3 repeats
+    .venv/bin/python -m benchmarks.engine_throughput --repeats 5 --page-size 1 --json out.json
+
+Per repeat and side:
+  output tok/s   num_prompts * output_len / wall time of the full generate call (prefill included)
+  prefill tok/s  num_prompts * input_len / wall time of the same prompts with max_new_tokens = 1
+Each repeat uses fresh prompts (seeded by the repeat index, identical for both sides), so the prefix cache never
+turns a later repeat's prefill into a cache hit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _prompts(seed: int, n: int, length: int, vocab: int, low: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (n, length), generator=g).tolist()
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class _Ours:
+    def __init__(self, model_path: str, engine_args: dict[str, Any]) -> None:
+        from common.engine import Engine
+
+        self.engine = Engine(model_path=model_path, **engine_args)
+
+    def run(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+        outs = self.engine.generate(input_ids=prompts, sampling_params=params)
+        return [list(o.output_ids) for o in outs]
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class _HF:
+    def __init__(self, model_path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+        self.pad = self.model.generation_config.pad_token_id or 0
+
+    def run(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                do_sample=False, eos_token_id=None, pad_token_id=self.pad,
+            )
+        return out[:, width:].tolist()
+
+    def close(self) -> None:
+        pass
+
+
+def _worker(side: str, model_path: str, threads: int, engine_args: dict[str, Any], conn: Any) -> None:
+    """Serve ("run", prompts, max_new) -> (seconds, outputs) and ("rss",) -> MiB until ("stop",)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    runner = _Ours(model_path, engine_args) if side == "ours" else _HF(model_path)
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            runner.close()
+            conn.send(None)
+            return
+        if msg[0] == "rss":
+            conn.send(_peak_rss_mib())
+            continue
+        _, prompts, max_new = msg
+        t0 = time.perf_counter()
+        outs = runner.run(prompts, max_new)
+        conn.send((time.perf_counter() - t0, outs))
+
+
+class _Side:
+    def __init__(self, side: str, model_path: str, threads: int, engine_args: dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(side, model_path, threads, engine_args, child), daemon=True)
+        self.proc.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"{side} worker failed to start")
+
+    def run(self, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
+        self.conn.send(("run", prompts, max_new))
+        return self.conn.recv()
+
+    def peak_rss_mib(self) -> float:
+        self.conn.send(("rss",))
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        self.conn.send(("stop",))
+        self.conn.recv()
+        self.proc.join(timeout=30)
+
+
+def _machine(threads: int) -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "loadavg_start": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None, help="HF folder (default: generate the small llama, seed 0)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of each side")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--skip-prefill", action="store_true", help="skip the max_new_tokens=1 prefill runs")
+    p.add_argument("--json", default="engine_throughput.json", help="where to write the results")
+    a = p.parse_args(argv)
+
+    from transformers import AutoConfig
+
+    tmp = None
+    model_path = a.model_path
+    if model_path is None:
+        from common.model_gen.make_model import make_model
+
+        tmp = tempfile.TemporaryDirectory(prefix="pdc-bench-")
+        model_path = str(make_model("llama", "small", Path(tmp.name), seed=0))
+    hf_cfg = AutoConfig.from_pretrained(model_path)
+    vocab = hf_cfg.vocab_size
+    n, lin, lout = a.num_prompts, a.input_len, a.output_len
+    # Room for every request at once, plus a partial page each; the prefix cache evicts older repeats' prompts.
+    engine_args = {
+        "page_size": a.page_size,
+        "max_total_tokens": n * (lin + lout + a.page_size),
+        "max_running_requests": max(n, 1),
+        "chunked_prefill_size": max(a.page_size, -(-n * lin // a.page_size) * a.page_size),
+        "max_prefill_tokens": max(16384, n * lin),
+        "disable_radix_cache": a.disable_radix_cache,
+        "torch_num_threads": a.threads,
+        "decode_log_interval": 10**9,
+    }
+    machine = _machine(a.threads)
+    print(f"model {model_path} (hidden {hf_cfg.hidden_size}, layers {hf_cfg.num_hidden_layers}, vocab {vocab})")
+    print(f"workload: {n} prompts x {lin} input tokens -> {lout} output tokens, greedy, {a.repeats} repeats")
+    print(f"engine args: {engine_args}")
+    print(f"machine: {machine}")
+
+    sides = {"ours": _Side("ours", model_path, a.threads, engine_args), "hf": _Side("hf", model_path, a.threads, {})}
+    try:
+        warm = _prompts(10**6, min(n, 8), lin, vocab, low=3)
+        for s in sides.values():
+            s.run(warm, 4)
+        decode_s: dict[str, list[float]] = {k: [] for k in sides}
+        prefill_s: dict[str, list[float]] = {k: [] for k in sides}
+        agree: list[float] = []
+        for rep in range(a.repeats):
+            prompts = _prompts(rep, n, lin, vocab, low=3)
+            outs = {}
+            order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
+            for k in order:
+                secs, outs[k] = sides[k].run(prompts, lout)
+                if any(len(o) != lout for o in outs[k]):
+                    raise RuntimeError(f"{k} returned fewer than {lout} tokens for some prompt")
+                decode_s[k].append(secs)
+            agree.append(sum(x == y for x, y in zip(outs["ours"], outs["hf"], strict=True)) / n)
+            if not a.skip_prefill:
+                pre = _prompts(1000 + rep, n, lin, vocab, low=3)
+                for k in order:
+                    prefill_s[k].append(sides[k].run(pre, 1)[0])
+            line = "  ".join(f"{k} {n * lout / decode_s[k][-1]:7.0f} out tok/s" for k in sides)
+            print(f"repeat {rep}: {line}  (identical outputs {agree[-1]:.0%}, load {os.getloadavg()[0]:.1f})")
+        rss = {k: s.peak_rss_mib() for k, s in sides.items()}
+    finally:
+        for s in sides.values():
+            s.stop()
+        if tmp is not None:
+            tmp.cleanup()
+
+    def summary(k: str) -> dict[str, Any]:
+        med = statistics.median(decode_s[k])
+        out: dict[str, Any] = {
+            "output_tok_per_s": n * lout / med,
+            "seconds_median": med,
+            "seconds": decode_s[k],
+            "peak_rss_mib": rss[k],
+        }
+        if prefill_s[k]:
+            pm = statistics.median(prefill_s[k])
+            out["prefill_tok_per_s"] = n * lin / pm
+            out["prefill_seconds"] = prefill_s[k]
+        return out
+
+    result = {
+        "workload": {"num_prompts": n, "input_len": lin, "output_len": lout, "repeats": a.repeats, "greedy": True},
+        "engine_args": engine_args,
+        "machine": machine | {"loadavg_end": os.getloadavg()[0]},
+        "ours": summary("ours"),
+        "hf": summary("hf"),
+        "identical_output_fraction": agree,
+    }
+    result["ratio"] = result["ours"]["output_tok_per_s"] / result["hf"]["output_tok_per_s"]
+    rows = [("ours", result["ours"]), ("hf generate", result["hf"])]
+    print(f"\n{'':<12} {'out tok/s':>10} {'prefill tok/s':>14} {'peak RSS MiB':>13}")
+    for name, r in rows:
+        pre = f"{r['prefill_tok_per_s']:14.0f}" if "prefill_tok_per_s" in r else f"{'-':>14}"
+        print(f"{name:<12} {r['output_tok_per_s']:10.0f} {pre} {r['peak_rss_mib']:13.0f}")
+    print(f"ratio ours / hf (output tok/s): {result['ratio']:.2f}x  (target >= 1.5x)")
+    Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {a.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Prometheus metrics of a node's front process (seconds and bytes; names ``pdcluster_node_*``).
+
+Queue gauges come from the ranks' periodic load reports; latency, transfer and failure metrics from the final
+message of each request (its timing breakdown and error code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from common.io_struct import PrefillDone, QueueLoad, TokenOut
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(1, 12))
+QUEUES = ("waiting", "running", "bootstrap", "inflight", "prealloc", "transfer")
+
+QUEUE_LEN = Gauge("pdcluster_node_queue_requests", "Requests per queue and DP rank", ["queue", "dp_rank"])
+TOKEN_USAGE = Gauge("pdcluster_node_token_usage_ratio", "Fraction of KV slots in use", ["dp_rank"])
+FREE_PAGES = Gauge("pdcluster_node_free_kv_pages", "Free KV pages", ["dp_rank"])
+TTFT = Histogram("pdcluster_node_ttft_seconds", "Arrival to first token on this node", buckets=LATENCY_BUCKETS)
+E2E = Histogram("pdcluster_node_e2e_seconds", "Arrival to finish on this node", buckets=LATENCY_BUCKETS)
+QUEUE_TIME = Histogram("pdcluster_node_queue_seconds", "Time waiting for a prefill batch", buckets=LATENCY_BUCKETS)
+TRANSFER_TIME = Histogram("pdcluster_node_kv_transfer_seconds", "KV transfer latency of one request",
+                          buckets=LATENCY_BUCKETS)
+TRANSFER_BYTES = Histogram("pdcluster_node_kv_transfer_bytes", "KV bytes moved for one request",
+                           buckets=BYTES_BUCKETS)
+TRANSFER_BANDWIDTH = Histogram("pdcluster_node_kv_transfer_bandwidth_bytes_per_second",
+                               "KV bytes over transfer time of one request",
+                               buckets=tuple(float(10**i) for i in range(5, 12)))
+REQUESTS = Counter("pdcluster_node_requests_total", "Finished requests by outcome", ["outcome"])
+FAILURES = Counter("pdcluster_node_failures_total", "Failed requests by kind (bootstrap, transfer, ...)",
+                   ["kind", "code"])
+
+
+def observe_final(out: Any) -> None:
+    """Record one request's final message (``TokenOut`` with finish_reason, or ``PrefillDone``)."""
+    if isinstance(out, TokenOut | PrefillDone):
+        code = out.error_code
+        REQUESTS.labels(outcome="ok" if code is None else code.lower()).inc()
+        if code is not None and code != "CANCELLED":
+            kind = "bootstrap" if "bootstrap" in (out.error or "").lower() else "transfer"
+            FAILURES.labels(kind=kind if code != "INVALID_ARGUMENT" else "invalid", code=code).inc()
+        t = out.timing
+        if t is None:
+            return
+        if t.ttft:
+            TTFT.observe(t.ttft)
+        if t.e2e:
+            E2E.observe(t.e2e)
+        if t.queue:
+            QUEUE_TIME.observe(t.queue)
+        if t.transfer_bytes:
+            TRANSFER_BYTES.observe(t.transfer_bytes)
+            if t.transfer > 0:
+                TRANSFER_TIME.observe(t.transfer)
+                TRANSFER_BANDWIDTH.observe(t.transfer_bytes / t.transfer)
+
+
+def observe_load(loads: list[QueueLoad]) -> None:
+    for q in loads:
+        rank = str(q.dp_rank)
+        for name in QUEUES:
+            QUEUE_LEN.labels(queue=name, dp_rank=rank).set(getattr(q, name))
+        TOKEN_USAGE.labels(dp_rank=rank).set(q.token_usage)
+        FREE_PAGES.labels(dp_rank=rank).set(q.free_kv_pages)
+
+
+async def poll_load_forever(ranks: Any, interval: float = 1.0) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        with contextlib.suppress(TimeoutError):
+            observe_load(await ranks.get_load(timeout=interval * 2))

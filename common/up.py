@@ -1,0 +1,210 @@
+"""``pdcluster up``: a whole local cluster on 127.0.0.1 — a router, N prefill and M decode nodes — as child
+processes of this one. Prints the endpoints and a ready line; Ctrl-C (or SIGTERM) stops every child it started.
+
+Nodes are started with ``pdcluster serve`` and the router with ``pdcluster router``: the same commands a user
+runs by hand, so this is only a launcher. Each child's output goes to ``--log-dir`` (default: a temp dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.tokenizer import resolve_model_path
+
+READY_TIMEOUT_S = 300.0
+NODE_FLAGS = ("page_size", "dp_size", "chunked_prefill_size", "max_total_tokens", "max_running_requests",
+              "dtype", "torch_num_threads")
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", default=None, help="local HF model folder (default: the embedded model)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port")
+    p.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
+    p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
+    p.add_argument("--colocated", type=int, default=0, help="number of colocated (mode null) nodes")
+    p.add_argument("--kv-transfer-backend", default="tcp", choices=("tcp", "nccl", "ucx", "shm", "fake"))
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--dp-size", type=int, default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--torch-num-threads", type=int, default=None)
+    p.add_argument("--log-dir", default=None, help="where each process writes its log")
+    p.add_argument("--demo", action="store_true", help="once ready, send example requests through the OpenAI API")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    grpc_port: int
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+class LocalCluster:
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+        self.model_path = str(resolve_model_path(ns.model_path))
+        self.log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="pdcluster-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+
+    def _spawn(self, name: str, args: list[str], grpc_port: int) -> Child:
+        log = self.log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "common.cli", *args]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        child = Child(name, proc, log, grpc_port)
+        self.children.append(child)
+        return child
+
+    def _node_flags(self) -> list[str]:
+        flags = ["--model-path", self.model_path, "--host", "127.0.0.1",
+                 "--kv-transfer-backend", self.ns.kv_transfer_backend]
+        for name in NODE_FLAGS:
+            value = getattr(self.ns, name)
+            if value is not None:
+                flags += [f"--{name.replace('_', '-')}", str(value)]
+        if self.ns.torch_num_threads is None:
+            flags += ["--torch-num-threads", "1"]
+        return flags
+
+    def start(self) -> None:
+        router = ["router", "--model-path", self.model_path, "--host", "127.0.0.1",
+                  "--grpc-port", str(self.ns.grpc_port), "--http-port", str(self.ns.http_port)]
+        nodes: list[Child] = []
+        for role, count in (("prefill", self.ns.prefill), ("decode", self.ns.decode), ("null", self.ns.colocated)):
+            for i in range(count):
+                port, bootstrap = _free_port(), _free_port()
+                args = ["serve", *self._node_flags(), "--port", str(port), "--disaggregation-mode", role,
+                        "--disaggregation-bootstrap-port", str(bootstrap)]
+                nodes.append(self._spawn(f"{role}-{i}", args, port))
+                flag = {"prefill": "--prefill", "decode": "--decode", "null": "--worker"}[role]
+                router += [flag, f"127.0.0.1:{port}" + (f":{bootstrap}" if role == "prefill" else "")]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for node in nodes:
+            self._wait_grpc_health(node, deadline)
+        child = self._spawn("router", router, self.ns.grpc_port)
+        self._wait_http_health(child, deadline)
+
+    def _check_alive(self, child: Child) -> None:
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; its log:\n{child.tail()}")
+
+    def _wait_grpc_health(self, child: Child, deadline: float) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{child.grpc_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                self._check_alive(child)
+                with contextlib.suppress(grpc.RpcError):
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                        return
+                time.sleep(0.2)
+        raise TimeoutError(f"{child.name} not ready within {READY_TIMEOUT_S:.0f} s; its log:\n{child.tail()}")
+
+    def _wait_http_health(self, child: Child, deadline: float) -> None:
+        url = f"http://127.0.0.1:{self.ns.http_port}/health"
+        while time.monotonic() < deadline:
+            self._check_alive(child)
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            time.sleep(0.2)
+        raise TimeoutError(f"router not ready within {READY_TIMEOUT_S:.0f} s; its log:\n{child.tail()}")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM every child (router first, so no new work reaches the nodes), then SIGKILL stragglers."""
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in reversed(self.children):
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait(5)
+
+
+def run_demo(http_port: int, model_name: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", timeout=60)
+    completion = client.completions.create(model=model_name, prompt="The quick brown fox", max_tokens=24,
+                                           temperature=0)
+    print(f"\n[completions] {completion.choices[0].text!r}")
+    print(f"  usage: {json.dumps(completion.usage.model_dump())}")
+    print("[chat, streamed] ", end="", flush=True)
+    stream = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Tell me about disaggregated serving."}],
+        max_tokens=32, temperature=0.7, stream=True,
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+    print("\n")
+
+
+def run_up(ns: argparse.Namespace) -> int:
+    cluster = LocalCluster(ns)
+    stop_requested = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(f"starting: {ns.prefill} prefill + {ns.decode} decode node(s), model {cluster.model_path}, "
+              f"KV over {ns.kv_transfer_backend}; logs in {cluster.log_dir}", flush=True)
+        cluster.start()
+        for child in cluster.children:
+            print(f"  {child.name:<10} pid {child.proc.pid:<7} grpc 127.0.0.1:{child.grpc_port}", flush=True)
+        print(f"pdcluster ready: OpenAI http://127.0.0.1:{ns.http_port}/v1  gRPC 127.0.0.1:{ns.grpc_port}  "
+              "(Ctrl-C stops)", flush=True)
+        if ns.demo:
+            run_demo(ns.http_port, Path(cluster.model_path).name)
+        if ns.exit_after_demo:
+            return 0
+        while all(c.proc.poll() is None for c in cluster.children):
+            time.sleep(0.5)
+        dead = [c for c in cluster.children if c.proc.poll() is not None]
+        print(f"{dead[0].name} exited with code {dead[0].proc.returncode}; stopping the cluster:\n{dead[0].tail()}",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopping...", flush=True)
+        return 0
+    finally:
+        cluster.stop()
+        print("pdcluster stopped", flush=True)
