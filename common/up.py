@@ -134,10 +134,9 @@ class LocalCluster:
         url = f"http://127.0.0.1:{self.ns.http_port}/health"
         while time.monotonic() < deadline:
             self._check_alive(child)
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url, timeout=1) as resp:
-                    if resp.status == 200:
-                        return
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
             time.sleep(0.2)
         raise TimeoutError(f"router not ready within {READY_TIMEOUT_S:.0f} s; its log:\n{child.tail()}")
 
