@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 up: $(STAMP)
-	$(BIN)/pdcluster generate --prompt "The quick brown fox" --max-new-tokens 32 --ignore-eos
+	$(BIN)/pdcluster up --demo
 
 test: $(STAMP)
 	$(BIN)/python proto/gen.py --check

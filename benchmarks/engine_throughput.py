@@ -67,7 +67,7 @@ class _HF:
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.pad = self.model.generation_config.pad_token_id or 0
 
     def run(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:

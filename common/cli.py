@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "make-model": ("common.cli:add_make_model_args", "common.cli:run_make_model", "build a random HF model offline"),
     "generate": ("common.cli:add_generate_args", "common.cli:run_generate", "generate a completion in-process"),
     "router": ("router.cli:add_router_args", "router.cli:run_router", "run the router (gRPC + OpenAI HTTP)"),
+    "ray": ("deploy.ray.cli:add_ray_args", "deploy.ray.cli:run_ray", "deploy router, prefill and decode on Ray"),
     "up": ("common.up:add_up_args", "common.up:run_up", "start a local cluster: router + prefill + decode nodes"),
     "serve": ("common.config:add_server_args", "common.cli:run_serve", "run one node (colocated, prefill or decode)"),
 }

@@ -195,10 +195,16 @@ def run_up(ns: argparse.Namespace) -> int:
             run_demo(ns.http_port, Path(cluster.model_path).name)
         if ns.exit_after_demo:
             return 0
-        while all(c.proc.poll() is None for c in cluster.children):
+        router = cluster.children[-1]
+        reported: set[str] = set()
+        while router.proc.poll() is None:  # a dead node is reported; the router routes around it
+            for child in cluster.children:
+                if child.proc.poll() is not None and child.name not in reported:
+                    reported.add(child.name)
+                    print(f"{child.name} exited with code {child.proc.returncode} (log: {child.log})",
+                          file=sys.stderr, flush=True)
             time.sleep(0.5)
-        dead = [c for c in cluster.children if c.proc.poll() is not None]
-        print(f"{dead[0].name} exited with code {dead[0].proc.returncode}; stopping the cluster:\n{dead[0].tail()}",
+        print(f"router exited with code {router.proc.returncode}; stopping the cluster:\n{router.tail()}",
               file=sys.stderr)
         return 1
     except KeyboardInterrupt:

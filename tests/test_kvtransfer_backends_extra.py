@@ -95,8 +95,10 @@ def _pages(buf: torch.Tensor, page: int) -> torch.Tensor:
     return buf[page * PAGE_SIZE:(page + 1) * PAGE_SIZE]
 
 
-def test_jobs_land_in_submission_order_and_empty_jobs_complete(backend: str) -> None:
-    pair = Pair(backend, make_args(1, NUM_PAGES), make_args(2, NUM_PAGES))
+# pack_bytes: one message per run / mixed (runs of >= 2 pages go direct, single pages are packed) / all packed
+@pytest.mark.parametrize("pack", ["0", "1024", "4194304"])
+def test_jobs_land_in_submission_order_and_empty_jobs_complete(backend: str, pack: str) -> None:
+    pair = Pair(backend, make_args(1, NUM_PAGES), make_args(2, NUM_PAGES), backend_options={"pack_bytes": pack})
     try:
         jobs = [pair.job(7, i, [1 + 3 * i, 2 + 3 * i, 40 - i], [10 + 2 * i, 11 + 2 * i, 47 - i]) for i in range(8)]
         jobs.append(TransferJob(7, 8, pair.d_key, ()))
@@ -115,11 +117,12 @@ def test_jobs_land_in_submission_order_and_empty_jobs_complete(backend: str) -> 
         pair.close()
 
 
-def test_head_slice_moves_only_those_heads(backend: str) -> None:
+@pytest.mark.parametrize("pack", ["0", "4194304"])
+def test_head_slice_moves_only_those_heads(backend: str, pack: str) -> None:
     src = make_args(1, NUM_PAGES, heads=4, total_heads=4)  # prefill tp=1 holds heads 0..3
     dst = make_args(2, NUM_PAGES, heads=2, total_heads=4)  # decode tp rank 1 of 2 holds heads 2..3
     before = [b.clone() for b in (*dst.k_buffers, *dst.v_buffers)]
-    pair = Pair(backend, src, dst)
+    pair = Pair(backend, src, dst, backend_options={"pack_bytes": pack})
     try:
         job = pair.job(3, 0, [5, 6, 7, 20], [30, 31, 32, 9], HeadSlice(src_head=2, dst_head=0, num_heads=2))
         pair.prefill.submit(job)

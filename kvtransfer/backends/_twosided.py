@@ -2,12 +2,20 @@
 
 A two-sided transport needs the receiver to post one receive per message, so every job is announced first::
 
-    prefill -> decode   ChunkHeader(room, chunk_id, dst_runs, heads, nbytes)
-    prefill -> decode   payload: for layer: for K, V: for run: one message (whole pages or a staged head slice)
+    prefill -> decode   ChunkHeader(room, chunk_id, dst_runs, heads, nbytes, pack_bytes)
+    prefill -> decode   payload messages (below)
     decode -> prefill   ChunkAck(room, chunk_id, error)     after every payload message landed (and was scattered)
 
-Both sides derive the message list from the job in the same order (``source_tensors`` / ``DestinationPlan``), so a
-message's size is known before it arrives and whole-page runs move straight between the KV pools (no staging).
+Payload: the slices ``for layer: for K, V: for run`` (whole pages, or the head slice of each slot), in that order.
+A slice of at least ``pack_bytes // 4`` whole pages is one message, straight from the source pool into the
+destination pool (zero-copy). Smaller slices (and every head slice: it is strided) are packed in order into staging
+messages of up to ``pack_bytes``; ``pack_bytes == 0`` sends every slice alone. Per-message cost dominates small
+runs on every transport here, so packing 4 x 16-token pages (128 KiB) into 4 MiB messages pays for its two copies.
+Both sides derive the message list from the header with ``plan_messages``, so sizes are known before data arrives::
+
+    slices:    K0:r0 (2 MiB) | K0:r1 | K0:r2 | V0:r0 (2 MiB) | V0:r1 | V0:r2 | K1:r0 ...     (pack_bytes = 4 MiB)
+    messages:  [K0:r0]         [K0:r1 K0:r2 V0:r1 V0:r2 K1:r1 ...]   [V0:r0]   ...
+               direct          staged (flushed when the next slice would overflow it)
 The decode side checks every destination run against its own pool ([1, num_pages) and heads in [0, kv_heads))
 before it posts a receive; a header that does not fit is refused and the connection is dropped.
 """
@@ -36,6 +44,7 @@ class ChunkHeader(msgspec.Struct, frozen=True, tag=True):
     dst_runs: list[tuple[int, int]]  # (first destination page, pages), in the job's run order
     heads: tuple[int, int, int] | None  # (src_head, dst_head, num_heads); None = whole pages
     nbytes: int  # payload bytes over all messages (a consistency check)
+    pack_bytes: int = 0  # see the module docstring; 0 = one message per slice
 
 
 class ChunkAck(msgspec.Struct, frozen=True, tag=True):
@@ -63,65 +72,103 @@ def layer_buffers(args: KVArgs) -> list[torch.Tensor]:
     return [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
 
 
-def source_tensors(args: KVArgs, job: TransferJob) -> list[torch.Tensor]:
-    """Prefill: one contiguous tensor per payload message. Whole-page runs are views of the pool (no copy);
-    head slices are gathered into fresh staging tensors (a strided slice cannot be one message)."""
-    ps, h = args.page_size, job.heads
-    out = []
-    for buf in layer_buffers(args):
-        for run in job.runs:
-            pages = buf[run.src_page * ps:(run.src_page + run.num_pages) * ps]
-            out.append(pages if h is None else pages[:, h.src_head:h.src_head + h.num_heads].contiguous())
-    return out
-
-
-def header_for(job: TransferJob, tensors: list[torch.Tensor]) -> ChunkHeader:
-    heads = None if job.heads is None else (job.heads.src_head, job.heads.dst_head, job.heads.num_heads)
-    return ChunkHeader(job.room, job.chunk_id, [(r.dst_page, r.num_pages) for r in job.runs], heads,
-                       sum(t.numel() * t.element_size() for t in tensors))
-
-
 @dataclass
-class DestinationPlan:
-    """Decode: where each payload message of one header lands, and the scatter of staged head slices."""
+class Message:
+    """One payload message: one contiguous pool slice (``direct``) or several slices packed in order."""
 
-    tensors: list[torch.Tensor]  # one contiguous receive target per message, in payload order
-    scatter: list[tuple[torch.Tensor, torch.Tensor]]  # (pool slice, staging) copied after the receives
+    slices: list[torch.Tensor]
+    direct: bool
 
-    def finish(self) -> None:
-        """Copy staged head slices into the pool (whole-page runs already landed in place)."""
-        for dst, staged in self.scatter:
-            dst.copy_(staged)
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.slices) * self.slices[0].element_size()
+
+    def gather(self) -> torch.Tensor:
+        """Source side: the tensor to send (the pool slice itself, or a fresh staging copy of the slices)."""
+        if self.direct:
+            return self.slices[0]
+        staging = torch.empty(sum(t.numel() for t in self.slices), dtype=self.slices[0].dtype,
+                              device=self.slices[0].device)
+        off = 0
+        for t in self.slices:
+            staging[off:off + t.numel()].view(t.shape).copy_(t)
+            off += t.numel()
+        return staging
+
+    def landing(self) -> torch.Tensor:
+        """Destination side: where to receive (the pool slice itself, or an empty staging tensor)."""
+        if self.direct:
+            return self.slices[0]
+        return torch.empty(sum(t.numel() for t in self.slices), dtype=self.slices[0].dtype,
+                           device=self.slices[0].device)
+
+    def scatter(self, landed: torch.Tensor) -> None:
+        """Destination side: copy a received staging tensor into the pool slices (no-op when direct)."""
+        if self.direct:
+            return
+        off = 0
+        for t in self.slices:
+            t.copy_(landed[off:off + t.numel()].view(t.shape))
+            off += t.numel()
+
+
+def plan_messages(args: KVArgs, runs: list[tuple[int, int]], heads: tuple[int, int] | None,
+                  pack_bytes: int) -> list[Message]:
+    """The payload messages over ``runs`` ((first page, pages) on this side) and ``heads`` ((first head, heads) on
+    this side, None = whole pages); both sides call it with their own pages and get the same sizes and order."""
+    ps, msgs, pack, packed = args.page_size, [], [], 0
+    for buf in layer_buffers(args):
+        for p, n in runs:
+            view = buf[p * ps:(p + n) * ps]
+            if heads is not None:
+                view = view[:, heads[0]:heads[0] + heads[1]]
+            nbytes = view.numel() * view.element_size()
+            if heads is None and (pack_bytes == 0 or nbytes >= pack_bytes // 4):
+                msgs.append(Message([view], direct=True))
+                continue
+            if pack and packed + nbytes > pack_bytes:
+                msgs.append(Message(pack, direct=False))
+                pack, packed = [], 0
+            pack.append(view)
+            packed += nbytes
+    if pack:
+        msgs.append(Message(pack, direct=False))
+    return msgs
+
+
+def source_messages(args: KVArgs, job: TransferJob, pack_bytes: int) -> tuple[ChunkHeader, list[Message]]:
+    """Prefill: the header announcing ``job`` and its payload messages."""
+    heads = None if job.heads is None else (job.heads.src_head, job.heads.num_heads)
+    msgs = plan_messages(args, [(r.src_page, r.num_pages) for r in job.runs], heads, pack_bytes)
+    header = ChunkHeader(job.room, job.chunk_id, [(r.dst_page, r.num_pages) for r in job.runs],
+                         None if job.heads is None else (job.heads.src_head, job.heads.dst_head, job.heads.num_heads),
+                         sum(m.nbytes for m in msgs), pack_bytes)
+    return header, msgs
 
 
 class RefusedHeader(ValueError):
     """A header whose runs or heads do not fit this rank's pool (nothing of it may be written)."""
 
 
-def plan_destination(args: KVArgs, header: ChunkHeader) -> DestinationPlan:
-    """Receive targets for ``header``; raises RefusedHeader unless every run and head fits this rank's pool."""
+def destination_messages(args: KVArgs, header: ChunkHeader) -> list[Message]:
+    """Decode: the payload messages of ``header`` in this rank's pool; raises RefusedHeader unless every run and
+    head fits the pool and the sizes agree with the sender's."""
     bad = [(p, n) for p, n in header.dst_runs if p < 1 or n < 1 or p + n > args.num_pages]
     if bad:
         raise RefusedHeader(f"destination runs {bad[:3]} outside pages [1, {args.num_pages})")
-    heads = header.heads
-    if heads is not None:
-        _, h0, nh = heads
+    heads = None
+    if header.heads is not None:
+        _, h0, nh = header.heads
         if h0 < 0 or nh < 1 or h0 + nh > args.kv_heads:
             raise RefusedHeader(f"destination heads [{h0}, {h0 + nh}) outside [0, {args.kv_heads})")
-    ps, tensors, scatter = args.page_size, [], []
-    for buf in layer_buffers(args):
-        for p, n in header.dst_runs:
-            pages = buf[p * ps:(p + n) * ps]
-            if heads is None:
-                tensors.append(pages)
-            else:
-                staged = torch.empty((n * ps, heads[2], args.head_dim), dtype=args.dtype, device=buf.device)
-                tensors.append(staged)
-                scatter.append((pages[:, heads[1]:heads[1] + heads[2]], staged))
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        heads = (h0, nh)
+    if header.pack_bytes < 0:
+        raise RefusedHeader(f"pack_bytes {header.pack_bytes} < 0")
+    msgs = plan_messages(args, header.dst_runs, heads, header.pack_bytes)
+    nbytes = sum(m.nbytes for m in msgs)
     if nbytes != header.nbytes:
         raise RefusedHeader(f"payload of {header.nbytes} bytes does not match the {nbytes} bytes its runs cover")
-    return DestinationPlan(tensors, scatter)
+    return msgs
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

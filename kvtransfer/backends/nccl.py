@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,8 @@ TAG_CTL, TAG_DATA, TAG_ACK, TAG_BREAK = 1, 2, 3, 0x7FFF
 PREFILL_RANK, DECODE_RANK = 0, 1
 IDLE_WAIT = datetime.timedelta(days=30)  # a decode pair waits this long for the next header (idle is normal)
 START_POLL_S = 0.2  # decode threads notice close() within this
+STAGING_WINDOW = 64 << 20  # per job and side: staged payload bytes in flight (see _twosided's packing)
+DEFAULT_PACK_BYTES = 4 << 20
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -79,6 +82,7 @@ class NcclBackend(KVBackend):
         self._threads: list[threading.Thread] = []  # every pair thread not yet known to have ended
         self._gloo_device: object | None = None
         self._connect_s = min(config.bootstrap_timeout_s, 30.0)
+        self._pack_bytes = int(config.backend_options.get("pack_bytes", DEFAULT_PACK_BYTES))
         self._store: dist.TCPStore | None = None
         if mode == "decode":
             self._store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False,
@@ -235,12 +239,22 @@ class NcclBackend(KVBackend):
         assert pair.pg is not None
         pg, timeout = pair.pg, _td(self.config.transfer_timeout_s)
         try:
-            tensors = wire.source_tensors(self.args, job)
-            works = self._send_msg(pg, DECODE_RANK, TAG_CTL, wire.header_for(job, tensors))
-            works += [pg.send([wire.as_bytes(t)], DECODE_RANK, TAG_DATA) for t in tensors]
+            header, msgs = wire.source_messages(self.args, job, self._pack_bytes)
+            sent: deque[tuple[dist.Work, torch.Tensor, int]] = deque()  # send, its tensor (kept alive), staged
+            sent.extend((w, torch.empty(0), 0) for w in self._send_msg(pg, DECODE_RANK, TAG_CTL, header))
+            staged = 0
+            for msg in msgs:
+                tensor = msg.gather()
+                nbytes = 0 if msg.direct else msg.nbytes
+                sent.append((pg.send([wire.as_bytes(tensor)], DECODE_RANK, TAG_DATA), tensor, nbytes))
+                staged += nbytes
+                while staged > STAGING_WINDOW:  # bounds staging memory; sends complete in order
+                    work, _, done = sent.popleft()
+                    self._wait(work, timeout)
+                    staged -= done
             ack = self._recv_msg(pg, DECODE_RANK, TAG_ACK, timeout)
             if isinstance(ack, wire.ChunkAck) and not ack.error:
-                for work in works:
+                for work, _, _ in sent:
                     self._wait(work, timeout)
         except Exception as exc:  # any failure of the group is this job's (reported, never swallowed)
             reason = pair.broken or f"room {job.room} chunk {job.chunk_id}: {type(exc).__name__}: {exc}"
@@ -294,15 +308,22 @@ class NcclBackend(KVBackend):
         connection dropped (its payload is never read, so nothing of it is written)."""
         timeout = _td(self.config.transfer_timeout_s)
         try:
-            plan = wire.plan_destination(self.args, header)
+            msgs = wire.destination_messages(self.args, header)
         except wire.RefusedHeader as exc:
             for work in self._send_msg(pg, PREFILL_RANK, TAG_ACK, wire.ChunkAck(header.room, header.chunk_id,
                                                                                str(exc))):
                 self._wait(work, timeout)
             raise TransferError(f"refused room {header.room} chunk {header.chunk_id}: {exc}") from exc
-        works = [pg.recv([wire.as_bytes(t)], PREFILL_RANK, TAG_DATA) for t in plan.tensors]
-        for work in works:
-            self._wait(work, timeout)
-        plan.finish()
+        posted: deque[tuple[dist.Work, wire.Message, torch.Tensor]] = deque()
+        staged = 0
+        for msg in msgs:
+            landing = msg.landing()
+            posted.append((pg.recv([wire.as_bytes(landing)], PREFILL_RANK, TAG_DATA), msg, landing))
+            staged += 0 if msg.direct else msg.nbytes
+            while posted and (staged > STAGING_WINDOW or msg is msgs[-1]):  # receives complete in order
+                work, done, landed = posted.popleft()
+                self._wait(work, timeout)
+                done.scatter(landed)
+                staged -= 0 if done.direct else done.nbytes
         for work in self._send_msg(pg, PREFILL_RANK, TAG_ACK, wire.ChunkAck(header.room, header.chunk_id)):
             self._wait(work, timeout)

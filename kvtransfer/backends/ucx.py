@@ -29,6 +29,7 @@ import gc
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Coroutine
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TLS = "sm,tcp"
 DEFAULT_PROGRESS = "blocking"
 CALL_TIMEOUT_S = 10.0  # loop-thread housekeeping calls (listen, abort, shutdown)
+STAGING_WINDOW = 64 << 20  # per job and side: staged payload bytes in flight (see _twosided's packing)
+DEFAULT_PACK_BYTES = 4 << 20
 
 
 class _Runtime:
@@ -113,6 +116,7 @@ class UcxBackend(KVBackend):
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
         opts = config.backend_options
+        self._pack_bytes = int(opts.get("pack_bytes", DEFAULT_PACK_BYTES))
         self._loop = _Runtime.acquire(opts.get("ucx_tls", DEFAULT_TLS), opts.get("ucx_progress_mode", DEFAULT_PROGRESS))
         self._lock = threading.Lock()
         self._closed = False
@@ -227,23 +231,29 @@ class UcxBackend(KVBackend):
 
     async def _move_async(self, job: TransferJob) -> wire.ChunkAck:
         ep = await self._endpoint(job.peer)
-        tensors = wire.source_tensors(self.args, job)
-        await ep.send_obj(wire.encode(wire.header_for(job, tensors)))
-        sends = asyncio.gather(*(ep.send(_buffer(t)) for t in tensors), return_exceptions=True)
+        header, msgs = wire.source_messages(self.args, job, self._pack_bytes)
+        await ep.send_obj(wire.encode(header))
+        sends: deque[tuple[asyncio.Future[Any], int]] = deque()  # in posting order, with staged bytes
         try:
+            staged = 0
+            for msg in msgs:
+                sends.append((asyncio.ensure_future(ep.send(_buffer(msg.gather()))), 0 if msg.direct else msg.nbytes))
+                staged += sends[-1][1]
+                while staged > STAGING_WINDOW:  # bounds staging memory
+                    send, done = sends.popleft()
+                    await send
+                    staged -= done
             ack = wire.decode(await ep.recv_obj())
             if not isinstance(ack, wire.ChunkAck) or (ack.room, ack.chunk_id) != (job.room, job.chunk_id):
                 raise TransferError(f"unexpected reply {ack!r}")
-        except BaseException:
-            sends.cancel()
-            raise
-        if ack.error:  # the refused payload is never received
-            sends.cancel()
+            if not ack.error:  # a refused payload is never received: its sends are cancelled below
+                while sends:
+                    await sends.popleft()[0]
             return ack
-        for result in await sends:
-            if isinstance(result, BaseException):
-                raise result
-        return ack
+        finally:
+            for send, _ in sends:
+                send.cancel()
+            await asyncio.gather(*(send for send, _ in sends), return_exceptions=True)
 
     async def _endpoint(self, key: PeerKey) -> Any:
         ep = self._eps.get(key)
@@ -304,10 +314,24 @@ class UcxBackend(KVBackend):
         """Land one job's payload in the pool, then ack; a refused header is acked with the reason and the
         connection dropped (its payload is never read, so nothing of it is written)."""
         try:
-            plan = wire.plan_destination(self.args, header)
+            msgs = wire.destination_messages(self.args, header)
         except wire.RefusedHeader as exc:
             await ep.send_obj(wire.encode(wire.ChunkAck(header.room, header.chunk_id, str(exc))))
             raise TransferError(f"refused room {header.room} chunk {header.chunk_id}: {exc}") from exc
-        await asyncio.gather(*(ep.recv(_buffer(t)) for t in plan.tensors))
-        plan.finish()
+        recvs: deque[tuple[asyncio.Future[Any], wire.Message, torch.Tensor]] = deque()  # in posting order
+        try:
+            staged = 0
+            for msg in msgs:
+                landing = msg.landing()
+                recvs.append((asyncio.ensure_future(ep.recv(_buffer(landing))), msg, landing))
+                staged += 0 if msg.direct else msg.nbytes
+                while recvs and (staged > STAGING_WINDOW or msg is msgs[-1]):
+                    recv, done, landed = recvs.popleft()
+                    await recv
+                    done.scatter(landed)
+                    staged -= 0 if done.direct else done.nbytes
+        finally:
+            for recv, _, _ in recvs:
+                recv.cancel()
+            await asyncio.gather(*(recv for recv, _, _ in recvs), return_exceptions=True)
         await ep.send_obj(wire.encode(wire.ChunkAck(header.room, header.chunk_id)))

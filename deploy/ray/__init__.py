@@ -1,0 +1,1 @@
+"""Ray deployment: ``pdcluster ray up|down|status`` (see deploy/README.md)."""

@@ -1,0 +1,160 @@
+"""The Ray actors of a deployment. Each serving actor owns one real ``pdcluster`` process (a child that dies with
+the actor) and exits when that process dies, so Ray's ``max_restarts`` replaces it.
+
+    WorkerRegistry (named, detached)  <- NodeActor.register every REGISTER_PERIOD_S (entries expire after TTL)
+          |  snapshot()
+          v
+    RouterActor: its sync thread reconciles the snapshot into its router via RegisterWorker / DeregisterWorker
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import ray
+
+from deploy.process import ManagedProcess, grpc_serving
+from deploy.registrar import RouterRegistrar, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_NAME = "pdcluster-registry"
+REGISTER_PERIOD_S = 1.0
+ENTRY_TTL_S = 10.0
+SYNC_PERIOD_S = 0.5
+
+
+@ray.remote(num_cpus=0)
+class WorkerRegistry:
+    """Serving nodes announce themselves here; routers read it. Entries expire unless refreshed."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[dict[str, object], float]] = {}
+
+    def register(self, info: dict[str, object]) -> None:
+        self._entries[str(info["address"])] = (info, time.monotonic())
+
+    def deregister(self, address: str) -> bool:
+        return self._entries.pop(address, None) is not None
+
+    def snapshot(self) -> list[dict[str, object]]:
+        now = time.monotonic()
+        self._entries = {a: e for a, e in self._entries.items() if now - e[1] < ENTRY_TTL_S}
+        return [info for info, _ in self._entries.values()]
+
+
+def _log_dir() -> Path:
+    return Path(os.environ.get("PDCLUSTER_RAY_LOG_DIR", "/tmp/pdcluster-ray"))
+
+
+def _exit_when_dead(proc: ManagedProcess, stopping: threading.Event, what: str) -> None:
+    while not stopping.wait(0.5):
+        if not proc.alive():
+            logger.error("%s exited with %s; the actor exits so Ray restarts it", what, proc.proc.returncode)
+            os._exit(1)
+
+
+class _ProcessActor:
+    """Shared by the node and router actors: one child process, health, shutdown."""
+
+    proc: ManagedProcess
+    address: str
+
+    def _watch(self, what: str) -> None:
+        self._stopping = threading.Event()
+        threading.Thread(target=_exit_when_dead, args=(self.proc, self._stopping, what), daemon=True).start()
+
+    def check_health(self) -> None:
+        """Raises unless the process is alive and its gRPC health answers SERVING."""
+        if not self.proc.alive():
+            raise RuntimeError(f"{self.address}: process exited with {self.proc.proc.returncode}")
+        if not grpc_serving(self.address):
+            raise RuntimeError(f"{self.address}: gRPC health is not SERVING")
+
+    def info(self) -> dict[str, object]:
+        ctx = ray.get_runtime_context()
+        return {"address": self.address, "pid": self.proc.pid, "node_id": ctx.get_node_id(),
+                "argv": self.proc.argv[3:], "log": str(self.proc.log_path)}
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0)
+class NodeActor(_ProcessActor):
+    """One prefill or decode node: ``pdcluster serve`` on the Ray node's IP and this replica's ports."""
+
+    def __init__(self, role: str, argv: list[str], port: int, bootstrap_port: int | None, registry_name: str,
+                 namespace: str, start_timeout: float = 300.0) -> None:
+        host = ray.util.get_node_ip_address()
+        self.role = role
+        self.address = f"{host}:{port}"
+        self.worker = WorkerInfo(self.address, role, bootstrap_port)
+        self.registry = ray.get_actor(registry_name, namespace=namespace)
+        argv = [a.replace("{host}", host) for a in argv]
+        self.proc = ManagedProcess(argv, _log_dir() / f"{role}-{host}-{port}.log")
+        self.proc.wait_serving(self.address, start_timeout)
+        self._watch(f"{role} node {self.address}")
+        self._registered = True
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        while not self._stopping.is_set():
+            if self._registered:
+                try:
+                    ray.get(self.registry.register.remote(asdict(self.worker)), timeout=5)
+                except (ray.exceptions.RayError, TimeoutError) as e:
+                    logger.warning("registry unreachable: %s", e)
+            self._stopping.wait(REGISTER_PERIOD_S)
+
+    def shutdown(self, grace: float = 30.0) -> int | None:
+        """Graceful drain: leave the registry (routers stop sending within a sync period), then SIGTERM."""
+        self._registered = False
+        ray.get(self.registry.deregister.remote(self.address))
+        time.sleep(2 * SYNC_PERIOD_S)
+        self._stopping.set()
+        return self.proc.stop(grace)
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0)
+class RouterActor(_ProcessActor):
+    """``pdcluster router`` plus a thread that keeps its workers equal to the registry."""
+
+    def __init__(self, argv: list[str], port: int, http_port: int, registry_name: str, namespace: str,
+                 start_timeout: float = 120.0) -> None:
+        host = ray.util.get_node_ip_address()
+        self.address = f"{host}:{port}"
+        self.http_url = f"http://{host}:{http_port}"
+        self.registry = ray.get_actor(registry_name, namespace=namespace)
+        argv = [a.replace("{host}", host) for a in argv]
+        self.proc = ManagedProcess(argv, _log_dir() / f"router-{host}-{port}.log")
+        self.proc.wait_serving(self.address, start_timeout)
+        self._watch(f"router {self.address}")
+        self.registrar = RouterRegistrar(self.address)
+        threading.Thread(target=self._sync_forever, daemon=True).start()
+
+    def _sync_forever(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                entries = ray.get(self.registry.snapshot.remote(), timeout=5)
+                desired = [WorkerInfo(str(e["address"]), str(e["role"]), e.get("bootstrap_port"))  # type: ignore[arg-type]
+                           for e in entries]
+                added, removed = self.registrar.sync(desired)
+                if added or removed:
+                    logger.info("router workers: +%s -%s", added, removed)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                logger.warning("registry unreachable: %s", e)
+            self._stopping.wait(SYNC_PERIOD_S)
+
+    def workers(self) -> list[str]:
+        return sorted(self.registrar.registered)
+
+    def endpoints(self) -> dict[str, str]:
+        return {"grpc": self.address, "http": self.http_url}
+
+    def shutdown(self, grace: float = 10.0) -> int | None:
+        self._stopping.set()
+        self.registrar.close()
+        return self.proc.stop(grace)

@@ -1,0 +1,90 @@
+"""``pdcluster ray up|down|status``: deploy the cluster spec onto a Ray cluster as actors.
+
+    pdcluster ray up --address local --prefill 1 --decode 1 [--dp-size 2] [--model-path DIR] [--profile cpu-dev]
+    pdcluster ray status --address ADDR
+    pdcluster ray down --address ADDR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from deploy.spec import SPEC_PATH, load_spec
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="ray_command", required=True)
+    for name, help_text in (("up", "deploy router, prefill and decode actors"), ("down", "drain and remove them"),
+                            ("status", "health of every actor")):
+        s = sub.add_parser(name, help=help_text)
+        s.add_argument("--address", default="auto",
+                       help="Ray cluster address (ray://host:10001, host:6379, auto), or 'local' to start one here")
+        s.add_argument("--namespace", default="pdcluster", help="Ray namespace of the deployment's named actors")
+        if name != "up":
+            continue
+        s.add_argument("--spec", default=str(SPEC_PATH), help="cluster spec YAML")
+        s.add_argument("--profile", default=None, help="a profile of the spec (e.g. cpu-dev, gpu-single-node)")
+        s.add_argument("--prefill", type=int, default=None, help="prefill replicas (default: the spec's)")
+        s.add_argument("--decode", type=int, default=None, help="decode replicas (default: the spec's)")
+        s.add_argument("--routers", type=int, default=None, help="router replicas (default: the spec's)")
+        s.add_argument("--dp-size", type=int, default=None, help="DP ranks per node (default: the spec's)")
+        s.add_argument("--model-path", default=None, help="model folder present on every Ray node")
+        s.add_argument("--kv-transfer-backend", default=None)
+        s.add_argument("--max-total-tokens", type=int, default=None)
+        s.add_argument("--pin", choices=("resources", "labels", "none"), default="resources",
+                       help="role pinning: custom resource 'prefill'/'decode', node label pdcluster.io/role, none")
+        s.add_argument("--node-cpus", type=float, default=1.0, help="Ray CPUs reserved per node replica")
+        s.add_argument("--gpus-per-rank", type=int, default=0, help="GPUs per TP rank (0: CPU)")
+        s.add_argument("--start-timeout", type=float, default=300.0)
+
+
+def spec_from_args(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    spec = load_spec(ns.spec, ns.profile)
+    counts = {k: v for k, v in (("prefill", ns.prefill), ("decode", ns.decode), ("router", ns.routers)) if v is not None}
+    flags = {k: v for k, v in (("dp_size", ns.dp_size), ("kv_transfer_backend", ns.kv_transfer_backend),
+                               ("max_total_tokens", ns.max_total_tokens)) if v is not None}
+    return spec.with_counts(**counts).with_flags(model_path=ns.model_path, **flags)
+
+
+def run_ray(ns: argparse.Namespace) -> int:
+    import ray
+
+    from deploy.ray import deployer
+
+    if ns.address == "local":
+        ray.init(namespace=ns.namespace, include_dashboard=False)
+    else:
+        ray.init(address=ns.address, namespace=ns.namespace)
+    try:
+        if ns.ray_command == "up":
+            opts = deployer.RayOptions(namespace=ns.namespace, pin=ns.pin, node_cpus=ns.node_cpus,
+                                       gpus_per_rank=ns.gpus_per_rank, start_timeout_s=ns.start_timeout)
+            out: object = deployer.up(spec_from_args(ns), opts)
+        elif ns.ray_command == "down":
+            out = {"removed": deployer.down(ns.namespace)}
+        else:
+            out = deployer.status(ns.namespace)
+        print(json.dumps(out, indent=2, default=str))
+        if ns.address == "local" and ns.ray_command == "up":
+            _serve_until_interrupted(ns.namespace)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def _serve_until_interrupted(namespace: str) -> None:
+    """With ``--address local`` the Ray cluster lives in this process: keep it up until Ctrl-C, then tear down."""
+    import signal
+    import threading
+
+    from deploy.ray import deployer
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print("serving; Ctrl-C to stop", flush=True)
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    deployer.down(namespace)

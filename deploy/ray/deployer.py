@@ -1,0 +1,147 @@
+"""``up`` / ``down`` / ``status`` of a pdcluster deployment on a Ray cluster (driver side).
+
+Names, all in one Ray namespace: ``pdcluster-registry``, ``pdcluster-router-<i>``, ``pdcluster-prefill-<i>``,
+``pdcluster-decode-<i>`` (detached actors, so the deployment outlives the ``ray up`` driver), and placement groups
+``pdcluster-<role>[-<i>]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deploy.ray.actors import REGISTRY_NAME, NodeActor, RouterActor, WorkerRegistry
+from deploy.ray.placement import PinMode, ReplicaPlacement, actor_label_selector, plan_role
+from deploy.spec import NODE_ROLES, ClusterSpec
+
+logger = logging.getLogger(__name__)
+PREFIX = "pdcluster"
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    namespace: str = "pdcluster"
+    pin: PinMode = "resources"
+    node_cpus: float = 1.0  # Ray CPU accounting per node replica (its processes use what they use)
+    gpus_per_rank: int = 0  # 0: CPU nodes; otherwise num_gpus per TP rank
+    router_cpus: float = 0.1
+    start_timeout_s: float = 300.0
+
+
+def actor_name(role: str, index: int) -> str:
+    return f"{PREFIX}-{role}-{index}"
+
+
+def _node_actor(spec: ClusterSpec, place: ReplicaPlacement, pg: PlacementGroup, opts: RayOptions) -> ray.actor.ActorHandle:
+    p = spec.ports(place.role, place.index)
+    argv = spec.node_argv(place.role, "{host}", place.index)
+    options: dict[str, object] = {
+        "name": actor_name(place.role, place.index), "namespace": opts.namespace, "lifetime": "detached",
+        "num_cpus": place.num_cpus, "num_gpus": place.num_gpus, "resources": place.resources,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=place.bundle),
+    }
+    selector = actor_label_selector(place.role, opts.pin)
+    if selector:
+        options["label_selector"] = selector
+    return NodeActor.options(**options).remote(  # type: ignore[attr-defined]
+        place.role, argv, p.grpc, p.bootstrap, REGISTRY_NAME, opts.namespace, opts.start_timeout_s
+    )
+
+
+def up(spec: ClusterSpec, opts: RayOptions = RayOptions(), wait: bool = True) -> dict[str, object]:
+    """Create the registry, the node placement groups and actors, and the routers. Returns the endpoints."""
+    registry = WorkerRegistry.options(  # type: ignore[attr-defined]
+        name=REGISTRY_NAME, namespace=opts.namespace, lifetime="detached", get_if_exists=True, max_restarts=-1
+    ).remote()
+    ray.get(registry.snapshot.remote())
+    tp = int(spec.shared.get("tp-size", 1))
+    handles: list[ray.actor.ActorHandle] = []
+    for role in NODE_ROLES:
+        groups, places = plan_role(role, spec.role(role).replicas, tp, cpus_per_rank=opts.node_cpus,
+                                   gpus_per_rank=opts.gpus_per_rank, pin=opts.pin, prefix=PREFIX)
+        pgs = {}
+        for g in groups:
+            kwargs: dict[str, object] = {"strategy": g.strategy, "name": g.name, "lifetime": "detached"}
+            if g.bundle_label_selector:
+                kwargs["bundle_label_selector"] = g.bundle_label_selector
+            pgs[g.name] = placement_group(g.bundles, **kwargs)  # type: ignore[arg-type]
+        for pg in pgs.values():
+            ray.get(pg.ready(), timeout=opts.start_timeout_s)
+        handles += [_node_actor(spec, place, pgs[place.group], opts) for place in places]
+    routers = []
+    for i in range(spec.role("router").replicas):
+        p = spec.ports("router", i)
+        routers.append(RouterActor.options(  # type: ignore[attr-defined]
+            name=actor_name("router", i), namespace=opts.namespace, lifetime="detached", num_cpus=opts.router_cpus,
+        ).remote(spec.router_argv("{host}", i), p.grpc, p.http, REGISTRY_NAME, opts.namespace))
+    if wait:
+        wait_healthy(handles + routers, opts.start_timeout_s)
+        wait_routed(routers, len(handles), opts.start_timeout_s)
+    return {"routers": ray.get([r.endpoints.remote() for r in routers]) if wait else []}
+
+
+def wait_healthy(handles: list[ray.actor.ActorHandle], timeout: float) -> None:
+    ray.get([h.check_health.remote() for h in handles], timeout=timeout)
+
+
+def wait_routed(routers: list[ray.actor.ActorHandle], n_workers: int, timeout: float) -> None:
+    """Until every router has registered ``n_workers`` workers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(len(w) >= n_workers for w in ray.get([r.workers.remote() for r in routers])):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"routers did not discover {n_workers} workers in {timeout:.0f} s")
+
+
+def _named_actors(namespace: str) -> list[str]:
+    from ray.util import list_named_actors
+
+    return sorted(a["name"] for a in list_named_actors(all_namespaces=True)
+                  if a["namespace"] == namespace and a["name"].startswith(PREFIX + "-"))
+
+
+def down(namespace: str = "pdcluster", grace: float = 30.0) -> list[str]:
+    """Drain and remove every actor and placement group of the deployment. Returns the removed actor names."""
+    names = _named_actors(namespace)
+    handles = {n: ray.get_actor(n, namespace=namespace) for n in names}
+    serving = {n: h for n, h in handles.items() if n != REGISTRY_NAME}
+    # Nodes first (they deregister, then drain), routers last so in-flight requests can finish.
+    order = sorted(serving, key=lambda n: n.startswith(f"{PREFIX}-router-"))
+    for n in order:
+        try:
+            ray.get(serving[n].shutdown.remote(), timeout=grace + 10)
+        except ray.exceptions.RayError as e:
+            logger.warning("%s did not shut down cleanly: %s", n, e)
+    for h in handles.values():
+        ray.kill(h, no_restart=True)
+    _remove_groups()
+    return names
+
+
+def _remove_groups() -> None:
+    from ray.util import placement_group_table
+
+    for pg_id, info in placement_group_table().items():
+        if info.get("name", "").startswith(PREFIX + "-") and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
+def status(namespace: str = "pdcluster") -> dict[str, object]:
+    """Per actor: healthy or the error ``check_health`` raised, plus where it runs."""
+    out: dict[str, object] = {}
+    for n in _named_actors(namespace):
+        if n == REGISTRY_NAME:
+            continue
+        h = ray.get_actor(n, namespace=namespace)
+        try:
+            ray.get(h.check_health.remote(), timeout=10)
+            out[n] = {"healthy": True, **ray.get(h.info.remote(), timeout=10)}
+        except (ray.exceptions.RayError, RuntimeError) as e:
+            out[n] = {"healthy": False, "error": str(e).splitlines()[0]}
+    return out

@@ -1,0 +1,166 @@
+"""The cluster spec (``deploy/cluster_spec.yaml``): roles, counts, ports and flags shared by the Ray deployer and the
+Kubernetes manifests. ``load_spec(profile=...)`` returns one frozen ``ClusterSpec``; command lines come from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.errors import ConfigError
+
+SPEC_PATH = Path(__file__).with_name("cluster_spec.yaml")
+NODE_ROLES = ("prefill", "decode")
+ROLES = ("router", *NODE_ROLES)
+FlagValue = str | int | float
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Where one replica listens. Nodes: grpc, bootstrap (prefill only), metrics. Router: grpc, http."""
+
+    grpc: int
+    bootstrap: int | None = None
+    metrics: int | None = None
+    http: int | None = None
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    name: str
+    replicas: int
+    port_base: int
+    flags: dict[str, FlagValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_path: str | None
+    shared: dict[str, FlagValue]
+    roles: dict[str, RoleSpec]
+    replica_port_stride: int = 10
+    profile: str | None = None
+
+    def __post_init__(self) -> None:
+        if set(self.roles) != set(ROLES):
+            raise ConfigError(f"cluster spec: roles must be exactly {', '.join(ROLES)}, got {sorted(self.roles)}")
+        for role in self.roles.values():
+            if role.replicas < 0:
+                raise ConfigError(f"cluster spec: {role.name}.replicas must be >= 0, got {role.replicas}")
+            for key, value in role.flags.items():
+                _check_flag(f"{role.name}.flags", key, value)
+        for key, value in self.shared.items():
+            _check_flag("shared", key, value)
+        bases = sorted(r.port_base for r in self.roles.values())
+        width = self.replica_port_stride * max(r.replicas for r in self.roles.values())
+        if any(b - a < width for a, b in zip(bases, bases[1:], strict=False)):
+            raise ConfigError(f"cluster spec: port bases {bases} overlap for these replica counts")
+
+    def role(self, name: str) -> RoleSpec:
+        return self.roles[name]
+
+    def with_counts(self, **replicas: int) -> ClusterSpec:
+        """The spec with other replica counts (``pdcluster ray up --prefill N --decode M``)."""
+        roles = {k: dataclasses.replace(r, replicas=replicas.get(k, r.replicas)) for k, r in self.roles.items()}
+        return dataclasses.replace(self, roles=roles)
+
+    def with_flags(self, model_path: str | None = None, **shared: FlagValue) -> ClusterSpec:
+        """The spec with overridden node flags (``--dp-size`` goes to both node roles, others to ``shared``)."""
+        roles = dict(self.roles)
+        new_shared = dict(self.shared)
+        for key, value in shared.items():
+            flag = key.replace("_", "-")
+            if flag == "dp-size":
+                for name in NODE_ROLES:
+                    roles[name] = dataclasses.replace(roles[name], flags={**roles[name].flags, flag: value})
+            else:
+                new_shared[flag] = value
+        return dataclasses.replace(
+            self, shared=new_shared, roles=roles, model_path=model_path if model_path else self.model_path
+        )
+
+    def with_port_bases(self, **bases: int) -> ClusterSpec:
+        """The spec with other port bases (tests pick free ranges)."""
+        roles = {k: dataclasses.replace(r, port_base=bases.get(k, r.port_base)) for k, r in self.roles.items()}
+        return dataclasses.replace(self, roles=roles)
+
+    def ports(self, role: str, replica: int = 0) -> Ports:
+        base = self.roles[role].port_base + replica * self.replica_port_stride
+        if role == "router":
+            return Ports(grpc=base, http=base + 1)
+        return Ports(grpc=base, bootstrap=base + 1 if role == "prefill" else None, metrics=base + 2)
+
+    def node_flags(self, role: str) -> dict[str, FlagValue]:
+        """Every spec flag of a node role (shared first, the role's own win), without host/ports."""
+        flags = {**self.shared, **self.roles[role].flags}
+        if self.model_path:
+            flags["model-path"] = self.model_path
+        return flags
+
+    def router_flags(self) -> dict[str, FlagValue]:
+        flags = dict(self.roles["router"].flags)
+        if self.model_path:
+            flags["model-path"] = self.model_path
+        return flags
+
+    def node_argv(self, role: str, host: str, replica: int = 0) -> list[str]:
+        """``pdcluster serve`` arguments of one node replica (after the ``pdcluster`` program name)."""
+        p = self.ports(role, replica)
+        argv = ["serve", "--host", host, "--port", str(p.grpc), "--metrics-port", str(p.metrics)]
+        if p.bootstrap is not None:
+            argv += ["--disaggregation-bootstrap-port", str(p.bootstrap)]
+        return argv + flags_to_argv(self.node_flags(role))
+
+    def router_argv(self, host: str, replica: int = 0) -> list[str]:
+        """``pdcluster router`` arguments; workers come from discovery (RegisterWorker), not flags."""
+        p = self.ports("router", replica)
+        argv = ["router", "--host", host, "--grpc-port", str(p.grpc), "--http-port", str(p.http)]
+        return argv + flags_to_argv(self.router_flags())
+
+
+def flags_to_argv(flags: dict[str, FlagValue]) -> list[str]:
+    return [f"--{key}={value}" for key, value in flags.items()]
+
+
+def _check_flag(where: str, key: str, value: object) -> None:
+    if key.startswith("-") or not key or key in ("host", "port", "grpc-port", "http-port", "metrics-port"):
+        raise ConfigError(f"cluster spec: {where}: {key!r} is not a flag name the spec may set")
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ConfigError(f"cluster spec: {where}.{key} must be a string or number (valued flags only), got {value!r}")
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any], where: str) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if key not in base:
+            raise ConfigError(f"cluster spec: profile sets {where}{key}, which the base spec does not have")
+        out[key] = _merge(base[key], value, f"{where}{key}.") if isinstance(value, dict) else value
+    return out
+
+
+def load_spec(path: Path | str = SPEC_PATH, profile: str | None = None) -> ClusterSpec:
+    """The spec at ``path``, with ``profile``'s overrides applied when given."""
+    raw = yaml.safe_load(Path(path).read_text())
+    profiles = raw.pop("profiles", {}) or {}
+    if profile is not None:
+        if profile not in profiles:
+            raise ConfigError(f"cluster spec has no profile {profile!r}; profiles: {', '.join(sorted(profiles))}")
+        raw = _merge(raw, profiles[profile] or {}, "")
+    roles = {
+        name: RoleSpec(name, int(r["replicas"]), int(r["port_base"]), dict(r.get("flags") or {}))
+        for name, r in raw["roles"].items()
+    }
+    return ClusterSpec(
+        model_path=raw.get("model_path"),
+        shared=dict(raw.get("shared") or {}),
+        roles=roles,
+        replica_port_stride=int(raw.get("replica_port_stride", 10)),
+        profile=profile,
+    )
+
+
+def profile_names(path: Path | str = SPEC_PATH) -> list[str]:
+    return sorted((yaml.safe_load(Path(path).read_text()).get("profiles") or {}).keys())

@@ -1,0 +1,199 @@
+"""``pdcluster ray``: the deployment on a real multi-node Ray cluster on 127.0.0.1 (head + a ``prefill`` node + a
+``decode`` node, ``ray.cluster_utils.Cluster``), serving the tiny model through the real router and node processes.
+
+One module-scoped cluster (10-15 s to start); the tests run in order: placement, a request, a node failure, down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by ray.cluster_utils; keeps every node on loopback
+
+import grpc
+import ray
+from ray.cluster_utils import Cluster
+
+from deploy.ray import deployer
+from deploy.ray.actors import REGISTRY_NAME
+from deploy.spec import load_spec
+from pdcluster.v1 import router_pb2, router_pb2_grpc
+from tests.model_fixtures import make_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+NAMESPACE = "pdcluster-test"
+FAST_FAILURE = {  # the head notices a dead raylet in ~3 s instead of ~30 s
+    "health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3,
+    "health_check_initial_delay_ms": 1000,
+}
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 8
+
+
+def _free_base(span: int = 12) -> int:
+    """A port base with ``span`` free ports after it."""
+    for _ in range(200):
+        base = random.randrange(40000, 60000)
+        try:
+            for port in range(base, base + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
+def _add_role_node(cluster: Cluster, role: str) -> Any:
+    return cluster.add_node(
+        node_ip_address="127.0.0.1", num_cpus=1, resources={role: 1}, labels={"pdcluster.io/role": role},
+        object_store_memory=75 << 20,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, Any]]:
+    c = Cluster(initialize_head=True, head_node_args={
+        "node_ip_address": "127.0.0.1", "num_cpus": 1, "include_dashboard": False,
+        "object_store_memory": 75 << 20, "_system_config": FAST_FAILURE,
+    })
+    nodes = {role: _add_role_node(c, role) for role in ("prefill", "decode")}
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+    model = make_tiny_model("llama")
+    spec = (
+        load_spec()
+        .with_port_bases(router=_free_base(), prefill=_free_base(), decode=_free_base())
+        .with_counts(prefill=1, decode=1, router=1)
+        .with_flags(model_path=str(model), max_total_tokens=1024, torch_num_threads=1, drain_timeout=2,
+                    max_running_requests=16)
+    )
+    opts = deployer.RayOptions(namespace=NAMESPACE, node_cpus=0.5, start_timeout_s=180)
+    try:
+        out = deployer.up(spec, opts)
+        yield {"cluster": c, "nodes": nodes, "spec": spec, "model": model, "router": out["routers"][0]}  # type: ignore[index]
+    finally:
+        try:
+            deployer.down(NAMESPACE, grace=5)
+        finally:
+            ray.shutdown()
+            c.shutdown()
+
+
+def _complete(http_url: str, timeout: float = 60) -> dict[str, Any]:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{http_url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _generate_ids(grpc_addr: str) -> list[int]:
+    with grpc.insecure_channel(grpc_addr) as ch:
+        req = router_pb2.RouterGenerateRequest(text=PROMPT)
+        req.sampling_params.max_new_tokens = MAX_TOKENS
+        req.sampling_params.temperature = 0.0
+        req.sampling_params.ignore_eos = True
+        final = list(router_pb2_grpc.RouterStub(ch).Generate(req, timeout=60))[-1]
+    return list(final.complete.output_ids)
+
+
+def _colocated(model: Any) -> tuple[str, list[int]]:
+    from common.engine import Engine
+
+    with Engine(model_path=str(model), max_total_tokens=1024, max_running_requests=16) as engine:
+        out = engine.generate(prompt=PROMPT, sampling_params={"max_new_tokens": MAX_TOKENS, "temperature": 0.0,
+                                                               "ignore_eos": True})
+    assert not isinstance(out, list)
+    return out.text, list(out.output_ids)
+
+
+def _actor_node(role: str) -> str:
+    return str(ray.get(ray.get_actor(deployer.actor_name(role, 0), namespace=NAMESPACE).info.remote())["node_id"])
+
+
+def test_actors_land_on_their_role_nodes(cluster: dict[str, Any]) -> None:
+    for role, node in cluster["nodes"].items():
+        assert _actor_node(role) == node.node_id, f"{role} actor is not on the {role} node"
+    status = deployer.status(NAMESPACE)
+    assert {n for n, s in status.items() if s["healthy"]} == {  # type: ignore[index]
+        "pdcluster-router-0", "pdcluster-prefill-0", "pdcluster-decode-0"}
+    spec = cluster["spec"]
+    prefill = status["pdcluster-prefill-0"]["address"]  # type: ignore[index]
+    decode = status["pdcluster-decode-0"]["address"]  # type: ignore[index]
+    assert prefill == f"127.0.0.1:{spec.ports('prefill').grpc}" and decode == f"127.0.0.1:{spec.ports('decode').grpc}"
+
+
+def test_request_through_router_matches_colocated(cluster: dict[str, Any]) -> None:
+    router = cluster["router"]
+    out = _complete(router["http"])
+    ids = _generate_ids(router["grpc"])
+    text, ref_ids = _colocated(cluster["model"])
+    assert ids == ref_ids
+    assert out["choices"][0]["text"] == text
+    assert out["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_decode_node_failure_restarts_actor_elsewhere(cluster: dict[str, Any]) -> None:
+    c: Cluster = cluster["cluster"]
+    old = cluster["nodes"]["decode"]
+    c.remove_node(old, allow_graceful=False)
+    new = _add_role_node(c, "decode")
+    cluster["nodes"]["decode"] = new
+    handle = ray.get_actor(deployer.actor_name("decode", 0), namespace=NAMESPACE)
+    deadline = time.monotonic() + 150
+    while True:
+        try:
+            ray.get(handle.check_health.remote(), timeout=10)
+            break
+        except (ray.exceptions.RayError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    assert _actor_node("decode") == new.node_id
+    last: Exception | None = None
+    while time.monotonic() < deadline:  # the router re-probes the restarted worker
+        try:
+            out = _complete(cluster["router"]["http"], timeout=30)
+            assert out["usage"]["completion_tokens"] == MAX_TOKENS
+            return
+        except OSError as e:  # urllib's HTTPError (503 until the worker is healthy again) is an OSError
+            last = e
+            time.sleep(0.5)
+    raise AssertionError(f"router did not serve again after the decode node was replaced: {last}")
+
+
+def test_down_leaves_no_actors(cluster: dict[str, Any]) -> None:
+    pids = [s["pid"] for s in deployer.status(NAMESPACE).values()]  # type: ignore[index]
+    removed = deployer.down(NAMESPACE, grace=5)
+    assert REGISTRY_NAME in removed and "pdcluster-router-0" in removed
+    from ray.util import list_named_actors, placement_group_table
+
+    assert [a for a in list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE] == []
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values()
+               if pg.get("name", "").startswith("pdcluster-"))
+    deadline = time.monotonic() + 15
+    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_pid_alive(p) for p in pids), "a node or router process outlived its actor"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
