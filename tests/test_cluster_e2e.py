@@ -199,7 +199,7 @@ def test_concurrent_requests_all_succeed(cluster, colocated) -> None:
 
     def run(ids: list[int]) -> list[int]:
         req = router_pb2.RouterGenerateRequest(input_ids=router_pb2.TokenIds(ids=ids), sampling_params=sp)
-        return [list(r.complete.output_ids) for r in stub.Generate(req, timeout=60) if r.HasField("complete")][0]
+        return next(list(r.complete.output_ids) for r in stub.Generate(req, timeout=60) if r.HasField("complete"))
 
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(run, prompts))
