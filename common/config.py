@@ -100,39 +100,56 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     d = ServerArgs()
     g = parser.add_argument_group("model")
     g.add_argument("--model-path", default=d.model_path, help="local Hugging Face model folder (default: embedded model)")
-    g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
-    g.add_argument("--device", default=d.device)
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV cache dtype")
+    g.add_argument("--device", default=d.device, help="torch device (cpu, cuda)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=d.host)
-    g.add_argument("--port", type=int, default=d.port)
-    g.add_argument("--metrics-port", type=int, default=d.metrics_port)
+    g.add_argument("--port", type=int, default=d.port, help="gRPC pdcluster.v1.Worker port")
+    g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics HTTP port (off by default)")
     g.add_argument("--log-level", default=d.log_level)
     g = parser.add_argument_group("disaggregation")
     g.add_argument("--disaggregation-mode", default=d.disaggregation_mode, choices=("null", "prefill", "decode"))
-    g.add_argument("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port)
-    g.add_argument("--kv-transfer-backend", default=d.kv_transfer_backend, choices=KV_TRANSFER_BACKENDS)
-    g.add_argument("--num-reserved-decode-tokens", type=int, default=d.num_reserved_decode_tokens)
-    g.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout)
-    g.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout)
-    g.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout)
-    g.add_argument("--request-timeout", type=float, default=d.request_timeout)
-    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout)
+    g.add_argument("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port,
+                   help="prefill nodes: port of the Bootstrap service decode nodes resolve ranks through")
+    g.add_argument("--kv-transfer-backend", default=d.kv_transfer_backend, choices=KV_TRANSFER_BACKENDS,
+                   help="KV data plane: tcp (anywhere), nccl (gloo on CPU), ucx, shm (same host), fake")
+    g.add_argument("--num-reserved-decode-tokens", type=int, default=d.num_reserved_decode_tokens,
+                   help="decode nodes: KV headroom kept per active request before admitting a transfer")
+    g.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout,
+                   help="seconds a request may wait for its peer (handshake, destination pages)")
+    g.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout,
+                   help="seconds a decode request may wait for its first KV chunk")
+    g.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout,
+                   help="seconds a transfer may make no progress")
+    g.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="upper bound of one request when the client sets no deadline")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="SIGTERM: seconds in-flight requests may finish before the node stops")
     g = parser.add_argument_group("memory and scheduling")
-    g.add_argument("--page-size", type=int, default=d.page_size)
-    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
-    g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
-    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    g.add_argument("--disable-radix-cache", action="store_true")
-    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
-    g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
-    g.add_argument("--enable-mixed-chunk", action="store_true")
-    g.add_argument("--schedule-conservativeness", type=float, default=d.schedule_conservativeness)
-    g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval)
-    g.add_argument("--torch-num-threads", type=int, default=d.torch_num_threads)
+    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
+                   help="KV cache size in tokens per DP rank (default: from --mem-fraction-static)")
+    g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+                   help="fraction of available memory for the KV cache when --max-total-tokens is unset")
+    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
+                   help="requests in the running batch per DP rank")
+    g.add_argument("--disable-radix-cache", action="store_true", help="no prefix sharing between requests")
+    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                   help="tokens per prefill chunk, a multiple of --page-size; -1 disables chunking")
+    g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                   help="prompt tokens one prefill batch may compute")
+    g.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="run the running decode requests inside prefill batches")
+    g.add_argument("--schedule-conservativeness", type=float, default=d.schedule_conservativeness,
+                   help="> 1 reserves more KV for future tokens (fewer retractions)")
+    g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
+                   help="log a Decode batch line every N forward passes")
+    g.add_argument("--torch-num-threads", type=int, default=d.torch_num_threads,
+                   help="torch threads per scheduler rank (default: cores / dp-size)")
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--tp-size", type=int, default=d.tp_size)
-    g.add_argument("--dp-size", type=int, default=d.dp_size)
+    g.add_argument("--tp-size", type=int, default=d.tp_size, help="tensor parallel ranks (1 on this build)")
+    g.add_argument("--dp-size", type=int, default=d.dp_size, help="data parallel scheduler ranks, each with its own KV pool")
 
 
 def server_args_from_cli(ns: argparse.Namespace) -> ServerArgs:

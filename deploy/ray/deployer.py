@@ -112,12 +112,14 @@ def down(namespace: str = "pdcluster", grace: float = 30.0) -> list[str]:
     handles = {n: ray.get_actor(n, namespace=namespace) for n in names}
     serving = {n: h for n, h in handles.items() if n != REGISTRY_NAME}
     # Nodes first (they deregister, then drain), routers last so in-flight requests can finish.
-    order = sorted(serving, key=lambda n: n.startswith(f"{PREFIX}-router-"))
-    for n in order:
-        try:
-            ray.get(serving[n].shutdown.remote(), timeout=grace + 10)
-        except ray.exceptions.RayError as e:
-            logger.warning("%s did not shut down cleanly: %s", n, e)
+    nodes = [n for n in serving if not n.startswith(f"{PREFIX}-router-")]
+    for batch in (nodes, [n for n in serving if n not in nodes]):
+        refs = {n: serving[n].shutdown.remote(grace) for n in batch}
+        for n, ref in refs.items():
+            try:
+                ray.get(ref, timeout=grace + 10)
+            except ray.exceptions.RayError as e:
+                logger.warning("%s did not shut down cleanly: %s", n, e)
     for h in handles.values():
         ray.kill(h, no_restart=True)
     _remove_groups()
