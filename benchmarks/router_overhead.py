@@ -109,51 +109,84 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-async def _run(
-    ns: argparse.Namespace,
-    fleet: dict[str, list[str]],
-    router_addr: str,
-    prompt_ids: list[int],
-    router_pid: int,
+def _pids_cpu(pids: list[int]) -> float:
+    return sum(_cpu_s(p) for p in pids)
+
+
+async def _run_pair(
+    ns: argparse.Namespace, direct_addr: str, router_addr: str, prompt_ids: list[int], router_pids: list[int],
+    concurrency: int,
 ) -> dict[str, Any]:
+    """Direct then via the router at one concurrency, back to back (so both see the same machine load)."""
     sp = common_pb2.SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=0)
-    direct_ch = grpc.aio.insecure_channel(fleet["colocated"][0])
-    router_ch = grpc.aio.insecure_channel(router_addr)
-    worker = worker_pb2_grpc.WorkerStub(direct_ch)
-    router = router_pb2_grpc.RouterStub(router_ch)
+    # one channel per 8 in-flight calls: a single HTTP/2 connection serialises the client's reads
+    n_ch = max(1, concurrency // 8)
+    direct_chs = [grpc.aio.insecure_channel(direct_addr, options=[("grpc.use_local_subchannel_pool", 1)])
+                  for _ in range(n_ch)]
+    router_chs = [grpc.aio.insecure_channel(router_addr, options=[("grpc.use_local_subchannel_pool", 1)])
+                  for _ in range(n_ch)]
+    workers = [worker_pb2_grpc.WorkerStub(c) for c in direct_chs]
+    routers = [router_pb2_grpc.RouterStub(c) for c in router_chs]
     seq = iter(range(10**9))
 
     async def direct() -> None:
-        req = worker_pb2.GenerateRequest(rid=f"d{next(seq)}", input_ids=prompt_ids, sampling_params=sp)
+        i = next(seq)
+        req = worker_pb2.GenerateRequest(rid=f"d{i}", input_ids=prompt_ids, sampling_params=sp)
         n = 0
-        async for m in worker.Generate(req):
+        async for m in workers[i % n_ch].Generate(req):
             n += m.HasField("finished")
         assert n == 1
 
     async def via_router() -> None:
+        i = next(seq)
         req = router_pb2.RouterGenerateRequest(text=PROMPT, sampling_params=sp, stream=ns.stream)
         done = 0
-        async for m in router.Generate(req):
+        async for m in routers[i % n_ch].Generate(req):
             done += m.HasField("complete")
         assert done == 1
 
-    results: dict[str, Any] = {"direct": await _measure("direct", direct, ns)}
-    await _closed_loop(via_router, ns.warmup, ns.concurrency, ns.time_limit)
-    cpu0 = _cpu_s(router_pid)
-    results["router_pd"] = await _measure("router_pd", via_router, ns, warmup=False)
-    results["router_cpu_us_per_request"] = round(
-        (_cpu_s(router_pid) - cpu0) / results["router_pd"]["requests"] * 1e6, 1
-    )
-    await direct_ch.close()
-    await router_ch.close()
+    sub = argparse.Namespace(**{**vars(ns), "concurrency": concurrency})
+    results: dict[str, Any] = {"concurrency": concurrency, "direct": await _measure(f"c={concurrency} direct", direct, sub)}
+    await _closed_loop(via_router, ns.warmup, concurrency, ns.time_limit)
+    cpu0 = _pids_cpu(router_pids)
+    r = results["router_pd"] = await _measure(f"c={concurrency} router", via_router, sub, warmup=False)
+    results["router_cpu_us_per_request"] = round((_pids_cpu(router_pids) - cpu0) / r["requests"] * 1e6, 1)
+    d = results["direct"]
+    results["added_p50_ms"] = round(r["p50_ms"] - d["p50_ms"], 3)
+    results["added_p99_ms"] = round(r["p99_ms"] - d["p99_ms"], 3)
+    results["throughput_ratio"] = round(r["rps"] / d["rps"], 3)
+    results["loadavg"] = round(os.getloadavg()[0], 2)
+    for c in direct_chs + router_chs:
+        await c.close()
     return results
+
+
+def _start_router(
+    model: Path, fleet: dict[str, list[str]], replicas: int, env: dict[str, str]
+) -> tuple[subprocess.Popen[str], str, list[int]]:
+    from tests.mock_worker import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "common.cli", "router", "--model-path", str(model), "--grpc-port", str(port),
+           "--http-port", "-1", "--prefill", fleet["prefill"][0], "--decode", fleet["decode"][0],
+           "--replicas", str(replicas)]
+    proc, line = _spawn(cmd, "router ready", env)
+    pids = [int(x) for x in line.split("pids=")[1].split(",")] if "pids=" in line else [proc.pid]
+    return proc, f"127.0.0.1:{port}", pids
+
+
+def _mock_cmd(ns: argparse.Namespace, prefill: int, decode: int, colocated: int) -> list[str]:
+    return [sys.executable, "-m", "tests.mock_worker", "--prefill", str(prefill), "--decode", str(decode),
+            "--colocated", str(colocated), "--service-time", str(ns.service_time),
+            "--chunk-tokens", str(ns.chunk_tokens or ns.max_new_tokens)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--requests", type=int, default=2000, help="per phase")
     ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[32])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[1], help="router replica counts to compare")
     ap.add_argument("--service-time", type=float, default=0.02)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--stream", action="store_true", help="router requests stream text chunks")
@@ -164,103 +197,72 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router_overhead.json"))
     ns = ap.parse_args()
 
+    from common.tokenizer import load_tokenizer
     from tests.mock_worker import make_model_dir
 
     env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
     procs: list[subprocess.Popen[str]] = []
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp:
         model = make_model_dir(Path(tmp) / "mock-model")
-        from common.tokenizer import load_tokenizer
-
         prompt_ids = load_tokenizer(model).encode(PROMPT)
         try:
-            mocks, line = _spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.mock_worker",
-                    "--prefill",
-                    "1",
-                    "--decode",
-                    "1",
-                    "--colocated",
-                    "1",
-                    "--service-time",
-                    str(ns.service_time),
-                    "--chunk-tokens",
-                    str(ns.chunk_tokens or ns.max_new_tokens),
-                ],
-                "{",
-                env,
-            )
-            procs.append(mocks)
+            # one process for the P/D pair (they rendezvous in-process), one for the colocated mock
+            pd_mocks, line = _spawn(_mock_cmd(ns, 1, 1, 0), "{", env)
+            procs.append(pd_mocks)
             fleet = json.loads(line)
-            from tests.mock_worker import free_port
-
-            port = free_port()
-            router, _ = _spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "common.cli",
-                    "router",
-                    "--model-path",
-                    str(model),
-                    "--grpc-port",
-                    str(port),
-                    "--http-port",
-                    "-1",
-                    "--prefill",
-                    fleet["prefill"][0],
-                    "--decode",
-                    fleet["decode"][0],
-                ],
-                "router ready",
-                env,
-            )
-            procs.append(router)
-            results = asyncio.run(_run(ns, fleet, f"127.0.0.1:{port}", prompt_ids, router.pid))
+            colo, line = _spawn(_mock_cmd(ns, 0, 0, 1), "{", env)
+            procs.append(colo)
+            direct_addr = json.loads(line)["colocated"][0]
+            for replicas in ns.replicas:
+                router, addr, pids = _start_router(model, fleet, replicas, env)
+                try:
+                    for c in ns.concurrency:
+                        res = asyncio.run(_run_pair(ns, direct_addr, addr, prompt_ids, pids, c))
+                        res["router_replicas"] = replicas
+                        runs.append(res)
+                        print(json.dumps({k: res[k] for k in SUMMARY_KEYS}), flush=True)
+                finally:
+                    _stop(router)
         finally:
             for p in reversed(procs):
                 _stop(p)
-    d, r = results["direct"], results["router_pd"]
     report = {
         "benchmark": "router_overhead",
         "config": {
             k: getattr(ns, k)
-            for k in ("requests", "warmup", "concurrency", "service_time", "max_new_tokens", "stream")
+            for k in ("requests", "warmup", "concurrency", "replicas", "service_time", "max_new_tokens", "stream")
         },
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
         },
-        **results,
-        "added_p50_ms": round(r["p50_ms"] - d["p50_ms"], 3),
-        "added_p99_ms": round(r["p99_ms"] - d["p99_ms"], 3),
-        "throughput_ratio": round(r["rps"] / d["rps"], 3),
-        "router_cpu_us_per_request": results["router_cpu_us_per_request"],
+        "runs": runs,
         "load_average_at_end": os.getloadavg()[0],
     }
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        json.dumps(
-            {
-                k: report[k]
-                for k in (
-                    "added_p50_ms",
-                    "added_p99_ms",
-                    "throughput_ratio",
-                    "router_cpu_us_per_request",
-                    "load_average_at_end",
-                )
-            }
-        )
-    )
+    print(format_table(runs))
     print(f"wrote {out}")
     return 0
+
+
+SUMMARY_KEYS = ("router_replicas", "concurrency", "added_p50_ms", "added_p99_ms", "throughput_ratio",
+                "router_cpu_us_per_request", "loadavg")
+
+
+def format_table(runs: list[dict[str, Any]]) -> str:
+    head = ("| replicas | c | direct req/s | router req/s | direct p50 | router p50 | added p50 ms | added p99 ms "
+            "| router CPU us/req | loadavg |")
+    lines = [head, "|" + "---|" * 10]
+    for r in runs:
+        d, x = r["direct"], r["router_pd"]
+        lines.append(f"| {r['router_replicas']} | {r['concurrency']} | {d['rps']} | {x['rps']} | {d['p50_ms']} | "
+                     f"{x['p50_ms']} | {r['added_p50_ms']} | {r['added_p99_ms']} | "
+                     f"{r['router_cpu_us_per_request']} | {r['loadavg']} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

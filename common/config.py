@@ -36,6 +36,7 @@ class ServerArgs:
     chunked_prefill_size: int = 2048  # -1 disables chunking
     max_prefill_tokens: int = 16384
     enable_mixed_chunk: bool = False
+    disable_overlap_schedule: bool = False  # prefill nodes: run forwards inline instead of on a worker thread
     schedule_conservativeness: float = 1.0
     num_reserved_decode_tokens: int = 128
     decode_log_interval: int = 40
@@ -141,6 +142,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="prompt tokens one prefill batch may compute")
     g.add_argument("--enable-mixed-chunk", action="store_true",
                    help="run the running decode requests inside prefill batches")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="prefill nodes: no overlap of the forward with result processing")
     g.add_argument("--schedule-conservativeness", type=float, default=d.schedule_conservativeness,
                    help="> 1 reserves more KV for future tokens (fewer retractions)")
     g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,

@@ -90,8 +90,13 @@ class ScheduleBatch:
             req.req_pool_idx = slot
 
     def _last_locs(self, reqs: list[Req], lens: list[int]) -> list[int]:
-        table = self.req_to_token_pool.req_to_token
-        return [int(table[r.req_pool_idx, n - 1]) if n > 0 else -1 for r, n in zip(reqs, lens, strict=True)]
+        """KV slot of each request's token ``lens[i] - 1`` (-1 where ``lens[i] == 0``), one gather for the batch."""
+        if not reqs:
+            return []
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor(lens, dtype=torch.int64) - 1
+        locs = self.req_to_token_pool.req_to_token[rows, cols.clamp(min=0)]
+        return torch.where(cols >= 0, locs, -1).tolist()
 
     # -- extend ----------------------------------------------------------------------------------------------------
     def prepare_for_extend(self) -> None:

@@ -4,6 +4,7 @@ Kubernetes manifests. ``load_spec(profile=...)`` returns one frozen ``ClusterSpe
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ class ClusterSpec:
             _check_flag("shared", key, value)
         bases = sorted(r.port_base for r in self.roles.values())
         width = self.replica_port_stride * max(r.replicas for r in self.roles.values())
-        if any(b - a < width for a, b in zip(bases, bases[1:], strict=False)):
+        if any(b - a < width for a, b in itertools.pairwise(bases)):
             raise ConfigError(f"cluster spec: port bases {bases} overlap for these replica counts")
 
     def role(self, name: str) -> RoleSpec:

@@ -1,5 +1,8 @@
 """``PrefillScheduler``: one prefill rank. Holds the engine's ``Scheduler``, the KV manager and its two queues.
 
+Two loops: the normal one below, and (default) an overlap loop that runs each prefill forward on a worker thread
+while the scheduler thread handles the previous batch's results and the queues (``--disable-overlap-schedule``).
+
     step: receive -> pop bootstrapped into the waiting queue -> fold the last batch (send the chunked request's
           cached pages) -> pick and run a prefill batch -> send finished prompts' last pages + metadata ->
           poll the inflight queue (release KV, report PrefillDone)
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from common.config import ServerArgs
@@ -39,19 +43,19 @@ class PrefillScheduler:
         self.bootstrap_queue = PrefillBootstrapQueue(self.sched, self.kv_manager)
         self.inflight_queue = PrefillInflightQueue()
         self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
+        self.executor = None if args.disable_overlap_schedule else ThreadPoolExecutor(1, "prefill-forward")
+        self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
 
     @property
     def max_total_num_tokens(self) -> int:
         return self.sched.max_total_num_tokens
 
-    # -- the loop --------------------------------------------------------------------------------------------------
+    # -- the loops -------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
-        self.process_input_requests(msgs)
-        ready, failed = self.bootstrap_queue.pop_bootstrapped()
-        self.sched.waiting_queue.extend(ready)
-        for req in failed:
-            self.finish(req, release=False)
-        self.drop_failed_waiting()
+        return self.step_overlap(msgs) if self.executor is not None else self.step_normal(msgs)
+
+    def step_normal(self, msgs: list[SchedulerInput]) -> bool:
+        self.admit(msgs)
         self.sched.merge_last_batch()
         self.send_chunked_pages()
         batch = self.sched.get_next_batch_to_run()
@@ -62,10 +66,47 @@ class PrefillScheduler:
         self.sched.out.flush()
         return batch is not None
 
+    def step_overlap(self, msgs: list[SchedulerInput]) -> bool:
+        """Batch k runs on the forward thread while this thread processes batch k-1's results and the queues.
+
+        NOTE: safe because a prefill batch never depends on the previous batch's sampled tokens (its requests
+        finish after one token), forwards run one at a time in order, and memory is only allocated here after
+        the previous forward finished; pages released meanwhile are reused no earlier than the next step.
+        """
+        prev = None
+        if self.in_flight is not None:
+            prev_batch, future = self.in_flight
+            self.in_flight = None
+            prev = (prev_batch, future.result())
+            if self.sched.chunked_req is not None and self.sched.chunked_req in prev_batch.reqs:
+                self.sched.tree_cache.cache_unfinished_req(self.sched.chunked_req)
+                self.send_chunked_pages()
+        batch = self.sched.get_new_batch_prefill()
+        if batch is not None:
+            assert self.executor is not None
+            self.in_flight = (batch, self.executor.submit(self.sched.run_batch, batch))
+        if prev is not None:
+            self.process_batch_result(*prev)
+        self.admit(msgs)
+        self.poll_inflight()
+        self.sched.out.flush()
+        return batch is not None or prev is not None
+
+    def admit(self, msgs: list[SchedulerInput]) -> None:
+        self.process_input_requests(msgs)
+        ready, failed = self.bootstrap_queue.pop_bootstrapped()
+        self.sched.waiting_queue.extend(ready)
+        for req in failed:
+            self.finish(req, release=False)
+        self.drop_failed_waiting()
+
     def is_idle(self) -> bool:
-        return self.sched.is_idle() and not self.bootstrap_queue.queue and not self.inflight_queue.queue
+        return (self.sched.is_idle() and self.in_flight is None and not self.bootstrap_queue.queue
+                and not self.inflight_queue.queue)
 
     def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
         self.kv_manager.close()
 
     # -- input -----------------------------------------------------------------------------------------------------

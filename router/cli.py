@@ -67,6 +67,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold)
     p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="router processes sharing the ports via SO_REUSEPORT (needs fixed, non-zero ports)",
+    )
+    p.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT (set by --replicas)")
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
@@ -95,11 +102,22 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         balance_abs_threshold=ns.balance_abs_threshold,
         balance_rel_threshold=ns.balance_rel_threshold,
         max_request_bytes=ns.max_request_bytes,
+        reuse_port=ns.reuse_port,
     )
 
 
 def run_router(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
+    if ns.replicas > 1:
+        import sys
+
+        from common.errors import ConfigError
+        from router.replicas import run_replicas
+
+        if cfg.grpc_port == 0 or cfg.http_port == 0:
+            raise ConfigError("--replicas needs fixed ports: replicas share them, so 0 (pick any) cannot work")
+        argv = sys.argv[sys.argv.index("router"):]
+        return run_replicas(ns.replicas, argv)
     asyncio.run(_serve(cfg))
     return 0
 

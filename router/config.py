@@ -73,6 +73,9 @@ class RouterConfig:
     timing_keep: int = 1024  # /v1/requests/{id}/timing: last N requests ...
     timing_ttl_s: float = 300.0  # ... for at most this long
     default_max_tokens: int = 128  # gRPC requests without max_new_tokens (clamped to the context)
+    # Replicas: bind the ports with SO_REUSEPORT so several router processes share them (the kernel spreads
+    # connections); each replica is stateless apart from its /v1/requests/{id}/timing store.
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_policy", "decode_policy"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -71,6 +72,9 @@ def final_to_proto(f: Final) -> router_pb2.RouterGenerateResponse:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, service: RouterService) -> None:
         self.service = service
+        # request ids: a random per-process prefix + a counter (unique across replicas; no uuid4 per request)
+        self._rid_prefix = f"gen-{uuid.uuid4().hex[:12]}-"
+        self._rid_seq = itertools.count()
 
     async def Generate(
         self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
@@ -86,7 +90,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         remaining = context.time_remaining()
         try:
             req = self.service.inputs.build(
-                rid=request.request_id or f"gen-{uuid.uuid4().hex[:24]}",
+                rid=request.request_id or f"{self._rid_prefix}{next(self._rid_seq)}",
                 api="grpc",
                 sampling=sampling_from_proto(request),
                 model=request.model,

@@ -114,10 +114,20 @@ class OutputState:
         if d_t is not None:
             merged.transfer, merged.decode_queue = d_t.transfer, d_t.decode_queue
             merged.transfer_bytes = d_t.transfer_bytes
+        if p_t is not None and p_t.transfer > 0:
+            # P's view (prefill done -> KV sent) follows its prefill; D's (pages sent -> KV received) overlaps it
+            merged.transfer = p_t.transfer
+            merged.transfer_bytes = merged.transfer_bytes or p_t.transfer_bytes
         timing: dict[str, Any] = timing_dict(merged)
+        router_queue = dispatched_at - req.arrival  # tokenize + routing + retries/backoff
+        parts = router_queue + merged.bootstrap + merged.queue + merged.prefill + merged.transfer
         timing.update(
             tokenize=req.tokenize_s,
-            router_queue=dispatched_at - req.arrival,  # tokenize + routing + retries/backoff
+            router_queue=router_queue,
+            # TTFT = router_queue + bootstrap + queue + prefill + transfer + ttft_other (RPC/IPC hops, D's first
+            # step); e2e = ttft + decode
+            ttft_other=ttft - parts,
+            decode=e2e - ttft,
             attempts=attempts,
             prefill_node=timing_dict(p_t),
             decode_node=timing_dict(d_t),

@@ -38,7 +38,7 @@ class RouterServer:
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", cfg.max_request_bytes),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", 1 if cfg.reuse_port else 0),
             ]
         )
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.service), server)
@@ -65,6 +65,8 @@ class RouterServer:
             await runner.setup()
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if cfg.reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((cfg.host, cfg.http_port))
             self.http_port = sock.getsockname()[1]
             await web.SockSite(runner, sock).start()

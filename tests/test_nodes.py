@@ -71,9 +71,14 @@ def reference(colocated: Node, req: worker_pb2.GenerateRequest) -> list[int]:
 PROMPT_LENGTHS = [1, 3, 9, 17, 30, 45, 64, 65, 90, 120, 150, 200, 5, 77, 260, 33]
 
 
-@pytest.mark.parametrize(("backend", "page_size"), [("tcp", 16), ("nccl", 1), ("ucx", 1), ("shm", 16)])
-def test_pd_tokens_match_colocated(model_path, colocated, backend, page_size) -> None:
+@pytest.mark.parametrize(
+    ("backend", "page_size", "overlap"), [("tcp", 16, True), ("tcp", 1, False), ("nccl", 1, True), ("ucx", 1, True),
+                                          ("shm", 16, True)],
+)
+def test_pd_tokens_match_colocated(model_path, colocated, backend, page_size, overlap) -> None:
     extra = ["--page-size", str(page_size), "--chunked-prefill-size", "64"]
+    if not overlap:
+        extra.append("--disable-overlap-schedule")
     prefill = start_node("prefill", model_path, backend=backend, extra=extra, wait=False)
     decode = start_node("decode", model_path, backend=backend, extra=extra, wait=False)
     try:

@@ -15,7 +15,7 @@ from common.forward_batch import ForwardBatch
 from common.model.attention import TorchAttentionBackend
 from common.model.config import ModelConfig
 from common.model.layers import Embedding, GatedMLP, Linear, RMSNorm
-from common.model.rope import RotaryEmbedding, apply_rotary
+from common.model.rope import RotaryEmbedding, apply_rotary_signed
 
 
 class LlamaAttention(nn.Module):
@@ -33,14 +33,16 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        """``sin`` is the signed table of ``RotaryEmbedding.cos_signed_sin``."""
+        t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = apply_rotary_signed(self.q_norm(qkv[:, : nq * d].view(t, nq, d)), cos, sin)
+            k = apply_rotary_signed(self.k_norm(qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)), cos, sin)
+        else:  # one rotary over the q and k heads together
+            qk = apply_rotary_signed(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
+            q, k = qk[:, :nq], qk[:, nq:]
         return self.o_proj(fb.attn_backend.forward(q, k, v, self.layer_id, fb))
 
 
@@ -56,7 +58,7 @@ class LlamaDecoderLayer(nn.Module):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, fb)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaModel(nn.Module):
@@ -69,7 +71,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(fb.input_ids)
-        cos, sin = self.rotary.cos_sin(fb.positions, h.dtype)
+        cos, sin = self.rotary.cos_signed_sin(fb.positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, fb)
         return self.norm(h)

@@ -42,9 +42,25 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def cos_signed_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos_sin`` with the first half of sin negated, the tables ``apply_rotary_signed`` takes."""
+        cos, sin = self.cos_sin(positions, dtype)
+        half = sin.shape[-1] // 2
+        sin[..., :half].neg_()
+        return cos, sin
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, heads, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` bit for bit, in fewer ops: ``rotate_half(x) * sin == swap_halves(x) * signed_sin`` exactly
+    (negation is exact). x: [num_tokens, heads, head_dim], may be a strided view (q and k heads together)."""
+    half = x.shape[-1] // 2
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+    out = x * cos
+    return out.add_(swapped.mul_(signed_sin))

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 from deploy.spec import SPEC_PATH, load_spec
@@ -83,8 +84,6 @@ def _serve_until_interrupted(namespace: str) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print("serving; Ctrl-C to stop", flush=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         stop.wait()
-    except KeyboardInterrupt:
-        pass
     deployer.down(namespace)

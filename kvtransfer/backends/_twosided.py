@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import torch
 
 from kvtransfer.args import KVArgs
@@ -91,7 +92,7 @@ class Message:
                               device=self.slices[0].device)
         off = 0
         for t in self.slices:
-            staging[off:off + t.numel()].view(t.shape).copy_(t)
+            _copy(staging[off:off + t.numel()].view(t.shape), t)
             off += t.numel()
         return staging
 
@@ -108,7 +109,7 @@ class Message:
             return
         off = 0
         for t in self.slices:
-            t.copy_(landed[off:off + t.numel()].view(t.shape))
+            _copy(t, landed[off:off + t.numel()].view(t.shape))
             off += t.numel()
 
 
@@ -169,6 +170,15 @@ def destination_messages(args: KVArgs, header: ChunkHeader) -> list[Message]:
     if nbytes != header.nbytes:
         raise RefusedHeader(f"payload of {header.nbytes} bytes does not match the {nbytes} bytes its runs cover")
     return msgs
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; on CPU through numpy (single-threaded): torch's copy of small bf16 slices measured ~10x
+    slower here (0.27 vs 2.8 GB/s, 2 loaded cores). Both are views whose last dimension is contiguous."""
+    if dst.device.type == "cpu":
+        np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
+    else:
+        dst.copy_(src)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

