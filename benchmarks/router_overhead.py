@@ -1,15 +1,16 @@
 """Router overhead: the router in PD mode in front of mock workers, versus calling a mock worker directly.
 
-Mock workers (``tests/mock_worker.py``, one process) answer after a fixed service time (default 20 ms). The same
-closed-loop gRPC client (``--concurrency`` in flight, ``--requests`` in total after a warm-up) measures
+Mock workers (``tests/mock_worker.py``: the P/D pair in one process, since they rendezvous in-process, and the
+colocated mock in another) answer after a fixed service time (default 20 ms). The same closed-loop gRPC client
+(several channels, ``--concurrency`` in flight, ``--requests`` per phase after a warm-up) measures, back to back
+at each concurrency,
   direct     client -> colocated mock ``Worker.Generate``
   router_pd  client -> router ``Router.Generate`` -> mock ``Prefill`` + mock ``Decode`` (concurrently)
-and reports the added p50/p99 latency, the throughput ratio, and the router's CPU time per request (from
-/proc: what the router costs independent of how contended the machine is). Prints and writes JSON.
-By default the mocks send all output tokens in one message and router requests are not streamed (one response
-message each way, like an HTTP benchmark of a non-streaming endpoint); ``--chunk-tokens 1 --stream`` streams.
+and reports the added p50/p99 latency, the throughput ratio and the router's CPU time per request (from /proc,
+summed over replicas). ``--replicas 1 2`` repeats it with N router processes sharing the port (SO_REUSEPORT).
+By default the mocks send all output tokens in one message and router requests are not streamed.
 
-    .venv/bin/python -m benchmarks.router_overhead --requests 2000 --concurrency 32
+    .venv/bin/python -m benchmarks.router_overhead --requests 2000 --concurrency 1 32 --replicas 1 2
 """
 
 from __future__ import annotations

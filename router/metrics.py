@@ -77,6 +77,10 @@ class RouterMetrics:
         self.worker_inflight = Gauge(
             p + "worker_inflight_requests", "Router requests in flight per worker", ["worker"], registry=r
         )
+        for leg in ("prefill", "decode", "generate"):
+            self.retries.labels(leg)
+        for role in ("prefill", "decode", "colocated"):
+            self.aborts.labels(role)
         for outcome in OUTCOMES:
             for api in ("grpc", "completions", "chat"):
                 self.requests.labels(api, outcome)

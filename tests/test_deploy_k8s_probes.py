@@ -8,7 +8,6 @@ args and in the probes alike), the tiny test model appended as ``--model-path`` 
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import sys
@@ -123,13 +122,26 @@ def test_probes_answer_and_discovery_makes_the_router_ready(pods: dict[str, Pod]
 
 
 def test_draining_node_fails_readiness_but_stays_live(pods: dict[str, Pod]) -> None:
+    import grpc
+
+    from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
     decode = pods["decode"]
     decode.wait("readinessProbe")
+    # A request in flight keeps the node draining: it waits for KV from a prefill node that does not exist.
+    channel = grpc.insecure_channel(f"127.0.0.1:{decode.port('grpc')}")
+    pending = worker_pb2_grpc.WorkerStub(channel).Decode(worker_pb2.DecodeRequest(
+        request=worker_pb2.GenerateRequest(rid="drain-probe", input_ids=[5, 6, 7],
+                                           sampling_params=common_pb2.SamplingParams(max_new_tokens=2)),
+        bootstrap_room=1, bootstrap_addr="127.0.0.1:1"), timeout=60)
+    time.sleep(1.0)  # the request reaches the node
     decode.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
     while decode.probe("readinessProbe"):
         assert time.monotonic() < deadline, "readiness still SERVING after SIGTERM"
         time.sleep(0.05)
-    with contextlib.suppress(AssertionError):  # the drain may already be over on an idle node
-        assert decode.probe("livenessProbe") or decode.proc.poll() is not None
+    assert decode.proc.poll() is None, "the node must keep draining while a request is in flight"
+    assert decode.probe("livenessProbe"), "liveness must stay green while the node drains"
+    pending.cancel()
+    channel.close()
     assert decode.proc.wait(40) == 0

@@ -95,20 +95,26 @@ def total(samples: dict[str, float], name: str) -> float:
     return sum(v for k, v in samples.items() if re.fullmatch(re.escape(name) + r"(\{.*\})?", k))
 
 
+def bench_cli(cmd: list[str]) -> int:
+    """``pdcluster bench`` in this process (the same parser and code path, without a new interpreter)."""
+    from benchmarks.bench import run_bench
+    from common.cli import build_parser
+
+    return run_bench(build_parser().parse_args(cmd[cmd.index("bench"):]))
+
+
 def test_bench_cli_writes_json_and_png(cluster: Cluster, tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "common.cli", "bench", "--base-url", cluster.http + "/v1", "--workload", "random",
            "--num-requests", "10", "--input-len", "40", "--output-len", "6", "--concurrency", "4",
            "--time-limit", "60", "--grace", "30", "--slo-ttft-ms", "5000", "--slo-itl-ms", "2000",
            "--no-progress", "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert bench_cli(cmd) == 0
     rep = json.loads(out.with_suffix(".json").read_text())
     s = rep["summary"]
     assert (s["requests"], s["completed"], s["errors"]) == (10, 10, {})
     assert s["ttft"]["n"] == 10 and s["e2e"]["p99_ms"] >= s["ttft"]["p99_ms"] > 0
     assert s["itl"]["n"] > 0 and s["output_token_throughput"] > 0 and s["goodput"] <= s["request_throughput"]
-    assert all(q["output_tokens"] == q_spec for q, q_spec in zip(rep["requests"], [6] * 0, strict=False))
     assert sum(q["output_tokens"] for q in rep["requests"]) >= 10 * 3  # random output lengths in [3, 6]
     assert rep["requests"][0]["server_timing"]["transfer_bytes"] > 0
     for png in rep["plots"]:
@@ -117,8 +123,7 @@ def test_bench_cli_writes_json_and_png(cluster: Cluster, tmp_path: Path) -> None
     cmd = [sys.executable, "-m", "common.cli", "bench", "--grpc", cluster.grpc_addr, "--num-requests", "5",
            "--input-len", "24", "--output-len", "4", "--rate", "20", "--time-limit", "30", "--no-progress",
            "--no-plots", "--out", str(tmp_path / "grpc")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert bench_cli(cmd) == 0
     s = json.loads((tmp_path / "grpc.json").read_text())["summary"]
     assert s["completed"] == 5 and s["output_token_throughput"] > 0
 
@@ -164,9 +169,11 @@ NODE_MOVING = {
                 "pdcluster_node_kv_transfer_seconds_count",
                 "pdcluster_node_kv_transfer_bandwidth_bytes_per_second_count", "pdcluster_node_queue_seconds_count"),
     "decode": ("pdcluster_node_requests_total", "pdcluster_node_ttft_seconds_count",
-               "pdcluster_node_e2e_seconds_count", "pdcluster_node_kv_transfer_bytes_count"),
+               "pdcluster_node_e2e_seconds_count", "pdcluster_node_tpot_seconds_count",
+               "pdcluster_node_kv_transfer_bytes_count"),
 }
-NODE_PRESENT = ("pdcluster_node_queue_requests", "pdcluster_node_token_usage_ratio", "pdcluster_node_free_kv_pages")
+NODE_PRESENT = ("pdcluster_node_queue_requests", "pdcluster_node_token_usage_ratio", "pdcluster_node_free_kv_pages",
+                "pdcluster_node_failures_total")
 
 
 def test_metrics_exist_and_move_with_traffic(cluster: Cluster) -> None:

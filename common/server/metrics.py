@@ -26,6 +26,8 @@ TOKEN_USAGE = Gauge("pdcluster_node_token_usage_ratio", "Fraction of KV slots in
 FREE_PAGES = Gauge("pdcluster_node_free_kv_pages", "Free KV pages", ["dp_rank"])
 TTFT = Histogram("pdcluster_node_ttft_seconds", "Arrival to first token on this node", buckets=LATENCY_BUCKETS)
 E2E = Histogram("pdcluster_node_e2e_seconds", "Arrival to finish on this node", buckets=LATENCY_BUCKETS)
+TPOT = Histogram("pdcluster_node_tpot_seconds", "Per request: (e2e - ttft) / (output tokens - 1)",
+                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28))
 QUEUE_TIME = Histogram("pdcluster_node_queue_seconds", "Time waiting for a prefill batch", buckets=LATENCY_BUCKETS)
 TRANSFER_TIME = Histogram("pdcluster_node_kv_transfer_seconds", "KV transfer latency of one request",
                           buckets=LATENCY_BUCKETS)
@@ -37,6 +39,9 @@ TRANSFER_BANDWIDTH = Histogram("pdcluster_node_kv_transfer_bandwidth_bytes_per_s
 REQUESTS = Counter("pdcluster_node_requests_total", "Finished requests by outcome", ["outcome"])
 FAILURES = Counter("pdcluster_node_failures_total", "Failed requests by kind (bootstrap, transfer, ...)",
                    ["kind", "code"])
+REQUESTS.labels(outcome="ok")
+for _kind in ("bootstrap", "transfer"):
+    FAILURES.labels(kind=_kind, code="UNAVAILABLE")  # exported at 0 from the start
 
 
 def observe_final(out: Any) -> None:
@@ -54,6 +59,9 @@ def observe_final(out: Any) -> None:
             TTFT.observe(t.ttft)
         if t.e2e:
             E2E.observe(t.e2e)
+            n = getattr(out, "completion_tokens", 0)
+            if n > 1 and t.ttft:
+                TPOT.observe((t.e2e - t.ttft) / (n - 1))
         if t.queue:
             QUEUE_TIME.observe(t.queue)
         if t.transfer_bytes:

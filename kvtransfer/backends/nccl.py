@@ -50,6 +50,7 @@ IDLE_WAIT = datetime.timedelta(days=30)  # a decode pair waits this long for the
 START_POLL_S = 0.2  # decode threads notice close() within this
 STAGING_WINDOW = 64 << 20  # per job and side: staged payload bytes in flight (see _twosided's packing)
 DEFAULT_PACK_BYTES = 4 << 20
+MAX_CONTROL_BYTES = 64 << 20  # a header of ~5M runs; anything larger means the stream is corrupt
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -197,6 +198,8 @@ class NcclBackend(KVBackend):
                   timeout: datetime.timedelta) -> wire.AnyDataMessage:
         size = torch.empty(1, dtype=torch.int64, device=self._device)
         self._wait(pg.recv([size], peer, tag), timeout)
+        if not 0 < int(size.item()) <= MAX_CONTROL_BYTES:
+            raise TransferError(f"control message of {int(size.item())} bytes (stream out of step?)")
         body = torch.empty(int(size.item()), dtype=torch.uint8, device=self._device)
         self._wait(pg.recv([body], peer, tag), timeout)
         return wire.decode(body.cpu().numpy().tobytes())

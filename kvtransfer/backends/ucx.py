@@ -25,12 +25,13 @@ the first UCX backend of a process fixes them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -69,8 +70,10 @@ class _Runtime:
                 thread.start()
 
                 async def init() -> None:
-                    # env_takes_precedence: a user's UCX_TLS overrides our default
-                    ucxx.init(options={"TLS": tls}, env_takes_precedence=True, progress_mode=progress_mode)
+                    # env_takes_precedence: a user's UCX_* variables override these defaults. ucxx itself sets
+                    # UCX_MEMTYPE_CACHE, which libucx 1.21 no longer knows and would warn about at every start.
+                    ucxx.init(options={"TLS": tls, "WARN_UNUSED_ENV_VARS": "n"}, env_takes_precedence=True,
+                              progress_mode=progress_mode)
 
                 try:
                     asyncio.run_coroutine_threadsafe(init(), loop).result(CALL_TIMEOUT_S)
@@ -117,7 +120,8 @@ class UcxBackend(KVBackend):
         super().__init__(args, config, mode, events, local)
         opts = config.backend_options
         self._pack_bytes = int(opts.get("pack_bytes", DEFAULT_PACK_BYTES))
-        self._loop = _Runtime.acquire(opts.get("ucx_tls", DEFAULT_TLS), opts.get("ucx_progress_mode", DEFAULT_PROGRESS))
+        self._loop = _Runtime.acquire(opts.get("ucx_tls", DEFAULT_TLS),
+                                      opts.get("ucx_progress_mode", DEFAULT_PROGRESS))
         self._lock = threading.Lock()
         self._closed = False
         self._peers: dict[PeerKey, PeerInfo] = {}
@@ -152,9 +156,10 @@ class UcxBackend(KVBackend):
         with self._lock:
             self._peers.pop(key, None)
             self._broken.pop(key, None)
+            closed = self._closed
         self._workers.remove_peer(key, "peer removed")
-        if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._drop_connections, key)
+        if not closed:
+            self._on_loop(self._drop_connections, key)
 
     def submit(self, job: TransferJob) -> None:
         self._workers.submit(job)
@@ -177,6 +182,11 @@ class UcxBackend(KVBackend):
     # ---- loop-thread plumbing ----------------------------------------------------------------------------------
     def _call(self, coro: Coroutine[Any, Any, Any], timeout_s: float = CALL_TIMEOUT_S) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def _on_loop(self, fn: Callable[[PeerKey], None], key: PeerKey) -> None:
+        """Run ``fn(key)`` on the loop soon; a no-op once the process's UCX runtime has stopped."""
+        with contextlib.suppress(RuntimeError):  # loop closed: nothing left to drop
+            self._loop.call_soon_threadsafe(fn, key)
 
     async def _listen(self) -> None:
         self._listener = ucxx.create_listener(self._serve, port=0)
@@ -226,7 +236,7 @@ class UcxBackend(KVBackend):
             reason = f"decode refused room {job.room} chunk {job.chunk_id}: {ack.error}"
         with self._lock:
             self._broken.setdefault(job.peer, reason)
-        self._loop.call_soon_threadsafe(self._drop_connections, job.peer)
+        self._on_loop(self._drop_connections, job.peer)
         raise TransferError(reason)
 
     async def _move_async(self, job: TransferJob) -> wire.ChunkAck:
