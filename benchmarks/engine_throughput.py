@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--skip-prefill", action="store_true", help="skip the max_new_tokens=1 prefill runs")
-    p.add_argument("--json", default="engine_throughput.json", help="where to write the results")
+    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine_throughput.json"))
     a = p.parse_args(argv)
 
     from transformers import AutoConfig
@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pre = f"{r['prefill_tok_per_s']:14.0f}" if "prefill_tok_per_s" in r else f"{'-':>14}"
         print(f"{name:<12} {r['output_tok_per_s']:10.0f} {pre} {r['peak_rss_mib']:13.0f}")
     print(f"ratio ours / hf (output tok/s): {result['ratio']:.2f}x  (target >= 1.5x)")
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.json}")
     return result

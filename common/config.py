@@ -51,6 +51,7 @@ class ServerArgs:
     request_timeout: float = 600.0  # upper bound of one request on a node when the client set no deadline
     drain_timeout: float = 30.0  # SIGTERM: how long in-flight requests may finish before they are aborted
     log_level: str = "info"
+    log_requests: bool = False  # one log line per request on arrival and on finish (rid, room, outcome)
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
@@ -109,6 +110,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=d.port, help="gRPC pdcluster.v1.Worker port")
     g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics HTTP port (off by default)")
     g.add_argument("--log-level", default=d.log_level)
+    g.add_argument("--log-requests", action="store_true", help="log each request's arrival and outcome (rid, room)")
     g = parser.add_argument_group("disaggregation")
     g.add_argument("--disaggregation-mode", default=d.disaggregation_mode, choices=("null", "prefill", "decode"))
     g.add_argument("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port,

@@ -68,6 +68,7 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
         self.forward_ct = 0
         self.num_retracted = 0
+        self.request_log_level = logging.INFO if args.log_requests else logging.DEBUG
         self.num_generated_tokens = 0
         self.last_decode_log = time.monotonic()
 
@@ -141,6 +142,8 @@ class Scheduler:
         )
         req.times.queue_enter = time.monotonic()
         self.reqs_by_rid[req.rid] = req
+        logger.log(self.request_log_level, "rid=%s room=%s: received, %d prompt tokens, max_new_tokens=%d",
+                   req.rid, req.bootstrap_room, len(req.origin_input_ids), sp.max_new_tokens)
         return req
 
     def abort_request(self, rid: str, reason: str) -> None:
@@ -309,7 +312,13 @@ class Scheduler:
             self.running_batch.batch_is_full = False  # memory came back: the queue may fit again
         req.times.finished = time.monotonic()
         self.reqs_by_rid.pop(req.rid, None)
+        self.log_request_end(req, req.finished_reason.reason.value if req.finished_reason else "abort")
         self.out.finish(req)
+
+    def log_request_end(self, req: Req, outcome: str) -> None:
+        logger.log(self.request_log_level, "rid=%s room=%s: %s, %d output tokens, %d cached, %.3f s",
+                   req.rid, req.bootstrap_room, outcome, len(req.output_ids), req.cached_tokens,
+                   time.monotonic() - req.times.arrival)
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:

@@ -47,6 +47,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--torch-num-threads", type=int, default=None)
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
+    p.add_argument("--metrics", action="store_true", help="give every node a Prometheus /metrics port")
+    p.add_argument("--log-requests", action="store_true", help="nodes log each request's arrival and outcome")
     p.add_argument("--demo", action="store_true", help="once ready, send example requests through the OpenAI API")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
 
@@ -63,6 +65,7 @@ class Child:
     proc: subprocess.Popen[bytes]
     log: Path
     grpc_port: int
+    metrics_port: int | None = None
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
@@ -76,13 +79,13 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
 
-    def _spawn(self, name: str, args: list[str], grpc_port: int) -> Child:
+    def _spawn(self, name: str, args: list[str], grpc_port: int, metrics_port: int | None = None) -> Child:
         log = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "common.cli", *args]
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        child = Child(name, proc, log, grpc_port)
+        child = Child(name, proc, log, grpc_port, metrics_port)
         self.children.append(child)
         return child
 
@@ -95,6 +98,8 @@ class LocalCluster:
                 flags += [f"--{name.replace('_', '-')}", str(value)]
         if self.ns.torch_num_threads is None:
             flags += ["--torch-num-threads", "1"]
+        if self.ns.log_requests:
+            flags.append("--log-requests")
         return flags
 
     def start(self) -> None:
@@ -106,7 +111,10 @@ class LocalCluster:
                 port, bootstrap = _free_port(), _free_port()
                 args = ["serve", *self._node_flags(), "--port", str(port), "--disaggregation-mode", role,
                         "--disaggregation-bootstrap-port", str(bootstrap)]
-                nodes.append(self._spawn(f"{role}-{i}", args, port))
+                metrics = _free_port() if self.ns.metrics else None
+                if metrics is not None:
+                    args += ["--metrics-port", str(metrics)]
+                nodes.append(self._spawn(f"{role}-{i}", args, port, metrics))
                 flag = {"prefill": "--prefill", "decode": "--decode", "null": "--worker"}[role]
                 router += [flag, f"127.0.0.1:{port}" + (f":{bootstrap}" if role == "prefill" else "")]
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -188,7 +196,8 @@ def run_up(ns: argparse.Namespace) -> int:
               f"KV over {ns.kv_transfer_backend}; logs in {cluster.log_dir}", flush=True)
         cluster.start()
         for child in cluster.children:
-            print(f"  {child.name:<10} pid {child.proc.pid:<7} grpc 127.0.0.1:{child.grpc_port}", flush=True)
+            metrics = f"  metrics http://127.0.0.1:{child.metrics_port}/metrics" if child.metrics_port else ""
+            print(f"  {child.name:<10} pid {child.proc.pid:<7} grpc 127.0.0.1:{child.grpc_port}{metrics}", flush=True)
         print(f"pdcluster ready: OpenAI http://127.0.0.1:{ns.http_port}/v1  gRPC 127.0.0.1:{ns.grpc_port}  "
               "(Ctrl-C stops)", flush=True)
         if ns.demo:

@@ -216,6 +216,7 @@ class PrefillScheduler:
             error = req.to_abort or req.disagg_kv.failure() or "prefill failed"
             code = "CANCELLED" if req.to_abort else transfer_error_code(error)
         sent_bytes = req.kv_pages_sent * self.bytes_per_page
+        self.sched.log_request_end(req, "kv sent" if state == KVPoll.Success else f"failed ({error})")
         req.disagg_kv.clear()
         t = req.times
         self.sched.out.send_now([PrefillDone(

@@ -58,7 +58,7 @@ def start_up(model_path: Path, *extra: str) -> Cluster:
             nodes, pids = {}, {}
             for line in text.splitlines():
                 parts = line.split()
-                if len(parts) == 5 and parts[1] == "pid" and parts[3] == "grpc":
+                if len(parts) >= 5 and parts[1] == "pid" and parts[3] == "grpc":
                     nodes[parts[0]], pids[parts[0]] = parts[4], int(parts[2])
             return Cluster(proc, http_port, grpc_port, nodes, pids, log)
         if proc.poll() is not None:

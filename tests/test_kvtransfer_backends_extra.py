@@ -189,18 +189,6 @@ def test_remove_peer_and_close_fail_outstanding_jobs_once(backend: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BACKENDS)
-def test_receiver_killed_mid_transfer_fails_sender_within_deadline(name: str) -> None:
-    faults.test_receiver_killed_mid_transfer_fails_sender_within_deadline(name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", BACKENDS)
-def test_sender_killed_mid_transfer_fails_receiver_within_deadline(name: str) -> None:
-    faults.test_sender_killed_mid_transfer_fails_receiver_within_deadline(name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", BACKENDS)
 def test_restarted_prefill_on_same_address_moves_pages_again(name: str) -> None:
     """A prefill killed and restarted on its address (new epoch) gets a fresh data connection / group."""
     first, second = plan_rooms(2, faults.NUM_PAGES, faults.NUM_PAGES, pages_per_room=4, seed=9)

@@ -30,7 +30,7 @@ from tests.kvtransfer_helpers import (
 
 pytestmark = pytest.mark.slow
 NUM_PAGES = 64
-KILL_BACKENDS = ["tcp", "shm", "fake"]
+KILL_BACKENDS = ["tcp", "shm", "fake", "nccl", "ucx"]
 
 
 def _decode(backend: str = "tcp", **overrides: object) -> KVManager:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from common.errors import InvalidRequestError
 from common.io_struct import AbortReq, GenerateReqInput, TokenOut
 from common.model.config import ModelConfig
 from common.server.convert import request_from_proto, token_out_to_proto
-from common.server.metrics import observe_final
+from common.server.metrics import observe_final, observe_itl
 from common.server.ranks import RankClient
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
@@ -114,9 +115,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def stream_tokens(
         self, msg: GenerateReqInput, rank: int, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        last = None
         async for out in self.run_request(msg, rank, context):
             if out.error_code is not None:
                 await self.fail(context, out.error_code, out.error or "request failed")
+            now = time.monotonic()
+            if last is not None:
+                observe_itl(now - last, len(out.token_ids))
+            last = now if out.token_ids else last
             yield token_out_to_proto(out)
 
     # -- RPCs ------------------------------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ TTFT = Histogram("pdcluster_node_ttft_seconds", "Arrival to first token on this 
 E2E = Histogram("pdcluster_node_e2e_seconds", "Arrival to finish on this node", buckets=LATENCY_BUCKETS)
 TPOT = Histogram("pdcluster_node_tpot_seconds", "Per request: (e2e - ttft) / (output tokens - 1)",
                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28))
+ITL = Histogram("pdcluster_node_itl_seconds", "Gap between consecutive token chunks of a request, per token",
+                buckets=LATENCY_BUCKETS)
 QUEUE_TIME = Histogram("pdcluster_node_queue_seconds", "Time waiting for a prefill batch", buckets=LATENCY_BUCKETS)
 TRANSFER_TIME = Histogram("pdcluster_node_kv_transfer_seconds", "KV transfer latency of one request",
                           buckets=LATENCY_BUCKETS)
@@ -42,6 +44,14 @@ FAILURES = Counter("pdcluster_node_failures_total", "Failed requests by kind (bo
 REQUESTS.labels(outcome="ok")
 for _kind in ("bootstrap", "transfer"):
     FAILURES.labels(kind=_kind, code="UNAVAILABLE")  # exported at 0 from the start
+
+
+def observe_itl(gap_s: float, num_tokens: int) -> None:
+    """A streamed chunk of ``num_tokens`` arrived ``gap_s`` after the request's previous one."""
+    if num_tokens > 0:
+        per_token = gap_s / num_tokens
+        for _ in range(num_tokens):
+            ITL.observe(per_token)
 
 
 def observe_final(out: Any) -> None:

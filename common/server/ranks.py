@@ -132,14 +132,23 @@ class RankClient:
         return min(range(self.args.dp_size), key=lambda r: self.inflight[r])
 
     async def get_load(self, timeout: float = 5.0) -> list[QueueLoad]:
+        """Every rank's load report; TimeoutError if one does not answer in time (its waiter is dropped)."""
         loop = asyncio.get_running_loop()
-        futs = []
+        futs: list[asyncio.Future[QueueLoad]] = []
         for rank in range(self.args.dp_size):
             fut: asyncio.Future[QueueLoad] = loop.create_future()
             self._load_waiters[rank].append(fut)
             futs.append(fut)
             self.send(rank, LoadReq())
-        return list(await asyncio.wait_for(asyncio.gather(*futs), timeout))
+        _, pending = await asyncio.wait(futs, timeout=timeout)
+        if pending:
+            for rank, fut in enumerate(futs):
+                if fut in pending:
+                    fut.cancel()
+                    with contextlib.suppress(ValueError):
+                        self._load_waiters[rank].remove(fut)
+            raise TimeoutError(f"{len(pending)} scheduler rank(s) did not report their load within {timeout} s")
+        return [f.result() for f in futs]
 
     async def close(self, timeout: float = 10.0) -> None:
         if self.closed:

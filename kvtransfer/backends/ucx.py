@@ -19,7 +19,8 @@ fail at once naming it); a dead peer's endpoint errors out through UCX's error h
 
 Settings (``KVTransferConfig.backend_options``): ``ucx_tls`` (default "sm,tcp": "sm" alone cannot connect; the
 user's ``UCX_TLS`` wins), ``ucx_progress_mode`` (default "blocking", fastest on few cores). Both are per process:
-the first UCX backend of a process fixes them.
+the first UCX backend of a process fixes them. ``pack_bytes`` (default 4 MiB: runs under 1 MiB travel packed in
+staging messages, which doubled paged throughput here; see ``_twosided``; 0 = one message per run and layer).
 """
 
 from __future__ import annotations

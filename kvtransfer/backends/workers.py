@@ -104,4 +104,8 @@ class PeerWorkers:
                         self._move(item)
                     except (TransferError, OSError) as exc:
                         error = f"{self._name} to {key.instance_id}: {exc}"
+                    except Exception as exc:  # a backend bug must fail the job, not kill the peer's worker
+                        log.exception("%s to %s: unexpected error moving room %d", self._name, key.instance_id,
+                                      item.room)
+                        error = f"{self._name} to {key.instance_id}: internal error: {type(exc).__name__}: {exc}"
             self._events.on_job_done(item, error)
