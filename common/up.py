@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -164,6 +165,9 @@ class LocalCluster:
 
 def run_demo(http_port: int, model_name: str) -> None:
     from openai import OpenAI
+
+    for name in ("httpx", "httpx2"):  # one INFO line per HTTP request would drown the demo's text
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", timeout=60)
     completion = client.completions.create(model=model_name, prompt="The quick brown fox", max_tokens=24,
