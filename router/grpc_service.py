@@ -104,7 +104,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async for ev in self.service.core.generate(req):
                 if isinstance(ev, Delta):
                     yield router_pb2.RouterGenerateResponse(
-                        chunk=router_pb2.TextChunk(text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs)
+                        chunk=router_pb2.TextChunk(text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs,
+                                                   top_logprobs=ev.top_logprobs)
                     )
                 else:
                     yield final_to_proto(ev)

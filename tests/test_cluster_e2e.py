@@ -220,6 +220,24 @@ def test_client_cancel_frees_both_nodes(cluster) -> None:
     wait_nodes_idle(cluster, ["prefill-0", "prefill-1", "decode-0"])
 
 
+def test_grpc_stream_carries_top_logprobs(cluster) -> None:
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}"))
+    sp = common_pb2.SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    req = router_pb2.RouterGenerateRequest(text="logprobs please", sampling_params=sp, stream=True,
+                                           return_logprob=True, top_logprobs_num=3)
+    tokens, tops = [], []
+    for resp in stub.Generate(req, timeout=60):
+        if resp.HasField("chunk"):
+            assert len(resp.chunk.top_logprobs) == len(resp.chunk.token_ids) == len(resp.chunk.logprobs)
+            tokens.extend(resp.chunk.token_ids)
+            tops.extend(resp.chunk.top_logprobs)
+        else:
+            complete = resp.complete
+    assert tokens == list(complete.output_ids) and len(tops) == 6
+    for tok, top in zip(tokens, tops, strict=True):
+        assert len(top.token_ids) == 3 and top.token_ids[0] == tok  # greedy: the chosen token is the most likely
+
+
 def test_prefill_killed_then_all_prefill_down(cluster) -> None:
     """Runs last in this module: it kills the prefill nodes."""
     from openai import APIStatusError, OpenAI
