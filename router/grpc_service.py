@@ -61,6 +61,7 @@ def final_to_proto(f: Final) -> router_pb2.RouterGenerateResponse:
         logprobs=f.logprobs,
         top_logprobs=f.top_logprobs,
         served_by=f.served_by,
+        attempts=int(f.timing.get("attempts", 1)),  # type: ignore[arg-type]
     )
     if f.matched_token is not None:
         c.matched_token = f.matched_token
@@ -131,6 +132,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     inflight_requests=s["inflight_requests"],
                     free_kv_pages=s["free_kv_pages"],
                     circuit_state=s["circuit_state"],
+                    error=s["error"] or "",
                 )
                 for s in self.service.list_workers()
             ]

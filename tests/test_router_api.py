@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import grpc
 import pytest
@@ -167,6 +169,7 @@ async def test_membership_and_observability_endpoints() -> None:
         ]
         prefill_status = next(w for w in listed.workers if w.role == router_pb2.WORKER_ROLE_PREFILL)
         assert prefill_status.bootstrap_port == f.prefill[0].bootstrap_port
+        assert all(w.error == "" for w in listed.workers)  # routable workers carry no error
 
         # Deregister the only decode worker: requests fail with UNAVAILABLE naming the reason.
         found = await stub.DeregisterWorker(router_pb2.DeregisterWorkerRequest(address=f.decode[0].address))
@@ -239,3 +242,24 @@ async def test_health_checks_take_an_unhealthy_worker_out_and_back() -> None:
         for _ in range(4):
             await client.completions.create(model="mock-model", prompt="hi", max_tokens=1)
         assert len(f.decode[0].received("decode")) == 2
+
+
+async def test_list_workers_says_why_a_worker_is_unusable() -> None:
+    async with fleet(prefill=1, decode=2) as f:
+        stub = f.stub()
+        # A decode node registered as a prefill worker: the router refuses to route to it and says why.
+        await stub.DeregisterWorker(router_pb2.DeregisterWorkerRequest(address=f.decode[1].address))
+        await stub.RegisterWorker(
+            router_pb2.RegisterWorkerRequest(address=f.decode[1].address, role=router_pb2.WORKER_ROLE_PREFILL)
+        )
+
+        async def error_of_misregistered() -> str:
+            listed = await stub.ListWorkers(router_pb2.ListWorkersRequest())
+            return next((w.error for w in listed.workers if w.role == router_pb2.WORKER_ROLE_PREFILL
+                         and w.address == f.decode[1].address), "")
+
+        deadline = asyncio.get_running_loop().time() + 10
+        while not await error_of_misregistered():
+            assert asyncio.get_running_loop().time() < deadline, "no error reported for a wrong-mode worker"
+            await asyncio.sleep(0.05)
+        assert "mode" in await error_of_misregistered()

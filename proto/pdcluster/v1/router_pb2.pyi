@@ -82,7 +82,7 @@ class TextChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("request_id", "text", "output_ids", "finish_reason", "matched_token", "matched_stop", "usage", "timing", "logprobs", "top_logprobs", "served_by")
+    __slots__ = ("request_id", "text", "output_ids", "finish_reason", "matched_token", "matched_stop", "usage", "timing", "logprobs", "top_logprobs", "served_by", "attempts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class Complete(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -105,7 +106,8 @@ class Complete(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     served_by: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., served_by: _Optional[str] = ...) -> None: ...
+    attempts: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., served_by: _Optional[str] = ..., attempts: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -118,7 +120,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "bootstrap_port", "healthy", "dp_size", "inflight_requests", "free_kv_pages", "circuit_state")
+    __slots__ = ("address", "role", "bootstrap_port", "healthy", "dp_size", "inflight_requests", "free_kv_pages", "circuit_state", "error")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,7 @@ class WorkerStatus(_message.Message):
     INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     CIRCUIT_STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: WorkerRole
     bootstrap_port: int
@@ -135,7 +138,8 @@ class WorkerStatus(_message.Message):
     inflight_requests: int
     free_kv_pages: int
     circuit_state: str
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., bootstrap_port: _Optional[int] = ..., healthy: _Optional[bool] = ..., dp_size: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., circuit_state: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., bootstrap_port: _Optional[int] = ..., healthy: _Optional[bool] = ..., dp_size: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., circuit_state: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
