@@ -83,10 +83,6 @@ class Scheduler:
     def close(self) -> None:
         """Release resources held outside this process (none in colocated mode)."""
 
-    @property
-    def max_req_len(self) -> int:
-        return min(self.model_config.context_len, self.runner.max_total_num_tokens)
-
     # -- input -----------------------------------------------------------------------------------------------------
     def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
         for msg in msgs:
@@ -112,9 +108,10 @@ class Scheduler:
             raise CapacityError(
                 f"prompt has {n} tokens but the model context is {self.model_config.context_len}; shorten the prompt"
             )
-        if n + sp.max_new_tokens > self.runner.max_total_num_tokens:
+        max_new = min(sp.max_new_tokens, self.model_config.context_len - n)  # clamped to the context below
+        if n + max_new > self.runner.max_total_num_tokens:
             raise CapacityError(
-                f"prompt ({n} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the KV cache capacity of "
+                f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the KV cache capacity of "
                 f"{self.runner.max_total_num_tokens} tokens; lower max_new_tokens or raise --max-total-tokens"
             )
 
