@@ -90,7 +90,7 @@ def open_handles(described: str, layout: KVLayout, dtype: torch.dtype, device: t
     for d in json.loads(described):
         storage = torch.UntypedStorage._new_shared_cuda(
             index, bytes.fromhex(d["handle"]), d["size"], d["offset"], bytes.fromhex(d["ref"]), d["ref_offset"],
-            bytes.fromhex(d["event"]) if d["event"] else None, d["event_sync"])
+            bytes.fromhex(d["event"]), d["event_sync"])
         t = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
         t.set_(storage, d["storage_offset"], shape, stride)
         tensors.append(t)
