@@ -14,7 +14,8 @@ buffer is the staging tensor itself (no device copy): the same byte layout, whic
 
 Streams: device work runs on the stager's own CUDA stream. The sender's stream first waits for the device's
 default stream (the forward pass that wrote the pages was enqueued there before the job was submitted); the
-receiver synchronizes its stream before it returns, so the pages are in the pool before the ack is sent.
+receiver's stream also waits for the default stream first, and is synchronized before ``receive`` returns, so the
+pages are in the pool before the ack is sent.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class PageStager:
         ids = None
         if self.on_device and pages:
             assert self.stream is not None
+            # earlier device work on the destination pages (a previous owner's reads) comes first
+            self.stream.wait_stream(torch.cuda.default_stream(self.device))
             with torch.cuda.stream(self.stream):
                 ids = self._ids(pages)
         for k, lo in enumerate(range(0, len(pages), segment_pages)):
