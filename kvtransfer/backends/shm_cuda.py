@@ -15,15 +15,14 @@ pass that wrote the source pages was enqueued before the job was submitted):
     head slices (heterogeneous TP):  one strided slice copy per run and buffer (``copy_runs``)
 
 then an event is recorded and synchronized, so ``on_job_done`` means the bytes are in the destination pool.
-A peer in this same process (tests) cannot open its own handles (CUDA refuses); it is found by export id in a
-process-local table and its tensors are used directly.
+A peer in this same process (tests) cannot open its own handles (CUDA refuses); it is found by its (random)
+export id in a process-local table and its tensors are used directly.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import uuid
 import weakref
@@ -117,7 +116,7 @@ class CudaIpcBackend(KVBackend):
 
     # ---- interface ---------------------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, str]:
-        ep = {"memory": "cuda", "pid": str(os.getpid()), "export_id": self._export_id}
+        ep = {"memory": "cuda", "export_id": self._export_id}
         if self._handles:
             ep["handles"] = self._handles
         return ep
@@ -164,10 +163,8 @@ class CudaIpcBackend(KVBackend):
             raise ValueError(f"peer {peer.key.instance_id} has CPU KV buffers and this rank GPU buffers; "
                              "shm needs both on one kind of memory (use tcp between them)")
         layout = peer.layout
-        if ep.get("pid") == str(os.getpid()):
-            export = _EXPORTS.get(ep["export_id"])
-            if export is None:
-                raise ValueError(f"peer {peer.key.instance_id} claims this process but its pool is gone")
+        export = _EXPORTS.get(ep.get("export_id", ""))  # ids are random: found only in the exporting process
+        if export is not None:
             buffers = export.buffers
         else:
             with torch.cuda.device(self._device):
@@ -190,7 +187,7 @@ class CudaIpcBackend(KVBackend):
             raise TransferError(f"the peer's GPU pool is not mapped: {failed or 'peer removed'}")
         if any(r.dst_page < 1 or r.dst_page + r.num_pages > pool.num_pages for r in job.runs):
             raise TransferError(f"destination pages of room {job.room} outside the peer's {pool.num_pages} pages")
-        if job.heads is not None and job.heads.dst_head + job.heads.num_heads > pool.kv_heads:
+        if job.heads is not None and not 0 <= job.heads.dst_head <= pool.kv_heads - job.heads.num_heads:
             raise TransferError(f"destination heads of room {job.room} outside the peer's {pool.kv_heads} heads")
         if not job.runs:
             return
