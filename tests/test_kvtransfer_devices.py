@@ -86,3 +86,26 @@ def test_tcp_decode_endpoint_names_its_memory() -> None:
         assert decode.endpoint()["device"] == "cpu"
     finally:
         decode.close()
+
+
+@pytest.mark.parametrize("staging_pages", [1, 3, 7, 100])  # a page at a time .. every buffer's pages at once
+def test_shm_cuda_staged_page_copy_is_byte_exact_on_cpu(staging_pages: int) -> None:
+    """The copy CUDA IPC uses for short runs (device-agnostic), on CPU buffers with staging of several sizes."""
+    import torch
+
+    from kvtransfer.backends.shm_cuda import copy_pages_staged
+    from kvtransfer.pages import coalesce_runs
+
+    src, dst = make_args(1, 40), make_args(2, 40)
+    s_bufs = [b for pair in zip(src.k_buffers, src.v_buffers, strict=True) for b in pair]
+    d_bufs = [b for pair in zip(dst.k_buffers, dst.v_buffers, strict=True) for b in pair]
+    before = [b.clone() for b in d_bufs]
+    src_pages, dst_pages = [5, 6, 7, 20, 3, 33, 34], [30, 31, 32, 9, 1, 12, 2]
+    job = TransferJob(1, 0, PeerKey("d", 1), tuple(coalesce_runs(src_pages, dst_pages)))
+    copy_pages_staged(src, s_bufs, d_bufs, job, torch.empty(staging_pages * src.item_len, dtype=torch.uint8))
+    ps = src.page_size
+    for s, d, old in zip(s_bufs, d_bufs, before, strict=True):
+        for sp, dp in zip(src_pages, dst_pages, strict=True):
+            assert torch.equal(d[dp * ps:(dp + 1) * ps], s[sp * ps:(sp + 1) * ps])
+        for p in set(range(dst.num_pages)) - set(dst_pages):
+            assert torch.equal(d[p * ps:(p + 1) * ps], old[p * ps:(p + 1) * ps])

@@ -11,7 +11,8 @@ Per job, on this backend's own CUDA stream (after waiting for the device's defau
 pass that wrote the source pages was enqueued before the job was submitted):
 
     whole pages, long runs (>= DIRECT_RUN_BYTES per run and buffer):  one slice copy per run and buffer
-    whole pages, short runs:  gather_pages -> device staging -> scatter_pages into the peer's pool, per segment
+    whole pages, short runs:  gather_pages -> device staging -> scatter_pages into the peer's pool, per group of
+                              buffers (launches independent of the number of runs)
     head slices (heterogeneous TP):  one strided slice copy per run and buffer (``copy_runs``)
 
 then an event is recorded and synchronized, so ``on_job_done`` means the bytes are in the destination pool.
@@ -205,18 +206,30 @@ class CudaIpcBackend(KVBackend):
         done.synchronize()
 
     def _staged_copy(self, job: TransferJob, pool: _PeerPool) -> None:
-        """Short runs: one gather and one scatter launch per segment instead of a copy per run and buffer."""
-        src_pages = [r.src_page + i for r in job.runs for i in range(r.num_pages)]
-        dst_pages = [r.dst_page + i for r in job.runs for i in range(r.num_pages)]
-        ids = torch.tensor([src_pages, dst_pages], dtype=torch.int64).to(self._device, non_blocking=True)
-        page_bytes = len(self._buffers) * self.args.item_len
-        per_segment = max(1, STAGING_BYTES // page_bytes)
         if pool.staging is None:
-            pool.staging = torch.empty(per_segment * page_bytes, dtype=torch.uint8, device=self._device)
-        a = self.args
-        for lo in range(0, len(src_pages), per_segment):
-            n = min(per_segment, len(src_pages) - lo)
-            staged = pool.staging[:n * page_bytes].view(a.dtype).view(
-                len(self._buffers), n, a.page_size, a.kv_heads, a.head_dim)
-            gather_pages(self._buffers, ids[0, lo:lo + n], a.page_size, staged)
-            scatter_pages(pool.buffers, ids[1, lo:lo + n], a.page_size, staged)
+            pool.staging = torch.empty(max(STAGING_BYTES, self.args.item_len), dtype=torch.uint8, device=self._device)
+        copy_pages_staged(self.args, self._buffers, pool.buffers, job, pool.staging)
+
+
+def copy_pages_staged(args: KVArgs, src: list[torch.Tensor], dst: list[torch.Tensor], job: TransferJob,
+                      staging: torch.Tensor) -> None:
+    """Whole pages of ``job`` from ``src`` to ``dst`` buffers through ``staging`` (uint8, >= one page): gather,
+    then scatter, a group of buffers at a time (all of the job's pages of each buffer per group when they fit), so
+    the number of launches does not grow with the number of runs. Any device; CUDA work goes to the current stream.
+    """
+    nbuf = len(src)
+    src_pages = [r.src_page + i for r in job.runs for i in range(r.num_pages)]
+    dst_pages = [r.dst_page + i for r in job.runs for i in range(r.num_pages)]
+    ids = torch.tensor([src_pages, dst_pages], dtype=torch.int64).to(staging.device, non_blocking=True)
+    capacity = staging.numel()
+    per_buffer = len(src_pages) * args.item_len
+    group = max(1, min(nbuf, capacity // per_buffer))
+    pages = len(src_pages) if per_buffer <= capacity else capacity // args.item_len
+    for b0 in range(0, nbuf, group):
+        nb = min(group, nbuf - b0)
+        for lo in range(0, len(src_pages), pages):
+            n = min(pages, len(src_pages) - lo)
+            staged = staging[:nb * n * args.item_len].view(args.dtype).view(nb, n, args.page_size, args.kv_heads,
+                                                                            args.head_dim)
+            gather_pages(src[b0:b0 + nb], ids[0, lo:lo + n], args.page_size, staged)
+            scatter_pages(dst[b0:b0 + nb], ids[1, lo:lo + n], args.page_size, staged)
