@@ -34,6 +34,7 @@ import torch
 from common.kernels.kv_pages import gather_pages, scatter_pages
 from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.devices import device_identity
 from kvtransfer.backends.workers import PeerWorkers, TransferError
 from kvtransfer.pages import copy_runs
 
@@ -117,7 +118,7 @@ class CudaIpcBackend(KVBackend):
 
     # ---- interface ---------------------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, str]:
-        ep = {"memory": "cuda", "export_id": self._export_id}
+        ep = {"memory": "cuda", "export_id": self._export_id, "gpu": device_identity(self._device)}
         if self._handles:
             ep["handles"] = self._handles
         return ep
@@ -168,8 +169,14 @@ class CudaIpcBackend(KVBackend):
         if export is not None:
             buffers = export.buffers
         else:
-            with torch.cuda.device(self._device):
-                buffers = open_handles(ep["handles"], layout, self.args.dtype, self._device)
+            try:
+                with torch.cuda.device(self._device):
+                    buffers = open_handles(ep["handles"], layout, self.args.dtype, self._device)
+            except RuntimeError as exc:
+                mine = device_identity(self._device)
+                where = "this rank's GPU" if ep.get("gpu") == mine else f"GPU {ep.get('gpu')} from GPU {mine}"
+                raise RuntimeError(f"cannot open the CUDA IPC handles of {where} ({exc}); shm needs both ranks on "
+                                   "one host with peer access between their GPUs; use tcp otherwise") from exc
         if len(buffers) != len(self._buffers):
             raise ValueError(f"peer {peer.key.instance_id} exported {len(buffers)} buffers, expected "
                              f"{len(self._buffers)}")
