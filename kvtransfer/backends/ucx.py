@@ -25,8 +25,9 @@ UCX reads a buffer and before the ack.
 
 Settings (``KVTransferConfig.backend_options``): ``ucx_tls`` (default "sm,tcp", with "cuda_copy,cuda_ipc" added
 for GPU buffers: "sm" alone cannot connect; the user's ``UCX_TLS`` wins), ``ucx_progress_mode`` (default
-"blocking", fastest on few cores). Both are per process: the first UCX backend of a process fixes them. ``pack_bytes`` (default 4 MiB: runs under 1 MiB travel packed in
-staging messages, which doubled paged throughput here; see ``_twosided``; 0 = one message per run and layer).
+"blocking", fastest on few cores). Both are per process: the first UCX backend of a process fixes them.
+``pack_bytes`` (default 4 MiB: runs under 1 MiB travel packed in staging messages, which doubled paged throughput
+here; see ``_twosided``; 0 = one message per run and layer).
 """
 
 from __future__ import annotations
