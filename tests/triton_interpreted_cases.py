@@ -55,7 +55,7 @@ def decode_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, 
                 splits: int = 3) -> float:
     from common.kernels.decode_attention import decode_attention, decode_attention_ref
 
-    lens = [1, 5, 16, 33, 70]
+    lens = [1, 5, 16, 33, 50]
     d = 48
     kvh = _kv_heads(group)
     k_buf, v_buf, r2t, rpi = _pool(page_size, lens, kvh, d, dtype, seed=page_size * 10 + group)
@@ -66,12 +66,29 @@ def decode_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, 
     return _check(out, ref, 1e-5 if dtype == torch.float32 else 2e-3)
 
 
+def paged_torch_case(page_size: int, group: int) -> float:
+    """The gather-free torch decode (blocks of pages) against the same oracle; block_pages=2 forces several blocks."""
+    from common.kernels.decode_attention import decode_attention_ref
+    from common.kernels.paged_decode_torch import page_table, paged_decode_torch
+
+    lens = [1, 5, 16, 33, 70]
+    d = 48
+    kvh = _kv_heads(group)
+    k_buf, v_buf, r2t, rpi = _pool(page_size, lens, kvh, d, torch.float32, seed=page_size * 10 + group + 2)
+    q = torch.randn(len(lens), kvh * group, d, generator=torch.Generator().manual_seed(group))
+    seq_lens = torch.tensor(lens)
+    pages = page_table(r2t, rpi, max(lens), page_size)
+    out = paged_decode_torch(q, k_buf, v_buf, pages, seq_lens, page_size, d**-0.5, block_pages=max(1, 32 // page_size))
+    ref = decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5)
+    return _check(out, ref, 1e-5)
+
+
 def extend_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, window: int | None = None) -> float:
     from common.kernels.extend_attention import extend_attention, extend_attention_ref
 
     # A mixed batch: a fresh prefill, prefix hits (page-aligned and not), 1-token extends (decodes), a long chunk.
     prefix = [0, 16, 3, 40, 0, 17]
-    extend = [9, 20, 1, 1, 70, 5]
+    extend = [9, 20, 1, 1, 40, 5]
     d = 48
     lens = [p + e for p, e in zip(prefix, extend, strict=True)]
     kvh = _kv_heads(group)
@@ -107,13 +124,13 @@ def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
     return 0.0
 
 
-def model_case(arch: str, page_size: int) -> float:
-    """Tiny model, triton backend vs torch backend: prefill (with a shared-prefix request) + 3 decode steps."""
+def model_case(arch: str, page_size: int, first_len: int = 26) -> float:
+    """Tiny model, triton backend vs torch backend: prefill, a shared-prefix extend, then 2 decode steps."""
     from common.model.triton_backend import TritonAttentionBackend
     from tests.model_fixtures import PagedHarness, load_tiny_model
 
     model = load_tiny_model(arch)
-    prompts = [[(7 * i + 3 * j) % 1000 + 5 for j in range(n)] for i, n in enumerate((40, 23))]
+    prompts = [[(7 * i + 3 * j) % 1000 + 5 for j in range(n)] for i, n in enumerate((first_len, 11))]
     worst = 0.0
     runs = []
     for backend in ("torch", "triton"):
@@ -123,9 +140,9 @@ def model_case(arch: str, page_size: int) -> float:
         h.add("a")
         h.add("b")
         steps = [h.forward([("a", prompts[0]), ("b", prompts[1])])]
-        h.add("c", share_prefix_of="a", prefix_len=32)
-        steps.append(h.forward([("c", [*prompts[0][32:], 9, 8, 7])]))  # prefix hit: extend after 32 cached tokens
-        for t in range(3):
+        h.add("c", share_prefix_of="a", prefix_len=16)
+        steps.append(h.forward([("c", [*prompts[0][16:], 9, 8, 7])]))  # prefix hit: extend after 16 cached tokens
+        for t in range(2):
             steps.append(h.forward([("a", [11 + t]), ("b", [12 + t]), ("c", [13 + t])]))
         runs.append(steps)
     for torch_step, triton_step in zip(*runs, strict=True):
@@ -161,6 +178,7 @@ for _ps in (1, 16):
     for _g in (1, 4, 8):
         CASES[f"decode-page{_ps}-gqa{_g}"] = lambda ps=_ps, g=_g: decode_case(ps, g)
         CASES[f"extend-page{_ps}-gqa{_g}"] = lambda ps=_ps, g=_g: extend_case(ps, g)
+        CASES[f"paged_torch-page{_ps}-gqa{_g}"] = lambda ps=_ps, g=_g: paged_torch_case(ps, g)
     for _dt in (F32, F16):
         CASES[f"kv_pages-page{_ps}-{str(_dt)[6:]}"] = lambda ps=_ps, dt=_dt: kv_pages_case(ps, dt)
 CASES["decode-fp16-gqa4"] = lambda: decode_case(16, 4, F16)
@@ -169,8 +187,7 @@ CASES["decode-one-split"] = lambda: decode_case(16, 8, splits=1)
 CASES["extend-fp16-gqa4"] = lambda: extend_case(16, 4, F16)
 CASES["extend-window"] = lambda: extend_case(1, 4, window=12)
 CASES["model-llama-page16"] = lambda: model_case("llama", 16)
-CASES["model-llama-page1"] = lambda: model_case("llama", 1)
-CASES["model-mistral-window"] = lambda: model_case("mistral", 16)
+CASES["model-mistral-window"] = lambda: model_case("mistral", 16, first_len=56)  # tiny window: 48
 CASES["engine-llama"] = engine_case
 
 
