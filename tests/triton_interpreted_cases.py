@@ -152,19 +152,50 @@ def model_case(arch: str, page_size: int, first_len: int = 26) -> float:
 
 
 def engine_case() -> float:
-    """The engine with ``attention_backend="triton"`` (interpreted) generates what the torch backend generates."""
+    """The engine with ``attention_backend="triton"`` (interpreted) generates what the torch backend generates.
+    The second request arrives once the first is decoding, so (with --enable-mixed-chunk, chunk 32) its prefill
+    chunks run in mixed batches beside that decode; its second chunk continues a cached prefix."""
+    import asyncio
+
     from common.engine import Engine
     from tests.conftest import assert_pools_released
     from tests.model_fixtures import make_tiny_model
 
-    prompts = [[(5 * i + j) % 900 + 3 for j in range(n)] for i, n in enumerate((21, 9))]
-    params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    prompts = [[(5 * i + j) % 900 + 3 for j in range(n)] for i, n in enumerate((21, 40))]
+    max_new = (6, 3)
+
+    async def run(engine: Engine) -> list[list[int]]:
+        async def one(i: int, started: asyncio.Event | None) -> list[int]:
+            ids: list[int] = []
+            params = {"max_new_tokens": max_new[i], "temperature": 0.0, "ignore_eos": True}
+            async for chunk in engine.generate_stream(input_ids=prompts[i], sampling_params=params):
+                ids.extend(chunk.token_ids)
+                if started is not None:
+                    started.set()
+            return ids
+
+        started = asyncio.Event()
+        first = asyncio.create_task(one(0, started))
+        await asyncio.wait_for(started.wait(), timeout=60)
+        second = await one(1, None)
+        return [await first, second]
+
     outs = {}
     for backend in ("torch", "triton"):
         engine = Engine(model_path=str(make_tiny_model("llama")), attention_backend=backend, page_size=16,
-                        max_total_tokens=1024, max_running_requests=8)
+                        max_total_tokens=4096, max_running_requests=8, chunked_prefill_size=32,
+                        enable_mixed_chunk=True)
         try:
-            outs[backend] = [o.output_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
+            backend_obj = engine.scheduler.runner.attn_backend
+            assert type(backend_obj).__name__ == ("TritonAttentionBackend" if backend == "triton" else
+                                                  "TorchAttentionBackend")
+            init = backend_obj.init_forward_metadata
+            seen: list[list[int]] = []
+            backend_obj.init_forward_metadata = lambda fb, init=init, seen=seen: (
+                seen.append(list(fb.extend_lens_cpu)), init(fb))[1]
+            outs[backend] = asyncio.run(run(engine))
+            if backend == "triton":  # interpreted steps are slow: the first request is surely still decoding
+                assert any(1 in ext and max(ext) > 1 for ext in seen), f"no mixed batch among {seen}"
             assert_pools_released(engine)
         finally:
             engine.shutdown()

@@ -166,6 +166,6 @@ def decode_attention(
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=d, NUM_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        HEAD_DIM=d, NUM_SPLITS=num_kv_splits, BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)), BLOCK_D=block_d,
     )
     return out

@@ -21,7 +21,7 @@ import triton.language as tl
 def _copy_pages(
     BufPtrs, PageIds, Staging, Like, num_pages, row, GATHER: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # staging offsets overflow int32 at real sizes
     i = tl.program_id(1)
     chunk = tl.program_id(2)
     page = tl.load(PageIds + i)
