@@ -121,6 +121,12 @@ def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
     scatter_pages_triton(got, page_ids, page_size, expect)
     scatter_pages_ref(want, page_ids, page_size, expect)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "scatter_pages: triton and reference differ"
+    for bad_ids, bad_staging in ((page_ids, staging[:, :3]), (page_ids.int(), staging)):
+        try:
+            gather_pages_triton(buffers, bad_ids, page_size, bad_staging)
+        except ValueError:
+            continue
+        raise AssertionError("gather_pages_triton accepted a mis-shaped staging tensor or int32 page ids")
     return 0.0
 
 

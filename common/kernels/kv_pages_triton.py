@@ -1,7 +1,7 @@
 """Triton page gather/scatter over many layer buffers in one launch (the CUDA path of ``common.kernels.kv_pages``).
 
 The buffers are passed as a device table of their base addresses (int64 ``data_ptr``s, all of one dtype); each
-program copies one BLOCK-element piece of one page of one buffer. ``row`` = elements of one page
+program copies one BLOCK-element piece of one page of one buffer (grid: pages x buffers x pieces). ``row`` = elements of one page
 (``page_size * prod(slot_shape)``)::
 
     gather:  staging[b, i, :] = buffer_b[page_ids[i] * row : (page_ids[i] + 1) * row]
@@ -21,8 +21,8 @@ import triton.language as tl
 def _copy_pages(
     BufPtrs, PageIds, Staging, Like, num_pages, row, GATHER: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)  # staging offsets overflow int32 at real sizes
-    i = tl.program_id(1)
+    i = tl.program_id(0)  # pages on axis 0: the only grid axis not capped at 65535
+    b = tl.program_id(1).to(tl.int64)  # staging offsets overflow int32 at real sizes
     chunk = tl.program_id(2)
     page = tl.load(PageIds + i)
     base = tl.load(BufPtrs + b).to(tl.pointer_type(Like.dtype.element_ty))
@@ -42,6 +42,11 @@ def _launch(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor, page_size: 
     for buf in buffers:
         if buf.dtype != first.dtype or buf.device != first.device or not buf.is_contiguous():
             raise ValueError("gather/scatter_pages: buffers must be contiguous, of one dtype and one device")
+    if page_ids.device != first.device or staging.device != first.device or page_ids.dtype != torch.int64:
+        raise ValueError(
+            f"gather/scatter_pages: page_ids (int64) and staging must be on the buffers' device {first.device}, got "
+            f"page_ids {page_ids.dtype} on {page_ids.device}, staging on {staging.device}"
+        )
     if not staging.is_contiguous() or staging.dtype != first.dtype:
         raise ValueError("gather/scatter_pages: the staging tensor must be contiguous and of the buffers' dtype")
     n = page_ids.shape[0]
@@ -53,7 +58,7 @@ def _launch(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor, page_size: 
     row = page_size * first[0].numel()
     ptrs = torch.tensor([buf.data_ptr() for buf in buffers], dtype=torch.int64).to(first.device, non_blocking=True)
     block = min(4096, triton.next_power_of_2(row))
-    _copy_pages[(len(buffers), n, triton.cdiv(row, block))](
+    _copy_pages[(n, len(buffers), triton.cdiv(row, block))](
         ptrs, page_ids, staging, first, n, row, GATHER=gather, BLOCK=block,
     )
 
