@@ -7,11 +7,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from common import env
 from common.errors import ConfigError
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
 KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "shm", "fake")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class ServerArgs:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere (see resolved_attention_backend)
     # Memory.
     page_size: int = 16  # on CPU, page-sized KV reads make decode attention ~2x faster than page_size 1
     max_total_tokens: int | None = None
@@ -62,6 +65,15 @@ class ServerArgs:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "triton" and not self.device.startswith("cuda") and not env.triton_interpret():
+            raise ConfigError(
+                f"--attention-backend triton needs a CUDA device (got --device {self.device}); use "
+                "--attention-backend torch on CPU (Triton's interpreter, TRITON_INTERPRET=1, is for tests only)"
+            )
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be >= 1, got {self.page_size}")
         if self.chunked_prefill_size != -1 and (
@@ -91,6 +103,13 @@ class ServerArgs:
         return self.disaggregation_mode != "null"
 
     @property
+    def resolved_attention_backend(self) -> str:
+        """The attention backend the model runs: the flag, else triton on CUDA and torch elsewhere."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "torch"
+
+    @property
     def chunk_size(self) -> int | None:
         return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
@@ -105,6 +124,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV cache dtype")
     g.add_argument("--device", default=d.device, help="torch device (cpu, cuda)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
+                   help="attention kernels: triton (paged, default on CUDA) or torch (default on CPU)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port, help="gRPC pdcluster.v1.Worker port")

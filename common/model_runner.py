@@ -57,7 +57,7 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(num_pages, args.page_size, self.device)
         self.max_context_len = cfg.context_len
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, cfg.context_len + 8, self.device)
-        self.attn_backend = self.model.make_attn_backend()
+        self.attn_backend = self.model.make_attn_backend(args.resolved_attention_backend)
         self.sampler = Sampler(seed=args.seed)
         logger.info(
             "KV cache: %d pages x %d tokens (%.1f MiB), max running requests %d",
