@@ -186,7 +186,14 @@ class PenaltyState:
     def from_reqs(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device | str) -> PenaltyState:
         """Build from each request's prompt and output ids (the state after ``len(output_ids)`` cumulations)."""
         device = torch.device(device)
-        comps = {c: c.build(reqs, vocab_size, device) for c in _COMPONENTS}
+        # NOTE: a component no request uses is not built at all: building allocates [bs, vocab] on the device.
+        params = [r.sampling_params for r in reqs]
+        wanted = {
+            RepetitionPenalty: any(p.repetition_penalty != 1.0 for p in params),
+            FrequencyPresencePenalty: any(p.frequency_penalty or p.presence_penalty for p in params),
+            MinNewTokensPenalty: any(p.min_new_tokens for p in params),
+        }
+        comps = {c: c.build(reqs, vocab_size, device) for c in _COMPONENTS if wanted[c]}
         return cls(len(reqs), vocab_size, device, comps)
 
     @property
