@@ -119,6 +119,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
+        if self.device.type == "cuda":
+            # NOTE: the current device is per thread (the prefill node forwards on a worker thread); kernels that
+            # launch on the current device (Triton) must see this rank's GPU.
+            with torch.cuda.device(self.device):
+                return self._forward_and_sample(b)
+        return self._forward_and_sample(b)
+
+    def _forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
         fb = self._forward_batch(b)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model.forward(fb)
