@@ -83,6 +83,8 @@ def ship(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     if device.type == "cpu":
         return parts
     sizes = [p.numel() for p in parts]
+    if sum(sizes) == 0:
+        return [torch.empty(p.shape, dtype=p.dtype, device=device) for p in parts]
     host = torch.cat([p.reshape(-1) for p in parts])
     if device.type == "cuda":
         # NOTE: pin_memory() comes from torch's caching host allocator, which keeps the buffer alive until the
