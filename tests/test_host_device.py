@@ -179,3 +179,51 @@ def test_device_mirror_receives_exactly_the_host_writes() -> None:
     assert again == [rows[0]]
     pool.write(again[0], 0, [1, 2, 3, 4, 5, 6])  # the same positions written twice before a sync: last wins
     sync()
+
+
+class SeparateMirrorPool(ReqToTokenPool):
+    """A pool whose 'device' mirror is a second CPU tensor: attention then reads only what was shipped."""
+
+    def __init__(self, size: int, max_context_len: int, device: Any = "cpu") -> None:
+        super().__init__(size, max_context_len, device)
+        self.mirrored = True
+        self.device_req_to_token = torch.full_like(self.req_to_token, -7)  # stale values would index garbage
+
+
+@pytest.mark.parametrize(("page_size", "disable_radix", "max_total"), [(16, False, 4096), (4, False, 4096),
+                                                                        (1, True, 400)])
+def test_mirror_fed_only_by_shipped_updates_gives_the_same_tokens(
+    engine_factory: Any, monkeypatch: pytest.MonkeyPatch, page_size: int, disable_radix: bool, max_total: int
+) -> None:
+    """Every write of the host table reaches the mirror: with a separate mirror, chunked prefill, prefix hits,
+    mixed batches and retraction give the same greedy tokens as the shared table, and before every forward the
+    mirror rows of the batch equal the host rows."""
+    rng = torch.Generator().manual_seed(5)
+    shared = torch.randint(10, 1000, (70,), generator=rng).tolist()
+    prompts = [shared + torch.randint(10, 1000, (n,), generator=rng).tolist() for n in (3, 30, 1, 55)]
+    prompts += [torch.randint(10, 1000, (n,), generator=rng).tolist() for n in (20, 90, 45)]
+    args = {"page_size": page_size, "chunked_prefill_size": 32, "enable_mixed_chunk": True,
+            "disable_radix_cache": disable_radix, "max_total_tokens": max_total, "max_running_requests": 8}
+    params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    path = make_tiny_model("llama")
+    reference = [o.output_ids for o in engine_factory(path, **args).generate(input_ids=prompts,
+                                                                             sampling_params=params)]
+
+    monkeypatch.setattr(model_runner, "ReqToTokenPool", SeparateMirrorPool)
+    checked = []
+    original = model_runner.ModelRunner._forward_batch
+
+    def checked_forward_batch(self: Any, b: Any) -> ForwardBatch:
+        fb = original(self, b)
+        pool = self.req_to_token_pool
+        for row, n in zip(b.req_pool_indices, b.seq_lens, strict=True):
+            assert torch.equal(pool.device_req_to_token[row, :n], pool.req_to_token[row, :n]), (row, n)
+        checked.append(len(b.reqs))
+        return fb
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_forward_batch", checked_forward_batch)
+    engine = engine_factory(path, **args)
+    assert isinstance(engine.scheduler.req_to_token_pool, SeparateMirrorPool)
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o.output_ids for o in outs] == reference
+    assert len(checked) > 10

@@ -13,9 +13,14 @@ Two copies of the table: ``req_to_token`` on the host is the authoritative one, 
 attention reads. Every write goes through ``write``/``write_points``, which log the flat positions written; the
 model runner ships the logged entries with the step's inputs (``take_updates``) and scatters them into the mirror
 before the forward. On CPU the mirror IS the host table and nothing is logged.
+
+NOTE: with the overlap schedule (prefill nodes) the forward thread takes the updates while the scheduler thread may
+write; the log is swapped under a lock, so each write is shipped by exactly one step.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -40,6 +45,7 @@ class ReqToTokenPool:
         )
         self._flat = self.req_to_token.view(-1)
         self._dirty: list[torch.Tensor] = []  # host int64 flat positions written since the last take_updates
+        self._dirty_lock = threading.Lock()
         self._free_slots: list[int] = []
         self._is_free: list[bool] = []
         self.clear()
@@ -75,14 +81,16 @@ class ReqToTokenPool:
         self.req_to_token[req_pool_idx, start:end] = torch.as_tensor(slots, dtype=torch.int64)
         if self.mirrored and end > start:
             base = req_pool_idx * self.max_context_len
-            self._dirty.append(torch.arange(base + start, base + end, dtype=torch.int64))
+            with self._dirty_lock:
+                self._dirty.append(torch.arange(base + start, base + end, dtype=torch.int64))
 
     def write_points(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
         """``req_to_token[rows[i], cols[i]] = slots[i]`` for every i (one new token per request)."""
         flat = torch.tensor(rows, dtype=torch.int64) * self.max_context_len + torch.tensor(cols, dtype=torch.int64)
         self._flat[flat] = slots
         if self.mirrored:
-            self._dirty.append(flat)
+            with self._dirty_lock:
+                self._dirty.append(flat)
 
     def take_updates(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Flat positions written since the last call and their current host values (``None``: nothing to ship).
@@ -90,10 +98,11 @@ class ReqToTokenPool:
         Values are read now, not at write time, so a position written twice carries its last value in every
         duplicate and the device scatter is order-independent.
         """
-        if not self._dirty:
+        with self._dirty_lock:
+            dirty, self._dirty = self._dirty, []
+        if not dirty:
             return None
-        flat = self._dirty[0] if len(self._dirty) == 1 else torch.cat(self._dirty)
-        self._dirty = []
+        flat = dirty[0] if len(dirty) == 1 else torch.cat(dirty)
         return flat, self._flat[flat]
 
     def clear(self) -> None:
