@@ -72,7 +72,7 @@ class ServerArgs:
             raise ConfigError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
-        if self.attention_backend == "triton" and not self.device.startswith("cuda") and not env.triton_interpret():
+        if self.attention_backend == "triton" and self.device != "cuda" and not env.triton_interpret():
             raise ConfigError(
                 f"--attention-backend triton needs a CUDA device (got --device {self.device}); use "
                 "--attention-backend torch on CPU (Triton's interpreter, TRITON_INTERPRET=1, is for tests only)"
@@ -115,7 +115,7 @@ class ServerArgs:
         """The attention backend the model runs: the flag, else triton on CUDA and torch elsewhere."""
         if self.attention_backend is not None:
             return self.attention_backend
-        return "triton" if self.device.startswith("cuda") else "torch"
+        return "triton" if self.device == "cuda" else "torch"
 
     @property
     def mem_fraction(self) -> float:

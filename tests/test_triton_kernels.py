@@ -54,7 +54,7 @@ def test_triton_backend_refused_on_cpu_without_interpreter(monkeypatch: pytest.M
     with pytest.raises(ConfigError, match="--attention-backend must be one of"):
         ServerArgs(attention_backend="flash")
     assert ServerArgs(device="cpu").resolved_attention_backend == "torch"
-    assert ServerArgs(device="cuda:0").resolved_attention_backend == "triton"
+    assert ServerArgs(device="cuda").resolved_attention_backend == "triton"
     assert ServerArgs(device="cuda", attention_backend="torch").resolved_attention_backend == "torch"
 
 
