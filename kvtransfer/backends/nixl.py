@@ -7,7 +7,9 @@ through ``endpoint()``; the prefill rank loads that metadata in ``add_peer`` (``
 issues one batched WRITE (``initialize_xfer`` + ``transfer``) of all page runs of all layers, K and V. Head slices
 (heterogeneous TP) go as one descriptor per token slot per buffer. A per-peer worker thread polls
 ``check_xfer_state`` against ``transfer_timeout_s`` and reports each job once; NIXL reports DONE only once the
-bytes are in the target's memory, so no confirmation from decode is needed.
+bytes are in the target's memory, so no confirmation from decode is needed. CUDA buffers: ``submit`` records an
+event on the device's default stream (where the forward that wrote the pages was enqueued) and the worker waits for
+it before the WRITE reads the pages.
 
 Descriptors travel as plain integers, not ``get_serialized_descs`` (a pickle: loading one from the network would
 run whatever it names). Transports: UCX's own selection, narrowed with ``UCX_TLS`` in the environment (cma/sm/tcp
@@ -24,10 +26,12 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
@@ -86,6 +90,7 @@ class NixlBackend(KVBackend):
         self._stopping: set[PeerKey] = set()  # removed peers: their in-flight WRITE is cancelled
         self._closed = threading.Event()
         self._stuck: list[Any] = []  # handles NIXL refused to release: kept alive until the agent goes
+        self._ready: weakref.WeakKeyDictionary[TransferJob, torch.cuda.Event] = weakref.WeakKeyDictionary()
         self._workers = PeerWorkers(events, self._move, "nixl", on_stop=self._unload)
 
     # ---- interface ---------------------------------------------------------------------------------------------
@@ -126,6 +131,12 @@ class NixlBackend(KVBackend):
         self._workers.remove_peer(key, "peer removed")  # the worker unloads the agent after its last job
 
     def submit(self, job: TransferJob) -> None:
+        device = self._buffers[0].device
+        if device.type == "cuda" and job.runs:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.default_stream(device))
+            with self._lock:
+                self._ready[job] = ready
         self._workers.submit(job)
 
     def cancel_room(self, room: int) -> None:
@@ -191,6 +202,10 @@ class NixlBackend(KVBackend):
         if not job.runs:
             return
         local, dest = self._descs(job, remote)
+        with self._lock:
+            ready = self._ready.pop(job, None)
+        if ready is not None:
+            ready.synchronize()  # the forward that wrote these pages has finished
         agent = self._agent
         try:
             handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, self._mem_type),
