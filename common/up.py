@@ -39,7 +39,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--colocated", type=int, default=0, help="number of colocated (mode null) nodes")
-    p.add_argument("--kv-transfer-backend", default="tcp", choices=("tcp", "nccl", "ucx", "shm", "fake"))
+    p.add_argument("--kv-transfer-backend", default="tcp", choices=("tcp", "nccl", "ucx", "nixl", "shm", "fake"))
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--dp-size", type=int, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
