@@ -10,7 +10,10 @@ Each backend: prefill ``KVManager`` in a child process, decode ``KVManager`` her
 side from ``send(all pages, last=True)`` to the sender's ``Success`` (which needs decode's confirmation that every
 byte and the metadata landed). GB/s = 536,870,912 B / seconds (1 GB = 1e9 B). Median of ``--reps`` after one
 warm-up. Baselines in the same run: ``ctypes.memmove`` of the same runs in one thread, and a raw TCP socket
-(``sendmsg``/``recvmsg_into`` of the same runs, 64 iovecs per call) between two processes.
+(``sendmsg``/``recvmsg_into`` of the same runs, 64 iovecs per call) between two processes; with the ``nixl``
+backend, raw NIXL too: two agents in two processes, one ``initialize_xfer("WRITE")`` of the same page runs (every
+layer, K and V) + ``transfer`` + ``check_xfer_state`` until DONE per rep (the handle is built inside the timed
+region, as a new request's page table needs; UCX transports from ``UCX_TLS``). Target: nixl >= 0.9x raw NIXL.
 
 ``--device cuda``: both pools on ``cuda:0`` (two processes on one GPU; default backends shm and tcp). Baselines in
 the same run: an in-process device-to-device copy of the same number of bytes (one contiguous ``copy_``,
@@ -33,6 +36,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -168,6 +172,64 @@ def bench_raw_tcp(src: KVArgs, runs: list[tuple[int, int, int]], reps: int, geom
     return times[1:]
 
 
+# ---- raw NIXL baseline ---------------------------------------------------------------------------------------------
+def _kv_list(args: KVArgs) -> list[torch.Tensor]:
+    return [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
+
+
+def _nixl_agent(name: str) -> Any:  # nixl is imported only when the nixl baseline runs
+    from nixl._api import nixl_agent, nixl_agent_config
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+
+
+def _raw_nixl_target(out: mp.Queue, done: mp.Queue, geom: Geometry) -> None:
+    bufs = _kv_list(make_pool(None, geom, "cpu"))
+    agent = _nixl_agent("bench-raw-target")
+    reg = agent.register_memory(bufs, backends=["UCX"])
+    out.put((agent.get_agent_metadata(), [b.data_ptr() for b in bufs]))
+    done.get(timeout=600)
+    agent.deregister_memory(reg)
+
+
+def bench_raw_nixl(src: KVArgs, runs: list[tuple[int, int, int]], reps: int, geom: Geometry) -> list[float]:
+    """Agent-to-agent WRITE of the same page runs with NIXL's own API (CPU pools, two processes)."""
+    import numpy as np
+    bufs = _kv_list(src)
+    agent = _nixl_agent("bench-raw-initiator")
+    reg = agent.register_memory(bufs, backends=["UCX"])
+    ctx = mp.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_raw_nixl_target, args=(out, done, geom), daemon=True)
+    proc.start()
+    try:
+        metadata, dst_bases = out.get(timeout=120)
+        peer = agent.add_remote_agent(metadata)
+        item = src.item_len
+        local = np.array([(b.data_ptr() + s * item, n * item, 0) for b in bufs for s, _, n in runs], dtype=np.uint64)
+        remote = np.array([(b + d * item, n * item, 0) for b in dst_bases for _, d, n in runs], dtype=np.uint64)
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
+                                           agent.get_xfer_descs(remote, "DRAM"), peer)
+            state = agent.transfer(handle)
+            end = time.monotonic() + 120
+            while state == "PROC" and time.monotonic() < end:
+                state = agent.check_xfer_state(handle)
+            times.append(time.perf_counter() - t0)
+            agent.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL WRITE ended in state {state}")
+        agent.remove_remote_agent(peer)
+        return times[1:]
+    finally:
+        done.put("done")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        agent.deregister_memory(reg)
+
+
 # ---- backends -------------------------------------------------------------------------------------------------------
 def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int], rooms: list[int],
                    out: mp.Queue, geom: Geometry) -> None:
@@ -288,6 +350,8 @@ def main() -> int:
         row[copy_key] = gbps(bench_device_copy(geom, opts.reps) if scratch is None else
                            bench_memcpy(src, scratch, runs, opts.reps), geom)
         row["raw_tcp"] = gbps(bench_raw_tcp(host_src, runs, opts.reps, geom), geom)
+        if "nixl" in backends.split(",") and not cuda:
+            row["raw_nixl"] = gbps(bench_raw_nixl(src, runs, opts.reps, geom), geom)
         for backend in backends.split(","):
             try:
                 row[backend] = gbps(bench_backend(backend, src_pages, dst_pages, opts.reps, src, geom, options),
@@ -307,6 +371,11 @@ def main() -> int:
             cells.append(v if isinstance(v, str) else
                          f"{v:.2f} ({v / float(row['raw_tcp']):.2f}x / {v / float(row[copy_key]):.2f}x)")
         print(f"| {mode} | {row[copy_key]:.2f} | {row['raw_tcp']:.2f} | " + " | ".join(cells) + " |")
+    for mode, row in results.items():
+        if "raw_nixl" in row:
+            nixl = row["nixl"]
+            ratio = f"{nixl / float(row['raw_nixl']):.2f}x" if not isinstance(nixl, str) else nixl
+            print(f"{mode}: raw NIXL {row['raw_nixl']:.2f} GB/s; nixl backend / raw NIXL = {ratio} (target >= 0.9x)")
     if cuda:
         print("\ntargets: shm >= 0.5x the device copy, tcp >= 0.8x raw TCP")
     if opts.json:

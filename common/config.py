@@ -11,7 +11,7 @@ from common import env
 from common.errors import ConfigError
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
-KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "shm", "fake")
+KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "shm", "fake")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 DEVICES = ("cpu", "cuda")
@@ -154,7 +154,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port,
                    help="prefill nodes: port of the Bootstrap service decode nodes resolve ranks through")
     g.add_argument("--kv-transfer-backend", default=d.kv_transfer_backend, choices=KV_TRANSFER_BACKENDS,
-                   help="KV data plane: tcp (anywhere), nccl (gloo on CPU), ucx, shm (same host), fake")
+                   help="KV data plane: tcp (anywhere), nccl (gloo on CPU), ucx, nixl (RDMA cluster; UCX_TLS), "
+                        "shm (same host), fake")
     g.add_argument("--num-reserved-decode-tokens", type=int, default=d.num_reserved_decode_tokens,
                    help="decode nodes: KV headroom kept per active request before admitting a transfer")
     g.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout,

@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.config import KV_TRANSFER_BACKENDS
 from common.tokenizer import resolve_model_path
 
 READY_TIMEOUT_S = 300.0
@@ -45,7 +46,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--colocated", type=int, default=0, help="number of colocated (mode null) nodes")
-    p.add_argument("--kv-transfer-backend", default=None, choices=("tcp", "nccl", "ucx", "shm", "fake"),
+    p.add_argument("--kv-transfer-backend", default=None, choices=KV_TRANSFER_BACKENDS,
                    help="default: tcp on cpu, shm (CUDA IPC, same host) on cuda")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every node runs its model")
     p.add_argument("--num-gpus", type=int, default=None, help="cuda: GPUs to place nodes on (default: all visible)")

@@ -12,6 +12,7 @@ BACKENDS: dict[str, str] = {
     "shm": "kvtransfer.backends.shm:ShmBackend",
     "nccl": "kvtransfer.backends.nccl:NcclBackend",
     "ucx": "kvtransfer.backends.ucx:UcxBackend",
+    "nixl": "kvtransfer.backends.nixl:NixlBackend",
 }
 
 

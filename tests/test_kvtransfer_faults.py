@@ -30,7 +30,8 @@ from tests.kvtransfer_helpers import (
 
 pytestmark = pytest.mark.slow
 NUM_PAGES = 64
-KILL_BACKENDS = ["tcp", "shm", "fake", "nccl", "ucx"]
+KILL_BACKENDS = ["tcp", "shm", "fake", "nccl", "ucx", "nixl"]
+FAULT_BACKENDS = ["tcp", "nixl"]  # the faults below, on a two-sided and a one-sided data plane
 
 
 def _decode(backend: str = "tcp", **overrides: object) -> KVManager:
@@ -104,10 +105,11 @@ def test_sender_killed_mid_transfer_fails_receiver_within_deadline(backend: str)
         mgr.close()
 
 
-def test_dropped_final_chunk_done_fails_by_transfer_deadline() -> None:
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
+def test_dropped_final_chunk_done_fails_by_transfer_deadline(backend: str) -> None:
     plans = plan_rooms(3, NUM_PAGES, NUM_PAGES, pages_per_room=4, seed=3)
-    child = Child(RoleSpec("prefill", "tcp", plans, num_pages=NUM_PAGES, drop_final_chunk_done=True))
-    mgr = _decode(transfer_timeout_s=1.0)
+    child = Child(RoleSpec("prefill", backend, plans, num_pages=NUM_PAGES, drop_final_chunk_done=True))
+    mgr = _decode(backend, transfer_timeout_s=1.0)
     try:
         receivers = start_receivers(mgr, plans, child.bootstrap_addr)
         result = wait_final(receivers, 10)
@@ -120,10 +122,11 @@ def test_dropped_final_chunk_done_fails_by_transfer_deadline() -> None:
         mgr.close()
 
 
-def test_silent_peer_fails_by_heartbeat_never_hangs() -> None:
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
+def test_silent_peer_fails_by_heartbeat_never_hangs(backend: str) -> None:
     plans = plan_rooms(2, NUM_PAGES, NUM_PAGES, pages_per_room=4, seed=4)
-    child = Child(RoleSpec("prefill", "tcp", plans, num_pages=NUM_PAGES, pause_after_chunks=1))
-    mgr = _decode()
+    child = Child(RoleSpec("prefill", backend, plans, num_pages=NUM_PAGES, pause_after_chunks=1))
+    mgr = _decode(backend)
     try:
         receivers = start_receivers(mgr, plans, child.bootstrap_addr)
         _wait(lambda: any(r.poll() == KVPoll.Transferring for r in receivers.values()), 10)
@@ -136,10 +139,11 @@ def test_silent_peer_fails_by_heartbeat_never_hangs() -> None:
         mgr.close()
 
 
-def test_abort_from_decode_reaches_prefill_and_is_acked() -> None:
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
+def test_abort_from_decode_reaches_prefill_and_is_acked(backend: str) -> None:
     plans = plan_rooms(3, NUM_PAGES, NUM_PAGES, pages_per_room=4, seed=5)
-    child = Child(RoleSpec("prefill", "tcp", plans, num_pages=NUM_PAGES, pause_after_chunks=0))
-    mgr = _decode()
+    child = Child(RoleSpec("prefill", backend, plans, num_pages=NUM_PAGES, pause_after_chunks=0))
+    mgr = _decode(backend)
     try:
         receivers = start_receivers(mgr, plans, child.bootstrap_addr)
         _wait(lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers.values()), 10)
@@ -160,10 +164,11 @@ def test_abort_from_decode_reaches_prefill_and_is_acked() -> None:
         mgr.close()
 
 
-def test_abort_from_prefill_reaches_decode() -> None:
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
+def test_abort_from_prefill_reaches_decode(backend: str) -> None:
     plans = plan_rooms(3, NUM_PAGES, NUM_PAGES, pages_per_room=4, seed=6)
-    child = Child(RoleSpec("prefill", "tcp", plans, num_pages=NUM_PAGES, abort_rooms=[p.room for p in plans]))
-    mgr = _decode()
+    child = Child(RoleSpec("prefill", backend, plans, num_pages=NUM_PAGES, abort_rooms=[p.room for p in plans]))
+    mgr = _decode(backend)
     try:
         receivers = start_receivers(mgr, plans, child.bootstrap_addr)
         result = wait_final(receivers, 10)
@@ -178,21 +183,22 @@ def test_abort_from_prefill_reaches_decode() -> None:
         mgr.close()
 
 
-def test_restarted_prefill_on_same_address_gets_new_epoch_and_old_epoch_is_dropped() -> None:
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
+def test_restarted_prefill_on_same_address_gets_new_epoch_and_old_epoch_is_dropped(backend: str) -> None:
     bootstrap_port, control_port = _free_port(), _free_port()
     first, second, idle = plan_rooms(3, NUM_PAGES, NUM_PAGES, pages_per_room=4, seed=7)
     fixed = {"control_port": control_port}
     old = Child(
         RoleSpec(
             "prefill",
-            "tcp",
+            backend,
             [first],
             num_pages=NUM_PAGES,
             bootstrap_port=bootstrap_port,
             config_overrides=fixed,
         )
     )
-    mgr = _decode()
+    mgr = _decode(backend)
     try:
         assert (
             wait_final(start_receivers(mgr, [first], old.bootstrap_addr), 10)[first.room][0] == KVPoll.Success
@@ -201,7 +207,7 @@ def test_restarted_prefill_on_same_address_gets_new_epoch_and_old_epoch_is_dropp
         new = Child(
             RoleSpec(
                 "prefill",
-                "tcp",
+                backend,
                 [second],
                 num_pages=NUM_PAGES,
                 bootstrap_port=bootstrap_port,
@@ -242,20 +248,21 @@ def test_restarted_prefill_on_same_address_gets_new_epoch_and_old_epoch_is_dropp
         mgr.close()
 
 
-def test_incompatible_layout_and_missing_token_are_refused_with_clear_errors() -> None:
+@pytest.mark.parametrize("backend", FAULT_BACKENDS)
+def test_incompatible_layout_and_missing_token_are_refused_with_clear_errors(backend: str) -> None:
     plans = plan_rooms(2, NUM_PAGES, NUM_PAGES, pages_per_room=2, seed=8)
     child = Child(
         RoleSpec(
             "prefill",
-            "tcp",
+            backend,
             plans,
             num_pages=NUM_PAGES,
             args_overrides={"page_size": 8},
             config_overrides={"fingerprint": {"architecture": "TinyLlama", "weights": "zzz"}},
         )
     )
-    wrong_token = _decode(cluster_token="not-the-cluster-token")
-    mismatched = _decode()
+    wrong_token = _decode(backend, cluster_token="not-the-cluster-token")
+    mismatched = _decode(backend)
     try:
         refused = wait_final(start_receivers(wrong_token, plans[:1], child.bootstrap_addr), 10)
         state, reason = refused[plans[0].room]

@@ -73,7 +73,7 @@ PROMPT_LENGTHS = [1, 3, 9, 17, 30, 45, 64, 65, 90, 120, 150, 200, 5, 77, 260, 33
 
 @pytest.mark.parametrize(
     ("backend", "page_size", "overlap"), [("tcp", 16, True), ("tcp", 1, False), ("nccl", 1, True), ("ucx", 1, True),
-                                          ("shm", 16, True)],
+                                          ("shm", 16, True), ("nixl", 16, True)],
 )
 def test_pd_tokens_match_colocated(model_path, colocated, backend, page_size, overlap) -> None:
     extra = ["--page-size", str(page_size), "--chunked-prefill-size", "64"]

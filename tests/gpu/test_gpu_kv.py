@@ -88,6 +88,14 @@ def test_tcp_staged_gpu_to_cpu_and_back_byte_exact() -> None:
     _transfer("tcp", "cpu", "cuda:0", SMALL_SEGMENTS)
 
 
+def test_nixl_vram_same_gpu_byte_exact() -> None:
+    _transfer("nixl", "cuda:0", "cuda:0")  # VRAM registered with UCX; UCX_TLS must allow cuda_ipc/cuda_copy
+
+
+def test_nixl_vram_to_dram_byte_exact() -> None:
+    _transfer("nixl", "cuda:0", "cpu")
+
+
 @TWO_GPUS
 def test_nccl_across_gpus_byte_exact() -> None:
     _transfer("nccl", "cuda:1", "cuda:0")
@@ -111,7 +119,7 @@ def test_nccl_on_one_gpu_fails_rooms_naming_shm_and_tcp() -> None:
         child.kill()
 
 
-@pytest.mark.parametrize(("backend", "config"), [("shm", {}), ("tcp", SMALL_SEGMENTS)])
+@pytest.mark.parametrize(("backend", "config"), [("shm", {}), ("tcp", SMALL_SEGMENTS), ("nixl", {})])
 def test_head_slices_of_cuda_buffers(backend: str, config: dict) -> None:
     from tests.test_kvtransfer_backends_extra import Pair
 
