@@ -25,6 +25,7 @@ class ServerArgs:
     kv_transfer_backend: str = "tcp"
     dtype: str = "float32"
     device: str = "cpu"
+    base_gpu_id: int = 0  # rank (dp d, tp t) uses cuda:(base_gpu_id + d * tp_size + t); see common.device
     seed: int = 0
     # Memory.
     page_size: int = 16  # on CPU, page-sized KV reads make decode attention ~2x faster than page_size 1
@@ -107,6 +108,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-path", default=d.model_path, help="local Hugging Face model folder (default: embedded model)")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV cache dtype")
     g.add_argument("--device", default=d.device, help="torch device (cpu, cuda)")
+    g.add_argument("--base-gpu-id", type=int, default=d.base_gpu_id,
+                   help="cuda: first GPU of this node; DP rank d uses GPU base-gpu-id + d * tp-size")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=d.host)
