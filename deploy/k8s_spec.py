@@ -75,7 +75,7 @@ def service_ports(spec: ClusterSpec, role: str) -> list[dict[str, Any]]:
     ports = [{"name": "grpc", "port": p.grpc, "targetPort": "grpc", "appProtocol": "grpc"}]
     if p.bootstrap is not None:
         ports.append({"name": "bootstrap", "port": p.bootstrap, "targetPort": "bootstrap"})
-    return ports + [{"name": "metrics", "port": p.metrics, "targetPort": "metrics"}]
+    return [*ports, {"name": "metrics", "port": p.metrics, "targetPort": "metrics"}]
 
 
 def resources(spec: ClusterSpec, role: str) -> dict[str, dict[str, str]]:

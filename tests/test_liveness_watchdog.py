@@ -11,7 +11,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.errors import ConfigError
 from common.server.http_probe import node_liveness
 from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import Node, free_port, start_node
+from tests.node_helpers import Node, free_port, rank_pids, start_node
 
 WATCHDOG_S = 2.0
 
@@ -30,17 +29,6 @@ def _liveness(port: int) -> tuple[int, dict[str, object]]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def _rank_pids(front_pid: int) -> list[int]:
-    """The node's scheduler rank processes: its multiprocessing-spawned children (not the resource tracker)."""
-    children = Path(f"/proc/{front_pid}/task/{front_pid}/children").read_text().split()
-    pids = []
-    for pid in map(int, children):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
-            pids.append(pid)
-    return pids
 
 
 def _wait_status(port: int, want: int, timeout: float) -> dict[str, object]:
@@ -75,7 +63,7 @@ def test_idle_node_stays_live_past_the_watchdog_timeout(node: tuple[Node, int]) 
 
 def test_hung_rank_fails_liveness_while_the_front_serves(node: tuple[Node, int]) -> None:
     n, port = node
-    (rank_pid,) = _rank_pids(n.proc.pid)
+    (rank_pid,) = rank_pids(n.proc.pid)
     os.kill(rank_pid, signal.SIGSTOP)
     try:
         stopped = time.monotonic()
