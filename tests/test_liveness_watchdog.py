@@ -52,6 +52,7 @@ def node() -> Iterator[tuple[Node, int]]:
         n.stop()
 
 
+@pytest.mark.slow
 def test_idle_node_stays_live_past_the_watchdog_timeout(node: tuple[Node, int]) -> None:
     _, port = node
     deadline = time.monotonic() + 2 * WATCHDOG_S
@@ -61,6 +62,7 @@ def test_idle_node_stays_live_past_the_watchdog_timeout(node: tuple[Node, int]) 
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_hung_rank_fails_liveness_while_the_front_serves(node: tuple[Node, int]) -> None:
     n, port = node
     (rank_pid,) = rank_pids(n.proc.pid)
