@@ -4,7 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint install proto clean
+.PHONY: up test test-gpu gpu-wheels lint install proto clean
+
+# GPU machines have torch but no package index and no .venv (../shared/GPU.md): `make gpu-wheels` (here) fetches
+# the few packages they lack, pinned to this venv's versions, into $(WHL); `make test-gpu` (there) installs them
+# into $(GPU_SITE) and runs tests/gpu with the machine's python3.
+WHL := .whl
+GPU_SITE := /tmp/site
+GPU_PYTHON_VERSION := 3.12
+GPU_PACKAGES := msgspec|pyzmq|grpcio|grpcio-health-checking|grpcio-reflection|protobuf
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +38,22 @@ test: $(STAMP)
 	$(BIN)/python proto/gen.py --check
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -p no:cacheprovider
+
+test-gpu:
+	@if [ -x $(BIN)/python ]; then \
+		$(BIN)/pytest -q -p no:cacheprovider -rs tests/gpu; \
+	else \
+		ls $(WHL)/*.whl >/dev/null 2>&1 || { echo "no $(VENV) and no $(WHL)/*.whl: run 'make gpu-wheels' first"; exit 1; }; \
+		python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $(GPU_SITE) $(WHL)/*.whl \
+			|| exit 1; \
+		PYTHONPATH=$$PWD:$$PWD/proto:$(GPU_SITE) PYTHONUNBUFFERED=1 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu; \
+	fi
+
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d $(WHL) \
+		$$($(BIN)/python -m pip freeze | grep -iE '^($(GPU_PACKAGES))==')
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

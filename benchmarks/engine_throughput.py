@@ -8,18 +8,23 @@ on a shared machine hits both alike, and reports medians.
 
     .venv/bin/python -m benchmarks.engine_throughput                  # defaults: 64 x 128 -> 128, 3 repeats
     .venv/bin/python -m benchmarks.engine_throughput --repeats 5 --page-size 1 --json out.json
+    python3 -m benchmarks.engine_throughput --device cuda --dtype bfloat16 --model-path <make-model --size 1b>
 
 Per repeat and side:
   output tok/s   num_prompts * output_len / wall time of the full generate call (prefill included)
   prefill tok/s  num_prompts * input_len / wall time of the same prompts with max_new_tokens = 1
 Each repeat uses fresh prompts (seeded by the repeat index, identical for both sides), so the prefix cache never
 turns a later repeat's prefill into a cache hit.
+  decode step   (full run - prefill run) / (output_len - 1), printed beside the weight-read floor: bytes of the
+                weights in --dtype / the device's peak memory bandwidth (--peak-bandwidth-gbs, or looked up by
+                GPU name). A decode step reads every weight once, so it cannot be faster than that.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -46,6 +51,31 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+# Peak HBM bandwidth (GB/s) by GPU name, from the vendors' data sheets (SXM parts).
+PEAK_BANDWIDTH_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}
+
+
+def _peak_bandwidth_gbs(device: str) -> float | None:
+    import torch
+
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in PEAK_BANDWIDTH_GBS.items() if key in name), None)
+
+
+def _weight_bytes(model_path: str, dtype: str) -> int:
+    """Bytes of every weight of the model folder once loaded in ``dtype``."""
+    import torch
+    from safetensors import safe_open
+
+    numel = 0
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            numel += sum(math.prod(st.get_slice(name).get_shape()) for name in st.keys())  # noqa: SIM118
+    return numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
 class _Ours:
     def __init__(self, model_path: str, engine_args: dict[str, Any]) -> None:
         from common.engine import Engine
@@ -62,19 +92,20 @@ class _Ours:
 
 
 class _HF:
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, device: str, dtype: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
         self.pad = self.model.generation_config.pad_token_id or 0
 
     def run(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         torch = self.torch
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
@@ -91,7 +122,10 @@ def _worker(side: str, model_path: str, threads: int, engine_args: dict[str, Any
     import torch
 
     torch.set_num_threads(threads)
-    runner = _Ours(model_path, engine_args) if side == "ours" else _HF(model_path)
+    if side == "ours":
+        runner: _Ours | _HF = _Ours(model_path, engine_args)
+    else:
+        runner = _HF(model_path, engine_args["device"], engine_args["dtype"])
     conn.send("ready")
     while True:
         msg = conn.recv()
@@ -163,6 +197,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--skip-prefill", action="store_true", help="skip the max_new_tokens=1 prefill runs")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="both sides run here")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
+                   help="device peak memory bandwidth for the weight-read floor (default: looked up for H100/H200)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine_throughput.json"))
     a = p.parse_args(argv)
 
@@ -176,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tmp = tempfile.TemporaryDirectory(prefix="pdc-bench-")
         model_path = str(make_model("llama", "small", Path(tmp.name), seed=0))
     hf_cfg = AutoConfig.from_pretrained(model_path)
+    weight_bytes = _weight_bytes(model_path, a.dtype)
     vocab = hf_cfg.vocab_size
     n, lin, lout = a.num_prompts, a.input_len, a.output_len
     # Room for every request at once, plus a partial page each; the prefix cache evicts older repeats' prompts.
@@ -188,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "disable_radix_cache": a.disable_radix_cache,
         "torch_num_threads": a.threads,
         "decode_log_interval": 10**9,
+        "device": a.device,
+        "dtype": a.dtype,
     }
     machine = _machine(a.threads)
     print(f"model {model_path} (hidden {hf_cfg.hidden_size}, layers {hf_cfg.num_hidden_layers}, vocab {vocab})")
@@ -195,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"engine args: {engine_args}")
     print(f"machine: {machine}")
 
-    sides = {"ours": _Side("ours", model_path, a.threads, engine_args), "hf": _Side("hf", model_path, a.threads, {})}
+    sides = {"ours": _Side("ours", model_path, a.threads, engine_args),
+             "hf": _Side("hf", model_path, a.threads, engine_args)}
     try:
         warm = _prompts(10**6, min(n, 8), lin, vocab, low=3)
         for s in sides.values():
@@ -238,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             pm = statistics.median(prefill_s[k])
             out["prefill_tok_per_s"] = n * lin / pm
             out["prefill_seconds"] = prefill_s[k]
+            if lout > 1:
+                out["decode_step_ms"] = (med - pm) / (lout - 1) * 1e3
         return out
 
     result = {
@@ -249,12 +293,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "identical_output_fraction": agree,
     }
     result["ratio"] = result["ours"]["output_tok_per_s"] / result["hf"]["output_tok_per_s"]
+    peak = a.peak_bandwidth_gbs or _peak_bandwidth_gbs(a.device)
+    result["weight_bytes"] = weight_bytes
+    result["peak_bandwidth_gbs"] = peak
+    result["weight_read_floor_ms"] = weight_bytes / (peak * 1e9) * 1e3 if peak else None
     rows = [("ours", result["ours"]), ("hf generate", result["hf"])]
     print(f"\n{'':<12} {'out tok/s':>10} {'prefill tok/s':>14} {'peak RSS MiB':>13}")
     for name, r in rows:
         pre = f"{r['prefill_tok_per_s']:14.0f}" if "prefill_tok_per_s" in r else f"{'-':>14}"
         print(f"{name:<12} {r['output_tok_per_s']:10.0f} {pre} {r['peak_rss_mib']:13.0f}")
     print(f"ratio ours / hf (output tok/s): {result['ratio']:.2f}x  (target >= 1.5x)")
+    floor = result["weight_read_floor_ms"]
+    floor_s = (f"{floor:.3f} ms ({weight_bytes / 2**30:.2f} GiB of weights at {peak:.0f} GB/s)" if floor
+               else "unknown (pass --peak-bandwidth-gbs)")
+    for name, key in (("ours", "ours"), ("hf generate", "hf")):
+        step = result[key].get("decode_step_ms")
+        if step is not None:
+            print(f"decode step {name:<12} {step:8.3f} ms   weight-read floor {floor_s}")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.json}")

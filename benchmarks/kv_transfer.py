@@ -12,7 +12,13 @@ byte and the metadata landed). GB/s = 536,870,912 B / seconds (1 GB = 1e9 B). Me
 warm-up. Baselines in the same run: ``ctypes.memmove`` of the same runs in one thread, and a raw TCP socket
 (``sendmsg``/``recvmsg_into`` of the same runs, 64 iovecs per call) between two processes.
 
-    python benchmarks/kv_transfer.py [--backends tcp,shm,...] [--reps 5] [--json out.json]
+``--device cuda``: both pools on ``cuda:0`` (two processes on one GPU; default backends shm and tcp). Baselines in
+the same run: an in-process device-to-device copy of the same number of bytes (one contiguous ``copy_``,
+synchronized) and the raw TCP socket above (host memory). Targets: shm (CUDA IPC) >= 0.5x the device copy, tcp
+(staged through pinned host buffers) >= 0.8x raw TCP. ``--tokens`` shrinks the request (pool = 2x the request).
+
+    python benchmarks/kv_transfer.py [--device cpu|cuda] [--backends tcp,shm,...] [--modes paged] [--reps 5]
+                                     [--tokens 4096] [--option stage=always] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,25 +32,44 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvtransfer.args import KVArgs, KVTransferConfig
 from kvtransfer.registry import BACKENDS
 
-LAYERS, HEADS, HEAD_DIM, PAGE, TOKENS, POOL_PAGES, RUN = 32, 8, 128, 16, 4096, 512, 4
-REQ_PAGES = TOKENS // PAGE
-NBYTES = 2 * LAYERS * TOKENS * HEADS * HEAD_DIM * 2
+LAYERS, HEADS, HEAD_DIM, PAGE, RUN = 32, 8, 128, 16, 4
 SRC_SEED = 7
 
 
-def make_pool(seed: int | None) -> KVArgs:
-    g = torch.Generator().manual_seed(seed) if seed is not None else None
-    shape = (POOL_PAGES * PAGE, HEADS, HEAD_DIM)
+@dataclass(frozen=True)
+class Geometry:
+    """One request of ``tokens`` tokens out of a pool of twice its pages (plus the padding page), on ``device``."""
+
+    tokens: int = 4096
+    device: str = "cpu"
+
+    @property
+    def req_pages(self) -> int:
+        return self.tokens // PAGE
+
+    @property
+    def pool_pages(self) -> int:
+        return 2 * self.req_pages
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * LAYERS * self.tokens * HEADS * HEAD_DIM * 2
+
+
+def make_pool(seed: int | None, geom: Geometry, device: str | None = None) -> KVArgs:
+    device = device or geom.device
+    g = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    shape = (geom.pool_pages * PAGE, HEADS, HEAD_DIM)
 
     def buf() -> torch.Tensor:
-        t = torch.empty(shape, dtype=torch.bfloat16)
+        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
         if g is not None:
             t.view(torch.int16).random_(-(2**15), 2**15 - 1, generator=g)
         else:
@@ -55,15 +80,15 @@ def make_pool(seed: int | None) -> KVArgs:
                   total_kv_heads=HEADS, num_metadata_slots=16)
 
 
-def page_tables(mode: str, seed: int) -> tuple[list[int], list[int]]:
+def page_tables(mode: str, seed: int, geom: Geometry) -> tuple[list[int], list[int]]:
     if mode == "contiguous":
-        pages = list(range(1, REQ_PAGES + 1))
+        pages = list(range(1, geom.req_pages + 1))
         return pages, pages
     rng = random.Random(seed)
-    slots = [1 + RUN * k for k in range((POOL_PAGES - 1) // RUN)]
+    slots = [1 + RUN * k for k in range((geom.pool_pages - 1) // RUN)]
 
     def table() -> list[int]:
-        return [start + i for start in rng.sample(slots, REQ_PAGES // RUN) for i in range(RUN)]
+        return [start + i for start in rng.sample(slots, geom.req_pages // RUN) for i in range(RUN)]
 
     return table(), table()
 
@@ -86,6 +111,20 @@ def bench_memcpy(src: KVArgs, dst: KVArgs, runs: list[tuple[int, int, int]], rep
     return times[1:]
 
 
+def bench_device_copy(geom: Geometry, reps: int) -> list[float]:
+    """In-process device-to-device copy of the request's bytes (one contiguous copy, synchronized)."""
+    src = torch.empty(geom.nbytes, dtype=torch.uint8, device=geom.device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
 # ---- raw TCP baseline ---------------------------------------------------------------------------------------------
 def _views(args: KVArgs, pages: list[tuple[int, int]]) -> list[memoryview]:
     item = args.item_len
@@ -96,9 +135,9 @@ def _views(args: KVArgs, pages: list[tuple[int, int]]) -> list[memoryview]:
     return out
 
 
-def _raw_receiver(port_q: mp.Queue, runs: list[tuple[int, int, int]], reps: int) -> None:
+def _raw_receiver(port_q: mp.Queue, runs: list[tuple[int, int, int]], reps: int, geom: Geometry) -> None:
     from kvtransfer.backends.tcp import _recv_views
-    dst = make_pool(None)
+    dst = make_pool(None, geom, "cpu")
     views = _views(dst, [(d, n) for _, d, n in runs])
     server = socket.create_server(("127.0.0.1", 0))
     port_q.put(server.getsockname()[1])
@@ -109,11 +148,12 @@ def _raw_receiver(port_q: mp.Queue, runs: list[tuple[int, int, int]], reps: int)
     conn.close()
 
 
-def bench_raw_tcp(src: KVArgs, runs: list[tuple[int, int, int]], reps: int) -> list[float]:
+def bench_raw_tcp(src: KVArgs, runs: list[tuple[int, int, int]], reps: int, geom: Geometry) -> list[float]:
+    """Host memory to host memory over loopback (``src`` must be a CPU pool)."""
     from kvtransfer.backends.tcp import _send_views
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
-    proc = ctx.Process(target=_raw_receiver, args=(q, runs, reps), daemon=True)
+    proc = ctx.Process(target=_raw_receiver, args=(q, runs, reps, geom), daemon=True)
     proc.start()
     sock = socket.create_connection(("127.0.0.1", q.get(timeout=120)))
     views = _views(src, [(s, n) for s, _, n in runs])
@@ -130,7 +170,7 @@ def bench_raw_tcp(src: KVArgs, runs: list[tuple[int, int, int]], reps: int) -> l
 
 # ---- backends -------------------------------------------------------------------------------------------------------
 def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int], rooms: list[int],
-                   out: mp.Queue) -> None:
+                   out: mp.Queue, geom: Geometry) -> None:
     torch.set_num_threads(1)
     from kvtransfer.bootstrap import BootstrapServer
     from kvtransfer.manager import KVManager
@@ -140,7 +180,7 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
 
     server = BootstrapServer()
     port = server.start()
-    mgr = KVManager(make_pool(SRC_SEED), config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
+    mgr = KVManager(make_pool(SRC_SEED, geom), config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
     out.put(("ready", port))
     times = []
     for room in rooms:
@@ -163,19 +203,20 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
     server.stop()
 
 
-def bench_backend(backend: str, mode: str, src_pages: list[int], dst_pages: list[int], reps: int,
-                  src: KVArgs) -> list[float]:
+def bench_backend(backend: str, src_pages: list[int], dst_pages: list[int], reps: int, src: KVArgs,
+                  geom: Geometry, options: dict[str, str]) -> list[float]:
     from kvtransfer.manager import KVManager
     from kvtransfer.poll import KVPoll
     from kvtransfer.receiver import KVReceiver
 
-    config = replace(KVTransferConfig(backend=backend, cluster_token="bench"), transfer_timeout_s=120)
+    config = replace(KVTransferConfig(backend=backend, cluster_token="bench"), transfer_timeout_s=120,
+                     backend_options=options)
     rooms = [1000 + i for i in range(reps + 1)]
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    proc = ctx.Process(target=_prefill_child, args=(backend, config, src_pages, rooms, out), daemon=True)
+    proc = ctx.Process(target=_prefill_child, args=(backend, config, src_pages, rooms, out, geom), daemon=True)
     proc.start()
-    dst = make_pool(None)
+    dst = make_pool(None, geom)
     mgr = KVManager(dst, config, "decode")
     try:
         kind, port = out.get(timeout=180)
@@ -210,45 +251,68 @@ def verify(src: KVArgs, dst: KVArgs, src_pages: list[int], dst_pages: list[int])
                 raise RuntimeError(f"verification failed: source page {s} -> destination page {d}")
 
 
-def gbps(times: list[float]) -> float:
-    return NBYTES / statistics.median(times) / 1e9
+def gbps(times: list[float], geom: Geometry) -> float:
+    return geom.nbytes / statistics.median(times) / 1e9
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default=",".join(name for name in BACKENDS if name != "fake") + ",fake")
-    parser.add_argument("--modes", default="contiguous,paged")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--backends", default="", help="default: all but fake then fake (cpu); shm,tcp (cuda)")
+    parser.add_argument("--modes", default="", help="default: contiguous,paged (cpu); paged (cuda)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=4096, help="request size (x 128 KiB); small runs: 256")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="backend option, e.g. stage=always (tcp's staged path on CPU buffers)")
     parser.add_argument("--json", default="")
     opts = parser.parse_args()
+    options = dict(o.split("=", 1) for o in opts.option)
+    if opts.tokens < PAGE * RUN or opts.tokens % (PAGE * RUN):
+        parser.error(f"--tokens must be a positive multiple of {PAGE * RUN}")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device visible")
+    cuda = opts.device == "cuda"
+    geom = Geometry(opts.tokens, "cuda:0" if cuda else "cpu")
+    backends = (opts.backends or ("shm,tcp" if cuda else ",".join(n for n in BACKENDS if n != "fake") + ",fake"))
+    modes = opts.modes or ("paged" if cuda else "contiguous,paged")
     torch.set_num_threads(1)
-    src, scratch = make_pool(SRC_SEED), make_pool(None)
+    src = make_pool(SRC_SEED, geom)
+    host_src = make_pool(SRC_SEED, geom, "cpu") if cuda else src
+    scratch = None if cuda else make_pool(None, geom)
+    copy_name, copy_key = ("device copy", "device_copy") if cuda else ("memcpy 1T", "memcpy")
     results: dict[str, dict[str, float | str]] = {}
-    for mode in opts.modes.split(","):
-        src_pages, dst_pages = page_tables(mode, seed=11)
+    for mode in modes.split(","):
+        src_pages, dst_pages = page_tables(mode, 11, geom)
         runs = runs_of(src_pages, dst_pages)
         row = results.setdefault(mode, {})
-        row["memcpy"] = gbps(bench_memcpy(src, scratch, runs, opts.reps))
-        row["raw_tcp"] = gbps(bench_raw_tcp(src, runs, opts.reps))
-        for backend in opts.backends.split(","):
+        row[copy_key] = gbps(bench_device_copy(geom, opts.reps) if scratch is None else
+                           bench_memcpy(src, scratch, runs, opts.reps), geom)
+        row["raw_tcp"] = gbps(bench_raw_tcp(host_src, runs, opts.reps, geom), geom)
+        for backend in backends.split(","):
             try:
-                row[backend] = gbps(bench_backend(backend, mode, src_pages, dst_pages, opts.reps, src))
+                row[backend] = gbps(bench_backend(backend, src_pages, dst_pages, opts.reps, src, geom, options),
+                                   geom)
             except Exception as exc:  # report the failure in the table and go on with the other backends
                 row[backend] = f"error: {exc}"
             print(f"{mode:10s} {backend:6s} {row[backend]}", file=sys.stderr, flush=True)
-    print(f"\n512 MiB request, median of {opts.reps} reps, GB/s (ratio to raw TCP sendmsg / to 1-thread memcpy)\n")
-    print("| mode | memcpy 1T | raw TCP | " + " | ".join(opts.backends.split(",")) + " |")
-    print("|---|---|---|" + "---|" * len(opts.backends.split(",")))
+    mib = geom.nbytes / 2**20
+    print(f"\n{mib:.0f} MiB request on {geom.device}, median of {opts.reps} reps, GB/s "
+          f"(ratio to raw TCP sendmsg / to {copy_name})\n")
+    print(f"| mode | {copy_name} | raw TCP | " + " | ".join(backends.split(",")) + " |")
+    print("|---|---|---|" + "---|" * len(backends.split(",")))
     for mode, row in results.items():
         cells = []
-        for backend in opts.backends.split(","):
+        for backend in backends.split(","):
             v = row[backend]
             cells.append(v if isinstance(v, str) else
-                         f"{v:.2f} ({v / row['raw_tcp']:.2f}x / {v / row['memcpy']:.2f}x)")
-        print(f"| {mode} | {row['memcpy']:.2f} | {row['raw_tcp']:.2f} | " + " | ".join(cells) + " |")
+                         f"{v:.2f} ({v / float(row['raw_tcp']):.2f}x / {v / float(row[copy_key]):.2f}x)")
+        print(f"| {mode} | {row[copy_key]:.2f} | {row['raw_tcp']:.2f} | " + " | ".join(cells) + " |")
+    if cuda:
+        print("\ntargets: shm >= 0.5x the device copy, tcp >= 0.8x raw TCP")
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({mode: {**row, "device": geom.device, "tokens": geom.tokens} for mode, row in results.items()},
+                      f, indent=2)
     return 0
 
 

@@ -32,7 +32,8 @@ def _load(ref: str) -> Callable[..., object]:
 
 def add_make_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "mistral"), default="llama")
-    p.add_argument("--size", choices=("tiny", "small"), default="small")
+    p.add_argument("--size", choices=("tiny", "small", "1b"), default="small",
+                   help="1b: Llama-3.2-1B-shaped, random bf16 weights (~2 GB), for GPU benchmarks")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--seed", type=int, default=0)
 

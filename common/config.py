@@ -7,11 +7,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from common import env
 from common.errors import ConfigError
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
 KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "shm", "fake")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "triton")
+DEVICES = ("cpu", "cuda")
+DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 
 
 @dataclass(frozen=True)
@@ -27,10 +31,11 @@ class ServerArgs:
     device: str = "cpu"
     base_gpu_id: int = 0  # rank (dp d, tp t) uses cuda:(base_gpu_id + d * tp_size + t); see common.device
     seed: int = 0
+    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere (see resolved_attention_backend)
     # Memory.
     page_size: int = 16  # on CPU, page-sized KV reads make decode attention ~2x faster than page_size 1
     max_total_tokens: int | None = None
-    mem_fraction_static: float = 0.1
+    mem_fraction_static: float | None = None  # None: DEFAULT_MEM_FRACTION of the device
     max_running_requests: int = 256
     disable_radix_cache: bool = False
     # Scheduling.
@@ -64,6 +69,15 @@ class ServerArgs:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "triton" and not self.device.startswith("cuda") and not env.triton_interpret():
+            raise ConfigError(
+                f"--attention-backend triton needs a CUDA device (got --device {self.device}); use "
+                "--attention-backend torch on CPU (Triton's interpreter, TRITON_INTERPRET=1, is for tests only)"
+            )
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be >= 1, got {self.page_size}")
         if self.chunked_prefill_size != -1 and (
@@ -75,7 +89,12 @@ class ServerArgs:
             )
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
-        if not 0.0 < self.mem_fraction_static <= 0.95:
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r} "
+                              "(pick the GPU with --base-gpu-id, not cuda:N)")
+        if self.base_gpu_id < 0:
+            raise ConfigError(f"--base-gpu-id must be >= 0, got {self.base_gpu_id}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static <= 0.95:
             raise ConfigError(f"--mem-fraction-static must be in (0, 0.95], got {self.mem_fraction_static}")
         if self.watchdog_timeout <= 0:
             raise ConfigError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
@@ -95,6 +114,20 @@ class ServerArgs:
         return self.disaggregation_mode != "null"
 
     @property
+    def resolved_attention_backend(self) -> str:
+        """The attention backend the model runs: the flag, else triton on CUDA and torch elsewhere."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "torch"
+
+    @property
+    def mem_fraction(self) -> float:
+        """``--mem-fraction-static``, or the device's default when unset."""
+        if self.mem_fraction_static is not None:
+            return self.mem_fraction_static
+        return DEFAULT_MEM_FRACTION[self.device]
+
+    @property
     def chunk_size(self) -> int | None:
         return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
@@ -107,10 +140,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model-path", default=d.model_path, help="local Hugging Face model folder (default: embedded model)")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV cache dtype")
-    g.add_argument("--device", default=d.device, help="torch device (cpu, cuda)")
+    g.add_argument("--device", default=d.device, choices=DEVICES, help="where the model and KV cache live")
     g.add_argument("--base-gpu-id", type=int, default=d.base_gpu_id,
                    help="cuda: first GPU of this node; DP rank d uses GPU base-gpu-id + d * tp-size")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded sampling")
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
+                   help="attention kernels: triton (paged, default on CUDA) or torch (default on CPU)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port, help="gRPC pdcluster.v1.Worker port")
@@ -143,7 +178,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
                    help="KV cache size in tokens per DP rank (default: from --mem-fraction-static)")
     g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
-                   help="fraction of available memory for the KV cache when --max-total-tokens is unset")
+                   help="when --max-total-tokens is unset. cpu: fraction of available host RAM for the KV cache "
+                        f"(default {DEFAULT_MEM_FRACTION['cpu']}); cuda: fraction of the GPU's total memory for "
+                        "this rank's weights + KV cache, the KV cache taking what the weights leave "
+                        f"(default {DEFAULT_MEM_FRACTION['cuda']}; nodes sharing a GPU split it)")
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
                    help="requests in the running batch per DP rank")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix sharing between requests")

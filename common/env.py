@@ -1,4 +1,5 @@
-"""The one place that reads environment variables. Every variable carries the ``PDCLUSTER_`` prefix."""
+"""The one place that reads environment variables. Every variable carries the ``PDCLUSTER_`` prefix, except the
+third-party switches read here on their owner's terms (``TRITON_INTERPRET``)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,8 @@ def cluster_token() -> str:
 
 def log_level() -> str:
     return os.environ.get("PDCLUSTER_LOG_LEVEL", "INFO").upper()
+
+
+def triton_interpret() -> bool:
+    """Triton's own ``TRITON_INTERPRET=1``: kernels run on CPU tensors in its interpreter (tests only: slow)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")

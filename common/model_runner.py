@@ -1,14 +1,21 @@
-"""``ModelRunner``: owns the model, the memory pools and the sampler; runs one ``ModelWorkerBatch``."""
+"""``ModelRunner``: owns the model, the memory pools and the sampler; runs one ``ModelWorkerBatch``.
+
+Host/device split of one step: the scheduler's state (allocator, prefix cache, the authoritative ``req_to_token``)
+is on the host. ``_forward_batch`` packs the step's int inputs (input_ids, positions, out_cache_loc, the per-request
+lengths, the ``req_to_token`` entries written since the last step) into ONE host-to-device copy and scatters the
+table entries into the device mirror; the sampler's per-step tensors take one more copy when a row samples. The
+results come back through one device-to-host read (``SampleOutput.to_host``). On CPU no copy happens at all.
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from common.config import ServerArgs
+from common.device import MAX_KV_TOKENS, kv_cache_bytes, rank_device, ship
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.mem.allocator import TokenToKVPoolAllocator
 from common.mem.kv_pool import MHATokenToKVPool
@@ -26,42 +33,45 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class BatchResult:
     next_token_ids: list[int]
-    sample: SampleOutput
+    logprobs: list[float] | None  # per row; None when no row asked
+    top_logprobs: list[list[tuple[int, float]]] | None
+    sample: SampleOutput  # the device tensors behind the lists
 
 
-def kv_pool_pages(args: ServerArgs, model_config: ModelConfig, dtype: torch.dtype) -> int:
-    """Number of KV pages from ``--max-total-tokens`` or ``--mem-fraction-static`` of available memory."""
+def kv_pool_pages(
+    args: ServerArgs, model_config: ModelConfig, dtype: torch.dtype, device: torch.device = torch.device("cpu")
+) -> int:
+    """Number of KV pages from ``--max-total-tokens`` or ``--mem-fraction-static`` (see ``kv_cache_bytes``)."""
     if args.max_total_tokens is not None:
         tokens = args.max_total_tokens
     else:
         per_token = MHATokenToKVPool.bytes_per_token(
             model_config.num_kv_heads, model_config.head_dim, model_config.num_layers, dtype
         )
-        tokens = int(psutil.virtual_memory().available * args.mem_fraction_static) // per_token
-        tokens = min(tokens, 4 * 1024 * 1024)
+        tokens = min(kv_cache_bytes(args, device) // per_token, MAX_KV_TOKENS)
     return max(1, tokens // args.page_size)
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, model_path: str) -> None:
+    def __init__(self, args: ServerArgs, model_path: str, dp_rank: int = 0) -> None:
         self.args = args
         self.dtype = DTYPES[args.dtype]
-        self.device = torch.device(args.device)
+        self.device = rank_device(args, dp_rank)
         torch.manual_seed(args.seed)
         self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device)
         cfg = self.model_config
-        num_pages = kv_pool_pages(args, cfg, self.dtype)
+        num_pages = kv_pool_pages(args, cfg, self.dtype, self.device)
         self.kv_pool = MHATokenToKVPool(
             num_pages, args.page_size, self.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, self.device
         )
-        self.allocator = TokenToKVPoolAllocator(num_pages, args.page_size, self.device)
+        self.allocator = TokenToKVPoolAllocator(num_pages, args.page_size)  # host: scheduler bookkeeping
         self.max_context_len = cfg.context_len
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, cfg.context_len + 8, self.device)
-        self.attn_backend = self.model.make_attn_backend()
+        self.attn_backend = self.model.make_attn_backend(args.resolved_attention_backend)
         self.sampler = Sampler(seed=args.seed)
         logger.info(
-            "KV cache: %d pages x %d tokens (%.1f MiB), max running requests %d",
-            num_pages, args.page_size,
+            "KV cache on %s: %d pages x %d tokens (%.1f MiB), max running requests %d",
+            self.device, num_pages, args.page_size,
             num_pages * args.page_size * MHATokenToKVPool.bytes_per_token(
                 cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, self.dtype) / 2**20,
             args.max_running_requests,
@@ -72,23 +82,34 @@ class ModelRunner:
         return self.allocator.size
 
     def _forward_batch(self, b: ModelWorkerBatch) -> ForwardBatch:
-        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        i64 = torch.int64
         if b.forward_mode.is_decode():
-            positions = t([s - 1 for s in b.seq_lens])
+            positions = torch.tensor([s - 1 for s in b.seq_lens], dtype=i64)
         else:
-            positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(b.prefix_lens, b.seq_lens,
-                                                                                         strict=True)])
+            positions = torch.cat([torch.arange(p, s, dtype=i64) for p, s in zip(b.prefix_lens, b.seq_lens,
+                                                                                 strict=True)])
+        bs = len(b.reqs)
+        per_req = torch.tensor(b.req_pool_indices + b.seq_lens + b.extend_lens + b.prefix_lens, dtype=i64)
+        parts = [torch.tensor(b.input_ids, dtype=i64), positions, b.out_cache_loc, per_req]
+        pool = self.req_to_token_pool
+        updates = pool.take_updates()  # None on CPU: the table there is the host table itself
+        if updates is not None:
+            parts += updates
+        dev = ship(parts, self.device)
+        if updates is not None:
+            pool.device_req_to_token.view(-1).index_put_((dev[4],), dev[5])
+        rpi, seq_lens, extend_lens, prefix_lens = dev[3].split(bs)
         return ForwardBatch(
             forward_mode=b.forward_mode,
-            batch_size=len(b.reqs),
-            input_ids=t(b.input_ids),
-            positions=positions.to(self.device),
-            out_cache_loc=b.out_cache_loc.to(self.device),
-            req_pool_indices=t(b.req_pool_indices),
-            seq_lens=t(b.seq_lens),
-            extend_lens=t(b.extend_lens),
-            prefix_lens=t(b.prefix_lens),
-            req_to_token=self.req_to_token_pool.req_to_token,
+            batch_size=bs,
+            input_ids=dev[0],
+            positions=dev[1],
+            out_cache_loc=dev[2],
+            req_pool_indices=rpi,
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
+            prefix_lens=prefix_lens,
+            req_to_token=pool.device_req_to_token,
             seq_lens_cpu=b.seq_lens,
             extend_lens_cpu=b.extend_lens,
             prefix_lens_cpu=b.prefix_lens,
@@ -98,6 +119,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
+        if self.device.type == "cuda":
+            # NOTE: the current device is per thread (the prefill node forwards on a worker thread); kernels that
+            # launch on the current device (Triton) must see this rank's GPU.
+            with torch.cuda.device(self.device):
+                return self._forward_and_sample(b)
+        return self._forward_and_sample(b)
+
+    def _forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
         fb = self._forward_batch(b)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model.forward(fb)
@@ -106,4 +135,5 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         info = SamplingBatchInfo.from_reqs(b.reqs, self.model_config.vocab_size, self.device)
         sample = self.sampler(logits, info)
-        return BatchResult(sample.next_token_ids.tolist(), sample)
+        host = sample.to_host()
+        return BatchResult(host.next_token_ids, host.logprobs, host.top_logprobs, sample)

@@ -6,6 +6,9 @@ A batch owns no memory itself; it moves slots between ``ReqToTokenPool``, the KV
     prepare_for_decode:  one KV slot per request for position seqlen - 1 (the last sampled token's KV)
     retract_decode:      frees a request's own slots (not the cache's), the request re-enters the queue
     cache_finished_req:  hands the request's slots to the prefix cache (or frees them) when it finishes
+
+Everything here is host-side: the allocator's slots, ``out_cache_loc`` and the ``req_to_token`` table it reads and
+writes are CPU tensors; the model runner ships them to the device once per step.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ RETRACT_DECODE_STEPS = 20  # decode steps a batch must be able to run after a re
 class ModelWorkerBatch:
     forward_mode: ForwardMode
     input_ids: list[int]
-    out_cache_loc: torch.Tensor
+    out_cache_loc: torch.Tensor  # host int64 [num_tokens]
     req_pool_indices: list[int]
     seq_lens: list[int]
     prefix_lens: list[int]
@@ -90,7 +93,7 @@ class ScheduleBatch:
             req.req_pool_idx = slot
 
     def _last_locs(self, reqs: list[Req], lens: list[int]) -> list[int]:
-        """KV slot of each request's token ``lens[i] - 1`` (-1 where ``lens[i] == 0``), one gather for the batch."""
+        """KV slot of each request's token ``lens[i] - 1`` (-1 where ``lens[i] == 0``), from the host table."""
         if not reqs:
             return []
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
@@ -106,10 +109,10 @@ class ScheduleBatch:
         self._alloc_req_slots(reqs)
         prefix_lens = [len(r.prefix_indices) for r in reqs]
         seq_lens = [len(r.fill_ids) for r in reqs]
-        table = self.req_to_token_pool.req_to_token
+        pool = self.req_to_token_pool
         for req, plen in zip(reqs, prefix_lens, strict=True):
             if plen:
-                table[req.req_pool_idx, :plen] = req.prefix_indices
+                pool.write(req.req_pool_idx, 0, req.prefix_indices)
         extend_num = sum(seq_lens) - sum(prefix_lens)
         self._evict_for(extend_num + len(reqs) * self.allocator.page_size)
         out = self.allocator.alloc_extend(prefix_lens, seq_lens, self._last_locs(reqs, prefix_lens))
@@ -119,7 +122,7 @@ class ScheduleBatch:
         input_ids: list[int] = []
         for req, plen, slen in zip(reqs, prefix_lens, seq_lens, strict=True):
             n = slen - plen
-            table[req.req_pool_idx, plen:slen] = out[offset : offset + n]
+            pool.write(req.req_pool_idx, plen, out[offset : offset + n])
             offset += n
             input_ids.extend(req.fill_ids[plen:slen])
             req.kv_committed_len = slen
@@ -159,9 +162,7 @@ class ScheduleBatch:
         out = self.allocator.alloc_decode(seq_lens, self._last_locs(reqs, [s - 1 for s in seq_lens]))
         if out is None:
             raise RuntimeError("KV cache out of memory in decode; check_decode_mem must run first")
-        table = self.req_to_token_pool.req_to_token
-        idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        table[idx, torch.tensor(seq_lens, dtype=torch.int64) - 1] = out
+        self.req_to_token_pool.write_points([r.req_pool_idx for r in reqs], [s - 1 for s in seq_lens], out)
         for req, slen in zip(reqs, seq_lens, strict=True):
             req.kv_committed_len = slen
         self.out_cache_loc = out

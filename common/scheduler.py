@@ -47,7 +47,7 @@ class Scheduler:
         self.args = args
         self.dp_rank = dp_rank
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(args, model_path)
+        self.runner = ModelRunner(args, model_path, dp_rank)
         self.model_config = self.runner.model_config
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
@@ -287,10 +287,10 @@ class Scheduler:
         self.num_generated_tokens += 1
         if not req.times.first_token:
             req.times.first_token = time.monotonic()
-        if req.return_logprob and result.sample.logprobs is not None:
-            req.output_logprobs.append(float(result.sample.logprobs[i]))
-            if result.sample.top_logprobs is not None:
-                req.output_top_logprobs.append(result.sample.top_logprobs[i])
+        if req.return_logprob and result.logprobs is not None:
+            req.output_logprobs.append(result.logprobs[i])
+            if result.top_logprobs is not None:
+                req.output_top_logprobs.append(result.top_logprobs[i])
         check_finished(req, token, self.tokenizer)
         if req.to_abort is not None and not req.finished():
             req.abort(req.to_abort)

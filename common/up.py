@@ -3,6 +3,10 @@ processes of this one. Prints the endpoints and a ready line; Ctrl-C (or SIGTERM
 
 Nodes are started with ``pdcluster serve`` and the router with ``pdcluster router``: the same commands a user
 runs by hand, so this is only a launcher. Each child's output goes to ``--log-dir`` (default: a temp dir).
+
+``--device cuda``: each node takes ``--dp-size`` consecutive GPUs (``--base-gpu-id``) of its own when the host has
+enough; otherwise nodes share GPUs round-robin and each gets ``--mem-fraction-static`` divided by the number of
+nodes on its GPU. KV moves over ``shm`` (CUDA IPC) by default there: every node of ``up`` is on one host.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -29,7 +33,9 @@ from common.tokenizer import resolve_model_path
 
 READY_TIMEOUT_S = 300.0
 NODE_FLAGS = ("page_size", "dp_size", "chunked_prefill_size", "max_total_tokens", "max_running_requests",
-              "dtype", "torch_num_threads")
+              "dtype", "torch_num_threads", "device")
+DEFAULT_BACKEND = {"cpu": "tcp", "cuda": "shm"}
+CUDA_MEM_FRACTION = 0.85
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +45,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--colocated", type=int, default=0, help="number of colocated (mode null) nodes")
-    p.add_argument("--kv-transfer-backend", default="tcp", choices=("tcp", "nccl", "ucx", "shm", "fake"))
+    p.add_argument("--kv-transfer-backend", default=None, choices=("tcp", "nccl", "ucx", "shm", "fake"),
+                   help="default: tcp on cpu, shm (CUDA IPC, same host) on cuda")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every node runs its model")
+    p.add_argument("--num-gpus", type=int, default=None, help="cuda: GPUs to place nodes on (default: all visible)")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help=f"cuda: GPU memory fraction of a node that has its GPU alone (default {CUDA_MEM_FRACTION}); "
+                        "split between nodes sharing a GPU")
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--dp-size", type=int, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
@@ -58,6 +70,37 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    name: str
+    base_gpu_id: int
+    mem_fraction_static: float
+    shares_with: tuple[str, ...] = field(default=())
+
+
+def place_nodes(names: list[str], dp_size: int, num_gpus: int, mem_fraction: float) -> list[NodePlacement]:
+    """GPUs of each node: its own ``dp_size`` consecutive GPUs when there are enough for every node; otherwise nodes
+    are dealt round-robin over the ``num_gpus // dp_size`` GPU groups and split the memory fraction."""
+    if dp_size > num_gpus:
+        raise ValueError(f"--dp-size {dp_size} needs {dp_size} GPUs per node but {num_gpus} are visible")
+    groups = num_gpus // dp_size
+    if len(names) <= groups:
+        return [NodePlacement(n, i * dp_size, mem_fraction) for i, n in enumerate(names)]
+    members: list[list[str]] = [names[g::groups] for g in range(groups)]
+    out = []
+    for i, name in enumerate(names):
+        group = members[i % groups]
+        out.append(NodePlacement(name, (i % groups) * dp_size, round(mem_fraction / len(group), 4),
+                                 tuple(n for n in group if n != name)))
+    return out
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @dataclass
@@ -79,6 +122,20 @@ class LocalCluster:
         self.log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="pdcluster-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
+        self.backend = ns.kv_transfer_backend or DEFAULT_BACKEND[ns.device]
+        self.node_names = [f"{role}-{i}" for role, count in
+                           (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated))
+                           for i in range(count)]
+        self.placement: dict[str, NodePlacement] = {}
+        if ns.device == "cuda":
+            gpus = ns.num_gpus if ns.num_gpus is not None else _visible_gpus()
+            if gpus < 1:
+                raise RuntimeError("--device cuda but no GPU is visible; use --device cpu")
+            frac = ns.mem_fraction_static or CUDA_MEM_FRACTION
+            self.placement = {p.name: p for p in place_nodes(self.node_names, ns.dp_size or 1, gpus, frac)}
+            if self.backend == "nccl" and any(p.shares_with for p in self.placement.values()):
+                raise RuntimeError("--kv-transfer-backend nccl cannot pair two nodes on one GPU (NCCL refuses "
+                                   "duplicate GPUs); use shm or tcp, or give each node its own GPU")
 
     def _spawn(self, name: str, args: list[str], grpc_port: int, metrics_port: int | None = None) -> Child:
         log = self.log_dir / f"{name}.log"
@@ -91,8 +148,7 @@ class LocalCluster:
         return child
 
     def _node_flags(self) -> list[str]:
-        flags = ["--model-path", self.model_path, "--host", "127.0.0.1",
-                 "--kv-transfer-backend", self.ns.kv_transfer_backend]
+        flags = ["--model-path", self.model_path, "--host", "127.0.0.1", "--kv-transfer-backend", self.backend]
         for name in NODE_FLAGS:
             value = getattr(self.ns, name)
             if value is not None:
@@ -112,6 +168,10 @@ class LocalCluster:
                 port, bootstrap = _free_port(), _free_port()
                 args = ["serve", *self._node_flags(), "--port", str(port), "--disaggregation-mode", role,
                         "--disaggregation-bootstrap-port", str(bootstrap)]
+                place = self.placement.get(f"{role}-{i}")
+                if place is not None:
+                    args += ["--base-gpu-id", str(place.base_gpu_id),
+                             "--mem-fraction-static", str(place.mem_fraction_static)]
                 metrics = _free_port() if self.ns.metrics else None
                 if metrics is not None:
                     args += ["--metrics-port", str(metrics)]
@@ -163,6 +223,20 @@ class LocalCluster:
                 child.proc.wait(5)
 
 
+def placement_lines(placement: dict[str, NodePlacement], dp_size: int) -> list[str]:
+    """What ``up`` tells the user about GPU placement (nothing on CPU)."""
+    lines = []
+    for p in placement.values():
+        gpus = ", ".join(f"cuda:{p.base_gpu_id + d}" for d in range(dp_size))
+        how = (f"shared with {', '.join(p.shares_with)}" if p.shares_with else "its own")
+        lines.append(f"  {p.name:<10} on {gpus} ({how}; --mem-fraction-static {p.mem_fraction_static})")
+    if placement:
+        shared = any(p.shares_with for p in placement.values())
+        lines.insert(0, "GPU placement: nodes share GPUs, memory split between them" if shared
+                     else "GPU placement: each node has its own GPU(s)")
+    return lines
+
+
 def run_demo(http_port: int, model_name: str) -> None:
     from openai import OpenAI
 
@@ -196,8 +270,10 @@ def run_up(ns: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        print(f"starting: {ns.prefill} prefill + {ns.decode} decode node(s), model {cluster.model_path}, "
-              f"KV over {ns.kv_transfer_backend}; logs in {cluster.log_dir}", flush=True)
+        print(f"starting: {ns.prefill} prefill + {ns.decode} decode node(s) on {ns.device}, model "
+              f"{cluster.model_path}, KV over {cluster.backend}; logs in {cluster.log_dir}", flush=True)
+        for line in placement_lines(cluster.placement, ns.dp_size or 1):
+            print(line, flush=True)
         cluster.start()
         for child in cluster.children:
             metrics = f"  metrics http://127.0.0.1:{child.metrics_port}/metrics" if child.metrics_port else ""

@@ -101,7 +101,7 @@ class DecodePreallocQueue:
             s.req_to_token_pool.free(slots)
             return False
         req.req_pool_idx = slots[0]
-        s.req_to_token_pool.req_to_token[req.req_pool_idx, :n] = kv
+        s.req_to_token_pool.write(req.req_pool_idx, 0, kv)
         req.kv_committed_len = n
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.metadata_slot = self.free_metadata_slots.pop()

@@ -39,13 +39,14 @@ def make_args(
     tp_rank: int = 0,
     tp_size: int = 1,
     total_heads: int | None = None,
+    device: str = "cpu",
 ) -> KVArgs:
-    """Random per-layer K/V pools (page 0 included), reproducible from ``seed``."""
+    """Random per-layer K/V pools (page 0 included), reproducible from ``seed`` (the same values on any device)."""
     g = torch.Generator().manual_seed(seed)
     slots = (num_pages + 1) * page_size
 
     def buf() -> torch.Tensor:
-        return torch.randn(slots, heads, head_dim, generator=g).to(torch.bfloat16)
+        return torch.randn(slots, heads, head_dim, generator=g).to(torch.bfloat16).to(device)
 
     ks = tuple(buf() for _ in range(layers))
     vs = tuple(buf() for _ in range(layers))

@@ -167,6 +167,28 @@ def test_generator_is_deterministic(tmp_path: Path) -> None:
     assert (p1 / "tokenizer.json").read_bytes() == (p3 / "tokenizer.json").read_bytes()
 
 
+def test_1b_preset_is_llama_1b_shaped_bf16(tmp_path: Path) -> None:
+    """The ``1b`` preset's config (weights are not materialized: ~2 GB; the GPU tests generate them)."""
+    from transformers import AutoModelForCausalLM
+
+    from common.model_gen.make_model import SIZES, _hf_config
+    from common.model_gen.tokenizer import write_tokenizer_files
+
+    spec = SIZES["1b"]
+    config = _hf_config("llama", "1b", spec, write_tokenizer_files(tmp_path, spec.vocab, spec.max_pos))
+    config.save_pretrained(tmp_path)
+    save_file({"placeholder": torch.zeros(1)}, str(tmp_path / "model.safetensors"))  # the folder check wants one
+    cfg = ModelConfig.from_path(tmp_path)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (2048, 16, 32, 8)
+    assert cfg.intermediate_size == 8192 and cfg.head_dim == 64
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    with torch.device("meta"):
+        params = sum(t.numel() for t in AutoModelForCausalLM.from_config(config).parameters())
+    assert 0.95e9 < params < 1.3e9
+    small = SIZES["small"]
+    assert spec.vocab == small.vocab  # the same generated tokenizer as the other presets
+
+
 def test_tokenizer_round_trips_any_utf8() -> None:
     rng = random.Random(5)
     texts = [

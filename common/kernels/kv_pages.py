@@ -6,7 +6,8 @@ Every buffer is ``[num_slots, *slot_shape]`` with ``num_slots % page_size == 0``
 
     staging[b, i] == buffers[b][page_ids[i] * page_size : (page_ids[i] + 1) * page_size]
 
-On CPU these are the torch reference below; on CUDA a Triton kernel may replace them (same contract).
+On CPU these are the torch reference below; on CUDA one Triton launch copies every buffer
+(``common.kernels.kv_pages_triton``, imported on first CUDA use so a CPU process never loads Triton).
 """
 
 from __future__ import annotations
@@ -30,9 +31,19 @@ def scatter_pages_ref(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor, p
 
 def gather_pages(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
     """``out[b, i] = page page_ids[i] of buffers[b]``; ``page_ids`` int64 on the buffers' device."""
-    gather_pages_ref(buffers, page_ids, page_size, out)
+    if buffers and buffers[0].is_cuda:
+        from common.kernels.kv_pages_triton import gather_pages_triton
+
+        gather_pages_triton(buffers, page_ids, page_size, out)
+    else:
+        gather_pages_ref(buffers, page_ids, page_size, out)
 
 
 def scatter_pages(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor, page_size: int, src: torch.Tensor) -> None:
     """``page page_ids[i] of buffers[b] = src[b, i]``; page ids must be distinct."""
-    scatter_pages_ref(buffers, page_ids, page_size, src)
+    if buffers and buffers[0].is_cuda:
+        from common.kernels.kv_pages_triton import scatter_pages_triton
+
+        scatter_pages_triton(buffers, page_ids, page_size, src)
+    else:
+        scatter_pages_ref(buffers, page_ids, page_size, src)

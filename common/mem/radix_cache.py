@@ -220,7 +220,7 @@ class RadixCache(BasePrefixCache):
                 f"cache_unfinished_req: re-match found {len(match.device_indices)} of {aligned}"
             )
         # The row now points at the tree's slots for [0, aligned); [aligned, committed) stays the request's own.
-        row[cached:aligned] = match.device_indices[cached:]
+        self.req_to_token_pool.write(idx, cached, match.device_indices[cached:])
         self.inc_lock_ref(match.last_node)
         self.dec_lock_ref(req.last_node)
         req.last_node = match.last_node

@@ -7,6 +7,8 @@ Parameter names are HF's except the fused ``qkv_proj`` (rows: q | k | v) and ``g
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,9 @@ from common.model.attention import TorchAttentionBackend
 from common.model.config import ModelConfig
 from common.model.layers import Embedding, GatedMLP, Linear, RMSNorm
 from common.model.rope import RotaryEmbedding, apply_rotary_signed
+
+if TYPE_CHECKING:
+    from common.model.triton_backend import TritonAttentionBackend
 
 
 class LlamaAttention(nn.Module):
@@ -84,13 +89,23 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         device = torch.device(device)
         self.config = cfg
+        self.device = device
         self.model = LlamaModel(cfg, dtype, device)
         self.lm_head = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         )
 
-    def make_attn_backend(self) -> TorchAttentionBackend:
+    def make_attn_backend(self, backend: str = "torch") -> TorchAttentionBackend | TritonAttentionBackend:
+        """``backend``: ``torch`` (padded SDPA over gathered pages) or ``triton`` (paged kernels, no gather)."""
         cfg = self.config
+        if backend == "triton":
+            from common.model.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend(
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window, self.device
+            )
+        if backend != "torch":
+            raise ValueError(f"unknown attention backend {backend!r} (torch or triton)")
         return TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Generate a random-weight, seeded, real Hugging Face model folder (no download needed).
 
-Output folder: config.json, generation_config.json, model.safetensors (fp32), tokenizer.json,
+Output folder: config.json, generation_config.json, model.safetensors (fp32; bf16 for ``1b``), tokenizer.json,
 tokenizer_config.json (ChatML chat template), special_tokens_map.json. Same (arch, size, seed) -> byte-identical
 files within one environment.
 
@@ -50,11 +50,15 @@ class SizeSpec:
     intermediate: int
     vocab: int
     max_pos: int
+    dtype: str = "float32"  # of the saved weights (and config.dtype)
 
 
 SIZES = {
     "tiny": SizeSpec(hidden=128, layers=3, heads=4, kv_heads=2, intermediate=256, vocab=1536, max_pos=2048),
     "small": SizeSpec(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, vocab=8192, max_pos=4096),
+    # Llama-3.2-1B-shaped (the same generated tokenizer, so a smaller vocab): ~1.0 B parameters, ~2 GB in bf16.
+    "1b": SizeSpec(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=8192, max_pos=4096,
+                   dtype="bfloat16"),
 }
 
 
@@ -79,6 +83,8 @@ def make_model(arch: str, size: str, out_dir: Path, seed: int = 0) -> Path:
     (out_dir / "generation_config.json").write_text(json.dumps(gen_config, indent=2, sort_keys=True) + "\n")
     weights = _init_weights(config, seed)
     weights = _ensure_margin(config, weights, out_dir)
+    if spec.dtype != "float32":
+        weights = {name: t.to(getattr(torch, spec.dtype)) for name, t in weights.items()}
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors writes 0600; images may run as another user
     return out_dir
@@ -120,7 +126,7 @@ def _hf_config(arch: str, size: str, spec: SizeSpec, tok_ids: dict[str, int]) ->
         bos_token_id=tok_ids["<s>"],
         eos_token_id=tok_ids[EOS],
         pad_token_id=tok_ids["<pad>"],
-        dtype="float32",
+        dtype=spec.dtype,
     )
     if arch == "llama":
         rope = {

@@ -3,7 +3,9 @@
 Row ``i`` of every tensor belongs to request ``i`` of the owning batch. Each penalty is one component that exists
 only while some row uses it; a row whose penalty is neutral may hold any state (its penalty multiplies it out).
 Per step: ``apply`` is a few elementwise ops over ``[bs, vocab]``, ``cumulate_output_tokens`` one scatter per
-component (no per-row Python loop).
+component (no per-row Python loop). ``PenaltyState.from_reqs`` builds every component's inputs on the host and ships
+them in one host-to-device copy (``host_inputs`` -> ``common.device.ship`` -> ``from_device``); the ``[bs, vocab]``
+tensors are then filled on the device from sparse (row, token) indices.
 
 - repetition (HF ``RepetitionPenaltyLogitsProcessor``): over prompt + output tokens, ``logit > 0 -> logit / p``,
   else ``logit * p``.
@@ -15,26 +17,40 @@ component (no per-row Python loop).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import torch
+
+from common.device import ship
 
 if TYPE_CHECKING:
     from common.req import Req
 
 
-def _row_mask(
-    rows: list[list[int]], vocab_size: int, device: torch.device, dtype: torch.dtype
+Columns = list[list[float]]  # host inputs of one component, shipped as float64 (exact for ids and float32 values)
+
+
+def _mask_columns(rows: list[list[int]]) -> Columns:
+    """Sparse form of a ``[len(rows), vocab]`` occurrence mask: the row and the token of every occurrence."""
+    return [[float(i) for i, r in enumerate(rows) for _ in r], [float(t) for r in rows for t in r]]
+
+
+def _mask_on_device(
+    row_idx: torch.Tensor, col_idx: torch.Tensor, bs: int, vocab_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``[len(rows), vocab]`` tensor with ``out[i, t]`` = how often ``t`` occurs in ``rows[i]`` (0/1 for bool)."""
-    out = torch.zeros(len(rows), vocab_size, dtype=dtype, device=device)
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-    if int(lens.sum()) == 0:
-        return out
-    row_idx = torch.repeat_interleave(torch.arange(len(rows)), lens).to(device)
-    col_idx = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=device)
-    out.index_put_((row_idx, col_idx), torch.ones(len(col_idx), dtype=dtype, device=device), accumulate=True)
+    """``[bs, vocab]`` tensor with ``out[i, t]`` = how often ``(i, t)`` occurs (0/1 for bool), on the indices' device."""
+    out = torch.zeros(bs, vocab_size, dtype=dtype, device=row_idx.device)
+    if row_idx.numel():
+        ones = torch.ones(row_idx.numel(), dtype=dtype, device=row_idx.device)
+        out.index_put_((row_idx.to(torch.int64), col_idx.to(torch.int64)), ones, accumulate=True)
     return out
+
+
+def _build(cls: Any, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> Any:
+    """``cls.host_inputs`` -> one copy -> ``cls.from_device``: one component built alone."""
+    values, cols = cls.host_inputs(reqs, vocab_size)
+    dev = ship([torch.tensor(c, dtype=torch.float64) for c in cols], device)
+    return cls.from_device(values, dev, len(reqs), vocab_size)
 
 
 class _Component(Protocol):
@@ -48,18 +64,29 @@ class _Component(Protocol):
 
 
 class RepetitionPenalty:
-    def __init__(self, values: list[float], seen: torch.Tensor) -> None:
+    def __init__(self, values: list[float], seen: torch.Tensor, penalty: torch.Tensor | None = None) -> None:
         self.values = values
-        self.penalty = torch.tensor(values, dtype=torch.float32, device=seen.device).unsqueeze(1)  # [bs, 1]
+        if penalty is None:
+            penalty = torch.tensor(values, dtype=torch.float32, device=seen.device)
+        self.penalty = penalty.unsqueeze(1)  # [bs, 1]
         self.seen = seen  # [bs, vocab] bool: token occurs in prompt or output
 
     @classmethod
-    def build(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> Self:
+    def host_inputs(cls, reqs: Sequence[Req], vocab_size: int) -> tuple[list[float], Columns]:
         values = [float(r.sampling_params.repetition_penalty) for r in reqs]
         rows = [
             r.origin_input_ids + r.output_ids if v != 1.0 else [] for r, v in zip(reqs, values, strict=True)
         ]
-        return cls(values, _row_mask(rows, vocab_size, device, torch.bool))
+        return values, [values, *_mask_columns(rows)]
+
+    @classmethod
+    def from_device(cls, values: list[float], cols: list[torch.Tensor], bs: int, vocab_size: int) -> Self:
+        penalty, row_idx, col_idx = cols
+        return cls(values, _mask_on_device(row_idx, col_idx, bs, vocab_size, torch.bool), penalty.float())
+
+    @classmethod
+    def build(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> Self:
+        return _build(cls, reqs, vocab_size, device)
 
     @classmethod
     def neutral(cls, bs: int, vocab_size: int, device: torch.device) -> Self:
@@ -84,19 +111,35 @@ class RepetitionPenalty:
 
 
 class FrequencyPresencePenalty:
-    def __init__(self, freq: list[float], pres: list[float], counts: torch.Tensor) -> None:
+    def __init__(
+        self, freq: list[float], pres: list[float], counts: torch.Tensor,
+        freq_pres: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         self.freq_values, self.pres_values = freq, pres
         self.values = [abs(f) + abs(p) for f, p in zip(freq, pres, strict=True)]
-        self.freq = torch.tensor(freq, dtype=torch.float32, device=counts.device).unsqueeze(1)  # [bs, 1]
-        self.pres = torch.tensor(pres, dtype=torch.float32, device=counts.device).unsqueeze(1)  # [bs, 1]
+        if freq_pres is None:
+            freq_pres = (torch.tensor(freq, dtype=torch.float32, device=counts.device),
+                         torch.tensor(pres, dtype=torch.float32, device=counts.device))
+        self.freq = freq_pres[0].unsqueeze(1)  # [bs, 1]
+        self.pres = freq_pres[1].unsqueeze(1)  # [bs, 1]
         self.counts = counts  # [bs, vocab] int32: occurrences among output tokens only
 
     @classmethod
-    def build(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> Self:
+    def host_inputs(cls, reqs: Sequence[Req], vocab_size: int) -> tuple[list[float], Columns]:
         freq = [float(r.sampling_params.frequency_penalty) for r in reqs]
         pres = [float(r.sampling_params.presence_penalty) for r in reqs]
         rows = [r.output_ids if f or p else [] for r, f, p in zip(reqs, freq, pres, strict=True)]
-        return cls(freq, pres, _row_mask(rows, vocab_size, device, torch.int32))
+        return freq + pres, [freq, pres, *_mask_columns(rows)]
+
+    @classmethod
+    def from_device(cls, values: list[float], cols: list[torch.Tensor], bs: int, vocab_size: int) -> Self:
+        freq, pres, row_idx, col_idx = cols
+        counts = _mask_on_device(row_idx, col_idx, bs, vocab_size, torch.int32)
+        return cls(values[:bs], values[bs:], counts, (freq.float(), pres.float()))
+
+    @classmethod
+    def build(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> Self:
+        return _build(cls, reqs, vocab_size, device)
 
     @classmethod
     def neutral(cls, bs: int, vocab_size: int, device: torch.device) -> Self:
@@ -122,14 +165,19 @@ class FrequencyPresencePenalty:
 
 
 class MinNewTokensPenalty:
-    def __init__(self, values: list[float], output_lens: torch.Tensor, stop_mask: torch.Tensor) -> None:
+    def __init__(
+        self, values: list[float], output_lens: torch.Tensor, stop_mask: torch.Tensor,
+        min_new: torch.Tensor | None = None,
+    ) -> None:
         self.values = values  # min_new_tokens per row
-        self.min_new = torch.tensor(values, dtype=torch.int64, device=stop_mask.device)  # [bs]
+        if min_new is None:
+            min_new = torch.tensor(values, dtype=torch.int64, device=stop_mask.device)
+        self.min_new = min_new  # [bs] int64
         self.output_lens = output_lens  # [bs] int64, tokens produced so far
         self.stop_mask = stop_mask  # [bs, vocab] bool: the row's EOS (unless ignore_eos) and stop_token_ids
 
     @classmethod
-    def build(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> Self:
+    def host_inputs(cls, reqs: Sequence[Req], vocab_size: int) -> tuple[list[float], Columns]:
         values: list[float] = [r.sampling_params.min_new_tokens for r in reqs]
         rows = []
         for r, v in zip(reqs, values, strict=True):
@@ -138,8 +186,18 @@ class MinNewTokensPenalty:
                 stops |= r.eos_token_ids
             # NOTE: ids beyond the logits' width cannot be sampled anyway; dropping them keeps scatter in range.
             rows.append(sorted(t for t in stops if 0 <= t < vocab_size) if v > len(r.output_ids) else [])
-        lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=device)
-        return cls(values, lens, _row_mask(rows, vocab_size, device, torch.bool))
+        lens = [float(len(r.output_ids)) for r in reqs]
+        return values, [[float(v) for v in values], lens, *_mask_columns(rows)]
+
+    @classmethod
+    def from_device(cls, values: list[float], cols: list[torch.Tensor], bs: int, vocab_size: int) -> Self:
+        min_new, lens, row_idx, col_idx = cols
+        stop_mask = _mask_on_device(row_idx, col_idx, bs, vocab_size, torch.bool)
+        return cls(values, lens.to(torch.int64), stop_mask, min_new.to(torch.int64))
+
+    @classmethod
+    def build(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> Self:
+        return _build(cls, reqs, vocab_size, device)
 
     @classmethod
     def neutral(cls, bs: int, vocab_size: int, device: torch.device) -> Self:
@@ -186,7 +244,20 @@ class PenaltyState:
     def from_reqs(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device | str) -> PenaltyState:
         """Build from each request's prompt and output ids (the state after ``len(output_ids)`` cumulations)."""
         device = torch.device(device)
-        comps = {c: c.build(reqs, vocab_size, device) for c in _COMPONENTS}
+        # NOTE: a component no request uses is not built at all: building allocates [bs, vocab] on the device.
+        params = [r.sampling_params for r in reqs]
+        wanted = {
+            RepetitionPenalty: any(p.repetition_penalty != 1.0 for p in params),
+            FrequencyPresencePenalty: any(p.frequency_penalty or p.presence_penalty for p in params),
+            MinNewTokensPenalty: any(p.min_new_tokens for p in params),
+        }
+        inputs = {c: c.host_inputs(reqs, vocab_size) for c in _COMPONENTS if wanted[c]}
+        host = [torch.tensor(col, dtype=torch.float64) for _, cols in inputs.values() for col in cols]
+        dev = iter(ship(host, device))  # one copy for every component
+        comps: dict[type, _Component] = {
+            c: c.from_device(values, [next(dev) for _ in cols], len(reqs), vocab_size)
+            for c, (values, cols) in inputs.items()
+        }
         return cls(len(reqs), vocab_size, device, comps)
 
     @property

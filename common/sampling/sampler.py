@@ -26,11 +26,12 @@ batch's own. The incremental state always equals ``from_reqs`` rebuilt on the sa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from common.device import ship
 from common.sampling.penalties import PenaltyState
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class SamplingBatchInfo:
         )
 
     def _build_tensors(self) -> None:
-        """Derive tensors and flags from the Python-side lists (O(bs), one host-to-device copy each)."""
+        """Derive tensors and flags from the Python-side lists (O(bs), one host-to-device copy in all)."""
         vocab, params = self.vocab_size, self.params
         greedy = [p.is_greedy for p in params]
         self.sampled_rows = [i for i, g in enumerate(greedy) if not g]
@@ -101,13 +102,19 @@ class SamplingBatchInfo:
         self.need_logprobs = any(self.return_logprob)
         self.max_top_logprobs = max(self.top_logprobs_nums, default=0)
         self.seeds = [p.seed for p in sampled]  # per sampled row
-        dev = self.device
-        # Tensors below cover the sampled rows only, in ``sampled_rows`` order.
-        self.sampled_index = torch.tensor(self.sampled_rows, dtype=torch.int64, device=dev)
-        self.temperatures = torch.tensor([p.temperature for p in sampled], dtype=torch.float32, device=dev)
-        self.top_ks = torch.tensor(top_ks, dtype=torch.int64, device=dev)
-        self.top_ps = torch.tensor([p.top_p for p in sampled], dtype=torch.float32, device=dev)
-        self.min_ps = torch.tensor([p.min_p for p in sampled], dtype=torch.float32, device=dev)
+        # Tensors below cover the sampled rows only, in ``sampled_rows`` order. They travel as one float64
+        # buffer (exact for these ints and for float32 values) and are cast back on the device.
+        f64 = torch.float64
+        host = [
+            torch.tensor(self.sampled_rows, dtype=f64),
+            torch.tensor(top_ks, dtype=f64),
+            torch.tensor([p.temperature for p in sampled], dtype=f64),
+            torch.tensor([p.top_p for p in sampled], dtype=f64),
+            torch.tensor([p.min_p for p in sampled], dtype=f64),
+        ]
+        index, ks, temps, top_ps, min_ps = ship(host, self.device)
+        self.sampled_index, self.top_ks = index.to(torch.int64), ks.to(torch.int64)
+        self.temperatures, self.top_ps, self.min_ps = temps.float(), top_ps.float(), min_ps.float()
 
     def __len__(self) -> int:
         return len(self.params)
@@ -139,10 +146,44 @@ class SamplingBatchInfo:
 
 
 @dataclass
+class HostSample:
+    """One step's sampling results on the host."""
+
+    next_token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row, best first; [] for rows that did not ask
+
+
+@dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # int64 [bs]
     logprobs: torch.Tensor | None  # fp32 [bs], raw-logit logprob of the chosen token; None when no row asked
-    top_logprobs: list[list[tuple[int, float]]] | None  # per row, best first; [] for rows that did not ask
+    top_ids: torch.Tensor | None = None  # int64 [bs, k], best first; None when no row asked for top logprobs
+    top_vals: torch.Tensor | None = None  # fp32 [bs, k]
+    top_nums: list[int] = field(default_factory=list)  # per row, how many of the k it asked for
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        return self.to_host().top_logprobs
+
+    def to_host(self) -> HostSample:
+        """Everything the scheduler needs, through ONE device-to-host read (the step's only sync)."""
+        if self.logprobs is None:
+            return HostSample(self.next_token_ids.tolist(), None, None)
+        bs = self.next_token_ids.shape[0]
+        parts = [self.next_token_ids.double(), self.logprobs.double()]
+        if self.top_ids is not None and self.top_vals is not None:
+            parts += [self.top_ids.double().reshape(-1), self.top_vals.double().reshape(-1)]
+        flat = torch.cat(parts).tolist()
+        ids = [int(x) for x in flat[:bs]]
+        top = None
+        if self.top_ids is not None:
+            k = self.top_ids.shape[1]
+            tid, tval = flat[2 * bs : 2 * bs + bs * k], flat[2 * bs + bs * k :]
+            top = [
+                [(int(tid[i * k + j]), tval[i * k + j]) for j in range(n)] for i, n in enumerate(self.top_nums)
+            ]
+        return HostSample(ids, flat[bs : 2 * bs], top)
 
 
 class Sampler:
@@ -158,7 +199,7 @@ class Sampler:
                 f"logits shape {tuple(logits.shape)} != (bs={len(info)}, vocab={info.vocab_size})"
             )
         logits = logits.float()
-        logprobs, top = self._logprobs(logits, info) if info.need_logprobs else (None, None)
+        logprobs, top_vals, top_ids = self._logprobs(logits, info) if info.need_logprobs else (None, None, None)
         scores = info.penalties.apply(logits) if info.penalties.is_active else logits
         next_ids = torch.argmax(scores, dim=-1)
         if not info.all_greedy:
@@ -166,7 +207,7 @@ class Sampler:
             next_ids[rows] = self._sample(scores[rows], info)
         if logprobs is not None:
             logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
-        return SampleOutput(next_ids, logprobs, top)
+        return SampleOutput(next_ids, logprobs, top_ids, top_vals, list(info.top_logprobs_nums))
 
     def _sample(self, scores: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Draw one token per sampled row from ``scores`` ``[n, vocab]`` (penalised logits)."""
@@ -193,14 +234,15 @@ class Sampler:
         """One uniform per sampled row: ``seeded_uniform`` for seeded rows, the shared generator otherwise."""
         n = len(info.seeds)
         seeded = [(i, s) for i, s in enumerate(info.seeds) if s is not None]
+        vals = [seeded_uniform(s, info.output_lens[info.sampled_rows[i]]) for i, s in seeded]
         if len(seeded) == n:
-            u = [seeded_uniform(s, info.output_lens[info.sampled_rows[i]]) for i, s in seeded]
-            return torch.tensor(u, dtype=torch.float32, device=device)
+            return ship([torch.tensor(vals, dtype=torch.float32)], device)[0]
         u_shared = torch.rand(n, generator=self._generator(device), device=device)
         if seeded:
-            idx = torch.tensor([i for i, _ in seeded], dtype=torch.int64, device=device)
-            vals = [seeded_uniform(s, info.output_lens[info.sampled_rows[i]]) for i, s in seeded]
-            u_shared[idx] = torch.tensor(vals, dtype=torch.float32, device=device)
+            # float64 carries the row indices exactly and the float32 uniforms unchanged: one copy for both.
+            idx, u = ship([torch.tensor([i for i, _ in seeded], dtype=torch.float64),
+                           torch.tensor(vals, dtype=torch.float64)], device)
+            u_shared[idx.to(torch.int64)] = u.float()
         return u_shared
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -214,14 +256,11 @@ class Sampler:
     @staticmethod
     def _logprobs(
         logits: torch.Tensor, info: SamplingBatchInfo
-    ) -> tuple[torch.Tensor, list[list[tuple[int, float]]] | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Log-softmax of the raw logits, and the top ``max_top_logprobs`` values and ids (on the device)."""
         logprobs = torch.log_softmax(logits, dim=-1)
         if info.max_top_logprobs == 0:
-            return logprobs, None
+            return logprobs, None, None
         k = min(info.max_top_logprobs, info.vocab_size)
         vals, ids = logprobs.topk(k, dim=-1)
-        vals_l, ids_l = vals.tolist(), ids.tolist()
-        top = [
-            list(zip(ids_l[i][:n], vals_l[i][:n], strict=True)) for i, n in enumerate(info.top_logprobs_nums)
-        ]
-        return logprobs, top
+        return logprobs, vals, ids

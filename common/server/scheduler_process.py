@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from common.config import ServerArgs
+from common.device import bind_rank_device
 from common.io_struct import RankHeartbeat, RankReady, ShutdownReq
 from common.server.ipc import IpcAddrs, decode_input, encode
 from common.tokenizer import load_tokenizer
@@ -60,6 +61,7 @@ def run_scheduler_process(
         push.send(encode(msgs))
 
     try:
+        bind_rank_device(args, dp_rank)
         tokenizer = load_tokenizer(model_path)
         scheduler = _load_class(scheduler_ref)(args, model_path, tokenizer, send_outputs, dp_rank)
     except Exception as e:

@@ -18,6 +18,10 @@ Per job, in a peer's submission order (one job at a time per pair; within one ta
     P -> D  TAG_DATA  payload messages (``_twosided``): by default one per run, layer and K/V, pool to pool
     D -> P  TAG_ACK   int64[1] length, uint8[length] ChunkAck           once every receive landed
 
+Devices: a CUDA pair is two ranks on distinct GPUs (NCCL cannot pair two ranks on one GPU): each side's
+``endpoint()`` names its GPU (UUID), and a peer on this rank's own GPU is refused at ``add_peer``; its jobs fail
+with an error naming ``shm``/``tcp``. Every thread that drives NCCL sets this rank's device first.
+
 Failure: any error or a wait over ``transfer_timeout_s`` breaks the pair (gloo closes a pair whose wait timed out,
 which also wakes a thread blocked on it; NCCL is aborted) and every later job to that peer fails naming it. A dead
 peer's sockets close, so blocked waits raise at once.
@@ -43,6 +47,7 @@ import torch.distributed as dist
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends import _twosided as wire
 from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.devices import device_identity, memory_kind
 from kvtransfer.backends.workers import PeerWorkers, TransferError
 
 log = logging.getLogger(__name__)
@@ -79,6 +84,7 @@ class NcclBackend(KVBackend):
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
         self._device = args.k_buffers[0].device
+        self._gpu = device_identity(self._device)
         self._pair_id = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._closed = False
@@ -96,7 +102,7 @@ class NcclBackend(KVBackend):
     # ---- interface ---------------------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, str]:
         """Decode: its store address; both: the pair id that names this start in group prefixes."""
-        ep = {"pair_id": self._pair_id}
+        ep = {"pair_id": self._pair_id, "memory": memory_kind(self._device), "gpu": self._gpu}
         if self._store is not None:
             ep["store"] = f"{self.config.host}:{self._store.port}"
         return ep
@@ -109,18 +115,44 @@ class NcclBackend(KVBackend):
         p_id, d_id = (self._pair_id, peer.endpoint["pair_id"]) if self.mode == "prefill" else \
             (peer.endpoint["pair_id"], self._pair_id)
         pair = _Pair(peer.key, peer, f"kv/{p_id}/{d_id}")
-        target = self._connect if self.mode == "prefill" else self._serve
-        pair.thread = threading.Thread(target=target, args=(pair,), daemon=True,
-                                       name=f"kv-nccl-{self.mode}-{peer.key.instance_id[-12:]}")
+        refused = self._unpairable(peer)
+        if refused:
+            log.error("kv nccl: %s", refused)
+            pair.broken = refused  # its jobs fail with this reason; no rendezvous is attempted
+            pair.ready.set()
+        else:
+            target = self._connect if self.mode == "prefill" else self._serve
+            pair.thread = threading.Thread(target=target, args=(pair,), daemon=True,
+                                           name=f"kv-nccl-{self.mode}-{peer.key.instance_id[-12:]}")
         with self._lock:
             if self._closed or peer.key in self._pairs:
                 return
             self._pairs[peer.key] = pair
             self._threads = [t for t in self._threads if t.is_alive()]
-            self._threads.append(pair.thread)
-        pair.thread.start()
+            if pair.thread is not None:
+                self._threads.append(pair.thread)
+        if pair.thread is not None:
+            pair.thread.start()
         if self.mode == "prefill":
             self._workers.add_peer(peer.key)
+
+    def _unpairable(self, peer: PeerInfo) -> str:
+        """Why this rank and ``peer`` cannot form an NCCL/gloo pair ("" if they can)."""
+        theirs = peer.endpoint.get("memory", memory_kind(self._device))
+        if theirs != memory_kind(self._device):
+            return (f"nccl cannot pair {self.mode} {memory_kind(self._device)} KV buffers with peer "
+                    f"{peer.key.instance_id}'s {theirs} buffers (NCCL moves GPU memory, gloo host memory); "
+                    "use --kv-transfer-backend tcp")
+        if self._gpu and peer.endpoint.get("gpu") == self._gpu:
+            return (f"nccl cannot pair two ranks on one GPU: this {self.mode} rank and peer "
+                    f"{peer.key.instance_id} are both on {self._gpu}; use --kv-transfer-backend shm (CUDA IPC, "
+                    "same host) or tcp, or put the nodes on distinct GPUs (--base-gpu-id)")
+        return ""
+
+    def _set_device(self) -> None:
+        """NCCL calls use the calling thread's current device: make it this rank's."""
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
 
     def remove_peer(self, key: PeerKey) -> None:
         with self._lock:
@@ -211,6 +243,7 @@ class NcclBackend(KVBackend):
     def _connect(self, pair: _Pair) -> None:
         """Pair thread: tell the decode side to join, then build the group (bounded by ``_connect_s``)."""
         host, _, port = pair.info.endpoint.get("store", "").rpartition(":")
+        self._set_device()
         try:
             if not host:
                 raise ValueError(f"no nccl store address in {pair.info.endpoint}")
@@ -243,6 +276,7 @@ class NcclBackend(KVBackend):
     def _move(self, job: TransferJob) -> None:
         pair = self._ready_pair(job.peer)
         assert pair.pg is not None
+        self._set_device()
         pg, timeout = pair.pg, _td(self.config.transfer_timeout_s)
         try:
             header, msgs = wire.source_messages(self.args, job, self._pack_bytes)
@@ -278,6 +312,7 @@ class NcclBackend(KVBackend):
 
     # ---- decode: one thread per prefill peer -------------------------------------------------------------------
     def _serve(self, pair: _Pair) -> None:
+        self._set_device()
         try:
             pg = self._join(pair)
             if pg is None:

@@ -1,5 +1,6 @@
-"""``shm``: same-host shared memory. The decode rank's KV pool lives in one ``/dev/shm`` file; the prefill rank maps
-it and copies each page run straight into the destination pages (one ``memmove`` per run per layer, K and V).
+"""``shm``: same-host shared memory, chosen by the buffers' device. GPU buffers: CUDA IPC (``shm_cuda``). CPU
+buffers (this module): the decode rank's KV pool lives in one ``/dev/shm`` file; the prefill rank maps it and
+copies each page run straight into the destination pages (one ``memmove`` per run per layer, K and V).
 
 Decode side, at construction: the pool's K/V tensors are re-homed into the shared file with ``Tensor.set_`` (their
 contents are copied first), so every existing reference to them (the KV pool, the model runner) keeps working
@@ -61,15 +62,50 @@ def _sweep_stale() -> None:
 
 
 class ShmBackend(KVBackend):
+    """The ``shm`` backend: delegates to the implementation for the buffers' device."""
+
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
-        if args.k_buffers[0].device.type != "cpu":
-            raise ValueError("the shm backend needs CPU KV buffers; use nccl or ucx for GPU buffers")
+        device = args.k_buffers[0].device.type
+        if device == "cuda":
+            from kvtransfer.backends.shm_cuda import CudaIpcBackend
+            self.impl: KVBackend = CudaIpcBackend(args, config, mode, events, local)
+        elif device == "cpu":
+            self.impl = ShmFileBackend(args, config, mode, events, local)
+        else:
+            raise ValueError(f"the shm backend moves CPU or CUDA KV buffers, not {device}; use tcp")
+
+    def endpoint(self) -> dict[str, str]:
+        return self.impl.endpoint()
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        self.impl.add_peer(peer)
+
+    def remove_peer(self, key: PeerKey) -> None:
+        self.impl.remove_peer(key)
+
+    def submit(self, job: TransferJob) -> None:
+        self.impl.submit(job)
+
+    def cancel_room(self, room: int) -> None:
+        self.impl.cancel_room(room)
+
+    def close(self) -> None:
+        self.impl.close()
+
+
+class ShmFileBackend(KVBackend):
+    """CPU buffers through one ``/dev/shm`` file per decode rank."""
+
+    def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
+                 local: PeerKey) -> None:
+        super().__init__(args, config, mode, events, local)
         self._buffers = [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
         self._layer_bytes = self._buffers[0].numel() * self._buffers[0].element_size()
         self._lock = threading.Lock()
         self._maps: dict[PeerKey, _Mapping] = {}
+        self._unmapped: dict[PeerKey, str] = {}  # peers whose pool could not be mapped: why
         self._workers = PeerWorkers(events, self._move, "shm", on_stop=self._unmap)
         self._path: Path | None = None
         if mode == "decode":
@@ -103,10 +139,15 @@ class ShmBackend(KVBackend):
         if self.mode != "prefill":
             return
         try:
+            if peer.endpoint.get("memory", "cpu") != "cpu":
+                raise ValueError("the peer has GPU KV buffers and this rank CPU buffers; use tcp between them")
             path, layer_bytes = peer.endpoint["path"], int(peer.endpoint["layer_bytes"])
             fd = os.open(path, os.O_RDWR)
-        except (KeyError, OSError) as exc:
+        except (KeyError, OSError, ValueError) as exc:
             log.warning("kv shm: cannot map the pool of %s (%s); its jobs will fail", peer.key.instance_id, exc)
+            with self._lock:
+                self._unmapped[peer.key] = str(exc)
+            self._workers.add_peer(peer.key)  # its jobs fail naming the cause
             return
         try:
             mm = mmap.mmap(fd, layer_bytes * len(self._buffers))
@@ -135,9 +176,9 @@ class ShmBackend(KVBackend):
     # ---- prefill worker thread ----------------------------------------------------------------------------------
     def _move(self, job: TransferJob) -> None:
         with self._lock:
-            m = self._maps.get(job.peer)
+            m, why = self._maps.get(job.peer), self._unmapped.get(job.peer)
         if m is None:
-            raise TransferError("the peer's shared pool is not mapped")
+            raise TransferError(f"the peer's shared pool is not mapped: {why or 'peer removed'}")
         if any(r.dst_page < 1 or r.dst_page + r.num_pages > m.num_pages for r in job.runs):
             raise TransferError(f"destination pages of room {job.room} outside the peer's {m.num_pages} pages")
         item = self.args.item_len
@@ -157,6 +198,7 @@ class ShmBackend(KVBackend):
     def _unmap(self, key: PeerKey) -> None:
         with self._lock:
             m = self._maps.pop(key, None)
+            self._unmapped.pop(key, None)
         if m is not None:
             del m.array
             m.mm.close()

@@ -1,5 +1,10 @@
 """``tcp``: KV pages over plain TCP sockets, scatter/gather with ``sendmsg``/``recvmsg_into`` straight from the
-source pages into the destination pages (no staging copy for whole pages). Works everywhere; CPU buffers only.
+source pages into the destination pages (no staging copy for whole pages). Works everywhere.
+
+GPU buffers (either side) travel staged through pinned host buffers, overlapped per segment (``staging``): the
+header's ``segment_pages`` > 0 says the payload is in the staged layout. Settings
+(``KVTransferConfig.backend_options``): ``stage`` ("auto": stage when either side's buffers are on a GPU;
+"always": stage CPU buffers too, the same byte path CI runs), ``stage_bytes`` (segment size, default 16 MiB).
 
 One connection per (prefill rank, decode peer), opened lazily by the prefill side's per-peer worker. Stream::
 
@@ -7,6 +12,7 @@ One connection per (prefill rank, decode peer), opened lazily by the prefill sid
     prefill -> decode   frame(ChunkHeader) payload                        per job
     decode -> prefill   frame(ChunkAck)                                   per job, after the payload landed
     frame = u32 little-endian length + msgpack;  payload = for layer: for K, V: for run: the run's bytes
+                                                 (staged: for segment: see ``staging``)
 
 The ack is what makes ``on_job_done(job, None)`` mean "in the destination pages" (see ``base.py``).
 """
@@ -24,6 +30,7 @@ import torch
 
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.staging import DEFAULT_SEGMENT_BYTES, PageStager, expand_pages
 from kvtransfer.backends.workers import PeerWorkers, TransferError
 from kvtransfer.pages import HeadSlice, PageRun
 
@@ -44,6 +51,7 @@ class ChunkHeader(msgspec.Struct, frozen=True, tag=True):
     dst_runs: list[tuple[int, int]]  # (first destination page, pages)
     heads: tuple[int, int, int] | None  # (src_head, dst_head, num_heads); None = whole pages
     nbytes: int
+    segment_pages: int = 0  # > 0: the payload is staged in segments of this many pages (see ``staging``)
 
 
 class ChunkAck(msgspec.Struct, frozen=True, tag=True):
@@ -118,10 +126,19 @@ class TcpBackend(KVBackend):
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
-        if args.k_buffers[0].device.type != "cpu":
-            raise ValueError("the tcp backend moves CPU KV buffers only; use nccl or ucx for GPU buffers")
         self._buffers = [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
-        self._views = [_bytes_of(buf) for buf in self._buffers]  # layer-major: K0, V0, K1, V1, ...
+        self._on_device = self._buffers[0].device.type != "cpu"
+        # layer-major: K0, V0, K1, V1, ... (host buffers only: device buffers always travel staged)
+        self._views = [] if self._on_device else [_bytes_of(buf) for buf in self._buffers]
+        stage = config.backend_options.get("stage", "auto")
+        if stage not in ("auto", "always"):
+            raise ValueError(f"tcp backend option stage must be 'auto' or 'always', got {stage!r}")
+        self._stage_always = stage == "always"
+        self._segment_bytes = int(config.backend_options.get("stage_bytes", DEFAULT_SEGMENT_BYTES))
+        if self._segment_bytes <= 0:
+            raise ValueError(f"tcp backend option stage_bytes must be > 0, got {self._segment_bytes}")
+        self._stagers: dict[PeerKey, PageStager] = {}  # prefill: per peer (used by that peer's worker only)
+        self._recv_stager = threading.local()  # decode: one per connection thread
         self._lock = threading.Lock()
         self._closed = False
         self._peers: dict[PeerKey, PeerInfo] = {}
@@ -138,7 +155,7 @@ class TcpBackend(KVBackend):
         if self._listener is None:
             return {}
         host, port = self._listener.getsockname()[:2]
-        return {"host": host, "port": str(port)}
+        return {"host": host, "port": str(port), "device": self._buffers[0].device.type}
 
     def add_peer(self, peer: PeerInfo) -> None:
         with self._lock:
@@ -149,6 +166,7 @@ class TcpBackend(KVBackend):
     def remove_peer(self, key: PeerKey) -> None:
         with self._lock:
             self._peers.pop(key, None)
+            self._stagers.pop(key, None)
             socks = [self._socks.pop(key)] if key in self._socks else []
             socks += [s for s, k in self._accepted.items() if k == key]
         self._workers.remove_peer(key, "peer removed")
@@ -175,16 +193,41 @@ class TcpBackend(KVBackend):
     # ---- prefill: one worker thread per peer --------------------------------------------------------------------
     def _move(self, job: TransferJob) -> None:
         sock = self._connection(job.peer)
-        views, nbytes = self._source_views(job.runs, job.heads)
         heads = None if job.heads is None else (job.heads.src_head, job.heads.dst_head, job.heads.num_heads)
-        _send_frame(sock, ChunkHeader(job.room, job.chunk_id, [(r.dst_page, r.num_pages) for r in job.runs],
-                                      heads, nbytes))
-        _send_views(sock, views)
+        dst_runs = [(r.dst_page, r.num_pages) for r in job.runs]
+        stager = self._stager(job.peer)
+        if stager is None:
+            views, nbytes = self._source_views(job.runs, job.heads)
+            _send_frame(sock, ChunkHeader(job.room, job.chunk_id, dst_runs, heads, nbytes))
+            _send_views(sock, views)
+        else:
+            src_heads = None if job.heads is None else (job.heads.src_head, job.heads.num_heads)
+            num_heads = self.args.kv_heads if job.heads is None else job.heads.num_heads
+            segment = stager.segment_pages(num_heads)
+            _send_frame(sock, ChunkHeader(job.room, job.chunk_id, dst_runs, heads,
+                                          job.num_pages * stager.page_bytes(num_heads), segment))
+            stager.send(expand_pages([(r.src_page, r.num_pages) for r in job.runs]), src_heads, segment,
+                        lambda view: _send_views(sock, [view]))
         ack = _recv_frame(sock)
         if not isinstance(ack, ChunkAck) or (ack.room, ack.chunk_id) != (job.room, job.chunk_id):
             raise TransferError(f"unexpected reply {ack!r} to room {job.room} chunk {job.chunk_id}")
         if ack.error:
             raise TransferError(f"decode rejected room {job.room} chunk {job.chunk_id}: {ack.error}")
+
+    def _stager(self, key: PeerKey) -> PageStager | None:
+        """The peer's staging pipeline when its jobs travel staged (either side on a GPU, or forced), else None."""
+        with self._lock:
+            stager, peer = self._stagers.get(key), self._peers.get(key)
+        if stager is not None:
+            return stager
+        peer_on_device = peer is not None and peer.endpoint.get("device", "cpu") != "cpu"
+        if not (self._stage_always or self._on_device or peer_on_device):
+            return None
+        stager = PageStager(self.args, self._segment_bytes)
+        with self._lock:
+            if key in self._peers:
+                self._stagers[key] = stager
+        return stager
 
     def _connection(self, key: PeerKey) -> socket.socket:
         with self._lock:
@@ -255,25 +298,45 @@ class TcpBackend(KVBackend):
         a, ps, item = self.args, self.args.page_size, self.args.item_len
         heads = HeadSlice(*header.heads) if header.heads is not None else None
         bad = [r for r in header.dst_runs if r[0] < 1 or r[1] < 0 or r[0] + r[1] > a.num_pages]
-        if heads is not None and not (heads.dst_head >= 0 and heads.dst_head + heads.num_heads <= a.kv_heads):
+        if heads is not None and not (heads.dst_head >= 0 and heads.num_heads > 0
+                                      and heads.dst_head + heads.num_heads <= a.kv_heads):
             bad.append((-1, heads.dst_head))
-        if heads is None:
-            views = [view[p * item:(p + n) * item] for view in self._views for p, n in header.dst_runs]
-            scatter = None
-        else:
-            temps = [torch.empty((n * ps, heads.num_heads, a.head_dim), dtype=a.dtype)
-                     for _ in self._buffers for _, n in header.dst_runs]
-            views = [_bytes_of(t) for t in temps]
-            scatter = temps
-        if bad or sum(len(v) for v in views) != header.nbytes:
+        num_heads = a.kv_heads if heads is None else heads.num_heads
+        nbytes = sum(n for _, n in header.dst_runs) * len(self._buffers) * ps * num_heads * a.head_dim \
+            * self._buffers[0].element_size()
+        problem = ""
+        if bad or nbytes != header.nbytes:
+            problem = f"destination runs {bad[:3]} or size {header.nbytes} do not fit this rank's buffers"
+        elif header.segment_pages < 0 or (self._on_device and header.segment_pages == 0):
+            problem = f"segment_pages {header.segment_pages}: GPU buffers take staged payloads only"
+        if header.segment_pages > 0 or self._on_device:
+            stager = getattr(self._recv_stager, "stager", None)
+            if stager is None:
+                stager = self._recv_stager.stager = PageStager(self.args, self._segment_bytes)
+            segment_bytes = header.segment_pages * stager.page_bytes(num_heads)
+            if not problem and segment_bytes > stager.capacity:
+                problem = (f"segments of {segment_bytes} bytes exceed this rank's {stager.capacity}-byte staging "
+                           "buffers (the sender's tcp stage_bytes must not exceed the receiver's)")
+            if problem:
+                stager.discard(header.nbytes, lambda view: _recv_views(sock, [view]))
+                return problem
+            dst_heads = None if heads is None else (heads.dst_head, heads.num_heads)
+            stager.receive(expand_pages(header.dst_runs), dst_heads, header.segment_pages,
+                           lambda view: _recv_views(sock, [view]))
+            return ""
+        if problem:
             _recv_views(sock, [memoryview(bytearray(header.nbytes))])
-            return f"destination runs {bad[:3]} or size {header.nbytes} do not fit this rank's buffers"
-        _recv_views(sock, views)
-        if scatter is not None and heads is not None:
-            it = iter(scatter)
-            for buf in self._buffers:
-                for p, n in header.dst_runs:
-                    buf[p * ps:(p + n) * ps, heads.dst_head:heads.dst_head + heads.num_heads].copy_(next(it))
+            return problem
+        if heads is None:
+            _recv_views(sock, [view[p * item:(p + n) * item] for view in self._views for p, n in header.dst_runs])
+            return ""
+        temps = [torch.empty((n * ps, heads.num_heads, a.head_dim), dtype=a.dtype)
+                 for _ in self._buffers for _, n in header.dst_runs]
+        _recv_views(sock, [_bytes_of(t) for t in temps])
+        it = iter(temps)
+        for buf in self._buffers:
+            for p, n in header.dst_runs:
+                buf[p * ps:(p + n) * ps, heads.dst_head:heads.dst_head + heads.num_heads].copy_(next(it))
         return ""
 
 

@@ -17,10 +17,17 @@ aligned without per-message tags.
 Failure: an error or a job over ``transfer_timeout_s`` aborts the endpoint and marks the peer broken (later jobs
 fail at once naming it); a dead peer's endpoint errors out through UCX's error handling.
 
-Settings (``KVTransferConfig.backend_options``): ``ucx_tls`` (default "sm,tcp": "sm" alone cannot connect; the
-user's ``UCX_TLS`` wins), ``ucx_progress_mode`` (default "blocking", fastest on few cores). Both are per process:
-the first UCX backend of a process fixes them. ``pack_bytes`` (default 4 MiB: runs under 1 MiB travel packed in
-staging messages, which doubled paged throughput here; see ``_twosided``; 0 = one message per run and layer).
+GPU buffers: UCX moves device memory itself (cuda_copy, cuda_ipc, or RDMA with GPUDirect), never through a
+host copy made here. At start-up the backend checks that the process's UCX context has CUDA transports and
+otherwise refuses with an error naming the missing support (and ``shm``/``tcp`` as the backends that move GPU
+buffers without it). Device work (packing, scattering) runs on the default stream and is synchronized before
+UCX reads a buffer and before the ack.
+
+Settings (``KVTransferConfig.backend_options``): ``ucx_tls`` (default "sm,tcp", with "cuda_copy,cuda_ipc" added
+for GPU buffers: "sm" alone cannot connect; the user's ``UCX_TLS`` wins), ``ucx_progress_mode`` (default
+"blocking", fastest on few cores). Both are per process: the first UCX backend of a process fixes them.
+``pack_bytes`` (default 4 MiB: runs under 1 MiB travel packed in staging messages, which doubled paged throughput
+here; see ``_twosided``; 0 = one message per run and layer).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from kvtransfer.backends.workers import PeerWorkers, TransferError
 log = logging.getLogger(__name__)
 
 DEFAULT_TLS = "sm,tcp"
+CUDA_TLS = "cuda_copy,cuda_ipc"
 DEFAULT_PROGRESS = "blocking"
 CALL_TIMEOUT_S = 10.0  # loop-thread housekeeping calls (listen, abort, shutdown)
 STAGING_WINDOW = 64 << 20  # per job and side: staged payload bytes in flight (see _twosided's packing)
@@ -63,7 +71,7 @@ class _Runtime:
     _thread: threading.Thread | None = None
 
     @classmethod
-    def acquire(cls, tls: str, progress_mode: str) -> asyncio.AbstractEventLoop:
+    def acquire(cls, tls: str, progress_mode: str, device: torch.device) -> asyncio.AbstractEventLoop:
         with cls._lock:
             if cls._loop is None:
                 loop = asyncio.new_event_loop()
@@ -71,6 +79,8 @@ class _Runtime:
                 thread.start()
 
                 async def init() -> None:
+                    if device.type == "cuda":  # UCX's CUDA transports use the loop thread's current context
+                        torch.cuda.set_device(device)
                     # env_takes_precedence: a user's UCX_* variables override these defaults. ucxx itself sets
                     # UCX_MEMTYPE_CACHE, which libucx 1.21 no longer knows and would warn about at every start.
                     ucxx.init(options={"TLS": tls, "WARN_UNUSED_ENV_VARS": "n"}, env_takes_precedence=True,
@@ -121,8 +131,17 @@ class UcxBackend(KVBackend):
         super().__init__(args, config, mode, events, local)
         opts = config.backend_options
         self._pack_bytes = int(opts.get("pack_bytes", DEFAULT_PACK_BYTES))
-        self._loop = _Runtime.acquire(opts.get("ucx_tls", DEFAULT_TLS),
-                                      opts.get("ucx_progress_mode", DEFAULT_PROGRESS))
+        self._device = args.k_buffers[0].device
+        self._cuda = self._device.type == "cuda"
+        default_tls = f"{DEFAULT_TLS},{CUDA_TLS}" if self._cuda else DEFAULT_TLS
+        self._loop = _Runtime.acquire(opts.get("ucx_tls", default_tls),
+                                      opts.get("ucx_progress_mode", DEFAULT_PROGRESS), self._device)
+        if self._cuda:
+            try:
+                self._check_cuda_transports()
+            except BaseException:
+                _Runtime.release()
+                raise
         self._lock = threading.Lock()
         self._closed = False
         self._peers: dict[PeerKey, PeerInfo] = {}
@@ -179,6 +198,22 @@ class UcxBackend(KVBackend):
         finally:
             self._workers.close("backend closed")
             _Runtime.release()
+
+    def _check_cuda_transports(self) -> None:
+        async def transports() -> set[str]:
+            return set(ucxx.get_active_transports())
+
+        active = self._call(transports())
+        if not any(t.startswith("cuda") for t in active):
+            raise ValueError(
+                f"the ucx backend was given GPU KV buffers but this process's UCX has no CUDA transport (active: "
+                f"{', '.join(sorted(active)) or 'none'}): install a CUDA build of ucxx (ucxx-cu12) and keep "
+                "cuda_copy/cuda_ipc in UCX_TLS, or use --kv-transfer-backend shm (same host) or tcp (staged)")
+
+    def _sync(self) -> None:
+        """Device work enqueued so far (forward pass, packing, scattering) is done: UCX may read or ack."""
+        if self._cuda:
+            torch.cuda.default_stream(self._device).synchronize()
 
     # ---- loop-thread plumbing ----------------------------------------------------------------------------------
     def _call(self, coro: Coroutine[Any, Any, Any], timeout_s: float = CALL_TIMEOUT_S) -> Any:
@@ -243,12 +278,16 @@ class UcxBackend(KVBackend):
     async def _move_async(self, job: TransferJob) -> wire.ChunkAck:
         ep = await self._endpoint(job.peer)
         header, msgs = wire.source_messages(self.args, job, self._pack_bytes)
+        self._sync()  # the pages' forward pass
         await ep.send_obj(wire.encode(header))
         sends: deque[tuple[asyncio.Future[Any], int]] = deque()  # in posting order, with staged bytes
         try:
             staged = 0
             for msg in msgs:
-                sends.append((asyncio.ensure_future(ep.send(_buffer(msg.gather()))), 0 if msg.direct else msg.nbytes))
+                tensor = msg.gather()
+                if not msg.direct:
+                    self._sync()
+                sends.append((asyncio.ensure_future(ep.send(_buffer(tensor))), 0 if msg.direct else msg.nbytes))
                 staged += sends[-1][1]
                 while staged > STAGING_WINDOW:  # bounds staging memory
                     send, done = sends.popleft()
@@ -345,4 +384,5 @@ class UcxBackend(KVBackend):
             for recv, _, _ in recvs:
                 recv.cancel()
             await asyncio.gather(*(recv for recv, _, _ in recvs), return_exceptions=True)
+        self._sync()  # scattered staging is in the pool before the ack
         await ep.send_obj(wire.encode(wire.ChunkAck(header.room, header.chunk_id)))

@@ -1,0 +1,242 @@
+"""``shm`` on GPU buffers: same-host device-to-device copies through CUDA IPC handles.
+
+Decode side: ``endpoint()`` exports one CUDA IPC handle per K/V buffer (torch's ``UntypedStorage._share_cuda_``,
+the handle behind ``torch.multiprocessing``), with the buffer's offset in its allocation block.
+Prefill side: ``add_peer`` opens the peer's handles once (``UntypedStorage._new_shared_cuda``) **under this rank's
+own device**: on another GPU of the host, CUDA maps the memory with peer access, so every copy below is one
+kernel on this rank's device whichever GPU holds the destination (on the same GPU it is a plain device copy).
+The mappings close when the peer is removed (after its last job) or the backend closes.
+
+Per job, on this backend's own CUDA stream (after waiting for the device's default stream, where the forward
+pass that wrote the source pages was enqueued before the job was submitted):
+
+    whole pages, long runs (>= DIRECT_RUN_BYTES per run and buffer):  one slice copy per run and buffer
+    whole pages, short runs:  gather_pages -> device staging -> scatter_pages into the peer's pool, per group of
+                              buffers (launches independent of the number of runs)
+    head slices (heterogeneous TP):  one strided slice copy per run and buffer (``copy_runs``)
+
+then an event is recorded and synchronized, so ``on_job_done`` means the bytes are in the destination pool.
+A peer in this same process (tests) cannot open its own handles (CUDA refuses); it is found by its (random)
+export id in a process-local table and its tensors are used directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from common.kernels.kv_pages import gather_pages, scatter_pages
+from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
+from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.devices import device_identity
+from kvtransfer.backends.workers import PeerWorkers, TransferError
+from kvtransfer.pages import copy_runs
+
+log = logging.getLogger(__name__)
+
+DIRECT_RUN_BYTES = 1 << 20
+STAGING_BYTES = 64 << 20
+_EXPORTS: weakref.WeakValueDictionary[str, _Export] = weakref.WeakValueDictionary()  # this process's pools
+
+
+class _Export:
+    """A decode pool exported by this process (looked up by same-process peers)."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+
+
+@dataclass
+class _PeerPool:
+    """A peer's mapped pool and the copy resources of its worker thread (used by that thread only)."""
+
+    buffers: list[torch.Tensor]  # the peer's K0, V0, K1, V1, ... on this rank's device
+    num_pages: int
+    kv_heads: int
+    stream: torch.cuda.Stream
+    staging: torch.Tensor | None = None
+
+
+def _hex(b: bytes | None) -> str:
+    return b.hex() if b else ""
+
+
+def export_handles(buffers: list[torch.Tensor]) -> str:
+    """JSON list of each buffer's CUDA IPC description (what ``open_handles`` needs)."""
+    out = []
+    for buf in buffers:
+        try:
+            (_, handle, size, offset, ref, ref_offset, event, event_sync) = buf.untyped_storage()._share_cuda_()
+        except RuntimeError as exc:
+            raise ValueError(f"the shm backend cannot export this GPU KV pool through CUDA IPC ({exc}); "
+                             "use --kv-transfer-backend tcp (staged) instead") from exc
+        out.append({"handle": _hex(handle), "size": size, "offset": offset, "ref": _hex(ref),
+                    "ref_offset": ref_offset, "event": _hex(event), "event_sync": bool(event_sync),
+                    "storage_offset": buf.storage_offset()})
+    return json.dumps(out)
+
+
+def open_handles(described: str, layout: KVLayout, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The peer's buffers, mapped into this process under ``device`` (raises RuntimeError/ValueError)."""
+    shape = (layout.num_pages * layout.page_size, layout.kv_heads, layout.head_dim)
+    stride = (layout.kv_heads * layout.head_dim, layout.head_dim, 1)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    tensors = []
+    for d in json.loads(described):
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index, bytes.fromhex(d["handle"]), d["size"], d["offset"], bytes.fromhex(d["ref"]), d["ref_offset"],
+            bytes.fromhex(d["event"]), d["event_sync"])
+        t = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
+        t.set_(storage, d["storage_offset"], shape, stride)
+        tensors.append(t)
+    return tensors
+
+
+class CudaIpcBackend(KVBackend):
+    def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
+                 local: PeerKey) -> None:
+        super().__init__(args, config, mode, events, local)
+        self._buffers = [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
+        self._device = self._buffers[0].device
+        self._lock = threading.Lock()
+        self._pools: dict[PeerKey, _PeerPool] = {}
+        self._failed: dict[PeerKey, str] = {}
+        self._export_id = uuid.uuid4().hex
+        self._export: _Export | None = None
+        self._handles = ""
+        if mode == "decode":
+            self._handles = export_handles(self._buffers)
+            self._export = _Export(self._buffers)
+            _EXPORTS[self._export_id] = self._export
+        self._workers = PeerWorkers(events, self._move, "shm", on_stop=self._close_peer)
+
+    # ---- interface ---------------------------------------------------------------------------------------------
+    def endpoint(self) -> dict[str, str]:
+        ep = {"memory": "cuda", "export_id": self._export_id, "gpu": device_identity(self._device)}
+        if self._handles:
+            ep["handles"] = self._handles
+        return ep
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        if self.mode != "prefill":
+            return
+        try:
+            pool = self._open(peer)
+        except (KeyError, ValueError, RuntimeError) as exc:
+            # the worker still starts: every job to this peer then fails naming the cause (never a hang)
+            log.error("kv shm: cannot open the GPU pool of %s: %s", peer.key.instance_id, exc)
+            pool = None
+            reason = str(exc)
+        with self._lock:
+            if pool is not None:
+                self._pools[peer.key] = pool
+            else:
+                self._failed[peer.key] = reason
+        self._workers.add_peer(peer.key)
+
+    def remove_peer(self, key: PeerKey) -> None:
+        self._workers.remove_peer(key, "peer removed")  # the worker closes the mapping after its last job
+
+    def submit(self, job: TransferJob) -> None:
+        self._workers.submit(job)
+
+    def cancel_room(self, room: int) -> None:
+        self._workers.cancel_room(room)
+
+    def close(self) -> None:
+        self._workers.close("backend closed")
+        with self._lock:
+            self._pools.clear()
+            self._failed.clear()
+        if self._export is not None:
+            _EXPORTS.pop(self._export_id, None)
+            self._export = None
+
+    # ---- peers -------------------------------------------------------------------------------------------------
+    def _open(self, peer: PeerInfo) -> _PeerPool:
+        ep = peer.endpoint
+        if ep.get("memory") != "cuda":
+            raise ValueError(f"peer {peer.key.instance_id} has CPU KV buffers and this rank GPU buffers; "
+                             "shm needs both on one kind of memory (use tcp between them)")
+        layout = peer.layout
+        export = _EXPORTS.get(ep.get("export_id", ""))  # ids are random: found only in the exporting process
+        if export is not None:
+            buffers = export.buffers
+        else:
+            try:
+                with torch.cuda.device(self._device):
+                    buffers = open_handles(ep["handles"], layout, self.args.dtype, self._device)
+            except RuntimeError as exc:
+                mine = device_identity(self._device)
+                where = "this rank's GPU" if ep.get("gpu") == mine else f"GPU {ep.get('gpu')} from GPU {mine}"
+                raise RuntimeError(f"cannot open the CUDA IPC handles of {where} ({exc}); shm needs both ranks on "
+                                   "one host with peer access between their GPUs; use tcp otherwise") from exc
+        if len(buffers) != len(self._buffers):
+            raise ValueError(f"peer {peer.key.instance_id} exported {len(buffers)} buffers, expected "
+                             f"{len(self._buffers)}")
+        return _PeerPool(buffers, layout.num_pages, layout.kv_heads, torch.cuda.Stream(self._device))
+
+    def _close_peer(self, key: PeerKey) -> None:
+        with self._lock:
+            self._pools.pop(key, None)  # dropping the storages closes the IPC mappings
+            self._failed.pop(key, None)
+
+    # ---- prefill worker thread ----------------------------------------------------------------------------------
+    def _move(self, job: TransferJob) -> None:
+        with self._lock:
+            pool, failed = self._pools.get(job.peer), self._failed.get(job.peer)
+        if pool is None:
+            raise TransferError(f"the peer's GPU pool is not mapped: {failed or 'peer removed'}")
+        if any(r.dst_page < 1 or r.dst_page + r.num_pages > pool.num_pages for r in job.runs):
+            raise TransferError(f"destination pages of room {job.room} outside the peer's {pool.num_pages} pages")
+        if job.heads is not None and not 0 <= job.heads.dst_head <= pool.kv_heads - job.heads.num_heads:
+            raise TransferError(f"destination heads of room {job.room} outside the peer's {pool.kv_heads} heads")
+        if not job.runs:
+            return
+        ps = self.args.page_size
+        pool.stream.wait_stream(torch.cuda.default_stream(self._device))
+        with torch.cuda.stream(pool.stream):
+            run_bytes = job.num_pages * self.args.item_len // len(job.runs)
+            if job.heads is not None or run_bytes >= DIRECT_RUN_BYTES:
+                for src, dst in zip(self._buffers, pool.buffers, strict=True):
+                    copy_runs(src, dst, job.runs, ps, job.heads)
+            else:
+                self._staged_copy(job, pool)
+            done = torch.cuda.Event()
+            done.record(pool.stream)
+        done.synchronize()
+
+    def _staged_copy(self, job: TransferJob, pool: _PeerPool) -> None:
+        if pool.staging is None:
+            pool.staging = torch.empty(max(STAGING_BYTES, self.args.item_len), dtype=torch.uint8, device=self._device)
+        copy_pages_staged(self.args, self._buffers, pool.buffers, job, pool.staging)
+
+
+def copy_pages_staged(args: KVArgs, src: list[torch.Tensor], dst: list[torch.Tensor], job: TransferJob,
+                      staging: torch.Tensor) -> None:
+    """Whole pages of ``job`` from ``src`` to ``dst`` buffers through ``staging`` (uint8, >= one page): gather,
+    then scatter, a group of buffers at a time (all of the job's pages of each buffer per group when they fit), so
+    the number of launches does not grow with the number of runs. Any device; CUDA work goes to the current stream.
+    """
+    nbuf = len(src)
+    src_pages = [r.src_page + i for r in job.runs for i in range(r.num_pages)]
+    dst_pages = [r.dst_page + i for r in job.runs for i in range(r.num_pages)]
+    ids = torch.tensor([src_pages, dst_pages], dtype=torch.int64).to(staging.device, non_blocking=True)
+    capacity = staging.numel()
+    per_buffer = len(src_pages) * args.item_len
+    group = max(1, min(nbuf, capacity // per_buffer))
+    pages = len(src_pages) if per_buffer <= capacity else capacity // args.item_len
+    for b0 in range(0, nbuf, group):
+        nb = min(group, nbuf - b0)
+        for lo in range(0, len(src_pages), pages):
+            n = min(pages, len(src_pages) - lo)
+            staged = staging[:nb * n * args.item_len].view(args.dtype).view(nb, n, args.page_size, args.kv_heads,
+                                                                            args.head_dim)
+            gather_pages(src[b0:b0 + nb], ids[0, lo:lo + n], args.page_size, staged)
+            scatter_pages(dst[b0:b0 + nb], ids[1, lo:lo + n], args.page_size, staged)

@@ -1,0 +1,142 @@
+"""Triton kernels on CUDA at real shapes (1B-model attention: 32 query / 8 KV heads, head_dim 128) against their
+torch references, and the triton backend against the torch backend on the tiny model. Skipped without CUDA.
+
+Tolerances: fp32 1e-4 (IEEE dots); bf16 2e-2 absolute on unit-scale outputs (inputs rounded to bf16, fp32
+accumulation on both sides, the kernel's P rounded to bf16 before P·V).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton kernels on GPU)")
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _pool(page_size: int, lens: list[int], dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    num_pages = sum(-(-n // page_size) for n in lens) + 8
+    num_slots = (num_pages + 1) * page_size
+    k_buf = torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen, device="cuda").to(dtype)
+    v_buf = torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen, device="cuda").to(dtype)
+    free = list(range(1, num_pages + 1))
+    random.Random(seed).shuffle(free)
+    req_to_token = torch.zeros(len(lens) + 1, max(lens) + page_size, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        pages = torch.tensor([free.pop() for _ in range(-(-n // page_size))])
+        pos = torch.arange(n)
+        req_to_token[i + 1, :n] = pages[pos // page_size] * page_size + pos % page_size
+    return k_buf, v_buf, req_to_token.cuda(), torch.arange(1, len(lens) + 1, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs,ctx", [(1, 4096), (32, 512), (128, 512), (32, 4096)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_attention(dtype: torch.dtype, bs: int, ctx: int, page_size: int) -> None:
+    from common.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    lens = [max(1, ctx - 37 * i) for i in range(bs)]
+    k_buf, v_buf, r2t, rpi = _pool(page_size, lens, dtype)
+    q = torch.randn(bs, HEADS, HEAD_DIM, device="cuda").to(dtype)
+    seq_lens = torch.tensor(lens, device="cuda")
+    for splits in (1, 8):
+        out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, HEAD_DIM**-0.5, splits)
+        ref = decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, HEAD_DIM**-0.5)
+        assert (out.float() - ref.float()).abs().max().item() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 1000])
+def test_extend_attention(dtype: torch.dtype, window: int | None) -> None:
+    from common.kernels.extend_attention import extend_attention, extend_attention_ref
+
+    prefix = [0, 1024, 7, 2000, 3000, 0]
+    extend = [512, 300, 1, 1, 1024, 64]
+    k_buf, v_buf, r2t, rpi = _pool(16, [p + e for p, e in zip(prefix, extend, strict=True)], dtype)
+    q = torch.randn(sum(extend), HEADS, HEAD_DIM, device="cuda").to(dtype)
+    ext_t = torch.tensor(extend, device="cuda")
+    out = extend_attention(q, k_buf, v_buf, r2t, rpi, torch.cumsum(ext_t, 0) - ext_t,
+                           torch.tensor(prefix, device="cuda"), ext_t, max(extend), HEAD_DIM**-0.5, window)
+    ref = extend_attention_ref(q, k_buf, v_buf, r2t, rpi, prefix, extend, HEAD_DIM**-0.5, window)
+    assert (out.float() - ref.float()).abs().max().item() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_pages_gather_scatter(dtype: torch.dtype) -> None:
+    from common.kernels.kv_pages import gather_pages, gather_pages_ref, scatter_pages
+
+    page_size, num_pages = 16, 2048
+    buffers = [torch.randn((num_pages + 1) * page_size, KV_HEADS, HEAD_DIM, device="cuda").to(dtype)
+               for _ in range(32)]
+    page_ids = torch.randperm(num_pages, device="cuda")[:500] + 1
+    staging = torch.empty(len(buffers), len(page_ids), page_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    expect = torch.empty_like(staging)
+    gather_pages(buffers, page_ids, page_size, staging)
+    gather_pages_ref(buffers, page_ids, page_size, expect)
+    assert torch.equal(staging, expect)
+    targets = [torch.zeros_like(b) for b in buffers]
+    scatter_pages(targets, page_ids, page_size, staging)
+    back = torch.empty_like(staging)
+    gather_pages_ref(targets, page_ids, page_size, back)
+    assert torch.equal(back, staging)
+    untouched = torch.ones(num_pages + 1, dtype=torch.bool, device="cuda")
+    untouched[page_ids] = False
+    assert not targets[0].view(num_pages + 1, -1)[untouched].any()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_triton_backend_matches_torch_backend(arch: str) -> None:
+    from common.model.loader import load_model
+    from common.model.triton_backend import TritonAttentionBackend
+    from tests.model_fixtures import PagedHarness, make_tiny_model
+
+    model = load_model(make_tiny_model(arch), device="cuda")[0]
+    runs = []
+    for backend in ("torch", "triton"):
+        h = PagedHarness(model, 16, num_pages=64, max_reqs=4)
+        h.pool = h.pool.__class__(64, 16, torch.float32, model.config.num_kv_heads, model.config.head_dim,
+                                  model.config.num_layers, "cuda")
+        h.req_to_token = h.req_to_token.cuda()
+        h.backend = model.make_attn_backend(backend)
+        assert isinstance(h.backend, TritonAttentionBackend) == (backend == "triton")
+        runs.append(_run_cuda(h))
+    for a, b in zip(*runs, strict=True):
+        assert (a - b).abs().max().item() <= 1e-4
+
+
+def _run_cuda(h) -> list[torch.Tensor]:
+    """Prefill of two requests, then 4 decode steps; logits of every step, on the host."""
+    from common.forward_batch import ForwardBatch, ForwardMode
+
+    prompts = [[(7 * i + 3 * j) % 1000 + 5 for j in range(n)] for i, n in enumerate((300, 77))]
+    lens = [0, 0]
+    out = []
+    steps = [prompts] + [[[11 + t], [12 + t]] for t in range(4)]
+    for step in steps:
+        ids, pos, locs = [], [], []
+        for r, new in enumerate(step):
+            for j, tok in enumerate(new):
+                p = lens[r] + j
+                slot = (1 + r * 32 + p // 16) * 16 + p % 16  # each request owns pages 1 + 32 r ...
+                h.req_to_token[r, p] = slot
+                ids.append(tok)
+                pos.append(p)
+                locs.append(slot)
+        ext = [len(n) for n in step]
+        pre = list(lens)
+        lens = [a + b for a, b in zip(lens, ext, strict=True)]
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device="cuda")  # noqa: E731
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE if all(e == 1 for e in ext) else ForwardMode.EXTEND,
+            batch_size=2, input_ids=t(ids), positions=t(pos), out_cache_loc=t(locs), req_pool_indices=t([0, 1]),
+            seq_lens=t(lens), extend_lens=t(ext), prefix_lens=t(pre), req_to_token=h.req_to_token,
+            seq_lens_cpu=lens, extend_lens_cpu=ext, prefix_lens_cpu=pre, kv_pool=h.pool, attn_backend=h.backend,
+        )
+        with torch.inference_mode():
+            out.append(h.model.compute_logits(h.model(fb)).cpu())
+    return out

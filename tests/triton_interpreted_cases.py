@@ -1,0 +1,243 @@
+"""Triton kernels vs their torch references, run under Triton's CPU interpreter (``TRITON_INTERPRET=1``).
+
+Run as ``python -m tests.triton_interpreted_cases OUT.json`` with ``TRITON_INTERPRET=1`` set (``test_triton_kernels``
+does this in a subprocess). Importing this module does not import Triton: the case names are plain data, so the
+test module can parametrize over them.
+
+Every case builds a pool whose slots follow the paged allocator's layout (token ``i`` of a request at offset
+``i % page_size`` of one of its pages, pages shuffled over the pool; page 0 is padding). bf16 is left to the GPU
+tests: the interpreter's ``tl.dot`` mis-reads bf16 operands (triton 3.9), fp16 stands in for half precision.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+
+KV_HEADS = 2
+
+
+def _kv_heads(group: int) -> int:
+    return 1 if group >= 8 else KV_HEADS  # 8 query heads either way: keeps the interpreter's program count down
+
+
+def _pool(page_size: int, lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    """K/V buffers and a req_to_token table holding each request's ``lens[i]`` keys in row ``i + 1``."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_needed = sum(-(-n // page_size) for n in lens)
+    num_pages = pages_needed + 3
+    num_slots = (num_pages + 1) * page_size
+    k_buf = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_buf = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    free = list(range(1, num_pages + 1))
+    random.Random(seed).shuffle(free)
+    width = max(lens) + page_size
+    req_to_token = torch.zeros(len(lens) + 1, width, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        pages = [free.pop() for _ in range(-(-n // page_size))]
+        pos = torch.arange(n)
+        req_to_token[i + 1, :n] = torch.tensor(pages)[pos // page_size] * page_size + pos % page_size
+    return k_buf, v_buf, req_to_token, torch.arange(1, len(lens) + 1)
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol, f"max abs error {err:.3g} > {tol}"
+    return err
+
+
+def decode_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, window: int | None = None,
+                splits: int = 3) -> float:
+    from common.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    lens = [1, 5, 16, 33, 50]
+    d = 48
+    kvh = _kv_heads(group)
+    k_buf, v_buf, r2t, rpi = _pool(page_size, lens, kvh, d, dtype, seed=page_size * 10 + group)
+    q = torch.randn(len(lens), kvh * group, d, generator=torch.Generator().manual_seed(group)).to(dtype)
+    seq_lens = torch.tensor(lens)
+    out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, splits, window)
+    ref = decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, window)
+    return _check(out, ref, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def paged_torch_case(page_size: int, group: int) -> float:
+    """The gather-free torch decode (blocks of pages) against the same oracle; block_pages=2 forces several blocks."""
+    from common.kernels.decode_attention import decode_attention_ref
+    from common.kernels.paged_decode_torch import page_table, paged_decode_torch
+
+    lens = [1, 5, 16, 33, 70]
+    d = 48
+    kvh = _kv_heads(group)
+    k_buf, v_buf, r2t, rpi = _pool(page_size, lens, kvh, d, torch.float32, seed=page_size * 10 + group + 2)
+    q = torch.randn(len(lens), kvh * group, d, generator=torch.Generator().manual_seed(group))
+    seq_lens = torch.tensor(lens)
+    pages = page_table(r2t, rpi, max(lens), page_size)
+    out = paged_decode_torch(q, k_buf, v_buf, pages, seq_lens, page_size, d**-0.5, block_pages=max(1, 32 // page_size))
+    ref = decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5)
+    return _check(out, ref, 1e-5)
+
+
+def extend_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, window: int | None = None) -> float:
+    from common.kernels.extend_attention import extend_attention, extend_attention_ref
+
+    # A mixed batch: a fresh prefill, prefix hits (page-aligned and not), 1-token extends (decodes), a long chunk.
+    prefix = [0, 16, 3, 40, 0, 17]
+    extend = [9, 20, 1, 1, 40, 5]
+    d = 48
+    lens = [p + e for p, e in zip(prefix, extend, strict=True)]
+    kvh = _kv_heads(group)
+    k_buf, v_buf, r2t, rpi = _pool(page_size, lens, kvh, d, dtype, seed=page_size * 10 + group + 1)
+    heads = kvh * group
+    q = torch.randn(sum(extend), heads, d, generator=torch.Generator().manual_seed(group)).to(dtype)
+    ext_t = torch.tensor(extend)
+    q_start = torch.cumsum(ext_t, 0) - ext_t
+    out = extend_attention(q, k_buf, v_buf, r2t, rpi, q_start, torch.tensor(prefix), ext_t, max(extend), d**-0.5,
+                           window, block_m=32, block_n=16)
+    ref = extend_attention_ref(q, k_buf, v_buf, r2t, rpi, prefix, extend, d**-0.5, window)
+    return _check(out, ref, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
+    from common.kernels.kv_pages import gather_pages_ref, scatter_pages_ref
+    from common.kernels.kv_pages_triton import gather_pages_triton, scatter_pages_triton
+
+    num_pages, slot = 9, (KV_HEADS, 48)
+    gen = torch.Generator().manual_seed(page_size)
+    buffers = [torch.randn((num_pages + 1) * page_size, *slot, generator=gen).to(dtype) for _ in range(6)]
+    page_ids = torch.tensor([7, 2, 9, 1])
+    staging = torch.full((len(buffers), len(page_ids), page_size, *slot), -1.0).to(dtype)
+    expect = torch.empty_like(staging)
+    gather_pages_triton(buffers, page_ids, page_size, staging)
+    gather_pages_ref(buffers, page_ids, page_size, expect)
+    assert torch.equal(staging, expect), "gather_pages: triton and reference differ"
+    got = [torch.zeros_like(b) for b in buffers]
+    want = [torch.zeros_like(b) for b in buffers]
+    scatter_pages_triton(got, page_ids, page_size, expect)
+    scatter_pages_ref(want, page_ids, page_size, expect)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "scatter_pages: triton and reference differ"
+    for bad_ids, bad_staging in ((page_ids, staging[:, :3]), (page_ids.int(), staging)):
+        try:
+            gather_pages_triton(buffers, bad_ids, page_size, bad_staging)
+        except ValueError:
+            continue
+        raise AssertionError("gather_pages_triton accepted a mis-shaped staging tensor or int32 page ids")
+    return 0.0
+
+
+def model_case(arch: str, page_size: int, first_len: int = 26) -> float:
+    """Tiny model, triton backend vs torch backend: prefill, a shared-prefix extend, then 2 decode steps."""
+    from common.model.triton_backend import TritonAttentionBackend
+    from tests.model_fixtures import PagedHarness, load_tiny_model
+
+    model = load_tiny_model(arch)
+    prompts = [[(7 * i + 3 * j) % 1000 + 5 for j in range(n)] for i, n in enumerate((first_len, 11))]
+    worst = 0.0
+    runs = []
+    for backend in ("torch", "triton"):
+        h = PagedHarness(model, page_size, num_pages=1024 // page_size, max_reqs=4)
+        h.backend = model.make_attn_backend(backend)
+        assert isinstance(h.backend, TritonAttentionBackend) == (backend == "triton")
+        h.add("a")
+        h.add("b")
+        steps = [h.forward([("a", prompts[0]), ("b", prompts[1])])]
+        h.add("c", share_prefix_of="a", prefix_len=16)
+        steps.append(h.forward([("c", [*prompts[0][16:], 9, 8, 7])]))  # prefix hit: extend after 16 cached tokens
+        for t in range(2):
+            steps.append(h.forward([("a", [11 + t]), ("b", [12 + t]), ("c", [13 + t])]))
+        runs.append(steps)
+    for torch_step, triton_step in zip(*runs, strict=True):
+        for a, b in zip(torch_step, triton_step, strict=True):
+            worst = max(worst, _check(b, a, 1e-4))
+    return worst
+
+
+def engine_case() -> float:
+    """The engine with ``attention_backend="triton"`` (interpreted) generates what the torch backend generates.
+    The second request arrives once the first is decoding, so (with --enable-mixed-chunk, chunk 32) its prefill
+    chunks run in mixed batches beside that decode; its second chunk continues a cached prefix."""
+    import asyncio
+
+    from common.engine import Engine
+    from tests.conftest import assert_pools_released
+    from tests.model_fixtures import make_tiny_model
+
+    prompts = [[(5 * i + j) % 900 + 3 for j in range(n)] for i, n in enumerate((21, 40))]
+    max_new = (6, 3)
+
+    async def run(engine: Engine) -> list[list[int]]:
+        async def one(i: int, started: asyncio.Event | None) -> list[int]:
+            ids: list[int] = []
+            params = {"max_new_tokens": max_new[i], "temperature": 0.0, "ignore_eos": True}
+            async for chunk in engine.generate_stream(input_ids=prompts[i], sampling_params=params):
+                ids.extend(chunk.token_ids)
+                if started is not None:
+                    started.set()
+            return ids
+
+        started = asyncio.Event()
+        first = asyncio.create_task(one(0, started))
+        await asyncio.wait_for(started.wait(), timeout=60)
+        second = await one(1, None)
+        return [await first, second]
+
+    outs = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(model_path=str(make_tiny_model("llama")), attention_backend=backend, page_size=16,
+                        max_total_tokens=4096, max_running_requests=8, chunked_prefill_size=32,
+                        enable_mixed_chunk=True)
+        try:
+            backend_obj = engine.scheduler.runner.attn_backend
+            assert type(backend_obj).__name__ == ("TritonAttentionBackend" if backend == "triton" else
+                                                  "TorchAttentionBackend")
+            init = backend_obj.init_forward_metadata
+            seen: list[list[int]] = []
+            backend_obj.init_forward_metadata = lambda fb, init=init, seen=seen: (
+                seen.append(list(fb.extend_lens_cpu)), init(fb))[1]
+            outs[backend] = asyncio.run(run(engine))
+            if backend == "triton":  # interpreted steps are slow: the first request is surely still decoding
+                assert any(1 in ext and max(ext) > 1 for ext in seen), f"no mixed batch among {seen}"
+            assert_pools_released(engine)
+        finally:
+            engine.shutdown()
+    assert outs["triton"] == outs["torch"], f"triton {outs['triton']} != torch {outs['torch']}"
+    return 0.0
+
+
+F32, F16 = torch.float32, torch.float16
+CASES: dict[str, Callable[[], float]] = {}
+for _ps in (1, 16):
+    for _g in (1, 4, 8):
+        CASES[f"decode-page{_ps}-gqa{_g}"] = lambda ps=_ps, g=_g: decode_case(ps, g)
+        CASES[f"extend-page{_ps}-gqa{_g}"] = lambda ps=_ps, g=_g: extend_case(ps, g)
+        CASES[f"paged_torch-page{_ps}-gqa{_g}"] = lambda ps=_ps, g=_g: paged_torch_case(ps, g)
+    for _dt in (F32, F16):
+        CASES[f"kv_pages-page{_ps}-{str(_dt)[6:]}"] = lambda ps=_ps, dt=_dt: kv_pages_case(ps, dt)
+CASES["decode-fp16-gqa4"] = lambda: decode_case(16, 4, F16)
+CASES["decode-window-split4"] = lambda: decode_case(16, 4, window=20, splits=4)
+CASES["decode-one-split"] = lambda: decode_case(16, 8, splits=1)
+CASES["extend-fp16-gqa4"] = lambda: extend_case(16, 4, F16)
+CASES["extend-window"] = lambda: extend_case(1, 4, window=12)
+CASES["model-llama-page16"] = lambda: model_case("llama", 16)
+CASES["model-mistral-window"] = lambda: model_case("mistral", 16, first_len=56)  # tiny window: 48
+CASES["engine-llama"] = engine_case
+
+
+def main(out_path: str) -> None:
+    results = {}
+    for name, case in CASES.items():
+        try:
+            results[name] = {"ok": True, "max_err": case()}
+        except Exception:  # every failure is reported to the test that owns the case
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
