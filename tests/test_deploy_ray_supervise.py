@@ -50,3 +50,8 @@ def test_a_success_resets_the_failure_count() -> None:
     for t in range(6):
         supervise_once(["n"], lambda _n: next(results), restarted.append, tracker, now=float(t))
     assert restarted == ["n"]
+
+
+def test_supervise_command_parses() -> None:
+    ns = build_parser().parse_args(["ray", "supervise", "--address", "h:6379", "--supervise-period", "5"])
+    assert (ns.ray_command, ns.address, ns.supervise_period) == ("supervise", "h:6379", 5.0)
