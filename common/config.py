@@ -56,6 +56,7 @@ class ServerArgs:
     transfer_timeout: float = 60.0
     request_timeout: float = 600.0  # upper bound of one request on a node when the client set no deadline
     drain_timeout: float = 30.0  # SIGTERM: how long in-flight requests may finish before they are aborted
+    watchdog_timeout: float = 300.0  # liveness fails when a scheduler rank has not stepped for this long
     log_level: str = "info"
     log_requests: bool = False  # one log line per request on arrival and on finish (rid, room, outcome)
 
@@ -95,6 +96,8 @@ class ServerArgs:
             raise ConfigError(f"--base-gpu-id must be >= 0, got {self.base_gpu_id}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static <= 0.95:
             raise ConfigError(f"--mem-fraction-static must be in (0, 0.95], got {self.mem_fraction_static}")
+        if self.watchdog_timeout <= 0:
+            raise ConfigError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
         for name in ("max_running_requests", "max_prefill_tokens", "tp_size", "dp_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -168,6 +171,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="upper bound of one request when the client sets no deadline")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help="SIGTERM: seconds in-flight requests may finish before the node stops")
+    g.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+                   help="seconds a scheduler rank may go without completing a step (or an idle poll) before the "
+                        "node's /liveness (on --metrics-port) fails")
     g = parser.add_argument_group("memory and scheduling")
     g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
     g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,

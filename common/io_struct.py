@@ -95,6 +95,16 @@ class RankReady(msgspec.Struct, tag=True, kw_only=True):
     error: str | None = None
 
 
+class RankHeartbeat(msgspec.Struct, tag=True, kw_only=True):
+    """A scheduler rank is stepping: sent after a completed step or idle poll, at most every heartbeat interval.
+
+    A rank stuck inside one step sends none; the front's liveness fails after ``--watchdog-timeout`` without one.
+    """
+
+    dp_rank: int
+    steps: int  # completed loop iterations (steps and idle polls) since start
+
+
 class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
     """Prefill node: the request's KV reached the decode node (or failed: ``error``/``error_code`` set)."""
 
@@ -107,4 +117,4 @@ class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
 
 
 SchedulerInput = GenerateReqInput | AbortReq | LoadReq | ShutdownReq
-SchedulerOutput = TokenOut | LoadOut | RankReady | PrefillDone
+SchedulerOutput = TokenOut | LoadOut | RankReady | PrefillDone | RankHeartbeat

@@ -1,8 +1,11 @@
-"""Write the Kubernetes ConfigMap env files from the cluster spec (``python -m deploy.gen_k8s [--check]``).
+"""Write the Kubernetes files that come from the cluster spec (``python -m deploy.gen_k8s [--check]``).
 
-``deploy/k8s/base/flags.env`` holds every flag of the base spec; ``deploy/k8s/overlays/<profile>/flags.env`` only
-what the profile changes (kustomize merges it into the base ConfigMap). Keys: ``MODEL_PATH``, ``SHARED_<FLAG>``
-(both node roles) and ``<ROLE>_<FLAG>``; containers read them as ``--flag=$(KEY)`` (see base/*.yaml).
+- ``deploy/k8s/base/flags.env`` holds every flag of the base spec; ``deploy/k8s/overlays/<profile>/flags.env`` only
+  what the profile changes (kustomize merges it into the base ConfigMap). Keys: ``MODEL_PATH``, ``SHARED_<FLAG>``
+  (both node roles) and ``<ROLE>_<FLAG>``; containers read them as ``--flag=$(KEY)``.
+- ``deploy/k8s/base/spec/`` and ``deploy/k8s/overlays/<profile>/spec/``: kustomize Components with the spec's
+  images, args, ports, replicas, grace periods, resources and /dev/shm sizes (``deploy.k8s_spec``).
+- ``deploy/k8s/components/multinode-lws/lws-<role>.yaml``: the node Deployments' pod templates as LeaderWorkerSets.
 """
 
 from __future__ import annotations
@@ -11,14 +14,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from deploy.spec import ROLES, ClusterSpec, load_spec, profile_names
+import yaml
+
+from deploy.k8s_spec import component, env_key, leader_worker_set
+from deploy.spec import NODE_ROLES, ROLES, ClusterSpec, load_spec, profile_names
 
 K8S_DIR = Path(__file__).with_name("k8s")
 HEADER = "# Generated from deploy/cluster_spec.yaml by `python -m deploy.gen_k8s`; do not edit.\n"
-
-
-def env_key(scope: str, flag: str) -> str:
-    return f"{scope}_{flag}".upper().replace("-", "_")
+__all__ = ["env_key", "flag_env", "generated_files", "main"]
 
 
 def flag_env(spec: ClusterSpec) -> dict[str, str]:
@@ -31,13 +34,27 @@ def flag_env(spec: ClusterSpec) -> dict[str, str]:
     return env
 
 
-def env_files() -> dict[Path, str]:
-    base = flag_env(load_spec())
-    files = {K8S_DIR / "base" / "flags.env": base}
+def _yaml(doc: object) -> str:
+    return HEADER + yaml.safe_dump(doc, sort_keys=False, width=120)
+
+
+def generated_files() -> dict[Path, str]:
+    base_spec = load_spec()
+    base = flag_env(base_spec)
+    env_files = {K8S_DIR / "base" / "flags.env": base}
+    files = {K8S_DIR / "base" / "spec" / "kustomization.yaml": _yaml(component(base_spec))}
     for profile in profile_names():
-        env = flag_env(load_spec(profile=profile))
-        files[K8S_DIR / "overlays" / profile / "flags.env"] = {k: v for k, v in env.items() if base.get(k) != v}
-    return {path: HEADER + "".join(f"{k}={v}\n" for k, v in env.items()) for path, env in files.items()}
+        spec = load_spec(profile=profile)
+        env = flag_env(spec)
+        env_files[K8S_DIR / "overlays" / profile / "flags.env"] = {k: v for k, v in env.items() if base.get(k) != v}
+        files[K8S_DIR / "overlays" / profile / "spec" / "kustomization.yaml"] = _yaml(component(spec))
+    for role in NODE_ROLES:
+        deployment = next(d for d in yaml.safe_load_all((K8S_DIR / "base" / f"{role}.yaml").read_text())
+                          if d["kind"] == "Deployment")
+        lws = leader_worker_set(deployment)
+        files[K8S_DIR / "components" / "multinode-lws" / f"lws-{role}.yaml"] = _yaml(lws)
+    files |= {path: HEADER + "".join(f"{k}={v}\n" for k, v in env.items()) for path, env in env_files.items()}
+    return files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="fail if a file is out of date instead of writing it")
     ns = p.parse_args(argv)
     stale = []
-    for path, text in env_files().items():
+    for path, text in generated_files().items():
         if path.exists() and path.read_text() == text:
             continue
         if ns.check:

@@ -1,10 +1,12 @@
-"""The cluster spec (``deploy/cluster_spec.yaml``): roles, counts, ports and flags shared by the Ray deployer and the
-Kubernetes manifests. ``load_spec(profile=...)`` returns one frozen ``ClusterSpec``; command lines come from it."""
+"""The cluster spec (``deploy/cluster_spec.yaml``): roles, counts, ports, flags, images, resources and grace periods
+shared by the Ray deployer and the Kubernetes manifests. ``load_spec(profile=...)`` returns one frozen
+``ClusterSpec``; command lines, pod resources and Ray GPU counts come from it."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,30 @@ SPEC_PATH = Path(__file__).with_name("cluster_spec.yaml")
 NODE_ROLES = ("prefill", "decode")
 ROLES = ("router", *NODE_ROLES)
 FlagValue = str | int | float
+PRESTOP_S = 5  # the node pods' preStop sleep (discovery drops a terminating pod first)
+SHUTDOWN_MARGIN_S = 25  # after the drain: ranks stop, transfers close
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_UNITS = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9,
+          "T": 10**12}
+
+
+def quantity_bytes(text: str) -> int:
+    """A Kubernetes memory quantity (``4Gi``, ``512Mi``, ``1000000``) in bytes."""
+    m = _QUANTITY.match(str(text))
+    if m is None:
+        raise ConfigError(f"cluster spec: {text!r} is not a memory quantity (e.g. 4Gi, 512Mi)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+@dataclass(frozen=True)
+class Resources:
+    """One replica's pod resources (requests == limits: Guaranteed QoS). ``shm`` is the /dev/shm size, memory-
+    backed so it counts against ``memory``; GPUs per pod are ``gpus_per_rank`` x tp-size x dp-size."""
+
+    cpu: str
+    memory: str
+    shm: str | None = None
+    gpus_per_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -35,6 +61,8 @@ class RoleSpec:
     replicas: int
     port_base: int
     flags: dict[str, FlagValue] = field(default_factory=dict)
+    resources: Resources = Resources(cpu="1", memory="1Gi")
+    grace_period: int | None = None  # seconds; None on node roles: preStop + --drain-timeout + a shutdown margin
 
 
 @dataclass(frozen=True)
@@ -44,6 +72,7 @@ class ClusterSpec:
     roles: dict[str, RoleSpec]
     replica_port_stride: int = 10
     profile: str | None = None
+    images: dict[str, str] = field(default_factory=lambda: {"cpu": "pdcluster", "cuda": "pdcluster"})
 
     def __post_init__(self) -> None:
         if set(self.roles) != set(ROLES):
@@ -55,13 +84,62 @@ class ClusterSpec:
                 _check_flag(f"{role.name}.flags", key, value)
         for key, value in self.shared.items():
             _check_flag("shared", key, value)
+        self._check_resources()
         bases = sorted(r.port_base for r in self.roles.values())
         width = self.replica_port_stride * max(r.replicas for r in self.roles.values())
         if any(b - a < width for a, b in itertools.pairwise(bases)):
             raise ConfigError(f"cluster spec: port bases {bases} overlap for these replica counts")
 
+    def _check_resources(self) -> None:
+        if set(self.images) != {"cpu", "cuda"}:
+            raise ConfigError(f"cluster spec: images must name exactly cpu and cuda, got {sorted(self.images)}")
+        for name in NODE_ROLES:
+            res, where = self.roles[name].resources, f"cluster spec{f' (profile {self.profile})' if self.profile else ''}"
+            if self.device == "cuda" and res.gpus_per_rank < 1:
+                raise ConfigError(f"{where}: {name}.resources.gpus_per_rank is {res.gpus_per_rank} but device is "
+                                  "cuda; give every rank a GPU (gpus_per_rank >= 1) or set device: cpu")
+            if self.device == "cpu" and res.gpus_per_rank != 0:
+                raise ConfigError(f"{where}: {name}.resources.gpus_per_rank must be 0 with device cpu")
+            if res.shm is not None and quantity_bytes(res.shm) >= quantity_bytes(res.memory):
+                raise ConfigError(f"{where}: {name}.resources.shm ({res.shm}) must be below its memory limit "
+                                  f"({res.memory}): /dev/shm is memory-backed and counts against it")
+        for role in self.roles.values():
+            quantity_bytes(role.resources.memory)
+            if role.grace_period is not None and role.grace_period < 1:
+                raise ConfigError(f"cluster spec: {role.name}.grace_period must be >= 1 s")
+
+    @property
+    def device(self) -> str:
+        return str(self.shared.get("device", "cpu"))
+
     def role(self, name: str) -> RoleSpec:
         return self.roles[name]
+
+    def image(self, role: str) -> str:
+        """Node pods run the image of the spec's device; the router (no model weights on a device) the CPU one."""
+        return self.images[self.device if role in NODE_ROLES else "cpu"]
+
+    def ranks(self, role: str) -> int:
+        flags = self.node_flags(role)
+        return int(flags.get("tp-size", 1)) * int(flags.get("dp-size", 1))
+
+    def gpus(self, role: str) -> int:
+        """GPUs of one replica (pod) of a node role."""
+        return self.roles[role].resources.gpus_per_rank * self.ranks(role)
+
+    def grace_period(self, role: str) -> int:
+        """terminationGracePeriodSeconds: explicit, or preStop + --drain-timeout + the ranks' shutdown."""
+        explicit = self.roles[role].grace_period
+        if explicit is not None:
+            return explicit
+        drain = float(self.node_flags(role).get("drain-timeout", 30))
+        return int(PRESTOP_S + drain + SHUTDOWN_MARGIN_S)
+
+    def with_gpus_per_rank(self, gpus_per_rank: int) -> ClusterSpec:
+        """The spec with every node role's GPUs per rank overridden (``pdcluster ray up --gpus-per-rank``)."""
+        roles = {k: dataclasses.replace(r, resources=dataclasses.replace(r.resources, gpus_per_rank=gpus_per_rank))
+                 if k in NODE_ROLES else r for k, r in self.roles.items()}
+        return dataclasses.replace(self, roles=roles)
 
     def with_counts(self, **replicas: int) -> ClusterSpec:
         """The spec with other replica counts (``pdcluster ray up --prefill N --decode M``)."""
@@ -151,7 +229,8 @@ def load_spec(path: Path | str = SPEC_PATH, profile: str | None = None) -> Clust
             raise ConfigError(f"cluster spec has no profile {profile!r}; profiles: {', '.join(sorted(profiles))}")
         raw = _merge(raw, profiles[profile] or {}, "")
     roles = {
-        name: RoleSpec(name, int(r["replicas"]), int(r["port_base"]), dict(r.get("flags") or {}))
+        name: RoleSpec(name, int(r["replicas"]), int(r["port_base"]), dict(r.get("flags") or {}),
+                       _resources(name, r.get("resources") or {}), r.get("grace_period"))
         for name, r in raw["roles"].items()
     }
     return ClusterSpec(
@@ -160,7 +239,17 @@ def load_spec(path: Path | str = SPEC_PATH, profile: str | None = None) -> Clust
         roles=roles,
         replica_port_stride=int(raw.get("replica_port_stride", 10)),
         profile=profile,
+        images=dict(raw.get("images") or {}),
     )
+
+
+def _resources(role: str, raw: dict[str, Any]) -> Resources:
+    unknown = set(raw) - {f.name for f in dataclasses.fields(Resources)}
+    if unknown or "cpu" not in raw or "memory" not in raw:
+        raise ConfigError(f"cluster spec: {role}.resources needs cpu and memory (optional shm, gpus_per_rank); "
+                          f"unknown: {sorted(unknown)}")
+    return Resources(cpu=str(raw["cpu"]), memory=str(raw["memory"]), shm=raw.get("shm"),
+                     gpus_per_rank=int(raw.get("gpus_per_rank", 0)))
 
 
 def profile_names(path: Path | str = SPEC_PATH) -> list[str]:

@@ -21,6 +21,17 @@ from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 START_TIMEOUT_S = 120.0
 
 
+def rank_pids(front_pid: int) -> list[int]:
+    """A node's scheduler rank processes: the multiprocessing-spawned children of its front process."""
+    children = Path(f"/proc/{front_pid}/task/{front_pid}/children").read_text().split()
+    pids = []
+    for pid in map(int, children):
+        with contextlib.suppress(FileNotFoundError):
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+    return pids
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,7 +1,8 @@
 """``pdcluster ray``: the deployment on a real multi-node Ray cluster on 127.0.0.1 (head + a ``prefill`` node + a
 ``decode`` node, ``ray.cluster_utils.Cluster``), serving the tiny model through the real router and node processes.
 
-One module-scoped cluster (10-15 s to start); the tests run in order: placement, a request, a node failure, down.
+One module-scoped cluster (10-15 s to start); the tests run in order: placement, a request, a node failure, a hung
+node restarted by the liveness supervisor, down.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import time
 import urllib.request
@@ -28,6 +30,7 @@ from deploy.ray.actors import REGISTRY_NAME
 from deploy.spec import load_spec
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from tests.model_fixtures import make_tiny_model
+from tests.node_helpers import rank_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -36,6 +39,7 @@ FAST_FAILURE = {  # the head notices a dead raylet in ~3 s instead of ~30 s
     "health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3,
     "health_check_initial_delay_ms": 1000,
 }
+WATCHDOG_S = 3.0
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
 
@@ -76,7 +80,7 @@ def cluster() -> Iterator[dict[str, Any]]:
         .with_port_bases(router=_free_base(), prefill=_free_base(), decode=_free_base())
         .with_counts(prefill=1, decode=1, router=1)
         .with_flags(model_path=str(model), max_total_tokens=1024, torch_num_threads=1, drain_timeout=2,
-                    max_running_requests=16)
+                    max_running_requests=16, watchdog_timeout=WATCHDOG_S)
     )
     opts = deployer.RayOptions(namespace=NAMESPACE, node_cpus=0.5, start_timeout_s=180)
     try:
@@ -170,6 +174,58 @@ def test_decode_node_failure_restarts_actor_elsewhere(cluster: dict[str, Any]) -
             last = e
             time.sleep(0.5)
     raise AssertionError(f"router did not serve again after the decode node was replaced: {last}")
+
+
+def _wait_healthy(name: str, deadline: float) -> None:
+    handle = ray.get_actor(name, namespace=NAMESPACE)
+    while True:
+        try:
+            ray.get(handle.check_health.remote(), timeout=10)
+            return
+        except (ray.exceptions.RayError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_hung_node_is_restarted_by_the_liveness_supervisor(cluster: dict[str, Any]) -> None:
+    name = deployer.actor_name("prefill", 0)
+    old_pid = deployer.status(NAMESPACE)[name]["pid"]  # type: ignore[index]
+    (rank,) = rank_pids(old_pid)
+    tracker = deployer.LivenessTracker(failures_to_restart=2, restart_grace_s=120.0)
+
+    def supervise() -> list[str]:
+        return deployer.supervise_once([name], lambda n: deployer.probe_node(NAMESPACE, n, timeout=10),
+                                       lambda n: deployer.restart_node(NAMESPACE, n), tracker)
+
+    assert supervise() == []  # healthy: live
+    os.kill(rank, signal.SIGSTOP)  # the node's engine hangs; its front and gRPC health stay up
+    try:
+        deadline = time.monotonic() + 60
+        restarted: list[str] = []
+        while not restarted and time.monotonic() < deadline:
+            time.sleep(1.0)
+            restarted = supervise()
+        assert restarted == [name], "the supervisor did not restart the hung node"
+    finally:
+        if _pid_alive(rank):
+            os.kill(rank, signal.SIGCONT)
+    _wait_healthy(name, time.monotonic() + 150)
+    assert deployer.status(NAMESPACE)[name]["pid"] != old_pid  # type: ignore[index]
+    assert deployer.probe_node(NAMESPACE, name)
+    deadline = time.monotonic() + 20
+    while _pid_alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _pid_alive(rank), "the hung rank outlived its node"
+    deadline = time.monotonic() + 60
+    while True:  # the router serves through the restarted prefill node
+        try:
+            assert _complete(cluster["router"]["http"], timeout=30)["usage"]["completion_tokens"] == MAX_TOKENS
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def test_down_leaves_no_actors(cluster: dict[str, Any]) -> None:

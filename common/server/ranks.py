@@ -11,6 +11,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,16 @@ import zmq
 import zmq.asyncio
 
 from common.config import ServerArgs
-from common.io_struct import LoadOut, LoadReq, QueueLoad, RankReady, SchedulerInput, ShutdownReq, TokenOut
+from common.io_struct import (
+    LoadOut,
+    LoadReq,
+    QueueLoad,
+    RankHeartbeat,
+    RankReady,
+    SchedulerInput,
+    ShutdownReq,
+    TokenOut,
+)
 from common.server.ipc import IpcAddrs, decode_outputs, encode
 from common.server.scheduler_process import run_scheduler_process
 
@@ -44,6 +54,8 @@ class RankClient:
         self.rid_rank: dict[str, int] = {}
         self.inflight = [0] * args.dp_size
         self.max_total_tokens = 0
+        # time.monotonic() of each rank's last RankHeartbeat (or RankReady); read by the liveness endpoint's thread.
+        self.last_heartbeat = [0.0] * args.dp_size
         self._ready: dict[int, RankReady] = {}
         self._ready_event = asyncio.Event()
         self._load_waiters: dict[int, list[asyncio.Future[QueueLoad]]] = {r: [] for r in range(args.dp_size)}
@@ -79,7 +91,10 @@ class RankClient:
         while True:
             frame = await self.pull.recv()
             for msg in decode_outputs(frame):
-                if isinstance(msg, RankReady):
+                if isinstance(msg, RankHeartbeat):
+                    self.last_heartbeat[msg.dp_rank] = time.monotonic()
+                elif isinstance(msg, RankReady):
+                    self.last_heartbeat[msg.dp_rank] = time.monotonic()
                     self._ready[msg.dp_rank] = msg
                     if len(self._ready) == self.args.dp_size or msg.error:
                         self._ready_event.set()
@@ -112,6 +127,11 @@ class RankClient:
 
     def alive(self) -> bool:
         return not self.closed and all(p.exitcode is None for p in self.procs)
+
+    def stalled_ranks(self, timeout: float) -> dict[int, float]:
+        """Ranks whose last heartbeat is older than ``timeout`` seconds -> its age (ranks not yet ready: none)."""
+        now = time.monotonic()
+        return {r: now - t for r, t in enumerate(self.last_heartbeat) if t and now - t > timeout}
 
     # -- requests --------------------------------------------------------------------------------------------------
     def register(self, rid: str, rank: int, deliver: Callable[[Any], None]) -> None:

@@ -21,12 +21,13 @@ import zmq
 
 from common.config import ServerArgs
 from common.device import bind_rank_device
-from common.io_struct import RankReady, ShutdownReq
+from common.io_struct import RankHeartbeat, RankReady, ShutdownReq
 from common.server.ipc import IpcAddrs, decode_input, encode
 from common.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_MS = 20
+HEARTBEAT_INTERVAL_S = 0.5  # at most one RankHeartbeat per interval; one follows every step or idle poll
 PR_SET_PDEATHSIG = 1
 
 
@@ -70,7 +71,8 @@ def run_scheduler_process(
     send_outputs([RankReady(dp_rank=dp_rank, max_total_tokens=scheduler.max_total_num_tokens)])
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    last_parent_check = time.monotonic()
+    last_parent_check = last_beat = time.monotonic()
+    steps = 0
     try:
         while True:
             timeout = IDLE_WAIT_MS if scheduler.is_idle() else 0
@@ -84,7 +86,12 @@ def run_scheduler_process(
             if any(isinstance(m, ShutdownReq) for m in msgs):
                 break
             scheduler.step(msgs)
-            if time.monotonic() - last_parent_check > 1.0:
+            steps += 1
+            now = time.monotonic()
+            if now - last_beat >= HEARTBEAT_INTERVAL_S:
+                last_beat = now
+                send_outputs([RankHeartbeat(dp_rank=dp_rank, steps=steps)])
+            if now - last_parent_check > 1.0:
                 last_parent_check = time.monotonic()
                 if os.getppid() != parent_pid:
                     logger.warning("front process is gone; scheduler rank %d exits", dp_rank)

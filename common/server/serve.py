@@ -17,11 +17,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from common.config import ServerArgs
 from common.model.config import ModelConfig
 from common.server.front import WorkerServicer
+from common.server.http_probe import node_liveness, start_probe_server
 from common.server.metrics import poll_load_forever
 from common.server.ranks import RankClient
 from common.tokenizer import resolve_model_path
@@ -70,6 +70,7 @@ class NodeServer:
         self._cleanups: list[Callable[[], Any]] = []
         self.port = args.port
         self._metrics_task: asyncio.Task[None] | None = None
+        self._probe_server: Any = None
 
     async def start(self) -> None:
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -90,7 +91,9 @@ class NodeServer:
             raise OSError(f"cannot bind the Worker gRPC port {self.args.host}:{self.args.port}")
         await self.server.start()
         if self.args.metrics_port is not None:
-            start_http_server(self.args.metrics_port, addr=self.args.host)
+            self._probe_server = start_probe_server(
+                self.args.metrics_port, self.args.host, node_liveness(self.ranks, self.args.watchdog_timeout)
+            )
             self._metrics_task = asyncio.create_task(poll_load_forever(self.ranks))
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("pdcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
@@ -112,6 +115,9 @@ class NodeServer:
         for cleanup in self._cleanups:
             await cleanup()
         await self.ranks.close()
+        if self._probe_server is not None:
+            self._probe_server.shutdown()
+            self._probe_server.server_close()
 
     async def wait_for_signal(self) -> None:
         stop = asyncio.Event()

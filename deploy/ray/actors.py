@@ -13,6 +13,8 @@ import logging
 import os
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
@@ -87,10 +89,11 @@ class NodeActor(_ProcessActor):
     """One prefill or decode node: ``pdcluster serve`` on the Ray node's IP and this replica's ports."""
 
     def __init__(self, role: str, argv: list[str], port: int, bootstrap_port: int | None, registry_name: str,
-                 namespace: str, start_timeout: float = 300.0) -> None:
+                 namespace: str, start_timeout: float = 300.0, metrics_port: int | None = None) -> None:
         host = ray.util.get_node_ip_address()
         self.role = role
         self.address = f"{host}:{port}"
+        self.liveness_url = f"http://{host}:{metrics_port}/liveness" if metrics_port is not None else None
         self.worker = WorkerInfo(self.address, role, bootstrap_port)
         self.registry = ray.get_actor(registry_name, namespace=namespace)
         argv = [a.replace("{host}", host) for a in argv]
@@ -108,6 +111,20 @@ class NodeActor(_ProcessActor):
                 except (ray.exceptions.RayError, TimeoutError) as e:
                     logger.warning("registry unreachable: %s", e)
             self._stopping.wait(REGISTER_PERIOD_S)
+
+    def check_liveness(self, timeout: float = 5.0) -> None:
+        """Raises unless the process lives and its ``/liveness`` answers 200 (no scheduler rank hung)."""
+        if not self.proc.alive():
+            raise RuntimeError(f"{self.address}: process exited with {self.proc.proc.returncode}")
+        if self.liveness_url is None:
+            return
+        try:
+            with urllib.request.urlopen(self.liveness_url, timeout=timeout):
+                return
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"{self.address}: {e.read().decode(errors='replace')}") from None
+        except OSError as e:
+            raise RuntimeError(f"{self.address}: /liveness unreachable: {e}") from None
 
     def shutdown(self, grace: float = 30.0) -> int | None:
         """Graceful drain: leave the registry (routers stop sending within a sync period), then SIGTERM."""

@@ -2,6 +2,7 @@
 
     pdcluster ray up --address local --prefill 1 --decode 1 [--dp-size 2] [--model-path DIR] [--profile cpu-dev]
     pdcluster ray status --address ADDR
+    pdcluster ray supervise --address ADDR     (restarts node actors that fail /liveness; until Ctrl-C)
     pdcluster ray down --address ADDR
 """
 
@@ -17,11 +18,15 @@ from deploy.spec import SPEC_PATH, load_spec
 def add_ray_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="ray_command", required=True)
     for name, help_text in (("up", "deploy router, prefill and decode actors"), ("down", "drain and remove them"),
-                            ("status", "health of every actor")):
+                            ("status", "health of every actor"),
+                            ("supervise", "probe every node's liveness periodically and restart hung ones")):
         s = sub.add_parser(name, help=help_text)
         s.add_argument("--address", default="auto",
                        help="Ray cluster address (ray://host:10001, host:6379, auto), or 'local' to start one here")
         s.add_argument("--namespace", default="pdcluster", help="Ray namespace of the deployment's named actors")
+        if name == "supervise" or name == "up":
+            s.add_argument("--supervise-period", type=float, default=10.0,
+                           help="seconds between liveness rounds (up: with --address local)")
         if name != "up":
             continue
         s.add_argument("--spec", default=str(SPEC_PATH), help="cluster spec YAML")
@@ -36,7 +41,8 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
         s.add_argument("--pin", choices=("resources", "labels", "none"), default="resources",
                        help="role pinning: custom resource 'prefill'/'decode', node label pdcluster.io/role, none")
         s.add_argument("--node-cpus", type=float, default=1.0, help="Ray CPUs reserved per node replica")
-        s.add_argument("--gpus-per-rank", type=int, default=0, help="GPUs per TP rank (0: CPU)")
+        s.add_argument("--gpus-per-rank", type=int, default=None,
+                       help="GPUs per TP rank (default: the spec's resources.gpus_per_rank; a cuda spec needs >= 1)")
         s.add_argument("--start-timeout", type=float, default=300.0)
 
 
@@ -64,18 +70,20 @@ def run_ray(ns: argparse.Namespace) -> int:
             out: object = deployer.up(spec_from_args(ns), opts)
         elif ns.ray_command == "down":
             out = {"removed": deployer.down(ns.namespace)}
+        elif ns.ray_command == "supervise":
+            _supervise_until_interrupted(ns.namespace, ns.supervise_period)
+            return 0
         else:
             out = deployer.status(ns.namespace)
         print(json.dumps(out, indent=2, default=str))
         if ns.address == "local" and ns.ray_command == "up":
-            _serve_until_interrupted(ns.namespace)
+            _serve_until_interrupted(ns.namespace, ns.supervise_period)
     finally:
         ray.shutdown()
     return 0
 
 
-def _serve_until_interrupted(namespace: str) -> None:
-    """With ``--address local`` the Ray cluster lives in this process: keep it up until Ctrl-C, then tear down."""
+def _supervise_until_interrupted(namespace: str, period_s: float) -> None:
     import signal
     import threading
 
@@ -83,7 +91,19 @@ def _serve_until_interrupted(namespace: str) -> None:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print("serving; Ctrl-C to stop", flush=True)
+    supervisor = threading.Thread(target=deployer.supervise_forever, args=(namespace, stop, period_s), daemon=True)
+    supervisor.start()
+    print("serving and supervising node liveness; Ctrl-C to stop", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         stop.wait()
+    stop.set()
+    supervisor.join(60)
+
+
+def _serve_until_interrupted(namespace: str, period_s: float) -> None:
+    """With ``--address local`` the Ray cluster lives in this process: keep it up (restarting hung nodes) until
+    Ctrl-C, then tear down."""
+    from deploy.ray import deployer
+
+    _supervise_until_interrupted(namespace, period_s)
     deployer.down(namespace)

@@ -8,13 +8,16 @@ Names, all in one Ray namespace: ``pdcluster-registry``, ``pdcluster-router-<i>`
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.errors import ConfigError
 from deploy.ray.actors import REGISTRY_NAME, NodeActor, RouterActor, WorkerRegistry
 from deploy.ray.placement import PinMode, ReplicaPlacement, actor_label_selector, plan_role
 from deploy.spec import NODE_ROLES, ClusterSpec
@@ -28,7 +31,7 @@ class RayOptions:
     namespace: str = "pdcluster"
     pin: PinMode = "resources"
     node_cpus: float = 1.0  # Ray CPU accounting per node replica (its processes use what they use)
-    gpus_per_rank: int = 0  # 0: CPU nodes; otherwise num_gpus per TP rank
+    gpus_per_rank: int | None = None  # None: the spec's resources.gpus_per_rank of each node role
     router_cpus: float = 0.1
     start_timeout_s: float = 300.0
 
@@ -49,21 +52,36 @@ def _node_actor(spec: ClusterSpec, place: ReplicaPlacement, pg: PlacementGroup, 
     if selector:
         options["label_selector"] = selector
     return NodeActor.options(**options).remote(  # type: ignore[attr-defined]
-        place.role, argv, p.grpc, p.bootstrap, REGISTRY_NAME, opts.namespace, opts.start_timeout_s
+        place.role, argv, p.grpc, p.bootstrap, REGISTRY_NAME, opts.namespace, opts.start_timeout_s, p.metrics
     )
+
+
+def gpus_per_rank(spec: ClusterSpec, override: int | None = None) -> dict[str, int]:
+    """Ray ``num_gpus`` per TP rank of each node role: the spec's, or ``override``. A cuda spec with 0 GPUs per rank
+    is refused (ConfigError), as is a cpu spec with GPUs."""
+    if override is not None:
+        if override < 0:
+            raise ConfigError(f"--gpus-per-rank must be >= 0, got {override}")
+        if spec.device == "cuda" and override == 0:
+            raise ConfigError(f"--gpus-per-rank 0 with a device-cuda spec (profile {spec.profile}): every rank needs "
+                              "a GPU; drop --gpus-per-rank to use the spec's, or pick a cpu profile")
+        spec = spec.with_gpus_per_rank(override)
+    return {role: spec.role(role).resources.gpus_per_rank for role in NODE_ROLES}
 
 
 def up(spec: ClusterSpec, opts: RayOptions = RayOptions(), wait: bool = True) -> dict[str, object]:
     """Create the registry, the node placement groups and actors, and the routers. Returns the endpoints."""
+    gpus_per_rank(spec, opts.gpus_per_rank)  # refuse a GPU spec without GPUs before creating anything
     registry = WorkerRegistry.options(  # type: ignore[attr-defined]
         name=REGISTRY_NAME, namespace=opts.namespace, lifetime="detached", get_if_exists=True, max_restarts=-1
     ).remote()
     ray.get(registry.snapshot.remote())
     tp = int(spec.shared.get("tp-size", 1))
+    gpus = gpus_per_rank(spec, opts.gpus_per_rank)
     handles: list[ray.actor.ActorHandle] = []
     for role in NODE_ROLES:
         groups, places = plan_role(role, spec.role(role).replicas, tp, cpus_per_rank=opts.node_cpus,
-                                   gpus_per_rank=opts.gpus_per_rank, pin=opts.pin, prefix=PREFIX)
+                                   gpus_per_rank=gpus[role], pin=opts.pin, prefix=PREFIX)
         pgs = {}
         for g in groups:
             kwargs: dict[str, object] = {"strategy": g.strategy, "name": g.name, "lifetime": "detached"}
@@ -147,3 +165,66 @@ def status(namespace: str = "pdcluster") -> dict[str, object]:
         except (ray.exceptions.RayError, RuntimeError) as e:
             out[n] = {"healthy": False, "error": str(e).splitlines()[0]}
     return out
+
+
+# -- liveness supervision ----------------------------------------------------------------------------------------
+
+@dataclass
+class LivenessTracker:
+    """When to restart a node: after ``failures_to_restart`` consecutive failed liveness checks, then not again
+    until ``restart_grace_s`` has passed (the restarted node loads its model meanwhile)."""
+
+    failures_to_restart: int = 3
+    restart_grace_s: float = 300.0
+    failures: dict[str, int] = field(default_factory=dict)
+    restarted_at: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, name: str, live: bool, now: float) -> bool:
+        """Record one check of ``name``; True when it must be restarted now."""
+        if now - self.restarted_at.get(name, -self.restart_grace_s) < self.restart_grace_s:
+            return False
+        self.failures[name] = 0 if live else self.failures.get(name, 0) + 1
+        if self.failures[name] < self.failures_to_restart:
+            return False
+        self.failures[name] = 0
+        self.restarted_at[name] = now
+        return True
+
+
+def supervise_once(names: Iterable[str], probe: Callable[[str], bool], restart: Callable[[str], None],
+                   tracker: LivenessTracker, now: float | None = None) -> list[str]:
+    """One round: probe every node, restart those the tracker gives up on. Returns the restarted names."""
+    at = time.monotonic() if now is None else now
+    restarted = [n for n in names if tracker.observe(n, probe(n), at)]
+    for n in restarted:
+        restart(n)
+    return restarted
+
+
+def _node_names(namespace: str) -> list[str]:
+    return [n for n in _named_actors(namespace) if any(n.startswith(f"{PREFIX}-{r}-") for r in NODE_ROLES)]
+
+
+def probe_node(namespace: str, name: str, timeout: float = 10.0) -> bool:
+    """The node actor's ``check_liveness`` (its node's ``/liveness``): False on any failure or timeout."""
+    try:
+        ray.get(ray.get_actor(name, namespace=namespace).check_liveness.remote(), timeout=timeout)
+        return True
+    except (ray.exceptions.RayError, RuntimeError, TimeoutError) as e:
+        logger.warning("%s is not live: %s", name, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return False
+
+
+def restart_node(namespace: str, name: str) -> None:
+    """Kill the actor (its node process dies with it); Ray restarts it (max_restarts=-1) with a fresh process."""
+    logger.error("%s failed its liveness checks; restarting it", name)
+    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=False)
+
+
+def supervise_forever(namespace: str, stop: threading.Event, period_s: float = 10.0,
+                      tracker: LivenessTracker | None = None) -> None:
+    """Until ``stop``: every ``period_s`` probe every node actor and restart the hung ones."""
+    tracker = tracker or LivenessTracker()
+    while not stop.wait(period_s):
+        supervise_once(_node_names(namespace), lambda n: probe_node(namespace, n),
+                       lambda n: restart_node(namespace, n), tracker)
