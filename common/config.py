@@ -31,6 +31,9 @@ class ServerArgs:
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.1
     max_running_requests: int = 256
+    # Requests a DP rank holds beyond --max-running-requests (bootstrap, waiting, transfer queues); the front answers
+    # RESOURCE_EXHAUSTED with a retry hint beyond it.
+    max_queued_requests: int = 1024
     disable_radix_cache: bool = False
     # Scheduling.
     chunked_prefill_size: int = 2048  # -1 disables chunking
@@ -75,6 +78,8 @@ class ServerArgs:
             raise ConfigError(f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static <= 0.95:
             raise ConfigError(f"--mem-fraction-static must be in (0, 0.95], got {self.mem_fraction_static}")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         for name in ("max_running_requests", "max_prefill_tokens", "tp_size", "dp_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -137,6 +142,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="fraction of available memory for the KV cache when --max-total-tokens is unset")
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
                    help="requests in the running batch per DP rank")
+    g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests a DP rank may hold beyond --max-running-requests; more get RESOURCE_EXHAUSTED")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix sharing between requests")
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help="tokens per prefill chunk, a multiple of --page-size; -1 disables chunking")

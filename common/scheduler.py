@@ -205,12 +205,20 @@ class Scheduler:
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input(None)
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        # Request slots held outside the running batch (a prefill node's inflight queue, a decode node's transfer
+        # queue) bound admission too: a request without a slot is admitted only while a free one is left.
+        free_slots = self.req_to_token_pool.available_size()
         for req in self.waiting_queue:
-            if running_bs + len(adder.can_run_list) >= self.args.max_running_requests:
+            if running_bs + len(adder.can_run_list) >= self.args.max_running_requests or (
+                req.req_pool_idx is None and free_slots <= 0
+            ):
                 self.running_batch.batch_is_full = True
                 break
             req.init_next_round_input(self.tree_cache)
+            needs_slot = req.req_pool_idx is None
             result = adder.add_one_req(req)
+            if needs_slot and adder.can_run_list and adder.can_run_list[-1] is req:
+                free_slots -= 1
             if result != AddReqResult.CONTINUE:
                 if result == AddReqResult.NO_TOKEN:
                     self.running_batch.batch_is_full = True
