@@ -71,6 +71,7 @@ class DecodeScheduler:
             elif isinstance(msg, LoadReq):
                 load = self.sched.get_load()
                 load.prealloc, load.transfer = len(self.prealloc_queue), len(self.transfer_queue)
+                load.admissible_tokens = self.prealloc_queue.admissible_tokens(len(self.transfer_queue))
                 self.sched.out.send_now([LoadOut(load=load)])
 
     def abort(self, rid: str, reason: str) -> None:

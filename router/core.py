@@ -262,7 +262,8 @@ class RouterCore:
     def _route(self, req: GenRequest, failed: set[str]) -> Plan:
         hint = RouteHint(req.input_ids, len(req.input_ids) + req.max_new_tokens)
         prefills = self._candidates("prefill", failed, len(req.input_ids))
-        decodes = self._candidates("decode", failed, hint.tokens)
+        # A decode node admits by the prompt (its generation headroom is reserved per active request).
+        decodes = self._candidates("decode", failed, len(req.input_ids))
         if prefills and decodes:
             p, p_rank = self._choose(self.prefill_policy, prefills, hint, len(req.input_ids))
             d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)

@@ -113,3 +113,19 @@ async def test_router_inflight_limit_answers_429() -> None:
 
 async def _collect(stub: router_pb2_grpc.RouterStub, req: router_pb2.RouterGenerateRequest) -> list[Any]:
     return [m async for m in stub.Generate(req)]
+
+
+async def test_router_skips_a_decode_node_whose_admission_budget_cannot_take_the_request() -> None:
+    # Plenty of free pages on both, but the first node's own rule (reserved headroom per active request) admits
+    # nothing now: it reports admissible_tokens 0 through GetLoad, and the router sends everything to the other.
+    async with fleet(prefill=1, decode=[{"admissible_tokens": 0}, {"admissible_tokens": 100_000}],
+                     decode_policy="round_robin") as f:
+        full, roomy = f.decode
+        await eventually(lambda: all(
+            s.report is not None and s.report.HasField("admissible_tokens")
+            for w in f.server.service.registry if w.role == "decode" for s in w.ranks))
+        stub = f.stub()
+        for i in range(6):
+            msgs = await _collect(stub, gen(f"adm{i}"))
+            assert msgs[-1].complete.served_by.endswith(roomy.address)
+        assert not full.received("decode") and len(roomy.received("decode")) == 6
