@@ -37,6 +37,9 @@ class ServerArgs:
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None  # None: DEFAULT_MEM_FRACTION of the device
     max_running_requests: int = 256
+    # Requests a DP rank holds beyond --max-running-requests (bootstrap, waiting, transfer queues); the front answers
+    # RESOURCE_EXHAUSTED with a retry hint beyond it.
+    max_queued_requests: int = 1024
     disable_radix_cache: bool = False
     # Scheduling.
     chunked_prefill_size: int = 2048  # -1 disables chunking
@@ -98,6 +101,8 @@ class ServerArgs:
             raise ConfigError(f"--mem-fraction-static must be in (0, 0.95], got {self.mem_fraction_static}")
         if self.watchdog_timeout <= 0:
             raise ConfigError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         for name in ("max_running_requests", "max_prefill_tokens", "tp_size", "dp_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -185,6 +190,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_MEM_FRACTION['cuda']}; nodes sharing a GPU split it)")
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
                    help="requests in the running batch per DP rank")
+    g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests a DP rank may hold beyond --max-running-requests; more get RESOURCE_EXHAUSTED")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix sharing between requests")
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help="tokens per prefill chunk, a multiple of --page-size; -1 disables chunking")

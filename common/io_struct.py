@@ -81,6 +81,7 @@ class QueueLoad(msgspec.Struct, kw_only=True):
     total_req_slots: int
     token_usage: float
     evictable_tokens: int = 0
+    admissible_tokens: int | None = None  # decode nodes: see RankLoad.admissible_tokens
 
 
 class LoadOut(msgspec.Struct, tag=True, kw_only=True):

@@ -18,6 +18,7 @@ import msgspec
 
 from common.config import ServerArgs
 from common.errors import CapacityError, InvalidRequestError
+from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 from common.mem.chunk_cache import ChunkCache
 from common.mem.radix_cache import RadixCache
@@ -87,7 +88,11 @@ class Scheduler:
     def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
         for msg in msgs:
             if isinstance(msg, GenerateReqInput):
-                req = self.build_req(msg)
+                try:
+                    req = self.build_req(msg)
+                except Exception as e:  # one bad request fails alone; nothing of it was queued
+                    self.fail_input(msg.rid, e)
+                    continue
                 if req is not None:
                     self.waiting_queue.append(req)
             elif isinstance(msg, AbortReq):
@@ -119,6 +124,7 @@ class Scheduler:
         if msg.rid in self.reqs_by_rid:
             self.out.error(msg.rid, f"request id {msg.rid!r} is already in flight", "INVALID_ARGUMENT")
             return None
+        inject("input", msg.rid)
         try:
             self.validate(msg)
         except (InvalidRequestError, CapacityError) as e:
@@ -142,6 +148,23 @@ class Scheduler:
         logger.log(self.request_log_level, "rid=%s room=%s: received, %d prompt tokens, max_new_tokens=%d",
                    req.rid, req.bootstrap_room, len(req.origin_input_ids), sp.max_new_tokens)
         return req
+
+    def fail_input(self, rid: str, exc: Exception) -> None:
+        """An unexpected error while taking a request in: it fails with INTERNAL; it holds no pages yet."""
+        logger.exception("rid=%s: internal error handling the request", rid, exc_info=exc)
+        self.reqs_by_rid.pop(rid, None)
+        self.out.error(rid, internal_error_message(exc), "INTERNAL")
+
+    def fail_req(self, req: Req, exc: Exception) -> None:
+        """An unexpected error while handling one request's result: it finishes with INTERNAL and its KV and slot
+        are released; the rest of the batch and the rank carry on."""
+        logger.exception("rid=%s room=%s: internal error; the request fails, the rank keeps serving",
+                         req.rid, req.bootstrap_room, exc_info=exc)
+        if self.chunked_req is req:
+            self.chunked_req = None
+        req.finished_reason = None
+        req.abort(internal_error_message(exc), "INTERNAL")
+        self.finish_req(req)
 
     def abort_request(self, rid: str, reason: str) -> None:
         """Waiting requests leave at once; a request in a batch finishes as ABORT at its next result."""
@@ -205,12 +228,20 @@ class Scheduler:
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input(None)
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        # Request slots held outside the running batch (a prefill node's inflight queue, a decode node's transfer
+        # queue) bound admission too: a request without a slot is admitted only while a free one is left.
+        free_slots = self.req_to_token_pool.available_size()
         for req in self.waiting_queue:
-            if running_bs + len(adder.can_run_list) >= self.args.max_running_requests:
+            if running_bs + len(adder.can_run_list) >= self.args.max_running_requests or (
+                req.req_pool_idx is None and free_slots <= 0
+            ):
                 self.running_batch.batch_is_full = True
                 break
             req.init_next_round_input(self.tree_cache)
+            needs_slot = req.req_pool_idx is None
             result = adder.add_one_req(req)
+            if needs_slot and adder.can_run_list and adder.can_run_list[-1] is req:
+                free_slots -= 1
             if result != AddReqResult.CONTINUE:
                 if result == AddReqResult.NO_TOKEN:
                     self.running_batch.batch_is_full = True
@@ -257,6 +288,8 @@ class Scheduler:
         batch.prepare_for_decode()
 
     def run_batch(self, batch: ScheduleBatch) -> BatchResult:
+        for req in batch.reqs:
+            inject("forward", req.rid)
         self.forward_ct += 1
         return self.runner.forward_and_sample(batch.get_model_worker_batch())
 
@@ -272,7 +305,11 @@ class Scheduler:
                 if req.to_abort is not None:
                     self._abort_chunked(req)
                 continue
-            self.append_token(req, result, i)
+            try:
+                self.append_token(req, result, i)
+            except Exception as e:
+                self.fail_req(req, e)
+                continue
             if req.finished():
                 self.finish_req(req)
             elif is_prefill and id(req) not in decoding:
@@ -282,6 +319,7 @@ class Scheduler:
         self.out.flush()
 
     def append_token(self, req: Req, result: BatchResult, i: int) -> None:
+        inject("token", req.rid)
         token = result.next_token_ids[i]
         req.output_ids.append(token)
         self.num_generated_tokens += 1
@@ -373,6 +411,10 @@ class Scheduler:
             len(self.running_batch.reqs), num_used, self.token_usage(), tokens / max(gap, 1e-6),
             len(self.waiting_queue),
         )
+
+
+def internal_error_message(exc: Exception) -> str:
+    return f"internal error while handling the request ({type(exc).__name__}: {exc}); the server keeps serving"
 
 
 def finish_reason_name(req: Req) -> str | None:

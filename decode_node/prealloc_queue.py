@@ -63,6 +63,15 @@ class DecodePreallocQueue:
         longest = max((r.sampling_params.max_new_tokens - len(r.output_ids) for r in running), default=0)
         return s.allocator.available_size() - self.reserved * num_active - longest
 
+    def admissible_tokens(self, num_transferring: int) -> int:
+        """Prompt tokens one more request could bring now under ``pop_preallocated``'s rule, behind the queue."""
+        s = self.scheduler
+        if s.waiting_queue or not self.free_metadata_slots or s.req_to_token_pool.available_size() <= len(self.queue):
+            return 0
+        active = len(s.running_batch.reqs) + num_transferring + len(self.queue) + 1
+        ahead = sum(len(r.origin_input_ids) + s.page_size for r in self.queue)
+        return max(0, self.allocatable_tokens(active) - ahead - s.page_size)
+
     def pop_preallocated(self, num_transferring: int) -> tuple[list[Req], list[Req]]:
         """Requests that got their slot and pages (destination indices sent), and those that failed to resolve."""
         s = self.scheduler

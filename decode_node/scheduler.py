@@ -13,6 +13,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.disagg import make_kv_manager, transfer_error_code
+from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, SchedulerInput
 from common.req import Req
 from common.sampling.stop import check_finished
@@ -70,6 +71,7 @@ class DecodeScheduler:
             elif isinstance(msg, LoadReq):
                 load = self.sched.get_load()
                 load.prealloc, load.transfer = len(self.prealloc_queue), len(self.transfer_queue)
+                load.admissible_tokens = self.prealloc_queue.admissible_tokens(len(self.transfer_queue))
                 self.sched.out.send_now([LoadOut(load=load)])
 
     def abort(self, rid: str, reason: str) -> None:
@@ -104,17 +106,11 @@ class DecodeScheduler:
         now = time.monotonic()
         running = []
         for req in reqs:
-            md = req.disagg_kv.metadata()
-            req.disagg_kv.clear()
-            self.prealloc_queue.release_metadata_slot(req)
-            req.times.transfer_done = req.times.first_token = now
-            req.cached_tokens = md.cached_tokens
-            req.kv_transfer_bytes = -(-len(req.origin_input_ids) // self.args.page_size) * self.bytes_per_page
-            req.output_ids.append(md.first_token)
-            if req.return_logprob:
-                req.output_logprobs.append(md.logprob)
-                req.output_top_logprobs.append(list(zip(md.top_ids, md.top_logprobs, strict=True)))
-            check_finished(req, md.first_token, self.tokenizer)
+            try:
+                self.take_transferred(req, now)
+            except Exception as e:  # this request fails with INTERNAL and frees its pages; the rank carries on
+                self.sched.fail_req(req, e)
+                continue
             if req.finished():
                 self.sched.finish_req(req)
             else:
@@ -122,3 +118,18 @@ class DecodeScheduler:
                 running.append(req)
         if running:
             self.sched.running_batch.merge_batch(self.sched.new_batch(running))
+
+    def take_transferred(self, req: Req, now: float) -> None:
+        """The transfer callback: the prefill node's first token and metadata become the request's first output."""
+        md = req.disagg_kv.metadata()
+        req.disagg_kv.clear()
+        self.prealloc_queue.release_metadata_slot(req)
+        inject("transfer", req.rid)  # test-only fault hook (after the handle and its slot are released)
+        req.times.transfer_done = req.times.first_token = now
+        req.cached_tokens = md.cached_tokens
+        req.kv_transfer_bytes = -(-len(req.origin_input_ids) // self.args.page_size) * self.bytes_per_page
+        req.output_ids.append(md.first_token)
+        if req.return_logprob:
+            req.output_logprobs.append(md.logprob)
+            req.output_top_logprobs.append(list(zip(md.top_ids, md.top_logprobs, strict=True)))
+        check_finished(req, md.first_token, self.tokenizer)

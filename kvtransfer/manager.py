@@ -105,13 +105,16 @@ class KVManager:
 
     # ---- peers -------------------------------------------------------------------------------------------------
     def accept_peer(self, key: PeerKey, control_addr: str, layout: KVLayout, endpoint: dict[str, str]) -> Peer:
-        """Register a peer that passed the handshake (replacing an older epoch of the same instance)."""
+        """Register a peer that passed the handshake (replacing an older epoch of the same instance).
+
+        A handshake from the very start we already accepted means the peer lost us (it stalled past the heartbeat
+        deadline, or dropped us): its rooms and data connections here are stale, so they fail and are replaced.
+        """
         with self.lock:
             old = self.peers.get(key.instance_id)
-            if old is not None and old.key == key:
-                return old
             if old is not None:
-                self.lose_peer(old.key, f"{old.describe()} restarted (new epoch {key.epoch})")
+                why = "handshook again (it had lost this rank)" if old.key == key else f"restarted (new epoch {key.epoch})"
+                self.lose_peer(old.key, f"{old.describe()} {why}")
             peer = self.peers[key.instance_id] = Peer(key, control_addr, layout, time.monotonic())
         self.backend.add_peer(PeerInfo(key, layout, endpoint))
         log.info("kv %s: peer %s accepted", self.instance_id, peer.describe())

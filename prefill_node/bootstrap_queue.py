@@ -29,9 +29,11 @@ class PrefillBootstrapQueue:
         if msg.bootstrap_room is None:
             self.scheduler.out.error(msg.rid, "bootstrap_room is required on a prefill node", "INVALID_ARGUMENT")
             return None
-        # Prefill samples only the first token; capacity is checked for the prompt alone.
+        # Prefill samples only the first token; capacity is checked for the prompt alone. min_new_tokens stays
+        # (capped at 1) so EOS and stop ids are masked on the first token exactly as on a colocated node.
+        sp = msg.sampling_params
         msg = msgspec.structs.replace(
-            msg, sampling_params=msgspec.structs.replace(msg.sampling_params, max_new_tokens=1, min_new_tokens=0)
+            msg, sampling_params=msgspec.structs.replace(sp, max_new_tokens=1, min_new_tokens=min(sp.min_new_tokens, 1))
         )
         req = self.scheduler.build_req(msg)
         if req is None:

@@ -18,11 +18,12 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.disagg import make_kv_manager, num_pages, req_pages, transfer_error_code
+from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, PrefillDone, SchedulerInput, Timing
 from common.model_runner import BatchResult
 from common.req import Req
 from common.schedule_batch import ScheduleBatch
-from common.scheduler import Scheduler
+from common.scheduler import Scheduler, internal_error_message
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
 from kvtransfer.poll import KVPoll
 from prefill_node.bootstrap_queue import PrefillBootstrapQueue
@@ -190,17 +191,31 @@ class PrefillScheduler:
                     req.abort(req.to_abort or req.disagg_kv.failure())
                     self.inflight_queue.add(req)  # released once quiesced
                 continue
-            self.sched.append_token(req, result, i)  # the first (and only) token; finishes the request
-            if req.to_abort is not None:
-                req.disagg_kv.abort(req.to_abort)
-            else:
-                self.send_last_pages(req)
+            try:
+                self.sched.append_token(req, result, i)  # the first (and only) token; finishes the request
+                if req.to_abort is not None:
+                    req.disagg_kv.abort(req.to_abort)
+                else:
+                    self.send_last_pages(req)
+            except Exception as e:  # this request fails with INTERNAL; its pages wait until no transfer reads them
+                logger.exception("rid=%s room=%s: internal error; the request fails, the rank keeps serving",
+                                 req.rid, req.bootstrap_room)
+                req.finished_reason = None
+                req.abort(internal_error_message(e), "INTERNAL")
+                req.disagg_kv.abort(internal_error_message(e))
             self.inflight_queue.add(req)
 
     def poll_inflight(self) -> None:
         for req, state in self.inflight_queue.pop_done():
             req.times.transfer_done = time.monotonic()
-            if state == KVPoll.Failed and not req.to_abort:
+            try:
+                inject("transfer", req.rid)
+            except Exception as e:
+                logger.exception("rid=%s room=%s: internal error in the transfer callback", req.rid, req.bootstrap_room)
+                req.finished_reason = None
+                req.abort(internal_error_message(e), "INTERNAL")
+                state = KVPoll.Failed
+            if state == KVPoll.Failed and not req.to_abort and not _internal(req):
                 logger.warning("rid=%s room=%s: KV transfer failed: %s", req.rid, req.bootstrap_room,
                                req.disagg_kv.failure())
             self.finish(req, release=True, state=state)
@@ -212,7 +227,10 @@ class PrefillScheduler:
             self.sched.running_batch.batch_is_full = False
         self.sched.reqs_by_rid.pop(req.rid, None)
         error = code = None
-        if state != KVPoll.Success:
+        if _internal(req):
+            assert req.finished_reason is not None
+            error, code = req.finished_reason.message, "INTERNAL"
+        elif state != KVPoll.Success:
             error = req.to_abort or req.disagg_kv.failure() or "prefill failed"
             code = "CANCELLED" if req.to_abort else transfer_error_code(error)
         sent_bytes = req.kv_pages_sent * self.bytes_per_page
@@ -234,3 +252,8 @@ class PrefillScheduler:
                 e2e=time.monotonic() - t.arrival,
             ),
         )])
+
+
+def _internal(req: Req) -> bool:
+    """The request failed on an internal error of this rank (reported as INTERNAL, whatever the transfer did)."""
+    return req.finished_reason is not None and req.finished_reason.code == "INTERNAL"

@@ -68,6 +68,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=d.max_inflight_requests,
+        help="requests served at once (0: unbounded); beyond it HTTP 429 / RESOURCE_EXHAUSTED with Retry-After",
+    )
+    p.add_argument(
         "--replicas",
         type=int,
         default=1,
@@ -102,6 +108,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         balance_abs_threshold=ns.balance_abs_threshold,
         balance_rel_threshold=ns.balance_rel_threshold,
         max_request_bytes=ns.max_request_bytes,
+        max_inflight_requests=ns.max_inflight_requests,
         reuse_port=ns.reuse_port,
     )
 

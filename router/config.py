@@ -68,6 +68,7 @@ class RouterConfig:
     prefix_tree_blocks: int = 1 << 16  # cache_aware: blocks remembered per worker (LRU)
     prefix_block_tokens: int = 16  # cache_aware: tokens per hashed block
     # Limits.
+    max_inflight_requests: int = 4096  # requests the router serves at once (0: unbounded); more get HTTP 429
     max_request_bytes: int = 4 << 20
     max_n: int = 1
     timing_keep: int = 1024  # /v1/requests/{id}/timing: last N requests ...
@@ -86,6 +87,8 @@ class RouterConfig:
             raise ConfigError(f"--max-retries must be >= 0, got {self.max_retries}")
         if self.request_timeout_s <= 0:
             raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if self.max_inflight_requests < 0:
+            raise ConfigError(f"--max-inflight-requests must be >= 0, got {self.max_inflight_requests}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
         seen: set[str] = set()

@@ -22,7 +22,7 @@ import grpc
 from common.errors import CapacityError, InvalidRequestError
 from pdcluster.v1 import worker_pb2
 from router.config import Role, RouterConfig
-from router.errors import DeadlineError, LegError, RouterError, UnavailableError
+from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
 from router.inputs import InputProcessor
 from router.legs import Aborter, ColocatedAttempt, PdAttempt
 from router.metrics import RouterMetrics
@@ -34,6 +34,8 @@ from router.timing_store import TimingStore
 from router.workers import Lease, Registry, Worker
 
 logger = logging.getLogger(__name__)
+
+OVERLOAD_RETRY_AFTER_S = 1.0  # Retry-After when the router itself is full or a worker gave no hint
 
 # Worker statuses that say nothing about the worker's health (the request itself is at fault).
 NOT_WORKER_FAULTS = frozenset(
@@ -96,6 +98,14 @@ class RouterCore:
             raise InvalidRequestError(
                 f"request_id {req.rid!r} is already in flight; request ids must be unique"
             )
+        limit = self.cfg.max_inflight_requests
+        if limit and len(self.active) >= limit:
+            self.metrics.requests.labels(req.api, "overloaded").inc()
+            raise OverloadedError(
+                f"the router has {len(self.active)} requests in flight, its limit (--max-inflight-requests); "
+                f"retry in {OVERLOAD_RETRY_AFTER_S:.0f} s",
+                OVERLOAD_RETRY_AFTER_S,
+            )
         self.active.add(req.rid)
         self.metrics.inflight.inc()
         outcome = "cancelled"
@@ -111,6 +121,7 @@ class RouterCore:
                 grpc.StatusCode.UNAVAILABLE: "unavailable",
                 grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
                 grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+                grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
             }.get(e.code, "error")
             logger.warning("[rid=%s] failed: %s: %s", req.rid, e.code.name, e)
             raise
@@ -121,6 +132,7 @@ class RouterCore:
 
     async def _attempts(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
         failed: set[str] = set()
+        exhausted: set[str] = set()  # workers that answered RESOURCE_EXHAUSTED to this request
         attempt = 0
         while True:
             plan = self._route(req, failed)
@@ -186,7 +198,8 @@ class RouterCore:
                 yield final
                 return
             except LegError as e:
-                if e.code not in NOT_WORKER_FAULTS:
+                overloaded = e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if e.code not in NOT_WORKER_FAULTS and not overloaded:
                     w = self.registry.workers.get(e.worker)
                     if w is not None:
                         w.breaker.record_failure()
@@ -196,6 +209,11 @@ class RouterCore:
                     raise
                 attempt += 1
                 failed.add(e.worker)
+                if overloaded:
+                    exhausted.add(e.worker)
+                    self._raise_if_all_exhausted(e, exhausted)
+                    self.metrics.retries.labels("overloaded").inc()
+                    continue  # no backoff: another worker of the role has not said it is full
                 now = time.monotonic()
                 if now >= req.deadline:
                     raise DeadlineError(
@@ -229,11 +247,23 @@ class RouterCore:
                     lease.release()
                 self.rooms.release(plan.room)
 
+    def _raise_if_all_exhausted(self, e: LegError, exhausted: set[str]) -> None:
+        """429 once every routable worker of the full worker's role answered RESOURCE_EXHAUSTED to this request."""
+        w = self.registry.workers.get(e.worker)
+        role: Role = w.role if w is not None else "colocated"
+        others = [x for x in self.registry.routable(role) if x.address not in exhausted]
+        if not others:
+            raise OverloadedError(
+                f"every {role} worker is at its request limit; retry later (last: {e})",
+                e.retry_after_s if e.retry_after_s is not None else OVERLOAD_RETRY_AFTER_S,
+            ) from None
+
     # -- routing ---------------------------------------------------------------------------------------------
     def _route(self, req: GenRequest, failed: set[str]) -> Plan:
         hint = RouteHint(req.input_ids, len(req.input_ids) + req.max_new_tokens)
         prefills = self._candidates("prefill", failed, len(req.input_ids))
-        decodes = self._candidates("decode", failed, hint.tokens)
+        # A decode node admits by the prompt (its generation headroom is reserved per active request).
+        decodes = self._candidates("decode", failed, len(req.input_ids))
         if prefills and decodes:
             p, p_rank = self._choose(self.prefill_policy, prefills, hint, len(req.input_ids))
             d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)

@@ -28,13 +28,32 @@ class DeadlineError(RouterError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class LegError(RouterError):
-    """One leg (Prefill, Decode or Generate) failed on a worker. ``retryable``: another attempt may succeed."""
+class OverloadedError(RouterError):
+    """The router or every worker that could serve the request is at its limit (RESOURCE_EXHAUSTED / HTTP 429).
 
-    def __init__(self, message: str, code: grpc.StatusCode, worker: str, retryable: bool) -> None:
+    ``retry_after_s``: when the client should try again (HTTP ``Retry-After``, gRPC ``retry-after-ms``).
+    """
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class LegError(RouterError):
+    """One leg (Prefill, Decode or Generate) failed on a worker. ``retryable``: another attempt may succeed.
+
+    ``retry_after_s``: the worker's retry hint when it answered RESOURCE_EXHAUSTED.
+    """
+
+    def __init__(
+        self, message: str, code: grpc.StatusCode, worker: str, retryable: bool, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message, code)
         self.worker = worker
         self.retryable = retryable
+        self.retry_after_s = retry_after_s
 
 
 # Worker statuses after which a fresh attempt (new room, maybe new pair) can succeed.
@@ -72,3 +91,9 @@ def status_of(err: BaseException) -> grpc.StatusCode:
 
 def http_status_of(err: BaseException) -> int:
     return HTTP_STATUS.get(status_of(err), 500)
+
+
+def retry_after_of(err: BaseException) -> float | None:
+    """Seconds after which a retry may succeed, for RESOURCE_EXHAUSTED errors that carry a hint."""
+    hint = getattr(err, "retry_after_s", None)
+    return hint if status_of(err) == grpc.StatusCode.RESOURCE_EXHAUSTED else None

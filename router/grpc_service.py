@@ -11,7 +11,7 @@ import grpc
 
 from common.errors import PdclusterError
 from pdcluster.v1 import router_pb2, router_pb2_grpc
-from router.errors import status_of
+from router.errors import retry_after_of, status_of
 from router.request import Delta, Final
 from router.service import RouterService
 
@@ -111,6 +111,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 else:
                     yield final_to_proto(ev)
         except PdclusterError as e:
+            retry_after = retry_after_of(e)
+            if retry_after is not None:
+                context.set_trailing_metadata((("retry-after-ms", str(int(retry_after * 1000))),))
             await context.abort(status_of(e), str(e))
 
     async def ListModels(

@@ -8,6 +8,7 @@ disconnects cancels its handler (``handler_cancellation``), which aborts both le
 from __future__ import annotations
 
 import contextlib
+import math
 import uuid
 from typing import Any
 
@@ -17,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from common.errors import PdclusterError
 from router import openai_protocol as oai
-from router.errors import http_status_of
+from router.errors import http_status_of, retry_after_of
 from router.request import Delta, Final
 from router.service import RouterService
 
@@ -30,6 +31,9 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 def error_response(e: BaseException, headers: dict[str, str] | None = None) -> web.Response:
     status = http_status_of(e)
+    retry_after = retry_after_of(e)
+    if retry_after is not None:
+        headers = {**(headers or {}), "Retry-After": str(max(1, math.ceil(retry_after)))}
     return json_response(oai.error_body(str(e), status), status, headers)
 
 

@@ -58,7 +58,19 @@ def leg_error(leg: str, worker: Worker, e: grpc.aio.AioRpcError) -> LegError:
         code,
         worker.address,
         code in RETRYABLE,
+        _retry_after(e) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None,
     )
+
+
+def _retry_after(e: grpc.aio.AioRpcError) -> float | None:
+    """The worker's ``retry-after-ms`` trailing metadata, in seconds."""
+    for key, value in e.trailing_metadata() or ():
+        if key == "retry-after-ms":
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                return None
+    return None
 
 
 def _cancelling() -> bool:

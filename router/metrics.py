@@ -29,7 +29,7 @@ LATENCY_BUCKETS = (
     120.0,
 )
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
-OUTCOMES = ("success", "invalid", "unavailable", "deadline", "cancelled", "error")
+OUTCOMES = ("success", "invalid", "unavailable", "deadline", "cancelled", "overloaded", "error")
 
 
 class RouterMetrics:
@@ -77,7 +77,7 @@ class RouterMetrics:
         self.worker_inflight = Gauge(
             p + "worker_inflight_requests", "Router requests in flight per worker", ["worker"], registry=r
         )
-        for leg in ("prefill", "decode", "generate"):
+        for leg in ("prefill", "decode", "generate", "overloaded"):
             self.retries.labels(leg)
         for role in ("prefill", "decode", "colocated"):
             self.aborts.labels(role)

@@ -55,6 +55,8 @@ class RankState:
         r = self.report
         if r is None:
             return None
+        if r.HasField("admissible_tokens"):  # a decode node: its own admission budget
+            return r.admissible_tokens // max(page_size, 1) - self.reserved_pages
         return r.free_kv_pages + r.evictable_tokens // max(page_size, 1) - self.reserved_pages
 
 

@@ -277,6 +277,9 @@ class Child:
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
 
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         if self.proc.is_alive():
             os.kill(self.proc.pid, signal.SIGKILL)

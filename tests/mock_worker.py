@@ -57,6 +57,7 @@ class MockConfig:
     vocab_size: int = 1536
     total_kv_pages: int = 4096
     free_kv_pages: int | None = None  # report this many free pages on every rank (None: total - in use)
+    admissible_tokens: int | None = None  # decode: report this admission budget on every rank (None: unset)
     model_name: str = "mock-model"
     report_bootstrap_port: bool = True
     pair_timeout: float = 5.0
@@ -403,6 +404,7 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
                     free_kv_pages=free,
                     total_kv_pages=cfg.total_kv_pages,
                     token_usage=1 - free / cfg.total_kv_pages,
+                    admissible_tokens=cfg.admissible_tokens,
                 )
             )
         return worker_pb2.GetLoadResponse(ranks=ranks, page_size=cfg.page_size)

@@ -129,6 +129,27 @@ def test_dp2_requests_spread_over_ranks(pd_dp2, colocated) -> None:
     decode.wait_pools_free()
 
 
+def test_min_tokens_and_stop_ids_match_colocated(pd_dp2, colocated) -> None:
+    """The first token is sampled on the prefill node: min_new_tokens must mask stop ids there as colocated does."""
+    prefill, decode = pd_dp2
+    ids = [11, 22, 33, 44, 55]
+    first = reference(colocated, greedy_request("min-ref", ids, n=1))[0]
+    sp = common_pb2.SamplingParams(max_new_tokens=6, min_new_tokens=1, temperature=0, ignore_eos=True,
+                                   stop_token_ids=[first])
+    req = worker_pb2.GenerateRequest(rid="min-tok", input_ids=ids, sampling_params=sp)
+    expected, expected_fin = tokens_of(colocated.stub.Generate(req, timeout=60))
+    assert expected[0] != first  # colocated masked the stop id on the first token
+    got, fin, _ = run_pd(prefill, decode, req, room=424242)
+    assert got == expected and fin.finish_reason == expected_fin.finish_reason
+    # Without min_new_tokens both stop at once on the stop id.
+    sp0 = common_pb2.SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[first])
+    req0 = worker_pb2.GenerateRequest(rid="min-tok0", input_ids=ids, sampling_params=sp0)
+    got0, fin0, _ = run_pd(prefill, decode, req0, room=424243)
+    assert got0 == reference(colocated, req0) == [first] and fin0.finish_reason == "stop"
+    prefill.wait_pools_free()
+    decode.wait_pools_free()
+
+
 def test_prefix_sharing_reports_cached_tokens(pd_dp2, colocated) -> None:
     prefill, decode = pd_dp2
     prefix = list(range(100, 180))

@@ -28,6 +28,8 @@ from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+OVERLOAD_RETRY_AFTER_S = 1.0  # the retry hint of RESOURCE_EXHAUSTED (trailing metadata ``retry-after-ms``)
+
 STATUS = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
     "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -46,6 +48,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.model_config = model_config
         self.ranks = ranks
         self.draining = False
+        self.in_flight = [0] * args.dp_size  # requests each rank holds (running or queued), counted at the front
+        self.max_in_flight = args.max_running_requests + args.max_queued_requests
 
     # -- helpers shared by the roles -------------------------------------------------------------------------------
     async def fail(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
@@ -80,7 +84,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         queue: asyncio.Queue[Any] = asyncio.Queue()
         if msg.rid in self.ranks.waiters:
             raise InvalidRequestError(f"request id {msg.rid!r} is already in flight on this node")
+        if self.in_flight[rank] >= self.max_in_flight:
+            raise _Overloaded(
+                f"DP rank {rank} holds {self.in_flight[rank]} requests, its limit (--max-running-requests + "
+                f"--max-queued-requests); retry in {OVERLOAD_RETRY_AFTER_S:.0f} s or on another node"
+            )
         self.ranks.register(msg.rid, rank, queue.put_nowait)
+        self.in_flight[rank] += 1
         deadline = asyncio.get_running_loop().time() + self.timeout(context)
         finished = False
         try:
@@ -99,6 +109,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not finished:
                 self.ranks.send(rank, AbortReq(rid=msg.rid, reason="client cancelled or deadline passed"))
             self.ranks.unregister(msg.rid)
+            self.in_flight[rank] -= 1
 
     async def guarded(self, context: grpc.aio.ServicerContext, agen: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Map typed errors raised while serving to gRPC status codes."""
@@ -111,6 +122,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self.fail(context, "UNAVAILABLE", str(e))
         except _Deadline as e:
             await self.fail(context, "DEADLINE_EXCEEDED", str(e))
+        except _Overloaded as e:
+            context.set_trailing_metadata((("retry-after-ms", str(int(OVERLOAD_RETRY_AFTER_S * 1000))),))
+            await self.fail(context, "RESOURCE_EXHAUSTED", str(e))
 
     async def stream_tokens(
         self, msg: GenerateReqInput, rank: int, context: grpc.aio.ServicerContext
@@ -167,6 +181,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     inflight=q.inflight, prealloc=q.prealloc, transfer=q.transfer, free_kv_pages=q.free_kv_pages,
                     total_kv_pages=q.total_kv_pages, free_req_slots=q.free_req_slots,
                     total_req_slots=q.total_req_slots, token_usage=q.token_usage, evictable_tokens=q.evictable_tokens,
+                    admissible_tokens=q.admissible_tokens,
                 )
                 for q in loads
             ],
@@ -195,4 +210,8 @@ class _Unavailable(Exception):
 
 
 class _Deadline(Exception):
+    pass
+
+
+class _Overloaded(Exception):
     pass

@@ -71,6 +71,7 @@ class NodeServer:
         self.port = args.port
         self._metrics_task: asyncio.Task[None] | None = None
         self._probe_server: Any = None
+        self.rank_died = False  # a rank exited on its own: the node stops with a non-zero exit code
 
     async def start(self) -> None:
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -132,6 +133,7 @@ class NodeServer:
         while self.ranks.alive():
             await asyncio.sleep(0.5)
         logger.error("a scheduler rank died; the node shuts down")
+        self.rank_died = True
         stop.set()
 
 
@@ -145,4 +147,7 @@ async def serve(args: ServerArgs) -> int:
     print(f"pdcluster node ready: mode={args.disaggregation_mode} grpc={args.host}:{node.port}", flush=True)
     await node.wait_for_signal()
     await node.drain_and_stop()
+    if node.rank_died:
+        logger.error("node stopped because a scheduler rank died (exit code 1)")
+        return 1
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import struct
 import threading
@@ -193,6 +194,20 @@ class TcpBackend(KVBackend):
     # ---- prefill: one worker thread per peer --------------------------------------------------------------------
     def _move(self, job: TransferJob) -> None:
         sock = self._connection(job.peer)
+        try:
+            self._move_on(sock, job)
+        except (OSError, ConnectionError, msgspec.DecodeError, TransferError) as exc:
+            # The stream is in an unknown state (half a payload, a stale ack, a peer that closed it): drop the
+            # connection so the peer's next job opens a fresh one instead of failing on a dead socket forever.
+            with self._lock:
+                if self._socks.get(job.peer) is sock:
+                    del self._socks[job.peer]
+            _shutdown(sock)
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(f"connection to {job.peer.instance_id} lost ({exc}); reconnecting") from exc
+
+    def _move_on(self, sock: socket.socket, job: TransferJob) -> None:
         heads = None if job.heads is None else (job.heads.src_head, job.heads.dst_head, job.heads.num_heads)
         dst_runs = [(r.dst_page, r.num_pages) for r in job.runs]
         stager = self._stager(job.peer)
@@ -233,7 +248,12 @@ class TcpBackend(KVBackend):
         with self._lock:
             sock, peer = self._socks.get(key), self._peers.get(key)
         if sock is not None:
-            return sock
+            if not _closed_by_peer(sock):
+                return sock
+            with self._lock:  # the peer closed it between jobs (it restarted, dropped us, or a reset): reopen
+                if self._socks.get(key) is sock:
+                    del self._socks[key]
+            _shutdown(sock)
         if peer is None or "port" not in peer.endpoint:
             raise TransferError("peer has no tcp endpoint")
         sock = socket.create_connection((peer.endpoint["host"], int(peer.endpoint["port"])), timeout=10)
@@ -338,6 +358,16 @@ class TcpBackend(KVBackend):
             for p, n in header.dst_runs:
                 buf[p * ps:(p + n) * ps, heads.dst_head:heads.dst_head + heads.num_heads].copy_(next(it))
         return ""
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle prefill-side connection is dead. The decode side sends only acks, so between jobs any
+    readable state (EOF, a reset, stray bytes) means the stream cannot carry another job."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable)
+    except (OSError, ValueError):
+        return True
 
 
 def _shutdown(sock: socket.socket) -> None:
