@@ -25,6 +25,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import env
+from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 from common.tokenizer import resolve_model_path
 
 READY_TIMEOUT_S = 300.0
@@ -54,6 +56,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
 
 
+def cluster_env() -> dict[str, str]:
+    """The cluster secret handed to every child: the caller's if set, else a fresh one for this cluster."""
+    return {CLUSTER_TOKEN_ENV: env.cluster_token() or generate_cluster_token()}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,13 +86,14 @@ class LocalCluster:
         self.log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="pdcluster-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
+        self.env = cluster_env()
 
     def _spawn(self, name: str, args: list[str], grpc_port: int, metrics_port: int | None = None) -> Child:
         log = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "common.cli", *args]
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
         child = Child(name, proc, log, grpc_port, metrics_port)
         self.children.append(child)
         return child

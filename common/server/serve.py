@@ -21,6 +21,7 @@ from prometheus_client import start_http_server
 
 from common.config import ServerArgs
 from common.model.config import ModelConfig
+from common.security import require_cluster_token
 from common.server.front import WorkerServicer
 from common.server.metrics import poll_load_forever
 from common.server.ranks import RankClient
@@ -58,6 +59,7 @@ class NodeServer:
     """A running node. ``start`` returns when every rank is ready and the gRPC port serves."""
 
     def __init__(self, args: ServerArgs) -> None:
+        require_cluster_token(args.disaggregation_mode)
         self.args = args
         self.role = ROLES[args.disaggregation_mode]
         self.model_path = str(resolve_model_path(args.model_path))
