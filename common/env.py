@@ -21,5 +21,10 @@ def cluster_token() -> str:
     return token
 
 
+def admin_token() -> str:
+    """Bearer token of the router's admin surface (``PDCLUSTER_ADMIN_TOKEN``); default: the cluster secret."""
+    return os.environ.get("PDCLUSTER_ADMIN_TOKEN", "") or cluster_token()
+
+
 def log_level() -> str:
     return os.environ.get("PDCLUSTER_LOG_LEVEL", "INFO").upper()

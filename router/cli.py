@@ -74,6 +74,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="router processes sharing the ports via SO_REUSEPORT (needs fixed, non-zero ports)",
     )
     p.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT (set by --replicas)")
+    p.add_argument("--admin-token", default=None,
+                   help="bearer token of the admin RPCs and /metrics, /v1/workers, timing lookups "
+                        "(default: PDCLUSTER_ADMIN_TOKEN, else the cluster secret)")
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
@@ -103,6 +106,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         balance_rel_threshold=ns.balance_rel_threshold,
         max_request_bytes=ns.max_request_bytes,
         reuse_port=ns.reuse_port,
+        **({"admin_token": ns.admin_token} if ns.admin_token is not None else {}),
     )
 
 

@@ -7,6 +7,7 @@ field as the client spelled it (``max_tokens`` on the OpenAI API, ``sampling_par
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,15 @@ from typing import Any
 from common.errors import CapacityError, InvalidRequestError
 from common.sampling.params import SamplingParams
 from router.request import GenRequest, sampling_to_proto
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+def check_request_id(rid: str) -> None:
+    """Request ids travel into headers, logs and node RPCs: 1-128 characters of ``[A-Za-z0-9._:@/+=-]``."""
+    if not REQUEST_ID.fullmatch(rid):
+        raise InvalidRequestError(f"request_id must be 1-128 characters of letters, digits and ._:@/+=- "
+                                  f"(got {len(rid)} characters, starting {rid[:16]!r})")
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOP_LOGPROBS = 20
@@ -112,6 +122,7 @@ class InputProcessor:
         """``sampling`` holds ``SamplingParams`` fields; ``max_new_tokens`` None means the default (clamped to the
         context); ``default_max_tokens`` None means "up to the context" (chat)."""
         arrival = time.monotonic()
+        check_request_id(rid)
         if model and model != self.model_name:
             raise InvalidRequestError(
                 f"model: {model!r} is not served here; available models: [{self.model_name!r}]"

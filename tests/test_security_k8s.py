@@ -21,7 +21,7 @@ def rendered(overlay: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_serving_container_gets_the_cluster_secret_from_a_secret(overlay: str) -> None:
     docs = rendered(overlay)
-    serving = [(t, c) for t in pod_templates(docs) for c in t.spec["containers"] if c["name"] in ("router", "node")]
+    serving = [(t, c) for t in pod_templates(docs) for c in t.spec["containers"] if c["name"] in ("router", "node", "discovery")]
     assert serving
     for t, c in serving:
         refs = [e["valueFrom"]["secretKeyRef"] for e in c.get("env", [])
