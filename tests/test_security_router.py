@@ -62,3 +62,29 @@ async def test_bad_request_ids_get_a_clean_400_before_any_generation(rid: str) -
                 pass
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert all(not w.records for w in f.workers)  # nothing reached a node
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": "\xff\xfe", "max_tokens": 2}',
+    b'{"prompt": "hi", "max_tokens": 2, "metadata": ' + b'{"a":' * 20000 + b"1" + b"}" * 20000 + b"}",
+    b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e308}',
+])
+async def test_malformed_bodies_get_a_clean_400(body: bytes) -> None:
+    async with fleet(prefill=1, decode=1) as f, aiohttp.ClientSession() as http:
+        async with http.post(f.server.http_url + "/v1/completions", data=body,
+                             headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 400
+            assert "127.0.0.1" not in await r.text()
+        assert all(not w.records for w in f.workers)
+
+
+async def test_garbage_protobuf_is_invalid_argument() -> None:
+    async with fleet(prefill=1, decode=1) as f:
+        channel = grpc.aio.insecure_channel(f.server.grpc_address)
+        generate = channel.unary_stream("/pdcluster.v1.Router/Generate", request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in generate(b"\xff\xff\xff\xff not protobuf"):
+                pass
+        await channel.close()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
