@@ -26,6 +26,7 @@ from common.server.front import WorkerServicer
 from common.server.metrics import poll_load_forever
 from common.server.ranks import RankClient
 from common.tokenizer import resolve_model_path
+from common.worker_auth import WorkerAuthInterceptor
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class NodeServer:
         self._metrics_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[WorkerAuthInterceptor()])
         servicer_cls = _load(self.role.servicer_ref)
         self.servicer = servicer_cls(self.args, self.model_path, self.model_config, self.ranks)
         if self.role.extra_services:
