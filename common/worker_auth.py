@@ -58,7 +58,7 @@ class WorkerAuthInterceptor(grpc.aio.ServerInterceptor):
             handler.response_serializer if handler else None)
 
 
-class _AioCredential(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _AioCredential:
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._metadata = metadata
 
@@ -66,9 +66,14 @@ class _AioCredential(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamC
         metadata = grpc.aio.Metadata(*(tuple(d.metadata) if d.metadata else ()), *self._metadata)
         return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
 
+
+# NOTE: grpc.aio files each interceptor under its first matching kind only, so each kind is its own class.
+class _AioUnaryCredential(_AioCredential, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._details(client_call_details), request)
 
+
+class _AioStreamCredential(_AioCredential, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._details(client_call_details), request)
 
@@ -96,7 +101,8 @@ class _SyncCredential(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
 def aio_worker_channel(address: str, options: list | tuple = ()) -> grpc.aio.Channel:
     """The router's channel to a node: every call carries the cluster credential."""
     return grpc.aio.insecure_channel(address, options=list(options),
-                                     interceptors=[_AioCredential(credential_metadata())])
+                                     interceptors=[_AioUnaryCredential(credential_metadata()),
+                                                   _AioStreamCredential(credential_metadata())])
 
 
 def worker_channel(address: str) -> grpc.Channel:
