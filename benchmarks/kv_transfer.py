@@ -240,7 +240,7 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
     from kvtransfer.poll import KVPoll
     from kvtransfer.sender import KVSender
 
-    server = BootstrapServer()
+    server = BootstrapServer(config.cluster_token)
     port = server.start()
     mgr = KVManager(make_pool(SRC_SEED, geom), config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
     out.put(("ready", port))

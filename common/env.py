@@ -13,8 +13,18 @@ def cache_dir() -> Path:
 
 
 def cluster_token() -> str:
-    """Shared secret that KV-transfer peers must present (``PDCLUSTER_CLUSTER_TOKEN``)."""
-    return os.environ.get("PDCLUSTER_CLUSTER_TOKEN", "pdcluster-dev-token")
+    """The per-cluster secret (``PDCLUSTER_CLUSTER_TOKEN``, or the file named by ``PDCLUSTER_CLUSTER_TOKEN_FILE``,
+    e.g. a mounted Kubernetes Secret). "" when unset: there is no default; disaggregated nodes refuse to start."""
+    token = os.environ.get("PDCLUSTER_CLUSTER_TOKEN", "")
+    path = os.environ.get("PDCLUSTER_CLUSTER_TOKEN_FILE", "")
+    if not token and path:
+        token = Path(path).read_text().strip()
+    return token
+
+
+def admin_token() -> str:
+    """Bearer token of the router's admin surface (``PDCLUSTER_ADMIN_TOKEN``); default: the cluster secret."""
+    return os.environ.get("PDCLUSTER_ADMIN_TOKEN", "") or cluster_token()
 
 
 def log_level() -> str:

@@ -30,6 +30,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import KV_TRANSFER_BACKENDS
+from common import env
+from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 from common.tokenizer import resolve_model_path
 
 READY_TIMEOUT_S = 300.0
@@ -65,6 +67,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", action="store_true", help="nodes log each request's arrival and outcome")
     p.add_argument("--demo", action="store_true", help="once ready, send example requests through the OpenAI API")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
+
+
+def cluster_env() -> dict[str, str]:
+    """The cluster secret handed to every child: the caller's if set, else a fresh one for this cluster."""
+    return {CLUSTER_TOKEN_ENV: env.cluster_token() or generate_cluster_token()}
 
 
 def _free_port() -> int:
@@ -137,13 +144,14 @@ class LocalCluster:
             if self.backend == "nccl" and any(p.shares_with for p in self.placement.values()):
                 raise RuntimeError("--kv-transfer-backend nccl cannot pair two nodes on one GPU (NCCL refuses "
                                    "duplicate GPUs); use shm or tcp, or give each node its own GPU")
+        self.env = cluster_env()
 
     def _spawn(self, name: str, args: list[str], grpc_port: int, metrics_port: int | None = None) -> Child:
         log = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "common.cli", *args]
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
         child = Child(name, proc, log, grpc_port, metrics_port)
         self.children.append(child)
         return child

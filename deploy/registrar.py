@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from common import env
 from pdcluster.v1 import router_pb2, router_pb2_grpc
+from router.admin import bearer_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +39,19 @@ class RouterRegistrar:
         self.rpc_timeout = rpc_timeout
         self._channel = grpc.insecure_channel(router_address)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._auth = bearer_metadata(env.admin_token())  # the router's admin credential (router/admin.py)
         self.registered: dict[str, WorkerInfo] = {}
 
     def register(self, w: WorkerInfo) -> None:
         self._stub.RegisterWorker(
             router_pb2.RegisterWorkerRequest(address=w.address, role=PB_ROLE[w.role], bootstrap_port=w.bootstrap_port or 0),
-            timeout=self.rpc_timeout,
+            timeout=self.rpc_timeout, metadata=self._auth,
         )
         self.registered[w.address] = w
 
     def deregister(self, address: str) -> bool:
         resp = self._stub.DeregisterWorker(
-            router_pb2.DeregisterWorkerRequest(address=address), timeout=self.rpc_timeout
+            router_pb2.DeregisterWorkerRequest(address=address), timeout=self.rpc_timeout, metadata=self._auth
         )
         self.registered.pop(address, None)
         return resp.found
@@ -60,7 +63,7 @@ class RouterRegistrar:
         want = {w.address: w for w in desired}
         added, removed = [], []
         try:  # a restarted router has forgotten runtime registrations: ask it what it has
-            known = {w.address for w in self._stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=self.rpc_timeout).workers}
+            known = {w.address for w in self._stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=self.rpc_timeout, metadata=self._auth).workers}
         except grpc.RpcError as e:
             logger.warning("router %s unreachable: %s", self.router_address, e.code())
             return added, removed

@@ -135,6 +135,9 @@ class KVTransferConfig:
     backend_options: Mapping[str, str] = field(default_factory=dict)  # backend-specific, e.g. {"ucx_tls": ...}
 
     def __post_init__(self) -> None:
+        if not self.cluster_token:
+            raise ValueError("KVTransferConfig.cluster_token is empty: set PDCLUSTER_CLUSTER_TOKEN (the cluster "
+                             "secret) on every node; there is no default")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "abort_ack_timeout_s",
                      "heartbeat_interval_s", "tombstone_s"):
             if getattr(self, name) <= 0:

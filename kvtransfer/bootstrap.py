@@ -6,21 +6,36 @@ from their background threads (never from the scheduler thread).
 
 Invariant: the table holds at most one entry per (dp_rank, tp_rank); a re-registration replaces it, so
 "ready" (all dp_size * tp_size ranks present) can not be reached with a restarted rank counted twice.
+Only a rank that proves the cluster secret registers (``registration_proof``: an HMAC over the request and a fresh
+timestamp; the secret is never sent); lookups are open, as decode ranks resolve addresses a client named.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
 
+from common import env
 from pdcluster.v1 import bootstrap_pb2 as pb
 from pdcluster.v1 import bootstrap_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+PROOF_MAX_AGE_S = 60.0  # a registration signed longer ago (or further ahead, clock skew) is refused
+
+
+def registration_proof(secret: str, request: pb.RegisterRankRequest) -> bytes:
+    fields = (request.dp_rank, request.tp_rank, request.dp_size, request.tp_size, request.control_addr,
+              request.instance_id, request.epoch, request.issued_at_ms)
+    data = b"register\0" + b"\0".join(str(f).encode() for f in fields)
+    return hmac.new(secret.encode(), data, hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)
@@ -83,10 +98,20 @@ class RankTable:
 class _Servicer(pb_grpc.BootstrapServicer):
     """Thin adapter: proto <-> RankTable."""
 
-    def __init__(self, table: RankTable) -> None:
+    def __init__(self, table: RankTable, secret: str) -> None:
         self.table = table
+        self._secret = secret
+        self.refused = 0  # registrations without a valid proof
 
     async def RegisterRank(self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext):
+        age_s = abs(time.time() - request.issued_at_ms / 1000)
+        if not self._secret or age_s > PROOF_MAX_AGE_S or not hmac.compare_digest(
+                registration_proof(self._secret, request), request.proof):
+            self.refused += 1
+            log.warning("bootstrap: refused a RegisterRank of dp=%d tp=%d without a valid proof of the cluster secret",
+                        request.dp_rank, request.tp_rank)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "RegisterRank needs a fresh proof of the cluster secret (PDCLUSTER_CLUSTER_TOKEN)")
         entry = RankEntry(request.control_addr, request.instance_id, request.epoch)
         try:
             registered, expected = self.table.register(request.dp_rank, request.tp_rank, request.dp_size,
@@ -115,8 +140,9 @@ class _Servicer(pb_grpc.BootstrapServicer):
 class BootstrapServer:
     """The prefill node's rank registry, served over gRPC."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: str | None = None) -> None:
         self.table = RankTable()
+        self.servicer = _Servicer(self.table, env.cluster_token() if secret is None else secret)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
@@ -124,7 +150,7 @@ class BootstrapServer:
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Serve ``pdcluster.v1.Bootstrap`` from an existing ``grpc.aio`` server (the prefill front's)."""
-        pb_grpc.add_BootstrapServicer_to_server(_Servicer(self.table), server)
+        pb_grpc.add_BootstrapServicer_to_server(self.servicer, server)
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Standalone: serve on host:port in a background thread; returns the bound port."""
@@ -168,10 +194,13 @@ class BootstrapClient:
         self._channel = grpc.insecure_channel(addr)
         self._stub = pb_grpc.BootstrapStub(self._channel)
 
-    def register(self, dp_rank: int, tp_rank: int, dp_size: int, tp_size: int, entry: RankEntry) -> None:
-        self._call(self._stub.RegisterRank, pb.RegisterRankRequest(
+    def register(self, dp_rank: int, tp_rank: int, dp_size: int, tp_size: int, entry: RankEntry,
+                 secret: str) -> None:
+        request = pb.RegisterRankRequest(
             dp_rank=dp_rank, tp_rank=tp_rank, dp_size=dp_size, tp_size=tp_size, control_addr=entry.control_addr,
-            instance_id=entry.instance_id, epoch=entry.epoch))
+            instance_id=entry.instance_id, epoch=entry.epoch, issued_at_ms=int(time.time() * 1000))
+        request.proof = registration_proof(secret, request)
+        self._call(self._stub.RegisterRank, request)
 
     def topology(self) -> tuple[int, int]:
         reply = self._call(self._stub.GetTopology, pb.GetTopologyRequest())

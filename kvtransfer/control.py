@@ -19,14 +19,14 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from kvtransfer import messages
+from kvtransfer import auth, messages
 from kvtransfer.messages import AnyMessage
 
 log = logging.getLogger(__name__)
 
 
 class ControlPlane:
-    def __init__(self, host: str, port: int, on_message: Callable[[AnyMessage], None],
+    def __init__(self, host: str, port: int, on_message: Callable[[AnyMessage, list[bytes]], None],
                  on_tick: Callable[[], None], tick_s: float = 0.02) -> None:
         self._on_message = on_message
         self._on_tick = on_tick
@@ -41,7 +41,7 @@ class ControlPlane:
         self.address = f"tcp://{host}:{port}"
         self._dealers: dict[str, zmq.Socket] = {}
         self._lock = threading.Lock()
-        self._outbox: deque[tuple[str, bytes] | Callable[[], None]] = deque()
+        self._outbox: deque[tuple[str, list[bytes]] | Callable[[], None]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -51,9 +51,11 @@ class ControlPlane:
     def start(self) -> None:
         self._thread.start()
 
-    def send(self, addr: str, msg: AnyMessage) -> None:
-        """Queue ``msg`` for the peer whose ROUTER is at ``addr``. Delivery is best effort (peer may be gone)."""
-        self._push((addr, messages.encode(msg)))
+    def send(self, addr: str, msg: AnyMessage, session: tuple[bytes, int] | None = None) -> None:
+        """Queue ``msg`` for the peer whose ROUTER is at ``addr``, sealed with ``(session key, seq)`` when given.
+        Delivery is best effort (peer may be gone); messages to one address leave in the order queued."""
+        payload = messages.encode(msg)
+        self._push((addr, auth.seal(*session, payload) if session is not None else [payload]))
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the control thread."""
@@ -76,7 +78,7 @@ class ControlPlane:
         self._wake_r.close()
         self._wake_w.close()
 
-    def _push(self, item: tuple[str, bytes] | Callable[[], None]) -> None:
+    def _push(self, item: tuple[str, list[bytes]] | Callable[[], None]) -> None:
         with self._lock:
             if self._stopping:
                 return
@@ -123,18 +125,22 @@ class ControlPlane:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            body = frames[1:]  # after the DEALER's identity: [payload] or [payload, seq, mac]
+            if len(body) not in (1, 3):
+                log.warning("control %s: dropped a message of %d frames", self.address, len(body))
+                continue
             try:
-                msg = messages.decode(frames[-1])
+                msg = messages.decode(body[0])
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("control %s: dropped an undecodable message (%s)", self.address, exc)
                 continue
-            self._guarded(self._on_message, msg)
+            self._guarded(self._on_message, msg, body)
 
-    def _do(self, item: tuple[str, bytes] | Callable[[], None]) -> None:
+    def _do(self, item: tuple[str, list[bytes]] | Callable[[], None]) -> None:
         if callable(item):
             item()
             return
-        addr, payload = item
+        addr, frames = item
         dealer = self._dealers.get(addr)
         if dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
@@ -143,7 +149,7 @@ class ControlPlane:
             dealer.connect(addr)
             self._dealers[addr] = dealer
         try:
-            dealer.send(payload, zmq.NOBLOCK)
+            dealer.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             log.warning("control %s: queue to %s is full; message dropped (peer unresponsive)", self.address, addr)
 

@@ -6,8 +6,9 @@ lookup result and the periodic sweep (deadlines, heartbeats). Shared state is gu
 blocking runs under it. Bootstrap gRPC calls run on a small executor and report back through ``call_soon``.
 
 Peers: a peer is one start (``PeerKey(instance_id, epoch)``) of a rank on the other side that passed the
-handshake (cluster token, protocol version, compatibility). A message from an unknown peer or an old epoch is
-dropped; a newer epoch of a known instance means it restarted: the old peer is lost and its rooms fail.
+handshake (challenge-response over the cluster secret, protocol version, compatibility) and shares a session key
+with us (``kvtransfer/auth.py``). A message without a valid MAC of an accepted peer's session is dropped and counted
+in ``auth_drops``; a restarted instance proves itself in a new handshake, which replaces the old peer.
 """
 
 from __future__ import annotations
@@ -19,11 +20,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtransfer import auth
 from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
 from kvtransfer.backends.base import PeerInfo, PeerKey, TransferJob
 from kvtransfer.bootstrap import BootstrapClient, BootstrapError, RankEntry
 from kvtransfer.control import ControlPlane
-from kvtransfer.messages import PROTOCOL_VERSION, AnyMessage, Heartbeat, Hello, HelloAck
+from kvtransfer.messages import (
+    PROTOCOL_VERSION,
+    AnyMessage,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    HelloChallenge,
+    HelloProof,
+)
 from kvtransfer.metadata import MetadataBuffers
 from kvtransfer.registry import backend_class
 
@@ -40,6 +50,9 @@ class Peer:
     control_addr: str
     layout: KVLayout
     last_seen: float
+    session_key: bytes
+    send_seq: int = 0  # last sequence number sealed toward the peer
+    recv_seq: int = 0  # last sequence number accepted from the peer
 
     def describe(self) -> str:
         return f"{self.key.instance_id} (epoch {self.key.epoch})"
@@ -57,6 +70,7 @@ class KVManager:
         self.lock = threading.RLock()
         self.epoch = time.time_ns()
         self.peers: dict[str, Peer] = {}  # instance_id -> the accepted start of that instance
+        self.auth_drops = auth.DropCounter()  # control messages dropped as forged, replayed or unproven
         self.metadata = MetadataBuffers(args.num_metadata_slots)
         self.layout = args.layout(config.fingerprint)
         self._closed = False
@@ -83,9 +97,12 @@ class KVManager:
         return {"instance_id": self.instance_id, "epoch": self.epoch}
 
     def send_to(self, key: PeerKey, msg: AnyMessage) -> None:
-        peer = self.peers.get(key.instance_id)
-        if peer is not None and peer.key == key:
-            self.control.send(peer.control_addr, msg)
+        """Send ``msg`` sealed with the peer's session; nothing goes to a peer that has not proven the secret."""
+        with self.lock:  # NOTE: seq assignment and queueing are atomic, so seqs leave in increasing order
+            peer = self.peers.get(key.instance_id)
+            if peer is not None and peer.key == key:
+                peer.send_seq += 1
+                self.control.send(peer.control_addr, msg, (peer.session_key, peer.send_seq))
 
     def bootstrap_client(self, addr: str) -> BootstrapClient:
         with self.lock:
@@ -104,18 +121,21 @@ class KVManager:
         self.control.call_soon(lambda: self.rooms.job_done(job, error))
 
     # ---- peers -------------------------------------------------------------------------------------------------
-    def accept_peer(self, key: PeerKey, control_addr: str, layout: KVLayout, endpoint: dict[str, str]) -> Peer:
+    def accept_peer(self, key: PeerKey, control_addr: str, layout: KVLayout, endpoint: dict[str, str],
+                    session_key: bytes, recv_seq: int = 0) -> Peer:
         """Register a peer that passed the handshake (replacing an older epoch of the same instance).
 
         A handshake from the very start we already accepted means the peer lost us (it stalled past the heartbeat
-        deadline, or dropped us): its rooms and data connections here are stale, so they fail and are replaced.
+        deadline, or dropped us): its rooms and data connections here are stale, so they fail and are replaced
+        (with the new session key).
         """
         with self.lock:
             old = self.peers.get(key.instance_id)
             if old is not None:
                 why = "handshook again (it had lost this rank)" if old.key == key else f"restarted (new epoch {key.epoch})"
                 self.lose_peer(old.key, f"{old.describe()} {why}")
-            peer = self.peers[key.instance_id] = Peer(key, control_addr, layout, time.monotonic())
+            peer = self.peers[key.instance_id] = Peer(key, control_addr, layout, time.monotonic(), session_key,
+                                                      recv_seq=recv_seq)
         self.backend.add_peer(PeerInfo(key, layout, endpoint))
         log.info("kv %s: peer %s accepted", self.instance_id, peer.describe())
         return peer
@@ -133,31 +153,30 @@ class KVManager:
         self.control.forget(peer.control_addr)
 
     # ---- control thread ----------------------------------------------------------------------------------------
-    def _on_message(self, msg: AnyMessage) -> None:
+    def _on_message(self, msg: AnyMessage, frames: list[bytes]) -> None:
         if msg.version != PROTOCOL_VERSION:
             log.warning("kv %s: dropped %s of protocol version %d (ours is %d) from %s", self.instance_id,
                         type(msg).__name__, msg.version, PROTOCOL_VERSION, msg.instance_id)
             if isinstance(msg, Hello):
-                self.control.send(msg.control_addr, HelloAck(**self.stamp(), accepted=False, reason=(
-                    f"protocol version mismatch: prefill={PROTOCOL_VERSION} decode={msg.version}")))
+                self.control.send(msg.control_addr, HelloAck(**self.stamp(), accepted=False, hello_nonce=msg.nonce,
+                                                             reason=f"protocol version mismatch: prefill="
+                                                                    f"{PROTOCOL_VERSION} decode={msg.version}"))
             return
-        if isinstance(msg, Hello | HelloAck):
-            self.rooms.handshake(msg)
+        if isinstance(msg, Hello | HelloChallenge | HelloProof | HelloAck):
+            self.rooms.handshake(msg, frames)
             return
-        restarted = False
         with self.lock:
             peer = self.peers.get(msg.instance_id)
-            if peer is None or peer.key.epoch != msg.epoch:
-                restarted = peer is not None and msg.epoch > peer.key.epoch
-                if not restarted:
-                    log.debug("kv %s: dropped %s from unknown or stale peer %s epoch %d", self.instance_id,
-                              type(msg).__name__, msg.instance_id, msg.epoch)
-                    return
-            else:
-                peer.last_seen = time.monotonic()
-        if restarted and peer is not None:
-            self.lose_peer(peer.key, f"{peer.describe()} restarted (message of epoch {msg.epoch})")
-            return
+            seq = None
+            if peer is not None and peer.key.epoch == msg.epoch:
+                seq = auth.open_seal(peer.session_key, peer.recv_seq, frames)
+            if peer is None or seq is None:
+                self.auth_drops.add("unknown_peer" if peer is None else "bad_mac")
+                log.debug("kv %s: dropped %s claiming %s epoch %d: not sealed by that peer's session",
+                          self.instance_id, type(msg).__name__, msg.instance_id, msg.epoch)
+                return
+            peer.recv_seq = seq
+            peer.last_seen = time.monotonic()
         if not isinstance(msg, Heartbeat):
             self.rooms.handle(msg, peer)
 
@@ -173,7 +192,7 @@ class KVManager:
                     self.lose_peer(peer.key, f"{peer.describe()} at {peer.control_addr} silent for {silent:.1f}s "
                                              f"(heartbeat every {self.config.heartbeat_interval_s}s)")
                 else:
-                    self.control.send(peer.control_addr, Heartbeat(**self.stamp()))
+                    self.send_to(peer.key, Heartbeat(**self.stamp()))
         self.rooms.tick(now)
 
     def _register_forever(self) -> None:
@@ -184,7 +203,8 @@ class KVManager:
         delay = 0.05
         while not self._closed:
             try:
-                client.register(self.args.dp_rank, self.args.tp_rank, self.dp_size, self.args.tp_size, entry)
+                client.register(self.args.dp_rank, self.args.tp_rank, self.dp_size, self.args.tp_size, entry,
+                                self.config.cluster_token)
                 return
             except BootstrapError as exc:
                 log.warning("kv %s: bootstrap registration at %s failed (%s); retrying", self.instance_id,

@@ -1,12 +1,15 @@
 """Control-plane messages between KV managers (ZMQ, msgpack via msgspec; a tagged union, never positional frames).
 
 Every message names its kind (the ``kind`` tag), the protocol ``version`` and the sender's ``(instance_id, epoch)``:
-``instance_id`` is stable for a rank at one address, ``epoch`` is new on every start. A receiver drops messages of
-an epoch older than the one it has handshaked with, and anything but ``Hello`` from a peer it has not accepted.
+``instance_id`` is stable for a rank at one address, ``epoch`` is new on every start. Every message after the
+handshake carries a MAC under the session key of that (instance_id, epoch): a receiver drops (and counts) anything
+else, so a forged epoch, heartbeat or room message changes nothing.
 
 Flow of one room (D = decode rank, P = prefill rank)::
 
-    D -> P  Hello(token, layout, endpoint)        once per peer epoch; P answers HelloAck(accepted | reason)
+    D -> P  Hello(nonce, layout, endpoint)        once per peer epoch; challenge-response (kvtransfer/auth.py):
+    P -> D  HelloChallenge -> D -> P HelloProof   each side proves the cluster secret without sending it;
+    P -> D  HelloAck(accepted | reason)           the first message sealed with the session key
     D -> P  TransferInfo(room, dst_pages, slot)   P's sender: Bootstrapping -> WaitingForInput
     P -> D  ChunkDone(room, chunk_id, ...)        after the data plane put each chunk in D's pages;
                                                   the last one carries num_chunks and the MetadataRecord
@@ -23,7 +26,7 @@ import msgspec
 from kvtransfer.args import KVLayout
 from kvtransfer.metadata import MetadataRecord
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ControlMessage(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -36,15 +39,31 @@ class Hello(ControlMessage, tag="hello"):
     """Decode rank introduces itself to a prefill rank (the KV-args registration)."""
 
     control_addr: str  # where to send replies (the sender's ROUTER)
-    cluster_token: str
+    nonce: bytes  # the decode's challenge; the cluster secret itself is never sent
     layout: KVLayout
     endpoint: dict[str, str]  # the sender's data-plane endpoint (KVBackend.endpoint())
 
 
+class HelloChallenge(ControlMessage, tag="hello_challenge"):
+    """Prefill's proof of the secret over both nonces, and its own challenge (``nonce``)."""
+
+    hello_nonce: bytes  # the Hello's nonce, echoed
+    nonce: bytes
+    proof: bytes
+
+
+class HelloProof(ControlMessage, tag="hello_proof"):
+    """Decode's proof of the secret over both nonces; sent only after the prefill's proof checked out."""
+
+    proof: bytes
+
+
 class HelloAck(ControlMessage, tag="hello_ack"):
-    """Prefill rank's answer; when refused, ``reason`` says why and nothing else is accepted from that epoch."""
+    """Prefill rank's answer; when refused, ``reason`` says why and nothing else is accepted from that epoch.
+    Sealed with the session key, except a refusal of a failed proof, which echoes the Hello's nonce instead."""
 
     accepted: bool
+    hello_nonce: bytes = b""
     reason: str = ""
     layout: KVLayout | None = None
     endpoint: dict[str, str] = {}
@@ -91,7 +110,7 @@ class Heartbeat(ControlMessage, tag="heartbeat"):
     pass
 
 
-AnyMessage = Hello | HelloAck | TransferInfo | ChunkDone | Status | Abort | AbortAck | Heartbeat
+AnyMessage = Hello | HelloChallenge | HelloProof | HelloAck | TransferInfo | ChunkDone | Status | Abort | AbortAck | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

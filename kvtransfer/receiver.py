@@ -23,10 +23,22 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kvtransfer import auth
 from kvtransfer.args import compat_problems
 from kvtransfer.backends.base import PeerKey, TransferJob
 from kvtransfer.bootstrap import BootstrapError, RankEntry
-from kvtransfer.messages import Abort, AbortAck, AnyMessage, ChunkDone, Hello, HelloAck, Status, TransferInfo
+from kvtransfer.messages import (
+    Abort,
+    AbortAck,
+    AnyMessage,
+    ChunkDone,
+    Hello,
+    HelloAck,
+    HelloChallenge,
+    HelloProof,
+    Status,
+    TransferInfo,
+)
 from kvtransfer.metadata import MetadataRecord
 from kvtransfer.pages import HeadSlice, source_plan
 from kvtransfer.poll import KVPoll
@@ -71,6 +83,9 @@ class RecvRoom(RoomRecord):
 class Connecting:
     entry: RankEntry
     hello_at: float
+    nonce: bytes  # our Hello's challenge
+    session: bytes = b""  # set once the prefill proved the secret and we sent our proof
+    prefill_epoch: int = 0
     rooms: set[int] = field(default_factory=set)
 
 
@@ -131,22 +146,54 @@ class DecodeRooms:
                     self.mgr.metadata.clear(rec.metadata_slot)
 
     # ---- control thread ---------------------------------------------------------------------------------------
-    def handshake(self, msg: Hello | HelloAck) -> None:
+    def handshake(self, msg: Hello | HelloChallenge | HelloProof | HelloAck, frames: list[bytes]) -> None:
+        """Check the prefill's proof before proving ours; accept it on a HelloAck sealed with our session key."""
+        if isinstance(msg, HelloChallenge):
+            self._challenged(msg)
+            return
         if not isinstance(msg, HelloAck):
             return
         with self.mgr.lock:
-            conn = self.connecting.pop(msg.instance_id, None)
-            if conn is None:
+            conn = self.connecting.get(msg.instance_id)
+            seq = None
+            if conn is not None and conn.session and msg.epoch == conn.prefill_epoch:
+                seq = auth.open_seal(conn.session, 0, frames)
+            refusal = conn is not None and not msg.accepted and msg.hello_nonce == conn.nonce  # a failed proof
+            if conn is None or (seq is None and not refusal):
+                self.mgr.auth_drops.add("bad_mac")
                 return
+            del self.connecting[msg.instance_id]
             if not msg.accepted:
                 self.refused[msg.instance_id] = msg.reason
             elif msg.layout is not None and (problems := compat_problems(msg.layout, self.mgr.layout)):
                 self.refused[msg.instance_id] = "incompatible KV layout: " + "; ".join(problems)
             else:
                 self.refused.pop(msg.instance_id, None)
-        if msg.accepted and msg.instance_id not in self.refused and msg.layout is not None:
+        if msg.accepted and seq is not None and msg.instance_id not in self.refused and msg.layout is not None:
             self.mgr.accept_peer(PeerKey(msg.instance_id, msg.epoch), conn.entry.control_addr, msg.layout,
-                                 msg.endpoint)
+                                 msg.endpoint, conn.session, recv_seq=seq)
+        self._pump_all()
+
+    def _challenged(self, msg: HelloChallenge) -> None:
+        secret = self.mgr.config.cluster_token
+        with self.mgr.lock:
+            conn = self.connecting.get(msg.instance_id)
+            if conn is None or msg.hello_nonce != conn.nonce or conn.session or msg.epoch < conn.entry.epoch:
+                self.mgr.auth_drops.add("unknown_handshake")
+                return
+            t = auth.transcript(self.mgr.instance_id, self.mgr.epoch, conn.nonce, msg.instance_id, msg.epoch,
+                                msg.nonce)
+            if not auth.check_proof(secret, "prefill", t, msg.proof):
+                self.mgr.auth_drops.add("bad_proof")
+                del self.connecting[msg.instance_id]
+                self.refused[msg.instance_id] = (f"cluster token mismatch: prefill rank {msg.instance_id} could not "
+                                                 "prove this cluster's secret")
+                log.warning("kv %s: %s", self.mgr.instance_id, self.refused[msg.instance_id])
+            else:
+                conn.session, conn.prefill_epoch = auth.session_key(secret, t), msg.epoch
+                self.mgr.control.send(conn.entry.control_addr, HelloProof(
+                    **self.mgr.stamp(), proof=auth.proof(secret, "decode", t)))
+                return
         self._pump_all()
 
     def handle(self, msg: AnyMessage, peer: Peer) -> None:
@@ -317,10 +364,10 @@ class DecodeRooms:
         conn = self.connecting.get(entry.instance_id)
         if conn is not None and now - conn.hello_at < HELLO_RESEND_S:
             return
-        self.connecting[entry.instance_id] = Connecting(entry, now)
+        conn = self.connecting[entry.instance_id] = Connecting(entry, now, auth.new_nonce())
         self.mgr.control.send(entry.control_addr, Hello(
-            **self.mgr.stamp(), control_addr=self.mgr.control.address, cluster_token=self.mgr.config.cluster_token,
-            layout=self.mgr.layout, endpoint=self.mgr.endpoint))
+            **self.mgr.stamp(), control_addr=self.mgr.control.address, nonce=conn.nonce, layout=self.mgr.layout,
+            endpoint=self.mgr.endpoint))
 
     def _lookup(self, addr: str, dp_rank: int, tp_rank: int, now: float) -> None:
         key = (addr, dp_rank, tp_rank)

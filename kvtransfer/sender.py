@@ -14,16 +14,27 @@ once it is final and ``outstanding == 0``; a failed room tells its decode peers 
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtransfer import auth
 from kvtransfer.args import compat_problems
 from kvtransfer.backends.base import PeerKey, TransferJob
-from kvtransfer.messages import Abort, AbortAck, AnyMessage, ChunkDone, Hello, HelloAck, Status, TransferInfo
+from kvtransfer.messages import (
+    Abort,
+    AbortAck,
+    AnyMessage,
+    ChunkDone,
+    Hello,
+    HelloAck,
+    HelloChallenge,
+    HelloProof,
+    Status,
+    TransferInfo,
+)
 from kvtransfer.metadata import MetadataRecord
 from kvtransfer.pages import (
     HeadSlice,
@@ -40,6 +51,8 @@ if TYPE_CHECKING:
     from kvtransfer.manager import KVManager, Peer
 
 log = logging.getLogger(__name__)
+
+MAX_CHALLENGES = 1024  # open handshakes kept per prefill rank; a flood of Hellos evicts the oldest
 
 
 @dataclass
@@ -75,6 +88,8 @@ class PrefillRooms:
         self.rooms: dict[int, SendRoom] = {}
         self.early: dict[int, tuple[float, list[tuple[Peer, TransferInfo]]]] = {}  # TransferInfo before the sender
         self.tombstones: dict[int, tuple[float, str]] = {}  # finished room -> (forget at, failure reason or "")
+        # (decode instance_id, epoch) -> (expires, its Hello, our nonce): challenges awaiting a HelloProof
+        self.challenges: dict[tuple[str, int], tuple[float, Hello, bytes]] = {}
 
     # ---- scheduler thread -------------------------------------------------------------------------------------
     def create(self, room: int) -> SendRoom:
@@ -145,26 +160,57 @@ class PrefillRooms:
                     del self.rooms[rec.room]
 
     # ---- control thread ---------------------------------------------------------------------------------------
-    def handshake(self, msg: Hello | HelloAck) -> None:
-        if not isinstance(msg, Hello):
+    def handshake(self, msg: Hello | HelloChallenge | HelloProof | HelloAck, frames: list[bytes]) -> None:
+        """Answer a Hello with a challenge; accept the decode rank once its proof of the secret checks out."""
+        now = time.monotonic()
+        if isinstance(msg, Hello):
+            nonce = auth.new_nonce()
+            t = auth.transcript(msg.instance_id, msg.epoch, msg.nonce, self.mgr.instance_id, self.mgr.epoch, nonce)
+            with self.mgr.lock:
+                self._prune_challenges(now)
+                self.challenges[(msg.instance_id, msg.epoch)] = (now + self.mgr.config.bootstrap_timeout_s, msg, nonce)
+            self.mgr.control.send(msg.control_addr, HelloChallenge(
+                **self.mgr.stamp(), hello_nonce=msg.nonce, nonce=nonce,
+                proof=auth.proof(self.mgr.config.cluster_token, "prefill", t)))
             return
-        layout = self.mgr.layout
-        reason = ""
-        if not hmac.compare_digest(msg.cluster_token.encode(), self.mgr.config.cluster_token.encode()):
-            reason = "cluster token mismatch: the decode rank does not present this cluster's token"
-        elif problems := compat_problems(layout, msg.layout):
+        if not isinstance(msg, HelloProof):
+            return
+        with self.mgr.lock:
+            _, hello, nonce = self.challenges.pop((msg.instance_id, msg.epoch), (0.0, None, b""))
+        if hello is None:
+            self.mgr.auth_drops.add("unknown_handshake")
+            return
+        secret = self.mgr.config.cluster_token
+        t = auth.transcript(hello.instance_id, hello.epoch, hello.nonce, self.mgr.instance_id, self.mgr.epoch, nonce)
+        if not auth.check_proof(secret, "decode", t, msg.proof):
+            self.mgr.auth_drops.add("bad_proof")
+            reason = "cluster token mismatch: the decode rank could not prove this cluster's secret"
+            log.warning("kv %s: refused %s: %s", self.mgr.instance_id, hello.instance_id, reason)
+            self.mgr.control.send(hello.control_addr, HelloAck(**self.mgr.stamp(), accepted=False, reason=reason,
+                                                               hello_nonce=hello.nonce))
+            return
+        session = auth.session_key(secret, t)
+        key = PeerKey(hello.instance_id, hello.epoch)
+        if problems := compat_problems(self.mgr.layout, hello.layout):
             reason = "incompatible KV layout: " + "; ".join(problems)
-        key = PeerKey(msg.instance_id, msg.epoch)
-        if reason:
-            log.warning("kv %s: refused %s: %s", self.mgr.instance_id, msg.instance_id, reason)
-            self.mgr.control.send(msg.control_addr, HelloAck(**self.mgr.stamp(), accepted=False, reason=reason))
+            log.warning("kv %s: refused %s: %s", self.mgr.instance_id, hello.instance_id, reason)
+            self.mgr.control.send(hello.control_addr, HelloAck(**self.mgr.stamp(), accepted=False, reason=reason),
+                                  (session, 1))
             return
-        known = self.mgr.peers.get(msg.instance_id)
-        if known is not None and known.key.epoch > msg.epoch:
+        known = self.mgr.peers.get(hello.instance_id)
+        if known is not None and known.key.epoch > hello.epoch:
             return  # a Hello from a start older than the one we accepted
-        self.mgr.accept_peer(key, msg.control_addr, msg.layout, msg.endpoint)
-        self.mgr.control.send(msg.control_addr, HelloAck(**self.mgr.stamp(), accepted=True, layout=layout,
-                                                         endpoint=self.mgr.endpoint))
+        self.mgr.accept_peer(key, hello.control_addr, hello.layout, hello.endpoint, session)
+        self.mgr.send_to(key, HelloAck(**self.mgr.stamp(), accepted=True, layout=self.mgr.layout,
+                                       endpoint=self.mgr.endpoint))
+
+    def _prune_challenges(self, now: float) -> None:
+        """Bound the open challenges: expired ones go, and at most MAX_CHALLENGES stay (oldest evicted)."""
+        for k, (expires, _, _) in list(self.challenges.items()):
+            if now > expires:
+                del self.challenges[k]
+        while len(self.challenges) >= MAX_CHALLENGES:
+            del self.challenges[next(iter(self.challenges))]
 
     def handle(self, msg: AnyMessage, peer: Peer) -> None:
         now = time.monotonic()

@@ -80,6 +80,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="router processes sharing the ports via SO_REUSEPORT (needs fixed, non-zero ports)",
     )
     p.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT (set by --replicas)")
+    p.add_argument("--admin-token", default=None,
+                   help="bearer token of the admin RPCs and /metrics, /v1/workers, timing lookups "
+                        "(default: PDCLUSTER_ADMIN_TOKEN, else the cluster secret)")
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
@@ -110,6 +113,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         max_request_bytes=ns.max_request_bytes,
         max_inflight_requests=ns.max_inflight_requests,
         reuse_port=ns.reuse_port,
+        **({"admin_token": ns.admin_token} if ns.admin_token is not None else {}),
     )
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from common import env
 from common.errors import ConfigError
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -77,6 +78,8 @@ class RouterConfig:
     # Replicas: bind the ports with SO_REUSEPORT so several router processes share them (the kernel spreads
     # connections); each replica is stateless apart from its /v1/requests/{id}/timing store.
     reuse_port: bool = False
+    # Admin RPCs and internal HTTP views need this bearer token (router/admin.py); "" refuses them all.
+    admin_token: str = field(default_factory=env.admin_token, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("prefill_policy", "decode_policy"):

@@ -7,6 +7,8 @@ field as the client spelled it (``max_tokens`` on the OpenAI API, ``sampling_par
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,30 @@ from typing import Any
 from common.errors import CapacityError, InvalidRequestError
 from common.sampling.params import SamplingParams
 from router.request import GenRequest, sampling_to_proto
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+INT64_MAX = (1 << 63) - 1
+
+
+def check_numeric_ranges(sampling: dict[str, Any]) -> None:
+    """Every number must survive the trip to a node: finite float32 for floats, int64 for integers."""
+    for name, value in sampling.items():
+        values = value if isinstance(value, list | tuple) else (value,)
+        for v in values:
+            if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+                raise InvalidRequestError(f"{name} must be a finite number of at most {FLOAT32_MAX:.3g}, got {v}")
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT64_MAX:
+                raise InvalidRequestError(f"{name} is out of range: {v}")
+
+
+def check_request_id(rid: str) -> None:
+    """Request ids travel into headers, logs and node RPCs: 1-128 characters of ``[A-Za-z0-9._:@/+=-]``."""
+    if not REQUEST_ID.fullmatch(rid):
+        raise InvalidRequestError(f"request_id must be 1-128 characters of letters, digits and ._:@/+=- "
+                                  f"(got {len(rid)} characters, starting {rid[:16]!r})")
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOP_LOGPROBS = 20
@@ -112,6 +138,7 @@ class InputProcessor:
         """``sampling`` holds ``SamplingParams`` fields; ``max_new_tokens`` None means the default (clamped to the
         context); ``default_max_tokens`` None means "up to the context" (chat)."""
         arrival = time.monotonic()
+        check_request_id(rid)
         if model and model != self.model_name:
             raise InvalidRequestError(
                 f"model: {model!r} is not served here; available models: [{self.model_name!r}]"
@@ -145,6 +172,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}"
             )
+        check_numeric_ranges(sampling)
         try:
             sp = SamplingParams(**sampling)
         except TypeError as e:

@@ -65,7 +65,13 @@ _DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (CompletionRequest, ChatR
 
 def decode(body: bytes, cls: type[CompletionRequest] | type[ChatRequest]) -> Any:
     try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"request body is not valid UTF-8 (byte {e.start})") from None
+    try:
         return _DECODERS[cls].decode(body)
+    except RecursionError:
+        raise InvalidRequestError("request body is nested too deeply") from None
     except msgspec.ValidationError as e:
         raise InvalidRequestError(f"invalid request body: {e}") from e
     except msgspec.DecodeError as e:

@@ -13,7 +13,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdcluster.v1 import router_pb2, router_pb2_grpc
+from router.admin import AdminInterceptor
 from router.config import RouterConfig
+from router.grpc_guard import ParseGuard
 from router.grpc_service import RouterServicer
 from router.http_gateway import HttpGateway
 from router.service import RouterService
@@ -36,6 +38,7 @@ class RouterServer:
         await self.service.start()
         cfg = self.cfg
         server = grpc.aio.server(
+            interceptors=[AdminInterceptor(cfg.admin_token), ParseGuard()],
             options=[
                 ("grpc.max_receive_message_length", cfg.max_request_bytes),
                 ("grpc.so_reuseport", 1 if cfg.reuse_port else 0),

@@ -12,9 +12,9 @@ import asyncio
 import logging
 from collections.abc import Iterator
 
-import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from common.worker_auth import aio_worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.breaker import CircuitBreaker
 from router.config import Role, RouterConfig, WorkerSpec
@@ -97,7 +97,7 @@ class Worker:
         self.address = spec.address
         self.role: Role = spec.role
         self.host = spec.address.rsplit(":", 1)[0]
-        self.channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
+        self.channel = aio_worker_channel(spec.address, CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_open_s)

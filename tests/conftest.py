@@ -13,6 +13,15 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The only place a fixed cluster secret exists: the test session and the processes it starts inherit it.
+TEST_CLUSTER_TOKEN = "pdcluster-test-secret-not-for-deployment"
+os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", TEST_CLUSTER_TOKEN)
+
+
+@pytest.fixture
+def cluster_token() -> str:
+    """The cluster secret of the test session's nodes and router."""
+    return os.environ["PDCLUSTER_CLUSTER_TOKEN"]
 
 
 def wait_idle(engine: Any, timeout: float = 30.0) -> None:

@@ -208,7 +208,7 @@ def _role_main(spec: RoleSpec, out: mp.Queue) -> None:
     if spec.role == "prefill":
         if spec.drop_final_chunk_done:
             _drop_final_chunk_done()
-        server = BootstrapServer()
+        server = BootstrapServer(config.cluster_token)
         port = server.start("127.0.0.1", spec.bootstrap_port)
         args = make_args(PREFILL_SEED, spec.num_pages, **spec.args_overrides)
         mgr = KVManager(args, config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
@@ -243,10 +243,10 @@ def _drop_final_chunk_done() -> None:
 
     original = control.ControlPlane.send
 
-    def send(self, addr, msg):
+    def send(self, addr, msg, session=None):
         if isinstance(msg, ChunkDone) and msg.num_chunks:
             return
-        original(self, addr, msg)
+        original(self, addr, msg, session)
 
     control.ControlPlane.send = send
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.worker_auth import worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 START_TIMEOUT_S = 120.0
@@ -49,7 +50,7 @@ class Node:
     stub: worker_pb2_grpc.WorkerStub = field(init=False)
 
     def __post_init__(self) -> None:
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.channel = worker_channel(f"127.0.0.1:{self.port}")  # carries the cluster credential
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
 
     @property

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from common.tokenizer import load_tokenizer
+from common.worker_auth import worker_channel
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.model_fixtures import make_tiny_model
 from tests.node_helpers import Node, free_port, start_node
@@ -41,7 +42,7 @@ class Cluster:
         return f"http://127.0.0.1:{self.http_port}/v1"
 
     def worker_stub(self, name: str) -> worker_pb2_grpc.WorkerStub:
-        return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(self.nodes[name]))
+        return worker_pb2_grpc.WorkerStub(worker_channel(self.nodes[name]))
 
 
 def start_up(model_path: Path, *extra: str) -> Cluster:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from common.worker_auth import worker_channel
 from deploy import manifests
 from deploy.k8s_discovery import pod_workers
 from deploy.process import grpc_serving
@@ -122,14 +123,13 @@ def test_probes_answer_and_discovery_makes_the_router_ready(pods: dict[str, Pod]
 
 
 def test_draining_node_fails_readiness_but_stays_live(pods: dict[str, Pod]) -> None:
-    import grpc
 
     from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
     decode = pods["decode"]
     decode.wait("readinessProbe")
     # A request in flight keeps the node draining: it waits for KV from a prefill node that does not exist.
-    channel = grpc.insecure_channel(f"127.0.0.1:{decode.port('grpc')}")
+    channel = worker_channel(f"127.0.0.1:{decode.port('grpc')}")
     pending = worker_pb2_grpc.WorkerStub(channel).Decode(worker_pb2.DecodeRequest(
         request=worker_pb2.GenerateRequest(rid="drain-probe", input_ids=[5, 6, 7],
                                            sampling_params=common_pb2.SamplingParams(max_new_tokens=2)),

@@ -55,9 +55,9 @@ def _free_port() -> int:
 @pytest.mark.parametrize("backend", KILL_BACKENDS)
 def test_receiver_killed_mid_transfer_fails_sender_within_deadline(backend: str) -> None:
     plans = plan_rooms(4, NUM_PAGES, NUM_PAGES, pages_per_room=6, seed=1)
-    server = BootstrapServer()
-    port = server.start()
     config = kv_config(backend)
+    server = BootstrapServer(config.cluster_token)
+    port = server.start()
     mgr = KVManager(make_args(PREFILL_SEED, NUM_PAGES), config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
     child = Child(RoleSpec("decode", backend, plans, num_pages=NUM_PAGES, bootstrap_addr=f"127.0.0.1:{port}"))
     try:

@@ -9,12 +9,12 @@ import torch
 
 from kvtransfer.args import compat_problems, model_fingerprint
 from kvtransfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RankEntry, RankTable
-from kvtransfer.messages import Abort, ChunkDone, Heartbeat, decode, encode
+from kvtransfer.messages import PROTOCOL_VERSION, Abort, ChunkDone, Heartbeat, decode, encode
 from kvtransfer.metadata import MetadataBuffers, MetadataRecord
 from kvtransfer.pages import PageRun, coalesce_runs, copy_runs, dst_ranks_served, owned_heads, source_plan
 from kvtransfer.poll import KVPoll, advance, reduce_polls
 from kvtransfer.registry import backend_class
-from tests.kvtransfer_helpers import make_args
+from tests.kvtransfer_helpers import TOKEN, make_args
 
 
 def test_states_only_move_up_and_failed_is_sticky() -> None:
@@ -94,7 +94,7 @@ def test_messages_are_tagged_versioned_and_reject_garbage() -> None:
         metadata=MetadataRecord(room=9, first_token=5),
     )
     assert decode(encode(msg)) == msg
-    assert decode(encode(Heartbeat(instance_id="p", epoch=1))).version == 1
+    assert decode(encode(Heartbeat(instance_id="p", epoch=1))).version == PROTOCOL_VERSION
     assert isinstance(decode(encode(Abort(instance_id="d", epoch=1, room=1, reason="x"))), Abort)
     with pytest.raises(msgspec.DecodeError):
         decode(b"\x93\x01\x02\x03")
@@ -133,14 +133,14 @@ def test_bootstrap_re_registration_replaces_and_readiness_counts_distinct_ranks(
 
 
 def test_bootstrap_service_over_grpc() -> None:
-    server = BootstrapServer()
+    server = BootstrapServer(TOKEN)
     port = server.start()
     client = BootstrapClient(f"127.0.0.1:{port}")
     try:
         with pytest.raises(BootstrapError) as exc:
             client.topology()
         assert exc.value.code == grpc.StatusCode.UNAVAILABLE
-        client.register(0, 0, 1, 1, RankEntry("tcp://x:1", "prefill/dp0/tp0", 7))
+        client.register(0, 0, 1, 1, RankEntry("tcp://x:1", "prefill/dp0/tp0", 7), TOKEN)
         assert client.topology() == (1, 1)
         assert client.rank(0, 0) == RankEntry("tcp://x:1", "prefill/dp0/tp0", 7)
         with pytest.raises(BootstrapError) as exc:

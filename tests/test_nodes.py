@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdcluster.v1 import common_pb2, worker_pb2
+from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.model_fixtures import make_tiny_model
 from tests.node_helpers import Node, start_node
 
@@ -303,3 +304,32 @@ def test_decode_killed_mid_stream(model_path, colocated) -> None:
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_node_rpcs_without_the_cluster_credential_are_refused(pd_dp2) -> None:
+    """A guessed-id Abort, GetRank, GetServerInfo, Decode: UNAUTHENTICATED without the credential; health is open."""
+    prefill, decode = pd_dp2
+    req = greedy_request("victim", list(range(10, 40)))
+    victim = decode.stub.Decode(worker_pb2.DecodeRequest(
+        request=req, bootstrap_room=92, bootstrap_addr=prefill.bootstrap_addr, decode_dp_rank=0), timeout=30)
+    with grpc.insecure_channel(decode.addr) as bare, grpc.insecure_channel(prefill.addr) as bare_p:
+        rogue, rogue_p = worker_pb2_grpc.WorkerStub(bare), worker_pb2_grpc.WorkerStub(bare_p)
+        for call in (lambda: rogue.Abort(worker_pb2.AbortRequest(rid="victim"), timeout=5),
+                     lambda: rogue.GetServerInfo(worker_pb2.GetServerInfoRequest(), timeout=5),
+                     lambda: list(rogue.Decode(worker_pb2.DecodeRequest(request=req), timeout=5))):
+            with pytest.raises(grpc.RpcError) as exc:
+                call()
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as exc:
+            rogue_p.GetServerInfo(worker_pb2.GetServerInfoRequest(), timeout=5)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert health_pb2_grpc.HealthStub(bare).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    # The victim's stream was not aborted by the rogue: it ends by the real Abort only.
+    time.sleep(0.5)
+    decode.stub.Abort(worker_pb2.AbortRequest(rid="victim"))
+    with pytest.raises(grpc.RpcError) as exc:
+        list(victim)
+    assert exc.value.code() == grpc.StatusCode.CANCELLED
+    decode.wait_pools_free()
+    prefill.wait_pools_free()

@@ -5,6 +5,7 @@ router's and nodes' Prometheus metrics exist and move when traffic flows."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -80,8 +81,14 @@ def cluster() -> Iterator[Cluster]:
         d.stop()
 
 
+def _get(url: str) -> bytes:
+    """GET with the admin credential (the router's internal views need it; node metrics ports ignore it)."""
+    headers = {"Authorization": f"Bearer {os.environ['PDCLUSTER_CLUSTER_TOKEN']}"}
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5).read()
+
+
 def scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    text = _get(url).decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -147,7 +154,7 @@ def test_timing_breakdown_adds_up_to_e2e(cluster: Cluster) -> None:
     assert -0.02 <= t["ttft_other"] <= 0.05 + 0.5 * t["ttft"], t
     assert t["ttft"] + t["decode"] == pytest.approx(t["e2e"], abs=1e-6)
     assert t["e2e"] <= measured <= t["e2e"] + 0.5, (measured, t)  # what the client saw, less HTTP overhead
-    looked_up = json.loads(urllib.request.urlopen(f"{cluster.http}/v1/requests/{rid}/timing", timeout=5).read())
+    looked_up = json.loads(_get(f"{cluster.http}/v1/requests/{rid}/timing"))
     assert looked_up["timing"]["e2e"] == t["e2e"]
     # gRPC: the final message carries the same breakdown
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.grpc_addr))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import aiohttp
 import grpc
@@ -10,9 +11,12 @@ import pytest
 
 from common.tokenizer import load_tokenizer
 from pdcluster.v1 import common_pb2, router_pb2
+from router.admin import bearer_metadata
 from tests.mock_worker import fake_tokens, shared_model_dir
 from tests.test_router_support import eventually, fleet
 
+ADMIN = bearer_metadata(os.environ["PDCLUSTER_CLUSTER_TOKEN"])  # the router's admin token defaults to it
+ADMIN_HEADERS = dict(ADMIN)
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 12
 
 
@@ -161,7 +165,7 @@ async def test_colocated_fleet() -> None:
 async def test_membership_and_observability_endpoints() -> None:
     async with fleet(prefill=1, decode=1) as f:
         stub = f.stub()
-        listed = await stub.ListWorkers(router_pb2.ListWorkersRequest())
+        listed = await stub.ListWorkers(router_pb2.ListWorkersRequest(), metadata=ADMIN)
         roles = sorted((w.role, w.healthy, w.circuit_state) for w in listed.workers)
         assert roles == [
             (router_pb2.WORKER_ROLE_PREFILL, True, "closed"),
@@ -172,14 +176,15 @@ async def test_membership_and_observability_endpoints() -> None:
         assert all(w.error == "" for w in listed.workers)  # routable workers carry no error
 
         # Deregister the only decode worker: requests fail with UNAVAILABLE naming the reason.
-        found = await stub.DeregisterWorker(router_pb2.DeregisterWorkerRequest(address=f.decode[0].address))
+        found = await stub.DeregisterWorker(router_pb2.DeregisterWorkerRequest(address=f.decode[0].address), metadata=ADMIN)
         assert found.found
         with pytest.raises(grpc.aio.AioRpcError) as e:
             async for _ in stub.Generate(router_pb2.RouterGenerateRequest(text="x")):
                 pass
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "decode" in e.value.details()
         await stub.RegisterWorker(
-            router_pb2.RegisterWorkerRequest(address=f.decode[0].address, role=router_pb2.WORKER_ROLE_DECODE)
+            router_pb2.RegisterWorkerRequest(address=f.decode[0].address, role=router_pb2.WORKER_ROLE_DECODE),
+            metadata=ADMIN,
         )
         msgs = [
             m
@@ -196,13 +201,14 @@ async def test_membership_and_observability_endpoints() -> None:
             await stub.RegisterWorker(
                 router_pb2.RegisterWorkerRequest(
                     address=f.decode[0].address, role=router_pb2.WORKER_ROLE_PREFILL
-                )
+                ),
+                metadata=ADMIN,
             )
         assert (
             e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already registered" in e.value.details()
         )
 
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=ADMIN_HEADERS) as http:
             async with http.get(f.server.http_url + "/v1/models") as r:
                 assert (await r.json())["data"][0]["id"] == "mock-model"
             async with http.get(f.server.http_url + "/health") as r:
@@ -248,13 +254,14 @@ async def test_list_workers_says_why_a_worker_is_unusable() -> None:
     async with fleet(prefill=1, decode=2) as f:
         stub = f.stub()
         # A decode node registered as a prefill worker: the router refuses to route to it and says why.
-        await stub.DeregisterWorker(router_pb2.DeregisterWorkerRequest(address=f.decode[1].address))
+        await stub.DeregisterWorker(router_pb2.DeregisterWorkerRequest(address=f.decode[1].address), metadata=ADMIN)
         await stub.RegisterWorker(
-            router_pb2.RegisterWorkerRequest(address=f.decode[1].address, role=router_pb2.WORKER_ROLE_PREFILL)
+            router_pb2.RegisterWorkerRequest(address=f.decode[1].address, role=router_pb2.WORKER_ROLE_PREFILL),
+            metadata=ADMIN,
         )
 
         async def error_of_misregistered() -> str:
-            listed = await stub.ListWorkers(router_pb2.ListWorkersRequest())
+            listed = await stub.ListWorkers(router_pb2.ListWorkersRequest(), metadata=ADMIN)
             return next((w.error for w in listed.workers if w.role == router_pb2.WORKER_ROLE_PREFILL
                          and w.address == f.decode[1].address), "")
 

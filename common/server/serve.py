@@ -20,11 +20,13 @@ from grpc_reflection.v1alpha import reflection
 
 from common.config import ServerArgs
 from common.model.config import ModelConfig
+from common.security import require_cluster_token
 from common.server.front import WorkerServicer
 from common.server.http_probe import node_liveness, start_probe_server
 from common.server.metrics import poll_load_forever
 from common.server.ranks import RankClient
 from common.tokenizer import resolve_model_path
+from common.worker_auth import WorkerAuthInterceptor
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class NodeServer:
     """A running node. ``start`` returns when every rank is ready and the gRPC port serves."""
 
     def __init__(self, args: ServerArgs) -> None:
+        require_cluster_token(args.disaggregation_mode)
         self.args = args
         self.role = ROLES[args.disaggregation_mode]
         self.model_path = str(resolve_model_path(args.model_path))
@@ -74,7 +77,7 @@ class NodeServer:
         self.rank_died = False  # a rank exited on its own: the node stops with a non-zero exit code
 
     async def start(self) -> None:
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[WorkerAuthInterceptor()])
         servicer_cls = _load(self.role.servicer_ref)
         self.servicer = servicer_cls(self.args, self.model_path, self.model_config, self.ranks)
         if self.role.extra_services:

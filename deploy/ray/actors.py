@@ -20,6 +20,8 @@ from pathlib import Path
 
 import ray
 
+from common import env
+from common.security import generate_cluster_token
 from deploy.process import ManagedProcess, grpc_serving
 from deploy.registrar import RouterRegistrar, WorkerInfo
 
@@ -37,6 +39,11 @@ class WorkerRegistry:
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[dict[str, object], float]] = {}
+        self._secret = env.cluster_token() or generate_cluster_token()  # one per deployment, kept across `ray up`
+
+    def cluster_secret(self) -> str:
+        """The deployment's cluster secret, handed to every node and router actor through its runtime env."""
+        return self._secret
 
     def register(self, info: dict[str, object]) -> None:
         self._entries[str(info["address"])] = (info, time.monotonic())

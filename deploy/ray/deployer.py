@@ -18,6 +18,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.errors import ConfigError
+from common.security import CLUSTER_TOKEN_ENV
 from deploy.ray.actors import REGISTRY_NAME, NodeActor, RouterActor, WorkerRegistry
 from deploy.ray.placement import PinMode, ReplicaPlacement, actor_label_selector, plan_role
 from deploy.spec import NODE_ROLES, ClusterSpec
@@ -40,13 +41,20 @@ def actor_name(role: str, index: int) -> str:
     return f"{PREFIX}-{role}-{index}"
 
 
-def _node_actor(spec: ClusterSpec, place: ReplicaPlacement, pg: PlacementGroup, opts: RayOptions) -> ray.actor.ActorHandle:
+def secret_env(registry: ray.actor.ActorHandle) -> dict[str, object]:
+    """Actor options handing the cluster secret (generated once, by the detached registry) to an actor's process."""
+    return {"runtime_env": {"env_vars": {CLUSTER_TOKEN_ENV: ray.get(registry.cluster_secret.remote())}}}
+
+
+def _node_actor(spec: ClusterSpec, place: ReplicaPlacement, pg: PlacementGroup, opts: RayOptions,
+                secret: dict[str, object]) -> ray.actor.ActorHandle:
     p = spec.ports(place.role, place.index)
     argv = spec.node_argv(place.role, "{host}", place.index)
     options: dict[str, object] = {
         "name": actor_name(place.role, place.index), "namespace": opts.namespace, "lifetime": "detached",
         "num_cpus": place.num_cpus, "num_gpus": place.num_gpus, "resources": place.resources,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=place.bundle),
+        **secret,
     }
     selector = actor_label_selector(place.role, opts.pin)
     if selector:
@@ -76,6 +84,7 @@ def up(spec: ClusterSpec, opts: RayOptions = RayOptions(), wait: bool = True) ->
         name=REGISTRY_NAME, namespace=opts.namespace, lifetime="detached", get_if_exists=True, max_restarts=-1
     ).remote()
     ray.get(registry.snapshot.remote())
+    secret = secret_env(registry)
     tp = int(spec.shared.get("tp-size", 1))
     gpus = gpus_per_rank(spec, opts.gpus_per_rank)
     handles: list[ray.actor.ActorHandle] = []
@@ -90,12 +99,13 @@ def up(spec: ClusterSpec, opts: RayOptions = RayOptions(), wait: bool = True) ->
             pgs[g.name] = placement_group(g.bundles, **kwargs)  # type: ignore[arg-type]
         for pg in pgs.values():
             ray.get(pg.ready(), timeout=opts.start_timeout_s)
-        handles += [_node_actor(spec, place, pgs[place.group], opts) for place in places]
+        handles += [_node_actor(spec, place, pgs[place.group], opts, secret) for place in places]
     routers = []
     for i in range(spec.role("router").replicas):
         p = spec.ports("router", i)
         routers.append(RouterActor.options(  # type: ignore[attr-defined]
             name=actor_name("router", i), namespace=opts.namespace, lifetime="detached", num_cpus=opts.router_cpus,
+            **secret,
         ).remote(spec.router_argv("{host}", i), p.grpc, p.http, REGISTRY_NAME, opts.namespace))
     if wait:
         wait_healthy(handles + routers, opts.start_timeout_s)

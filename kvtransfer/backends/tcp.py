@@ -8,19 +8,28 @@ header's ``segment_pages`` > 0 says the payload is in the staged layout. Setting
 
 One connection per (prefill rank, decode peer), opened lazily by the prefill side's per-peer worker. Stream::
 
-    prefill -> decode   frame(DataHello)                                  once per connection
+    decode -> prefill   nonce (16 bytes)                                  once per connection: the challenge
+    prefill -> decode   frame(DataHello)                                  its proof of the cluster secret
     prefill -> decode   frame(ChunkHeader) payload                        per job
     decode -> prefill   frame(ChunkAck)                                   per job, after the payload landed
     frame = u32 little-endian length + msgpack;  payload = for layer: for K, V: for run: the run's bytes
                                                  (staged: for segment: see ``staging``)
 
 The ack is what makes ``on_job_done(job, None)`` mean "in the destination pages" (see ``base.py``).
+
+Listener bounds: nothing is allocated for a connection before its DataHello proves the secret for an accepted peer
+(the hello frame is capped at ``MAX_HELLO_BYTES`` and must arrive within ``HELLO_TIMEOUT_S``); a frame never exceeds
+``max_frame_bytes`` and a payload never exceeds what its header's destination runs hold; at most
+``MAX_CONNS_PER_HOST`` connections per remote host and ``MAX_CONNS`` in all (one reader thread each).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
+import secrets
 import select
 import socket
 import struct
@@ -39,11 +48,23 @@ log = logging.getLogger(__name__)
 
 IOV_BATCH = 64
 _LEN = struct.Struct("<I")
+NONCE_BYTES = 16
+MAX_HELLO_BYTES = 1024
+HELLO_TIMEOUT_S = 5.0
+MAX_CONNS_PER_HOST = 8
+MAX_CONNS = 64
+DISCARD_BYTES = 1 << 16
 
 
 class DataHello(msgspec.Struct, frozen=True, tag=True):
     instance_id: str
     epoch: int
+    proof: bytes = b""  # data_proof(secret, nonce, instance_id, epoch)
+
+
+def data_proof(secret: str, nonce: bytes, instance_id: str, epoch: int) -> bytes:
+    data = b"tcp-data\0" + nonce + b"\0" + instance_id.encode() + b"\0" + str(epoch).encode()
+    return hmac.new(secret.encode(), data, hashlib.sha256).digest()
 
 
 class ChunkHeader(msgspec.Struct, frozen=True, tag=True):
@@ -76,8 +97,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket) -> DataHello | ChunkHeader | ChunkAck:
+def _recv_frame(sock: socket.socket, max_bytes: int = 1 << 20) -> DataHello | ChunkHeader | ChunkAck:
+    """One frame; a declared length over ``max_bytes`` closes the connection before anything is allocated."""
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > max_bytes:
+        raise TransferError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
     return _decoder.decode(_recv_exact(sock, n))
 
 
@@ -145,6 +169,10 @@ class TcpBackend(KVBackend):
         self._peers: dict[PeerKey, PeerInfo] = {}
         self._socks: dict[PeerKey, socket.socket] = {}  # prefill: connection per decode peer
         self._accepted: dict[socket.socket, PeerKey | None] = {}  # decode: connections by sending peer
+        self._conns_by_host: dict[str, int] = {}  # decode: open connections (proven or not) per remote host
+        # A header lists at most one run per page; msgpack needs < 32 bytes per run.
+        self.max_frame_bytes = 4096 + 32 * args.num_pages
+        self.refused_connections = 0
         self._workers = PeerWorkers(events, self._move, "tcp")
         self._listener: socket.socket | None = None
         if mode == "decode":
@@ -257,9 +285,12 @@ class TcpBackend(KVBackend):
         if peer is None or "port" not in peer.endpoint:
             raise TransferError("peer has no tcp endpoint")
         sock = socket.create_connection((peer.endpoint["host"], int(peer.endpoint["port"])), timeout=10)
-        sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _send_frame(sock, DataHello(self.local.instance_id, self.local.epoch))
+        nonce = _recv_exact(sock, NONCE_BYTES)
+        sock.settimeout(None)
+        _send_frame(sock, DataHello(self.local.instance_id, self.local.epoch,
+                                    data_proof(self.config.cluster_token, nonce, self.local.instance_id,
+                                               self.local.epoch)))
         with self._lock:
             if self._closed or key not in self._peers:
                 _shutdown(sock)
@@ -284,24 +315,47 @@ class TcpBackend(KVBackend):
         assert self._listener is not None
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, remote = self._listener.accept()
             except OSError:
                 return
+            host = str(remote[0])
+            with self._lock:
+                admit = (self._conns_by_host.get(host, 0) < MAX_CONNS_PER_HOST
+                         and sum(self._conns_by_host.values()) < MAX_CONNS)
+                if admit:
+                    self._conns_by_host[host] = self._conns_by_host.get(host, 0) + 1
+                else:
+                    self.refused_connections += 1
+            if not admit:
+                log.warning("kv tcp: refused a data connection from %s (connection limit)", host)
+                _shutdown(sock)
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(sock,), name="kv-tcp-recv", daemon=True).start()
+            threading.Thread(target=self._serve, args=(sock, host), name="kv-tcp-recv", daemon=True).start()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _authenticate(self, sock: socket.socket) -> PeerKey:
+        """Challenge the connecting side; it must prove the cluster secret as a peer the control plane accepted."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        sock.settimeout(HELLO_TIMEOUT_S)
+        sock.sendall(nonce)
+        hello = _recv_frame(sock, MAX_HELLO_BYTES)
+        sock.settimeout(None)
+        if not isinstance(hello, DataHello):
+            raise TransferError(f"expected DataHello, got {type(hello).__name__}")
+        expected = data_proof(self.config.cluster_token, nonce, hello.instance_id, hello.epoch)
+        if not hmac.compare_digest(expected, hello.proof):
+            raise TransferError(f"data connection claiming {hello.instance_id} did not prove the cluster secret")
+        return PeerKey(hello.instance_id, hello.epoch)
+
+    def _serve(self, sock: socket.socket, host: str) -> None:
         try:
-            hello = _recv_frame(sock)
-            if not isinstance(hello, DataHello):
-                raise TransferError(f"expected DataHello, got {type(hello).__name__}")
-            key = PeerKey(hello.instance_id, hello.epoch)
+            key = self._authenticate(sock)
             with self._lock:
                 if self._closed or key not in self._peers:
                     raise TransferError(f"data connection from {key.instance_id} which passed no handshake")
                 self._accepted[sock] = key
             while True:
-                header = _recv_frame(sock)
+                header = _recv_frame(sock, self.max_frame_bytes)
                 if not isinstance(header, ChunkHeader):
                     raise TransferError(f"expected ChunkHeader, got {type(header).__name__}")
                 error = self._receive_chunk(sock, header)
@@ -311,6 +365,9 @@ class TcpBackend(KVBackend):
         finally:
             with self._lock:
                 self._accepted.pop(sock, None)
+                self._conns_by_host[host] -= 1
+                if not self._conns_by_host[host]:
+                    del self._conns_by_host[host]
             _shutdown(sock)
 
     def _receive_chunk(self, sock: socket.socket, header: ChunkHeader) -> str:
@@ -324,6 +381,8 @@ class TcpBackend(KVBackend):
         num_heads = a.kv_heads if heads is None else heads.num_heads
         nbytes = sum(n for _, n in header.dst_runs) * len(self._buffers) * ps * num_heads * a.head_dim \
             * self._buffers[0].element_size()
+        if not 0 <= header.nbytes <= 2 * a.num_layers * a.num_pages * item:
+            raise TransferError(f"chunk of {header.nbytes} bytes exceeds this rank's whole KV pool")
         problem = ""
         if bad or nbytes != header.nbytes:
             problem = f"destination runs {bad[:3]} or size {header.nbytes} do not fit this rank's buffers"
@@ -345,7 +404,7 @@ class TcpBackend(KVBackend):
                            lambda view: _recv_views(sock, [view]))
             return ""
         if problem:
-            _recv_views(sock, [memoryview(bytearray(header.nbytes))])
+            _discard(sock, header.nbytes)
             return problem
         if heads is None:
             _recv_views(sock, [view[p * item:(p + n) * item] for view in self._views for p, n in header.dst_runs])
@@ -368,6 +427,15 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return bool(readable)
     except (OSError, ValueError):
         return True
+
+
+def _discard(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop ``nbytes`` through one bounded buffer."""
+    buf = memoryview(bytearray(min(nbytes, DISCARD_BYTES)))
+    while nbytes > 0:
+        step = min(nbytes, len(buf))
+        _recv_views(sock, [buf[:step]])
+        nbytes -= step
 
 
 def _shutdown(sock: socket.socket) -> None:

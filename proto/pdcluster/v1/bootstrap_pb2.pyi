@@ -5,7 +5,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRankRequest(_message.Message):
-    __slots__ = ("dp_rank", "tp_rank", "dp_size", "tp_size", "control_addr", "instance_id", "epoch")
+    __slots__ = ("dp_rank", "tp_rank", "dp_size", "tp_size", "control_addr", "instance_id", "epoch", "issued_at_ms", "proof")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -13,6 +13,8 @@ class RegisterRankRequest(_message.Message):
     CONTROL_ADDR_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     tp_rank: int
     dp_size: int
@@ -20,7 +22,9 @@ class RegisterRankRequest(_message.Message):
     control_addr: str
     instance_id: str
     epoch: int
-    def __init__(self, dp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., control_addr: _Optional[str] = ..., instance_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    issued_at_ms: int
+    proof: bytes
+    def __init__(self, dp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., control_addr: _Optional[str] = ..., instance_id: _Optional[str] = ..., epoch: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRankResponse(_message.Message):
     __slots__ = ("registered", "expected")

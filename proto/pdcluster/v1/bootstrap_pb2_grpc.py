@@ -57,7 +57,7 @@ class BootstrapServicer:
     def RegisterRank(self, request, context):
         """A prefill scheduler rank announces itself. Re-registering the same (dp_rank, tp_rank) replaces the entry
         (a restarted rank), so the ready count never inflates. INVALID_ARGUMENT if the ranks are out of range or the
-        sizes disagree with the ranks already registered.
+        sizes disagree with the ranks already registered. UNAUTHENTICATED unless `proof` shows the cluster secret.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

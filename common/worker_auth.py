@@ -1,0 +1,110 @@
+"""The cluster credential on node RPCs: every ``pdcluster.v1.Worker`` call (Prefill, Decode, Abort, GetRank,
+GetServerInfo, GetLoad, ...) carries ``x-pdcluster-credential`` metadata; health and reflection stay open.
+
+The credential is derived from the cluster secret (HMAC-SHA256 under a fixed label), never the secret itself, so a
+node or proxy that sees it learns nothing that opens the KV control plane or the Bootstrap service."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+
+import grpc
+
+from common import env
+from common.security import same_secret
+
+METADATA_KEY = "x-pdcluster-credential"
+WORKER_SERVICE = "/pdcluster.v1.Worker/"
+REFUSED = "node RPCs need the cluster credential (the router and nodes must share PDCLUSTER_CLUSTER_TOKEN)"
+
+
+def worker_credential(secret: str | None = None) -> str:
+    secret = env.cluster_token() if secret is None else secret
+    return hmac.new(secret.encode(), b"pdcluster worker rpc", hashlib.sha256).hexdigest() if secret else ""
+
+
+def credential_metadata(secret: str | None = None) -> tuple[tuple[str, str], ...]:
+    return ((METADATA_KEY, worker_credential(secret)),)
+
+
+class WorkerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Node side: refuses Worker RPCs without the credential (UNAUTHENTICATED)."""
+
+    def __init__(self, secret: str | None = None) -> None:
+        self._credential = worker_credential(secret)
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        if not handler_call_details.method.startswith(WORKER_SERVICE):
+            return await continuation(handler_call_details)
+        presented = dict(handler_call_details.invocation_metadata or ()).get(METADATA_KEY, "")
+        if same_secret(presented if isinstance(presented, str) else "", self._credential):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+
+        async def refuse_unary(request, context):  # type: ignore[no-untyped-def]
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+
+        async def refuse_stream(request, context):  # type: ignore[no-untyped-def]
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+            yield  # pragma: no cover  (an async generator, as the streaming handler must be)
+
+        if handler is not None and handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(refuse_stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            refuse_unary, handler.request_deserializer if handler else None,
+            handler.response_serializer if handler else None)
+
+
+class _AioCredential:
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(tuple(d.metadata) if d.metadata else ()), *self._metadata)
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
+
+
+# NOTE: grpc.aio files each interceptor under its first matching kind only, so each kind is its own class.
+class _AioUnaryCredential(_AioCredential, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details), request)
+
+
+class _AioStreamCredential(_AioCredential, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details), request)
+
+
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                   "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _SyncCredential(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, d):  # type: ignore[no-untyped-def]
+        return _Details(d.method, d.timeout, [*(d.metadata or ()), *self._metadata], d.credentials,
+                        d.wait_for_ready, getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details), request)
+
+
+def aio_worker_channel(address: str, options: list | tuple = ()) -> grpc.aio.Channel:
+    """The router's channel to a node: every call carries the cluster credential."""
+    return grpc.aio.insecure_channel(address, options=list(options),
+                                     interceptors=[_AioUnaryCredential(credential_metadata()),
+                                                   _AioStreamCredential(credential_metadata())])
+
+
+def worker_channel(address: str) -> grpc.Channel:
+    """A blocking channel to a node carrying the cluster credential (tools, tests)."""
+    return grpc.intercept_channel(grpc.insecure_channel(address), _SyncCredential(credential_metadata()))
