@@ -29,8 +29,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.config import KV_TRANSFER_BACKENDS
 from common import env
+from common.config import KV_TRANSFER_BACKENDS
 from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 from common.tokenizer import resolve_model_path
 

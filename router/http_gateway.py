@@ -18,9 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from common.errors import PdclusterError
 from router import openai_protocol as oai
-from router.errors import http_status_of, retry_after_of
 from router.admin import admin_middleware
-from router.errors import http_status_of
+from router.errors import http_status_of, retry_after_of
 from router.request import Delta, Final
 from router.service import RouterService
 
