@@ -16,12 +16,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
+UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = None  # None: the embedded default model, generated once into the cache dir
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # bind address only
+    advertise_host: str | None = None  # what peers and the router are told; None = --host
     port: int = 30000
     metrics_port: int | None = None
     disaggregation_mode: DisaggregationMode = "null"
@@ -113,6 +115,15 @@ class ServerArgs:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a TCP port, got {getattr(self, name)}")
         if self.schedule_conservativeness <= 0:
             raise ConfigError("--schedule-conservativeness must be > 0")
+        if self.is_disaggregated and self.advertised_host in UNSPECIFIED_HOSTS:
+            raise ConfigError(
+                f"--host {self.host} binds every interface but peers cannot reach {self.advertised_host}: set "
+                "--advertise-host to an address they can (e.g. the pod IP), or bind that address with --host")
+
+    @property
+    def advertised_host(self) -> str:
+        """The address peers and the router are told (bootstrap, KV control and data endpoints)."""
+        return self.advertise_host or self.host
 
     @property
     def is_disaggregated(self) -> bool:
@@ -152,7 +163,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="attention kernels: triton (paged, default on CUDA) or torch (default on CPU)")
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default=d.host)
+    g.add_argument("--host", default=d.host, help="bind address of every listener (0.0.0.0: all interfaces)")
+    g.add_argument("--advertise-host", default=d.advertise_host,
+                   help="address peers and the router are told (bootstrap, KV endpoints); default --host")
     g.add_argument("--port", type=int, default=d.port, help="gRPC pdcluster.v1.Worker port")
     g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics HTTP port (off by default)")
     g.add_argument("--log-level", default=d.log_level)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from common.config import ServerArgs
@@ -13,12 +15,14 @@ from kvtransfer.manager import KVManager
 METADATA_SLOTS_PER_REQUEST_SLOT = 2
 
 
-def kv_transfer_config(args: ServerArgs, runner: ModelRunner) -> KVTransferConfig:
-    fingerprint = {k: str(v) for k, v in runner.model_config.fingerprint().items()}
+def kv_transfer_config(args: ServerArgs, model_fingerprint: Mapping[str, object]) -> KVTransferConfig:
+    """Listeners bind ``--host``; every endpoint peers are told names ``--advertise-host`` (default ``--host``)."""
+    fingerprint = {k: str(v) for k, v in model_fingerprint.items()}
     fingerprint["serving_dtype"] = args.dtype
     return KVTransferConfig(
         backend=args.kv_transfer_backend,
         host=args.host,
+        advertise_host=args.advertised_host,
         bootstrap_timeout_s=args.bootstrap_timeout,
         waiting_timeout_s=args.waiting_timeout,
         transfer_timeout_s=args.transfer_timeout,
@@ -31,9 +35,14 @@ def make_kv_manager(args: ServerArgs, runner: ModelRunner, mode: str, dp_rank: i
     kv_args = KVArgs.from_pool(
         pool, dp_rank=dp_rank, num_metadata_slots=METADATA_SLOTS_PER_REQUEST_SLOT * args.max_running_requests + 8
     )
-    bootstrap = f"{args.host}:{args.disaggregation_bootstrap_port}" if mode == "prefill" else None
-    return KVManager(kv_args, kv_transfer_config(args, runner), mode, bootstrap_addr=bootstrap,  # type: ignore[arg-type]
+    config = kv_transfer_config(args, runner.model_config.fingerprint())
+    return KVManager(kv_args, config, mode, bootstrap_addr=bootstrap_addr(args, mode),  # type: ignore[arg-type]
                      dp_size=args.dp_size)
+
+
+def bootstrap_addr(args: ServerArgs, mode: str) -> str | None:
+    """The bootstrap address a prefill rank registers at and hands to decode peers (the advertised host)."""
+    return f"{args.advertised_host}:{args.disaggregation_bootstrap_port}" if mode == "prefill" else None
 
 
 def num_pages(num_tokens: int, page_size: int) -> int:

@@ -122,7 +122,8 @@ class KVTransferConfig:
 
     backend: str = "tcp"
     cluster_token: str = field(default_factory=env.cluster_token, repr=False)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # bind address of the control and data listeners
+    advertise_host: str = ""  # the address written into endpoints peers connect to; "" = host
     control_port: int = 0  # 0 = ephemeral; fixed ports let a restarted rank come back on the same address
     bootstrap_timeout_s: float = 30.0
     waiting_timeout_s: float = 60.0
@@ -144,6 +145,10 @@ class KVTransferConfig:
                 raise ValueError(f"KVTransferConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.heartbeat_misses < 1:
             raise ValueError(f"KVTransferConfig.heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+
+    @property
+    def advertised_host(self) -> str:
+        return self.advertise_host or self.host
 
     @property
     def peer_dead_after_s(self) -> float:

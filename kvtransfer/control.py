@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class ControlPlane:
     def __init__(self, host: str, port: int, on_message: Callable[[AnyMessage, list[bytes]], None],
-                 on_tick: Callable[[], None], tick_s: float = 0.02) -> None:
+                 on_tick: Callable[[], None], tick_s: float = 0.02, advertise_host: str = "") -> None:
         self._on_message = on_message
         self._on_tick = on_tick
         self._tick_s = tick_s
@@ -38,7 +38,7 @@ class ControlPlane:
             self._router.bind(f"tcp://{host}:{port}")
         else:
             port = self._router.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        self.address = f"tcp://{advertise_host or host}:{port}"  # what peers are told; binding may be 0.0.0.0
         self._dealers: dict[str, zmq.Socket] = {}
         self._lock = threading.Lock()
         self._outbox: deque[tuple[str, list[bytes]] | Callable[[], None]] = deque()

@@ -77,7 +77,8 @@ class KVManager:
         self._next_heartbeat = 0.0
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kv-{mode}-bootstrap")
         self._clients: dict[str, BootstrapClient] = {}
-        self.control = ControlPlane(config.host, config.control_port, self._on_message, self._on_tick)
+        self.control = ControlPlane(config.host, config.control_port, self._on_message, self._on_tick,
+                                    advertise_host=config.advertise_host)
         self.instance_id = f"{mode}/dp{args.dp_rank}/tp{args.tp_rank}@{self.control.address}"
         self.backend = backend_class(config.backend)(args, config, mode, self, PeerKey(self.instance_id, self.epoch))
         self.endpoint = self.backend.endpoint()

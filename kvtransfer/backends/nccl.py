@@ -104,7 +104,7 @@ class NcclBackend(KVBackend):
         """Decode: its store address; both: the pair id that names this start in group prefixes."""
         ep = {"pair_id": self._pair_id, "memory": memory_kind(self._device), "gpu": self._gpu}
         if self._store is not None:
-            ep["store"] = f"{self.config.host}:{self._store.port}"
+            ep["store"] = f"{self.config.advertised_host}:{self._store.port}"
         return ep
 
     def add_peer(self, peer: PeerInfo) -> None:
@@ -191,7 +191,7 @@ class NcclBackend(KVBackend):
             return dist.ProcessGroupNCCL(pstore, rank, 2, opts)
         with self._lock:
             if self._gloo_device is None:  # one listening device per backend, shared by its groups
-                self._gloo_device = dist.ProcessGroupGloo.create_device(hostname=self.config.host)
+                self._gloo_device = dist.ProcessGroupGloo.create_device(hostname=self.config.advertised_host)
             device = self._gloo_device
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [device]

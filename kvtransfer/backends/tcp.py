@@ -183,8 +183,8 @@ class TcpBackend(KVBackend):
     def endpoint(self) -> dict[str, str]:
         if self._listener is None:
             return {}
-        host, port = self._listener.getsockname()[:2]
-        return {"host": host, "port": str(port), "device": self._buffers[0].device.type}
+        port = self._listener.getsockname()[1]
+        return {"host": self.config.advertised_host, "port": str(port), "device": self._buffers[0].device.type}
 
     def add_peer(self, peer: PeerInfo) -> None:
         with self._lock:

@@ -162,7 +162,7 @@ class UcxBackend(KVBackend):
         """Decode: the listener's address; prefill: nothing (it connects out)."""
         if self._listener is None:
             return {}
-        return {"host": self.config.host, "port": str(self._listener.port)}
+        return {"host": self.config.advertised_host, "port": str(self._listener.port)}
 
     def add_peer(self, peer: PeerInfo) -> None:
         with self._lock:
