@@ -130,3 +130,59 @@ def probe_port(probe: dict[str, Any], container: dict[str, Any]) -> int:
             port = probe[kind]["port"]
             return port if isinstance(port, int) else declared_ports(container)[port]
     raise ValueError(f"probe without a port: {probe}")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A connecting pod: its labels and its namespace's labels (``kubernetes.io/metadata.name`` included)."""
+    labels: dict[str, str]
+    namespace_labels: dict[str, str]
+
+
+def _peer_matches(rule_peer: dict[str, Any], peer: Peer, namespace: str) -> bool:
+    if "ipBlock" in rule_peer:
+        return False  # pods are matched by selectors; ipBlocks are meant for outside the cluster
+    ns_sel, pod_sel = rule_peer.get("namespaceSelector"), rule_peer.get("podSelector")
+    if ns_sel is None:
+        in_ns = peer.namespace_labels.get("kubernetes.io/metadata.name") == namespace
+    else:
+        in_ns = selector_matches(ns_sel, peer.namespace_labels)
+    return in_ns and (pod_sel is None or selector_matches(pod_sel, peer.labels))
+
+
+def _port_matches(rule_port: dict[str, Any], port: int, dst_ports: dict[str, int]) -> bool:
+    if rule_port.get("protocol", "TCP") != "TCP":
+        return False
+    if "port" not in rule_port:
+        return True
+    first = rule_port["port"]
+    first = dst_ports.get(first) if isinstance(first, str) else first
+    if first is None:
+        return False  # a named port the destination pod does not declare matches nothing there
+    return first <= port <= rule_port.get("endPort", first)
+
+
+def ingress_allowed(docs: list[dict[str, Any]], peer: Peer, dst: PodTemplate, port: int) -> bool:
+    """Whether the NetworkPolicies of ``docs`` admit a TCP connection from ``peer`` to ``dst``'s ``port``: admitted
+    when no Ingress policy selects the pod, else when a rule of a selecting policy matches both peer and port."""
+    dst_ports = {n: p for c in dst.spec["containers"] for n, p in declared_ports(c).items()}
+    selecting = []
+    for d in docs:
+        if d["kind"] != "NetworkPolicy":
+            continue
+        spec = d["spec"]
+        types = spec.get("policyTypes", ["Ingress"])
+        if "Ingress" in types and selector_matches(spec.get("podSelector", {}), dst.labels):
+            selecting.append(d)
+    if not selecting:
+        return True
+    for d in selecting:
+        namespace = d["metadata"].get("namespace", "default")
+        for rule in d["spec"].get("ingress", []):
+            peers = rule.get("from")
+            ports = rule.get("ports")
+            # An empty or missing list matches every source / every port.
+            if (not peers or any(_peer_matches(p, peer, namespace) for p in peers)) and \
+                    (not ports or any(_port_matches(p, port, dst_ports) for p in ports)):
+                return True
+    return False
