@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from common.cli import build_parser
+from common.config import server_args_from_cli
 from deploy import gen_k8s, k8s_discovery, manifests
 from deploy.manifests import OVERLAYS, pod_templates, render, selector_matches
 from deploy.spec import load_spec
@@ -209,6 +210,8 @@ def test_command_lines_parse_and_agree_with_the_spec(overlay: str) -> None:
                 assert (ns.port, ns.metrics_port) == (ports["grpc"], ports["metrics"]) == (p.grpc, p.metrics)
                 if role == "prefill":
                     assert ns.disaggregation_bootstrap_port == ports["bootstrap"] == p.bootstrap
+                # Peers are told the pod IP (bootstrap, KV endpoints), never a wildcard bind address.
+                assert server_args_from_cli(ns).advertised_host == FIELDS["status.podIP"], t.owner
                 grace = t.spec["terminationGracePeriodSeconds"]
                 assert grace >= ns.drain_timeout + PRESTOP_S + 10, f"{t.owner}: grace {grace}s < drain + preStop"
     assert seen == {"router", "prefill", "decode"}
