@@ -369,6 +369,8 @@ class Scheduler:
     # -- the loop --------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
         """One iteration of the loop; returns whether a batch ran."""
+        if self.is_idle():
+            self.decode_log.restart()
         self.process_input_requests(msgs)
         batch = self.get_next_batch_to_run()
         if batch is not None:

@@ -67,8 +67,9 @@ def format_decode_line(s: DecodeStats) -> str:
 class DecodeLogInterval:
     """Counts decode steps, generated tokens and retractions between two ``Decode batch.`` lines.
 
-    Invariant: every counter covers exactly the span since the last line (or since construction); ``take`` resets
-    them, so the throughput is the interval's tokens over the interval's wall time.
+    Invariant: every counter covers exactly the span since the last line (or since the rank was last idle);
+    ``take`` resets them, so the throughput is the interval's tokens over the interval's wall time, and an idle
+    rank's first line after new work is not diluted by the time it had nothing to do.
     """
 
     def __init__(self, interval: int) -> None:
@@ -82,6 +83,10 @@ class DecodeLogInterval:
         """Count one decode step; whether a line is due after it."""
         self.decode_steps += 1
         return self.decode_steps % self.interval == 0
+
+    def restart(self) -> None:
+        """The rank is idle: the next interval starts now (the step cadence is kept)."""
+        self.since, self.tokens = time.monotonic(), 0
 
     def take(self) -> tuple[float, int]:
         """(gen throughput in token/s, retractions) over the interval; starts the next interval."""

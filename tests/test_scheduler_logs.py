@@ -131,3 +131,81 @@ def test_retractions_are_reported_per_interval(engine_factory, llama, caplog) ->
     assert sum(r["new_seq"] or 0 for r in prefill) == len(prompts) + engine.scheduler.num_retracted
     assert all(r["throughput"] is not None and r["throughput"] > 0 for r in decode)
     assert max(r["running"] or 0 for r in decode) > 1
+
+
+def test_pd_roles_report_their_queues(llama, caplog, monkeypatch) -> None:
+    """A prefill and a decode scheduler in this process, TCP transfer on 127.0.0.1: each line carries its role's
+    queue fields, and the decode node's lines count only the requests whose KV arrived."""
+    import time
+
+    from common.config import ServerArgs
+    from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
+    from common.sampling.params import SamplingParams
+    from common.tokenizer import load_tokenizer
+    from decode_node.scheduler import DecodeScheduler
+    from kvtransfer.bootstrap import BootstrapServer
+    from prefill_node.scheduler import PrefillScheduler
+
+    monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "test-cluster-token")
+    caplog.set_level(logging.INFO, logger="common.scheduler")
+    bootstrap = BootstrapServer("test-cluster-token")  # served by the prefill front in a real node
+    port = bootstrap.start()
+    base = ServerArgs(model_path=str(llama), page_size=1, max_total_tokens=2048, max_running_requests=16,
+                      disaggregation_bootstrap_port=port, decode_log_interval=2, disable_overlap_schedule=True)
+    tokenizer = load_tokenizer(str(llama))
+    prefill_out: list[object] = []
+    decode_out: list[object] = []
+    prefill = PrefillScheduler(base.replace(disaggregation_mode="prefill"), str(llama), tokenizer, prefill_out.extend)
+    decode = DecodeScheduler(base.replace(disaggregation_mode="decode"), str(llama), tokenizer, decode_out.extend)
+    try:
+        n, new = 3, 9
+        prompts = [list(range(10 + 100 * i, 30 + 100 * i)) for i in range(n)]
+        msgs = [GenerateReqInput(rid=f"r{i}", input_ids=p, sampling_params=SamplingParams(**greedy(new)),
+                                 bootstrap_room=1000 + i, bootstrap_addr=f"127.0.0.1:{port}")
+                for i, p in enumerate(prompts)]
+        decode.step(list(msgs))
+        prefill.step(list(msgs))
+        deadline = time.monotonic() + 120
+        while not (prefill.is_idle() and decode.is_idle()):
+            assert time.monotonic() < deadline, "the PD pair did not finish in 120 s"
+            prefill.step([])
+            decode.step([])
+        finished = [m for m in decode_out if isinstance(m, TokenOut) and m.finish_reason is not None]
+        assert len(finished) == n and all(m.error is None for m in finished), finished
+        assert len([m for m in prefill_out if isinstance(m, PrefillDone) and m.error is None]) == n, prefill_out
+        prefill_lines, decode_lines = lines(caplog)
+        assert sum(r["new_seq"] or 0 for r in prefill_lines) == n
+        assert sum(r["new_token"] or 0 for r in prefill_lines) == sum(map(len, prompts))
+        assert all(r["bootstrap"] is not None and r["inflight"] is not None for r in prefill_lines)
+        assert decode_lines, "the decode node ran decode steps"
+        for row in decode_lines:
+            assert row["prealloc"] is not None and row["transfer"] is not None
+            assert row["throughput"] is not None and row["throughput"] > 0
+            assert 1 <= (row["running"] or 0) <= n
+        for sched in (prefill.sched, decode.sched):
+            assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+            sched.tree_cache.evict(sched.allocator.size)
+            assert sched.allocator.available_size() == sched.allocator.size
+    finally:
+        prefill.close()
+        decode.close()
+        bootstrap.stop()
+
+
+def test_decode_interval_throughput_is_tokens_over_busy_wall_time(monkeypatch) -> None:
+    import common.scheduler_metrics as metrics
+
+    clock = iter([100.0, 160.0, 162.0, 164.0])  # construction, restart after a minute idle, take, take
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    interval = metrics.DecodeLogInterval(2)
+    interval.tokens, interval.retracted = 7, 0  # tokens before the idle minute belong to no line
+    interval.restart()
+    due = []
+    for _ in range(4):
+        due.append(interval.on_decode_step())
+        interval.tokens += 3
+    assert due == [False, True, False, True]
+    interval.retracted = 2
+    assert interval.take() == (12 / 2.0, 2)
+    interval.tokens = 5
+    assert interval.take() == (5 / 2.0, 0)
