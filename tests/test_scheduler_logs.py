@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -163,25 +164,47 @@ def test_pd_roles_report_their_queues(llama, caplog, monkeypatch) -> None:
         msgs = [GenerateReqInput(rid=f"r{i}", input_ids=p, sampling_params=SamplingParams(**greedy(new)),
                                  bootstrap_room=1000 + i, bootstrap_addr=f"127.0.0.1:{port}")
                 for i, p in enumerate(prompts)]
-        decode.step(list(msgs))
-        prefill.step(list(msgs))
         deadline = time.monotonic() + 120
-        while not (prefill.is_idle() and decode.is_idle()):
-            assert time.monotonic() < deadline, "the PD pair did not finish in 120 s"
-            prefill.step([])
-            decode.step([])
-        finished = [m for m in decode_out if isinstance(m, TokenOut) and m.finish_reason is not None]
-        assert len(finished) == n and all(m.error is None for m in finished), finished
+
+        def run_until(done: Callable[[], bool]) -> None:
+            while not done():
+                assert time.monotonic() < deadline, "the PD pair did not finish in 120 s"
+                prefill.step([])
+                decode.step([])
+
+        def finished() -> list[TokenOut]:
+            return [m for m in decode_out if isinstance(m, TokenOut) and m.finish_reason is not None]
+
+        # r0 on both nodes; r1 only on the prefill node (it waits there for its decode peer, in the bootstrap
+        # queue); r2 only on the decode node (it waits there for its KV, in the prealloc or transfer queue).
+        decode.step([msgs[0], msgs[2]])
+        prefill.step([msgs[0], msgs[1]])
+        run_until(lambda: len(finished()) == 1)
+        prefill_lines, decode_lines = lines(caplog)
+        assert [(r["new_seq"], r["new_token"], r["bootstrap"], r["inflight"]) for r in prefill_lines] == [
+            (1, len(prompts[0]), 1, 0)
+        ]
+        interval = decode.args.decode_log_interval
+        assert len(decode_lines) == (new - 1) // interval  # the first token came from the prefill node
+        for k, row in enumerate(decode_lines, start=1):
+            r0_running = k * interval < new - 1  # r0 finishes at its last decode step and frees its KV
+            assert row["running"] == int(r0_running)
+            # r0's prompt plus one slot per decode step, and r2's prompt slots once preallocated (transfer queue)
+            r2_held = len(prompts[2]) if row["transfer"] == 1 else 0
+            assert row["token"] == r2_held + (len(prompts[0]) + k * interval if r0_running else 0)
+            assert (row["prealloc"] or 0) + (row["transfer"] or 0) == 1, "r2 waits for its KV"
+            assert row["throughput"] is not None and row["throughput"] > 0
+
+        caplog.clear()
+        decode.step([msgs[1]])
+        prefill.step([msgs[2]])
+        run_until(lambda: prefill.is_idle() and decode.is_idle())
+        assert len(finished()) == n and all(m.error is None for m in finished()), finished()
         assert len([m for m in prefill_out if isinstance(m, PrefillDone) and m.error is None]) == n, prefill_out
         prefill_lines, decode_lines = lines(caplog)
-        assert sum(r["new_seq"] or 0 for r in prefill_lines) == n
-        assert sum(r["new_token"] or 0 for r in prefill_lines) == sum(map(len, prompts))
-        assert all(r["bootstrap"] is not None and r["inflight"] is not None for r in prefill_lines)
-        assert decode_lines, "the decode node ran decode steps"
-        for row in decode_lines:
-            assert row["prealloc"] is not None and row["transfer"] is not None
-            assert row["throughput"] is not None and row["throughput"] > 0
-            assert 1 <= (row["running"] or 0) <= n
+        assert sum(r["new_seq"] or 0 for r in prefill_lines) == n - 1
+        assert sum(r["new_token"] or 0 for r in prefill_lines) == len(prompts[1]) + len(prompts[2])
+        assert decode_lines and all(r["prealloc"] is not None and r["throughput"] for r in decode_lines)
         for sched in (prefill.sched, decode.sched):
             assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
             sched.tree_cache.evict(sched.allocator.size)
