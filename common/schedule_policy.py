@@ -63,14 +63,15 @@ class PrefillAdder:
         evictable = self.tree_cache.evictable_size() if self.tree_cache is not None else 0
         return self.allocator.available_size() + evictable - self.rem_total_token_offset
 
-    def _update_budget(self, req: Req, extend_input_len: int, max_new_tokens: int) -> None:
+    def _update_budget(self, req: Req, extend_input_len: int, max_new_tokens: int, cache_hit: bool = True) -> None:
         extend = ceil_to(extend_input_len, self.page_size)
         self.rem_total_token_offset += extend + ceil_to(max_new_tokens, self.page_size) + self.page_size
         self.rem_input_tokens -= extend
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend
         self.log_input_tokens += extend_input_len
-        self.log_hit_tokens += len(req.prefix_indices)
+        if cache_hit:  # a chunked request's earlier chunks are its own KV, not prefix-cache hits
+            self.log_hit_tokens += len(req.prefix_indices)
 
     def budget_state(self) -> AddReqResult:
         if self.rem_total_tokens <= 0:
@@ -86,7 +87,7 @@ class PrefillAdder:
         req.extend_input_len = min(req.extend_input_len, limit)
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
         self.can_run_list.append(req)
-        self._update_budget(req, req.extend_input_len, 0 if truncated else self._max_new(req))
+        self._update_budget(req, req.extend_input_len, 0 if truncated else self._max_new(req), cache_hit=False)
         return req if truncated else None
 
     @staticmethod

@@ -27,6 +27,15 @@ from common.req import FinishReason, Req
 from common.sampling.stop import check_finished
 from common.schedule_batch import ScheduleBatch
 from common.schedule_policy import AddReqResult, PrefillAdder
+from common.scheduler_metrics import (
+    NO_DISAGG_QUEUES,
+    DecodeLogInterval,
+    DecodeStats,
+    DisaggQueueCounts,
+    PrefillStats,
+    format_decode_line,
+    format_prefill_line,
+)
 from common.scheduler_output import OutputCollector
 
 logger = logging.getLogger(__name__)
@@ -70,8 +79,9 @@ class Scheduler:
         self.forward_ct = 0
         self.num_retracted = 0
         self.request_log_level = logging.INFO if args.log_requests else logging.DEBUG
-        self.num_generated_tokens = 0
-        self.last_decode_log = time.monotonic()
+        self.decode_log = DecodeLogInterval(args.decode_log_interval)
+        # Role hook: a prefill or decode node reports its own queues' lengths for the log lines.
+        self.disagg_queue_counts: Callable[[], DisaggQueueCounts] = lambda: NO_DISAGG_QUEUES
 
     # -- construction helpers --------------------------------------------------------------------------------------
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -277,6 +287,7 @@ class Scheduler:
         if not batch.check_decode_mem():
             retracted, self.new_token_ratio = batch.retract_decode()
             self.num_retracted += len(retracted)
+            self.decode_log.retracted += len(retracted)
             logger.info(
                 "KV cache is full: retracted %d requests, #running-req: %d, new_token_ratio: %.4f",
                 len(retracted), len(batch.reqs), self.new_token_ratio,
@@ -322,7 +333,7 @@ class Scheduler:
         inject("token", req.rid)
         token = result.next_token_ids[i]
         req.output_ids.append(token)
-        self.num_generated_tokens += 1
+        self.decode_log.tokens += 1
         if not req.times.first_token:
             req.times.first_token = time.monotonic()
         if req.return_logprob and result.logprobs is not None:
@@ -358,6 +369,8 @@ class Scheduler:
     # -- the loop --------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
         """One iteration of the loop; returns whether a batch ran."""
+        if self.is_idle():
+            self.decode_log.restart()
         self.process_input_requests(msgs)
         batch = self.get_next_batch_to_run()
         if batch is not None:
@@ -373,9 +386,7 @@ class Scheduler:
 
     # -- observability ---------------------------------------------------------------------------------------------
     def token_usage(self) -> float:
-        total = self.runner.max_total_num_tokens
-        used = total - self.allocator.available_size() - self.tree_cache.evictable_size()
-        return used / total
+        return self.num_used_tokens() / self.runner.max_total_num_tokens
 
     def get_load(self) -> QueueLoad:
         return QueueLoad(
@@ -390,27 +401,39 @@ class Scheduler:
             evictable_tokens=self.tree_cache.evictable_size(),
         )
 
+    def num_used_tokens(self) -> int:
+        """KV slots held by requests (the prefix cache's evictable slots count as free)."""
+        return self.runner.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+
     def log_prefill_stats(self, adder: PrefillAdder, running_bs: int) -> None:
-        logger.info(
-            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-            "#running-req: %d, #queue-req: %d",
-            len(adder.can_run_list), adder.log_input_tokens, adder.log_hit_tokens, self.token_usage(),
-            running_bs, len(self.waiting_queue),
-        )
+        """One line per prefill batch, after admission: the queue no longer holds the batch's requests."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        logger.info(format_prefill_line(PrefillStats(
+            new_seq=len(adder.can_run_list),
+            new_token=adder.log_input_tokens,
+            cached_token=adder.log_hit_tokens,
+            token_usage=self.token_usage(),
+            running_req=running_bs,
+            queue_req=len(self.waiting_queue),
+            queues=self.disagg_queue_counts(),
+        )))
 
     def log_decode_stats(self) -> None:
-        if self.forward_ct % self.args.decode_log_interval:
+        """One line every ``--decode-log-interval`` decode steps, with the interval's gen throughput."""
+        if not self.decode_log.on_decode_step():
             return
-        now = time.monotonic()
-        gap, self.last_decode_log = now - self.last_decode_log, now
-        tokens, self.num_generated_tokens = self.num_generated_tokens, 0
-        num_used = self.runner.max_total_num_tokens - self.allocator.available_size()
-        logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-            "#queue-req: %d",
-            len(self.running_batch.reqs), num_used, self.token_usage(), tokens / max(gap, 1e-6),
-            len(self.waiting_queue),
-        )
+        throughput, retracted = self.decode_log.take()
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        logger.info(format_decode_line(DecodeStats(
+            running_req=sum(not r.finished() for r in self.running_batch.reqs),
+            token=self.num_used_tokens(),
+            token_usage=self.token_usage(),
+            retracted_req=retracted,
+            gen_throughput=throughput,
+            queues=self.disagg_queue_counts(),
+        )))
 
 
 def internal_error_message(exc: Exception) -> str:

@@ -18,6 +18,7 @@ from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, Sched
 from common.req import Req
 from common.sampling.stop import check_finished
 from common.scheduler import Scheduler
+from common.scheduler_metrics import DisaggQueueCounts
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
 
@@ -37,6 +38,10 @@ class DecodeScheduler:
         self.prealloc_queue = DecodePreallocQueue(self.sched, self.kv_manager, args.num_reserved_decode_tokens)
         self.transfer_queue = DecodeTransferQueue()
         self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
+        self.sched.disagg_queue_counts = self.queue_counts
+
+    def queue_counts(self) -> DisaggQueueCounts:
+        return DisaggQueueCounts(prealloc=len(self.prealloc_queue), transfer=len(self.transfer_queue))
 
     @property
     def max_total_num_tokens(self) -> int:

@@ -24,6 +24,7 @@ from common.model_runner import BatchResult
 from common.req import Req
 from common.schedule_batch import ScheduleBatch
 from common.scheduler import Scheduler, internal_error_message
+from common.scheduler_metrics import DisaggQueueCounts
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
 from kvtransfer.poll import KVPoll
 from prefill_node.bootstrap_queue import PrefillBootstrapQueue
@@ -46,6 +47,10 @@ class PrefillScheduler:
         self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
         self.executor = None if args.disable_overlap_schedule else ThreadPoolExecutor(1, "prefill-forward")
         self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
+        self.sched.disagg_queue_counts = self.queue_counts
+
+    def queue_counts(self) -> DisaggQueueCounts:
+        return DisaggQueueCounts(bootstrap=len(self.bootstrap_queue), inflight=len(self.inflight_queue))
 
     @property
     def max_total_num_tokens(self) -> int:
