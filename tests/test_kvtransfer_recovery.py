@@ -14,6 +14,7 @@ from kvtransfer.poll import KVPoll
 from tests.kvtransfer_helpers import (
     DECODE_SEED,
     PREFILL_SEED,
+    TOKEN,
     Child,
     RoleSpec,
     drive_senders,
@@ -53,7 +54,7 @@ def _drop_connections(decode: KVManager) -> None:
 
 
 def test_dropped_tcp_connection_is_reopened_for_the_next_rooms() -> None:
-    server = BootstrapServer()
+    server = BootstrapServer(TOKEN)
     port = server.start()
     addr = f"127.0.0.1:{port}"
     config = kv_config("tcp")

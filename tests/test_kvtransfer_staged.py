@@ -21,6 +21,7 @@ from tests.kvtransfer_helpers import (
     DECODE_SEED,
     PAGE_SIZE,
     PREFILL_SEED,
+    TOKEN,
     Child,
     RoleSpec,
     kv_config,
@@ -158,7 +159,7 @@ def test_staged_refusals_write_nothing_and_name_the_cause() -> None:
 @pytest.mark.slow
 def test_receiver_killed_mid_staged_transfer_fails_sender_within_deadline() -> None:
     plans = plan_rooms(4, 64, 64, pages_per_room=6, seed=1)
-    server = BootstrapServer()
+    server = BootstrapServer(TOKEN)
     port = server.start()
     config = kv_config("tcp", **STAGED)
     mgr = KVManager(make_args(PREFILL_SEED, 64), config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
