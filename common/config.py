@@ -55,6 +55,11 @@ class ServerArgs:
     # Parallelism.
     tp_size: int = 1
     dp_size: int = 1
+    # Multi-host TP groups (SGLang's names): the rendezvous of every TP group of this node ("host:port"; None: a
+    # free local port picked by the front), how many hosts one group spans, and this host's index among them.
+    dist_init_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
     # Deadlines (seconds) of the disaggregation states.
     bootstrap_timeout: float = 30.0
     waiting_timeout: float = 60.0
@@ -108,8 +113,20 @@ class ServerArgs:
         for name in ("max_running_requests", "max_prefill_tokens", "tp_size", "dp_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.tp_size != 1:
-            raise ConfigError("--tp-size > 1 is not supported yet on this build; use --dp-size for replicas")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, --nnodes) with --nnodes >= 1, got --nnodes {self.nnodes} "
+                              f"--node-rank {self.node_rank}")
+        if self.nnodes > 1:
+            if not self.dist_init_addr:
+                raise ConfigError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, the "
+                                  "same on every node)")
+            if self.dp_size != 1 or self.tp_size % self.nnodes:
+                raise ConfigError(f"--nnodes {self.nnodes} spans one TP group over hosts: it needs --dp-size 1 and a "
+                                  f"--tp-size divisible by it, got --dp-size {self.dp_size} --tp-size {self.tp_size}")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
         for name in ("port", "disaggregation_bootstrap_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a TCP port, got {getattr(self, name)}")
@@ -135,6 +152,12 @@ class ServerArgs:
         if self.attention_backend is not None:
             return self.attention_backend
         return "triton" if self.device == "cuda" else "torch"
+
+    @property
+    def tp_ranks_here(self) -> range:
+        """TP ranks of each DP replica that run on this host (all of them unless --nnodes > 1)."""
+        per = self.tp_size // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
 
     @property
     def mem_fraction(self) -> float:
@@ -221,8 +244,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-num-threads", type=int, default=d.torch_num_threads,
                    help="torch threads per scheduler rank (default: cores / dp-size)")
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--tp-size", type=int, default=d.tp_size, help="tensor parallel ranks (1 on this build)")
+    g.add_argument("--tp-size", type=int, default=d.tp_size,
+                   help="tensor parallel ranks per DP replica: the model's heads, MLP and KV heads split over them")
     g.add_argument("--dp-size", type=int, default=d.dp_size, help="data parallel scheduler ranks, each with its own KV pool")
+    g.add_argument("--dist-init-addr", default=d.dist_init_addr,
+                   help="HOST:PORT of the TP rendezvous (node 0's; default a free local port); needed with --nnodes")
+    g.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts one TP group spans (with --dp-size 1)")
+    g.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="this host's index in [0, --nnodes); node 0 serves the gRPC Worker and Bootstrap services")
 
 
 def server_args_from_cli(ns: argparse.Namespace) -> ServerArgs:
