@@ -20,8 +20,10 @@ CUDA_RESERVE_BYTES = 1 << 30
 
 
 def gpu_id(args: ServerArgs, dp_rank: int, tp_rank: int = 0) -> int:
-    """The GPU ordinal of rank (``dp_rank``, ``tp_rank``) of a node started with ``args``."""
-    return args.base_gpu_id + dp_rank * args.tp_size + tp_rank
+    """The GPU ordinal of rank (``dp_rank``, ``tp_rank``) on its host. A TP group spanning ``--nnodes`` hosts
+    numbers each host's share of its ranks from ``--base-gpu-id`` (host R holds TP ranks ``tp_ranks_here``)."""
+    local = args.tp_ranks_here
+    return args.base_gpu_id + dp_rank * len(local) + tp_rank - local.start
 
 
 def rank_device(args: ServerArgs, dp_rank: int, tp_rank: int = 0) -> torch.device:
@@ -32,19 +34,20 @@ def rank_device(args: ServerArgs, dp_rank: int, tp_rank: int = 0) -> torch.devic
         raise ConfigError("--device cuda but torch sees no CUDA device (CPU-only torch build, or no GPU visible); "
                           "use --device cpu")
     visible = torch.cuda.device_count()
-    need = args.base_gpu_id + args.dp_size * args.tp_size
+    need = args.base_gpu_id + args.dp_size * len(args.tp_ranks_here)
     if need > visible:
+        per_host = f" / --nnodes {args.nnodes}" if args.nnodes > 1 else ""
         raise ConfigError(
             f"this node needs GPUs {args.base_gpu_id}..{need - 1} (--base-gpu-id {args.base_gpu_id}, "
-            f"--dp-size {args.dp_size} x --tp-size {args.tp_size}) but only {visible} are visible "
-            "(CUDA_VISIBLE_DEVICES); lower --dp-size or --base-gpu-id"
+            f"--dp-size {args.dp_size} x --tp-size {args.tp_size}{per_host}) but only {visible} are visible "
+            "(CUDA_VISIBLE_DEVICES); lower --dp-size, --tp-size or --base-gpu-id"
         )
     return torch.device("cuda", gpu_id(args, dp_rank, tp_rank))
 
 
-def bind_rank_device(args: ServerArgs, dp_rank: int) -> torch.device:
+def bind_rank_device(args: ServerArgs, dp_rank: int, tp_rank: int = 0) -> torch.device:
     """Resolve the rank's device and make it current (CUDA), so no library call lands on ``cuda:0`` by default."""
-    device = rank_device(args, dp_rank)
+    device = rank_device(args, dp_rank, tp_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device

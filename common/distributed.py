@@ -18,10 +18,15 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from common.errors import ConfigError
+from common.io_struct import SchedulerInput
+
+_inputs_encoder = msgspec.msgpack.Encoder()
+_inputs_decoder = msgspec.msgpack.Decoder(list[SchedulerInput])
 
 
 @dataclass
@@ -76,6 +81,14 @@ class TPGroup:
         if self.tp_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
         self.device_group = self.cpu_group = None
+
+
+def broadcast_inputs(tp: TPGroup, msgs: list[SchedulerInput]) -> list[SchedulerInput]:
+    """TP rank 0's inputs of this step on every rank of the group, so every rank steps on the same messages."""
+    if tp.tp_size == 1:
+        return msgs
+    data = tp.broadcast_bytes(_inputs_encoder.encode(msgs) if tp.is_leader else b"")
+    return msgs if tp.is_leader else _inputs_decoder.decode(data)
 
 
 def init_tp_group(

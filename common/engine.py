@@ -4,8 +4,11 @@ read outputs synchronously (``generate``) or as an async token stream (``generat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import multiprocessing
+import os
 import queue
 import threading
 import uuid
@@ -15,11 +18,23 @@ from typing import Any
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 from common.config import ServerArgs
 from common.detokenizer import IncrementalDetokenizer
-from common.errors import CapacityError, InvalidRequestError, PdclusterError
-from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, Timing, TokenOut
+from common.device import rank_device
+from common.distributed import TPGroup, broadcast_inputs, host_store, init_tp_group
+from common.errors import CapacityError, ConfigError, InvalidRequestError, PdclusterError
+from common.io_struct import (
+    AbortReq,
+    GenerateReqInput,
+    LoadOut,
+    LoadReq,
+    QueueLoad,
+    ShutdownReq,
+    Timing,
+    TokenOut,
+)
 from common.model.config import ModelConfig
 from common.sampling.params import SamplingParams
 from common.scheduler import Scheduler
@@ -27,6 +42,7 @@ from common.tokenizer import load_tokenizer, resolve_model_path
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
+TP_TIMEOUT_S = 120.0  # an Engine's TP group: start-up rendezvous and the longest wait in one collective
 
 
 class RequestFailed(PdclusterError):
@@ -68,6 +84,9 @@ class _RequestState:
 
 
 class Engine:
+    """With ``tp_size`` > 1 this thread is TP rank 0 and ranks 1..tp-1 run in spawned processes that step in
+    lockstep on the inputs it broadcasts (one TP Engine per process: torch.distributed has one default group)."""
+
     def __init__(self, args: ServerArgs | None = None, **overrides: Any) -> None:
         args = (args or ServerArgs()).replace(**overrides) if overrides else (args or ServerArgs())
         self.args = args
@@ -80,29 +99,81 @@ class Engine:
         self._load_waiters: list[queue.Queue[QueueLoad]] = []
         self._stop = threading.Event()
         self._ids = itertools.count()
-        self.scheduler = Scheduler(args, self.model_path, self.tokenizer, self._on_outputs)
+        self._followers: list[multiprocessing.process.BaseProcess] = []
+        self._store: Any = None
+        tp = self._start_tp_group() if args.tp_size > 1 else None
+        try:
+            self.scheduler = Scheduler(self.args, self.model_path, self.tokenizer, self._on_outputs, 0, tp)
+        except BaseException:
+            self._stop_followers(kill=True)
+            raise
         self._thread = threading.Thread(target=self._loop, name="pdcluster-scheduler", daemon=True)
         self._thread.start()
+
+    # -- TP ranks --------------------------------------------------------------------------------------------------
+    def _start_tp_group(self) -> TPGroup:
+        args = self.args
+        if args.nnodes > 1 or args.dp_size > 1:
+            raise ConfigError("Engine runs one DP replica on one host; use `pdcluster serve` for --dp-size or --nnodes")
+        if dist.is_initialized():
+            raise ConfigError("one TP Engine per process: torch.distributed is already initialized here")
+        from common.server.scheduler_process import run_scheduler_process
+
+        self._store = host_store("127.0.0.1:0", TP_TIMEOUT_S)
+        self.args = args = args.replace(dist_init_addr=f"127.0.0.1:{self._store.port}",
+                                        watchdog_timeout=min(args.watchdog_timeout, TP_TIMEOUT_S))
+        spawn = multiprocessing.get_context("spawn")
+        for tp_rank in range(1, args.tp_size):
+            proc = spawn.Process(target=run_scheduler_process, name=f"pdcluster-engine-tp{tp_rank}", daemon=True,
+                                 args=(args, self.model_path, 0, None, "common.scheduler:Scheduler", os.getpid(),
+                                       tp_rank))
+            proc.start()
+            self._followers.append(proc)
+        try:
+            return init_tp_group(dist_init_addr=args.dist_init_addr or "", dp_rank=0, tp_rank=0,
+                                 tp_size=args.tp_size, device=rank_device(args, 0, 0), timeout_s=TP_TIMEOUT_S)
+        except Exception as e:
+            self._stop_followers(kill=True)
+            codes = [p.exitcode for p in self._followers]
+            raise RuntimeError(f"TP group did not form (follower exit codes {codes}; see their log): {e}") from e
+
+    def _stop_followers(self, kill: bool = False) -> None:
+        for proc in self._followers:
+            if kill:
+                proc.kill()
+            proc.join(10)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5)
+        self._store = None
 
     # -- scheduler thread ------------------------------------------------------------------------------------------
     def _loop(self) -> None:
         if self.args.torch_num_threads:
             torch.set_num_threads(self.args.torch_num_threads)
-        while not self._stop.is_set():
-            msgs = []
-            try:
-                if self.scheduler.is_idle():
-                    msgs.append(self._inbox.get(timeout=IDLE_WAIT_S))
-                while True:
-                    msgs.append(self._inbox.get_nowait())
-            except queue.Empty:
-                pass
-            try:
-                self.scheduler.step(msgs)
-            except Exception:
-                logger.exception("scheduler step failed; aborting every request in flight")
-                self._fail_all("internal scheduler error; see the server log")
-                raise
+        tp = self.scheduler.tp
+        try:
+            while not self._stop.is_set():
+                msgs = []
+                try:
+                    if self.scheduler.is_idle():
+                        msgs.append(self._inbox.get(timeout=IDLE_WAIT_S))
+                    while True:
+                        msgs.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                try:
+                    self.scheduler.step(broadcast_inputs(tp, msgs))
+                except Exception:
+                    logger.exception("scheduler step failed; aborting every request in flight")
+                    self._fail_all("internal scheduler error; see the server log")
+                    raise
+            if tp.tp_size > 1:
+                broadcast_inputs(tp, [ShutdownReq()])
+        finally:
+            with contextlib.suppress(Exception):
+                self.scheduler.close()
+            tp.destroy()
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
@@ -266,6 +337,7 @@ class Engine:
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self._stop_followers()
 
     def __enter__(self) -> Engine:
         return self

@@ -92,6 +92,7 @@ class RankReady(msgspec.Struct, tag=True, kw_only=True):
     """A scheduler rank finished loading and serves; or failed to start (``error`` set)."""
 
     dp_rank: int
+    tp_rank: int = 0
     max_total_tokens: int = 0
     error: str | None = None
 
@@ -104,6 +105,7 @@ class RankHeartbeat(msgspec.Struct, tag=True, kw_only=True):
 
     dp_rank: int
     steps: int  # completed loop iterations (steps and idle polls) since start
+    tp_rank: int = 0
 
 
 class PrefillDone(msgspec.Struct, tag=True, kw_only=True):

@@ -16,6 +16,7 @@ import torch
 
 from common.config import ServerArgs
 from common.device import MAX_KV_TOKENS, kv_cache_bytes, rank_device, ship
+from common.distributed import TPGroup
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.mem.allocator import TokenToKVPoolAllocator
 from common.mem.kv_pool import MHATokenToKVPool
@@ -53,10 +54,11 @@ def kv_pool_pages(
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, model_path: str, dp_rank: int = 0) -> None:
+    def __init__(self, args: ServerArgs, model_path: str, dp_rank: int = 0, tp: TPGroup | None = None) -> None:
         self.args = args
+        self.tp = tp or TPGroup(dp_rank=dp_rank)
         self.dtype = DTYPES[args.dtype]
-        self.device = rank_device(args, dp_rank)
+        self.device = rank_device(args, dp_rank, self.tp.tp_rank)
         torch.manual_seed(args.seed)
         self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device)
         cfg = self.model_config

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from common.config import ServerArgs
+from common.distributed import TPGroup
 from common.errors import CapacityError, InvalidRequestError
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
@@ -53,11 +54,13 @@ class Scheduler:
         tokenizer: Any,
         send_outputs: Callable[[list[Any]], None],
         dp_rank: int = 0,
+        tp: TPGroup | None = None,
     ) -> None:
         self.args = args
         self.dp_rank = dp_rank
+        self.tp = tp or TPGroup(dp_rank=dp_rank)
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(args, model_path, dp_rank)
+        self.runner = ModelRunner(args, model_path, dp_rank, tp=self.tp)
         self.model_config = self.runner.model_config
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator

@@ -13,6 +13,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.disagg import make_kv_manager, transfer_error_code
+from common.distributed import TPGroup
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, SchedulerInput
 from common.req import Req
@@ -29,10 +30,11 @@ class DecodeScheduler:
     def __init__(
         self, args: ServerArgs, model_path: str, tokenizer: Any, send_outputs: Callable[[list[Any]], None],
         dp_rank: int = 0,
+        tp: TPGroup | None = None,
     ) -> None:
         # The decode side never matches prefixes: every request's KV arrives whole from its prefill node.
         self.args = args.replace(disable_radix_cache=True)
-        self.sched = Scheduler(self.args, model_path, tokenizer, send_outputs, dp_rank)
+        self.sched = Scheduler(self.args, model_path, tokenizer, send_outputs, dp_rank, tp)
         self.tokenizer = tokenizer
         self.kv_manager = make_kv_manager(self.args, self.sched.runner, "decode", dp_rank)
         self.prealloc_queue = DecodePreallocQueue(self.sched, self.kv_manager, args.num_reserved_decode_tokens)

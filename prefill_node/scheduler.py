@@ -18,6 +18,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.disagg import make_kv_manager, num_pages, req_pages, transfer_error_code
+from common.distributed import TPGroup
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, PrefillDone, SchedulerInput, Timing
 from common.model_runner import BatchResult
@@ -37,9 +38,10 @@ class PrefillScheduler:
     def __init__(
         self, args: ServerArgs, model_path: str, tokenizer: Any, send_outputs: Callable[[list[Any]], None],
         dp_rank: int = 0,
+        tp: TPGroup | None = None,
     ) -> None:
         self.args = args
-        self.sched = Scheduler(args, model_path, tokenizer, send_outputs, dp_rank)
+        self.sched = Scheduler(args, model_path, tokenizer, send_outputs, dp_rank, tp)
         self.page_size = args.page_size
         self.kv_manager = make_kv_manager(args, self.sched.runner, "prefill", dp_rank)
         self.bootstrap_queue = PrefillBootstrapQueue(self.sched, self.kv_manager)

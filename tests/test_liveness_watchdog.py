@@ -71,7 +71,7 @@ def test_hung_rank_fails_liveness_while_the_front_serves(node: tuple[Node, int])
         stopped = time.monotonic()
         body = _wait_status(port, 503, WATCHDOG_S + 3.0)
         assert time.monotonic() - stopped >= WATCHDOG_S - 0.6  # not before the timeout (one heartbeat of slack)
-        assert "scheduler rank 0 has not stepped" in str(body["error"])
+        assert "scheduler rank dp=0 tp=0 has not stepped" in str(body["error"])
         health = health_pb2_grpc.HealthStub(n.channel)
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
@@ -83,20 +83,21 @@ def test_hung_rank_fails_liveness_while_the_front_serves(node: tuple[Node, int])
 
 
 class _FakeRanks:
-    def __init__(self, alive: bool, stalled: dict[int, float]) -> None:
+    def __init__(self, alive: bool, stalled: dict[str, float]) -> None:
         self._alive, self._stalled = alive, stalled
 
     def alive(self) -> bool:
         return self._alive
 
-    def stalled_ranks(self, timeout: float) -> dict[int, float]:
+    def stalled_ranks(self, timeout: float) -> dict[str, float]:
         return self._stalled
 
 
 def test_liveness_check_reports_dead_and_stalled_ranks() -> None:
     assert node_liveness(_FakeRanks(True, {}), 300)() is None
     assert "not running" in str(node_liveness(_FakeRanks(False, {}), 300)())
-    assert "rank 1 has not stepped for 301.0 s" in str(node_liveness(_FakeRanks(True, {1: 301.0}), 300)())
+    assert "rank dp=1 tp=0 has not stepped for 301.0 s" in str(
+        node_liveness(_FakeRanks(True, {"dp=1 tp=0": 301.0}), 300)())
 
 
 def test_watchdog_timeout_must_be_positive() -> None:

@@ -7,6 +7,7 @@ On SIGTERM the node drains: health turns NOT_SERVING, new requests get UNAVAILAB
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import signal
@@ -102,8 +103,8 @@ class NodeServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("pdcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
         logger.info(
-            "node ready: mode=%s grpc=%s:%d dp=%d model=%s", self.args.disaggregation_mode, self.args.host,
-            self.port, self.args.dp_size, self.model_path,
+            "node ready: mode=%s grpc=%s:%d dp=%d tp=%d model=%s", self.args.disaggregation_mode, self.args.host,
+            self.port, self.args.dp_size, self.args.tp_size, self.model_path,
         )
 
     async def drain_and_stop(self) -> None:
@@ -140,7 +141,38 @@ class NodeServer:
         stop.set()
 
 
+async def serve_tp_host(args: ServerArgs) -> int:
+    """``--node-rank`` > 0: run this host's share of the TP ranks; node 0 serves the Worker and Bootstrap services.
+
+    Exits non-zero when a local rank dies (its group's collectives then fail on every host, node 0 included).
+    """
+    require_cluster_token(args.disaggregation_mode)
+    model_path = str(resolve_model_path(args.model_path))
+    ranks = RankClient(args.replace(model_path=model_path), model_path, ROLES[args.disaggregation_mode].scheduler_ref)
+    try:
+        await ranks.start()
+    except BaseException:
+        await ranks.close()
+        raise
+    print(f"pdcluster TP host ready: node rank {args.node_rank}/{args.nnodes}, tp ranks "
+          f"{list(args.tp_ranks_here)} of {args.tp_size}, rendezvous {args.dist_init_addr}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set() and ranks.alive():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+    died = not stop.is_set()
+    await ranks.close()
+    if died:
+        logger.error("a scheduler rank of this host died; it stops (exit code 1)")
+    return 1 if died else 0
+
+
 async def serve(args: ServerArgs) -> int:
+    if args.node_rank > 0:
+        return await serve_tp_host(args)
     node = NodeServer(args)
     try:
         await node.start()
