@@ -10,7 +10,11 @@ fails the request and all ranks must succeed before it succeeds.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 
 class KVPoll(enum.IntEnum):
@@ -40,3 +44,70 @@ def reduce_polls(states: Iterable[KVPoll | int]) -> KVPoll:
     if not states:
         raise ValueError("reduce_polls needs at least one state")
     return min(states)
+
+
+class KVHandleLike(Protocol):
+    def poll(self) -> KVPoll: ...
+    def is_quiesced(self) -> bool: ...
+    def failure(self) -> str: ...
+    def abort(self, reason: str = ...) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPoll:
+    """One request's transfer state as its whole TP group sees it."""
+
+    state: KVPoll  # MIN over the group's ranks
+    quiesced: bool  # every rank's handle is quiesced
+    failed_rank: int | None  # the lowest TP rank whose own handle failed, when ``state`` is Failed
+
+
+_UNSEEN = GroupPoll(KVPoll.Bootstrapping, False, None)
+
+
+class GroupPolls:
+    """The TP group's view of its requests' transfers (the seeds' all-reduce of ``KVPoll``), refreshed once a step.
+
+    ``refresh`` runs ONE collective over every handle the scheduler may act on this step, in the scheduler's
+    (identical) queue order: each rank contributes ``state * tp_size + tp_rank`` and ``quiesced``; the MIN gives the
+    group's state, the lowest failed rank, and whether all ranks are quiesced. A rank whose own handle is still
+    open when the group failed aborts it, so its pages quiesce too. Decisions read the snapshot, so all ranks make
+    them on the same values; a handle opened after the refresh reads as Bootstrapping until the next one.
+    With ``tp_size == 1`` there is no snapshot: every read is the handle's own live state.
+    """
+
+    def __init__(self, all_reduce_min: Callable[[torch.Tensor], torch.Tensor], tp_rank: int, tp_size: int) -> None:
+        self._all_reduce_min = all_reduce_min
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._seen: dict[int, tuple[KVHandleLike, GroupPoll]] = {}
+
+    def refresh(self, handles: Sequence[KVHandleLike]) -> None:
+        if self.tp_size == 1:
+            return
+        unique = list({id(h): h for h in handles}.values())
+        self._seen = {}
+        if not unique:
+            return
+        local = torch.tensor([[int(h.poll()) * self.tp_size + self.tp_rank, int(h.is_quiesced())] for h in unique],
+                             dtype=torch.int64)
+        reduced = self._all_reduce_min(local).tolist()
+        for h, (code, quiesced) in zip(unique, reduced, strict=True):
+            state, rank = KVPoll(code // self.tp_size), code % self.tp_size
+            group = GroupPoll(state, bool(quiesced), rank if state == KVPoll.Failed else None)
+            if state == KVPoll.Failed and h.poll() != KVPoll.Failed:
+                h.abort(f"KV transfer failed on TP rank {rank}")
+            self._seen[id(h)] = (h, group)
+
+    def get(self, handle: KVHandleLike) -> GroupPoll:
+        if self.tp_size == 1:
+            state = handle.poll()
+            return GroupPoll(state, handle.is_quiesced(), 0 if state == KVPoll.Failed else None)
+        entry = self._seen.get(id(handle))
+        return entry[1] if entry is not None and entry[0] is handle else _UNSEEN
+
+    def poll(self, handle: KVHandleLike) -> KVPoll:
+        return self.get(handle).state
+
+    def failure(self, handle: KVHandleLike) -> str:
+        """Why the group failed the request: this rank's own reason, else which rank failed it."""
+        return handle.failure() or f"KV transfer failed on TP rank {self.get(handle).failed_rank} (see its log)"
