@@ -18,13 +18,15 @@ from common.io_struct import GenerateReqInput
 from common.req import Req
 from common.scheduler import Scheduler
 from kvtransfer.manager import KVManager
-from kvtransfer.poll import KVPoll
+from kvtransfer.poll import GroupPolls, KVPoll
 from kvtransfer.receiver import KVReceiver
 
 
 class DecodePreallocQueue:
-    def __init__(self, scheduler: Scheduler, kv_manager: KVManager, num_reserved_decode_tokens: int) -> None:
+    def __init__(self, scheduler: Scheduler, kv_manager: KVManager, num_reserved_decode_tokens: int,
+                 polls: GroupPolls) -> None:
         self.scheduler = scheduler
+        self.polls = polls
         self.kv_manager = kv_manager
         self.reserved = num_reserved_decode_tokens
         self.queue: list[Req] = []
@@ -80,7 +82,7 @@ class DecodePreallocQueue:
         keep: list[Req] = []
         blocked = bool(s.waiting_queue)  # retracted requests come back first
         for req in self.queue:
-            state = req.disagg_kv.poll()
+            state = self.polls.poll(req.disagg_kv)  # every TP rank resolved its prefill sources
             if state == KVPoll.Failed:
                 failed.append(req)
                 continue

@@ -22,6 +22,7 @@ from common.scheduler import Scheduler
 from common.scheduler_metrics import DisaggQueueCounts
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
+from kvtransfer.poll import GroupPolls
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,11 @@ class DecodeScheduler:
         self.sched = Scheduler(self.args, model_path, tokenizer, send_outputs, dp_rank, tp)
         self.tokenizer = tokenizer
         self.kv_manager = make_kv_manager(self.args, self.sched.runner, "decode", dp_rank)
-        self.prealloc_queue = DecodePreallocQueue(self.sched, self.kv_manager, args.num_reserved_decode_tokens)
-        self.transfer_queue = DecodeTransferQueue()
+        tp = self.sched.tp
+        self.polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
+        self.prealloc_queue = DecodePreallocQueue(self.sched, self.kv_manager, args.num_reserved_decode_tokens,
+                                                  self.polls)
+        self.transfer_queue = DecodeTransferQueue(self.polls)
         self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
         self.sched.disagg_queue_counts = self.queue_counts
 
@@ -51,6 +55,7 @@ class DecodeScheduler:
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
+        self.polls.refresh([r.disagg_kv for r in (*self.prealloc_queue.queue, *self.transfer_queue.queue)])
         self.process_input_requests(msgs)
         admitted, failed = self.prealloc_queue.pop_preallocated(len(self.transfer_queue))
         self.transfer_queue.extend(admitted)
@@ -99,7 +104,7 @@ class DecodeScheduler:
     # -- transfers -------------------------------------------------------------------------------------------------
     def fail(self, req: Req) -> None:
         """A request whose transfer failed or was aborted: free its pages (quiesced) and report why."""
-        reason = req.to_abort or req.disagg_kv.failure() or "KV transfer failed"
+        reason = req.to_abort or self.polls.failure(req.disagg_kv) or "KV transfer failed"
         code = "CANCELLED" if req.to_abort else transfer_error_code(reason)
         if req.to_abort is None:
             logger.warning("rid=%s room=%s: %s", req.rid, req.bootstrap_room, reason)

@@ -11,14 +11,15 @@ from common.io_struct import GenerateReqInput
 from common.req import Req
 from common.scheduler import Scheduler
 from kvtransfer.manager import KVManager
-from kvtransfer.poll import KVPoll
+from kvtransfer.poll import GroupPolls, KVPoll
 from kvtransfer.sender import KVSender
 
 
 class PrefillBootstrapQueue:
-    def __init__(self, scheduler: Scheduler, kv_manager: KVManager) -> None:
+    def __init__(self, scheduler: Scheduler, kv_manager: KVManager, polls: GroupPolls) -> None:
         self.scheduler = scheduler
         self.kv_manager = kv_manager
+        self.polls = polls
         self.queue: list[Req] = []
 
     def __len__(self) -> int:
@@ -47,7 +48,7 @@ class PrefillBootstrapQueue:
         ready, failed, keep = [], [], []
         page_size = self.scheduler.page_size
         for req in self.queue:
-            state = req.disagg_kv.poll()
+            state = self.polls.poll(req.disagg_kv)  # every TP rank's sender must have its decode peers
             if state == KVPoll.Failed:
                 failed.append(req)
             elif state >= KVPoll.WaitingForInput:

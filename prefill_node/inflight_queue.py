@@ -1,17 +1,18 @@
 """``PrefillInflightQueue``: prefilled requests whose KV is still moving to the decode node.
 
 Invariant: a request's pages stay locked here until its KVSender is final *and* quiesced (no transfer reads
-them any more); only then are they released into the radix cache.
+them any more) on every TP rank of the group; only then are they released into the radix cache.
 """
 
 from __future__ import annotations
 
 from common.req import Req
-from kvtransfer.poll import KVPoll
+from kvtransfer.poll import GroupPolls, KVPoll
 
 
 class PrefillInflightQueue:
-    def __init__(self) -> None:
+    def __init__(self, polls: GroupPolls) -> None:
+        self.polls = polls
         self.queue: list[Req] = []
 
     def __len__(self) -> int:
@@ -24,9 +25,9 @@ class PrefillInflightQueue:
         """Requests whose transfer is final and quiesced, with their final state."""
         done, keep = [], []
         for req in self.queue:
-            state = req.disagg_kv.poll()
-            if state.is_final and req.disagg_kv.is_quiesced():
-                done.append((req, state))
+            group = self.polls.get(req.disagg_kv)
+            if group.state.is_final and group.quiesced:
+                done.append((req, group.state))
             else:
                 keep.append(req)
         self.queue = keep

@@ -27,7 +27,7 @@ from common.schedule_batch import ScheduleBatch
 from common.scheduler import Scheduler, internal_error_message
 from common.scheduler_metrics import DisaggQueueCounts
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
-from kvtransfer.poll import KVPoll
+from kvtransfer.poll import GroupPolls, KVPoll
 from prefill_node.bootstrap_queue import PrefillBootstrapQueue
 from prefill_node.inflight_queue import PrefillInflightQueue
 
@@ -44,8 +44,10 @@ class PrefillScheduler:
         self.sched = Scheduler(args, model_path, tokenizer, send_outputs, dp_rank, tp)
         self.page_size = args.page_size
         self.kv_manager = make_kv_manager(args, self.sched.runner, "prefill", dp_rank)
-        self.bootstrap_queue = PrefillBootstrapQueue(self.sched, self.kv_manager)
-        self.inflight_queue = PrefillInflightQueue()
+        tp = self.sched.tp
+        self.polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
+        self.bootstrap_queue = PrefillBootstrapQueue(self.sched, self.kv_manager, self.polls)
+        self.inflight_queue = PrefillInflightQueue(self.polls)
         self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
         self.executor = None if args.disable_overlap_schedule else ThreadPoolExecutor(1, "prefill-forward")
         self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
@@ -60,7 +62,15 @@ class PrefillScheduler:
 
     # -- the loops -------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
+        self.polls.refresh(self.kv_handles())
         return self.step_overlap(msgs) if self.executor is not None else self.step_normal(msgs)
+
+    def kv_handles(self) -> list[Any]:
+        """Every transfer handle a step may act on, in queue order (identical on every TP rank)."""
+        reqs = [*self.bootstrap_queue.queue, *self.sched.waiting_queue, *self.inflight_queue.queue]
+        if self.sched.chunked_req is not None:
+            reqs.append(self.sched.chunked_req)
+        return [r.disagg_kv for r in reqs if r.disagg_kv is not None]
 
     def step_normal(self, msgs: list[SchedulerInput]) -> bool:
         self.admit(msgs)
@@ -144,7 +154,7 @@ class PrefillScheduler:
 
     def drop_failed_waiting(self) -> None:
         """Waiting requests whose decode side failed or went away leave before using any compute."""
-        failed = [r for r in self.sched.waiting_queue if r.disagg_kv.poll() == KVPoll.Failed]
+        failed = [r for r in self.sched.waiting_queue if self.polls.poll(r.disagg_kv) == KVPoll.Failed]
         for req in failed:
             self.sched.waiting_queue.remove(req)
             self.finish(req, release=False)
@@ -159,7 +169,7 @@ class PrefillScheduler:
         req = self.sched.chunked_req
         if req is None or req.req_pool_idx is None:
             return
-        if req.to_abort is not None or req.disagg_kv.poll() == KVPoll.Failed:
+        if req.to_abort is not None or self.polls.poll(req.disagg_kv) == KVPoll.Failed:
             return
         full_pages = req.kv_committed_len // self.page_size
         if full_pages > req.kv_pages_sent:
@@ -191,11 +201,11 @@ class PrefillScheduler:
                 continue
             if req.is_chunked > 0:
                 req.is_chunked -= 1
-                if req.to_abort is not None or req.disagg_kv.poll() == KVPoll.Failed:
+                if req.to_abort is not None or self.polls.poll(req.disagg_kv) == KVPoll.Failed:
                     if self.sched.chunked_req is req:
                         self.sched.chunked_req = None
                     req.disagg_kv.abort(req.to_abort or "transfer failed")
-                    req.abort(req.to_abort or req.disagg_kv.failure())
+                    req.abort(req.to_abort or self.polls.failure(req.disagg_kv))
                     self.inflight_queue.add(req)  # released once quiesced
                 continue
             try:
@@ -224,7 +234,7 @@ class PrefillScheduler:
                 state = KVPoll.Failed
             if state == KVPoll.Failed and not req.to_abort and not _internal(req):
                 logger.warning("rid=%s room=%s: KV transfer failed: %s", req.rid, req.bootstrap_room,
-                               req.disagg_kv.failure())
+                               self.polls.failure(req.disagg_kv))
             self.finish(req, release=True, state=state)
 
     def finish(self, req: Req, release: bool, state: KVPoll = KVPoll.Failed) -> None:
@@ -238,7 +248,7 @@ class PrefillScheduler:
             assert req.finished_reason is not None
             error, code = req.finished_reason.message, "INTERNAL"
         elif state != KVPoll.Success:
-            error = req.to_abort or req.disagg_kv.failure() or "prefill failed"
+            error = req.to_abort or self.polls.failure(req.disagg_kv) or "prefill failed"
             code = "CANCELLED" if req.to_abort else transfer_error_code(error)
         sent_bytes = req.kv_pages_sent * self.bytes_per_page
         self.sched.log_request_end(req, "kv sent" if state == KVPoll.Success else f"failed ({error})")
