@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import torch
 
 from common.config import ServerArgs
 from common.distributed import TPGroup
@@ -392,16 +393,28 @@ class Scheduler:
         return self.num_used_tokens() / self.runner.max_total_num_tokens
 
     def get_load(self) -> QueueLoad:
+        """This replica's load. With TP (a collective: every rank answers the same LoadReq) the free counts are the
+        MIN over the group, so a rank that leaked shows; ranks that disagree at all are logged as diverged."""
+        free_kv, free_slots = self.allocator.available_size(), self.req_to_token_pool.available_size()
+        evictable = self.tree_cache.evictable_size()
+        if self.tp.tp_size > 1:
+            mine = [free_kv, free_slots, evictable]
+            both = self.tp.all_reduce_min(torch.tensor(mine + [-v for v in mine], dtype=torch.int64)).tolist()
+            lo, hi = both[:3], [-v for v in both[3:]]
+            if lo != hi:
+                logger.error("TP ranks of DP %d diverged: free KV slots, free request slots, evictable tokens "
+                             "range over %s .. %s", self.dp_rank, lo, hi)
+            free_kv, free_slots, evictable = lo[0], lo[1], hi[2]
         return QueueLoad(
             dp_rank=self.dp_rank,
             running=len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
             waiting=len(self.waiting_queue),
-            free_kv_pages=self.allocator.available_size() // self.page_size,
+            free_kv_pages=free_kv // self.page_size,
             total_kv_pages=self.runner.max_total_num_tokens // self.page_size,
-            free_req_slots=self.req_to_token_pool.available_size(),
+            free_req_slots=free_slots,
             total_req_slots=self.req_to_token_pool.size,
             token_usage=self.token_usage(),
-            evictable_tokens=self.tree_cache.evictable_size(),
+            evictable_tokens=evictable,
         )
 
     def num_used_tokens(self) -> int:

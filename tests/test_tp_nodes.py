@@ -1,0 +1,127 @@
+"""Tensor parallelism across real node processes on 127.0.0.1: colocated and disaggregated nodes with TP ranks
+produce exactly the tokens of a colocated tp 1 node, with P tp != D tp in both directions and DP beside TP, and
+every rank's pools return to their free counts (``GetLoad`` reports the MIN over a group's ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdcluster.v1 import worker_pb2
+from tests.model_fixtures import make_tiny_model
+from tests.node_helpers import Node, rank_pids, start_node
+from tests.test_nodes import FAST_DEADLINES, greedy_request, reference, run_pd, tokens_of
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LENGTHS = [1, 9, 17, 40, 64, 65, 130, 200]
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def colocated(model_path) -> Iterator[Node]:
+    node = start_node("null", model_path)
+    yield node
+    node.stop()
+
+
+def requests(tag: str, seed: int) -> list:
+    rng = random.Random(seed)
+    return [greedy_request(f"{tag}-{i}", [rng.randrange(10, 1000) for _ in range(n)])
+            for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def tp_args(tp: int) -> list[str]:
+    return ["--tp-size", str(tp), "--page-size", "16", "--chunked-prefill-size", "64"]
+
+
+def test_colocated_tp2_node_matches_tp1(model_path, colocated) -> None:
+    node = start_node("null", model_path, extra=tp_args(2))
+    try:
+        assert len(rank_pids(node.proc.pid)) == 2
+        reqs = requests("co-tp2", 7)
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda r: tokens_of(node.stub.Generate(r, timeout=60))[0], reqs))
+        assert got == [reference(colocated, r) for r in reqs]
+        node.wait_pools_free()
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "backend", "p_dp"),
+    [(2, 1, "tcp", 1), (1, 2, "tcp", 1), (2, 2, "tcp", 1), (2, 1, "shm", 1), (1, 2, "shm", 1), (2, 1, "nccl", 1),
+     (1, 2, "nccl", 1), (2, 1, "tcp", 2)],
+)
+def test_pd_with_tp_matches_colocated_tp1(model_path, colocated, p_tp, d_tp, backend, p_dp) -> None:
+    prefill = start_node("prefill", model_path, backend=backend, dp_size=p_dp, extra=tp_args(p_tp), wait=False)
+    decode = start_node("decode", model_path, backend=backend, extra=tp_args(d_tp), wait=False)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        reqs = requests(f"pd-{p_tp}{d_tp}{backend}{p_dp}", p_tp * 10 + d_tp)
+        rooms = random.Random(p_tp + d_tp).sample(range(1, 2**63), len(reqs))
+        p_ranks = [i % p_dp for i in range(len(reqs))]
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda a: run_pd(prefill, decode, *a), zip(reqs, rooms, p_ranks, strict=True)))
+        for req, (got, fin, pre) in zip(reqs, results, strict=True):
+            assert got == reference(colocated, req), f"prompt of {len(req.input_ids)} tokens"
+            assert fin.finish_reason == "length" and pre.prompt_tokens == len(req.input_ids)
+        prefill.wait_pools_free()
+        decode.wait_pools_free()
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_killed_tp_rank_fails_its_node_and_frees_the_peer(model_path) -> None:
+    """One TP rank of a prefill node dies while transfers are open: the node's requests fail UNAVAILABLE naming
+    the rank, the node stops (no rank of the broken group serves alone), and the decode node's requests that
+    waited on it fail and free every page."""
+    prefill = start_node("prefill", model_path, extra=[*tp_args(2), *FAST_DEADLINES], wait=False)
+    decode = start_node("decode", model_path, extra=[*tp_args(1), *FAST_DEADLINES], wait=False)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        reqs = requests("kill", 3)[:4]
+        rooms = random.Random(5).sample(range(1, 2**63), len(reqs))
+        with ThreadPoolExecutor(4) as pool:
+            # Prefill legs without a decode peer wait in the bootstrap queue; decode legs whose prefill leg never
+            # comes hold their pages waiting for KV. Both are open when the rank dies.
+            pre = [pool.submit(prefill.stub.Prefill, worker_pb2.PrefillRequest(request=r, bootstrap_room=room),
+                               timeout=30) for r, room in zip(reqs[:2], rooms[:2], strict=True)]
+            dec = [pool.submit(lambda r, room: tokens_of(decode.stub.Decode(worker_pb2.DecodeRequest(
+                request=r, bootstrap_room=room, bootstrap_addr=prefill.bootstrap_addr), timeout=30)), r, room)
+                for r, room in zip(reqs[2:], rooms[2:], strict=True)]
+            deadline = time.monotonic() + 10
+            while decode.load().ranks[0].transfer + decode.load().ranks[0].prealloc < 2:
+                assert time.monotonic() < deadline, "decode legs did not reach the transfer queue"
+                time.sleep(0.1)
+            follower = max(rank_pids(prefill.proc.pid))  # spawned second: TP rank 1
+            os.kill(follower, signal.SIGKILL)
+            for fut in pre:
+                with pytest.raises(grpc.RpcError) as err:
+                    fut.result(timeout=30)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+                assert "dp=0 tp=1 exited with code -9" in str(err.value.details())
+            for fut in dec:
+                with pytest.raises(grpc.RpcError) as err:
+                    fut.result(timeout=40)
+                assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert prefill.proc.wait(30) != 0, "a prefill node whose TP rank died must stop with an error"
+        decode.wait_pools_free(timeout=40)
+    finally:
+        prefill.stop()
+        decode.stop()

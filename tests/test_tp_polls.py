@@ -1,0 +1,123 @@
+"""The TP group's view of a transfer is the MIN over its ranks (``GroupPolls``, a real gloo all-reduce between two
+spawned processes): one rank held in Transferring keeps the request out of decode's running batch on every rank
+until it succeeds, and one rank failing fails the request on all ranks (the others abort their own handle)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtransfer.poll import GroupPolls, KVPoll
+from tests.node_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeHandle:
+    """A KVReceiver stand-in whose state the test sets per rank."""
+
+    def __init__(self, state: KVPoll, quiesced: bool = False, reason: str = "") -> None:
+        self.state, self.quiesced, self.reason = state, quiesced, reason
+        self.aborted: str | None = None
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def is_quiesced(self) -> bool:
+        return self.quiesced
+
+    def failure(self) -> str:
+        return self.reason
+
+    def abort(self, reason: str = "") -> None:
+        self.aborted = reason
+        self.state, self.reason = KVPoll.Failed, f"room 1: {reason}"
+
+
+class FakeReq:
+    def __init__(self, rid: str, handle: FakeHandle) -> None:
+        self.rid, self.disagg_kv, self.to_abort = rid, handle, None
+
+
+def _rank(tp_rank: int, addr: str, out: multiprocessing.Queue) -> None:
+    sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+    from common.distributed import init_tp_group
+    from decode_node.transfer_queue import DecodeTransferQueue
+
+    tp = init_tp_group(dist_init_addr=addr, dp_rank=0, tp_rank=tp_rank, tp_size=2, device=torch.device("cpu"),
+                       timeout_s=60)
+    polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
+    transfers = DecodeTransferQueue(polls)
+    held = FakeReq("held", FakeHandle(KVPoll.Transferring if tp_rank == 1 else KVPoll.Success, quiesced=True))
+    failing = FakeReq("failing", FakeHandle(KVPoll.Failed if tp_rank == 1 else KVPoll.Transferring,
+                                            quiesced=tp_rank == 1, reason="room 1: decode peer lost" * (tp_rank == 1)))
+    transfers.extend([held, failing])
+    steps = []
+    for step in range(3):
+        if step == 1 and tp_rank == 1:
+            held.disagg_kv.state = KVPoll.Success  # the held rank's KV arrives
+        if step == 2 and tp_rank == 0:
+            failing.disagg_kv.quiesced = True  # the aborted handle drained
+        polls.refresh([r.disagg_kv for r in transfers.queue])
+        views = {r.rid: polls.get(r.disagg_kv) for r in transfers.queue}
+        done, failed = transfers.pop_transferred()
+        steps.append({
+            "views": {rid: (int(v.state), v.quiesced, v.failed_rank) for rid, v in views.items()},
+            "done": [r.rid for r in done], "failed": [r.rid for r in failed],
+            "failure": polls.failure(failing.disagg_kv),
+        })
+    out.put((tp_rank, steps, failing.disagg_kv.aborted))
+    tp.destroy()
+
+
+def test_group_state_is_the_min_over_tp_ranks() -> None:
+    from common.distributed import host_store
+
+    addr = f"127.0.0.1:{free_port()}"
+    store = host_store(addr, 60)
+    ctx = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, addr, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict((r, (steps, aborted)) for r, steps, aborted in (out.get(timeout=90) for _ in procs))
+    except queue.Empty:
+        pytest.fail(f"ranks did not report; exit codes {[p.exitcode for p in procs]}")
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.exitcode is None:
+                p.kill()
+        del store
+    (steps0, aborted0), (steps1, aborted1) = results[0], results[1]
+    for steps in (steps0, steps1):
+        # Step 0: rank 1 still Transferring holds "held" out of the running batch on BOTH ranks; rank 1's Failed
+        # fails "failing" everywhere, but rank 0's handle is not yet quiesced, so its pages stay put.
+        assert steps[0]["views"]["held"] == (int(KVPoll.Transferring), True, None)
+        assert steps[0]["views"]["failing"] == (int(KVPoll.Failed), False, 1)
+        assert steps[0]["done"] == [] and steps[0]["failed"] == []
+        # Step 1: rank 1's KV arrived: "held" joins the running batch on both ranks in the same step.
+        assert steps[1]["done"] == ["held"] and steps[1]["failed"] == []
+        # Step 2: every rank quiesced: "failing" leaves the transfer queue on both ranks.
+        assert steps[2]["failed"] == ["failing"]
+    assert aborted0 == "KV transfer failed on TP rank 1" and aborted1 is None
+    assert steps1[0]["failure"] == "room 1: decode peer lost"
+    assert steps0[0]["failure"] == "room 1: KV transfer failed on TP rank 1"
+
+
+def test_tp1_reads_the_live_state_without_a_collective() -> None:
+    def no_collective(t: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("tp 1 must not run a collective")
+
+    polls = GroupPolls(no_collective, 0, 1)
+    handle = FakeHandle(KVPoll.WaitingForInput)
+    polls.refresh([handle])
+    assert polls.poll(handle) == KVPoll.WaitingForInput
+    handle.state = KVPoll.Success
+    assert polls.poll(handle) == KVPoll.Success
