@@ -8,6 +8,7 @@ on a shared machine hits both alike, and reports medians.
 
     .venv/bin/python -m benchmarks.engine_throughput                  # defaults: 64 x 128 -> 128, 3 repeats
     .venv/bin/python -m benchmarks.engine_throughput --repeats 5 --page-size 1 --json out.json
+    .venv/bin/python -m benchmarks.engine_throughput --tp-size 2     # + a tp 1 engine; each TP rank 1 thread
     python3 -m benchmarks.engine_throughput --device cuda --dtype bfloat16 --model-path <make-model --size 1b>
 
 Per repeat and side:
@@ -15,6 +16,8 @@ Per repeat and side:
   prefill tok/s  num_prompts * input_len / wall time of the same prompts with max_new_tokens = 1
 Each repeat uses fresh prompts (seeded by the repeat index, identical for both sides), so the prefix cache never
 turns a later repeat's prefill into a cache hit.
+  comm share    (--tp-size > 1) seconds TP rank 0 spent in the model's all-reduce/all-gather (waiting for the
+                slower rank included) / wall time of the full generate call
   decode step   (full run - prefill run) / (output_len - 1), printed beside the weight-read floor: bytes of the
                 weights in --dtype / the device's peak memory bandwidth (--peak-bandwidth-gbs, or looked up by
                 GPU name). A decode step reads every weight once, so it cannot be faster than that.
@@ -87,6 +90,9 @@ class _Ours:
         outs = self.engine.generate(input_ids=prompts, sampling_params=params)
         return [list(o.output_ids) for o in outs]
 
+    def comm_seconds(self) -> float:
+        return self.engine.scheduler.tp.comm_seconds
+
     def close(self) -> None:
         self.engine.shutdown()
 
@@ -116,13 +122,16 @@ class _HF:
     def close(self) -> None:
         pass
 
+    def comm_seconds(self) -> float:
+        return 0.0
+
 
 def _worker(side: str, model_path: str, threads: int, engine_args: dict[str, Any], conn: Any) -> None:
     """Serve ("run", prompts, max_new) -> (seconds, outputs) and ("rss",) -> MiB until ("stop",)."""
     import torch
 
     torch.set_num_threads(threads)
-    if side == "ours":
+    if side.startswith("ours"):
         runner: _Ours | _HF = _Ours(model_path, engine_args)
     else:
         runner = _HF(model_path, engine_args["device"], engine_args["dtype"])
@@ -137,9 +146,9 @@ def _worker(side: str, model_path: str, threads: int, engine_args: dict[str, Any
             conn.send(_peak_rss_mib())
             continue
         _, prompts, max_new = msg
-        t0 = time.perf_counter()
+        t0, comm0 = time.perf_counter(), runner.comm_seconds()
         outs = runner.run(prompts, max_new)
-        conn.send((time.perf_counter() - t0, outs))
+        conn.send((time.perf_counter() - t0, outs, runner.comm_seconds() - comm0))
 
 
 class _Side:
@@ -152,6 +161,11 @@ class _Side:
             raise RuntimeError(f"{side} worker failed to start")
 
     def run(self, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
+        secs, outs, self.last_comm_s = self.run_timed(prompts, max_new)
+        return secs, outs
+
+    def run_timed(self, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]], float]:
+        """(wall seconds, outputs, seconds in TP collectives)."""
         self.conn.send(("run", prompts, max_new))
         return self.conn.recv()
 
@@ -199,6 +213,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip-prefill", action="store_true", help="skip the max_new_tokens=1 prefill runs")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="both sides run here")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="> 1: our engine with this many TP ranks (--threads split over them), beside a tp 1 engine")
     p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
                    help="device peak memory bandwidth for the weight-read floor (default: looked up for H100/H200)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine_throughput.json"))
@@ -236,8 +252,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"engine args: {engine_args}")
     print(f"machine: {machine}")
 
-    sides = {"ours": _Side("ours", model_path, a.threads, engine_args),
-             "hf": _Side("hf", model_path, a.threads, engine_args)}
+    sides = {"ours": _Side("ours", model_path, a.threads, engine_args)}
+    if a.tp_size > 1:
+        per_rank = max(1, a.threads // a.tp_size)
+        sides = {"ours_tp": _Side("ours_tp", model_path, per_rank,
+                                  engine_args | {"tp_size": a.tp_size, "torch_num_threads": per_rank}), **sides}
+    sides["hf"] = _Side("hf", model_path, a.threads, engine_args)
+    comm_s: list[float] = []
+    tp_agree: list[float] = []
     try:
         warm = _prompts(10**6, min(n, 8), lin, vocab, low=3)
         for s in sides.values():
@@ -251,10 +273,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
             for k in order:
                 secs, outs[k] = sides[k].run(prompts, lout)
+                if k == "ours_tp":
+                    comm_s.append(sides[k].last_comm_s / secs)
                 if any(len(o) != lout for o in outs[k]):
                     raise RuntimeError(f"{k} returned fewer than {lout} tokens for some prompt")
                 decode_s[k].append(secs)
             agree.append(sum(x == y for x, y in zip(outs["ours"], outs["hf"], strict=True)) / n)
+            if "ours_tp" in outs:
+                tp_agree.append(sum(x == y for x, y in zip(outs["ours_tp"], outs["ours"], strict=True)) / n)
             if not a.skip_prefill:
                 pre = _prompts(1000 + rep, n, lin, vocab, low=3)
                 for k in order:
@@ -292,17 +318,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hf": summary("hf"),
         "identical_output_fraction": agree,
     }
+    if "ours_tp" in sides:
+        result["ours_tp"] = summary("ours_tp") | {"tp_size": a.tp_size, "comm_share": comm_s,
+                                                  "comm_share_median": statistics.median(comm_s),
+                                                  "identical_to_tp1_fraction": tp_agree}
+        result["tp_ratio_vs_tp1"] = result["ours_tp"]["output_tok_per_s"] / result["ours"]["output_tok_per_s"]
     result["ratio"] = result["ours"]["output_tok_per_s"] / result["hf"]["output_tok_per_s"]
     peak = a.peak_bandwidth_gbs or _peak_bandwidth_gbs(a.device)
     result["weight_bytes"] = weight_bytes
     result["peak_bandwidth_gbs"] = peak
     result["weight_read_floor_ms"] = weight_bytes / (peak * 1e9) * 1e3 if peak else None
     rows = [("ours", result["ours"]), ("hf generate", result["hf"])]
+    if "ours_tp" in result:
+        rows.insert(0, (f"ours tp {a.tp_size}", result["ours_tp"]))
     print(f"\n{'':<12} {'out tok/s':>10} {'prefill tok/s':>14} {'peak RSS MiB':>13}")
     for name, r in rows:
         pre = f"{r['prefill_tok_per_s']:14.0f}" if "prefill_tok_per_s" in r else f"{'-':>14}"
         print(f"{name:<12} {r['output_tok_per_s']:10.0f} {pre} {r['peak_rss_mib']:13.0f}")
     print(f"ratio ours / hf (output tok/s): {result['ratio']:.2f}x  (target >= 1.5x)")
+    if "ours_tp" in result:
+        print(f"ratio ours tp {a.tp_size} / ours tp 1 (output tok/s): {result['tp_ratio_vs_tp1']:.2f}x; "
+              f"TP collectives take {result['ours_tp']['comm_share_median']:.0%} of the tp {a.tp_size} run (median)")
     floor = result["weight_read_floor_ms"]
     floor_s = (f"{floor:.3f} ms ({weight_bytes / 2**30:.2f} GiB of weights at {peak:.0f} GB/s)" if floor
                else "unknown (pass --peak-bandwidth-gbs)")

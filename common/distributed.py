@@ -16,6 +16,7 @@ no process group at all and every method is a local no-op, so single-rank code p
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -36,6 +37,7 @@ class TPGroup:
     dp_rank: int = 0
     device_group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    comm_seconds: float = 0.0  # wall time in the model's collectives (incl. waiting for the slowest rank)
 
     @property
     def is_leader(self) -> bool:
@@ -46,15 +48,19 @@ class TPGroup:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group in place (the row-parallel reduction); returns ``t``."""
         if self.tp_size > 1:
+            t0 = time.perf_counter()
             dist.all_reduce(t, group=self.device_group)
+            self.comm_seconds += time.perf_counter() - t0
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` in rank order (the vocab-parallel logits)."""
         if self.tp_size == 1:
             return t
+        t0 = time.perf_counter()
         parts = [torch.empty_like(t) for _ in range(self.tp_size)]
         dist.all_gather(parts, t.contiguous(), group=self.device_group)
+        self.comm_seconds += time.perf_counter() - t0
         return torch.cat(parts, dim=dim)
 
     # -- scheduler collectives (cpu_group) -------------------------------------------------------------------------
