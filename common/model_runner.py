@@ -5,6 +5,10 @@ is on the host. ``_forward_batch`` packs the step's int inputs (input_ids, posit
 lengths, the ``req_to_token`` entries written since the last step) into ONE host-to-device copy and scatters the
 table entries into the device mirror; the sampler's per-step tensors take one more copy when a row samples. The
 results come back through one device-to-host read (``SampleOutput.to_host``). On CPU no copy happens at all.
+
+Tensor parallelism: under a ``TPGroup`` of size > 1 the model is this rank's shard, the KV pool holds this rank's
+KV heads only, and the pool's page count is the MIN over the group (page indices mean the same slots on every
+rank). Every rank gets the same logits and samples them the same way.
 """
 
 from __future__ import annotations
@@ -40,31 +44,43 @@ class BatchResult:
 
 
 def kv_pool_pages(
-    args: ServerArgs, model_config: ModelConfig, dtype: torch.dtype, device: torch.device = torch.device("cpu")
+    args: ServerArgs,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device = torch.device("cpu"),
+    num_kv_heads: int | None = None,
 ) -> int:
-    """Number of KV pages from ``--max-total-tokens`` or ``--mem-fraction-static`` (see ``kv_cache_bytes``)."""
+    """Number of KV pages from ``--max-total-tokens`` or ``--mem-fraction-static`` (see ``kv_cache_bytes``), for a
+    pool of ``num_kv_heads`` heads (default: all of the model's; a TP rank passes its own)."""
     if args.max_total_tokens is not None:
         tokens = args.max_total_tokens
     else:
-        per_token = MHATokenToKVPool.bytes_per_token(
-            model_config.num_kv_heads, model_config.head_dim, model_config.num_layers, dtype
-        )
-        tokens = min(kv_cache_bytes(args, device) // per_token, MAX_KV_TOKENS)
+        heads = model_config.num_kv_heads if num_kv_heads is None else num_kv_heads
+        per_token = MHATokenToKVPool.bytes_per_token(heads, model_config.head_dim, model_config.num_layers, dtype)
+        # NOTE: on CPU the TP ranks of one host share its RAM: together they take the fraction a tp 1 rank takes
+        # (on CUDA each rank owns its GPU).
+        sharing = len(args.tp_ranks_here) if device.type == "cpu" else 1
+        tokens = min(kv_cache_bytes(args, device) // sharing // per_token, MAX_KV_TOKENS)
     return max(1, tokens // args.page_size)
 
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_path: str, dp_rank: int = 0, tp: TPGroup | None = None) -> None:
+        """``tp``: the rank's TP group (None: a group of one). Every rank of a group must construct its runner:
+        the pool size is agreed over the group's CPU process group."""
         self.args = args
         self.tp = tp or TPGroup(dp_rank=dp_rank)
         self.dtype = DTYPES[args.dtype]
         self.device = rank_device(args, dp_rank, self.tp.tp_rank)
         torch.manual_seed(args.seed)
-        self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device)
+        self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device, tp=self.tp)
         cfg = self.model_config
-        num_pages = kv_pool_pages(args, cfg, self.dtype, self.device)
+        kv_heads = self.model.num_local_kv_heads
+        num_pages = kv_pool_pages(args, cfg, self.dtype, self.device, kv_heads)
+        if self.tp.tp_size > 1:
+            num_pages = int(self.tp.all_reduce_min(torch.tensor([num_pages], dtype=torch.int64)).item())
         self.kv_pool = MHATokenToKVPool(
-            num_pages, args.page_size, self.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, self.device
+            num_pages, args.page_size, self.dtype, kv_heads, cfg.head_dim, cfg.num_layers, self.device
         )
         self.allocator = TokenToKVPoolAllocator(num_pages, args.page_size)  # host: scheduler bookkeeping
         self.max_context_len = cfg.context_len
@@ -75,7 +91,7 @@ class ModelRunner:
             "KV cache on %s: %d pages x %d tokens (%.1f MiB), max running requests %d",
             self.device, num_pages, args.page_size,
             num_pages * args.page_size * MHATokenToKVPool.bytes_per_token(
-                cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, self.dtype) / 2**20,
+                kv_heads, cfg.head_dim, cfg.num_layers, self.dtype) / 2**20,
             args.max_running_requests,
         )
 

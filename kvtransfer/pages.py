@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.model.parallel import owned_kv_heads
+
 
 @dataclass(frozen=True, slots=True)
 class PageRun:
@@ -51,12 +53,9 @@ def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[Pa
 
 
 def owned_heads(tp_rank: int, tp_size: int, total_heads: int) -> range:
-    """Global KV heads held by one TP rank (replicated when total_heads < tp_size)."""
-    if total_heads >= tp_size:
-        per = total_heads // tp_size
-        return range(tp_rank * per, (tp_rank + 1) * per)
-    head = tp_rank // (tp_size // total_heads)
-    return range(head, head + 1)
+    """Global KV heads held by one TP rank (replicated when total_heads < tp_size): the model's own rule, so the
+    heads a rank sends or receives are exactly the heads its KV pool holds."""
+    return owned_kv_heads(tp_rank, tp_size, total_heads)
 
 
 def source_plan(dst_rank: int, dst_tp: int, src_tp: int, total_heads: int) -> list[tuple[int, HeadSlice]]:

@@ -17,7 +17,6 @@ from common.forward_batch import ForwardBatch, ForwardMode
 from common.mem.kv_pool import MHATokenToKVPool
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.model_gen import make_model
 
 
 @functools.cache
@@ -30,6 +29,8 @@ def _session_dir() -> Path:
 @functools.cache
 def make_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
     """A tiny generated model folder for ``arch`` (llama, qwen2, qwen3, mistral), built once per process."""
+    from common.model_gen import make_model  # imports transformers: not on the path of spawned TP ranks
+
     return make_model(arch, "tiny", _session_dir() / f"{arch}-tiny-s{seed}", seed=seed)
 
 
@@ -81,7 +82,7 @@ class PagedHarness:
         self.model = model
         self.page_size = page_size
         self.pool = MHATokenToKVPool(
-            num_pages, page_size, kv_dtype, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+            num_pages, page_size, kv_dtype, model.num_local_kv_heads, cfg.head_dim, cfg.num_layers
         )
         self.req_to_token = torch.zeros(max_reqs, cfg.context_len, dtype=torch.int64)
         self.free_pages = list(range(1, num_pages + 1))

@@ -93,7 +93,7 @@ class MetaSafeAttention:
 
 @pytest.fixture
 def meta_scheduler(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(model_runner, "rank_device", lambda args, dp_rank: META)
+    monkeypatch.setattr(model_runner, "rank_device", lambda args, dp_rank, tp_rank=0: META)
     path = str(make_tiny_model("llama"))
     outs: list[TokenOut] = []
     args = ServerArgs(page_size=4, max_total_tokens=512, chunked_prefill_size=16, enable_mixed_chunk=True,

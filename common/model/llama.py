@@ -3,6 +3,11 @@
 Feature flags come from ``ModelConfig``: qkv_bias / o_bias (Qwen2), qk_norm (Qwen3), tie_word_embeddings,
 sliding_window (Mistral, in the attention backend), RoPE scaling (in ``RotaryEmbedding``).
 Parameter names are HF's except the fused ``qkv_proj`` (rows: q | k | v) and ``gate_up_proj`` (rows: gate | up).
+
+Tensor parallelism (``common.model.parallel``): each rank holds its query heads, KV heads and MLP rows (qkv_proj:
+its q heads | its kv heads | its kv heads), o_proj and down_proj reduce over the group, the embedding is replicated
+and the LM head is vocab-parallel (logits gathered, then sliced back to the vocab). Every rank ends a forward with
+the same hidden states and the same logits.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.distributed import TPGroup
 from common.forward_batch import ForwardBatch
 from common.model.attention import TorchAttentionBackend
 from common.model.config import ModelConfig
-from common.model.layers import Embedding, GatedMLP, Linear, RMSNorm
+from common.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RowParallelLinear
+from common.model.parallel import ShardLayout
 from common.model.rope import RotaryEmbedding, apply_rotary_signed
 
 if TYPE_CHECKING:
@@ -24,14 +31,19 @@ if TYPE_CHECKING:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device) -> None:
+    """This rank's heads only (``shard``); o_proj reduces over the group."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, shard: ShardLayout,
+        tp: TPGroup,
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias, dtype, device)
-        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, dtype, device, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
@@ -52,10 +64,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, shard: ShardLayout,
+        tp: TPGroup,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, dtype, device)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.self_attn = LlamaAttention(cfg, layer_id, dtype, device, shard, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, shard.intermediate, dtype, device, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -67,10 +82,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard: ShardLayout, tp: TPGroup
+    ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)  # replicated
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, dtype, device, shard, tp) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim).to(device)
 
@@ -84,15 +103,26 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tp: TPGroup | None = None,
     ) -> None:
+        """``tp``: this rank's group (None: the whole model on one rank). Raises ``ConfigError`` when the group's
+        size cannot split the model."""
         super().__init__()
         device = torch.device(device)
         self.config = cfg
         self.device = device
-        self.model = LlamaModel(cfg, dtype, device)
+        self.tp = tp or TPGroup()
+        self.shard = ShardLayout.for_config(cfg, self.tp.tp_rank, self.tp.tp_size)
+        self.model = LlamaModel(cfg, dtype, device, self.shard, self.tp)
+        # One rank with tied embeddings reads the LM head from the embedding itself; a TP shard of it is a copy
+        # (the loader fills it from the embedding's rows).
+        tied_whole = cfg.tie_word_embeddings and self.tp.tp_size == 1
         self.lm_head = (
-            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+            None if tied_whole else Linear(cfg.hidden_size, self.shard.vocab_per_rank, False, dtype, device)
         )
 
     def make_attn_backend(self, backend: str = "torch") -> TorchAttentionBackend | TritonAttentionBackend:
@@ -102,11 +132,16 @@ class LlamaForCausalLM(nn.Module):
             from common.model.triton_backend import TritonAttentionBackend
 
             return TritonAttentionBackend(
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window, self.device
+                self.shard.num_heads, self.shard.num_kv_heads, cfg.head_dim, cfg.sliding_window, self.device
             )
         if backend != "torch":
             raise ValueError(f"unknown attention backend {backend!r} (torch or triton)")
-        return TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        return TorchAttentionBackend(self.shard.num_heads, self.shard.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank's pool holds."""
+        return self.shard.num_kv_heads
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]. Writes every layer's K/V of the new tokens to
@@ -116,6 +151,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [n, vocab] for hidden states [n, hidden] (select the rows you need first)."""
+        """fp32 logits [n, vocab] for hidden states [n, hidden] (select the rows you need first); with TP the
+        full vocab, the same on every rank."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        if self.tp.tp_size == 1:
+            return logits
+        logits = self.tp.all_gather(logits, dim=-1)
+        vocab = self.config.vocab_size
+        return logits if logits.shape[-1] == vocab else logits[:, :vocab].contiguous()
