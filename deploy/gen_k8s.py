@@ -30,7 +30,8 @@ def flag_env(spec: ClusterSpec) -> dict[str, str]:
         env["MODEL_PATH"] = spec.model_path
     env |= {env_key("shared", k): str(v) for k, v in spec.shared.items()}
     for role in ROLES:
-        env |= {env_key(role, k): str(v) for k, v in spec.role(role).flags.items()}
+        flags = spec.role(role).flags if role == "router" else spec.role_flags(role)
+        env |= {env_key(role, k): str(v) for k, v in flags.items()}
     return env
 
 

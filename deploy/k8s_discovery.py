@@ -1,7 +1,7 @@
 """Router discovery sidecar on Kubernetes: list the pods matching ``--selector`` through the API server every
 ``--interval`` seconds and reconcile the ready ones into the local router (``deploy.registrar``).
 
-A pod is a worker when it is Ready and not terminating (no ``deletionTimestamp``): a pod being deleted is
+A pod is a worker when it is Ready, not terminating and not a non-leader pod of a LeaderWorkerSet group (no ``deletionTimestamp``): a pod being deleted is
 deregistered at once, before its preStop hook ends and SIGTERM starts its drain. Its role is the
 ``pdcluster.io/role`` label; its address the pod IP with the container ports named ``grpc`` and ``bootstrap``.
 Needs a ServiceAccount allowed to ``list`` pods (deploy/k8s/base/rbac.yaml).
@@ -25,6 +25,7 @@ from deploy.registrar import RouterRegistrar, WorkerInfo
 logger = logging.getLogger(__name__)
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 ROLE_LABEL = "pdcluster.io/role"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # "0" on a group's leader
 
 
 def pod_workers(pods: list[dict[str, Any]]) -> list[WorkerInfo]:
@@ -32,7 +33,10 @@ def pod_workers(pods: list[dict[str, Any]]) -> list[WorkerInfo]:
     out = []
     for pod in pods:
         meta, status = pod.get("metadata", {}), pod.get("status", {})
-        role = meta.get("labels", {}).get(ROLE_LABEL)
+        labels = meta.get("labels", {})
+        role = labels.get(ROLE_LABEL)
+        if labels.get(LWS_WORKER_INDEX_LABEL, "0") != "0":
+            continue  # a TP group's non-leader pod: its ranks are reached through the leader
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []))
         if role not in ("prefill", "decode") or not ready or meta.get("deletionTimestamp") or not status.get("podIP"):
             continue

@@ -7,6 +7,13 @@
                                                                 /dev/shm size (volume 0 of a node pod)
     Services                                                    ports
     HorizontalPodAutoscaler                                     minReplicas (the router's replicas)
+    LeaderWorkerSet                                             size (the role's nnodes)
+
+A role with nnodes > 1 exists only as a LeaderWorkerSet (components/multinode-lws): one group of nnodes pods per
+replica, pod ``$(LWS_WORKER_INDEX)`` running node rank ``$(LWS_WORKER_INDEX)`` with ``--dist-init-addr`` on the leader
+(``$(LWS_LEADER_ADDRESS)``, set by the LWS controller). Worker pods serve no gRPC Worker: they declare no ``grpc``
+port (discovery skips them) and have no probes; a hung or dead worker rank stalls the group's collectives, so the
+leader's ``/liveness`` fails and ``RecreateGroupOnPodRestart`` recreates the whole group.
 
 The base YAML (deploy/k8s/base) holds only what the spec does not: probes' kinds and paths, lifecycle, env,
 labels, RBAC. Overlays list ``spec`` first among their components so hardware components (rdma) add on top.
@@ -14,6 +21,7 @@ labels, RBAC. Overlays list ``spec`` first among their components so hardware co
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import yaml
@@ -25,6 +33,8 @@ POD_PATHS = {
     "LeaderWorkerSet": ("/spec/leaderWorkerTemplate/leaderTemplate/spec",
                         "/spec/leaderWorkerTemplate/workerTemplate/spec"),
 }
+LEADER_POD, WORKER_POD = POD_PATHS["LeaderWorkerSet"]
+LWS_LEADER_ADDRESS, LWS_WORKER_INDEX = "LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX"  # injected by the LWS controller
 DISCOVERY_RESOURCES = {"cpu": "100m", "memory": "128Mi"}  # the router pod's discovery sidecar
 GPU_RESOURCE = "nvidia.com/gpu"
 HPA_MAX_ROUTERS = 4
@@ -41,12 +51,13 @@ def object_name(role: str) -> str:
 def _env_ref(spec: ClusterSpec, role: str, flag: str) -> str:
     if flag == "model-path":
         return "$(MODEL_PATH)"
-    scope = role if role == "router" or flag in spec.role(role).flags else "shared"
+    scope = role if role == "router" or flag in spec.role_flags(role) else "shared"
     return f"$({env_key(scope, flag)})"
 
 
 def container_args(spec: ClusterSpec, role: str) -> list[str]:
-    """The main container's args: listen flags literal (replica 0's ports), every spec flag from the ConfigMap."""
+    """The main container's args: listen flags literal (replica 0's ports), every spec flag from the ConfigMap; a
+    role spanning nnodes > 1 pods adds its group's rendezvous and this pod's node rank from the LWS env."""
     p = spec.ports(role)
     if role == "router":
         args = ["router", "--host=0.0.0.0", f"--grpc-port={p.grpc}", f"--http-port={p.http}"]
@@ -56,13 +67,19 @@ def container_args(spec: ClusterSpec, role: str) -> list[str]:
         if p.bootstrap is not None:
             args.append(f"--disaggregation-bootstrap-port={p.bootstrap}")
         args.append(f"--metrics-port={p.metrics}")
+        if p.dist_init is not None:
+            args += [f"--dist-init-addr=$({LWS_LEADER_ADDRESS}):{p.dist_init}", f"--node-rank=$({LWS_WORKER_INDEX})"]
         flags = spec.node_flags(role)
     return args + [f"--{flag}={_env_ref(spec, role, flag)}" for flag in flags]
 
 
-def container_ports(spec: ClusterSpec, role: str) -> list[dict[str, Any]]:
+def container_ports(spec: ClusterSpec, role: str, leader: bool = True) -> list[dict[str, Any]]:
+    """Named ports of a role's main container. Worker pods of a group (``leader=False``) listen only on metrics."""
     p = spec.ports(role)
-    named = {"grpc": p.grpc, "bootstrap": p.bootstrap, "metrics": p.metrics, "http": p.http}
+    named = {"grpc": p.grpc, "bootstrap": p.bootstrap, "metrics": p.metrics, "http": p.http,
+             "dist-init": p.dist_init}
+    if not leader:
+        named = {"metrics": p.metrics}
     return [{"name": n, "containerPort": port, "protocol": "TCP"} for n, port in named.items() if port is not None]
 
 
@@ -90,14 +107,16 @@ def resources(spec: ClusterSpec, role: str) -> dict[str, dict[str, str]]:
 def _pod_ops(spec: ClusterSpec, role: str, pod: str) -> list[dict[str, Any]]:
     c0 = f"{pod}/containers/0"
     p = spec.ports(role)
+    leader = pod != WORKER_POD
     ops = [
         {"op": "add", "path": f"{pod}/terminationGracePeriodSeconds", "value": spec.grace_period(role)},
         {"op": "add", "path": f"{c0}/image", "value": spec.image(role)},
         {"op": "add", "path": f"{c0}/args", "value": container_args(spec, role)},
-        {"op": "add", "path": f"{c0}/ports", "value": container_ports(spec, role)},
-        {"op": "add", "path": f"{c0}/startupProbe/grpc/port", "value": p.grpc},
+        {"op": "add", "path": f"{c0}/ports", "value": container_ports(spec, role, leader)},
         {"op": "add", "path": f"{c0}/resources", "value": resources(spec, role)},
     ]
+    if leader:
+        ops.append({"op": "add", "path": f"{c0}/startupProbe/grpc/port", "value": p.grpc})
     if role == "router":
         c1 = f"{pod}/containers/1"
         ops += [
@@ -108,7 +127,8 @@ def _pod_ops(spec: ClusterSpec, role: str, pod: str) -> list[dict[str, Any]]:
         ]
     else:
         shm = spec.role(role).resources.shm
-        ops.append({"op": "add", "path": f"{c0}/readinessProbe/grpc/port", "value": p.grpc})
+        if leader:
+            ops.append({"op": "add", "path": f"{c0}/readinessProbe/grpc/port", "value": p.grpc})
         if shm is not None:
             ops.append({"op": "replace", "path": f"{pod}/volumes/0",  # NOTE: volume 0 of a node pod is dshm
                         "value": {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}})
@@ -120,8 +140,12 @@ def component(spec: ClusterSpec) -> dict[str, Any]:
     patches = []
     for role in ROLES:
         kinds = ("Deployment",) if role == "router" else ("Deployment", "LeaderWorkerSet")
+        if spec.role(role).nnodes > 1:  # a group of pods: only a LeaderWorkerSet can run it
+            kinds = ("LeaderWorkerSet",)
         for kind in kinds:
             ops: list[dict[str, Any]] = [{"op": "add", "path": "/spec/replicas", "value": spec.role(role).replicas}]
+            if kind == "LeaderWorkerSet":
+                ops.append({"op": "replace", "path": "/spec/leaderWorkerTemplate/size", "value": spec.role(role).nnodes})
             for pod in POD_PATHS[kind]:
                 ops += _pod_ops(spec, role, pod)
             patches.append({"target": {"kind": kind, "name": object_name(role)}, "patch": yaml.safe_dump(ops, sort_keys=False)})
@@ -137,12 +161,17 @@ def component(spec: ClusterSpec) -> dict[str, Any]:
 
 
 def leader_worker_set(deployment: dict[str, Any]) -> dict[str, Any]:
-    """A node Deployment as a LeaderWorkerSet of the same pod template (leader and workers), one group per replica.
-    Spec values reach it through ``component``'s LeaderWorkerSet patches."""
+    """A node Deployment as a LeaderWorkerSet, one group per replica: the leader runs the Deployment's pod template,
+    the workers the same without probes (they serve no gRPC Worker). Spec values (size, args, ports, resources)
+    reach it through ``component``'s LeaderWorkerSet patches."""
     labels = {**deployment["metadata"]["labels"], "app.kubernetes.io/part-of": "pdcluster"}
     template = deployment["spec"]["template"]
     template = {"metadata": {"labels": {**template["metadata"]["labels"], "app.kubernetes.io/part-of": "pdcluster"}},
                 "spec": template["spec"]}
+    worker = copy.deepcopy(template)
+    for c in worker["spec"]["containers"]:
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            c.pop(probe, None)
     return {
         "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
         "metadata": {"name": deployment["metadata"]["name"], "labels": labels},
@@ -151,6 +180,6 @@ def leader_worker_set(deployment: dict[str, Any]) -> dict[str, Any]:
             "rolloutStrategy": {"type": "RollingUpdate",
                                 "rollingUpdateConfiguration": {"maxSurge": 0, "maxUnavailable": 1}},
             "leaderWorkerTemplate": {"size": 1, "restartPolicy": "RecreateGroupOnPodRestart",
-                                     "leaderTemplate": template, "workerTemplate": template},
+                                     "leaderTemplate": template, "workerTemplate": worker},
         },
     }

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,20 @@ def render(overlay: str) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class PodTemplate:
-    owner: str  # "Kind/name" or "Kind/name:leader|worker"
+    owner: str  # "Kind/name" or "Kind/name:leaderTemplate|workerTemplate"
     labels: dict[str, str]
     spec: dict[str, Any]
+    # What a controller adds to every container's environment (LWS: leader address, group size, worker index).
+    injected_env: dict[str, str] = field(default_factory=dict)
+
+
+def lws_pod_env(lws: dict[str, Any], group: int, worker: int) -> dict[str, str]:
+    """The variables the LWS controller sets in pod ``worker`` of group ``group`` (the leader is worker 0): the
+    leader's DNS name under the LeaderWorkerSet's headless Service, the group size, the worker index."""
+    name, namespace = lws["metadata"]["name"], lws["metadata"].get("namespace", "default")
+    return {"LWS_LEADER_ADDRESS": f"{name}-{group}.{name}.{namespace}",
+            "LWS_GROUP_SIZE": str(lws["spec"]["leaderWorkerTemplate"].get("size", 1)),
+            "LWS_WORKER_INDEX": str(worker)}
 
 
 def pod_templates(docs: list[dict[str, Any]]) -> Iterator[PodTemplate]:
@@ -50,11 +61,13 @@ def pod_templates(docs: list[dict[str, Any]]) -> Iterator[PodTemplate]:
             yield PodTemplate(owner, t["metadata"].get("labels", {}), t["spec"])
         elif d["kind"] == "LeaderWorkerSet":
             lwt = d["spec"]["leaderWorkerTemplate"]
-            for part in ("leaderTemplate", "workerTemplate"):
-                if part in lwt:
+            # One pod per template of group 0 stands for all: the leader (index 0) and the last worker.
+            for part, worker in (("leaderTemplate", 0), ("workerTemplate", lwt.get("size", 1) - 1)):
+                if part in lwt and (part == "leaderTemplate" or worker > 0):
                     t = lwt[part]
-                    labels = {**t["metadata"].get("labels", {}), "leaderworkerset.sigs.k8s.io/name": d["metadata"]["name"]}
-                    yield PodTemplate(f"{owner}:{part}", labels, t["spec"])
+                    labels = {**t["metadata"].get("labels", {}), "leaderworkerset.sigs.k8s.io/name": d["metadata"]["name"],
+                              "leaderworkerset.sigs.k8s.io/worker-index": str(worker)}
+                    yield PodTemplate(f"{owner}:{part}", labels, t["spec"], lws_pod_env(d, 0, worker))
 
 
 def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:

@@ -4,6 +4,7 @@ shared by the Ray deployer and the Kubernetes manifests. ``load_spec(profile=...
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import re
@@ -21,6 +22,8 @@ ROLES = ("router", *NODE_ROLES)
 FlagValue = str | int | float
 PRESTOP_S = 5  # the node pods' preStop sleep (discovery drops a terminating pod first)
 SHUTDOWN_MARGIN_S = 25  # after the drain: ranks stop, transfers close
+# Flags the spec derives from a node role's topology (key: the role key that sets it), never set as flags.
+TOPOLOGY_FLAGS = {"tp-size": "tp", "nnodes": "nnodes", "node-rank": "nnodes", "dist-init-addr": "nnodes"}
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _UNITS = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9,
           "T": 10**12}
@@ -37,7 +40,7 @@ def quantity_bytes(text: str) -> int:
 @dataclass(frozen=True)
 class Resources:
     """One replica's pod resources (requests == limits: Guaranteed QoS). ``shm`` is the /dev/shm size, memory-
-    backed so it counts against ``memory``; GPUs per pod are ``gpus_per_rank`` x tp-size x dp-size."""
+    backed so it counts against ``memory``; GPUs per pod are ``gpus_per_rank`` x tp x dp-size / nnodes."""
 
     cpu: str
     memory: str
@@ -47,12 +50,14 @@ class Resources:
 
 @dataclass(frozen=True)
 class Ports:
-    """Where one replica listens. Nodes: grpc, bootstrap (prefill only), metrics. Router: grpc, http."""
+    """Where one replica listens. Nodes: grpc, bootstrap (prefill only), metrics, and dist_init (the TP rendezvous
+    on the leader pod) when the role spans nnodes > 1 hosts. Router: grpc, http."""
 
     grpc: int
     bootstrap: int | None = None
     metrics: int | None = None
     http: int | None = None
+    dist_init: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class RoleSpec:
     flags: dict[str, FlagValue] = field(default_factory=dict)
     resources: Resources = Resources(cpu="1", memory="1Gi")
     grace_period: int | None = None  # seconds; None on node roles: preStop + --drain-timeout + a shutdown margin
+    tp: int = 1  # TP ranks per DP replica of a node (its --tp-size); the router's is unused
+    nnodes: int = 1  # hosts (pods) one node's TP group spans: --nnodes, with --dp-size 1 and tp divisible by it
 
 
 @dataclass(frozen=True)
@@ -84,11 +91,37 @@ class ClusterSpec:
                 _check_flag(f"{role.name}.flags", key, value)
         for key, value in self.shared.items():
             _check_flag("shared", key, value)
+        self._check_parallelism()
         self._check_resources()
         bases = sorted(r.port_base for r in self.roles.values())
         width = self.replica_port_stride * max(r.replicas for r in self.roles.values())
         if any(b - a < width for a, b in itertools.pairwise(bases)):
             raise ConfigError(f"cluster spec: port bases {bases} overlap for these replica counts")
+
+    def _check_parallelism(self) -> None:
+        """Per-role tp and nnodes: explicit role keys, never flags; each node role's command line (node rank 0 of
+        its group) must pass the node's own ``ServerArgs`` checks, so the spec refuses what ``serve`` would."""
+        from common.config import add_server_args, server_args_from_cli  # the node's parser: one set of rules
+
+        for key in TOPOLOGY_FLAGS:
+            if key in self.shared:
+                raise ConfigError(f"cluster spec: shared.{key}: set roles.<role>.{TOPOLOGY_FLAGS[key]} instead")
+        for name in NODE_ROLES:
+            role = self.roles[name]
+            for key in TOPOLOGY_FLAGS:
+                if key in role.flags:
+                    raise ConfigError(f"cluster spec: {name}.flags.{key}: set {name}.{TOPOLOGY_FLAGS[key]} instead")
+            if role.tp < 1 or role.nnodes < 1:
+                raise ConfigError(f"cluster spec: {name}.tp and {name}.nnodes must be >= 1, got tp {role.tp} "
+                                  f"nnodes {role.nnodes}")
+            parser = argparse.ArgumentParser(exit_on_error=False)
+            add_server_args(parser)
+            argv = self.node_argv(name, "127.0.0.1", node_rank=0, leader="leader")[1:]
+            try:
+                server_args_from_cli(parser.parse_args(argv))
+            except (ConfigError, argparse.ArgumentError, SystemExit) as e:
+                raise ConfigError(f"cluster spec{f' (profile {self.profile})' if self.profile else ''}: {name}: "
+                                  f"{e}") from None
 
     def _check_resources(self) -> None:
         if set(self.images) != {"cpu", "cuda"}:
@@ -120,12 +153,16 @@ class ClusterSpec:
         return self.images[self.device if role in NODE_ROLES else "cpu"]
 
     def ranks(self, role: str) -> int:
-        flags = self.node_flags(role)
-        return int(flags.get("tp-size", 1)) * int(flags.get("dp-size", 1))
+        """Scheduler rank processes of one node replica (all its hosts together): tp x dp-size."""
+        return self.roles[role].tp * int(self.node_flags(role).get("dp-size", 1))
+
+    def ranks_per_pod(self, role: str) -> int:
+        """Rank processes on each host (pod) of one node replica: its share of the TP group."""
+        return self.ranks(role) // self.roles[role].nnodes
 
     def gpus(self, role: str) -> int:
-        """GPUs of one replica (pod) of a node role."""
-        return self.roles[role].resources.gpus_per_rank * self.ranks(role)
+        """GPUs of one pod of a node role: gpus_per_rank x tp x dp-size / nnodes."""
+        return self.roles[role].resources.gpus_per_rank * self.ranks_per_pod(role)
 
     def grace_period(self, role: str) -> int:
         """terminationGracePeriodSeconds: explicit, or preStop + --drain-timeout + the ranks' shutdown."""
@@ -139,6 +176,11 @@ class ClusterSpec:
         """The spec with every node role's GPUs per rank overridden (``pdcluster ray up --gpus-per-rank``)."""
         roles = {k: dataclasses.replace(r, resources=dataclasses.replace(r.resources, gpus_per_rank=gpus_per_rank))
                  if k in NODE_ROLES else r for k, r in self.roles.items()}
+        return dataclasses.replace(self, roles=roles)
+
+    def with_tp(self, **tp: int) -> ClusterSpec:
+        """The spec with other TP sizes per node role (``pdcluster ray up --prefill-tp-size 2``)."""
+        roles = {k: dataclasses.replace(r, tp=tp.get(k, r.tp)) for k, r in self.roles.items()}
         return dataclasses.replace(self, roles=roles)
 
     def with_counts(self, **replicas: int) -> ClusterSpec:
@@ -170,11 +212,20 @@ class ClusterSpec:
         base = self.roles[role].port_base + replica * self.replica_port_stride
         if role == "router":
             return Ports(grpc=base, http=base + 1)
-        return Ports(grpc=base, bootstrap=base + 1 if role == "prefill" else None, metrics=base + 2)
+        return Ports(grpc=base, bootstrap=base + 1 if role == "prefill" else None, metrics=base + 2,
+                     dist_init=base + 3 if self.roles[role].nnodes > 1 else None)
+
+    def role_flags(self, role: str) -> dict[str, FlagValue]:
+        """A node role's own flags: its ``flags`` and its ``--tp-size`` (and ``--nnodes`` when > 1)."""
+        r = self.roles[role]
+        flags: dict[str, FlagValue] = {**r.flags, "tp-size": r.tp}
+        if r.nnodes > 1:
+            flags["nnodes"] = r.nnodes
+        return flags
 
     def node_flags(self, role: str) -> dict[str, FlagValue]:
-        """Every spec flag of a node role (shared first, the role's own win), without host/ports."""
-        flags = {**self.shared, **self.roles[role].flags}
+        """Every spec flag of a node role (shared first, the role's own win), without host/ports/node rank."""
+        flags = {**self.shared, **self.role_flags(role)}
         if self.model_path:
             flags["model-path"] = self.model_path
         return flags
@@ -185,12 +236,20 @@ class ClusterSpec:
             flags["model-path"] = self.model_path
         return flags
 
-    def node_argv(self, role: str, host: str, replica: int = 0) -> list[str]:
-        """``pdcluster serve`` arguments of one node replica (after the ``pdcluster`` program name)."""
+    def node_argv(self, role: str, host: str, replica: int = 0, *, node_rank: int = 0,
+                  leader: str | None = None) -> list[str]:
+        """``pdcluster serve`` arguments of one node replica (after the ``pdcluster`` program name). A role spanning
+        nnodes > 1 hosts also gets this host's ``--node-rank`` and ``--dist-init-addr`` = ``leader`` (the host of
+        node rank 0) with the replica's rendezvous port."""
         p = self.ports(role, replica)
         argv = ["serve", "--host", host, "--port", str(p.grpc), "--metrics-port", str(p.metrics)]
         if p.bootstrap is not None:
             argv += ["--disaggregation-bootstrap-port", str(p.bootstrap)]
+        if p.dist_init is not None:
+            if leader is None:
+                raise ConfigError(f"{role} spans {self.roles[role].nnodes} hosts: its command line needs the "
+                                  "leader's address")
+            argv += [f"--dist-init-addr={leader}:{p.dist_init}", f"--node-rank={node_rank}"]
         return argv + flags_to_argv(self.node_flags(role))
 
     def router_argv(self, host: str, replica: int = 0) -> list[str]:
@@ -230,7 +289,8 @@ def load_spec(path: Path | str = SPEC_PATH, profile: str | None = None) -> Clust
         raw = _merge(raw, profiles[profile] or {}, "")
     roles = {
         name: RoleSpec(name, int(r["replicas"]), int(r["port_base"]), dict(r.get("flags") or {}),
-                       _resources(name, r.get("resources") or {}), r.get("grace_period"))
+                       _resources(name, r.get("resources") or {}), r.get("grace_period"), int(r.get("tp", 1)),
+                       int(r.get("nnodes", 1)))
         for name, r in raw["roles"].items()
     }
     return ClusterSpec(

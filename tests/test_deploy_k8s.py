@@ -173,8 +173,9 @@ def test_gpu_requests_equal_limits_and_cpu_dev_has_none(overlay: str) -> None:
 FIELDS = {"status.podIP": "10.0.0.7", "metadata.namespace": "pdcluster"}
 
 
-def _parse(container: dict[str, Any], docs: list[dict[str, Any]]) -> argparse.Namespace:
-    env = manifests.container_env(container, manifests.config_data(docs), FIELDS)
+def _parse(container: dict[str, Any], docs: list[dict[str, Any]],
+           injected: dict[str, str] | None = None) -> argparse.Namespace:
+    env = {**(injected or {}), **manifests.container_env(container, manifests.config_data(docs), FIELDS)}
     argv = manifests.expand(container["command"] + container["args"], env)
     if argv[:3] == ["python", "-m", "deploy.k8s_discovery"]:
         return k8s_discovery.build_parser().parse_args(argv[3:])
@@ -182,9 +183,12 @@ def _parse(container: dict[str, Any], docs: list[dict[str, Any]]) -> argparse.Na
     return build_parser().parse_args(argv[1:])  # the real parser: an unknown flag exits (SystemExit)
 
 
-def _spec_namespace(role: str, spec: Any, host: str) -> argparse.Namespace:
-    argv = spec.node_argv(role, host) if role != "router" else spec.router_argv(host)
-    return build_parser().parse_args(argv)
+def _spec_namespace(role: str, spec: Any, host: str, injected: dict[str, str]) -> argparse.Namespace:
+    if role == "router":
+        return build_parser().parse_args(spec.router_argv(host))
+    rank = int(injected.get("LWS_WORKER_INDEX", 0))  # a LeaderWorkerSet pod: its group's rank and leader
+    return build_parser().parse_args(spec.node_argv(role, host, node_rank=rank,
+                                                    leader=injected.get("LWS_LEADER_ADDRESS")))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -195,15 +199,19 @@ def test_command_lines_parse_and_agree_with_the_spec(overlay: str) -> None:
     for t in pod_templates(docs):
         role = t.labels["pdcluster.io/role"]
         for c in t.spec["containers"]:
-            ns = _parse(c, docs)
+            ns = _parse(c, docs, t.injected_env)
             if c["name"] == "discovery":
                 continue
             seen.add(role)
             host = "0.0.0.0" if role == "router" else FIELDS["status.podIP"]
-            expected = _spec_namespace(role, spec, host)
+            expected = _spec_namespace(role, spec, host, t.injected_env)
             assert vars(ns) == vars(expected), f"{t.owner}: flags differ from the cluster spec ({overlay})"
             ports = manifests.declared_ports(c)
             p = spec.ports(role)
+            if role != "router" and ns.node_rank > 0:  # a group's worker pod: no Worker service, metrics only
+                assert ports == {"metrics": p.metrics} and ns.metrics_port == p.metrics, t.owner
+                assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(c), t.owner
+                continue
             if role == "router":
                 assert (ns.grpc_port, ns.http_port) == (ports["grpc"], ports["http"]) == (p.grpc, p.http)
             else:
@@ -225,3 +233,56 @@ def test_prod_pins_images() -> None:
     for t in pod_templates(rendered("prod")):
         for c in t.spec["containers"]:
             assert re.search(r":[\w.-]+$|@sha256:", c["image"]) and not c["image"].endswith(":latest")
+
+
+# -- TP groups spanning pods (gpu-multinode) -------------------------------------------------------------------------
+
+def test_multinode_lws_groups_span_pods_with_one_tp_group() -> None:
+    """Each LeaderWorkerSet has size = the role's nnodes > 1; every pod's command line, through the node's own
+    parser and ServerArgs checks, names the same rendezvous on the leader, its own node rank, and the spec's tp;
+    its GPUs are its share of the group, and together the pods run exactly the group's tp ranks."""
+    docs = rendered("gpu-multinode")
+    spec = load_spec(profile="gpu-multinode")
+    lws = {d["metadata"]["labels"]["pdcluster.io/role"]: d for d in docs if d["kind"] == "LeaderWorkerSet"}
+    assert set(lws) == {"prefill", "decode"}
+    assert not [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] != "pdcluster-router"]
+    for role, d in lws.items():
+        r = spec.role(role)
+        size = d["spec"]["leaderWorkerTemplate"]["size"]
+        assert size == r.nnodes > 1 and r.tp % size == 0, f"{role}: size {size}, spec {r}"
+        ranks: list[int] = []
+        leaders = set()
+        for worker in range(size):  # every pod of group 0 (the worker template stands for indices 1..size-1)
+            part = "leaderTemplate" if worker == 0 else "workerTemplate"
+            template = d["spec"]["leaderWorkerTemplate"][part]
+            container = template["spec"]["containers"][0]
+            ns = _parse(container, docs, manifests.lws_pod_env(d, 0, worker))
+            args = server_args_from_cli(ns)  # the node's own checks (nnodes, node rank, dist-init address)
+            assert (args.tp_size, args.nnodes, args.node_rank, args.dp_size) == (r.tp, size, worker, 1)
+            host, _, port = args.dist_init_addr.rpartition(":")
+            assert host == f"{d['metadata']['name']}-0.{d['metadata']['name']}.{d['metadata']['namespace']}"
+            assert int(port) == spec.ports(role).dist_init
+            leaders.add(args.dist_init_addr)
+            ranks += list(args.tp_ranks_here)
+            gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+            assert gpus == len(args.tp_ranks_here) * r.resources.gpus_per_rank == spec.gpus(role)
+        assert len(leaders) == 1 and ranks == list(range(r.tp)), f"{role}: ranks {ranks} over {leaders}"
+        leader_ports = manifests.declared_ports(d["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0])
+        assert leader_ports["dist-init"] == spec.ports(role).dist_init
+
+
+def test_multinode_router_sees_only_group_leaders() -> None:
+    docs = rendered("gpu-multinode")
+    templates = list(pod_templates(docs))
+    for svc in (d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] != "pdcluster-router"):
+        picked = {t.owner.rsplit(":", 1)[-1] for t in templates if selector_matches(svc["spec"]["selector"], t.labels)}
+        assert picked == {"leaderTemplate"}, f"{svc['metadata']['name']} selects {picked}"
+        assert svc["spec"]["publishNotReadyAddresses"] is True  # the leader's name resolves while workers join
+    pods = []
+    for i, t in enumerate(t for t in templates if t.labels["pdcluster.io/role"] != "router"):
+        pods.append({"metadata": {"labels": t.labels}, "spec": {"containers": t.spec["containers"]},
+                     "status": {"podIP": f"10.0.0.{i}", "conditions": [{"type": "Ready", "status": "True"}]}})
+    workers = k8s_discovery.pod_workers(pods)
+    leaders = [p for p in pods if p["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"]
+    assert len(pods) == 4 and sorted(w.address for w in workers) == sorted(
+        f"{p['status']['podIP']}:{p['spec']['containers'][0]['ports'][0]['containerPort']}" for p in leaders)

@@ -77,7 +77,7 @@ def test_device_flags_ports_replicas_and_grace_per_role(overlay: str) -> None:
     spec = load_spec(profile=overlay)
     for role, t in _templates(overlay):
         c = t.spec["containers"][0]
-        ns = _parse(c, docs)
+        ns = _parse(c, docs, t.injected_env)
         p = spec.ports(role)
         assert t.spec["terminationGracePeriodSeconds"] == spec.grace_period(role), t.owner
         if role == "router":
@@ -87,8 +87,14 @@ def test_device_flags_ports_replicas_and_grace_per_role(overlay: str) -> None:
             continue
         assert (ns.device, ns.base_gpu_id) == (spec.device, int(spec.shared["base-gpu-id"])), t.owner
         assert ns.watchdog_timeout == float(spec.shared["watchdog-timeout"])
+        assert (ns.tp_size, ns.nnodes) == (spec.role(role).tp, spec.role(role).nnodes), t.owner
+        if ns.node_rank > 0:  # a TP group's worker pod: no Worker service, no probes (the leader's cover the group)
+            assert {p_["name"]: p_["containerPort"] for p_ in c["ports"]} == {"metrics": p.metrics}
+            assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(c), t.owner
+            continue
         assert {p_["name"]: p_["containerPort"] for p_ in c["ports"]} == {
-            k: v for k, v in (("grpc", p.grpc), ("bootstrap", p.bootstrap), ("metrics", p.metrics)) if v is not None}
+            k: v for k, v in (("grpc", p.grpc), ("bootstrap", p.bootstrap), ("metrics", p.metrics),
+                              ("dist-init", p.dist_init)) if v is not None}
         assert c["startupProbe"]["grpc"]["port"] == c["readinessProbe"]["grpc"]["port"] == p.grpc
         assert c["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "metrics"}
         assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_S)]

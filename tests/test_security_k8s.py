@@ -136,14 +136,16 @@ def test_network_policies_admit_exactly_the_cluster_flows(overlay: str) -> None:
         assert not ports & set(KV_PORTS), f"{r}'s spec ports {ports} overlap the KV port range"
     probe_ports = set().union(*spec_ports.values()) | {22, 8080, 32767, KV_PORTS[0], 49152, KV_PORTS[-1]}
 
-    def expected(src: str, dst: str, port: int) -> bool:
+    def expected(src: str, dst: str, port: int, group_worker: bool) -> bool:
         p = spec.ports(dst)
         if dst == "router":
             return port in (p.grpc, p.http)
+        if group_worker:  # a TP group's non-leader pod listens on metrics and its ranks' ephemeral ports only
+            return (src in NODE_ROLES and port in KV_PORTS) or (src == "prometheus" and port == p.metrics)
         if src == "router":
             return port == p.grpc
         if src in NODE_ROLES:
-            return port == p.bootstrap or port in KV_PORTS
+            return port in (p.bootstrap, p.dist_init) or port in KV_PORTS
         if src == "prometheus":
             return port == p.metrics
         return False
@@ -152,7 +154,8 @@ def test_network_policies_admit_exactly_the_cluster_flows(overlay: str) -> None:
     assert templates
     for t in templates:
         dst = role(t)
+        group_worker = t.labels.get("leaderworkerset.sigs.k8s.io/worker-index", "0") != "0"
         for src, peer in peers.items():
             for port in sorted(probe_ports):
                 got = ingress_allowed(docs, peer, t, port)
-                assert got == expected(src, dst, port), f"{src} -> {t.owner}:{port}: admitted={got}"
+                assert got == expected(src, dst, port, group_worker), f"{src} -> {t.owner}:{port}: admitted={got}"
