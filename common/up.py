@@ -4,9 +4,14 @@ processes of this one. Prints the endpoints and a ready line; Ctrl-C (or SIGTERM
 Nodes are started with ``pdcluster serve`` and the router with ``pdcluster router``: the same commands a user
 runs by hand, so this is only a launcher. Each child's output goes to ``--log-dir`` (default: a temp dir).
 
-``--device cuda``: each node takes ``--dp-size`` consecutive GPUs (``--base-gpu-id``) of its own when the host has
+Tensor parallelism: ``--tp-size`` for every node, ``--prefill-tp-size`` / ``--decode-tp-size`` per role over it;
+each node runs ``--dp-size`` x its tp scheduler rank processes. A tp the model cannot split is the node's own
+start-up error, which ``up`` reports with the node's log.
+
+``--device cuda``: each node takes its dp x tp consecutive GPUs (``--base-gpu-id``) of its own when the host has
 enough; otherwise nodes share GPUs round-robin and each gets ``--mem-fraction-static`` divided by the number of
-nodes on its GPU. KV moves over ``shm`` (CUDA IPC) by default there: every node of ``up`` is on one host.
+nodes on its busiest GPU. KV moves over ``shm`` (CUDA IPC) by default there: every node of ``up`` is on one host.
+On CPU every rank gets ``--torch-num-threads 1`` unless set, so a node's ranks do not oversubscribe the cores.
 """
 
 from __future__ import annotations
@@ -56,7 +61,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help=f"cuda: GPU memory fraction of a node that has its GPU alone (default {CUDA_MEM_FRACTION}); "
                         "split between nodes sharing a GPU")
     p.add_argument("--page-size", type=int, default=None)
-    p.add_argument("--dp-size", type=int, default=None)
+    p.add_argument("--dp-size", type=_positive, default=None)
+    p.add_argument("--tp-size", type=_positive, default=None,
+                   help="tensor parallel ranks per DP replica of every node (default 1)")
+    p.add_argument("--prefill-tp-size", type=_positive, default=None, help="prefill nodes' tp (default --tp-size)")
+    p.add_argument("--decode-tp-size", type=_positive, default=None, help="decode nodes' tp (default --tp-size)")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
@@ -67,6 +76,19 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", action="store_true", help="nodes log each request's arrival and outcome")
     p.add_argument("--demo", action="store_true", help="once ready, send example requests through the OpenAI API")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def node_tp_size(ns: argparse.Namespace, role: str) -> int:
+    """A node's tp: its role's ``--<role>-tp-size``, else ``--tp-size``, else 1 (colocated nodes: ``--tp-size``)."""
+    own = getattr(ns, f"{role}_tp_size", None)
+    return own if own is not None else (ns.tp_size if ns.tp_size is not None else 1)
 
 
 def cluster_env() -> dict[str, str]:
@@ -86,23 +108,39 @@ class NodePlacement:
     base_gpu_id: int
     mem_fraction_static: float
     shares_with: tuple[str, ...] = field(default=())
+    gpus: int = 1  # the node's dp x tp consecutive GPUs from base_gpu_id
 
 
-def place_nodes(names: list[str], dp_size: int, num_gpus: int, mem_fraction: float) -> list[NodePlacement]:
-    """GPUs of each node: its own ``dp_size`` consecutive GPUs when there are enough for every node; otherwise nodes
-    are dealt round-robin over the ``num_gpus // dp_size`` GPU groups and split the memory fraction."""
-    if dp_size > num_gpus:
-        raise ValueError(f"--dp-size {dp_size} needs {dp_size} GPUs per node but {num_gpus} are visible")
-    groups = num_gpus // dp_size
-    if len(names) <= groups:
-        return [NodePlacement(n, i * dp_size, mem_fraction) for i, n in enumerate(names)]
-    members: list[list[str]] = [names[g::groups] for g in range(groups)]
+def place_nodes(names: list[str], dp_size: int, num_gpus: int, mem_fraction: float,
+                tp_size: dict[str, int] | None = None) -> list[NodePlacement]:
+    """GPUs of each node: ``dp_size`` x its tp (``tp_size[name]``, default 1) consecutive GPUs, its own when there
+    are enough for every node; otherwise nodes are dealt round-robin from GPU 0 (a node that would run past the
+    last GPU starts again at 0) and each splits the memory fraction by the node count of its busiest GPU."""
+    widths = {n: dp_size * (tp_size or {}).get(n, 1) for n in names}
+    for name, width in widths.items():
+        if width > num_gpus:
+            tp = (tp_size or {}).get(name, 1)
+            raise ValueError(f"{name} needs {width} GPUs per node (--dp-size {dp_size} x --tp-size {tp}) but "
+                             f"{num_gpus} are visible")
+    bases, cursor = {}, 0
+    for name in names:
+        if sum(widths.values()) > num_gpus and cursor + widths[name] > num_gpus:
+            cursor = 0
+        bases[name], cursor = cursor, cursor + widths[name]
+    gpus_of = {n: set(range(bases[n], bases[n] + widths[n])) for n in names}
     out = []
-    for i, name in enumerate(names):
-        group = members[i % groups]
-        out.append(NodePlacement(name, (i % groups) * dp_size, round(mem_fraction / len(group), 4),
-                                 tuple(n for n in group if n != name)))
+    for name in names:
+        others = tuple(n for n in names if n != name and gpus_of[n] & gpus_of[name])
+        busiest = max(1 + sum(g in gpus_of[n] for n in others) for g in gpus_of[name])
+        fraction = mem_fraction if busiest == 1 else round(mem_fraction / busiest, 4)
+        out.append(NodePlacement(name, bases[name], fraction, others, widths[name]))
     return out
+
+
+def _serving(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, contextlib.suppress(grpc.RpcError):
+        return bool(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1)
+    return False
 
 
 def _visible_gpus() -> int:
@@ -134,13 +172,15 @@ class LocalCluster:
         self.node_names = [f"{role}-{i}" for role, count in
                            (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated))
                            for i in range(count)]
+        self.tp_size = {name: node_tp_size(ns, name.rsplit("-", 1)[0]) for name in self.node_names}
         self.placement: dict[str, NodePlacement] = {}
         if ns.device == "cuda":
             gpus = ns.num_gpus if ns.num_gpus is not None else _visible_gpus()
             if gpus < 1:
                 raise RuntimeError("--device cuda but no GPU is visible; use --device cpu")
             frac = ns.mem_fraction_static or CUDA_MEM_FRACTION
-            self.placement = {p.name: p for p in place_nodes(self.node_names, ns.dp_size or 1, gpus, frac)}
+            self.placement = {p.name: p for p in
+                              place_nodes(self.node_names, ns.dp_size or 1, gpus, frac, self.tp_size)}
             if self.backend == "nccl" and any(p.shares_with for p in self.placement.values()):
                 raise RuntimeError("--kv-transfer-backend nccl cannot pair two nodes on one GPU (NCCL refuses "
                                    "duplicate GPUs); use shm or tcp, or give each node its own GPU")
@@ -162,34 +202,37 @@ class LocalCluster:
             value = getattr(self.ns, name)
             if value is not None:
                 flags += [f"--{name.replace('_', '-')}", str(value)]
-        if self.ns.torch_num_threads is None:
+        if self.ns.torch_num_threads is None:  # per rank: dp x tp ranks per node share the host's cores
             flags += ["--torch-num-threads", "1"]
         if self.ns.log_requests:
             flags.append("--log-requests")
         return flags
 
+    def node_args(self, name: str, port: int, bootstrap: int, metrics: int | None = None) -> list[str]:
+        """``pdcluster serve`` arguments of node ``name`` (``<role>-<i>``; role ``null``: colocated)."""
+        role = name.rsplit("-", 1)[0]
+        args = ["serve", *self._node_flags(), "--tp-size", str(self.tp_size[name]), "--port", str(port),
+                "--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap)]
+        place = self.placement.get(name)
+        if place is not None:
+            args += ["--base-gpu-id", str(place.base_gpu_id), "--mem-fraction-static", str(place.mem_fraction_static)]
+        if metrics is not None:
+            args += ["--metrics-port", str(metrics)]
+        return args
+
     def start(self) -> None:
         router = ["router", "--model-path", self.model_path, "--host", "127.0.0.1",
                   "--grpc-port", str(self.ns.grpc_port), "--http-port", str(self.ns.http_port)]
         nodes: list[Child] = []
-        for role, count in (("prefill", self.ns.prefill), ("decode", self.ns.decode), ("null", self.ns.colocated)):
-            for i in range(count):
-                port, bootstrap = _free_port(), _free_port()
-                args = ["serve", *self._node_flags(), "--port", str(port), "--disaggregation-mode", role,
-                        "--disaggregation-bootstrap-port", str(bootstrap)]
-                place = self.placement.get(f"{role}-{i}")
-                if place is not None:
-                    args += ["--base-gpu-id", str(place.base_gpu_id),
-                             "--mem-fraction-static", str(place.mem_fraction_static)]
-                metrics = _free_port() if self.ns.metrics else None
-                if metrics is not None:
-                    args += ["--metrics-port", str(metrics)]
-                nodes.append(self._spawn(f"{role}-{i}", args, port, metrics))
-                flag = {"prefill": "--prefill", "decode": "--decode", "null": "--worker"}[role]
-                router += [flag, f"127.0.0.1:{port}" + (f":{bootstrap}" if role == "prefill" else "")]
+        for name in self.node_names:
+            role = name.rsplit("-", 1)[0]
+            port, bootstrap = _free_port(), _free_port()
+            metrics = _free_port() if self.ns.metrics else None
+            nodes.append(self._spawn(name, self.node_args(name, port, bootstrap, metrics), port, metrics))
+            flag = {"prefill": "--prefill", "decode": "--decode", "null": "--worker"}[role]
+            router += [flag, f"127.0.0.1:{port}" + (f":{bootstrap}" if role == "prefill" else "")]
         deadline = time.monotonic() + READY_TIMEOUT_S
-        for node in nodes:
-            self._wait_grpc_health(node, deadline)
+        self._wait_nodes_serving(nodes, deadline)
         child = self._spawn("router", router, self.ns.grpc_port)
         self._wait_http_health(child, deadline)
 
@@ -197,16 +240,20 @@ class LocalCluster:
         if child.proc.poll() is not None:
             raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; its log:\n{child.tail()}")
 
-    def _wait_grpc_health(self, child: Child, deadline: float) -> None:
-        with grpc.insecure_channel(f"127.0.0.1:{child.grpc_port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                self._check_alive(child)
-                with contextlib.suppress(grpc.RpcError):
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                        return
+    def _wait_nodes_serving(self, nodes: list[Child], deadline: float) -> None:
+        """Until every node's gRPC health is SERVING; the first node to exit meanwhile (e.g. a tp its model cannot
+        split) raises at once with its log, whichever node is being waited for."""
+        pending = list(nodes)
+        while pending and time.monotonic() < deadline:
+            for node in nodes:
+                self._check_alive(node)
+            pending = [n for n in pending if not _serving(n.grpc_port)]
+            if pending:
                 time.sleep(0.2)
-        raise TimeoutError(f"{child.name} not ready within {READY_TIMEOUT_S:.0f} s; its log:\n{child.tail()}")
+        if pending:
+            names = ", ".join(n.name for n in pending)
+            raise TimeoutError(f"{names} not ready within {READY_TIMEOUT_S:.0f} s; the log of {pending[0].name}:\n"
+                               f"{pending[0].tail()}")
 
     def _wait_http_health(self, child: Child, deadline: float) -> None:
         url = f"http://127.0.0.1:{self.ns.http_port}/health"
@@ -232,11 +279,11 @@ class LocalCluster:
                 child.proc.wait(5)
 
 
-def placement_lines(placement: dict[str, NodePlacement], dp_size: int) -> list[str]:
+def placement_lines(placement: dict[str, NodePlacement]) -> list[str]:
     """What ``up`` tells the user about GPU placement (nothing on CPU)."""
     lines = []
     for p in placement.values():
-        gpus = ", ".join(f"cuda:{p.base_gpu_id + d}" for d in range(dp_size))
+        gpus = ", ".join(f"cuda:{p.base_gpu_id + g}" for g in range(p.gpus))
         how = (f"shared with {', '.join(p.shares_with)}" if p.shares_with else "its own")
         lines.append(f"  {p.name:<10} on {gpus} ({how}; --mem-fraction-static {p.mem_fraction_static})")
     if placement:
@@ -269,7 +316,11 @@ def run_demo(http_port: int, model_name: str) -> None:
 
 
 def run_up(ns: argparse.Namespace) -> int:
-    cluster = LocalCluster(ns)
+    try:
+        cluster = LocalCluster(ns)
+    except (ValueError, RuntimeError) as e:  # placement: more GPUs than visible, nccl on a shared GPU
+        print(f"pdcluster up: {e}", file=sys.stderr, flush=True)
+        return 2
     stop_requested = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -279,11 +330,17 @@ def run_up(ns: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        print(f"starting: {ns.prefill} prefill + {ns.decode} decode node(s) on {ns.device}, model "
+        tp = ", ".join(f"{role} tp {node_tp_size(ns, role)}" for role, count in
+                       (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated)) if count)
+        print(f"starting: {ns.prefill} prefill + {ns.decode} decode node(s) on {ns.device} ({tp}), model "
               f"{cluster.model_path}, KV over {cluster.backend}; logs in {cluster.log_dir}", flush=True)
-        for line in placement_lines(cluster.placement, ns.dp_size or 1):
+        for line in placement_lines(cluster.placement):
             print(line, flush=True)
-        cluster.start()
+        try:
+            cluster.start()
+        except (RuntimeError, TimeoutError) as e:  # a node or the router failed to start: its log says why
+            print(f"pdcluster up failed: {e}", file=sys.stderr, flush=True)
+            return 1
         for child in cluster.children:
             metrics = f"  metrics http://127.0.0.1:{child.metrics_port}/metrics" if child.metrics_port else ""
             print(f"  {child.name:<10} pid {child.proc.pid:<7} grpc 127.0.0.1:{child.grpc_port}{metrics}", flush=True)

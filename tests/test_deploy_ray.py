@@ -2,7 +2,8 @@
 ``decode`` node, ``ray.cluster_utils.Cluster``), serving the tiny model through the real router and node processes.
 
 One module-scoped cluster (10-15 s to start); the tests run in order: placement, a request, a node failure, a hung
-node restarted by the liveness supervisor, down.
+node restarted by the liveness supervisor, down, then a tp 2 deployment on the same Ray cluster (one STRICT_PACK
+placement group of 2 rank bundles per node, same greedy tokens).
 """
 
 from __future__ import annotations
@@ -241,6 +242,34 @@ def test_down_leaves_no_actors(cluster: dict[str, Any]) -> None:
     while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_pid_alive(p) for p in pids), "a node or router process outlived its actor"
+
+
+def test_tp2_nodes_run_in_one_placement_group_each_with_the_same_greedy_tokens(cluster: dict[str, Any]) -> None:
+    """End to end with tp 2 on both roles (needs the node's TP wiring): each node's 2 ranks hold the 2 bundles of
+    its own STRICT_PACK group on its role's machine, and the router's greedy tokens equal the colocated engine's."""
+    from ray.util import placement_group_table
+
+    spec = cluster["spec"].with_port_bases(router=_free_base(), prefill=_free_base(), decode=_free_base()).with_tp(
+        prefill=2, decode=2)
+    opts = deployer.RayOptions(namespace=NAMESPACE, node_cpus=0.5, start_timeout_s=180)
+    try:
+        out = deployer.up(spec, opts)
+        groups = {pg["name"]: pg for pg in placement_group_table().values() if pg["state"] == "CREATED"}
+        for role in ("prefill", "decode"):
+            pg = groups[f"pdcluster-{role}-0"]
+            assert pg["strategy"] == "STRICT_PACK" and len(pg["bundles"]) == 2, pg
+            assert set(pg["bundles_to_node_id"].values()) == {cluster["nodes"][role].node_id}
+            assert _actor_node(role) == cluster["nodes"][role].node_id
+            slot = ray.get_actor(deployer.slot_name(role, 0, 1), namespace=NAMESPACE)
+            assert ray.get(slot.placement.remote())["node_id"] == cluster["nodes"][role].node_id
+            pid = deployer.status(NAMESPACE)[deployer.actor_name(role, 0)]["pid"]  # type: ignore[index]
+            assert len(rank_pids(pid)) == 2, f"{role}: the node does not run 2 rank processes"
+        _, ref_ids = _colocated(cluster["model"])
+        assert _generate_ids(out["routers"][0]["grpc"]) == ref_ids  # type: ignore[index]
+    finally:
+        deployer.down(NAMESPACE, grace=5)
+    assert not [pg for pg in placement_group_table().values()
+                if pg.get("name", "").startswith("pdcluster-") and pg["state"] != "REMOVED"]
 
 
 def _pid_alive(pid: int) -> bool:

@@ -61,7 +61,7 @@ def test_up_gives_each_node_its_own_gpus_when_there_are_enough() -> None:
     places = place_nodes(["prefill-0", "decode-0", "decode-1"], dp_size=2, num_gpus=8, mem_fraction=0.8)
     assert [(p.base_gpu_id, p.mem_fraction_static, p.shares_with) for p in places] == [
         (0, 0.8, ()), (2, 0.8, ()), (4, 0.8, ())]
-    lines = placement_lines({p.name: p for p in places}, 2)
+    lines = placement_lines({p.name: p for p in places})
     assert lines[0] == "GPU placement: each node has its own GPU(s)"
     assert "decode-0" in lines[2] and "cuda:2, cuda:3 (its own" in lines[2]
 
@@ -72,7 +72,7 @@ def test_up_shares_gpus_and_splits_memory_when_there_are_too_few() -> None:
     assert places[0].shares_with == ("decode-1",) and places[1].shares_with == ()
     one = place_nodes(["prefill-0", "decode-0"], dp_size=1, num_gpus=1, mem_fraction=0.85)
     assert [(p.base_gpu_id, p.mem_fraction_static) for p in one] == [(0, 0.425), (0, 0.425)]
-    assert placement_lines({p.name: p for p in one}, 1)[0].startswith("GPU placement: nodes share GPUs")
+    assert placement_lines({p.name: p for p in one})[0].startswith("GPU placement: nodes share GPUs")
     with pytest.raises(ValueError, match="needs 4 GPUs per node"):
         place_nodes(["prefill-0"], dp_size=4, num_gpus=2, mem_fraction=0.8)
 
@@ -96,3 +96,70 @@ def test_up_default_backend_and_node_flags_follow_the_device(tmp_path) -> None:
     with pytest.raises(RuntimeError, match=r"nccl cannot pair two nodes on one GPU.*shm or tcp"):
         LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path), "--device", "cuda",
                             "--num-gpus", "1", "--kv-transfer-backend", "nccl"))
+
+
+def test_up_places_tp_nodes_on_dp_times_tp_consecutive_gpus() -> None:
+    tp = {"prefill-0": 2, "decode-0": 1, "decode-1": 1}
+    places = place_nodes(list(tp), dp_size=2, num_gpus=8, mem_fraction=0.8, tp_size=tp)
+    assert [(p.base_gpu_id, p.gpus, p.mem_fraction_static, p.shares_with) for p in places] == [
+        (0, 4, 0.8, ()), (4, 2, 0.8, ()), (6, 2, 0.8, ())]
+    assert "cuda:0, cuda:1, cuda:2, cuda:3 (its own" in placement_lines({p.name: p for p in places})[1]
+    # Too few GPUs: round-robin from GPU 0; a node overlapping two others on one GPU gets a third of the memory.
+    shared = place_nodes(["prefill-0", "decode-0", "decode-1", "decode-2"], dp_size=1, num_gpus=2, mem_fraction=0.9,
+                         tp_size={"prefill-0": 2})
+    assert [(p.base_gpu_id, p.gpus, p.mem_fraction_static) for p in shared] == [
+        (0, 2, 0.3), (0, 1, 0.3), (1, 1, 0.45), (0, 1, 0.3)]
+    assert shared[0].shares_with == ("decode-0", "decode-1", "decode-2") and shared[2].shares_with == ("prefill-0",)
+    with pytest.raises(ValueError, match=r"prefill-0 needs 4 GPUs per node \(--dp-size 1 x --tp-size 4\)"):
+        place_nodes(["prefill-0"], dp_size=1, num_gpus=2, mem_fraction=0.8, tp_size={"prefill-0": 4})
+
+
+def _serve_args(cluster: LocalCluster, name: str) -> ServerArgs:
+    from common.config import server_args_from_cli
+
+    argv = cluster.node_args(name, port=5000, bootstrap=5001)
+    assert argv[0] == "serve"
+    return server_args_from_cli(build_parser().parse_args(argv))  # the node's own parser and checks
+
+
+def test_up_passes_per_role_tp_to_the_node_command_lines(tmp_path) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    model = str(make_tiny_model("llama"))
+    base = ("--model-path", model, "--log-dir", str(tmp_path), "--prefill", "1", "--decode", "2")
+    both = LocalCluster(_up_ns(*base, "--tp-size", "2"))
+    assert [_serve_args(both, n).tp_size for n in both.node_names] == [2, 2, 2]
+    split = LocalCluster(_up_ns(*base, "--prefill-tp-size", "2", "--decode-tp-size", "1", "--colocated", "1",
+                                "--tp-size", "4"))
+    args = {n: _serve_args(split, n) for n in split.node_names}
+    assert {n: a.tp_size for n, a in args.items()} == {"prefill-0": 2, "decode-0": 1, "decode-1": 1, "null-0": 4}
+    assert args["prefill-0"].disaggregation_mode == "prefill" and args["null-0"].disaggregation_mode == "null"
+    # CPU: one torch thread per rank, whatever the tp (2 cores must not be oversubscribed by a node's ranks).
+    assert {a.torch_num_threads for a in args.values()} == {1} and all(a.device == "cpu" for a in args.values())
+    gpu = LocalCluster(_up_ns(*base, "--prefill-tp-size", "2", "--device", "cuda", "--num-gpus", "4"))
+    gargs = {n: _serve_args(gpu, n) for n in gpu.node_names}
+    assert {n: (a.base_gpu_id, a.tp_size, a.mem_fraction_static) for n, a in gargs.items()} == {
+        "prefill-0": (0, 2, 0.85), "decode-0": (2, 1, 0.85), "decode-1": (3, 1, 0.85)}
+    with pytest.raises(SystemExit):
+        _up_ns(*base, "--decode-tp-size", "0")
+    with pytest.raises(ValueError, match="needs 8 GPUs per node"):
+        LocalCluster(_up_ns(*base, "--tp-size", "8", "--device", "cuda", "--num-gpus", "4"))
+
+
+def test_up_reports_the_start_up_error_of_a_node(tmp_path) -> None:
+    import time
+
+    from common.up import _free_port
+    from tests.model_fixtures import make_tiny_model
+
+    cluster = LocalCluster(_up_ns("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path),
+                                  "--decode-tp-size", "2"))
+    port = _free_port()
+    # A flag set the node refuses at start-up (a multi-host group without its rendezvous address).
+    args = [*cluster.node_args("decode-0", port, _free_port()), "--nnodes", "2"]
+    child = cluster._spawn("decode-0", args, port)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)decode-0 exited with code [1-9].*--dist-init-addr"):
+            cluster._wait_nodes_serving([child], time.monotonic() + 120)
+    finally:
+        cluster.stop()

@@ -92,11 +92,33 @@ class _ProcessActor:
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
+class RankSlot:
+    """Holds one bundle of a node's placement group for one of its rank processes (rank >= 1): while it lives,
+    Ray gives the bundle's CPUs and GPUs to nobody else. The node actor runs the rank on ``placement()``'s GPUs."""
+
+    def placement(self) -> dict[str, object]:
+        return {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+
+def rank_devices_env(own_gpu_ids: list[str], slots: list[dict[str, object]], node_id: str) -> dict[str, str]:
+    """The node process's ``CUDA_VISIBLE_DEVICES``: bundle 0's GPUs (the actor's own) then each slot's, in rank
+    order, so rank r's ``cuda:r`` (``--base-gpu-id 0``) is bundle r's GPU. Empty without GPUs. Every slot must be
+    on this machine (the group is STRICT_PACK)."""
+    elsewhere = [s for s in slots if s["node_id"] != node_id]
+    if elsewhere:
+        raise RuntimeError(f"rank slots {elsewhere} are not on this node {node_id}: the group must be STRICT_PACK")
+    gpus = [*own_gpu_ids, *(str(g) for s in slots for g in s["gpu_ids"])]  # type: ignore[attr-defined]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0)
 class NodeActor(_ProcessActor):
-    """One prefill or decode node: ``pdcluster serve`` on the Ray node's IP and this replica's ports."""
+    """One prefill or decode node: ``pdcluster serve`` on the Ray node's IP and this replica's ports. Its rank
+    processes beyond rank 0 use the bundles the ``slots`` (``RankSlot.placement()`` answers) hold."""
 
     def __init__(self, role: str, argv: list[str], port: int, bootstrap_port: int | None, registry_name: str,
-                 namespace: str, start_timeout: float = 300.0, metrics_port: int | None = None) -> None:
+                 namespace: str, start_timeout: float = 300.0, metrics_port: int | None = None,
+                 slots: list[dict[str, object]] | None = None) -> None:
         host = ray.util.get_node_ip_address()
         self.role = role
         self.address = f"{host}:{port}"
@@ -104,7 +126,9 @@ class NodeActor(_ProcessActor):
         self.worker = WorkerInfo(self.address, role, bootstrap_port)
         self.registry = ray.get_actor(registry_name, namespace=namespace)
         argv = [a.replace("{host}", host) for a in argv]
-        self.proc = ManagedProcess(argv, _log_dir() / f"{role}-{host}-{port}.log")
+        env = rank_devices_env([str(g) for g in ray.get_gpu_ids()], slots or [],
+                               ray.get_runtime_context().get_node_id())
+        self.proc = ManagedProcess(argv, _log_dir() / f"{role}-{host}-{port}.log", env)
         self.proc.wait_serving(self.address, start_timeout)
         self._watch(f"{role} node {self.address}")
         self._registered = True

@@ -1,6 +1,7 @@
 """``pdcluster ray up|down|status``: deploy the cluster spec onto a Ray cluster as actors.
 
-    pdcluster ray up --address local --prefill 1 --decode 1 [--dp-size 2] [--model-path DIR] [--profile cpu-dev]
+    pdcluster ray up --address local --prefill 1 --decode 1 [--dp-size 2] [--tp-size 2 | --prefill-tp-size 2]
+                     [--model-path DIR] [--profile cpu-dev]
     pdcluster ray status --address ADDR
     pdcluster ray supervise --address ADDR     (restarts node actors that fail /liveness; until Ctrl-C)
     pdcluster ray down --address ADDR
@@ -35,6 +36,9 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
         s.add_argument("--decode", type=int, default=None, help="decode replicas (default: the spec's)")
         s.add_argument("--routers", type=int, default=None, help="router replicas (default: the spec's)")
         s.add_argument("--dp-size", type=int, default=None, help="DP ranks per node (default: the spec's)")
+        s.add_argument("--tp-size", type=int, default=None, help="TP ranks per DP replica of both node roles")
+        s.add_argument("--prefill-tp-size", type=int, default=None, help="prefill nodes' TP size (over --tp-size)")
+        s.add_argument("--decode-tp-size", type=int, default=None, help="decode nodes' TP size (over --tp-size)")
         s.add_argument("--model-path", default=None, help="model folder present on every Ray node")
         s.add_argument("--kv-transfer-backend", default=None)
         s.add_argument("--max-total-tokens", type=int, default=None)
@@ -51,7 +55,13 @@ def spec_from_args(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     counts = {k: v for k, v in (("prefill", ns.prefill), ("decode", ns.decode), ("router", ns.routers)) if v is not None}
     flags = {k: v for k, v in (("dp_size", ns.dp_size), ("kv_transfer_backend", ns.kv_transfer_backend),
                                ("max_total_tokens", ns.max_total_tokens)) if v is not None}
-    return spec.with_counts(**counts).with_flags(model_path=ns.model_path, **flags)
+    tp = {role: size for role in ("prefill", "decode")
+          if (size := _first_set(getattr(ns, f"{role}_tp_size"), ns.tp_size)) is not None}
+    return spec.with_counts(**counts).with_tp(**tp).with_flags(model_path=ns.model_path, **flags)
+
+
+def _first_set(*values: int | None) -> int | None:
+    return next((v for v in values if v is not None), None)
 
 
 def run_ray(ns: argparse.Namespace) -> int:

@@ -1,8 +1,8 @@
 """``up`` / ``down`` / ``status`` of a pdcluster deployment on a Ray cluster (driver side).
 
 Names, all in one Ray namespace: ``pdcluster-registry``, ``pdcluster-router-<i>``, ``pdcluster-prefill-<i>``,
-``pdcluster-decode-<i>`` (detached actors, so the deployment outlives the ``ray up`` driver), and placement groups
-``pdcluster-<role>[-<i>]``.
+``pdcluster-decode-<i>`` (detached actors, so the deployment outlives the ``ray up`` driver), the rank slots of a
+node with several ranks ``pdcluster-slot-<role>-<i>-<bundle>``, and placement groups ``pdcluster-<role>[-<i>]``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.errors import ConfigError
 from common.security import CLUSTER_TOKEN_ENV
-from deploy.ray.actors import REGISTRY_NAME, NodeActor, RouterActor, WorkerRegistry
+from deploy.ray.actors import REGISTRY_NAME, NodeActor, RankSlot, RouterActor, WorkerRegistry
 from deploy.ray.placement import PinMode, ReplicaPlacement, actor_label_selector, plan_role
 from deploy.spec import NODE_ROLES, ClusterSpec
 
@@ -41,26 +41,41 @@ def actor_name(role: str, index: int) -> str:
     return f"{PREFIX}-{role}-{index}"
 
 
+SLOT_PREFIX = f"{PREFIX}-slot-"
+
+
+def slot_name(role: str, index: int, bundle: int) -> str:
+    return f"{SLOT_PREFIX}{role}-{index}-{bundle}"
+
+
 def secret_env(registry: ray.actor.ActorHandle) -> dict[str, object]:
     """Actor options handing the cluster secret (generated once, by the detached registry) to an actor's process."""
     return {"runtime_env": {"env_vars": {CLUSTER_TOKEN_ENV: ray.get(registry.cluster_secret.remote())}}}
 
 
-def _node_actor(spec: ClusterSpec, place: ReplicaPlacement, pg: PlacementGroup, opts: RayOptions,
-                secret: dict[str, object]) -> ray.actor.ActorHandle:
-    p = spec.ports(place.role, place.index)
-    argv = spec.node_argv(place.role, "{host}", place.index)
+def _bundle_options(place: ReplicaPlacement, pg: PlacementGroup, bundle: int, opts: RayOptions) -> dict[str, object]:
     options: dict[str, object] = {
-        "name": actor_name(place.role, place.index), "namespace": opts.namespace, "lifetime": "detached",
+        "namespace": opts.namespace, "lifetime": "detached",
         "num_cpus": place.num_cpus, "num_gpus": place.num_gpus, "resources": place.resources,
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=place.bundle),
-        **secret,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
     }
     selector = actor_label_selector(place.role, opts.pin)
     if selector:
         options["label_selector"] = selector
+    return options
+
+
+def _node_actor(spec: ClusterSpec, place: ReplicaPlacement, pg: PlacementGroup, opts: RayOptions,
+                secret: dict[str, object]) -> ray.actor.ActorHandle:
+    """The node actor in its rank 0 bundle, after a slot actor took each other rank's bundle."""
+    p = spec.ports(place.role, place.index)
+    argv = spec.node_argv(place.role, "{host}", place.index)
+    slots = [RankSlot.options(name=slot_name(place.role, place.index, b),  # type: ignore[attr-defined]
+                              **_bundle_options(place, pg, b, opts)).remote() for b in place.rank_bundles]
+    where = ray.get([s.placement.remote() for s in slots], timeout=opts.start_timeout_s)
+    options = {"name": actor_name(place.role, place.index), **_bundle_options(place, pg, place.bundle, opts), **secret}
     return NodeActor.options(**options).remote(  # type: ignore[attr-defined]
-        place.role, argv, p.grpc, p.bootstrap, REGISTRY_NAME, opts.namespace, opts.start_timeout_s, p.metrics
+        place.role, argv, p.grpc, p.bootstrap, REGISTRY_NAME, opts.namespace, opts.start_timeout_s, p.metrics, where
     )
 
 
@@ -77,19 +92,27 @@ def gpus_per_rank(spec: ClusterSpec, override: int | None = None) -> dict[str, i
     return {role: spec.role(role).resources.gpus_per_rank for role in NODE_ROLES}
 
 
+def check_one_host_groups(spec: ClusterSpec) -> None:
+    """Ray packs a node's ranks on one machine (STRICT_PACK); a TP group spanning hosts is the LWS overlay's."""
+    for role in NODE_ROLES:
+        if spec.role(role).nnodes > 1:
+            raise ConfigError(f"{role}.nnodes is {spec.role(role).nnodes}: on Ray a node's TP group runs on one "
+                              "machine (one STRICT_PACK placement group); use nnodes 1 with a tp that fits a machine")
+
+
 def up(spec: ClusterSpec, opts: RayOptions = RayOptions(), wait: bool = True) -> dict[str, object]:
     """Create the registry, the node placement groups and actors, and the routers. Returns the endpoints."""
     gpus_per_rank(spec, opts.gpus_per_rank)  # refuse a GPU spec without GPUs before creating anything
+    check_one_host_groups(spec)
     registry = WorkerRegistry.options(  # type: ignore[attr-defined]
         name=REGISTRY_NAME, namespace=opts.namespace, lifetime="detached", get_if_exists=True, max_restarts=-1
     ).remote()
     ray.get(registry.snapshot.remote())
     secret = secret_env(registry)
-    tp = int(spec.shared.get("tp-size", 1))
     gpus = gpus_per_rank(spec, opts.gpus_per_rank)
     handles: list[ray.actor.ActorHandle] = []
     for role in NODE_ROLES:
-        groups, places = plan_role(role, spec.role(role).replicas, tp, cpus_per_rank=opts.node_cpus,
+        groups, places = plan_role(role, spec.role(role).replicas, spec.ranks(role), cpus_per_rank=opts.node_cpus,
                                    gpus_per_rank=gpus[role], pin=opts.pin, prefix=PREFIX)
         pgs = {}
         for g in groups:
@@ -138,7 +161,7 @@ def down(namespace: str = "pdcluster", grace: float = 30.0) -> list[str]:
     """Drain and remove every actor and placement group of the deployment. Returns the removed actor names."""
     names = _named_actors(namespace)
     handles = {n: ray.get_actor(n, namespace=namespace) for n in names}
-    serving = {n: h for n, h in handles.items() if n != REGISTRY_NAME}
+    serving = {n: h for n, h in handles.items() if n != REGISTRY_NAME and not n.startswith(SLOT_PREFIX)}
     # Nodes first (they deregister, then drain), routers last so in-flight requests can finish.
     nodes = [n for n in serving if not n.startswith(f"{PREFIX}-router-")]
     for batch in (nodes, [n for n in serving if n not in nodes]):
@@ -166,7 +189,7 @@ def status(namespace: str = "pdcluster") -> dict[str, object]:
     """Per actor: healthy or the error ``check_health`` raised, plus where it runs."""
     out: dict[str, object] = {}
     for n in _named_actors(namespace):
-        if n == REGISTRY_NAME:
+        if n == REGISTRY_NAME or n.startswith(SLOT_PREFIX):
             continue
         h = ray.get_actor(n, namespace=namespace)
         try:

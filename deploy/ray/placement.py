@@ -1,12 +1,15 @@
-"""Where Ray puts each replica: pure functions from (role, replicas, tp size, GPUs) to placement groups and actor
-options, so the plan is tested without a cluster.
+"""Where Ray puts each replica: pure functions from (role, replicas, ranks per replica, GPUs) to placement groups
+and actor options, so the plan is tested without a cluster.
 
 - Role pinning: a custom resource named after the role (``resources={"prefill": 0.01}``; Ray nodes of that pool
   start with ``--resources '{"prefill": 1}'``) or a node label (``label_selector={"pdcluster.io/role": "prefill"}``).
-- A node with tp ranks needs tp bundles on one machine: STRICT_PACK, ``num_gpus`` 1 per rank when GPUs exist.
-- Replicas of one role go to different machines when they can: with tp == 1 (one bundle per replica) all replicas
-  of a role share one SPREAD group, one bundle each; with tp > 1 each replica gets its own STRICT_PACK group
-  (Ray places groups independently; the replicas still land on role nodes).
+- A node runs ``ranks`` = tp x dp-size scheduler rank processes on one machine: one bundle per rank (its CPUs, and
+  ``gpus_per_rank`` GPUs when there are GPUs), all in ONE STRICT_PACK group per replica. The node actor takes
+  bundle 0 (its front and rank 0); a slot actor holds each other bundle and hands its GPUs to the node, so rank r
+  runs on bundle r's GPUs (``RankSlot``).
+- Replicas of one role go to different machines when they can: with one rank per replica all replicas of a role
+  share one SPREAD group, one bundle each; with more, each replica gets its own STRICT_PACK group (Ray places
+  groups independently; the replicas still land on role nodes).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class GroupPlan:
 
 @dataclass(frozen=True)
 class ReplicaPlacement:
-    """Replica ``index`` of ``role`` runs in group ``group`` at ``bundle`` (its first TP rank's bundle)."""
+    """Replica ``index`` of ``role`` runs in group ``group`` at ``bundle`` (its rank 0's bundle); its other ranks'
+    bundles are ``rank_bundles`` (in rank order), each held by a slot actor with the same resources."""
 
     role: str
     index: int
@@ -40,6 +44,7 @@ class ReplicaPlacement:
     resources: dict[str, float] = field(default_factory=dict)
     num_cpus: float = 0.0
     num_gpus: float = 0.0
+    rank_bundles: tuple[int, ...] = ()
 
 
 def rank_bundle(role: str, cpus: float, gpus_per_rank: int, pin: PinMode) -> dict[str, float]:
@@ -52,16 +57,19 @@ def rank_bundle(role: str, cpus: float, gpus_per_rank: int, pin: PinMode) -> dic
 
 
 def plan_role(
-    role: str, replicas: int, tp_size: int = 1, *, cpus_per_rank: float = 1.0, gpus_per_rank: int = 0,
+    role: str, replicas: int, ranks: int = 1, *, cpus_per_rank: float = 1.0, gpus_per_rank: int = 0,
     pin: PinMode = "resources", prefix: str = "pdcluster",
 ) -> tuple[list[GroupPlan], list[ReplicaPlacement]]:
-    """Placement groups and replica placements of one node role (prefill or decode)."""
+    """Placement groups and replica placements of one node role (prefill or decode) whose replicas each run
+    ``ranks`` scheduler rank processes (tp x dp-size)."""
     if replicas < 1:
         return [], []
+    if ranks < 1:
+        raise ValueError(f"a {role} replica needs >= 1 rank, got {ranks}")
     bundle = rank_bundle(role, cpus_per_rank, gpus_per_rank, pin)
     selector = [{ROLE_LABEL: role}] if pin == "labels" else None
     actor_res = {role: ROLE_RESOURCE_AMOUNT} if pin == "resources" else {}
-    if tp_size == 1:
+    if ranks == 1:
         group = GroupPlan(f"{prefix}-{role}", "SPREAD", [dict(bundle) for _ in range(replicas)],
                           selector * replicas if selector else None)
         places = [
@@ -71,11 +79,11 @@ def plan_role(
         return [group], places
     groups, places = [], []
     for i in range(replicas):
-        g = GroupPlan(f"{prefix}-{role}-{i}", "STRICT_PACK", [dict(bundle) for _ in range(tp_size)],
-                      selector * tp_size if selector else None)
+        g = GroupPlan(f"{prefix}-{role}-{i}", "STRICT_PACK", [dict(bundle) for _ in range(ranks)],
+                      selector * ranks if selector else None)
         groups.append(g)
-        # The actor (front + rank 0) takes bundle 0; the other ranks' bundles hold their GPUs.
-        places.append(ReplicaPlacement(role, i, g.name, 0, actor_res, cpus_per_rank, float(gpus_per_rank)))
+        places.append(ReplicaPlacement(role, i, g.name, 0, actor_res, cpus_per_rank, float(gpus_per_rank),
+                                       tuple(range(1, ranks))))
     return groups, places
 
 
