@@ -244,6 +244,47 @@ def test_down_leaves_no_actors(cluster: dict[str, Any]) -> None:
     assert not any(_pid_alive(p) for p in pids), "a node or router process outlived its actor"
 
 
+@ray.remote(num_cpus=0)
+class _BundleProbe:
+    """Stands in for the node actor in bundle 0: what Ray gives it there."""
+
+    def where(self) -> tuple[str, list[str]]:
+        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
+
+def test_tp2_rank_bundles_hand_distinct_gpus_of_one_machine_to_the_node(cluster: dict[str, Any]) -> None:
+    """On a machine with 2 (Ray-accounted) GPUs: the tp 2 plan's STRICT_PACK group puts both rank bundles there, the
+    slot actor of bundle 1 gets the GPU bundle 0 does not, and the node's CUDA_VISIBLE_DEVICES lists both in order."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from deploy.ray.actors import RankSlot, rank_devices_env
+    from deploy.ray.placement import plan_role
+
+    c: Cluster = cluster["cluster"]
+    gpu_node = c.add_node(node_ip_address="127.0.0.1", num_cpus=1, num_gpus=2, object_store_memory=75 << 20)
+    c.wait_for_nodes()
+    (group,), (place,) = plan_role("prefill", 1, 2, cpus_per_rank=0.25, gpus_per_rank=1, pin="none",
+                                   prefix="pdcluster-gputest")
+    pg = placement_group(group.bundles, strategy=group.strategy, name=group.name)  # type: ignore[arg-type]
+    opts = deployer.RayOptions(namespace=NAMESPACE, pin="none")
+    try:
+        ray.get(pg.ready(), timeout=60)
+        probe = _BundleProbe.options(**deployer._bundle_options(place, pg, place.bundle, opts)).remote()  # type: ignore[attr-defined]
+        slots = [RankSlot.options(**deployer._bundle_options(place, pg, b, opts)).remote()  # type: ignore[attr-defined]
+                 for b in place.rank_bundles]
+        node_id, own = ray.get(probe.where.remote(), timeout=60)
+        where = ray.get([s.placement.remote() for s in slots], timeout=60)
+        assert node_id == gpu_node.node_id and len(own) == 1
+        env = rank_devices_env(own, where, node_id)
+        visible = env["CUDA_VISIBLE_DEVICES"].split(",")
+        assert visible[0] == own[0] and sorted(visible) == ["0", "1"], env
+        for actor in (probe, *slots):
+            ray.kill(actor)
+    finally:
+        remove_placement_group(pg)
+        c.remove_node(gpu_node)
+
+
 def test_tp2_nodes_run_in_one_placement_group_each_with_the_same_greedy_tokens(cluster: dict[str, Any]) -> None:
     """End to end with tp 2 on both roles (needs the node's TP wiring): each node's 2 ranks hold the 2 bundles of
     its own STRICT_PACK group on its role's machine, and the router's greedy tokens equal the colocated engine's."""
