@@ -11,8 +11,8 @@
 
 A role with nnodes > 1 exists only as a LeaderWorkerSet (components/multinode-lws): one group of nnodes pods per
 replica, pod ``$(LWS_WORKER_INDEX)`` running node rank ``$(LWS_WORKER_INDEX)`` with ``--dist-init-addr`` on the leader
-(``$(LWS_LEADER_ADDRESS)``, set by the LWS controller). Worker pods serve no gRPC Worker: they declare no ``grpc``
-port (discovery skips them) and have no probes; a hung or dead worker rank stalls the group's collectives, so the
+(``$(LWS_LEADER_ADDRESS)``, set by the LWS controller). Worker pods (``serve`` with ``--node-rank`` > 0) serve no
+gRPC Worker, Bootstrap or metrics: they declare no ports (discovery skips them) and have no probes; a hung or dead worker rank stalls the group's collectives, so the
 leader's ``/liveness`` fails and ``RecreateGroupOnPodRestart`` recreates the whole group.
 
 The base YAML (deploy/k8s/base) holds only what the spec does not: probes' kinds and paths, lifecycle, env,
@@ -74,12 +74,13 @@ def container_args(spec: ClusterSpec, role: str) -> list[str]:
 
 
 def container_ports(spec: ClusterSpec, role: str, leader: bool = True) -> list[dict[str, Any]]:
-    """Named ports of a role's main container. Worker pods of a group (``leader=False``) listen only on metrics."""
+    """Named ports of a role's main container. Worker pods of a group (``leader=False``) serve nothing by name: their
+    ranks only dial the leader's rendezvous and take gloo/NCCL connections on ephemeral ports."""
     p = spec.ports(role)
     named = {"grpc": p.grpc, "bootstrap": p.bootstrap, "metrics": p.metrics, "http": p.http,
              "dist-init": p.dist_init}
     if not leader:
-        named = {"metrics": p.metrics}
+        return []
     return [{"name": n, "containerPort": port, "protocol": "TCP"} for n, port in named.items() if port is not None]
 
 

@@ -140,8 +140,8 @@ def test_network_policies_admit_exactly_the_cluster_flows(overlay: str) -> None:
         p = spec.ports(dst)
         if dst == "router":
             return port in (p.grpc, p.http)
-        if group_worker:  # a TP group's non-leader pod listens on metrics and its ranks' ephemeral ports only
-            return (src in NODE_ROLES and port in KV_PORTS) or (src == "prometheus" and port == p.metrics)
+        if group_worker:  # a TP group's non-leader pod: only its ranks' gloo/NCCL ephemeral ports, from nodes
+            return src in NODE_ROLES and port in KV_PORTS
         if src == "router":
             return port == p.grpc
         if src in NODE_ROLES:
