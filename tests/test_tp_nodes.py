@@ -8,16 +8,20 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 
 from pdcluster.v1 import worker_pb2
 from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import Node, rank_pids, start_node
+from tests.node_helpers import Node, free_port, rank_pids, start_node
 from tests.test_nodes import FAST_DEADLINES, greedy_request, reference, run_pd, tokens_of
 
 pytestmark = pytest.mark.slow
@@ -125,3 +129,33 @@ def test_killed_tp_rank_fails_its_node_and_frees_the_peer(model_path) -> None:
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_tp_group_spanning_two_hosts_matches_tp1(model_path, colocated) -> None:
+    """``--nnodes 2``: node 0 (the Worker service) and node 1 (ranks only) each run one TP rank of one group,
+    meeting at ``--dist-init-addr`` (two processes on this host stand for two hosts)."""
+    rendezvous = f"127.0.0.1:{free_port()}"
+    multi = [*tp_args(2), "--nnodes", "2", "--dist-init-addr", rendezvous]
+    leader = start_node("null", model_path, extra=[*multi, "--node-rank", "0"], wait=False)
+    log = Path(tempfile.mkstemp(prefix="pdcluster-node1-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "common.cli", "serve", "--model-path", str(model_path), "--host", "127.0.0.1",
+           "--max-total-tokens", "4096", "--max-running-requests", "32", "--torch-num-threads", "1", *multi,
+           "--node-rank", "1"]
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        leader.wait_ready()
+        assert len(rank_pids(leader.proc.pid)) == 1 and len(rank_pids(worker.pid)) == 1
+        reqs = requests("hosts", 11)[:5]
+        got = [tokens_of(leader.stub.Generate(r, timeout=60))[0] for r in reqs]
+        assert got == [reference(colocated, r) for r in reqs]
+        leader.wait_pools_free()
+        assert "TP host ready: node rank 1/2, tp ranks [1] of 2" in log.read_text()
+    finally:
+        leader.stop()
+        try:
+            worker.wait(30)  # the leader's ShutdownReq reaches rank 1 through the group; its host then stops
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait(10)
+            raise

@@ -144,7 +144,8 @@ class NodeServer:
 async def serve_tp_host(args: ServerArgs) -> int:
     """``--node-rank`` > 0: run this host's share of the TP ranks; node 0 serves the Worker and Bootstrap services.
 
-    Exits non-zero when a local rank dies (its group's collectives then fail on every host, node 0 included).
+    Exits non-zero when a local rank dies (its group's collectives then fail on every host, node 0 included), and
+    zero when its ranks stop on node 0's shutdown.
     """
     require_cluster_token(args.disaggregation_mode)
     model_path = str(resolve_model_path(args.model_path))
@@ -163,7 +164,8 @@ async def serve_tp_host(args: ServerArgs) -> int:
     while not stop.is_set() and ranks.alive():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
-    died = not stop.is_set()
+    # Ranks that all exited 0 followed node 0's shutdown (broadcast through the group); anything else is a death.
+    died = not stop.is_set() and any(p.exitcode != 0 for p in ranks.procs)
     await ranks.close()
     if died:
         logger.error("a scheduler rank of this host died; it stops (exit code 1)")
