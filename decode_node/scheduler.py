@@ -12,15 +12,16 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import ServerArgs
-from common.disagg import make_kv_manager, transfer_error_code
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, SchedulerInput
+from common.mem.pages import bytes_per_page
 from common.req import Req
 from common.sampling.stop import check_finished
 from common.scheduler import Scheduler
 from common.scheduler_metrics import DisaggQueueCounts
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
+from kvtransfer.node import make_kv_manager, transfer_error_code
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class DecodeScheduler:
         self.kv_manager = make_kv_manager(self.args, self.sched.runner, "decode", dp_rank)
         self.prealloc_queue = DecodePreallocQueue(self.sched, self.kv_manager, args.num_reserved_decode_tokens)
         self.transfer_queue = DecodeTransferQueue()
-        self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
+        self.bytes_per_page = bytes_per_page(self.sched.runner.kv_pool)
         self.sched.disagg_queue_counts = self.queue_counts
 
     def queue_counts(self) -> DisaggQueueCounts:

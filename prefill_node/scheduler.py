@@ -17,15 +17,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from common.config import ServerArgs
-from common.disagg import make_kv_manager, num_pages, req_pages, transfer_error_code
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, PrefillDone, SchedulerInput, Timing
+from common.mem.pages import bytes_per_page, num_pages, req_pages
 from common.model_runner import BatchResult
 from common.req import Req
 from common.schedule_batch import ScheduleBatch
 from common.scheduler import Scheduler, internal_error_message
 from common.scheduler_metrics import DisaggQueueCounts
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
+from kvtransfer.node import make_kv_manager, transfer_error_code
 from kvtransfer.poll import KVPoll
 from prefill_node.bootstrap_queue import PrefillBootstrapQueue
 from prefill_node.inflight_queue import PrefillInflightQueue
@@ -44,7 +45,7 @@ class PrefillScheduler:
         self.kv_manager = make_kv_manager(args, self.sched.runner, "prefill", dp_rank)
         self.bootstrap_queue = PrefillBootstrapQueue(self.sched, self.kv_manager)
         self.inflight_queue = PrefillInflightQueue()
-        self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
+        self.bytes_per_page = bytes_per_page(self.sched.runner.kv_pool)
         self.executor = None if args.disable_overlap_schedule else ThreadPoolExecutor(1, "prefill-forward")
         self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
         self.sched.disagg_queue_counts = self.queue_counts
