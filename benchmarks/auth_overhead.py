@@ -20,7 +20,8 @@ from kvtransfer.args import KVTransferConfig
 from kvtransfer.bootstrap import BootstrapServer
 from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, encode
-from kvtransfer.receiver import KVReceiver
+from kvtransfer.receiver import DecodeRooms, KVReceiver
+from kvtransfer.sender import PrefillRooms
 from tests.kvtransfer_helpers import DECODE_SEED, PREFILL_SEED, make_args
 
 SECRET = "benchmark-only-secret-value"
@@ -31,11 +32,11 @@ def handshake_ms(peers: int) -> list[float]:
     config = KVTransferConfig(backend="fake", cluster_token=SECRET, heartbeat_interval_s=5.0)
     server = BootstrapServer(SECRET)
     port = server.start()
-    prefill = KVManager(make_args(PREFILL_SEED, 16), config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
+    prefill = KVManager(make_args(PREFILL_SEED, 16), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
     samples = []
     try:
         for i in range(peers):
-            decode = KVManager(make_args(DECODE_SEED, 16), config, "decode")
+            decode = KVManager(make_args(DECODE_SEED, 16), config, DecodeRooms)
             rooms = decode.rooms
             receiver = KVReceiver(decode, 1000 + i, f"127.0.0.1:{port}")
             receiver.init(0)

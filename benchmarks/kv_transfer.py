@@ -238,11 +238,11 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
     from kvtransfer.manager import KVManager
     from kvtransfer.metadata import MetadataRecord
     from kvtransfer.poll import KVPoll
-    from kvtransfer.sender import KVSender
+    from kvtransfer.sender import KVSender, PrefillRooms
 
     server = BootstrapServer(config.cluster_token)
     port = server.start()
-    mgr = KVManager(make_pool(SRC_SEED, geom), config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
+    mgr = KVManager(make_pool(SRC_SEED, geom), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
     out.put(("ready", port))
     times = []
     for room in rooms:
@@ -269,7 +269,7 @@ def bench_backend(backend: str, src_pages: list[int], dst_pages: list[int], reps
                   geom: Geometry, options: dict[str, str]) -> list[float]:
     from kvtransfer.manager import KVManager
     from kvtransfer.poll import KVPoll
-    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.receiver import DecodeRooms, KVReceiver
 
     config = replace(KVTransferConfig(backend=backend, cluster_token="bench"), transfer_timeout_s=120,
                      backend_options=options)
@@ -279,7 +279,7 @@ def bench_backend(backend: str, src_pages: list[int], dst_pages: list[int], reps
     proc = ctx.Process(target=_prefill_child, args=(backend, config, src_pages, rooms, out, geom), daemon=True)
     proc.start()
     dst = make_pool(None, geom)
-    mgr = KVManager(dst, config, "decode")
+    mgr = KVManager(dst, config, DecodeRooms)
     try:
         kind, port = out.get(timeout=180)
         for room in rooms:

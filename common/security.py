@@ -1,6 +1,6 @@
 """Cluster secret handling shared by every process: generation (``up``, Ray), the start-up requirement, and the
-bearer-credential check of gRPC metadata. Key derivation and message MACs of the KV control plane live in
-``kvtransfer/auth.py``."""
+bearer-credential check of gRPC metadata. Key derivation and message MACs of the KV control plane live with
+the KV transfer layer (its ``auth`` module), which builds on this secret."""
 
 from __future__ import annotations
 

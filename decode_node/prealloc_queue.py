@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from common.disagg import req_pages
 from common.io_struct import GenerateReqInput
+from common.mem.pages import req_pages
 from common.req import Req
 from common.scheduler import Scheduler
 from kvtransfer.manager import KVManager

@@ -12,16 +12,17 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import ServerArgs
-from common.disagg import make_kv_manager, transfer_error_code
 from common.distributed import TPGroup
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, SchedulerInput
+from common.mem.pages import bytes_per_page
 from common.req import Req
 from common.sampling.stop import check_finished
 from common.scheduler import Scheduler
 from common.scheduler_metrics import DisaggQueueCounts
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
+from kvtransfer.node import make_kv_manager, transfer_error_code
 from kvtransfer.poll import GroupPolls
 
 logger = logging.getLogger(__name__)
@@ -37,13 +38,15 @@ class DecodeScheduler:
         self.args = args.replace(disable_radix_cache=True)
         self.sched = Scheduler(self.args, model_path, tokenizer, send_outputs, dp_rank, tp)
         self.tokenizer = tokenizer
-        self.kv_manager = make_kv_manager(self.args, self.sched.runner, "decode", dp_rank)
         tp = self.sched.tp
+        self.kv_manager = make_kv_manager(self.args, self.sched.runner, "decode", dp_rank, tp_rank=tp.tp_rank,
+                                          tp_size=tp.tp_size)
         self.polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
         self.prealloc_queue = DecodePreallocQueue(self.sched, self.kv_manager, args.num_reserved_decode_tokens,
                                                   self.polls)
         self.transfer_queue = DecodeTransferQueue(self.polls)
-        self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
+        pool = self.sched.runner.kv_pool
+        self.bytes_per_page = bytes_per_page(pool) * self.sched.model_config.num_kv_heads // pool.num_kv_heads
         self.sched.disagg_queue_counts = self.queue_counts
 
     def queue_counts(self) -> DisaggQueueCounts:

@@ -18,10 +18,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvtransfer import auth
-from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
+from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig
 from kvtransfer.backends.base import PeerInfo, PeerKey, TransferJob
 from kvtransfer.bootstrap import BootstrapClient, BootstrapError, RankEntry
 from kvtransfer.control import ControlPlane
@@ -36,10 +35,7 @@ from kvtransfer.messages import (
 )
 from kvtransfer.metadata import MetadataBuffers
 from kvtransfer.registry import backend_class
-
-if TYPE_CHECKING:
-    from kvtransfer.receiver import DecodeRooms
-    from kvtransfer.sender import PrefillRooms
+from kvtransfer.rooms import Rooms
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +55,12 @@ class Peer:
 
 
 class KVManager:
-    """KV transfer endpoint of one scheduler rank (``mode`` "prefill" or "decode")."""
+    """KV transfer endpoint of one scheduler rank; ``rooms`` is the role's room logic (``sender.PrefillRooms`` or
+    ``receiver.DecodeRooms``) and fixes ``mode`` ("prefill" or "decode")."""
 
-    def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, bootstrap_addr: str | None = None,
-                 dp_size: int = 1) -> None:
+    def __init__(self, args: KVArgs, config: KVTransferConfig, rooms: type[Rooms],
+                 bootstrap_addr: str | None = None, dp_size: int = 1) -> None:
+        mode = rooms.mode
         if mode == "prefill" and bootstrap_addr is None:
             raise ValueError("a prefill KVManager needs bootstrap_addr (the prefill node's Bootstrap service)")
         self.args, self.config, self.mode = args, config, mode
@@ -82,12 +80,7 @@ class KVManager:
         self.instance_id = f"{mode}/dp{args.dp_rank}/tp{args.tp_rank}@{self.control.address}"
         self.backend = backend_class(config.backend)(args, config, mode, self, PeerKey(self.instance_id, self.epoch))
         self.endpoint = self.backend.endpoint()
-        if mode == "prefill":
-            from kvtransfer.sender import PrefillRooms
-            self.rooms: PrefillRooms | DecodeRooms = PrefillRooms(self)
-        else:
-            from kvtransfer.receiver import DecodeRooms
-            self.rooms = DecodeRooms(self)
+        self.rooms: Rooms = rooms(self)
         self.control.start()
         if mode == "prefill":
             self._executor.submit(self._register_forever)

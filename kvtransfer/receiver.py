@@ -1,4 +1,5 @@
-"""Decode side: ``KVReceiver`` (the scheduler's per-request handle) and ``DecodeRooms`` (the manager's room logic).
+"""Decode side: ``KVReceiver`` (the scheduler's per-request handle) and ``DecodeRooms`` (the manager's room logic,
+a ``rooms.Rooms``).
 
 Receiver lifecycle::
 
@@ -19,14 +20,15 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import grpc
 
 from kvtransfer import auth
-from kvtransfer.args import compat_problems
+from kvtransfer.args import Mode, compat_problems
 from kvtransfer.backends.base import PeerKey, TransferJob
 from kvtransfer.bootstrap import BootstrapError, RankEntry
+from kvtransfer.handle import KVHandle
 from kvtransfer.messages import (
     Abort,
     AbortAck,
@@ -90,6 +92,8 @@ class Connecting:
 
 
 class DecodeRooms:
+    mode: ClassVar[Mode] = "decode"
+
     def __init__(self, mgr: KVManager) -> None:
         self.mgr = mgr
         self.rooms: dict[int, RecvRoom] = {}
@@ -402,14 +406,12 @@ class DecodeRooms:
         self._pump_all()
 
 
-class KVReceiver:
+class KVReceiver(KVHandle[DecodeRooms]):
     """The decode scheduler's handle on one request's transfer. Every method is non-blocking."""
 
     def __init__(self, mgr: KVManager, bootstrap_room: int, bootstrap_addr: str) -> None:
-        self._mgr = mgr
-        self._rooms: DecodeRooms = mgr.rooms  # type: ignore[assignment]
-        self.room = bootstrap_room
-        self._rec = self._rooms.create(bootstrap_room, bootstrap_addr)
+        super().__init__(mgr, bootstrap_room, DecodeRooms)
+        self._rec: RecvRoom = self._rooms.create(bootstrap_room, bootstrap_addr)
 
     def init(self, prefill_dp_rank: int) -> None:
         """Resolve the prefill rank(s) holding the KV and handshake with them (in the background)."""
@@ -419,28 +421,8 @@ class KVReceiver:
         """Destination page numbers (token order) and the metadata slot; sent to prefill once it is resolved."""
         self._rooms.send_metadata(self._rec, page_indices, metadata_slot)
 
-    def poll(self) -> KVPoll:
-        """The room's state; cheap, never blocks."""
-        return self._rec.state
-
-    def failure(self) -> str:
-        """Why the room failed (names the peer and the state), or "" if it has not."""
-        return self._rec.reason
-
     def metadata(self) -> MetadataRecord:
         """The record prefill delivered (valid after Success; its room is this room)."""
         if self._rec.state != KVPoll.Success or self._rec.metadata_slot is None:
             raise RuntimeError(f"room {self.room}: metadata read in state {self._rec.state.name}")
         return self._mgr.metadata.read(self._rec.metadata_slot)
-
-    def abort(self, reason: str = "aborted by the decode scheduler") -> None:
-        """Fail the room here and on the prefill side; pages stay owned until ``is_quiesced()``."""
-        self._rooms.abort(self._rec, f"room {self.room}: {reason}")
-
-    def is_quiesced(self) -> bool:
-        """True once nothing can write into this room's pages any more: they may be freed or reused."""
-        return self._rec.quiesced
-
-    def clear(self) -> None:
-        """Forget the room (after acting on a final poll); frees its metadata slot. Clearing an open room aborts it."""
-        self._rooms.clear(self._rec)

@@ -1,4 +1,5 @@
-"""Prefill side: ``KVSender`` (the scheduler's per-request handle) and ``PrefillRooms`` (the manager's room logic).
+"""Prefill side: ``KVSender`` (the scheduler's per-request handle) and ``PrefillRooms`` (the manager's room logic,
+a ``rooms.Rooms``).
 
 Sender lifecycle::
 
@@ -18,11 +19,12 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from kvtransfer import auth
-from kvtransfer.args import compat_problems
+from kvtransfer.args import Mode, compat_problems
 from kvtransfer.backends.base import PeerKey, TransferJob
+from kvtransfer.handle import KVHandle
 from kvtransfer.messages import (
     Abort,
     AbortAck,
@@ -83,6 +85,8 @@ class SendRoom(RoomRecord):
 
 
 class PrefillRooms:
+    mode: ClassVar[Mode] = "prefill"
+
     def __init__(self, mgr: KVManager) -> None:
         self.mgr = mgr
         self.rooms: dict[int, SendRoom] = {}
@@ -354,14 +358,12 @@ class PrefillRooms:
                 return
 
 
-class KVSender:
+class KVSender(KVHandle[PrefillRooms]):
     """The prefill scheduler's handle on one request's transfer. Every method is non-blocking."""
 
     def __init__(self, mgr: KVManager, bootstrap_room: int) -> None:
-        self._rooms: PrefillRooms = mgr.rooms  # type: ignore[assignment]
-        self._lock = mgr.lock
-        self.room = bootstrap_room
-        self._rec = self._rooms.create(bootstrap_room)
+        super().__init__(mgr, bootstrap_room, PrefillRooms)
+        self._rec: SendRoom = self._rooms.create(bootstrap_room)
 
     def init(self, num_pages: int, metadata_slot: int | None = None) -> None:
         """Declare the request's total page count (must equal what decode allocated) and its metadata slot."""
@@ -370,23 +372,3 @@ class KVSender:
     def send(self, page_indices: Sequence[int], last: bool = False, metadata: MetadataRecord | None = None) -> None:
         """Queue one chunk's pages (page numbers, in token order). The last chunk carries the metadata record."""
         self._rooms.send(self._rec, page_indices, last, metadata)
-
-    def poll(self) -> KVPoll:
-        """The room's state; cheap, never blocks."""
-        return self._rec.state
-
-    def failure(self) -> str:
-        """Why the room failed (names the peer and the state), or "" if it has not."""
-        return self._rec.reason
-
-    def abort(self, reason: str = "aborted by the prefill scheduler") -> None:
-        """Fail the room here and on the decode side (which acks)."""
-        self._rooms.abort(self._rec, f"room {self.room}: {reason}")
-
-    def is_quiesced(self) -> bool:
-        """True once no transfer reads this room's pages any more: they may be released."""
-        return self._rec.quiesced
-
-    def clear(self) -> None:
-        """Forget the room (after acting on a final poll). Clearing an open room aborts it."""
-        self._rooms.clear(self._rec)

@@ -6,8 +6,8 @@ import time
 
 import msgspec
 
-from common.disagg import num_pages
 from common.io_struct import GenerateReqInput
+from common.mem.pages import num_pages
 from common.req import Req
 from common.scheduler import Scheduler
 from kvtransfer.manager import KVManager

@@ -17,16 +17,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from common.config import ServerArgs
-from common.disagg import make_kv_manager, num_pages, req_pages, transfer_error_code
 from common.distributed import TPGroup
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, PrefillDone, SchedulerInput, Timing
+from common.mem.pages import bytes_per_page, num_pages, req_pages
 from common.model_runner import BatchResult
 from common.req import Req
 from common.schedule_batch import ScheduleBatch
 from common.scheduler import Scheduler, internal_error_message
 from common.scheduler_metrics import DisaggQueueCounts
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
+from kvtransfer.node import make_kv_manager, transfer_error_code
 from kvtransfer.poll import GroupPolls, KVPoll
 from prefill_node.bootstrap_queue import PrefillBootstrapQueue
 from prefill_node.inflight_queue import PrefillInflightQueue
@@ -43,12 +44,14 @@ class PrefillScheduler:
         self.args = args
         self.sched = Scheduler(args, model_path, tokenizer, send_outputs, dp_rank, tp)
         self.page_size = args.page_size
-        self.kv_manager = make_kv_manager(args, self.sched.runner, "prefill", dp_rank)
         tp = self.sched.tp
+        self.kv_manager = make_kv_manager(args, self.sched.runner, "prefill", dp_rank, tp_rank=tp.tp_rank,
+                                          tp_size=tp.tp_size)
         self.polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
         self.bootstrap_queue = PrefillBootstrapQueue(self.sched, self.kv_manager, self.polls)
         self.inflight_queue = PrefillInflightQueue(self.polls)
-        self.bytes_per_page = 2 * self.sched.model_config.num_layers * self.sched.runner.kv_pool.item_len
+        pool = self.sched.runner.kv_pool
+        self.bytes_per_page = bytes_per_page(pool) * self.sched.model_config.num_kv_heads // pool.num_kv_heads
         self.executor = None if args.disable_overlap_schedule else ThreadPoolExecutor(1, "prefill-forward")
         self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
         self.sched.disagg_queue_counts = self.queue_counts

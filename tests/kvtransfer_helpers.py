@@ -203,6 +203,8 @@ def wait_final(handles: dict, deadline_s: float) -> dict[int, tuple[int, str]]:
 def _role_main(spec: RoleSpec, out: mp.Queue) -> None:
     from kvtransfer.bootstrap import BootstrapServer
     from kvtransfer.manager import KVManager
+    from kvtransfer.receiver import DecodeRooms
+    from kvtransfer.sender import PrefillRooms
 
     config = kv_config(spec.backend, **spec.config_overrides)
     if spec.role == "prefill":
@@ -211,12 +213,12 @@ def _role_main(spec: RoleSpec, out: mp.Queue) -> None:
         server = BootstrapServer(config.cluster_token)
         port = server.start("127.0.0.1", spec.bootstrap_port)
         args = make_args(PREFILL_SEED, spec.num_pages, **spec.args_overrides)
-        mgr = KVManager(args, config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
+        mgr = KVManager(args, config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
         out.put(("ready", port, mgr.control.address, mgr.instance_id, mgr.epoch))
         result = drive_senders(mgr, spec.rooms, 60.0, spec.pause_after_chunks, spec.abort_rooms)
     else:
         args = make_args(DECODE_SEED, spec.num_pages, **spec.args_overrides)
-        mgr = KVManager(args, config, "decode")
+        mgr = KVManager(args, config, DecodeRooms)
         out.put(("ready", 0, mgr.control.address, mgr.instance_id, mgr.epoch))
         receivers = start_receivers(mgr, spec.rooms, spec.bootstrap_addr)
         result = wait_final(receivers, 60.0)

@@ -12,11 +12,13 @@ from dataclasses import replace
 import pytest
 
 from common.config import ServerArgs, add_server_args, server_args_from_cli
-from common.disagg import bootstrap_addr, kv_transfer_config
 from common.errors import ConfigError
 from kvtransfer.backends.tcp import NONCE_BYTES
 from kvtransfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from kvtransfer.manager import KVManager
+from kvtransfer.node import bootstrap_addr, kv_transfer_config
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import PrefillRooms
 from tests.kvtransfer_helpers import DECODE_SEED, PREFILL_SEED, TOKEN, make_args
 
 FINGERPRINT = {"architecture": "TinyLlama", "weights": "abc"}
@@ -68,11 +70,11 @@ def test_a_node_bound_to_every_interface_advertises_its_advertise_host() -> None
     try:
         config = replace(kv_transfer_config(prefill_args, FINGERPRINT), cluster_token=TOKEN)
         assert (config.host, config.advertised_host) == ("0.0.0.0", "127.0.0.1")
-        prefill = KVManager(make_args(PREFILL_SEED, 16), config, "prefill",
+        prefill = KVManager(make_args(PREFILL_SEED, 16), config, PrefillRooms,
                             bootstrap_addr=bootstrap_addr(prefill_args, "prefill"))
         assert prefill.bootstrap_addr == f"127.0.0.1:{port}"
         decode = KVManager(make_args(DECODE_SEED, 16),
-                           replace(kv_transfer_config(decode_args, FINGERPRINT), cluster_token=TOKEN), "decode")
+                           replace(kv_transfer_config(decode_args, FINGERPRINT), cluster_token=TOKEN), DecodeRooms)
         for mgr in (prefill, decode):
             assert mgr.control.address.startswith("tcp://127.0.0.1:"), mgr.control.address
             assert "0.0.0.0" not in mgr.instance_id

@@ -15,7 +15,8 @@ from kvtransfer.bootstrap import BootstrapServer
 from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, encode
 from kvtransfer.poll import KVPoll
-from kvtransfer.sender import KVSender
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import KVSender, PrefillRooms
 from tests.kvtransfer_helpers import (
     DECODE_SEED,
     PREFILL_SEED,
@@ -35,7 +36,7 @@ FAULT_BACKENDS = ["tcp", "nixl"]  # the faults below, on a two-sided and a one-s
 
 
 def _decode(backend: str = "tcp", **overrides: object) -> KVManager:
-    return KVManager(make_args(DECODE_SEED, NUM_PAGES), kv_config(backend, **overrides), "decode")
+    return KVManager(make_args(DECODE_SEED, NUM_PAGES), kv_config(backend, **overrides), DecodeRooms)
 
 
 def _wait(predicate, timeout_s: float) -> float:
@@ -58,7 +59,7 @@ def test_receiver_killed_mid_transfer_fails_sender_within_deadline(backend: str)
     config = kv_config(backend)
     server = BootstrapServer(config.cluster_token)
     port = server.start()
-    mgr = KVManager(make_args(PREFILL_SEED, NUM_PAGES), config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
+    mgr = KVManager(make_args(PREFILL_SEED, NUM_PAGES), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
     child = Child(RoleSpec("decode", backend, plans, num_pages=NUM_PAGES, bootstrap_addr=f"127.0.0.1:{port}"))
     try:
         senders = {p.room: KVSender(mgr, p.room) for p in plans}

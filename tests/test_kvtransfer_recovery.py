@@ -11,6 +11,8 @@ import pytest
 from kvtransfer.bootstrap import BootstrapServer
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import PrefillRooms
 from tests.kvtransfer_helpers import (
     DECODE_SEED,
     PREFILL_SEED,
@@ -58,8 +60,8 @@ def test_dropped_tcp_connection_is_reopened_for_the_next_rooms() -> None:
     port = server.start()
     addr = f"127.0.0.1:{port}"
     config = kv_config("tcp")
-    prefill = KVManager(make_args(PREFILL_SEED, NUM_PAGES), config, "prefill", bootstrap_addr=addr)
-    decode = KVManager(make_args(DECODE_SEED, NUM_PAGES), config, "decode")
+    prefill = KVManager(make_args(PREFILL_SEED, NUM_PAGES), config, PrefillRooms, bootstrap_addr=addr)
+    decode = KVManager(make_args(DECODE_SEED, NUM_PAGES), config, DecodeRooms)
     try:
         first, second, third = (plan_rooms(3, NUM_PAGES, NUM_PAGES, pages_per_room=6, seed=21)[i:i + 1]
                                 for i in range(3))
@@ -87,7 +89,7 @@ def test_stalled_prefill_recovers_after_sigcont() -> None:
     first, during, after = plan_rooms(3, NUM_PAGES, NUM_PAGES, pages_per_room=6, seed=22)
     child = Child(RoleSpec("prefill", "tcp", [first, during, after], num_pages=NUM_PAGES,
                            config_overrides=overrides))
-    decode = KVManager(make_args(DECODE_SEED, NUM_PAGES), kv_config("tcp", **overrides), "decode")
+    decode = KVManager(make_args(DECODE_SEED, NUM_PAGES), kv_config("tcp", **overrides), DecodeRooms)
     try:
         result = wait_final(start_receivers(decode, [first], child.bootstrap_addr), 15)
         assert result[first.room][0] == KVPoll.Success, result

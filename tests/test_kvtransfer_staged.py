@@ -16,7 +16,8 @@ from kvtransfer.bootstrap import BootstrapServer
 from kvtransfer.manager import KVManager
 from kvtransfer.pages import HeadSlice
 from kvtransfer.poll import KVPoll
-from kvtransfer.sender import KVSender
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import KVSender, PrefillRooms
 from tests.kvtransfer_helpers import (
     DECODE_SEED,
     PAGE_SIZE,
@@ -81,7 +82,7 @@ def test_64_interleaved_rooms_land_byte_exact_through_staging() -> None:
     plans = plan_rooms(64, NUM_PAGES, NUM_PAGES, pages_per_room=5, seed=5)
     child = Child(RoleSpec("prefill", "tcp", plans, num_pages=NUM_PAGES, config_overrides=STAGED, linger_s=5))
     args = make_args(DECODE_SEED, NUM_PAGES)
-    mgr = KVManager(args, kv_config("tcp", **STAGED), "decode")
+    mgr = KVManager(args, kv_config("tcp", **STAGED), DecodeRooms)
     try:
         before = [b.clone() for b in _all(args)]
         receivers = start_receivers(mgr, plans, child.bootstrap_addr)
@@ -162,7 +163,7 @@ def test_receiver_killed_mid_staged_transfer_fails_sender_within_deadline() -> N
     server = BootstrapServer(TOKEN)
     port = server.start()
     config = kv_config("tcp", **STAGED)
-    mgr = KVManager(make_args(PREFILL_SEED, 64), config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
+    mgr = KVManager(make_args(PREFILL_SEED, 64), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
     child = Child(RoleSpec("decode", "tcp", plans, num_pages=64, bootstrap_addr=f"127.0.0.1:{port}",
                            config_overrides=STAGED))
     try:

@@ -9,6 +9,7 @@ import torch
 
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
 from kvtransfer.registry import BACKENDS
 from tests.kvtransfer_helpers import (
     DECODE_SEED,
@@ -36,7 +37,7 @@ def test_64_interleaved_chunked_rooms_land_byte_exact(backend: str) -> None:
     plans = plan_rooms(64, NUM_PAGES, NUM_PAGES, pages_per_room=5, seed=3)
     child = Child(RoleSpec("prefill", backend, plans, num_pages=NUM_PAGES, linger_s=5))
     args = make_args(DECODE_SEED, NUM_PAGES)
-    mgr = KVManager(args, kv_config(backend), "decode")
+    mgr = KVManager(args, kv_config(backend), DecodeRooms)
     try:
         before = [b.clone() for b in (*args.k_buffers, *args.v_buffers)]
         receivers = start_receivers(mgr, plans, child.bootstrap_addr)

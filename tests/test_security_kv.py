@@ -15,6 +15,8 @@ from kvtransfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServe
 from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, Heartbeat, HelloChallenge, decode, encode
 from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import PrefillRooms
 from tests.kvtransfer_helpers import (
     DECODE_SEED,
     PREFILL_SEED,
@@ -43,8 +45,8 @@ def pair():
     config = kv_config("fake")
     server = BootstrapServer(TOKEN)
     port = server.start()
-    prefill = KVManager(make_args(PREFILL_SEED, NUM_PAGES), config, "prefill", bootstrap_addr=f"127.0.0.1:{port}")
-    decode_mgr = KVManager(make_args(DECODE_SEED, NUM_PAGES), config, "decode")
+    prefill = KVManager(make_args(PREFILL_SEED, NUM_PAGES), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
+    decode_mgr = KVManager(make_args(DECODE_SEED, NUM_PAGES), config, DecodeRooms)
     plans = plan_rooms(2, NUM_PAGES, NUM_PAGES, pages_per_room=2, seed=3)
     sent: dict = {}
     sender_thread = threading.Thread(target=lambda: sent.update(drive_senders(prefill, plans[:1], 10)))
@@ -126,7 +128,7 @@ def test_secret_never_goes_to_an_address_a_client_named() -> None:
     client = BootstrapClient(f"127.0.0.1:{port}")
     client.register(0, 0, 1, 1, RankEntry(f"tcp://127.0.0.1:{control_port}", "prefill/dp0/tp0@rogue", 1),
                     attacker_secret)
-    decode_mgr = KVManager(make_args(DECODE_SEED, NUM_PAGES), kv_config("fake"), "decode")
+    decode_mgr = KVManager(make_args(DECODE_SEED, NUM_PAGES), kv_config("fake"), DecodeRooms)
     plan = plan_rooms(1, NUM_PAGES, NUM_PAGES, pages_per_room=2, seed=4)[0]
     received: list[bytes] = []
     try:

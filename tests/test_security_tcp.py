@@ -20,12 +20,13 @@ from kvtransfer.backends.tcp import (
     data_proof,
 )
 from kvtransfer.manager import KVManager
+from kvtransfer.receiver import DecodeRooms
 from tests.kvtransfer_helpers import DECODE_SEED, TOKEN, kv_config, make_args
 
 
 @pytest.fixture
 def decode_mgr():
-    mgr = KVManager(make_args(DECODE_SEED, 32), kv_config("tcp"), "decode")
+    mgr = KVManager(make_args(DECODE_SEED, 32), kv_config("tcp"), DecodeRooms)
     yield mgr
     mgr.close()
 

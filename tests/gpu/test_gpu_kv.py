@@ -15,6 +15,7 @@ import torch
 from kvtransfer.manager import KVManager
 from kvtransfer.pages import HeadSlice
 from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
 from tests.kvtransfer_helpers import (
     DECODE_SEED,
     PAGE_SIZE,
@@ -45,7 +46,7 @@ def _transfer(backend: str, prefill_device: str, decode_device: str, config: dic
     child = Child(RoleSpec("prefill", backend, plans, num_pages=NUM_PAGES, config_overrides=config,
                            args_overrides={"device": prefill_device}, linger_s=5))
     args = make_args(DECODE_SEED, NUM_PAGES, device=decode_device)
-    mgr = KVManager(args, kv_config(backend, **config), "decode")
+    mgr = KVManager(args, kv_config(backend, **config), DecodeRooms)
     try:
         before = [b.cpu() for b in (*args.k_buffers, *args.v_buffers)]
         receivers = start_receivers(mgr, plans, child.bootstrap_addr)
@@ -105,7 +106,7 @@ def test_nccl_on_one_gpu_fails_rooms_naming_shm_and_tcp() -> None:
     plans = plan_rooms(2, 32, 32, pages_per_room=3, seed=4)
     child = Child(RoleSpec("prefill", "nccl", plans, num_pages=32, args_overrides={"device": "cuda:0"},
                            linger_s=5))
-    mgr = KVManager(make_args(DECODE_SEED, 32, device="cuda:0"), kv_config("nccl"), "decode")
+    mgr = KVManager(make_args(DECODE_SEED, 32, device="cuda:0"), kv_config("nccl"), DecodeRooms)
     try:
         receivers = start_receivers(mgr, plans, child.bootstrap_addr)
         result = wait_final(receivers, 30)

@@ -1,0 +1,74 @@
+"""The glue both serving roles share to reach the KV transfer layer: the manager factory over a model runner's
+pool, the transfer config from the server args, and the gRPC status of a failed transfer.
+
+The pool of a TP rank holds only that rank's KV heads, so the model's total comes from the model config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from kvtransfer.args import KVArgs, KVTransferConfig, Mode
+from kvtransfer.manager import KVManager
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.rooms import Rooms
+from kvtransfer.sender import PrefillRooms
+
+if TYPE_CHECKING:
+    from common.config import ServerArgs
+    from common.model_runner import ModelRunner
+
+METADATA_SLOTS_PER_REQUEST_SLOT = 2
+ROOMS: dict[Mode, type[Rooms]] = {"prefill": PrefillRooms, "decode": DecodeRooms}
+
+
+def kv_transfer_config(args: ServerArgs, model_fingerprint: Mapping[str, object]) -> KVTransferConfig:
+    """Listeners bind ``--host``; every endpoint peers are told names ``--advertise-host`` (default ``--host``)."""
+    fingerprint = {k: str(v) for k, v in model_fingerprint.items()}
+    fingerprint["serving_dtype"] = args.dtype
+    return KVTransferConfig(
+        backend=args.kv_transfer_backend,
+        host=args.host,
+        advertise_host=args.advertised_host,
+        bootstrap_timeout_s=args.bootstrap_timeout,
+        waiting_timeout_s=args.waiting_timeout,
+        transfer_timeout_s=args.transfer_timeout,
+        fingerprint=fingerprint,
+    )
+
+
+def make_kv_manager(args: ServerArgs, runner: ModelRunner, mode: Mode, dp_rank: int, *, tp_rank: int = 0,
+                    tp_size: int = 1) -> KVManager:
+    """The KV manager of scheduler rank (``dp_rank``, ``tp_rank``) over ``runner``'s pool, with ``mode``'s rooms."""
+    kv_args = KVArgs.from_pool(
+        runner.kv_pool, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
+        total_kv_heads=runner.model_config.num_kv_heads,
+        num_metadata_slots=METADATA_SLOTS_PER_REQUEST_SLOT * args.max_running_requests + 8,
+    )
+    config = kv_transfer_config(args, runner.model_config.fingerprint())
+    return KVManager(kv_args, config, ROOMS[mode], bootstrap_addr=bootstrap_addr(args, mode), dp_size=args.dp_size)
+
+
+def bootstrap_addr(args: ServerArgs, mode: Mode) -> str | None:
+    """The bootstrap address a prefill rank registers at: its node's advertised host, or with ``--nnodes`` > 1 the
+    host of node 0 (``--dist-init-addr``), which alone serves the Bootstrap service for the whole group."""
+    if mode != "prefill":
+        return None
+    host = args.advertised_host
+    if args.nnodes > 1 and args.dist_init_addr:
+        host = args.dist_init_addr.rpartition(":")[0]
+    return f"{host}:{args.disaggregation_bootstrap_port}"
+
+
+def transfer_error_code(reason: str) -> str:
+    """gRPC status of a failed transfer: DEADLINE_EXCEEDED for expired states, FAILED_PRECONDITION for refused
+    handshakes, CANCELLED for aborts, UNAVAILABLE for lost peers (and anything else)."""
+    lowered = reason.lower()
+    if "deadline" in lowered or "timed out" in lowered or "timeout" in lowered:
+        return "DEADLINE_EXCEEDED"
+    if "incompatible" in lowered or "mismatch" in lowered or ("token" in lowered and "cluster" in lowered):
+        return "FAILED_PRECONDITION"
+    if "aborted" in lowered:
+        return "CANCELLED"
+    return "UNAVAILABLE"
