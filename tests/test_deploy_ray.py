@@ -290,6 +290,7 @@ def test_tp2_nodes_run_in_one_placement_group_each_with_the_same_greedy_tokens(c
     its own STRICT_PACK group on its role's machine, and the router's greedy tokens equal the colocated engine's."""
     from ray.util import placement_group_table
 
+    deployer.down(NAMESPACE, grace=5)  # the module's tp 1 deployment holds the role nodes' CPUs when run alone
     spec = cluster["spec"].with_port_bases(router=_free_base(), prefill=_free_base(), decode=_free_base()).with_tp(
         prefill=2, decode=2)
     opts = deployer.RayOptions(namespace=NAMESPACE, node_cpus=0.5, start_timeout_s=180)
