@@ -42,6 +42,11 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int
     dp_rank: int
 
+    def describe(self) -> str:
+        """One line naming the layout, for handshake errors."""
+        return (f"dp {self.dp_rank} tp {self.tp_rank}/{self.tp_size}: {self.kv_heads} of {self.total_kv_heads} KV "
+                f"heads x {self.head_dim}, {self.num_layers} layers, page {self.page_size}, {self.dtype}")
+
 
 @dataclass(frozen=True, eq=False)
 class KVArgs:
@@ -163,6 +168,15 @@ def model_fingerprint(architecture: str, num_layers: int, num_kv_heads: int, hea
         digest.update(f"{name}:{tuple(weight_shapes[name])}\n".encode())
     return {"architecture": architecture, "num_layers": str(num_layers), "num_kv_heads": str(num_kv_heads),
             "head_dim": str(head_dim), "dtype": str(dtype), "weights": digest.hexdigest()[:16]}
+
+
+def incompatibility(prefill: KVLayout, decode: KVLayout) -> str | None:
+    """The handshake's refusal reason naming every mismatch and both layouts, or None when compatible."""
+    problems = compat_problems(prefill, decode)
+    if not problems:
+        return None
+    return (f"incompatible KV layout: {'; '.join(problems)} (prefill {prefill.describe()}; decode "
+            f"{decode.describe()})")
 
 
 def compat_problems(prefill: KVLayout, decode: KVLayout) -> list[str]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 import grpc
 
 from kvtransfer import auth
-from kvtransfer.args import Mode, compat_problems
+from kvtransfer.args import Mode, incompatibility
 from kvtransfer.backends.base import PeerKey, TransferJob
 from kvtransfer.bootstrap import BootstrapError, RankEntry
 from kvtransfer.handle import KVHandle
@@ -169,8 +169,8 @@ class DecodeRooms:
             del self.connecting[msg.instance_id]
             if not msg.accepted:
                 self.refused[msg.instance_id] = msg.reason
-            elif msg.layout is not None and (problems := compat_problems(msg.layout, self.mgr.layout)):
-                self.refused[msg.instance_id] = "incompatible KV layout: " + "; ".join(problems)
+            elif msg.layout is not None and (reason := incompatibility(msg.layout, self.mgr.layout)):
+                self.refused[msg.instance_id] = reason
             else:
                 self.refused.pop(msg.instance_id, None)
         if msg.accepted and seq is not None and msg.instance_id not in self.refused and msg.layout is not None:

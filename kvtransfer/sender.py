@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from kvtransfer import auth
-from kvtransfer.args import Mode, compat_problems
+from kvtransfer.args import Mode, incompatibility
 from kvtransfer.backends.base import PeerKey, TransferJob
 from kvtransfer.handle import KVHandle
 from kvtransfer.messages import (
@@ -195,8 +195,7 @@ class PrefillRooms:
             return
         session = auth.session_key(secret, t)
         key = PeerKey(hello.instance_id, hello.epoch)
-        if problems := compat_problems(self.mgr.layout, hello.layout):
-            reason = "incompatible KV layout: " + "; ".join(problems)
+        if reason := incompatibility(self.mgr.layout, hello.layout):
             log.warning("kv %s: refused %s: %s", self.mgr.instance_id, hello.instance_id, reason)
             self.mgr.control.send(hello.control_addr, HelloAck(**self.mgr.stamp(), accepted=False, reason=reason),
                                   (session, 1))

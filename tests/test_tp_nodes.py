@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -159,3 +160,26 @@ def test_tp_group_spanning_two_hosts_matches_tp1(model_path, colocated) -> None:
             worker.kill()
             worker.wait(10)
             raise
+
+
+def test_mismatched_layout_fails_at_the_handshake_naming_both(model_path) -> None:
+    """A decode node whose KV layout the prefill ranks cannot fill (another page size) is refused at the
+    handshake: the request fails FAILED_PRECONDITION with both sides' layouts named, and nothing leaks."""
+    prefill = start_node("prefill", model_path, extra=[*tp_args(2), *FAST_DEADLINES], wait=False)
+    decode = start_node("decode", model_path, extra=["--page-size", "1", *FAST_DEADLINES], wait=False)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        req = requests("mismatch", 1)[3]
+        with pytest.raises(grpc.RpcError) as err:
+            run_pd(prefill, decode, req, room=12345, timeout=30)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value
+        details = str(err.value.details())
+        assert "page_size: prefill=16 decode=1" in details
+        assert re.search(r"prefill dp 0 tp [01]/2: 1 of 2 KV heads x 48, 3 layers, page 16", details), details
+        assert "decode dp 0 tp 0/1: 2 of 2 KV heads x 48, 3 layers, page 1," in details
+        prefill.wait_pools_free()
+        decode.wait_pools_free()
+    finally:
+        prefill.stop()
+        decode.stop()
