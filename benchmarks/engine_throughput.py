@@ -155,7 +155,8 @@ class _Side:
     def __init__(self, side: str, model_path: str, threads: int, engine_args: dict[str, Any]) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(side, model_path, threads, engine_args, child), daemon=True)
+        # NOTE: not a daemon: a TP engine starts its follower ranks as child processes.
+        self.proc = ctx.Process(target=_worker, args=(side, model_path, threads, engine_args, child))
         self.proc.start()
         if self.conn.recv() != "ready":
             raise RuntimeError(f"{side} worker failed to start")
