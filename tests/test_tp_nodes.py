@@ -177,8 +177,8 @@ def test_mismatched_layout_fails_at_the_handshake_naming_both(model_path) -> Non
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value
         details = str(err.value.details())
         assert "page_size: prefill=16 decode=1" in details
-        assert re.search(r"prefill dp 0 tp [01]/2: 1 of 2 KV heads x 48, 3 layers, page 16", details), details
-        assert "decode dp 0 tp 0/1: 2 of 2 KV heads x 48, 3 layers, page 1," in details
+        assert re.search(r"prefill dp 0 tp [01]/2: 1 of 2 KV heads x 32, 3 layers, page 16", details), details
+        assert "decode dp 0 tp 0/1: 2 of 2 KV heads x 32, 3 layers, page 1," in details
         prefill.wait_pools_free()
         decode.wait_pools_free()
     finally:
