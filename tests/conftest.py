@@ -71,3 +71,21 @@ def engine_factory() -> Iterator[Callable[..., Any]]:
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    """The tiny generated llama (built once per test session)."""
+    from tests.model_fixtures import make_tiny_model
+
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def colocated(model_path: Path) -> Iterator[Any]:
+    """A colocated tp 1 node on ``model_path``: the reference whose tokens the P/D and TP tests compare against."""
+    from tests.node_helpers import start_node
+
+    node = start_node("null", model_path)
+    yield node
+    node.stop()

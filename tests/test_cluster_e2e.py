@@ -20,8 +20,7 @@ import pytest
 from common.tokenizer import load_tokenizer
 from common.worker_auth import worker_channel
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import Node, free_port, start_node
+from tests.node_helpers import Node, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -76,11 +75,6 @@ def stop_up(cluster: Cluster) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_path() -> Path:
-    return make_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def cluster(model_path) -> Iterator[Cluster]:
     c = start_up(model_path, "--prefill", "2", "--decode", "1")
     yield c
@@ -91,13 +85,6 @@ def cluster(model_path) -> Iterator[Cluster]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # every child is gone
         del name
-
-
-@pytest.fixture(scope="module")
-def colocated(model_path) -> Iterator[Node]:
-    node = start_node("null", model_path)
-    yield node
-    node.stop()
 
 
 @pytest.fixture(scope="module")

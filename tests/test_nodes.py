@@ -17,7 +17,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.model_fixtures import make_tiny_model
 from tests.node_helpers import Node, start_node
 
 pytestmark = pytest.mark.slow
@@ -51,18 +50,6 @@ def run_pd(prefill: Node, decode: Node, req: worker_pb2.GenerateRequest, room: i
             request=req, bootstrap_room=room, bootstrap_addr=prefill.bootstrap_addr, prefill_dp_rank=p_rank,
             decode_dp_rank=d_rank), timeout=timeout))
         return ids, fin, pre.result()
-
-
-@pytest.fixture(scope="module")
-def model_path():
-    return make_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def colocated(model_path) -> Iterator[Node]:
-    node = start_node("null", model_path)
-    yield node
-    node.stop()
 
 
 def reference(colocated: Node, req: worker_pb2.GenerateRequest) -> list[int]:

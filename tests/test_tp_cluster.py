@@ -7,31 +7,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
 
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import Node, rank_pids, start_node
+from tests.node_helpers import rank_pids
 from tests.test_cluster_e2e import reference_ids, start_up, stop_up, wait_nodes_idle
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    return make_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def colocated(model_path) -> Iterator[Node]:
-    node = start_node("null", model_path)
-    yield node
-    node.stop()
 
 
 def test_up_prefill_tp2_decode_tp1(model_path, colocated) -> None:

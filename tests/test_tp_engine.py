@@ -8,20 +8,16 @@ broadcast path. Every rank's pools are checked back at their free counts after e
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
+from common.distributed import TPGroup
 from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import free_port
 from tests.test_engine import LENGTHS, MATRIX, greedy, hf_greedy, make_prompts
+from tests.tp_helpers import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # spawns rank processes
 NEW_TOKENS = 12
 
 
@@ -37,20 +33,15 @@ def _pools_released(sched: Any) -> str | None:
     return None
 
 
-def _matrix_rank(tp_rank: int, addr: str, model: str, out: multiprocessing.Queue) -> None:
-    sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+def _matrix_rank(tp: TPGroup, model: str) -> list[dict[str, Any]]:
     import msgspec
 
     from common.config import ServerArgs
-    from common.distributed import init_tp_group
     from common.io_struct import GenerateReqInput, TokenOut
     from common.sampling.params import SamplingParams
     from common.scheduler import Scheduler
     from common.tokenizer import load_tokenizer
 
-    torch.set_num_threads(1)
-    tp = init_tp_group(dist_init_addr=addr, dp_rank=0, tp_rank=tp_rank, tp_size=2, device=torch.device("cpu"),
-                       timeout_s=120)
     tokenizer = load_tokenizer(model)
     results = []
     for page_size, chunk, disable_radix, mixed in MATRIX:
@@ -76,31 +67,12 @@ def _matrix_rank(tp_rank: int, addr: str, model: str, out: multiprocessing.Queue
         load = sched.get_load()  # a collective: MIN over the ranks; divergence is logged
         results.append({"outputs": [outputs.get(f"r{i}", []) for i in range(len(prompts))],
                         "leak": _pools_released(sched), "free_req_slots": load.free_req_slots})
-    out.put((tp_rank, results))
-    tp.destroy()
+    return results
 
 
 def test_tp2_matrix_matches_hf() -> None:
-    from common.distributed import host_store
-
     model = str(make_tiny_model("llama"))
-    addr = f"127.0.0.1:{free_port()}"
-    store = host_store(addr, 120)
-    ctx = multiprocessing.get_context("spawn")
-    out: multiprocessing.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_matrix_rank, args=(r, addr, model, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        by_rank = dict(out.get(timeout=400) for _ in procs)
-    except queue.Empty:
-        pytest.fail(f"TP ranks did not report; exit codes {[p.exitcode for p in procs]}")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.exitcode is None:
-                p.kill()
-        del store
+    by_rank = run_ranks(_matrix_rank, 2, model, deadline_s=400)
     for cfg, r0, r1 in zip(MATRIX, by_rank[0], by_rank[1], strict=True):
         page_size, chunk, _, _ = cfg
         assert r0["outputs"] == r1["outputs"], f"ranks disagree at {cfg}"

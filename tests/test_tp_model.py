@@ -1,6 +1,6 @@
 """The tensor-parallel sharded model on CPU: real spawned ranks joined over gloo, checked against transformers.
 
-Each case spawns ``tp`` rank processes (``host_store`` + ``init_tp_group`` on a free 127.0.0.1 port). Every rank
+Each case spawns ``tp`` rank processes (``tests/tp_helpers.run_ranks``: one gloo group on a free 127.0.0.1 port). Every rank
 builds a ``ModelRunner`` (its shard, its KV pool sized by the group's MIN), then runs a batched prefill and several
 decode steps through ``PagedHarness`` (hand-built ``ForwardBatch``es, as tests/test_models.py does) and sends its
 logits, parameter shapes and the weights it read whole back to the parent. The parent checks rank 0's logits
@@ -12,12 +12,8 @@ Module imports stay light (no transformers): spawned ranks import this module to
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import queue
 import random
 import shutil
-import socket
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +26,7 @@ from common.model.config import ModelConfig
 from common.model.parallel import ShardLayout, owned_kv_heads
 from kvtransfer.pages import owned_heads
 from tests.model_fixtures import make_tiny_model
+from tests.tp_helpers import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns rank processes
 
@@ -37,7 +34,6 @@ ATOL = 1e-4
 PAGE_SIZE = 16
 PROMPT_LENS = (9, 21)
 DECODE_STEPS = 4
-RANK_DEADLINE_S = 120.0  # generous: rank start-up (importing torch) is slow on a loaded 2-core host
 
 
 # -- rank processes ------------------------------------------------------------------------------------------------
@@ -69,22 +65,12 @@ class _RecordingSafeOpen:
         return self._f.get_tensor(name)
 
 
-def _rank_main(addr: str, tp_rank: int, tp_size: int, cases: list[tuple[str, list[list[int]]]], out: Any) -> None:
+def _rank_main(group: TPGroup, cases: list[tuple[str, list[list[int]]]]) -> list[dict[str, Any]]:
     """One rank: for each (model folder, token sequences) case, a ModelRunner, a prefill and decode steps."""
-    try:
-        torch.set_num_threads(1)
-        import common.model.loader as loader
-        from common.distributed import init_tp_group
+    import common.model.loader as loader
 
-        loader.safe_open = _RecordingSafeOpen  # type: ignore[attr-defined]
-        group = init_tp_group(dist_init_addr=addr, dp_rank=0, tp_rank=tp_rank, tp_size=tp_size,
-                              device=torch.device("cpu"), timeout_s=RANK_DEADLINE_S)
-        try:
-            out.put((tp_rank, [_run_case(group, path, seqs) for path, seqs in cases]))
-        finally:
-            group.destroy()
-    except BaseException:  # reported to the parent, which fails the test with it
-        out.put((tp_rank, traceback.format_exc()))
+    loader.safe_open = _RecordingSafeOpen  # type: ignore[attr-defined]
+    return [_run_case(group, path, seqs) for path, seqs in cases]
 
 
 def _run_case(group: TPGroup, model_path: str, seqs: list[list[int]]) -> dict[str, Any]:
@@ -121,47 +107,13 @@ def _run_case(group: TPGroup, model_path: str, seqs: list[list[int]]) -> dict[st
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_tp(tp_size: int, cases: list[tuple[Path, list[list[int]]]]) -> list[list[dict[str, Any]]]:
-    """Run the cases on ``tp_size`` spawned ranks: results[case][rank]; fails with a rank's traceback or a missed
-    deadline."""
-    from common.distributed import host_store
-
-    addr = f"127.0.0.1:{_free_port()}"
-    store = host_store(addr, RANK_DEADLINE_S)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    jobs = [(str(path), seqs) for path, seqs in cases]
-    procs = [ctx.Process(target=_rank_main, args=(addr, r, tp_size, jobs, out), daemon=True) for r in range(tp_size)]
-    try:
-        for p in procs:
-            p.start()
-        results: dict[int, list[dict[str, Any]]] = {}
-        for _ in range(tp_size):
-            try:
-                rank, res = out.get(timeout=RANK_DEADLINE_S)
-            except queue.Empty:
-                pytest.fail(f"TP ranks missed the {RANK_DEADLINE_S:.0f} s deadline; got ranks {sorted(results)}")
-            if isinstance(res, str):
-                pytest.fail(f"TP rank {rank} failed:\n{res}")
-            for case in res:
-                case["logits"] = [torch.from_numpy(a) for a in case["logits"]]
-            results[rank] = res
-        for p in procs:
-            p.join(RANK_DEADLINE_S)
-            assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-        return [[results[r][c] for r in range(tp_size)] for c in range(len(cases))]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        del store
+    """Run the cases on ``tp_size`` spawned ranks: results[case][rank]."""
+    results = run_ranks(_rank_main, tp_size, [(str(path), seqs) for path, seqs in cases])
+    for res in results:
+        for case in res:
+            case["logits"] = [torch.from_numpy(a) for a in case["logits"]]
+    return [[results[r][c] for r in range(tp_size)] for c in range(len(cases))]
 
 
 # -- models --------------------------------------------------------------------------------------------------------

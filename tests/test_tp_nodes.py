@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,25 +20,12 @@ import grpc
 import pytest
 
 from pdcluster.v1 import worker_pb2
-from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import Node, free_port, rank_pids, start_node
+from tests.node_helpers import free_port, rank_pids, start_node
 from tests.test_nodes import FAST_DEADLINES, greedy_request, reference, run_pd, tokens_of
 
 pytestmark = pytest.mark.slow
 
 PROMPT_LENGTHS = [1, 9, 17, 40, 64, 65, 130, 200]
-
-
-@pytest.fixture(scope="module")
-def model_path():
-    return make_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def colocated(model_path) -> Iterator[Node]:
-    node = start_node("null", model_path)
-    yield node
-    node.stop()
 
 
 def requests(tag: str, seed: int) -> list:

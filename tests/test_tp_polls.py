@@ -4,18 +4,16 @@ until it succeeds, and one rank failing fails the request on all ranks (the othe
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
-import sys
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from common.distributed import TPGroup
 from kvtransfer.poll import GroupPolls, KVPoll
-from tests.node_helpers import free_port
+from tests.tp_helpers import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # spawns rank processes
 
 
 class FakeHandle:
@@ -44,19 +42,16 @@ class FakeReq:
         self.rid, self.disagg_kv, self.to_abort = rid, handle, None
 
 
-def _rank(tp_rank: int, addr: str, out: multiprocessing.Queue) -> None:
-    sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
-    from common.distributed import init_tp_group
+def _rank(tp: TPGroup) -> tuple[list[dict[str, Any]], str | None]:
     from decode_node.transfer_queue import DecodeTransferQueue
 
-    tp = init_tp_group(dist_init_addr=addr, dp_rank=0, tp_rank=tp_rank, tp_size=2, device=torch.device("cpu"),
-                       timeout_s=60)
+    tp_rank = tp.tp_rank
     polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
     transfers = DecodeTransferQueue(polls)
     held = FakeReq("held", FakeHandle(KVPoll.Transferring if tp_rank == 1 else KVPoll.Success, quiesced=True))
     failing = FakeReq("failing", FakeHandle(KVPoll.Failed if tp_rank == 1 else KVPoll.Transferring,
                                             quiesced=tp_rank == 1, reason="room 1: decode peer lost" * (tp_rank == 1)))
-    transfers.extend([held, failing])
+    transfers.extend([held, failing])  # type: ignore[list-item]
     steps = []
     for step in range(3):
         if step == 1 and tp_rank == 1:
@@ -71,31 +66,11 @@ def _rank(tp_rank: int, addr: str, out: multiprocessing.Queue) -> None:
             "done": [r.rid for r in done], "failed": [r.rid for r in failed],
             "failure": polls.failure(failing.disagg_kv),
         })
-    out.put((tp_rank, steps, failing.disagg_kv.aborted))
-    tp.destroy()
+    return steps, failing.disagg_kv.aborted
 
 
 def test_group_state_is_the_min_over_tp_ranks() -> None:
-    from common.distributed import host_store
-
-    addr = f"127.0.0.1:{free_port()}"
-    store = host_store(addr, 60)
-    ctx = multiprocessing.get_context("spawn")
-    out: multiprocessing.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, addr, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict((r, (steps, aborted)) for r, steps, aborted in (out.get(timeout=90) for _ in procs))
-    except queue.Empty:
-        pytest.fail(f"ranks did not report; exit codes {[p.exitcode for p in procs]}")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.exitcode is None:
-                p.kill()
-        del store
-    (steps0, aborted0), (steps1, aborted1) = results[0], results[1]
+    (steps0, aborted0), (steps1, aborted1) = run_ranks(_rank, 2)
     for steps in (steps0, steps1):
         # Step 0: rank 1 still Transferring holds "held" out of the running batch on BOTH ranks; rank 1's Failed
         # fails "failing" everywhere, but rank 0's handle is not yet quiesced, so its pages stay put.
