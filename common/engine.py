@@ -105,6 +105,8 @@ class Engine:
         try:
             self.scheduler = Scheduler(self.args, self.model_path, self.tokenizer, self._on_outputs, 0, tp)
         except BaseException:
+            if tp is not None:
+                tp.destroy()  # so a later Engine in this process can form its group
             self._stop_followers(kill=True)
             raise
         self._thread = threading.Thread(target=self._loop, name="pdcluster-scheduler", daemon=True)

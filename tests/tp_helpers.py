@@ -17,8 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests.node_helpers import free_port
-
 RANK_DEADLINE_S = 120.0  # rank start-up (importing torch) is slow on a loaded 2-core host
 
 
@@ -46,8 +44,8 @@ def run_ranks(entry: Callable[..., Any], tp_size: int, *args: Any, deadline_s: f
     """``entry(tp, *args)`` on each of ``tp_size`` spawned ranks; their results in rank order."""
     from common.distributed import host_store
 
-    addr = f"127.0.0.1:{free_port()}"
-    store = host_store(addr, deadline_s)
+    store = host_store("127.0.0.1:0", deadline_s)  # the store picks its port: no race for a "free" one
+    addr = f"127.0.0.1:{store.port}"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(entry, r, tp_size, addr, args, out), daemon=True)

@@ -40,6 +40,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
+from concurrent.futures import CancelledError as FutureCancelled
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -146,6 +148,9 @@ class UcxBackend(KVBackend):
         self._closed = False
         self._peers: dict[PeerKey, PeerInfo] = {}
         self._broken: dict[PeerKey, str] = {}
+        # prefill: the loop futures of jobs in flight per peer; a removed peer's are cancelled at once (a connect to
+        # a dead peer would otherwise hold its rooms' pages until the connect timeout)
+        self._inflight: dict[PeerKey, set[Future[Any]]] = {}
         self._eps: dict[PeerKey, Any] = {}  # prefill: endpoint per decode peer (touched on the loop only)
         self._serving: dict[asyncio.Task[None], PeerKey | None] = {}  # decode: one task per connection (loop only)
         self._listener: Any = None
@@ -176,7 +181,10 @@ class UcxBackend(KVBackend):
         with self._lock:
             self._peers.pop(key, None)
             self._broken.pop(key, None)
+            inflight = self._inflight.pop(key, set())
             closed = self._closed
+        for future in inflight:
+            future.cancel()
         self._workers.remove_peer(key, "peer removed")
         if not closed:
             self._on_loop(self._drop_connections, key)
@@ -256,8 +264,13 @@ class UcxBackend(KVBackend):
         if broken is not None:
             raise TransferError(f"connection broken earlier: {broken}")
         future = asyncio.run_coroutine_threadsafe(self._move_async(job), self._loop)
+        with self._lock:
+            self._inflight.setdefault(job.peer, set()).add(future)
+        future.add_done_callback(lambda f, peer=job.peer: self._forget(peer, f))
         try:
             ack = future.result(self.config.transfer_timeout_s)
+        except FutureCancelled:
+            raise TransferError(f"room {job.room} chunk {job.chunk_id}: peer removed") from None
         except FutureTimeout as exc:
             if not future.cancel():  # done: the job itself raised a TimeoutError (e.g. connecting)
                 reason = f"room {job.room} chunk {job.chunk_id}: {type(exc).__name__}: {exc}"
@@ -274,6 +287,10 @@ class UcxBackend(KVBackend):
             self._broken.setdefault(job.peer, reason)
         self._on_loop(self._drop_connections, job.peer)
         raise TransferError(reason)
+
+    def _forget(self, peer: PeerKey, future: Future[Any]) -> None:
+        with self._lock:
+            self._inflight.get(peer, set()).discard(future)
 
     async def _move_async(self, job: TransferJob) -> wire.ChunkAck:
         ep = await self._endpoint(job.peer)
