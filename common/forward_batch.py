@@ -53,6 +53,7 @@ class ForwardBatch:
     kv_pool: MHATokenToKVPool
     attn_backend: Any  # common.model.attention.TorchAttentionBackend; metadata set by init_forward_metadata
     attn_metadata: Any = None
+    future_slots: torch.Tensor | None = None  # int64 [bs] overlap: the ring slot each row's token is stored in
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,11 @@ lengths, the ``req_to_token`` entries written since the last step) into ONE host
 table entries into the device mirror; the sampler's per-step tensors take one more copy when a row samples. The
 results come back through one device-to-host read (``SampleOutput.to_host``). On CPU no copy happens at all.
 
+Overlap schedule: the runner runs on the forward thread, one batch at a time in launch order. A batch's input ids
+may hold placeholders of tokens the previous batch samples; they are resolved from ``future_tokens`` before the
+forward, and each batch stores its sampled tokens there (``common.overlap``). Everything read from the requests
+(sampling parameters, draw steps) was copied into the ``ModelWorkerBatch`` on the scheduler thread.
+
 Tensor parallelism: under a ``TPGroup`` of size > 1 the model is this rank's shard, the KV pool holds this rank's
 KV heads only, and the pool's page count is the MIN over the group (page indices mean the same slots on every
 rank). Every rank gets the same logits and samples them the same way.
@@ -27,6 +32,7 @@ from common.mem.kv_pool import MHATokenToKVPool
 from common.mem.req_to_token_pool import ReqToTokenPool
 from common.model.config import ModelConfig
 from common.model.loader import load_model
+from common.overlap import FutureTokenMap
 from common.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from common.schedule_batch import ModelWorkerBatch
 
@@ -87,6 +93,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, cfg.context_len + 8, self.device)
         self.attn_backend = self.model.make_attn_backend(args.resolved_attention_backend)
         self.sampler = Sampler(seed=args.seed)
+        self.future_tokens = FutureTokenMap(self.req_to_token_pool.size, self.device)
         logger.info(
             "KV cache on %s: %d pages x %d tokens (%.1f MiB), max running requests %d",
             self.device, num_pages, args.page_size,
@@ -107,7 +114,8 @@ class ModelRunner:
             positions = torch.cat([torch.arange(p, s, dtype=i64) for p, s in zip(b.prefix_lens, b.seq_lens,
                                                                                  strict=True)])
         bs = len(b.reqs)
-        per_req = torch.tensor(b.req_pool_indices + b.seq_lens + b.extend_lens + b.prefix_lens, dtype=i64)
+        slots = b.future_slots if b.future_slots is not None else []
+        per_req = torch.tensor(b.req_pool_indices + b.seq_lens + b.extend_lens + b.prefix_lens + slots, dtype=i64)
         parts = [torch.tensor(b.input_ids, dtype=i64), positions, b.out_cache_loc, per_req]
         pool = self.req_to_token_pool
         updates = pool.take_updates()  # None on CPU: the table there is the host table itself
@@ -116,11 +124,13 @@ class ModelRunner:
         dev = ship(parts, self.device)
         if updates is not None:
             pool.device_req_to_token.view(-1).index_put_((dev[4],), dev[5])
-        rpi, seq_lens, extend_lens, prefix_lens = dev[3].split(bs)
+        rpi, seq_lens, extend_lens, prefix_lens, *future_slots = dev[3].split(bs)
+        input_ids = self.future_tokens.resolve(dev[0]) if b.has_placeholders else dev[0]
         return ForwardBatch(
             forward_mode=b.forward_mode,
             batch_size=bs,
-            input_ids=dev[0],
+            future_slots=future_slots[0] if future_slots else None,
+            input_ids=input_ids,
             positions=dev[1],
             out_cache_loc=dev[2],
             req_pool_indices=rpi,
@@ -151,7 +161,9 @@ class ModelRunner:
         if fb.forward_mode != ForwardMode.DECODE:
             hidden = hidden[fb.last_token_indices()]
         logits = self.model.compute_logits(hidden)
-        info = SamplingBatchInfo.from_reqs(b.reqs, self.model_config.vocab_size, self.device)
+        info = b.sampling_info or SamplingBatchInfo.from_reqs(b.reqs, self.model_config.vocab_size, self.device)
         sample = self.sampler(logits, info)
+        if fb.future_slots is not None:
+            self.future_tokens.store(fb.future_slots, sample.next_token_ids)
         host = sample.to_host()
         return BatchResult(host.next_token_ids, host.logprobs, host.top_logprobs, sample)

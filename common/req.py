@@ -80,7 +80,8 @@ class Req:
         self.fill_ids: list[int] = []
         self.extend_input_len = 0
         self.is_chunked = 0  # > 0 while a chunked prefill of this request is in progress
-        self.is_retracted = False
+        self.is_retracted = False  # retracted and not re-admitted yet: an in-flight token of it is dropped
+        self.future_slot: int | None = None  # overlap schedule: the ring slot of its launched, unappended token
         self.to_abort: str | None = None  # set by an abort while the request sits in a batch
         self.sent_len = 0  # output tokens already streamed out
 
@@ -110,6 +111,20 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    def next_input_id(self) -> int:
+        """The token a decode step feeds: the last output, or the placeholder of one still being sampled."""
+        if self.future_slot is not None:
+            return -(self.future_slot + 1)
+        return self.output_ids[-1]
+
+    def draw_step(self) -> int:
+        """Index of the output token the next launched step draws (counts a launched, unappended token)."""
+        return len(self.output_ids) + (self.future_slot is not None)
+
+    def finishes_with_pending(self) -> bool:
+        """Its launched, unappended token will end it by length: it needs no further step."""
+        return self.future_slot is not None and len(self.output_ids) + 1 >= self.sampling_params.max_new_tokens
+
     def init_next_round_input(self, tree_cache: Any | None) -> None:
         """Recompute ``fill_ids`` and the cached prefix before (re)entering a prefill batch."""
         self.fill_ids = self.all_ids()
@@ -125,6 +140,7 @@ class Req:
         self.kv_committed_len = 0
         self.is_chunked = 0
         self.is_retracted = True
+        self.future_slot = None
 
     def abort(self, message: str, code: str = "CANCELLED") -> None:
         self.finished_reason = Finished(FinishReason.ABORT, message=message, code=code)

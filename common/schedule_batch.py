@@ -39,6 +39,9 @@ class ModelWorkerBatch:
     extend_lens: list[int]
     reqs: list[Req]
     return_logprob: bool
+    sampling_info: Any = None  # SamplingBatchInfo built on the scheduler thread (None: the runner builds it)
+    future_slots: list[int] | None = None  # overlap: the ring slot each row's token is stored in
+    has_placeholders: bool = False  # overlap: input_ids holds placeholders of tokens still being sampled
 
 
 class ScheduleBatch:
@@ -61,6 +64,7 @@ class ScheduleBatch:
         self.extend_lens: list[int] = []
         self.chunked_req: Req | None = None
         self.decoding_reqs: list[Req] = []  # the running requests folded into a MIXED batch
+        self.future_slots: list[int] | None = None  # overlap: each row's ring slot, set when launched
         self.batch_is_full = False
 
     @classmethod
@@ -126,6 +130,7 @@ class ScheduleBatch:
             offset += n
             input_ids.extend(req.fill_ids[plen:slen])
             req.kv_committed_len = slen
+            req.is_retracted = False
         self.input_ids = input_ids
         self.out_cache_loc = out
         self.prefix_lens = prefix_lens
@@ -156,7 +161,7 @@ class ScheduleBatch:
     def prepare_for_decode(self) -> None:
         self.forward_mode = ForwardMode.DECODE
         reqs = self.reqs
-        self.input_ids = [r.output_ids[-1] for r in reqs]
+        self.input_ids = [r.next_input_id() for r in reqs]
         seq_lens = [r.kv_committed_len + 1 for r in reqs]
         self._evict_for(len(reqs) * self.allocator.page_size)
         out = self.allocator.alloc_decode(seq_lens, self._last_locs(reqs, [s - 1 for s in seq_lens]))
@@ -208,9 +213,19 @@ class ScheduleBatch:
 
     # -- composition -----------------------------------------------------------------------------------------------
     def filter_batch(self, keep: list[Req] | None = None, exclude: Req | None = None) -> None:
-        """Keep ``keep`` (default: the unfinished requests), minus ``exclude`` (the chunked request)."""
+        """Keep ``keep`` (default: the unfinished requests, but for those whose in-flight token ends them), minus
+        ``exclude`` (the chunked request)."""
         reqs = self.reqs if keep is None else keep
-        self.reqs = [r for r in reqs if not r.finished() and r is not exclude]
+        self.reqs = [r for r in reqs if not r.finished() and not r.finishes_with_pending() and r is not exclude]
+
+    def copy(self) -> ScheduleBatch:
+        """What processing a launched batch's results needs, frozen while the scheduler prepares the next one."""
+        batch = ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.allocator, self.tree_cache)
+        batch.forward_mode = self.forward_mode
+        batch.chunked_req = self.chunked_req
+        batch.decoding_reqs = self.decoding_reqs
+        batch.future_slots = self.future_slots
+        return batch
 
     def merge_batch(self, other: ScheduleBatch) -> None:
         self.reqs = self.reqs + other.reqs
@@ -226,4 +241,5 @@ class ScheduleBatch:
             extend_lens=self.extend_lens,
             reqs=self.reqs,
             return_logprob=self.return_logprob,
+            future_slots=self.future_slots,
         )

@@ -4,6 +4,16 @@ Lifecycle of a colocated request: waiting -> (chunked) prefill -> running (decod
 
     loop: recv_requests -> process_input_requests -> get_next_batch_to_run -> run_batch -> process_batch_result
 
+Overlap schedule (default; ``--disable-overlap-schedule`` keeps the loop above): batch k runs on a forward thread
+while this thread processes batch k-1's results and prepares batch k+1 from batch k's future tokens
+(``common.overlap``)::
+
+    step k: process_input_requests -> get_next_batch_to_run (k) -> launch k -> process_batch_result (k-1)
+
+A request therefore runs one step past its end at most (that token is dropped); one whose pending token ends it by
+length is left out of the next batch. Penalties read every output token, so a batch holding a penalised request
+has its results processed before the next batch is prepared.
+
 The prefill and decode nodes hold a ``Scheduler`` and compose their queues around these same steps.
 """
 
@@ -12,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -26,8 +37,9 @@ from common.mem.chunk_cache import ChunkCache
 from common.mem.radix_cache import RadixCache
 from common.model_runner import BatchResult, ModelRunner
 from common.req import FinishReason, Req
+from common.sampling.sampler import SamplingBatchInfo
 from common.sampling.stop import check_finished
-from common.schedule_batch import ScheduleBatch
+from common.schedule_batch import ModelWorkerBatch, ScheduleBatch
 from common.schedule_policy import AddReqResult, PrefillAdder
 from common.scheduler_metrics import (
     NO_DISAGG_QUEUES,
@@ -75,6 +87,9 @@ class Scheduler:
         self.running_batch = self.new_batch([])
         self.chunked_req: Req | None = None
         self.last_batch: ScheduleBatch | None = None
+        self.overlap = not args.disable_overlap_schedule
+        self.forward_thread: ThreadPoolExecutor | None = None  # created by the first overlapped launch
+        self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None  # launched, results unprocessed
         self.reqs_by_rid: dict[str, Req] = {}
         self.init_new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
@@ -96,7 +111,10 @@ class Scheduler:
         return self.runner.max_total_num_tokens
 
     def close(self) -> None:
-        """Release resources held outside this process (none in colocated mode)."""
+        """Stop the forward thread (after its batch); nothing else is held outside this process in colocated mode."""
+        if self.forward_thread is not None:
+            self.forward_thread.shutdown(wait=True)
+            self.forward_thread = None
 
     # -- input -----------------------------------------------------------------------------------------------------
     def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
@@ -303,17 +321,43 @@ class Scheduler:
         batch.prepare_for_decode()
 
     def run_batch(self, batch: ScheduleBatch) -> BatchResult:
+        return self.runner.forward_and_sample(self.worker_batch(batch))
+
+    def worker_batch(self, batch: ScheduleBatch) -> ModelWorkerBatch:
+        """What the runner needs, read from the requests now (the forward may run while they change)."""
         for req in batch.reqs:
             inject("forward", req.rid)
         self.forward_ct += 1
-        return self.runner.forward_and_sample(batch.get_model_worker_batch())
+        b = batch.get_model_worker_batch()
+        b.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.runner.device)
+        return b
+
+    def launch(self, batch: ScheduleBatch) -> Future[BatchResult]:
+        """Start ``batch`` on the forward thread. Each row that yields a real token (all but a middle prefill chunk)
+        gets a ring slot: the next batch feeds the request that slot's placeholder."""
+        future = self.runner.future_tokens
+        slots = future.alloc(len(batch.reqs))
+        b = self.worker_batch(batch)  # NOTE: before the new slots: sampling reads each row's pending draw step
+        b.has_placeholders = any(r.future_slot is not None for r in batch.reqs)
+        for i, req in enumerate(batch.reqs):
+            if req is batch.chunked_req:
+                slots[i] = future.dump_slot
+            else:
+                req.future_slot = slots[i]
+        b.future_slots = batch.future_slots = slots
+        if self.forward_thread is None:
+            self.forward_thread = ThreadPoolExecutor(1, "pdcluster-forward")
+        return self.forward_thread.submit(self.runner.forward_and_sample, b)
 
     # -- results ---------------------------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         is_prefill = batch.forward_mode.is_extend()
         decoding = {id(r) for r in batch.decoding_reqs}
+        slots = batch.future_slots
         for i, req in enumerate(batch.reqs):
-            if req.finished():
+            if slots is not None and req.future_slot == slots[i]:
+                req.future_slot = None  # no newer step of it was launched
+            if req.finished() or req.is_retracted:  # retracted while in flight: it recomputes this token
                 continue
             if req.is_chunked > 0:  # a middle chunk: its token is not a real sample
                 req.is_chunked -= 1
@@ -372,21 +416,38 @@ class Scheduler:
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
-        """One iteration of the loop; returns whether a batch ran."""
+        """One iteration of the loop; returns whether a batch ran or its results were processed."""
         if self.is_idle():
             self.decode_log.restart()
         self.process_input_requests(msgs)
+        ran = self.step_overlap() if self.overlap else self.step_normal()
+        self.out.flush()
+        return ran
+
+    def step_normal(self) -> bool:
         batch = self.get_next_batch_to_run()
         if batch is not None:
-            result = self.run_batch(batch)
-            self.process_batch_result(batch, result)
+            self.process_batch_result(batch, self.run_batch(batch))
         self.last_batch = batch
-        self.out.flush()
         return batch is not None
+
+    def step_overlap(self) -> bool:
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None and any(_reads_output_history(r) for r in prev[0].reqs):
+            self.process_batch_result(prev[0], prev[1].result())
+            prev = None
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            future = self.launch(batch)
+            self.in_flight = (batch.copy(), future)
+        if prev is not None:
+            self.process_batch_result(prev[0], prev[1].result())
+        self.last_batch = batch
+        return batch is not None or prev is not None
 
     def is_idle(self) -> bool:
         return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and (
-            self.last_batch is None)
+            self.last_batch is None) and self.in_flight is None
 
     # -- observability ---------------------------------------------------------------------------------------------
     def token_usage(self) -> float:
@@ -450,6 +511,12 @@ class Scheduler:
             gen_throughput=throughput,
             queues=self.disagg_queue_counts(),
         )))
+
+
+def _reads_output_history(req: Req) -> bool:
+    """Its next draw depends on every output token so far (penalties), not only on the last one."""
+    sp = req.sampling_params
+    return sp.has_penalty or bool(sp.min_new_tokens)
 
 
 def internal_error_message(exc: Exception) -> str:

@@ -49,11 +49,11 @@ def greedy(n: int = NEW_TOKENS) -> dict[str, object]:
 
 
 LENGTHS = [1, 7, 33, 64, 100, 150, 257, 300]
-MATRIX = list(itertools.product([1, 16], [-1, 32], [False, True], [False, True]))
+MATRIX = list(itertools.product([1, 16], [-1, 32], [False, True], [False, True], [True, False]))
 
 
-@pytest.mark.parametrize(("page_size", "chunk", "disable_radix", "mixed"), MATRIX)
-def test_greedy_matches_hf(engine_factory, llama, page_size, chunk, disable_radix, mixed) -> None:
+@pytest.mark.parametrize(("page_size", "chunk", "disable_radix", "mixed", "overlap"), MATRIX)
+def test_greedy_matches_hf(engine_factory, llama, page_size, chunk, disable_radix, mixed, overlap) -> None:
     vocab = 1000
     prompts = make_prompts(vocab, LENGTHS, seed=page_size + chunk)
     engine = engine_factory(
@@ -62,6 +62,7 @@ def test_greedy_matches_hf(engine_factory, llama, page_size, chunk, disable_radi
         chunked_prefill_size=chunk,
         disable_radix_cache=disable_radix,
         enable_mixed_chunk=mixed,
+        disable_overlap_schedule=not overlap,
     )
     outs = engine.generate(input_ids=prompts, sampling_params=greedy())
     for prompt, out in zip(prompts, outs, strict=True):
@@ -106,11 +107,12 @@ def test_shared_prefix_hits_cache_with_same_outputs(engine_factory, llama, page_
         assert out.output_ids == hf_greedy(str(llama), tuple(p), NEW_TOKENS)
 
 
-@pytest.mark.parametrize("disable_radix", [False, True])
-def test_retraction_under_kv_pressure_keeps_outputs(engine_factory, llama, disable_radix) -> None:
+@pytest.mark.parametrize(("disable_radix", "overlap"), itertools.product([False, True], [True, False]))
+def test_retraction_under_kv_pressure_keeps_outputs(engine_factory, llama, disable_radix, overlap) -> None:
     prompts = make_prompts(1000, [30, 45, 20, 60, 35, 50, 25, 40], seed=11)
     n = 48
-    engine = engine_factory(llama, max_total_tokens=400, page_size=1, disable_radix_cache=disable_radix)
+    engine = engine_factory(llama, max_total_tokens=400, page_size=1, disable_radix_cache=disable_radix,
+                            disable_overlap_schedule=not overlap)
     outs = engine.generate(input_ids=prompts, sampling_params=greedy(n))
     assert engine.scheduler.num_retracted > 0, "the KV budget was meant to force a retraction"
     for p, out in zip(prompts, outs, strict=True):

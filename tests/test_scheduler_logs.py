@@ -81,10 +81,12 @@ def test_formatters_field_order_per_role() -> None:
     assert DECODE_RE.match(decode)
 
 
-def test_colocated_lines_match_what_ran(engine_factory, llama, caplog) -> None:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_colocated_lines_match_what_ran(engine_factory, llama, caplog, overlap) -> None:
     caplog.set_level(logging.INFO, logger="common.scheduler")
     total, interval, n = 2048, 3, 12
-    engine = engine_factory(llama, page_size=1, max_total_tokens=total, decode_log_interval=interval)
+    engine = engine_factory(llama, page_size=1, max_total_tokens=total, decode_log_interval=interval,
+                            disable_overlap_schedule=not overlap)
     prompt = list(range(10, 10 + 40))
     engine.generate(input_ids=prompt, sampling_params=greedy(n))
     prefill, decode = lines(caplog)
@@ -94,7 +96,8 @@ def test_colocated_lines_match_what_ran(engine_factory, llama, caplog) -> None:
     # The first token comes from the prefill; n - 1 decode steps follow, a line after every third.
     assert len(decode) == (n - 1) // interval
     for k, row in enumerate(decode, start=1):
-        held = len(prompt) + k * interval  # the prompt's slots plus one per decode step so far
+        # The prompt's slots plus one per decode step so far; with overlap the next step is launched already.
+        held = len(prompt) + k * interval + overlap
         assert row["running"] == 1 and row["token"] == held
         assert row["usage"] == round(held / total, 2)
         assert row["prealloc"] is None and row["transfer"] is None and row["retracted"] == 0

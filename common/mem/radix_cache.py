@@ -210,7 +210,9 @@ class RadixCache(BasePrefixCache):
             req.prefix_indices = row[:committed].clone()
             return
         cached = self._path_len(req.last_node)
-        aligned = self._aligned(committed)
+        # NOTE: under the overlap schedule the next decode step may already be launched (committed = fill + 1);
+        # only the tokens known here are cached.
+        aligned = self._aligned(min(committed, len(req.fill_ids)))
         token_ids = req.fill_ids[:aligned]
         new_prefix_len = self.insert(token_ids, row[:aligned])
         self.token_to_kv_pool_allocator.free(row[cached:new_prefix_len])

@@ -80,7 +80,7 @@ class SamplingBatchInfo:
         device = torch.device(device)
         return cls(
             params=[r.sampling_params for r in reqs],
-            output_lens=[len(r.output_ids) for r in reqs],
+            output_lens=[r.draw_step() for r in reqs],
             return_logprob=[r.return_logprob for r in reqs],
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
             penalties=PenaltyState.from_reqs(reqs, vocab_size, device),

@@ -1,0 +1,115 @@
+"""The overlap schedule: batch k+1 is prepared while batch k's forward runs, and nothing a client sees changes.
+
+Exactness is checked against the normal loop on the same requests (seeded sampling, penalties, stop tokens, logprobs,
+max_new_tokens 1, chunked + mixed prefill, the prefix cache); HF identity and retraction run with overlap on and off
+in ``test_engine.py``. Overlap itself is measured from timestamps, not assumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from common.engine import Engine, GenerateOutput
+from tests.test_engine import greedy, make_prompts
+
+
+def record_intervals(engine: Engine) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Wrap the runner's forward (forward thread) and batch preparation (scheduler thread) to log their intervals."""
+    sched = engine.scheduler
+    forwards: list[tuple[float, float]] = []
+    preps: list[tuple[float, float]] = []
+    lock = threading.Lock()
+
+    def timed(fn: Any, out: list[tuple[float, float]]) -> Any:
+        def wrapper(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                with lock:
+                    out.append((t0, time.perf_counter()))
+        return wrapper
+
+    sched.runner.forward_and_sample = timed(sched.runner.forward_and_sample, forwards)  # type: ignore[method-assign]
+    sched.get_next_batch_to_run = timed(sched.get_next_batch_to_run, preps)  # type: ignore[method-assign]
+    return forwards, preps
+
+
+def preps_inside_forwards(forwards: list[tuple[float, float]], preps: list[tuple[float, float]]) -> int:
+    return sum(any(f0 < p0 and p1 < f1 for f0, f1 in forwards) for p0, p1 in preps)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_next_batch_is_prepared_while_the_forward_runs(engine_factory, model_path, overlap) -> None:
+    engine = engine_factory(model_path, page_size=16, disable_overlap_schedule=not overlap)
+    engine.generate(input_ids=[1, 2, 3], sampling_params=greedy(2))  # warm-up, outside the record
+    forwards, preps = record_intervals(engine)
+    prompts = make_prompts(1000, [40, 60, 80, 100] * 4, seed=1)
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy(24))
+    assert all(len(o.output_ids) == 24 for o in outs)
+    inside = preps_inside_forwards(forwards, preps)
+    if overlap:
+        # Decode step k+1 is prepared during forward k; on a loaded machine some preparations outlast a forward.
+        assert inside >= 8, f"only {inside} of {len(preps)} preparations ran inside a forward"
+    else:
+        assert inside == 0
+
+
+def mixed_requests(vocab: int) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    prompts = make_prompts(vocab, [5, 40, 70, 33, 120, 64, 9, 200], seed=23)
+    prompts[3] = prompts[1][:32] + prompts[3][:5]  # a prefix hit on the radix cache
+    params: list[dict[str, Any]] = [
+        {"max_new_tokens": 20, "temperature": 0.8, "top_p": 0.9, "seed": 5, "ignore_eos": True},
+        {"max_new_tokens": 16, "temperature": 1.0, "top_k": 20, "seed": 7, "ignore_eos": True},
+        {"max_new_tokens": 18, "temperature": 0.7, "frequency_penalty": 0.5, "presence_penalty": 0.3, "seed": 9,
+         "ignore_eos": True},
+        greedy(1),
+        {**greedy(24), "repetition_penalty": 1.3},
+        {"max_new_tokens": 12, "temperature": 0.0, "min_new_tokens": 6},
+        {"max_new_tokens": 15, "temperature": 1.2, "min_p": 0.05, "seed": 11, "ignore_eos": True},
+        greedy(30),
+    ]
+    return prompts, params
+
+
+def run_together(engine: Engine, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[GenerateOutput]:
+    """All requests at once (one batch where they fit), each with its own sampling parameters."""
+
+    async def one(ids: list[int], sp: dict[str, Any]) -> GenerateOutput:
+        async for chunk in engine.generate_stream(input_ids=ids, sampling_params=sp, return_logprob=True):
+            if chunk.output is not None:
+                return chunk.output
+        raise AssertionError("the stream ended without a final chunk")
+
+    async def run() -> list[GenerateOutput]:
+        return await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in zip(prompts, params, strict=True))),
+                                      timeout=120)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(("chunk", "mixed"), [(-1, False), (32, True)])
+def test_overlap_outputs_equal_the_normal_loop(engine_factory, model_path, chunk, mixed) -> None:
+    results = []
+    for overlap in (True, False):
+        engine = engine_factory(model_path, page_size=16, chunked_prefill_size=chunk, enable_mixed_chunk=mixed,
+                                disable_overlap_schedule=not overlap)
+        prompts, params = mixed_requests(engine.model_config.vocab_size)
+        outs = run_together(engine, prompts, params)
+        # a stop token taken from an unconstrained run of the same prompt ends its request early
+        free = engine.generate(input_ids=prompts[7], sampling_params=greedy(12))
+        stop = engine.generate(input_ids=prompts[7],
+                               sampling_params={**greedy(12), "stop_token_ids": [free.output_ids[5]]})
+        results.append(([(o.output_ids, o.finish_reason, [round(x, 4) for x in o.logprobs]) for o in outs],
+                        stop.output_ids))
+    assert results[0] == results[1]
+    outs, stop_ids = results[0]
+    lengths = [len(ids) for ids, _, _ in outs]
+    assert lengths[:5] + lengths[6:] == [20, 16, 18, 1, 24, 15, 30]
+    assert 6 <= lengths[5] <= 12
+    assert len(stop_ids) <= 6
