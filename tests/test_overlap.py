@@ -1,7 +1,7 @@
 """The overlap schedule: batch k+1 is prepared while batch k's forward runs, and nothing a client sees changes.
 
-Exactness is checked against the normal loop on the same requests (seeded sampling, penalties, stop tokens, logprobs,
-max_new_tokens 1, chunked + mixed prefill, the prefix cache); HF identity and retraction run with overlap on and off
+Exactness is checked against the normal loop on the same requests (seeded sampling, penalties, stop tokens,
+logprobs, max_new_tokens 1, chunked + mixed prefill, the prefix cache); HF identity and retraction run with overlap on and off
 in ``test_engine.py``. Overlap itself is measured from timestamps, not assumed.
 """
 
@@ -60,19 +60,28 @@ def test_next_batch_is_prepared_while_the_forward_runs(engine_factory, model_pat
         assert inside == 0
 
 
-def mixed_requests(vocab: int) -> tuple[list[list[int]], list[dict[str, Any]]]:
-    prompts = make_prompts(vocab, [5, 40, 70, 33, 120, 64, 9, 200], seed=23)
+def sampled_requests(vocab: int) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """No penalties: every step of these overlaps, and seeded draws must use the pending token's step."""
+    prompts = make_prompts(vocab, [5, 40, 70, 33, 120], seed=23)
     prompts[3] = prompts[1][:32] + prompts[3][:5]  # a prefix hit on the radix cache
     params: list[dict[str, Any]] = [
         {"max_new_tokens": 20, "temperature": 0.8, "top_p": 0.9, "seed": 5, "ignore_eos": True},
         {"max_new_tokens": 16, "temperature": 1.0, "top_k": 20, "seed": 7, "ignore_eos": True},
-        {"max_new_tokens": 18, "temperature": 0.7, "frequency_penalty": 0.5, "presence_penalty": 0.3, "seed": 9,
-         "ignore_eos": True},
-        greedy(1),
-        {**greedy(24), "repetition_penalty": 1.3},
-        {"max_new_tokens": 12, "temperature": 0.0, "min_new_tokens": 6},
         {"max_new_tokens": 15, "temperature": 1.2, "min_p": 0.05, "seed": 11, "ignore_eos": True},
+        greedy(1),
         greedy(30),
+    ]
+    return prompts, params
+
+
+def penalised_requests(vocab: int) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Penalties read every output token: a batch with these must not run ahead of its results."""
+    prompts = make_prompts(vocab, [64, 9, 200, 50], seed=29)
+    params: list[dict[str, Any]] = [
+        {**greedy(24), "presence_penalty": -2.0},  # a bonus on seen tokens: the last one matters at once
+        {**greedy(24), "repetition_penalty": 0.5},
+        {"max_new_tokens": 18, "temperature": 0.7, "frequency_penalty": -1.5, "seed": 9, "ignore_eos": True},
+        {"max_new_tokens": 12, "temperature": 0.0, "min_new_tokens": 6},
     ]
     return prompts, params
 
@@ -99,17 +108,17 @@ def test_overlap_outputs_equal_the_normal_loop(engine_factory, model_path, chunk
     for overlap in (True, False):
         engine = engine_factory(model_path, page_size=16, chunked_prefill_size=chunk, enable_mixed_chunk=mixed,
                                 disable_overlap_schedule=not overlap)
-        prompts, params = mixed_requests(engine.model_config.vocab_size)
-        outs = run_together(engine, prompts, params)
+        vocab = engine.model_config.vocab_size
+        runs = [run_together(engine, *make(vocab)) for make in (sampled_requests, penalised_requests)]
         # a stop token taken from an unconstrained run of the same prompt ends its request early
-        free = engine.generate(input_ids=prompts[7], sampling_params=greedy(12))
-        stop = engine.generate(input_ids=prompts[7],
-                               sampling_params={**greedy(12), "stop_token_ids": [free.output_ids[5]]})
-        results.append(([(o.output_ids, o.finish_reason, [round(x, 4) for x in o.logprobs]) for o in outs],
-                        stop.output_ids))
+        prompt = make_prompts(vocab, [77], seed=31)[0]
+        free = engine.generate(input_ids=prompt, sampling_params=greedy(12))
+        stop = engine.generate(input_ids=prompt, sampling_params={**greedy(12), "stop_token_ids": [free.output_ids[5]]})
+        results.append(([[(o.output_ids, o.finish_reason, [round(x, 4) for x in o.logprobs]) for o in outs]
+                         for outs in runs], stop.output_ids))
     assert results[0] == results[1]
-    outs, stop_ids = results[0]
-    lengths = [len(ids) for ids, _, _ in outs]
-    assert lengths[:5] + lengths[6:] == [20, 16, 18, 1, 24, 15, 30]
-    assert 6 <= lengths[5] <= 12
+    (sampled, penalised), stop_ids = results[0]
+    assert [len(ids) for ids, _, _ in sampled] == [20, 16, 15, 1, 30]
+    assert [len(ids) for ids, _, _ in penalised[:3]] == [24, 24, 18]
+    assert 6 <= len(penalised[3][0]) <= 12
     assert len(stop_ids) <= 6
