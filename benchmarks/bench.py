@@ -24,6 +24,7 @@ from benchmarks.loadgen.plots import write_plots
 from benchmarks.loadgen.runner import LoadShape, RunResult, run_load
 from benchmarks.loadgen.stats import Slo, summarize
 from benchmarks.loadgen.workload import KINDS, WorkloadConfig, make_workload
+from common import env
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +32,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the router's OpenAI base URL")
     t.add_argument("--grpc", default=None, metavar="HOST:PORT", help="use the router's gRPC API instead")
     p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=None,
+                   help="the router's API key (default: PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else none)")
+    p.add_argument("--tls-ca", default=None, help="CA bundle of a TLS router's certificate (https / gRPC TLS)")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = e2e, no ITL)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=KINDS, default="fixed")
@@ -95,10 +99,12 @@ def report(run: RunResult, slo: Slo, config: dict[str, Any], records: bool = Tru
 async def _run(ns: argparse.Namespace) -> dict[str, Any]:
     timeout = ns.request_timeout
     client: Client
+    api_key = ns.api_key if ns.api_key is not None else env.api_key()
     if ns.grpc:
-        client = GrpcClient(ns.grpc, timeout, stream=not ns.no_stream)
+        client = GrpcClient(ns.grpc, timeout, stream=not ns.no_stream, api_key=api_key, tls_ca=ns.tls_ca)
     else:
-        oc = OpenAIClient(ns.base_url, ns.model, timeout, stream=not ns.no_stream)
+        oc = OpenAIClient(ns.base_url, ns.model, timeout, stream=not ns.no_stream, api_key=api_key,
+                          tls_ca=ns.tls_ca)
         await oc.resolve_model()
         client = oc
     shape = LoadShape(None if ns.rate else ns.concurrency, ns.rate, ns.time_limit, ns.grace, ns.seed,

@@ -9,6 +9,7 @@ from typing import Literal
 
 from common import env
 from common.errors import ConfigError
+from common.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
 KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "shm", "fake")
@@ -69,6 +70,11 @@ class ServerArgs:
     watchdog_timeout: float = 300.0  # liveness fails when a scheduler rank has not stepped for this long
     log_level: str = "info"
     log_requests: bool = False  # one log line per request on arrival and on finish (rid, room, outcome)
+    # The Worker gRPC listener (common/tls.py): TLS with tls_cert/tls_key; with tls_ca, only callers presenting a
+    # certificate signed by it (the router) are served.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
@@ -132,10 +138,15 @@ class ServerArgs:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a TCP port, got {getattr(self, name)}")
         if self.schedule_conservativeness <= 0:
             raise ConfigError("--schedule-conservativeness must be > 0")
+        self.tls  # noqa: B018  (TlsFiles checks which --tls-* flags go together; the files at start-up)
         if self.is_disaggregated and self.advertised_host in UNSPECIFIED_HOSTS:
             raise ConfigError(
                 f"--host {self.host} binds every interface but peers cannot reach {self.advertised_host}: set "
                 "--advertise-host to an address they can (e.g. the pod IP), or bind that address with --host")
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     @property
     def advertised_host(self) -> str:
@@ -193,6 +204,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics HTTP port (off by default)")
     g.add_argument("--log-level", default=d.log_level)
     g.add_argument("--log-requests", action="store_true", help="log each request's arrival and outcome (rid, room)")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate chain: the Worker gRPC port serves TLS")
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", default=None,
+                   help="PEM CA bundle: mutual TLS, only callers with a certificate it signed (the router) are served")
     g = parser.add_argument_group("disaggregation")
     g.add_argument("--disaggregation-mode", default=d.disaggregation_mode, choices=("null", "prefill", "decode"))
     g.add_argument("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port,

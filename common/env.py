@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from common.errors import ConfigError
+
 
 def cache_dir() -> Path:
     """Where generated default models live (``PDCLUSTER_CACHE_DIR``, default ``~/.cache/pdcluster``)."""
@@ -25,6 +27,26 @@ def cluster_token() -> str:
 def admin_token() -> str:
     """Bearer token of the router's admin surface (``PDCLUSTER_ADMIN_TOKEN``); default: the cluster secret."""
     return os.environ.get("PDCLUSTER_ADMIN_TOKEN", "") or cluster_token()
+
+
+def api_key() -> str:
+    """The router's client API key (``PDCLUSTER_API_KEY``, or the file named by ``PDCLUSTER_API_KEY_FILE``); ""
+    when unset: generation is open to whoever reaches the router."""
+    key = os.environ.get("PDCLUSTER_API_KEY", "")
+    path = os.environ.get("PDCLUSTER_API_KEY_FILE", "")
+    return key or (read_secret_file(path, "PDCLUSTER_API_KEY_FILE") if path else "")
+
+
+def read_secret_file(path: str, name: str) -> str:
+    """A secret kept in a file (first line, stripped), so it never appears in a command line; ConfigError when the
+    file cannot be read or is empty."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"{name} {path}: cannot read it ({e.strerror or e})") from None
+    if not text:
+        raise ConfigError(f"{name} {path}: the file is empty")
+    return text.splitlines()[0].strip()
 
 
 def log_level() -> str:

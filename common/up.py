@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import env
 from common.config import KV_TRANSFER_BACKENDS
 from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
+from common.tls import TlsFiles
 from common.tokenizer import resolve_model_path
 
 READY_TIMEOUT_S = 300.0
@@ -74,6 +76,15 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
     p.add_argument("--metrics", action="store_true", help="give every node a Prometheus /metrics port")
     p.add_argument("--log-requests", action="store_true", help="nodes log each request's arrival and outcome")
+    s = p.add_argument_group("client security")
+    s.add_argument("--api-key", default=None,
+                   help="the router's client API key (handed to it through its environment, not its command line; "
+                        "default: PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else open)")
+    s.add_argument("--api-key-file", default=None, help="file whose first line is the API key")
+    s.add_argument("--tls-cert", default=None, help="PEM certificate (for 127.0.0.1): the router serves TLS")
+    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    s.add_argument("--tls-ca", default=None,
+                   help="PEM CA that signed --tls-cert: router <-> nodes mutual TLS, every process presenting it")
     p.add_argument("--demo", action="store_true", help="once ready, send example requests through the OpenAI API")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
 
@@ -137,8 +148,10 @@ def place_nodes(names: list[str], dp_size: int, num_gpus: int, mem_fraction: flo
     return out
 
 
-def _serving(port: int) -> bool:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, contextlib.suppress(grpc.RpcError):
+def _serving(port: int, tls: grpc.ChannelCredentials | None = None) -> bool:
+    address = f"127.0.0.1:{port}"
+    channel = grpc.secure_channel(address, tls) if tls is not None else grpc.insecure_channel(address)
+    with channel, contextlib.suppress(grpc.RpcError):
         return bool(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1)
     return False
 
@@ -185,6 +198,23 @@ class LocalCluster:
                 raise RuntimeError("--kv-transfer-backend nccl cannot pair two nodes on one GPU (NCCL refuses "
                                    "duplicate GPUs); use shm or tcp, or give each node its own GPU")
         self.env = cluster_env()
+        self.api_key = ns.api_key or (env.read_secret_file(ns.api_key_file, "--api-key-file") if ns.api_key_file
+                                      else env.api_key())
+        if self.api_key:
+            self.env["PDCLUSTER_API_KEY"] = self.api_key
+        self.tls = TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca).check()
+        self.node_tls = self.tls.grpc_channel_credentials() if self.tls.mutual else None
+
+    @property
+    def http_base(self) -> str:
+        return f"{'https' if self.tls.enabled else 'http'}://127.0.0.1:{self.ns.http_port}"
+
+    def tls_flags(self, role: str) -> list[str]:
+        """The router serves its listeners with the pair; with a CA, nodes require it of the router (mTLS)."""
+        if role != "router" and not self.tls.mutual:
+            return []
+        files = (("--tls-cert", self.tls.cert), ("--tls-key", self.tls.key), ("--tls-ca", self.tls.ca))
+        return [x for flag, path in files if path is not None for x in (flag, str(Path(path).resolve()))]
 
     def _spawn(self, name: str, args: list[str], grpc_port: int, metrics_port: int | None = None) -> Child:
         log = self.log_dir / f"{name}.log"
@@ -206,7 +236,7 @@ class LocalCluster:
             flags += ["--torch-num-threads", "1"]
         if self.ns.log_requests:
             flags.append("--log-requests")
-        return flags
+        return flags + self.tls_flags("node")
 
     def node_args(self, name: str, port: int, bootstrap: int, metrics: int | None = None) -> list[str]:
         """``pdcluster serve`` arguments of node ``name`` (``<role>-<i>``; role ``null``: colocated)."""
@@ -222,7 +252,8 @@ class LocalCluster:
 
     def start(self) -> None:
         router = ["router", "--model-path", self.model_path, "--host", "127.0.0.1",
-                  "--grpc-port", str(self.ns.grpc_port), "--http-port", str(self.ns.http_port)]
+                  "--grpc-port", str(self.ns.grpc_port), "--http-port", str(self.ns.http_port),
+                  *self.tls_flags("router")]
         nodes: list[Child] = []
         for name in self.node_names:
             role = name.rsplit("-", 1)[0]
@@ -247,7 +278,7 @@ class LocalCluster:
         while pending and time.monotonic() < deadline:
             for node in nodes:
                 self._check_alive(node)
-            pending = [n for n in pending if not _serving(n.grpc_port)]
+            pending = [n for n in pending if not _serving(n.grpc_port, self.node_tls)]
             if pending:
                 time.sleep(0.2)
         if pending:
@@ -256,10 +287,15 @@ class LocalCluster:
                                f"{pending[0].tail()}")
 
     def _wait_http_health(self, child: Child, deadline: float) -> None:
-        url = f"http://127.0.0.1:{self.ns.http_port}/health"
+        url = f"{self.http_base}/health"
+        # NOTE: a readiness probe of our own child on loopback: it sends nothing secret, so it skips verification.
+        probe = None
+        if self.tls.enabled:
+            probe = ssl.create_default_context()
+            probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
         while time.monotonic() < deadline:
             self._check_alive(child)
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1, context=probe) as resp:
                 if resp.status == 200:
                     return
             time.sleep(0.2)
@@ -293,13 +329,14 @@ def placement_lines(placement: dict[str, NodePlacement]) -> list[str]:
     return lines
 
 
-def run_demo(http_port: int, model_name: str) -> None:
-    from openai import OpenAI
+def run_demo(base_url: str, model_name: str, api_key: str = "", tls_ca: str | None = None) -> None:
+    from openai import DefaultHttpxClient, OpenAI
 
     for name in ("httpx", "httpx2"):  # one INFO line per HTTP request would drown the demo's text
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", timeout=60)
+    http_client = DefaultHttpxClient(verify=ssl.create_default_context(cafile=tls_ca)) if tls_ca else None
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key or "unused", timeout=60, http_client=http_client)
     completion = client.completions.create(model=model_name, prompt="The quick brown fox", max_tokens=24,
                                            temperature=0)
     print(f"\n[completions] {completion.choices[0].text!r}")
@@ -344,10 +381,12 @@ def run_up(ns: argparse.Namespace) -> int:
         for child in cluster.children:
             metrics = f"  metrics http://127.0.0.1:{child.metrics_port}/metrics" if child.metrics_port else ""
             print(f"  {child.name:<10} pid {child.proc.pid:<7} grpc 127.0.0.1:{child.grpc_port}{metrics}", flush=True)
-        print(f"pdcluster ready: OpenAI http://127.0.0.1:{ns.http_port}/v1  gRPC 127.0.0.1:{ns.grpc_port}  "
-              "(Ctrl-C stops)", flush=True)
+        security = ", ".join(x for x in ("TLS" if cluster.tls.enabled else "", "mTLS to nodes" if cluster.tls.mutual
+                                         else "", "API key required" if cluster.api_key else "") if x)
+        print(f"pdcluster ready: OpenAI {cluster.http_base}/v1  gRPC 127.0.0.1:{ns.grpc_port}  "
+              f"{f'({security}) ' if security else ''}(Ctrl-C stops)", flush=True)
         if ns.demo:
-            run_demo(ns.http_port, Path(cluster.model_path).name)
+            run_demo(cluster.http_base, Path(cluster.model_path).name, cluster.api_key, cluster.tls.ca)
         if ns.exit_after_demo:
             return 0
         router = cluster.children[-1]

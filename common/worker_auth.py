@@ -98,13 +98,16 @@ class _SyncCredential(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
         return continuation(self._details(client_call_details), request)
 
 
-def aio_worker_channel(address: str, options: list | tuple = ()) -> grpc.aio.Channel:
-    """The router's channel to a node: every call carries the cluster credential."""
-    return grpc.aio.insecure_channel(address, options=list(options),
-                                     interceptors=[_AioUnaryCredential(credential_metadata()),
-                                                   _AioStreamCredential(credential_metadata())])
+def aio_worker_channel(address: str, options: list | tuple = (),
+                       tls: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """The router's channel to a node: every call carries the cluster credential; over (m)TLS with ``tls``."""
+    interceptors = [_AioUnaryCredential(credential_metadata()), _AioStreamCredential(credential_metadata())]
+    if tls is not None:
+        return grpc.aio.secure_channel(address, tls, options=list(options), interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
 
-def worker_channel(address: str) -> grpc.Channel:
+def worker_channel(address: str, tls: grpc.ChannelCredentials | None = None) -> grpc.Channel:
     """A blocking channel to a node carrying the cluster credential (tools, tests)."""
-    return grpc.intercept_channel(grpc.insecure_channel(address), _SyncCredential(credential_metadata()))
+    channel = grpc.secure_channel(address, tls) if tls is not None else grpc.insecure_channel(address)
+    return grpc.intercept_channel(channel, _SyncCredential(credential_metadata()))

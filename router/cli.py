@@ -7,6 +7,9 @@ import asyncio
 import logging
 import signal
 
+from common import env
+from common.errors import ConfigError
+from common.tls import TlsFiles
 from router.config import POLICIES, RouterConfig, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -83,6 +86,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token", default=None,
                    help="bearer token of the admin RPCs and /metrics, /v1/workers, timing lookups "
                         "(default: PDCLUSTER_ADMIN_TOKEN, else the cluster secret)")
+    s = p.add_argument_group("client security")
+    s.add_argument("--api-key", default=None,
+                   help="bearer key of generation and model calls (visible in ps: prefer --api-key-file or "
+                        "PDCLUSTER_API_KEY[_FILE]); default: open")
+    s.add_argument("--api-key-file", default=None, help="file whose first line is the API key")
+    s.add_argument("--tls-cert", default=None, help="PEM certificate chain: HTTP and gRPC listeners serve TLS")
+    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    s.add_argument("--tls-ca", default=None,
+                   help="PEM CA bundle: mutual TLS to the nodes (their certificates must chain to it; the router "
+                        "presents --tls-cert)")
+    s.add_argument("--tls-server-name", default=None,
+                   help="name the nodes' certificates carry (default: the host of each node's address)")
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
@@ -114,7 +129,21 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         max_inflight_requests=ns.max_inflight_requests,
         reuse_port=ns.reuse_port,
         **({"admin_token": ns.admin_token} if ns.admin_token is not None else {}),
+        api_key=api_key_from_args(ns),
+        tls=TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca),
+        tls_server_name=ns.tls_server_name,
     )
+
+
+def api_key_from_args(ns: argparse.Namespace) -> str:
+    """--api-key, else --api-key-file, else PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else "" (open)."""
+    if ns.api_key is not None and ns.api_key_file is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if ns.api_key is not None:
+        return ns.api_key
+    if ns.api_key_file is not None:
+        return env.read_secret_file(ns.api_key_file, "--api-key-file")
+    return env.api_key()
 
 
 def run_router(ns: argparse.Namespace) -> int:
@@ -122,7 +151,6 @@ def run_router(ns: argparse.Namespace) -> int:
     if ns.replicas > 1:
         import sys
 
-        from common.errors import ConfigError
         from router.replicas import run_replicas
 
         if cfg.grpc_port == 0 or cfg.http_port == 0:

@@ -7,6 +7,7 @@ from typing import Literal
 
 from common import env
 from common.errors import ConfigError
+from common.tls import TlsFiles
 
 Role = Literal["prefill", "decode", "colocated"]
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -80,6 +81,18 @@ class RouterConfig:
     reuse_port: bool = False
     # Admin RPCs and internal HTTP views need this bearer token (router/admin.py); "" refuses them all.
     admin_token: str = field(default_factory=env.admin_token, repr=False)
+    # Generation and model calls need this bearer key (router/client_auth.py); "" leaves them open.
+    api_key: str = field(default_factory=env.api_key, repr=False)
+    # TLS (common/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels to
+    # nodes verify each node's certificate against it and present tls.cert/tls.key (mutual TLS).
+    tls: TlsFiles = field(default_factory=TlsFiles)
+    tls_server_name: str | None = None  # the name node certificates carry; None: the host the router dials
+
+    @property
+    def listener_tls(self) -> TlsFiles:
+        """The client listeners' TLS: the router's certificate, no client certificates asked (clients use the API
+        key); ``tls.ca`` is for the nodes only."""
+        return TlsFiles(self.tls.cert, self.tls.key)
 
     def __post_init__(self) -> None:
         for name in ("prefill_policy", "decode_policy"):
@@ -94,6 +107,9 @@ class RouterConfig:
             raise ConfigError(f"--max-inflight-requests must be >= 0, got {self.max_inflight_requests}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
+        self.tls.check()
+        if self.tls_server_name is not None and not self.tls.mutual:
+            raise ConfigError("--tls-server-name names the nodes' certificates: it needs --tls-ca (mutual TLS)")
         seen: set[str] = set()
         for w in self.workers:
             if w.address in seen:

@@ -10,6 +10,7 @@ workers (``--worker``) is served the same way with one ``Generate`` leg; PD pair
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -123,7 +124,7 @@ class RouterCore:
                 grpc.StatusCode.INVALID_ARGUMENT: "invalid",
                 grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
             }.get(e.code, "error")
-            logger.warning("[rid=%s] failed: %s: %s", req.rid, e.code.name, e)
+            logger.warning("[rid=%s] failed: %s: %s", req.rid, e.code.name, e.log_text())
             raise
         finally:
             self.active.discard(req.rid)
@@ -172,7 +173,7 @@ class RouterCore:
                             fin = msg.finished
                             if fin.finish_reason == "abort":
                                 raise LegError(
-                                    f"{plan.worker.address} aborted the request",
+                                    f"the {plan.worker.role} worker aborted the request",
                                     grpc.StatusCode.ABORTED,
                                     plan.worker.address,
                                     True,
@@ -185,7 +186,7 @@ class RouterCore:
                             break  # closing the legs aborts them on both nodes
                 if not out.ids:
                     raise LegError(
-                        f"{plan.served_by} finished without producing a token",
+                        "the request finished without producing a token",
                         grpc.StatusCode.INTERNAL,
                         plan.worker.address,
                         True,
@@ -205,7 +206,8 @@ class RouterCore:
                         w.breaker.record_failure()
                 if not e.retryable or emitted:
                     if emitted:
-                        raise RouterError(f"the request failed after streaming began: {e}", e.code) from None
+                        raise RouterError(f"the request failed after streaming began: {e}", e.code,
+                                          e.internal) from None
                     raise
                 attempt += 1
                 failed.add(e.worker)
@@ -217,15 +219,16 @@ class RouterCore:
                 now = time.monotonic()
                 if now >= req.deadline:
                     raise DeadlineError(
-                        f"request deadline exceeded after {attempt} attempt(s); last error: {e}"
+                        f"request deadline exceeded after {attempt} attempt(s); last error: {e}", internal=e.internal
                     ) from None
                 if attempt > self.cfg.max_retries:
-                    raise UnavailableError(f"all {attempt} attempts failed; last error: {e}") from None
+                    raise UnavailableError(f"all {attempt} attempts failed; last error: {e}",
+                                           internal=e.internal) from None
                 backoff = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1), self.cfg.retry_backoff_max_s)
                 backoff *= 0.5 + self.rng.random() / 2
                 if now + backoff >= req.deadline:
                     raise DeadlineError(
-                        f"request deadline exceeded after {attempt} attempt(s); last error: {e}"
+                        f"request deadline exceeded after {attempt} attempt(s); last error: {e}", internal=e.internal
                     ) from None
                 leg_name = (
                     "decode"
@@ -238,7 +241,7 @@ class RouterCore:
                     req.rid,
                     plan.room,
                     attempt,
-                    e,
+                    e.log_text(),
                     backoff * 1000,
                 )
                 await asyncio.sleep(backoff)
@@ -256,6 +259,7 @@ class RouterCore:
             raise OverloadedError(
                 f"every {role} worker is at its request limit; retry later (last: {e})",
                 e.retry_after_s if e.retry_after_s is not None else OVERLOAD_RETRY_AFTER_S,
+                e.internal,
             ) from None
 
     # -- routing ---------------------------------------------------------------------------------------------
@@ -278,7 +282,8 @@ class RouterCore:
             w, rank = self._choose(self.colocated_policy, colocated, hint, hint.tokens)
             self.metrics.disagg_decisions.labels(w.address, "").inc()
             return Plan([Lease(w, w.ranks[rank], hint.tokens, w.pages_for(hint.tokens))], 0, None, 0, w, rank)
-        raise UnavailableError(self._why_unavailable(prefills, decodes))
+        raise UnavailableError(self._why_unavailable(prefills, decodes, detail=False),
+                               internal=self._why_unavailable(prefills, decodes, detail=True))
 
     def _candidates(self, role: Role, failed: set[str], tokens: int) -> list[Worker]:
         """Routable workers of ``role``: not yet failed for this request if possible, that can hold it if possible."""
@@ -303,7 +308,8 @@ class RouterCore:
         policy.routed(w, rank, hint)
         return w, rank
 
-    def _why_unavailable(self, prefills: list[Worker], decodes: list[Worker]) -> str:
+    def _why_unavailable(self, prefills: list[Worker], decodes: list[Worker], detail: bool) -> str:
+        """Why no worker can take a request: per worker with ``detail`` (logs), else counts per state (clients)."""
         reg = self.registry
         if not reg.workers:
             return "no workers are registered with the router"
@@ -312,7 +318,11 @@ class RouterCore:
             ws = [w for w in reg if w.role == role]
             if not ws:
                 return f"no {role} workers registered"
-            states = ", ".join(f"{w.address} {_state(w)}" for w in ws)
+            if detail:
+                states = ", ".join(f"{w.address} {_state(w)}" for w in ws)
+            else:
+                counts = collections.Counter(_state(w).split(":", 1)[0] for w in ws)
+                states = f"{len(ws)} registered: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
             return f"no routable {role} worker ({states})"
 
         if reg.has_role("prefill") or reg.has_role("decode"):

@@ -2,20 +2,48 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 from common.errors import CapacityError, InvalidRequestError, PdclusterError
 
+# What node and gRPC messages may carry that a client must not learn: addresses (``ipv4:10.0.0.7:30000``,
+# ``[fd00::1]:8998``, ``decode-0.pd.svc:30000``, ``localhost:30000``) and filesystem paths (``/models/x/config.json``).
+_ADDRESS = re.compile(
+    r"(?:\b(?:ipv4|ipv6|unix|dns|tcp|https?|grpc):(?://)?)?"
+    r"(?:\[[0-9A-Fa-f:.%]+\](?::\d{1,5})?"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b"
+    r"|\b[A-Za-z][\w-]*(?:\.[\w-]+)*:\d{2,5}\b)"
+)
+_PATH = re.compile(r"(?<![\w./])(?:~|\.{1,2})?/(?:[\w.@+-]+/)+[\w.@+-]*")
+INTERNAL_ADDRESS = "<internal address>"
+INTERNAL_PATH = "<path>"
+
+
+def scrub_internal(text: str) -> str:
+    """``text`` (a node's or gRPC's message) without internal addresses or filesystem paths."""
+    # NOTE: paths before addresses ("host:port/a/b" keeps its port out of the path match), and again after
+    # ("http://10.0.0.7/a/b" -> "<internal address>/a/b" -> "<internal address><path>").
+    text = _ADDRESS.sub(INTERNAL_ADDRESS, _PATH.sub(INTERNAL_PATH, text))
+    return _PATH.sub(INTERNAL_PATH, text)
+
 
 class RouterError(PdclusterError):
-    """An error with a gRPC status code; the message tells the client what happened or what to fix."""
+    """An error with a gRPC status code. ``str(e)`` is what the client sees: what happened or what to fix, never an
+    internal address or path. ``internal`` holds the operator's details (worker addresses, a node's raw message)
+    and goes to logs only (``log_text``)."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, internal: str = "") -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
+        self.internal = internal
+
+    def log_text(self) -> str:
+        return f"{self} [{self.internal}]" if self.internal else str(self)
 
 
 class UnavailableError(RouterError):
@@ -36,21 +64,23 @@ class OverloadedError(RouterError):
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, retry_after_s: float, internal: str = "") -> None:
+        super().__init__(message, internal=internal)
         self.retry_after_s = retry_after_s
 
 
 class LegError(RouterError):
     """One leg (Prefill, Decode or Generate) failed on a worker. ``retryable``: another attempt may succeed.
 
-    ``retry_after_s``: the worker's retry hint when it answered RESOURCE_EXHAUSTED.
+    ``worker``: the worker's address (routing and logs; the message names its role only). ``retry_after_s``: the
+    worker's retry hint when it answered RESOURCE_EXHAUSTED.
     """
 
     def __init__(
-        self, message: str, code: grpc.StatusCode, worker: str, retryable: bool, retry_after_s: float | None = None
+        self, message: str, code: grpc.StatusCode, worker: str, retryable: bool, retry_after_s: float | None = None,
+        internal: str = "",
     ) -> None:
-        super().__init__(message, code)
+        super().__init__(message, code, internal or f"worker {worker}")
         self.worker = worker
         self.retryable = retryable
         self.retry_after_s = retry_after_s

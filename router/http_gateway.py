@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from common.errors import PdclusterError
 from router import openai_protocol as oai
 from router.admin import admin_middleware
+from router.client_auth import api_key_middleware
 from router.errors import http_status_of, retry_after_of
 from router.request import Delta, Final
 from router.service import RouterService
@@ -46,8 +47,10 @@ class HttpGateway:
     def __init__(self, service: RouterService) -> None:
         self.service = service
         self.logprobs = oai.LogprobFormatter(service.core.tokenizer_hf)
-        app = web.Application(client_max_size=service.cfg.max_request_bytes,
-                              middlewares=[admin_middleware(service.cfg.admin_token)])
+        middlewares = [admin_middleware(service.cfg.admin_token)]
+        if service.cfg.api_key:
+            middlewares.insert(0, api_key_middleware(service.cfg.api_key))
+        app = web.Application(client_max_size=service.cfg.max_request_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdcluster.v1 import worker_pb2
-from router.errors import RETRYABLE, LegError
+from router.errors import RETRYABLE, LegError, scrub_internal
 from router.metrics import RouterMetrics
 from router.workers import Worker
 
@@ -52,13 +52,16 @@ class Aborter:
 
 
 def leg_error(leg: str, worker: Worker, e: grpc.aio.AioRpcError) -> LegError:
-    code = e.code()
+    """The client's message names the worker's role and the node's reason, scrubbed of addresses and paths (a
+    node's own INVALID_ARGUMENT still says which field to fix); the raw message stays in ``internal``."""
+    code, details = e.code(), e.details() or ""
     return LegError(
-        f"{leg} on {worker.address} failed: {code.name}: {e.details()}",
+        f"{leg} on a {worker.role} worker failed: {code.name}: {scrub_internal(details)}",
         code,
         worker.address,
         code in RETRYABLE,
         _retry_after(e) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None,
+        internal=f"{leg} on {worker.address}: {details}",
     )
 
 
@@ -144,7 +147,7 @@ class PdAttempt:
                 if msg is grpc.aio.EOF:
                     self.failed_worker = d
                     raise LegError(
-                        f"Decode on {d.address} ended its stream without a Finished message",
+                        "the decode worker ended its stream without a Finished message",
                         grpc.StatusCode.INTERNAL,
                         d.address,
                         True,
@@ -203,7 +206,7 @@ class ColocatedAttempt:
                 if msg is grpc.aio.EOF:
                     self.failed_worker = self.w
                     raise LegError(
-                        f"Generate on {self.w.address} ended its stream without a Finished message",
+                        "the worker ended its stream without a Finished message",
                         grpc.StatusCode.INTERNAL,
                         self.w.address,
                         True,

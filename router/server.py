@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.admin import AdminInterceptor
+from router.client_auth import ApiKeyInterceptor
 from router.config import RouterConfig
 from router.grpc_guard import ParseGuard
 from router.grpc_service import RouterServicer
@@ -37,8 +38,12 @@ class RouterServer:
     async def start(self) -> None:
         await self.service.start()
         cfg = self.cfg
+        # NOTE: the credential checks come before ParseGuard: an unauthenticated request is never parsed.
+        guards: list[grpc.aio.ServerInterceptor] = [AdminInterceptor(cfg.admin_token), ParseGuard()]
+        if cfg.api_key:
+            guards.insert(0, ApiKeyInterceptor(cfg.api_key))
         server = grpc.aio.server(
-            interceptors=[AdminInterceptor(cfg.admin_token), ParseGuard()],
+            interceptors=guards,
             options=[
                 ("grpc.max_receive_message_length", cfg.max_request_bytes),
                 ("grpc.so_reuseport", 1 if cfg.reuse_port else 0),
@@ -55,7 +60,9 @@ class RouterServer:
             ),
             server,
         )
-        self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        address = f"{cfg.host}:{cfg.grpc_port}"
+        self.grpc_port = (server.add_secure_port(address, cfg.listener_tls.grpc_server_credentials()) if cfg.tls.enabled
+                          else server.add_insecure_port(address))
         if self.grpc_port == 0:
             raise OSError(f"cannot bind the router's gRPC port {cfg.host}:{cfg.grpc_port}")
         await server.start()
@@ -72,13 +79,16 @@ class RouterServer:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((cfg.host, cfg.http_port))
             self.http_port = sock.getsockname()[1]
-            await web.SockSite(runner, sock).start()
+            ssl_context = cfg.listener_tls.server_ssl_context() if cfg.tls.enabled else None
+            await web.SockSite(runner, sock, ssl_context=ssl_context).start()
             self._http = runner
         logger.info(
-            "router serving: gRPC %s:%d, HTTP %s, model %r, policies prefill=%s decode=%s",
+            "router serving: gRPC %s:%d, HTTP %s, TLS %s, API key %s, model %r, policies prefill=%s decode=%s",
             cfg.host,
             self.grpc_port,
             f"{cfg.host}:{self.http_port}" if self._http else "off",
+            ("on, mutual to nodes" if cfg.tls.mutual else "on") if cfg.tls.enabled else "off",
+            "required" if cfg.api_key else "off",
             self.service.model_name,
             cfg.prefill_policy,
             cfg.decode_policy,
@@ -103,4 +113,5 @@ class RouterServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.cfg.host}:{self.http_port}"
+        scheme = "https" if self.cfg.tls.enabled else "http"
+        return f"{scheme}://{self.cfg.host}:{self.http_port}"

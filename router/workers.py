@@ -33,6 +33,12 @@ CHANNEL_OPTIONS = (
 )
 
 
+def node_channel_options(cfg: RouterConfig) -> tuple[tuple[str, object], ...]:
+    if cfg.tls_server_name is None:
+        return CHANNEL_OPTIONS
+    return (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", cfg.tls_server_name))
+
+
 class RankState:
     __slots__ = ("epoch", "inflight", "inflight_tokens", "rank", "report", "reserved_pages")
 
@@ -97,7 +103,8 @@ class Worker:
         self.address = spec.address
         self.role: Role = spec.role
         self.host = spec.address.rsplit(":", 1)[0]
-        self.channel = aio_worker_channel(spec.address, CHANNEL_OPTIONS)
+        self.channel = aio_worker_channel(spec.address, node_channel_options(cfg),
+                                          cfg.tls.grpc_channel_credentials() if cfg.tls.mutual else None)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_open_s)

@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.tls import TlsFiles
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
@@ -63,9 +64,11 @@ class MockConfig:
     pair_timeout: float = 5.0
     fail_prefill: int = 0  # fail the next N Prefill calls (-1: every one) with ``fail_code``
     fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    fail_message: str = "injected prefill failure"
     die_before_first_token: int = 0  # the next N Decode/Generate calls fail before any token (-1: every one)
     die_after_tokens: int | None = None  # Decode/Generate fail after streaming this many tokens
     hang: bool = False  # never answer Prefill/Decode/Generate (until cancelled)
+    tls: TlsFiles | None = None  # serve the Worker port over (m)TLS, as a node with --tls-cert/--tls-key[/--tls-ca]
 
 
 @dataclass
@@ -127,7 +130,10 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
         server = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = server.add_insecure_port(f"127.0.0.1:{port}")
+        address = f"127.0.0.1:{port}"
+        tls = self.cfg.tls
+        self.port = (server.add_secure_port(address, tls.grpc_server_credentials()) if tls is not None
+                     else server.add_insecure_port(address))
         if self.cfg.role == "prefill":
             self.bootstrap_port = free_port()
         await server.start()
@@ -232,7 +238,7 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
             fail, self.cfg.fail_prefill = self._take(self.cfg.fail_prefill)
             if fail:
-                await context.abort(self.cfg.fail_code, "injected prefill failure")
+                await context.abort(self.cfg.fail_code, self.cfg.fail_message)
             if self.cfg.hang:
                 await self._sleep(a, 3600)
             room = self.hub.room(request.bootstrap_room)

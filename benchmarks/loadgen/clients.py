@@ -37,13 +37,23 @@ def _error_kind(e: BaseException) -> str:
 class OpenAIClient:
     """``/v1/completions`` (token-id prompts) and ``/v1/chat/completions`` (specs with messages)."""
 
-    def __init__(self, base_url: str, model: str = "", timeout_s: float = 300.0, stream: bool = True) -> None:
+    def __init__(self, base_url: str, model: str = "", timeout_s: float = 300.0, stream: bool = True,
+                 api_key: str = "", tls_ca: str | None = None) -> None:
+        """``api_key``: the router's ``--api-key`` (sent as ``Authorization: Bearer``); ``tls_ca``: the CA bundle
+        that signed an https router's certificate (default: the system's)."""
         import openai
 
         self.model = model
         self.stream = stream
+        http_client = None
+        if tls_ca is not None:
+            import ssl
+
+            http_client = openai.DefaultAsyncHttpxClient(verify=ssl.create_default_context(cafile=tls_ca),
+                                                         timeout=timeout_s)
         # the client's default pool holds 1000 connections: enough for any concurrency this machine can drive
-        self.client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=timeout_s)
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0,
+                                         timeout=timeout_s, http_client=http_client)
 
     async def resolve_model(self) -> str:
         if not self.model:
@@ -105,12 +115,21 @@ class OpenAIClient:
 class GrpcClient:
     """``pdcluster.v1.Router/Generate`` with token-id input (chat specs send messages), streamed."""
 
-    def __init__(self, address: str, timeout_s: float = 300.0, stream: bool = True) -> None:
+    def __init__(self, address: str, timeout_s: float = 300.0, stream: bool = True, api_key: str = "",
+                 tls_ca: str | None = None) -> None:
+        """``api_key``: sent as ``authorization: Bearer`` metadata; ``tls_ca``: a TLS router's CA bundle."""
         import grpc
 
         from pdcluster.v1 import router_pb2_grpc
 
-        self.channel = grpc.aio.insecure_channel(address)
+        if tls_ca is not None:
+            from pathlib import Path
+
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            self.channel = grpc.aio.secure_channel(address, creds)
+        else:
+            self.channel = grpc.aio.insecure_channel(address)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout_s = timeout_s
         self.stream = stream
@@ -132,7 +151,7 @@ class GrpcClient:
             req.input_ids.ids.extend(spec.prompt_ids)
         sent = time.perf_counter()
         try:
-            async for m in self.stub.Generate(req, timeout=self.timeout_s):
+            async for m in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
                 now = time.perf_counter()
                 ids = m.chunk.token_ids if m.HasField("chunk") else m.complete.output_ids
                 if m.HasField("complete") and self.stream:

@@ -61,6 +61,7 @@ class NodeServer:
     """A running node. ``start`` returns when every rank is ready and the gRPC port serves."""
 
     def __init__(self, args: ServerArgs) -> None:
+        args.tls.check()
         require_cluster_token(args.disaggregation_mode)
         self.args = args
         self.role = ROLES[args.disaggregation_mode]
@@ -91,7 +92,9 @@ class NodeServer:
         names = (worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name, reflection.SERVICE_NAME,
                  health.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{self.args.host}:{self.args.port}")
+        address, tls = f"{self.args.host}:{self.args.port}", self.args.tls
+        self.port = (self.server.add_secure_port(address, tls.grpc_server_credentials()) if tls.enabled
+                     else self.server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot bind the Worker gRPC port {self.args.host}:{self.args.port}")
         await self.server.start()
