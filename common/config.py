@@ -48,7 +48,7 @@ class ServerArgs:
     chunked_prefill_size: int = 2048  # -1 disables chunking
     max_prefill_tokens: int = 16384
     enable_mixed_chunk: bool = False
-    disable_overlap_schedule: bool = False  # prefill nodes: run forwards inline instead of on a worker thread
+    disable_overlap_schedule: bool = False  # run forwards inline instead of overlapped on a forward thread
     schedule_conservativeness: float = 1.0
     num_reserved_decode_tokens: int = 128
     decode_log_interval: int = 40
@@ -251,7 +251,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-mixed-chunk", action="store_true",
                    help="run the running decode requests inside prefill batches")
     g.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="prefill nodes: no overlap of the forward with result processing")
+                   help="run each forward inline: no preparation of the next batch (colocated, decode) or result "
+                        "processing (prefill) while the forward runs")
     g.add_argument("--schedule-conservativeness", type=float, default=d.schedule_conservativeness,
                    help="> 1 reserves more KV for future tokens (fewer retractions)")
     g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
