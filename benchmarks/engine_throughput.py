@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--tp-size", type=int, default=1,
                    help="> 1: our engine with this many TP ranks (--threads split over them), beside a tp 1 engine")
+    p.add_argument("--also-normal-loop", action="store_true",
+                   help="add a side running our engine with --disable-overlap-schedule")
     p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
                    help="device peak memory bandwidth for the weight-read floor (default: looked up for H100/H200)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine_throughput.json"))
@@ -258,6 +260,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         per_rank = max(1, a.threads // a.tp_size)
         sides = {"ours_tp": _Side("ours_tp", model_path, per_rank,
                                   engine_args | {"tp_size": a.tp_size, "torch_num_threads": per_rank}), **sides}
+    if a.also_normal_loop:
+        sides["ours_normal"] = _Side("ours", model_path, a.threads, engine_args | {"disable_overlap_schedule": True})
     sides["hf"] = _Side("hf", model_path, a.threads, engine_args)
     comm_s: list[float] = []
     tp_agree: list[float] = []
@@ -324,6 +328,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                   "comm_share_median": statistics.median(comm_s),
                                                   "identical_to_tp1_fraction": tp_agree}
         result["tp_ratio_vs_tp1"] = result["ours_tp"]["output_tok_per_s"] / result["ours"]["output_tok_per_s"]
+    if "ours_normal" in sides:
+        result["ours_normal"] = summary("ours_normal")
+        result["overlap_ratio"] = result["ours"]["output_tok_per_s"] / result["ours_normal"]["output_tok_per_s"]
     result["ratio"] = result["ours"]["output_tok_per_s"] / result["hf"]["output_tok_per_s"]
     peak = a.peak_bandwidth_gbs or _peak_bandwidth_gbs(a.device)
     result["weight_bytes"] = weight_bytes
@@ -332,6 +339,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [("ours", result["ours"]), ("hf generate", result["hf"])]
     if "ours_tp" in result:
         rows.insert(0, (f"ours tp {a.tp_size}", result["ours_tp"]))
+    if "ours_normal" in result:
+        rows.insert(1, ("ours normal", result["ours_normal"]))
     print(f"\n{'':<12} {'out tok/s':>10} {'prefill tok/s':>14} {'peak RSS MiB':>13}")
     for name, r in rows:
         pre = f"{r['prefill_tok_per_s']:14.0f}" if "prefill_tok_per_s" in r else f"{'-':>14}"
@@ -340,11 +349,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "ours_tp" in result:
         print(f"ratio ours tp {a.tp_size} / ours tp 1 (output tok/s): {result['tp_ratio_vs_tp1']:.2f}x; "
               f"TP collectives take {result['ours_tp']['comm_share_median']:.0%} of the tp {a.tp_size} run (median)")
+    if "ours_normal" in result:
+        print(f"ratio ours (overlap) / ours (--disable-overlap-schedule): {result['overlap_ratio']:.2f}x")
     floor = result["weight_read_floor_ms"]
     floor_s = (f"{floor:.3f} ms ({weight_bytes / 2**30:.2f} GiB of weights at {peak:.0f} GB/s)" if floor
                else "unknown (pass --peak-bandwidth-gbs)")
-    for name, key in (("ours", "ours"), ("hf generate", "hf")):
-        step = result[key].get("decode_step_ms")
+    for name, key in (("ours", "ours"), ("ours normal", "ours_normal"), ("hf generate", "hf")):
+        step = result.get(key, {}).get("decode_step_ms")
         if step is not None:
             print(f"decode step {name:<12} {step:8.3f} ms   weight-read floor {floor_s}")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

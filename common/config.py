@@ -49,6 +49,7 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     enable_mixed_chunk: bool = False
     disable_overlap_schedule: bool = False  # run forwards inline instead of overlapped on a forward thread
+    enable_overlap_schedule: bool = False  # overlap on CPU even where the ranks' torch threads fill every core
     schedule_conservativeness: float = 1.0
     num_reserved_decode_tokens: int = 128
     decode_log_interval: int = 40
@@ -94,6 +95,9 @@ class ServerArgs:
                 f"--attention-backend triton needs a CUDA device (got --device {self.device}); use "
                 "--attention-backend torch on CPU (Triton's interpreter, TRITON_INTERPRET=1, is for tests only)"
             )
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ConfigError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other; "
+                              "pass at most one")
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be >= 1, got {self.page_size}")
         if self.chunked_prefill_size != -1 and (
@@ -253,6 +257,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="run each forward inline: no preparation of the next batch (colocated, decode) or result "
                         "processing (prefill) while the forward runs")
+    g.add_argument("--enable-overlap-schedule", action="store_true",
+                   help="overlap on CPU even when this node's torch threads take every core (by default a CPU node "
+                        "overlaps only when they leave one free: the scheduler thread needs a core of its own)")
     g.add_argument("--schedule-conservativeness", type=float, default=d.schedule_conservativeness,
                    help="> 1 reserves more KV for future tokens (fewer retractions)")
     g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,

@@ -7,6 +7,8 @@ GPU placement of one node (SGLang's ``--base-gpu-id``): rank (dp ``d``, tp ``t``
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import torch
 
@@ -94,3 +96,15 @@ def ship(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         # non-blocking copy that reads it has finished.
         host = host.pin_memory()
     return list(host.to(device, non_blocking=True).split(sizes))
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under ``taskset`` or a container's cpuset)."""
+    return len(os.sched_getaffinity(0))
+
+
+def cpu_threads_per_rank(args: ServerArgs) -> int:
+    """Torch intra-op threads of each scheduler rank: ``--torch-num-threads``, or this host's cores split over the
+    node's ranks on it."""
+    return args.torch_num_threads or max(1, usable_cores() // (args.dp_size * len(args.tp_ranks_here)))
+

@@ -21,7 +21,21 @@ from __future__ import annotations
 
 import torch
 
+from common.config import ServerArgs
+from common.device import cpu_threads_per_rank, usable_cores
+
 RING_BATCHES = 4  # launched (k), being prepared (k+1), and slack: the reader of a slot is always the next batch
+
+
+def overlap_schedule_on(args: ServerArgs, device: torch.device) -> bool:
+    """Whether a rank overlaps its forward with scheduling: on unless ``--disable-overlap-schedule``, except on CPU
+    where the node's torch threads take every core (there the scheduler thread would take a core from the forward's
+    threads, which then wait on each other: measured slower) unless ``--enable-overlap-schedule``."""
+    if args.disable_overlap_schedule:
+        return False
+    if args.enable_overlap_schedule or device.type != "cpu":
+        return True
+    return cpu_threads_per_rank(args) * args.dp_size * len(args.tp_ranks_here) < usable_cores()
 
 
 class FutureTokenMap:

@@ -4,7 +4,8 @@ Lifecycle of a colocated request: waiting -> (chunked) prefill -> running (decod
 
     loop: recv_requests -> process_input_requests -> get_next_batch_to_run -> run_batch -> process_batch_result
 
-Overlap schedule (default; ``--disable-overlap-schedule`` keeps the loop above): batch k runs on a forward thread
+Overlap schedule (default, but see ``overlap_schedule_on`` for CPU; ``--disable-overlap-schedule`` keeps the loop
+above): batch k runs on a forward thread
 while this thread processes batch k-1's results and prepares batch k+1 from batch k's future tokens
 (``common.overlap``)::
 
@@ -36,6 +37,7 @@ from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, Queue
 from common.mem.chunk_cache import ChunkCache
 from common.mem.radix_cache import RadixCache
 from common.model_runner import BatchResult, ModelRunner
+from common.overlap import overlap_schedule_on
 from common.req import FinishReason, Req
 from common.sampling.sampler import SamplingBatchInfo
 from common.sampling.stop import check_finished
@@ -87,7 +89,7 @@ class Scheduler:
         self.running_batch = self.new_batch([])
         self.chunked_req: Req | None = None
         self.last_batch: ScheduleBatch | None = None
-        self.overlap = not args.disable_overlap_schedule
+        self.overlap = overlap_schedule_on(args, self.runner.device)
         self.forward_thread: ThreadPoolExecutor | None = None  # created by the first overlapped launch
         self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None  # launched, results unprocessed
         self.reqs_by_rid: dict[str, Req] = {}

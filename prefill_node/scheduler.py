@@ -52,7 +52,7 @@ class PrefillScheduler:
         self.inflight_queue = PrefillInflightQueue(self.polls)
         pool = self.sched.runner.kv_pool
         self.bytes_per_page = bytes_per_page(pool) * self.sched.model_config.num_kv_heads // pool.num_kv_heads
-        self.executor = None if args.disable_overlap_schedule else ThreadPoolExecutor(1, "prefill-forward")
+        self.executor = ThreadPoolExecutor(1, "prefill-forward") if self.sched.overlap else None
         self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
         self.sched.disagg_queue_counts = self.queue_counts
 

@@ -44,6 +44,11 @@ def llama() -> Path:
     return make_tiny_model("llama")
 
 
+def overlap_flags(on: bool) -> dict[str, bool]:
+    """Force the overlap schedule on or off (by default a CPU rank whose threads take every core runs without)."""
+    return {"enable_overlap_schedule": on, "disable_overlap_schedule": not on}
+
+
 def greedy(n: int = NEW_TOKENS) -> dict[str, object]:
     return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
 
@@ -62,7 +67,7 @@ def test_greedy_matches_hf(engine_factory, llama, page_size, chunk, disable_radi
         chunked_prefill_size=chunk,
         disable_radix_cache=disable_radix,
         enable_mixed_chunk=mixed,
-        disable_overlap_schedule=not overlap,
+        **overlap_flags(overlap),
     )
     outs = engine.generate(input_ids=prompts, sampling_params=greedy())
     for prompt, out in zip(prompts, outs, strict=True):
@@ -112,7 +117,7 @@ def test_retraction_under_kv_pressure_keeps_outputs(engine_factory, llama, disab
     prompts = make_prompts(1000, [30, 45, 20, 60, 35, 50, 25, 40], seed=11)
     n = 48
     engine = engine_factory(llama, max_total_tokens=400, page_size=1, disable_radix_cache=disable_radix,
-                            disable_overlap_schedule=not overlap)
+                            **overlap_flags(overlap))
     outs = engine.generate(input_ids=prompts, sampling_params=greedy(n))
     assert engine.scheduler.num_retracted > 0, "the KV budget was meant to force a retraction"
     for p, out in zip(prompts, outs, strict=True):

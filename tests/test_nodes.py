@@ -65,8 +65,7 @@ PROMPT_LENGTHS = [1, 3, 9, 17, 30, 45, 64, 65, 90, 120, 150, 200, 5, 77, 260, 33
 )
 def test_pd_tokens_match_colocated(model_path, colocated, backend, page_size, overlap) -> None:
     extra = ["--page-size", str(page_size), "--chunked-prefill-size", "64"]
-    if not overlap:
-        extra.append("--disable-overlap-schedule")
+    extra.append("--enable-overlap-schedule" if overlap else "--disable-overlap-schedule")
     prefill = start_node("prefill", model_path, backend=backend, extra=extra, wait=False)
     decode = start_node("decode", model_path, backend=backend, extra=extra, wait=False)
     try:

@@ -19,6 +19,7 @@ from common.scheduler_metrics import (
     format_prefill_line,
 )
 from tests.model_fixtures import make_tiny_model
+from tests.test_engine import overlap_flags
 
 INT = r"(\d+)"
 FLOAT = r"(\d+\.\d{2})"
@@ -86,7 +87,7 @@ def test_colocated_lines_match_what_ran(engine_factory, llama, caplog, overlap) 
     caplog.set_level(logging.INFO, logger="common.scheduler")
     total, interval, n = 2048, 3, 12
     engine = engine_factory(llama, page_size=1, max_total_tokens=total, decode_log_interval=interval,
-                            disable_overlap_schedule=not overlap)
+                            **overlap_flags(overlap))
     prompt = list(range(10, 10 + 40))
     engine.generate(input_ids=prompt, sampling_params=greedy(n))
     prefill, decode = lines(caplog)

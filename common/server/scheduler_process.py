@@ -25,7 +25,7 @@ import torch
 import zmq
 
 from common.config import ServerArgs
-from common.device import bind_rank_device
+from common.device import bind_rank_device, cpu_threads_per_rank
 from common.distributed import TPGroup, broadcast_inputs, init_tp_group
 from common.io_struct import RankHeartbeat, RankReady, SchedulerInput, ShutdownReq
 from common.server.ipc import IpcAddrs, decode_input, encode
@@ -59,8 +59,7 @@ def run_scheduler_process(
     # TP followers repeat the leader's decisions: their batch and request lines would only duplicate its log.
     level = args.log_level.upper() if tp_rank == 0 or args.log_level.lower() == "debug" else "WARNING"
     logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
-    ranks_per_host = args.dp_size * len(args.tp_ranks_here)
-    torch.set_num_threads(args.torch_num_threads or max(1, (os.cpu_count() or 1) // ranks_per_host))
+    torch.set_num_threads(cpu_threads_per_rank(args))
     leader = tp_rank == 0
     ctx = zmq.Context()
     pull = push = None
