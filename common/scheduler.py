@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -59,6 +59,19 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+class SchedulerRole(Protocol):
+    """What a node's role adds to the loop: where a new request waits, how it is aborted there, and the role's queue
+    lengths (load reports, log lines). The colocated role is the ``Scheduler`` itself."""
+
+    def admit(self, msg: GenerateReqInput) -> None: ...
+
+    def abort(self, rid: str, reason: str) -> None: ...
+
+    def fill_load(self, load: QueueLoad) -> None: ...
+
+    def queue_counts(self) -> DisaggQueueCounts: ...
 
 
 class Scheduler:
@@ -101,8 +114,7 @@ class Scheduler:
         self.num_retracted = 0
         self.request_log_level = logging.INFO if args.log_requests else logging.DEBUG
         self.decode_log = DecodeLogInterval(args.decode_log_interval)
-        # Role hook: a prefill or decode node reports its own queues' lengths for the log lines.
-        self.disagg_queue_counts: Callable[[], DisaggQueueCounts] = lambda: NO_DISAGG_QUEUES
+        self.role: SchedulerRole = self  # a prefill or decode node installs itself
 
     # -- construction helpers --------------------------------------------------------------------------------------
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -120,19 +132,34 @@ class Scheduler:
 
     # -- input -----------------------------------------------------------------------------------------------------
     def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
+        """The one dispatch of every role: what a message does to the queues is the role's."""
         for msg in msgs:
             if isinstance(msg, GenerateReqInput):
                 try:
-                    req = self.build_req(msg)
+                    self.role.admit(msg)
                 except Exception as e:  # one bad request fails alone; nothing of it was queued
                     self.fail_input(msg.rid, e)
-                    continue
-                if req is not None:
-                    self.waiting_queue.append(req)
             elif isinstance(msg, AbortReq):
-                self.abort_request(msg.rid, msg.reason)
+                self.role.abort(msg.rid, msg.reason)
             elif isinstance(msg, LoadReq):
-                self.out.send_now([LoadOut(load=self.get_load())])
+                load = self.get_load()
+                self.role.fill_load(load)
+                self.out.send_now([LoadOut(load=load)])
+
+    # -- the colocated role ----------------------------------------------------------------------------------------
+    def admit(self, msg: GenerateReqInput) -> None:
+        req = self.build_req(msg)
+        if req is not None:
+            self.waiting_queue.append(req)
+
+    def abort(self, rid: str, reason: str) -> None:
+        self.abort_request(rid, reason)
+
+    def fill_load(self, load: QueueLoad) -> None:
+        """Colocated: no queues beyond the waiting queue."""
+
+    def queue_counts(self) -> DisaggQueueCounts:
+        return NO_DISAGG_QUEUES
 
     def validate(self, msg: GenerateReqInput) -> None:
         """Raise a typed error saying what to fix if the request can never be served here."""
@@ -495,7 +522,7 @@ class Scheduler:
             token_usage=self.token_usage(),
             running_req=running_bs,
             queue_req=len(self.waiting_queue),
-            queues=self.disagg_queue_counts(),
+            queues=self.role.queue_counts(),
         )))
 
     def log_decode_stats(self) -> None:
@@ -511,7 +538,7 @@ class Scheduler:
             token_usage=self.token_usage(),
             retracted_req=retracted,
             gen_throughput=throughput,
-            queues=self.disagg_queue_counts(),
+            queues=self.role.queue_counts(),
         )))
 
 

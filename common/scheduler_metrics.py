@@ -2,7 +2,7 @@
 
 Field order is SGLang's. The disaggregation fields appear only on the role that owns the queue (SGLang omits them
 on colocated nodes): ``#bootstrap-req``/``#inflight-req`` on prefill nodes, ``#prealloc-req``/``#transfer-req``
-on decode nodes. A role scheduler supplies its counts through ``Scheduler.disagg_queue_counts``.
+on decode nodes. A role scheduler supplies its counts through ``SchedulerRole.queue_counts``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 from common.config import ServerArgs
 from common.distributed import TPGroup
 from common.faults import inject
-from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, SchedulerInput
+from common.io_struct import GenerateReqInput, QueueLoad, SchedulerInput
 from common.mem.pages import bytes_per_page
 from common.req import Req
 from common.sampling.stop import check_finished
@@ -47,7 +47,7 @@ class DecodeScheduler:
         self.transfer_queue = DecodeTransferQueue(self.polls)
         pool = self.sched.runner.kv_pool
         self.bytes_per_page = bytes_per_page(pool) * self.sched.model_config.num_kv_heads // pool.num_kv_heads
-        self.sched.disagg_queue_counts = self.queue_counts
+        self.sched.role = self
 
     def queue_counts(self) -> DisaggQueueCounts:
         return DisaggQueueCounts(prealloc=len(self.prealloc_queue), transfer=len(self.transfer_queue))
@@ -59,7 +59,7 @@ class DecodeScheduler:
     # -- the loop --------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
         self.polls.refresh([r.disagg_kv for r in (*self.prealloc_queue.queue, *self.transfer_queue.queue)])
-        self.process_input_requests(msgs)
+        self.sched.process_input_requests(msgs)
         admitted, failed = self.prealloc_queue.pop_preallocated(len(self.transfer_queue))
         self.transfer_queue.extend(admitted)
         transferred, transfer_failed = self.transfer_queue.pop_transferred()
@@ -76,18 +76,13 @@ class DecodeScheduler:
     def close(self) -> None:
         self.kv_manager.close()
 
-    # -- input -----------------------------------------------------------------------------------------------------
-    def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
-        for msg in msgs:
-            if isinstance(msg, GenerateReqInput):
-                self.prealloc_queue.add(msg)
-            elif isinstance(msg, AbortReq):
-                self.abort(msg.rid, msg.reason)
-            elif isinstance(msg, LoadReq):
-                load = self.sched.get_load()
-                load.prealloc, load.transfer = len(self.prealloc_queue), len(self.transfer_queue)
-                load.admissible_tokens = self.prealloc_queue.admissible_tokens(len(self.transfer_queue))
-                self.sched.out.send_now([LoadOut(load=load)])
+    # -- the role's hooks (``SchedulerRole``; the engine's ``process_input_requests`` dispatches to them) --------
+    def admit(self, msg: GenerateReqInput) -> None:
+        self.prealloc_queue.add(msg)
+
+    def fill_load(self, load: QueueLoad) -> None:
+        load.prealloc, load.transfer = len(self.prealloc_queue), len(self.transfer_queue)
+        load.admissible_tokens = self.prealloc_queue.admissible_tokens(len(self.transfer_queue))
 
     def abort(self, rid: str, reason: str) -> None:
         req = self.sched.reqs_by_rid.get(rid)

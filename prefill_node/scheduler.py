@@ -19,7 +19,7 @@ from typing import Any
 from common.config import ServerArgs
 from common.distributed import TPGroup
 from common.faults import inject
-from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, PrefillDone, SchedulerInput, Timing
+from common.io_struct import GenerateReqInput, PrefillDone, QueueLoad, SchedulerInput, Timing
 from common.mem.pages import bytes_per_page, num_pages, req_pages
 from common.model_runner import BatchResult
 from common.req import Req
@@ -54,7 +54,7 @@ class PrefillScheduler:
         self.bytes_per_page = bytes_per_page(pool) * self.sched.model_config.num_kv_heads // pool.num_kv_heads
         self.executor = ThreadPoolExecutor(1, "prefill-forward") if self.sched.overlap else None
         self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
-        self.sched.disagg_queue_counts = self.queue_counts
+        self.sched.role = self
 
     def queue_counts(self) -> DisaggQueueCounts:
         return DisaggQueueCounts(bootstrap=len(self.bootstrap_queue), inflight=len(self.inflight_queue))
@@ -76,7 +76,7 @@ class PrefillScheduler:
         return [r.disagg_kv for r in reqs if r.disagg_kv is not None]
 
     def step_normal(self, msgs: list[SchedulerInput]) -> bool:
-        self.admit(msgs)
+        self.take_inputs(msgs)
         self.sched.merge_last_batch()
         self.send_chunked_pages()
         batch = self.sched.get_next_batch_to_run()
@@ -108,13 +108,13 @@ class PrefillScheduler:
             self.in_flight = (batch, self.executor.submit(self.sched.run_batch, batch))
         if prev is not None:
             self.process_batch_result(*prev)
-        self.admit(msgs)
+        self.take_inputs(msgs)
         self.poll_inflight()
         self.sched.out.flush()
         return batch is not None or prev is not None
 
-    def admit(self, msgs: list[SchedulerInput]) -> None:
-        self.process_input_requests(msgs)
+    def take_inputs(self, msgs: list[SchedulerInput]) -> None:
+        self.sched.process_input_requests(msgs)
         ready, failed = self.bootstrap_queue.pop_bootstrapped()
         self.sched.waiting_queue.extend(ready)
         for req in failed:
@@ -130,17 +130,12 @@ class PrefillScheduler:
             self.executor.shutdown(wait=True)
         self.kv_manager.close()
 
-    # -- input -----------------------------------------------------------------------------------------------------
-    def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
-        for msg in msgs:
-            if isinstance(msg, GenerateReqInput):
-                self.bootstrap_queue.add(msg)
-            elif isinstance(msg, AbortReq):
-                self.abort(msg.rid, msg.reason)
-            elif isinstance(msg, LoadReq):
-                load = self.sched.get_load()
-                load.bootstrap, load.inflight = len(self.bootstrap_queue), len(self.inflight_queue)
-                self.sched.out.send_now([LoadOut(load=load)])
+    # -- the role's hooks (``SchedulerRole``; the engine's ``process_input_requests`` dispatches to them) --------
+    def admit(self, msg: GenerateReqInput) -> None:
+        self.bootstrap_queue.add(msg)
+
+    def fill_load(self, load: QueueLoad) -> None:
+        load.bootstrap, load.inflight = len(self.bootstrap_queue), len(self.inflight_queue)
 
     def abort(self, rid: str, reason: str) -> None:
         req = self.sched.reqs_by_rid.get(rid)
