@@ -21,153 +21,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import platform
-import re
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import machine
-from benchmarks.loadgen.clients import Client, GrpcClient, OpenAIClient
-from benchmarks.loadgen.runner import LoadShape, run_load
-from benchmarks.loadgen.stats import RequestResult, summarize
-from benchmarks.loadgen.workload import WorkloadConfig, make_workload
-
-READY_LINE = "pdcluster ready"
-CHILD_LINE = re.compile(r"^\s+(\S+)\s+pid (\d+)\s")
-STOP_TIMEOUT_S = 60.0  # up's own stop: SIGTERM to its children, 20 s, then SIGKILL
-TIMING_KEYS = ("queue", "bootstrap", "prefill", "transfer", "decode_queue", "decode")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class UpCluster:
-    """One ``pdcluster up`` process and the node/router pids it printed. Invariant: after ``stop`` returns, ``up``
-    has exited; if it would not stop by itself, its printed children's process groups (``up`` starts each child
-    in a session of its own) were killed, then ``up`` itself."""
-
-    prefill_tp: int
-    log: Path
-    http_port: int
-    grpc_port: int
-    proc: subprocess.Popen[bytes] | None = None
-    children: dict[str, int] | None = None
-
-    def start(self, args: argparse.Namespace) -> None:
-        cmd = [sys.executable, "-m", "common.cli", "up", "--model-path", args.model, "--prefill", "1", "--decode", "1",
-               "--prefill-tp-size", str(self.prefill_tp), "--decode-tp-size", "1",
-               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-               "--log-dir", str(self.log.parent / self.log.stem), "--max-total-tokens", str(args.max_total_tokens)]
-        if args.torch_num_threads is not None:
-            cmd += ["--torch-num-threads", str(args.torch_num_threads)]
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def wait_ready(self, timeout_s: float) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            text = self.log.read_text(errors="replace")
-            if READY_LINE in text:
-                self.children = {m[1]: int(m[2]) for line in text.splitlines() if (m := CHILD_LINE.match(line))}
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdcluster up exited with {self.proc.returncode}:\n{text[-3000:]}")
-            time.sleep(0.5)
-        raise TimeoutError(f"no '{READY_LINE}' within {timeout_s:.0f} s; log {self.log}")
-
-    def stop(self) -> int | None:
-        """SIGINT ``up`` and wait; returns its exit code (0: it stopped every child itself)."""
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return None if proc is None else proc.returncode
-        proc.send_signal(signal.SIGINT)
-        try:
-            return proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        for pid in (self.children or {}).values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        proc.kill()
-        return proc.wait(10)
-
-
-def _client(args: argparse.Namespace, cluster: UpCluster) -> Client:
-    if args.api == "grpc":
-        return GrpcClient(f"127.0.0.1:{cluster.grpc_port}", args.request_timeout)
-    return OpenAIClient(f"http://127.0.0.1:{cluster.http_port}/v1", timeout_s=args.request_timeout)
-
-
-async def _drive(args: argparse.Namespace, cluster: UpCluster, wl: WorkloadConfig) -> tuple[list[RequestResult],
-                                                                                            float]:
-    client = _client(args, cluster)
-    try:
-        if isinstance(client, OpenAIClient):
-            await asyncio.wait_for(client.resolve_model(), 30)
-        warm = make_workload(WorkloadConfig(kind="fixed", num_requests=4, input_len=32, output_len=4, seed=10**6))
-        await run_load(client, warm, LoadShape(concurrency=2, time_limit_s=60, grace_s=30, progress=False))
-        shape = LoadShape(concurrency=None if args.rate else args.concurrency, rate=args.rate,
-                          time_limit_s=args.time_limit, grace_s=args.grace, seed=wl.seed, progress=False)
-        run = await run_load(client, make_workload(wl), shape)
-    finally:
-        await client.close()
-    return run.results, run.wall_s
-
-
-def _server_timing(results: list[RequestResult]) -> dict[str, float | None]:
-    """Median seconds of the router's timing breakdown over successful requests (absent fields are skipped)."""
-    out: dict[str, float | None] = {}
-    for key in TIMING_KEYS:
-        xs = [float(r.server_timing[key]) for r in results if r.ok and r.server_timing and key in r.server_timing]
-        out[f"{key}_median_s"] = round(statistics.median(xs), 4) if xs else None
-    return out
-
-
-def _key(summary: dict[str, Any], timing: dict[str, float | None]) -> dict[str, Any]:
-    return {"ttft_p50_ms": summary["ttft"].get("p50_ms"), "ttft_p99_ms": summary["ttft"].get("p99_ms"),
-            "itl_p50_ms": summary["itl"].get("p50_ms"), "itl_p99_ms": summary["itl"].get("p99_ms"),
-            "output_tok_per_s": summary["output_token_throughput"], "request_per_s": summary["request_throughput"],
-            "completed": summary["completed"], "failed": summary["failed"],
-            "server_prefill_median_ms": None if timing["prefill_median_s"] is None
-            else round(timing["prefill_median_s"] * 1000, 2)}
-
-
-def _median_key(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for m in runs[0]:
-        xs = [r[m] for r in runs if r[m] is not None]
-        out[m] = round(statistics.median(xs), 3) if xs else None
-    return out
-
-
-def _machine() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.machine()
-    with contextlib.suppress(OSError):
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), cpu)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    return machine() | {"cpu": cpu, "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-                        "commit": commit or None}
+from benchmarks.loadgen.stats import summarize
+from benchmarks.loadgen.workload import WorkloadConfig
+from benchmarks.up_runs import (
+    UpCluster,
+    drive,
+    free_port,
+    key_metrics,
+    machine_info,
+    median_metrics,
+    server_timing,
+)
 
 
 def _parse() -> argparse.Namespace:
@@ -205,21 +78,25 @@ def main() -> int:
             from common.model_gen.make_model import make_model
 
             args.model = str(make_model("llama", "small", tmp / "model", seed=0))
-        info = _machine()
+        info = machine_info()
         print(f"machine {info}; model {args.model}", flush=True)
         per_run: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
         for rep in range(args.repeats):
             wl = replace(base_wl, seed=rep)
             order = list(configs) if rep % 2 == 0 else list(configs)[::-1]
             for name in order:
-                cluster = UpCluster(configs[name], tmp / f"{name}-r{rep}.log", _free_port(), _free_port())
+                up_args = ["--model-path", args.model, "--prefill", "1", "--decode", "1", "--prefill-tp-size",
+                           str(configs[name]), "--decode-tp-size", "1", "--max-total-tokens", str(args.max_total_tokens)]
+                if args.torch_num_threads is not None:
+                    up_args += ["--torch-num-threads", str(args.torch_num_threads)]
+                cluster = UpCluster(up_args, tmp / f"{name}-r{rep}.log", free_port(), free_port())
                 load_before = os.getloadavg()[0]
                 t0 = time.monotonic()
                 try:
-                    cluster.start(args)
+                    cluster.start()
                     cluster.wait_ready(args.ready_timeout)
                     ready_s = time.monotonic() - t0
-                    results, wall = asyncio.run(_drive(args, cluster, wl))
+                    results, wall = asyncio.run(drive(args, cluster, wl))
                 except BaseException:
                     print(f"{name} repeat {rep} failed; up's log:\n{cluster.log.read_text(errors='replace')[-3000:]}",
                           file=sys.stderr, flush=True)
@@ -227,14 +104,14 @@ def main() -> int:
                 finally:
                     up_rc = cluster.stop()
                 summary = summarize(results, wall)
-                timing = _server_timing(results)
-                key = _key(summary, timing)
+                timing = server_timing(results)
+                key = key_metrics(summary, timing)
                 per_run[name].append({"repeat": rep, "key": key, "server_timing": timing, "summary": summary,
                                       "ready_s": round(ready_s, 1), "up_exit_code": up_rc,
                                       "loadavg_before": round(load_before, 2),
                                       "loadavg_after": round(os.getloadavg()[0], 2)})
                 print(f"repeat {rep} {name}: {json.dumps(key)} (load {load_before:.1f})", flush=True)
-    medians = {c: _median_key([r["key"] for r in runs]) for c, runs in per_run.items()}
+    medians = {c: median_metrics([r["key"] for r in runs]) for c, runs in per_run.items()}
     tp_name = next(iter(configs))
     ratios = {m: (round(medians[tp_name][m] / medians["p_tp1"][m], 3) if medians[tp_name][m] and medians["p_tp1"][m]
                   else None) for m in medians["p_tp1"]}
