@@ -110,8 +110,21 @@ def _req(rid: str, ids: list[int], max_new: int, **params: Any) -> GenerateReqIn
                             top_logprobs_num=2 if params.get("seed") == 3 else 0)
 
 
-def test_scheduler_steps_keep_host_and_device_apart(meta_scheduler: Any) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_scheduler_steps_keep_host_and_device_apart(meta_scheduler: Any, overlap: bool) -> None:
     sched, outs = meta_scheduler
+    sched.overlap = overlap
+    forward_reads: list[int] = []
+    if overlap:  # the forward runs on the forward thread; a TorchFunctionMode is per thread
+        forward = sched.runner.forward_and_sample
+
+        def guarded_forward(b: Any) -> Any:
+            with HostDeviceGuard() as g:
+                result = forward(b)
+            forward_reads.append(g.reads)
+            return result
+
+        sched.runner.forward_and_sample = guarded_forward
     shared = list(range(10, 30))
     first = [
         _req("greedy", [*shared, 3, 4, 5], 6, temperature=0.0),
@@ -128,7 +141,7 @@ def test_scheduler_steps_keep_host_and_device_apart(meta_scheduler: Any) -> None
             guard.reads = 0
             ran = sched.step(first if i == 0 else later if i == 3 else [])
             assert guard.reads <= 1, f"step {i} read device data {guard.reads} times"
-            assert guard.reads == (1 if ran else 0)
+            assert guard.reads == (1 if ran and not overlap else 0)
             steps += ran
             if i > 3 and sched.is_idle():
                 break
@@ -140,6 +153,7 @@ def test_scheduler_steps_keep_host_and_device_apart(meta_scheduler: Any) -> None
         tokens.setdefault(o.rid, []).extend(o.token_ids)
     assert tokens["greedy"] == [FAKE_TOKEN] * 6 and len(tokens["seeded"]) == 5
     assert steps > 5
+    assert not overlap or (forward_reads and set(forward_reads) == {1}), forward_reads
     # Every pool back at its free count.
     assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
     sched.tree_cache.evict(sched.allocator.size)
