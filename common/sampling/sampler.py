@@ -10,6 +10,11 @@ Per step, for logits ``[bs, vocab]`` fp32::
   ``argmax(raw logits)`` (no softmax, no noise), the same tie-breaking as HF ``generate``.
 - top-k, top-p and min-p truncate the distribution in turn, each on the renormalised result of the previous one
   (HF warper semantics; min-p is invariant to renormalisation).
+- The draw walks the probabilities sorted descending, ties in token-id order (a stable sort). When every sampled row
+  has a top-k of at most ``FAST_TOP_K_MAX`` (CPU), only the first ``max(top_k)`` of that order are built
+  (``top_k_sorted``: two ``topk`` over the vocab and a sort of k, no sort of the vocab); every later step (top-p,
+  min-p, the CDF) then runs on those k columns. The columns past the k-th hold zeros in the full order, and CPU
+  cumsum is sequential, so both give the same token for every ``u``.
 - Logprobs are of the model's distribution (raw logits, before penalties and temperature), what OpenAI clients
   expect. SGLang returns post-temperature logprobs by default; we deliberately do not.
 
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
     from common.sampling.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+FAST_TOP_K_MAX = 1024  # largest max(top_k) of a batch drawn through ``top_k_sorted`` instead of a full sort
 
 
 def _splitmix64(x: int) -> int:
@@ -97,6 +103,10 @@ class SamplingBatchInfo:
         top_ks = [vocab if p.top_k == -1 else min(p.top_k, vocab) for p in sampled]
         self.all_greedy = not sampled
         self.need_top_k = any(k < vocab for k in top_ks)
+        # Columns of the sorted distribution the draw needs: max(top_k), or the whole vocab (full sort).
+        max_k = max(top_ks, default=vocab)
+        fast = self.need_top_k and self.device.type == "cpu" and max_k <= min(FAST_TOP_K_MAX, vocab // 4)
+        self.sort_width = max_k if fast else vocab
         self.need_top_p = any(p.top_p < 1.0 for p in sampled)
         self.need_min_p = any(p.min_p > 0.0 for p in sampled)
         self.need_logprobs = any(self.return_logprob)
@@ -186,6 +196,25 @@ class SampleOutput:
         return HostSample(ids, flat[bs : 2 * bs], top)
 
 
+def top_k_sorted(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probs.sort(dim=-1, descending=True, stable=True)`` cut to its first ``k`` columns, without sorting the vocab.
+
+    The first k of the stable order are every value above the k-th largest plus the LOWEST ids among the values
+    equal to it; ``topk`` alone may keep other tied ids, so the kept set is built explicitly and then sorted.
+    """
+    vocab = probs.shape[1]
+    kth = probs.topk(k, dim=-1).values[:, -1:]
+    above = probs > kth
+    tied = probs == kth
+    keep = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))  # exactly k per row
+    # Kept ids in ascending order: the k largest of (vocab - id) over kept columns (0 elsewhere, all distinct).
+    desc_ids = torch.arange(vocab, 0, -1, device=probs.device)
+    ids = vocab - torch.where(keep, desc_ids, 0).topk(k, dim=-1).values
+    ids.clamp_(max=vocab - 1)  # a NaN row keeps fewer than k: its draw is garbage, as in the full sort, not a crash
+    vals, pos = probs.gather(1, ids).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, pos)
+
+
 class Sampler:
     """Stateless over requests; owns only the generator shared by unseeded rows."""
 
@@ -213,7 +242,10 @@ class Sampler:
         """Draw one token per sampled row from ``scores`` ``[n, vocab]`` (penalised logits)."""
         probs = torch.softmax(scores / info.temperatures.unsqueeze(1), dim=-1)
         # Stable descending sort: equal probabilities keep token-id order, so the draw is deterministic.
-        probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        if info.sort_width < info.vocab_size:
+            probs, order = top_k_sorted(probs, info.sort_width)
+        else:
+            probs, order = probs.sort(dim=-1, descending=True, stable=True)
         if info.need_top_k:
             ranks = torch.arange(probs.shape[1], device=probs.device)
             probs = probs.masked_fill(ranks >= info.top_ks.unsqueeze(1), 0.0)
