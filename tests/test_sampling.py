@@ -192,12 +192,19 @@ def _tied_probs(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def test_top_k_sorted_is_the_stable_sort_cut_to_k() -> None:
-    probs = _tied_probs(16, 200, seed=0)
+    """Ties inside the first k (kept in id order), ties at the k-th value (the lowest ids win), zeros and plain rows."""
+    g = torch.Generator().manual_seed(0)
+    tops = _tied_probs(8, 200, seed=0)
+    levels = torch.tensor([4.0, 4.0, 3.0, 3.0, 3.0, 2.5, 2.0, 2.0, 1.5, 1.2])  # > any rand(): a strict boundary at 10
+    for row in tops[:8]:
+        row[torch.randperm(200, generator=g)[:10]] = levels
+    probs = tops / tops.sum(-1, keepdim=True)
     full_vals, full_ids = probs.sort(dim=-1, descending=True, stable=True)
-    for k in (1, 3, 7, 40, 150):
-        vals, ids = top_k_sorted(probs, k)
-        assert torch.equal(ids, full_ids[:, :k]), k  # ties keep the lowest ids, in id order
-        assert torch.equal(vals, full_vals[:, :k]), k
+    for k in (1, 3, 5, 6, 7, 10, 40, 150):
+        for rows in (slice(None), slice(0, 8), slice(8, None)):  # all; the leveled rows; the plain random rows
+            vals, ids = top_k_sorted(probs[rows], k)
+            assert torch.equal(ids, full_ids[rows, :k]), (k, rows)
+            assert torch.equal(vals, full_vals[rows, :k]), (k, rows)
 
 
 def test_fast_top_k_draws_the_full_sort_token(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,10 +213,13 @@ def test_fast_top_k_draws_the_full_sort_token(monkeypatch: pytest.MonkeyPatch) -
     kinds = [{"top_k": 5}, {"top_k": 40, "top_p": 0.7}, {"top_k": 12, "min_p": 0.05, "temperature": 0.7},
              {"top_k": 64, "top_p": 0.95, "temperature": 1.3}, {"temperature": 0.0}]
     reqs = [make_req(f"r{i}", seed=i if i % 3 else None, **kinds[i % len(kinds)]) for i in range(40)]
-    for step in range(6):
+    for step in range(8):
         for r in reqs:
             r.output_ids = [1] * step
-        logits = torch.randint(0, 6, (len(reqs), vocab), generator=g).float()  # coarse: ties at the k-th value
+        if step % 2:  # coarse: ties at the k-th value (the full sort), else distinct values (k columns only)
+            logits = torch.randint(0, 6, (len(reqs), vocab), generator=g).float()
+        else:
+            logits = torch.randn(len(reqs), vocab, generator=g) * 3
         fast = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
         assert fast.sort_width == 64
         with monkeypatch.context() as m:

@@ -12,8 +12,8 @@ Per step, for logits ``[bs, vocab]`` fp32::
   (HF warper semantics; min-p is invariant to renormalisation).
 - The draw walks the probabilities sorted descending, ties in token-id order (a stable sort). When every sampled row
   has a top-k of at most ``FAST_TOP_K_MAX`` (CPU), only the first ``max(top_k)`` of that order are built
-  (``top_k_sorted``: two ``topk`` over the vocab and a sort of k, no sort of the vocab); every later step (top-p,
-  min-p, the CDF) then runs on those k columns. The columns past the k-th hold zeros in the full order, and CPU
+  (``top_k_sorted``: one ``topk`` over the vocab and sorts of k columns, unless values tie at the k-th); every later
+  step (top-p, min-p, the CDF) then runs on those k columns. The columns past the k-th hold zeros in the full order, and CPU
   cumsum is sequential, so both give the same token for every ``u``.
 - Logprobs are of the model's distribution (raw logits, before penalties and temperature), what OpenAI clients
   expect. SGLang returns post-temperature logprobs by default; we deliberately do not.
@@ -197,22 +197,20 @@ class SampleOutput:
 
 
 def top_k_sorted(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``probs.sort(dim=-1, descending=True, stable=True)`` cut to its first ``k`` columns, without sorting the vocab.
+    """``probs.sort(dim=-1, descending=True, stable=True)`` cut to its first ``k`` columns.
 
-    The first k of the stable order are every value above the k-th largest plus the LOWEST ids among the values
-    equal to it; ``topk`` alone may keep other tied ids, so the kept set is built explicitly and then sorted.
+    One ``topk(k + 1)`` over the vocab: when no row's k-th value ties its (k+1)-th, those k columns are exactly the
+    first k of the stable order, which sorting them by id and then stably by value restores. A row with such a tie
+    (the stable order keeps the LOWEST tied ids, ``topk`` any of them) or a NaN sends the batch through the full sort.
     """
-    vocab = probs.shape[1]
-    kth = probs.topk(k, dim=-1).values[:, -1:]
-    above = probs > kth
-    tied = probs == kth
-    keep = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))  # exactly k per row
-    # Kept ids in ascending order: the k largest of (vocab - id) over kept columns (0 elsewhere, all distinct).
-    desc_ids = torch.arange(vocab, 0, -1, device=probs.device)
-    ids = vocab - torch.where(keep, desc_ids, 0).topk(k, dim=-1).values
-    ids.clamp_(max=vocab - 1)  # a NaN row keeps fewer than k: its draw is garbage, as in the full sort, not a crash
-    vals, pos = probs.gather(1, ids).sort(dim=-1, descending=True, stable=True)
-    return vals, ids.gather(1, pos)
+    if k < probs.shape[1]:
+        vals, ids = probs.topk(k + 1, dim=-1)
+        if bool((vals[:, k - 1] > vals[:, k]).all()):
+            ids = ids[:, :k].sort(dim=-1).values
+            vals, pos = probs.gather(1, ids).sort(dim=-1, descending=True, stable=True)
+            return vals, ids.gather(1, pos)
+    vals, ids = probs.sort(dim=-1, descending=True, stable=True)
+    return vals[:, :k], ids[:, :k]
 
 
 class Sampler:
