@@ -209,7 +209,7 @@ def test_top_k_sorted_is_the_stable_sort_cut_to_k() -> None:
 
 def test_fast_top_k_draws_the_full_sort_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same batch through ``top_k_sorted`` and through the full sort: the same token on every row and step."""
-    vocab, g = 256, torch.Generator().manual_seed(1)
+    vocab, g = 2048, torch.Generator().manual_seed(1)
     kinds = [{"top_k": 5}, {"top_k": 40, "top_p": 0.7}, {"top_k": 12, "min_p": 0.05, "temperature": 0.7},
              {"top_k": 64, "top_p": 0.95, "temperature": 1.3}, {"temperature": 0.0}]
     reqs = [make_req(f"r{i}", seed=i if i % 3 else None, **kinds[i % len(kinds)]) for i in range(40)]
@@ -223,7 +223,7 @@ def test_fast_top_k_draws_the_full_sort_token(monkeypatch: pytest.MonkeyPatch) -
         fast = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
         assert fast.sort_width == 64
         with monkeypatch.context() as m:
-            m.setattr(sampler_module, "FAST_TOP_K_MAX", 0)
+            m.setattr(sampler_module, "FAST_TOP_K_RATIO", vocab + 1)
             full = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
         assert full.sort_width == vocab
         assert torch.equal(Sampler(seed=step)(logits, fast).next_token_ids,
@@ -233,13 +233,14 @@ def test_fast_top_k_draws_the_full_sort_token(monkeypatch: pytest.MonkeyPatch) -
 def test_seeded_top_k_row_is_the_same_whichever_path_its_batch_takes() -> None:
     """A seeded top-k row alone (k columns), beside a wider top-k (64 columns) and beside a row with no top-k
     (full sort): the same tokens."""
-    row = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 2
+    vocab = 512
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 2
     runs = []
     for other in (None, {"top_k": 16}, {"top_p": 0.9}):
         target = make_req("t", top_k=6, top_p=0.9, seed=77)
         reqs = [target] + ([make_req("o", **other)] if other else [])
-        info = SamplingBatchInfo.from_reqs(reqs, V, "cpu")
-        widths = {None: 6, "top_k": 16, "top_p": V}
+        info = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
+        widths = {None: 6, "top_k": 16, "top_p": vocab}
         assert info.sort_width == widths[next(iter(other)) if other else None]
         for _ in range(30):
             ids = Sampler(seed=len(runs))(torch.stack([row] * len(reqs)), info).next_token_ids
