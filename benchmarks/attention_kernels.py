@@ -42,6 +42,11 @@ NOMINAL_PEAK_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # HBM, SXM 
 
 def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs."""
+    return statistics.median(_times(fn, device, repeats, warmup))
+
+
+def _times(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs (the fastest is the one least disturbed on a shared machine)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -53,7 +58,7 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: in
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def _batch(bs: int, ctx: int, heads: int, kv_heads: int, d: int, page: int, dtype: torch.dtype,
@@ -126,9 +131,10 @@ def _run_case(path: str, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: 
         def layer() -> torch.Tensor:
             return backend.forward(q, k, v, next_layer(), fb)
     t_meta = _timed(meta, device, repeats)
-    t_layer = _timed(layer, device, repeats)
+    layer_times = _times(layer, device, repeats, 2)
+    t_layer, t_layer_min = statistics.median(layer_times), min(layer_times)
     calls = itertools.count()  # the returned output is layer 0's, which the reference reads
-    return {"metadata_s": t_meta, "layer_s": t_layer}, layer().view(q.shape)
+    return {"metadata_s": t_meta, "layer_s": t_layer, "layer_min_s": t_layer_min}, layer().view(q.shape)
 
 
 def _copy_bandwidth_gbs(device: torch.device) -> float:
@@ -174,7 +180,8 @@ def main() -> None:
                 row = {"path": path, "batch": bs, "context": ctx, **t, "tokens_per_s": bs / t["layer_s"],
                        "kv_gb_per_s": kv_bytes / t["layer_s"] / 1e9, "max_abs_err_vs_ref": err}
                 rows.append(row)
-                print(f"{path:13s} bs={bs:4d} ctx={ctx:5d}  layer {t['layer_s'] * 1e6:9.1f} us  "
+                print(f"{path:13s} bs={bs:4d} ctx={ctx:5d}  layer {t['layer_s'] * 1e6:9.1f} us "
+                      f"(min {t['layer_min_s'] * 1e6:9.1f})  "
                       f"meta {t['metadata_s'] * 1e6:8.1f} us  {row['tokens_per_s']:10.0f} tok/s  "
                       f"{row['kv_gb_per_s']:7.1f} GB/s  err {err:.1e}", flush=True)
     machine: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count(),

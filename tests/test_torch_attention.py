@@ -16,7 +16,8 @@ import torch
 
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.mem.kv_pool import MHATokenToKVPool
-from common.model.attention import TorchAttentionBackend
+from common.model import attention as attention_module
+from common.model.attention import MAX_DECODE_CHUNKS, TorchAttentionBackend
 
 
 def _paged_batch(
@@ -95,8 +96,9 @@ CASES = [  # (page, heads, kv_heads, extend_lens, seq_lens, page-aligned slots)
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_attention_matches_reference(
     page: int, heads: int, kv_heads: int, extend_lens: list[int], seq_lens: list[int], aligned: bool,
-    window: int | None,
+    window: int | None, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(attention_module, "MAX_DECODE_CHUNKS", 64)  # let the smallest budget reach one request
     rng, d = random.Random(page * 100 + heads + len(seq_lens)), 32
     fb = _paged_batch(rng, extend_lens, seq_lens, page, kv_heads, d, aligned)
     gen = torch.Generator().manual_seed(5)
@@ -119,11 +121,14 @@ def test_paged_attention_matches_reference(
 
 
 def test_decode_chunks_cover_the_batch_in_equal_ranges_and_reuse_scratch() -> None:
-    """64 requests of 160 keys (160 KiB of K+V each at 2 x 64 fp32): a 1 MiB budget gives 10 ranges of <= 7."""
-    backend = TorchAttentionBackend(8, 2, 64, decode_chunk_bytes=1 << 20)
+    """64 requests of 160 keys (160 KiB of K+V each at 2 x 64 fp32): a 4 MiB budget gives 3 ranges of <= 22; a
+    1 MiB one would give 10, capped at MAX_DECODE_CHUNKS."""
     k_buf = torch.empty(16, 2, 64)
+    chunks = TorchAttentionBackend(8, 2, 64, decode_chunk_bytes=4 << 20)._chunks(64, 160, k_buf)
+    assert chunks == [(0, 22), (22, 44), (44, 64)]
+    backend = TorchAttentionBackend(8, 2, 64, decode_chunk_bytes=1 << 20)
     chunks = backend._chunks(64, 160, k_buf)
-    assert chunks[0] == (0, 7) and chunks[-1][1] == 64 and len(chunks) == 10
+    assert len(chunks) == MAX_DECODE_CHUNKS and chunks[-1][1] == 64
     assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
     assert backend._chunks(3, 1 << 16, k_buf) == [(0, 1), (1, 2), (2, 3)]  # never below one request
     first = backend._scratch_rows("k", 10, 128, k_buf)

@@ -35,7 +35,10 @@ import torch.nn.functional as F
 
 from common.forward_batch import ForwardBatch
 
-DECODE_CHUNK_BYTES = 4 << 20  # K+V bytes gathered per SDPA call of the single-query group (fits the L2/L3 of a core)
+DECODE_CHUNK_BYTES = 4 << 20  # K+V bytes gathered per SDPA call of the single-query group (stays in L3)
+# NOTE: every chunk is a few parallel regions; on an oversubscribed CPU each can wait a time slice for a descheduled
+# thread, so a group takes at most this many chunks (larger ones past DECODE_CHUNK_BYTES * MAX_DECODE_CHUNKS).
+MAX_DECODE_CHUNKS = 4
 
 
 @dataclass
@@ -234,12 +237,12 @@ class TorchAttentionBackend:
         )
 
     def _chunks(self, batch: int, kv_len: int, k_buf: torch.Tensor) -> list[tuple[int, int]]:
-        """Equal request ranges of at most ``decode_chunk_bytes`` of K+V each (at least one request per range).
-        Only on CPU, where the point is the cache; a GPU attends the group in one call."""
+        """At most ``MAX_DECODE_CHUNKS`` equal request ranges of ``decode_chunk_bytes`` of K+V each where that allows
+        (at least one request per range). Only on CPU, where the point is the cache; a GPU attends in one call."""
         if self.decode_chunk_bytes is None or k_buf.device.type != "cpu":
             return [(0, batch)]
         per_req = 2 * kv_len * self.num_kv_heads * self.head_dim * k_buf.element_size()
-        n = min(batch, max(1, -(-batch * per_req // self.decode_chunk_bytes)))
+        n = min(batch, MAX_DECODE_CHUNKS, max(1, -(-batch * per_req // self.decode_chunk_bytes)))
         size = -(-batch // n)
         return [(s, min(batch, s + size)) for s in range(0, batch, size)]
 
