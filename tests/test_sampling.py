@@ -20,7 +20,7 @@ from common.sampling import (
     trim_stop_string,
 )
 from common.sampling import sampler as sampler_module
-from common.sampling.sampler import top_k_sorted
+from common.sampling.sampler import draw_in_window, top_k_sorted
 
 V = 64
 EOS = 0
@@ -249,6 +249,35 @@ def test_seeded_top_k_row_is_the_same_whichever_path_its_batch_takes() -> None:
             info.cumulate_output_tokens(ids)
         runs.append(target.output_ids)
     assert len(set(runs[0])) > 1 and runs[0] == runs[1] == runs[2]
+
+
+def test_window_draw_is_the_full_sort_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches without top-k (plain, top-p, min-p rows; peaked and flat logits): the 256-token window gives the full
+    sort's token on every row, and on peaked logits it decides alone (no fallback)."""
+    vocab, g = 8192, torch.Generator().manual_seed(2)
+    kinds = [{"temperature": 0.7}, {"top_p": 0.9}, {"top_p": 0.5, "temperature": 1.3}, {"min_p": 0.05},
+             {"temperature": 1.0}, {"temperature": 0.0}]
+    reqs = [make_req(f"r{i}", seed=i if i % 2 else None, **kinds[i % len(kinds)]) for i in range(48)]
+    decided = 0
+    for step, scale in enumerate([8.0, 6.0, 0.3, 8.0, 1.0, 6.0]):
+        for r in reqs:
+            r.output_ids = [1] * step
+        logits = torch.randn(len(reqs), vocab, generator=g) * scale
+        window = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
+        assert window.window_width == 256
+        with monkeypatch.context() as m:
+            m.setattr(sampler_module, "SORT_WINDOW", vocab)
+            full = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
+        assert full.window_width == 0
+        assert torch.equal(Sampler(seed=step)(logits, window).next_token_ids,
+                           Sampler(seed=step)(logits, full).next_token_ids), step
+        rows = window.sampled_index
+        probs = torch.softmax(logits[rows] / window.temperatures.unsqueeze(1), dim=-1)
+        u = Sampler(seed=step)._uniforms(window, probs.device)
+        decided += draw_in_window(probs, window, u, 256) is not None
+        if scale == 0.3:  # flat: the draw's mass reaches past 256 tokens
+            assert draw_in_window(probs, window, u, 256) is None
+    assert decided >= 3  # the peaked steps
 
 
 # -- seeds -----------------------------------------------------------------------------------------------------------
