@@ -3,10 +3,15 @@
     python -m benchmarks.attention_kernels [--quick] [--device cpu|cuda] [--out benchmarks/results/attention_kernels]
 
 Paths (each includes writing the new token's K/V to the pool, as a layer does):
-- ``torch-gather``: today's ``TorchAttentionBackend`` (gathers each request's whole K/V, then padded SDPA);
+- ``torch-gather``: ``TorchAttentionBackend(decode_chunk_bytes=None)`` (gathers the whole batch's K/V, then one
+  padded SDPA);
+- ``torch-chunked`` (CPU): ``TorchAttentionBackend`` as the engine builds it (pages of ``DECODE_CHUNK_BYTES`` of
+  requests at a time into reusable scratch, one SDPA per chunk);
 - ``torch-paged``: ``common.kernels.paged_decode_torch`` (blocks of pages, online softmax, no [B, Lk] copy);
 - ``triton`` (CUDA only): ``TritonAttentionBackend`` (the paged split-K decode kernel).
-Per-forward metadata (built once for all layers) is timed apart from the per-layer call. Reported: median
+Per-forward metadata (built once for all layers) is timed apart from the per-layer call. On CPU the timed calls
+cycle over the buffers of 8 layers (the ``small`` model's), so K/V come from memory as in a decode step, not from
+the cache the previous call left warm. Reported: median
 per-layer time, decode tokens/s of one layer (batch / time), K/V bytes read / time against the device's peak
 (CUDA: nominal HBM peak by device name, and a measured device-to-device copy).
 """
@@ -14,6 +19,7 @@ per-layer time, decode tokens/s of one layer (batch / time), K/V bytes read / ti
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -29,13 +35,18 @@ from common.forward_batch import ForwardBatch, ForwardMode
 from common.kernels.decode_attention import decode_attention_ref
 from common.kernels.paged_decode_torch import page_table, paged_decode_torch
 from common.mem.kv_pool import MHATokenToKVPool
-from common.model.attention import TorchAttentionBackend
+from common.model.attention import DECODE_CHUNK_BYTES, TorchAttentionBackend
 
 NOMINAL_PEAK_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # HBM, SXM parts
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs."""
+    return statistics.median(_times(fn, device, repeats, warmup))
+
+
+def _times(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs (the fastest is the one least disturbed on a shared machine)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -47,18 +58,18 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: in
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def _batch(bs: int, ctx: int, heads: int, kv_heads: int, d: int, page: int, dtype: torch.dtype,
-           device: torch.device) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+           device: torch.device, layers: int) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decode batch of ``bs`` requests with ``ctx`` keys each (the last one new), pages shuffled over the pool."""
     pages_per_req = -(-ctx // page)
     num_pages = bs * pages_per_req + 1
-    pool = MHATokenToKVPool(num_pages, page, dtype, kv_heads, d, 1, device)
+    pool = MHATokenToKVPool(num_pages, page, dtype, kv_heads, d, layers, device)
     gen = torch.Generator(device=device).manual_seed(0)
-    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=gen, device=device))
-    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=gen, device=device))
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=gen, device=device))
     perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(1))[: bs * pages_per_req] + 1
     pos = torch.arange(ctx)
     req_to_token = torch.zeros(bs + 1, pages_per_req * page + 8, dtype=torch.int64)
@@ -84,6 +95,11 @@ def _run_case(path: str, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: 
               heads: int, kv_heads: int, d: int, repeats: int) -> tuple[dict[str, float], torch.Tensor]:
     device = q.device
     pool = fb.kv_pool
+    calls = itertools.count()
+
+    def next_layer() -> int:
+        return next(calls) % pool.num_layers
+
     if path == "torch-paged":
         page = pool.page_size
 
@@ -93,15 +109,17 @@ def _run_case(path: str, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: 
         pages = meta()
 
         def layer() -> torch.Tensor:
-            pool.set_kv_buffer(0, fb.out_cache_loc, k, v)
-            return paged_decode_torch(q, pool.k_buffer[0], pool.v_buffer[0], pages, fb.seq_lens, page, d**-0.5)
+            i = next_layer()
+            pool.set_kv_buffer(i, fb.out_cache_loc, k, v)
+            return paged_decode_torch(q, pool.k_buffer[i], pool.v_buffer[i], pages, fb.seq_lens, page, d**-0.5)
     else:
         if path == "triton":
             from common.model.triton_backend import TritonAttentionBackend
 
             backend: Any = TritonAttentionBackend(heads, kv_heads, d, None, device)
         else:
-            backend = TorchAttentionBackend(heads, kv_heads, d)
+            chunk = DECODE_CHUNK_BYTES if path == "torch-chunked" else None
+            backend = TorchAttentionBackend(heads, kv_heads, d, decode_chunk_bytes=chunk)
         fb.attn_backend = backend
 
         def meta() -> Any:
@@ -111,10 +129,12 @@ def _run_case(path: str, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: 
         meta()
 
         def layer() -> torch.Tensor:
-            return backend.forward(q, k, v, 0, fb)
+            return backend.forward(q, k, v, next_layer(), fb)
     t_meta = _timed(meta, device, repeats)
-    t_layer = _timed(layer, device, repeats)
-    return {"metadata_s": t_meta, "layer_s": t_layer}, layer().view(q.shape)
+    layer_times = _times(layer, device, repeats, 2)
+    t_layer, t_layer_min = statistics.median(layer_times), min(layer_times)
+    calls = itertools.count()  # the returned output is layer 0's, which the reference reads
+    return {"metadata_s": t_meta, "layer_s": t_layer, "layer_min_s": t_layer_min}, layer().view(q.shape)
 
 
 def _copy_bandwidth_gbs(device: torch.device) -> float:
@@ -139,8 +159,8 @@ def main() -> None:
         paths = ["torch-gather", "torch-paged", "triton"]
     else:  # the embedded `small` model's attention: 8 query / 2 KV heads of 64, fp32
         heads, kv_heads, d, dtype, page = 8, 2, 64, torch.float32, 16
-        batches, contexts = ([1, 8, 32], [512, 2048]) if not a.quick else ([1, 16], [512, 2048])
-        paths = ["torch-gather", "torch-paged"]
+        batches, contexts = ([1, 8, 32, 64], [160, 512, 2048]) if not a.quick else ([1, 16, 64], [160, 512])
+        paths = ["torch-gather", "torch-chunked", "torch-paged"]
     if a.quick and cuda:
         batches, contexts = [1, 32], [512, 4096]
     repeats = a.repeats or (5 if a.quick else 20)
@@ -148,7 +168,7 @@ def main() -> None:
     rows = []
     for ctx in contexts:
         for bs in batches:
-            fb, q, k, v = _batch(bs, ctx, heads, kv_heads, d, page, dtype, device)
+            fb, q, k, v = _batch(bs, ctx, heads, kv_heads, d, page, dtype, device, 1 if cuda else 8)
             kv_bytes = 2 * bs * ctx * kv_heads * d * itemsize
             ref = None
             for path in paths:
@@ -160,7 +180,8 @@ def main() -> None:
                 row = {"path": path, "batch": bs, "context": ctx, **t, "tokens_per_s": bs / t["layer_s"],
                        "kv_gb_per_s": kv_bytes / t["layer_s"] / 1e9, "max_abs_err_vs_ref": err}
                 rows.append(row)
-                print(f"{path:13s} bs={bs:4d} ctx={ctx:5d}  layer {t['layer_s'] * 1e6:9.1f} us  "
+                print(f"{path:13s} bs={bs:4d} ctx={ctx:5d}  layer {t['layer_s'] * 1e6:9.1f} us "
+                      f"(min {t['layer_min_s'] * 1e6:9.1f})  "
                       f"meta {t['metadata_s'] * 1e6:8.1f} us  {row['tokens_per_s']:10.0f} tok/s  "
                       f"{row['kv_gb_per_s']:7.1f} GB/s  err {err:.1e}", flush=True)
     machine: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count(),
