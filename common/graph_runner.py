@@ -103,7 +103,7 @@ class DecodeGraphRunner:
         self.req_pool_indices = torch.full((max_bs,), req_to_token_pool.padding_row, **i64)
         self.seq_lens = torch.ones(max_bs, **i64)
         self.extend_lens = torch.ones(max_bs, **i64)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # or anything with replay() (tests on CPU)
         self._graph_out: dict[int, torch.Tensor] = {}
         self._graph_pool: object = None
 
@@ -195,7 +195,9 @@ class DecodeGraphRunner:
                         time.monotonic() - t0)
         logger.info("%s done in %.1f s", what, time.monotonic() - start)
 
-    def _capture(self, bs: int) -> None:
+    def _capture_inputs(self, bs: int) -> tuple[Callable[[LlamaForCausalLM, ForwardBatch], torch.Tensor],
+                                                 ForwardBatch]:
+        """The function a bucket's graph captures and its static batch (padding rows only, until replayed)."""
         from common.model.triton_backend import TritonAttnMetadata
 
         backend = self.eager_backend
@@ -204,6 +206,10 @@ class DecodeGraphRunner:
         fb = self._static_batch(bs, backend, TritonAttnMetadata(True, splits, None, 1))
         fn = self._compiled if self._compiled is not None and bs <= self.compile_max_bs else _decode_hidden
         self._pad(0, bs)
+        return fn, fb
+
+    def _capture(self, bs: int) -> None:
+        fn, fb = self._capture_inputs(bs)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -212,7 +218,8 @@ class DecodeGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: other threads of the process (transfer, gRPC) may touch CUDA while this one captures.
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             out = fn(self.model, fb)
         self._graph_pool = graph.pool()
         self._graphs[bs] = graph
