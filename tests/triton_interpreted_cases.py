@@ -212,7 +212,7 @@ def engine_case() -> float:
 def graph_runner_case(arch: str) -> float:
     """CUDA-graph mode of ``DecodeGraphRunner`` without CUDA: each bucket's "graph" re-runs the function it would
     capture on the static batch (fixed split count, padding rows on the padding row/slot), and the start-up check
-    must find every bucket within 1e-4 of eager Triton decode; the check's pages and rows are left clean."""
+    must find every bucket within 1e-5 (of the logits' scale) of eager Triton decode; the check's pages and rows are left clean."""
     from common import graph_runner
     from common.config import ServerArgs
     from common.mem.kv_pool import MHATokenToKVPool
@@ -230,7 +230,7 @@ def graph_runner_case(arch: str) -> float:
             self._graph_out[bs] = out
             self._graphs[bs] = Replay(lambda: out.copy_(fn(self.model, fb)))  # type: ignore[assignment]
 
-    graph_runner.VERIFY_ATOL[torch.float32] = 1e-4
+    graph_runner.VERIFY_RTOL[torch.float32] = 1e-5
     model = load_tiny_model(arch)
     cfg = model.config
     pool = MHATokenToKVPool(32, 16, torch.float32, model.num_local_kv_heads, cfg.head_dim, cfg.num_layers)
@@ -238,7 +238,7 @@ def graph_runner_case(arch: str) -> float:
     args = ServerArgs(attention_backend="triton", cuda_graph_max_bs=4, max_running_requests=4)
     runner = EagerCapture(args, model, pool, r2t, model.make_attn_backend("triton"), True, 0)
     with torch.inference_mode():
-        runner.warm_up()  # raises when a bucket is off by more than 1e-4
+        runner.warm_up()  # raises when a bucket is off
     assert runner.buckets == [1, 2, 4], runner.buckets
     assert all(not buf[16:].any() for buf in pool.k_buffer + pool.v_buffer), "the check left K/V on pages >= 1"
     assert not r2t.req_to_token.any()
