@@ -295,6 +295,8 @@ def build_graph_runner(
 ) -> DecodeGraphRunner | None:
     """The runner the flags ask for, warmed up; ``None`` (decode runs eagerly) when none is asked for or every
     option failed its start-up check (each failure logged as a warning with its reason)."""
+    if args.disaggregation_mode == "prefill":
+        return None  # prefill nodes run no decode steps
     options: list[tuple[bool, int]] = []  # (CUDA graphs, compile_max_bs), the first that passes wins
     compile_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
     graphs = args.use_cuda_graph and kv_pool.device.type == "cuda"

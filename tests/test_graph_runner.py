@@ -123,6 +123,8 @@ def test_a_runner_that_fails_its_check_falls_back_to_eager(monkeypatch: pytest.M
     with caplog.at_level(logging.WARNING, logger="common.graph_runner"):
         assert build_graph_runner(args, model, pool, r2t, model.make_attn_backend()) is None
     assert "logits differ from eager" in caplog.text and "run eagerly" in caplog.text
+    prefill = args.replace(disaggregation_mode="prefill", disaggregation_bootstrap_port=8998)
+    assert build_graph_runner(prefill, model, pool, r2t, model.make_attn_backend()) is None  # never decodes
     assert all(not buf.any() for buf in pool.k_buffer + pool.v_buffer)  # the check's dummy KV is wiped
     assert not r2t.req_to_token.any()
 
