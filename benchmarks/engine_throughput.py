@@ -9,6 +9,8 @@ on a shared machine hits both alike, and reports medians.
     .venv/bin/python -m benchmarks.engine_throughput                  # defaults: 64 x 128 -> 128, 3 repeats
     .venv/bin/python -m benchmarks.engine_throughput --repeats 5 --page-size 1 --json out.json
     .venv/bin/python -m benchmarks.engine_throughput --tp-size 2     # + a tp 1 engine; each TP rank 1 thread
+    .venv/bin/python -m benchmarks.engine_throughput --enable-torch-compile --torch-compile-max-bs 8 \
+        --num-prompts 8 --baseline-eager                               # + an eager engine (no compile, no graphs)
     python3 -m benchmarks.engine_throughput --device cuda --dtype bfloat16 --model-path <make-model --size 1b>
 
 Per repeat and side:
@@ -16,6 +18,8 @@ Per repeat and side:
   prefill tok/s  num_prompts * input_len / wall time of the same prompts with max_new_tokens = 1
 Each repeat uses fresh prompts (seeded by the repeat index, identical for both sides), so the prefix cache never
 turns a later repeat's prefill into a cache hit.
+  vs eager      (--baseline-eager) our engine with the compile/graph flags against the same engine with
+                --disable-cuda-graph and no --enable-torch-compile, in the same run
   comm share    (--tp-size > 1) seconds TP rank 0 spent in the model's all-reduce/all-gather (waiting for the
                 slower rank included) / wall time of the full generate call
   decode step   (full run - prefill run) / (output_len - 1), printed beside the weight-read floor: bytes of the
@@ -218,6 +222,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="> 1: our engine with this many TP ranks (--threads split over them), beside a tp 1 engine")
     p.add_argument("--also-normal-loop", action="store_true",
                    help="add a side running our engine with --disable-overlap-schedule")
+    p.add_argument("--enable-torch-compile", action="store_true", help="our engine: compiled decode steps")
+    p.add_argument("--torch-compile-max-bs", type=int, default=32, help="our engine: largest compiled decode batch")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="our engine: largest captured decode batch")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="our engine: no CUDA graphs on cuda")
+    p.add_argument("--baseline-eager", action="store_true",
+                   help="+ our engine without compile and CUDA graphs (the 'ours_eager' side)")
     p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
                    help="device peak memory bandwidth for the weight-read floor (default: looked up for H100/H200)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine_throughput.json"))
@@ -248,6 +258,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "decode_log_interval": 10**9,
         "device": a.device,
         "dtype": a.dtype,
+        "enable_torch_compile": a.enable_torch_compile,
+        "torch_compile_max_bs": a.torch_compile_max_bs,
+        "cuda_graph_max_bs": a.cuda_graph_max_bs,
+        "disable_cuda_graph": a.disable_cuda_graph,
     }
     machine = _machine(a.threads)
     print(f"model {model_path} (hidden {hf_cfg.hidden_size}, layers {hf_cfg.num_hidden_layers}, vocab {vocab})")
@@ -262,9 +276,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                   engine_args | {"tp_size": a.tp_size, "torch_num_threads": per_rank}), **sides}
     if a.also_normal_loop:
         sides["ours_normal"] = _Side("ours", model_path, a.threads, engine_args | {"disable_overlap_schedule": True})
+    if a.baseline_eager:
+        sides["ours_eager"] = _Side("ours_eager", model_path, a.threads,
+                                    engine_args | {"enable_torch_compile": False, "disable_cuda_graph": True})
     sides["hf"] = _Side("hf", model_path, a.threads, engine_args)
     comm_s: list[float] = []
     tp_agree: list[float] = []
+    eager_outs: list[tuple[list[list[int]], list[list[int]]]] = []
     try:
         warm = _prompts(10**6, min(n, 8), lin, vocab, low=3)
         for s in sides.values():
@@ -284,6 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     raise RuntimeError(f"{k} returned fewer than {lout} tokens for some prompt")
                 decode_s[k].append(secs)
             agree.append(sum(x == y for x, y in zip(outs["ours"], outs["hf"], strict=True)) / n)
+            if "ours_eager" in outs:
+                eager_outs.append((outs["ours"], outs["ours_eager"]))
             if "ours_tp" in outs:
                 tp_agree.append(sum(x == y for x, y in zip(outs["ours_tp"], outs["ours"], strict=True)) / n)
             if not a.skip_prefill:
@@ -331,6 +351,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "ours_normal" in sides:
         result["ours_normal"] = summary("ours_normal")
         result["overlap_ratio"] = result["ours"]["output_tok_per_s"] / result["ours_normal"]["output_tok_per_s"]
+    if "ours_eager" in sides:
+        result["ours_eager"] = summary("ours_eager")
+        result["ratio_vs_eager"] = result["ours"]["output_tok_per_s"] / result["ours_eager"]["output_tok_per_s"]
     result["ratio"] = result["ours"]["output_tok_per_s"] / result["hf"]["output_tok_per_s"]
     peak = a.peak_bandwidth_gbs or _peak_bandwidth_gbs(a.device)
     result["weight_bytes"] = weight_bytes
@@ -341,6 +364,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.insert(0, (f"ours tp {a.tp_size}", result["ours_tp"]))
     if "ours_normal" in result:
         rows.insert(1, ("ours normal", result["ours_normal"]))
+    if "ours_eager" in result:
+        rows.insert(2 if "ours_normal" in result else 1, ("ours eager", result["ours_eager"]))
     print(f"\n{'':<12} {'out tok/s':>10} {'prefill tok/s':>14} {'peak RSS MiB':>13}")
     for name, r in rows:
         pre = f"{r['prefill_tok_per_s']:14.0f}" if "prefill_tok_per_s" in r else f"{'-':>14}"
@@ -354,7 +379,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     floor = result["weight_read_floor_ms"]
     floor_s = (f"{floor:.3f} ms ({weight_bytes / 2**30:.2f} GiB of weights at {peak:.0f} GB/s)" if floor
                else "unknown (pass --peak-bandwidth-gbs)")
-    for name, key in (("ours", "ours"), ("ours normal", "ours_normal"), ("hf generate", "hf")):
+    if "ours_eager" in result:
+        eager_agree = [sum(x == y for x, y in zip(o, e, strict=True)) / n for o, e in eager_outs]
+        result["identical_to_eager_fraction"] = eager_agree
+        print(f"ratio ours / ours eager (output tok/s): {result['ratio_vs_eager']:.2f}x; identical outputs "
+              f"{min(eager_agree):.0%} (min over repeats)")
+    for name, key in (("ours", "ours"), ("ours normal", "ours_normal"), ("ours eager", "ours_eager"),
+                      ("hf generate", "hf")):
         step = result.get(key, {}).get("decode_step_ms")
         if step is not None:
             print(f"decode step {name:<12} {step:8.3f} ms   weight-read floor {floor_s}")

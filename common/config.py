@@ -54,6 +54,11 @@ class ServerArgs:
     num_reserved_decode_tokens: int = 128
     decode_log_interval: int = 40
     torch_num_threads: int | None = None
+    # Compiled decode steps (common.graph_runner): decode batches are padded to the next captured/compiled batch size.
+    enable_torch_compile: bool = False  # torch.compile the decode forward per batch-size bucket (any device)
+    torch_compile_max_bs: int = 32  # largest compiled decode batch; larger batches run eager
+    cuda_graph_max_bs: int | None = None  # largest captured decode batch; None: min(160, --max-running-requests)
+    disable_cuda_graph: bool = False  # cuda: run decode steps eagerly instead of replaying CUDA graphs
     # Parallelism.
     tp_size: int = 1
     dp_size: int = 1
@@ -140,6 +145,13 @@ class ServerArgs:
         for name in ("port", "disaggregation_bootstrap_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a TCP port, got {getattr(self, name)}")
+        if self.torch_compile_max_bs < 1:
+            raise ConfigError(f"--torch-compile-max-bs must be >= 1, got {self.torch_compile_max_bs}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"--cuda-graph-max-bs must be >= 1 (or unset), got {self.cuda_graph_max_bs}")
+        if self.enable_torch_compile and self.tp_size > 1:
+            raise ConfigError(f"--enable-torch-compile supports --tp-size 1 only, got --tp-size {self.tp_size} "
+                              "(the compiled decode step has no collectives)")
         if self.schedule_conservativeness <= 0:
             raise ConfigError("--schedule-conservativeness must be > 0")
         self.tls  # noqa: B018  (TlsFiles checks which --tls-* flags go together; the files at start-up)
@@ -167,6 +179,18 @@ class ServerArgs:
         if self.attention_backend is not None:
             return self.attention_backend
         return "triton" if self.device == "cuda" else "torch"
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Decode steps replay CUDA graphs: on CUDA unless --disable-cuda-graph (TP groups run eagerly)."""
+        return self.device == "cuda" and not self.disable_cuda_graph and self.tp_size == 1
+
+    @property
+    def resolved_cuda_graph_max_bs(self) -> int:
+        """``--cuda-graph-max-bs``, else min(160, --max-running-requests) (SGLang's default on large GPUs)."""
+        if self.cuda_graph_max_bs is not None:
+            return self.cuda_graph_max_bs
+        return min(160, self.max_running_requests)
 
     @property
     def tp_ranks_here(self) -> range:
@@ -266,6 +290,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="log a Decode batch line every N forward passes")
     g.add_argument("--torch-num-threads", type=int, default=d.torch_num_threads,
                    help="torch threads per scheduler rank (default: cores / dp-size)")
+    g = parser.add_argument_group("compiled decode steps")
+    g.add_argument("--enable-torch-compile", action="store_true",
+                   help="torch.compile the decode forward for batch sizes up to --torch-compile-max-bs (padded to "
+                        "the next bucket); compiled at start-up")
+    g.add_argument("--torch-compile-max-bs", type=int, default=d.torch_compile_max_bs,
+                   help="largest decode batch run compiled")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="cuda: largest decode batch replayed as a CUDA graph (default min(160, "
+                        "--max-running-requests))")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="cuda: no CUDA graphs; decode steps launch their kernels one by one")
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tp-size", type=int, default=d.tp_size,
                    help="tensor parallel ranks per DP replica: the model's heads, MLP and KV heads split over them")

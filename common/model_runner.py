@@ -27,6 +27,7 @@ from common.config import ServerArgs
 from common.device import MAX_KV_TOKENS, kv_cache_bytes, rank_device, ship
 from common.distributed import TPGroup
 from common.forward_batch import ForwardBatch, ForwardMode
+from common.graph_runner import build_graph_runner
 from common.mem.allocator import TokenToKVPoolAllocator
 from common.mem.kv_pool import MHATokenToKVPool
 from common.mem.req_to_token_pool import ReqToTokenPool
@@ -101,6 +102,9 @@ class ModelRunner:
                 kv_heads, cfg.head_dim, cfg.num_layers, self.dtype) / 2**20,
             args.max_running_requests,
         )
+        # Last: capturing/compiling runs the model over the pools built above.
+        self.graph_runner = build_graph_runner(args, self.model, self.kv_pool, self.req_to_token_pool,
+                                               self.attn_backend)
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -156,8 +160,11 @@ class ModelRunner:
 
     def _forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
         fb = self._forward_batch(b)
-        self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model.forward(fb)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            hidden = self.graph_runner.forward(fb)
+        else:
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model.forward(fb)
         if fb.forward_mode != ForwardMode.DECODE:
             hidden = hidden[fb.last_token_indices()]
         logits = self.model.compute_logits(hidden)

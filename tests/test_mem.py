@@ -20,7 +20,7 @@ def slots_of(pages: list[int], ps: int) -> list[int]:
 # -- ReqToTokenPool --------------------------------------------------------------------------------------------------
 def test_req_to_token_pool_alloc_free() -> None:
     pool = ReqToTokenPool(4, 8)
-    assert pool.req_to_token.shape == (4, 8) and pool.req_to_token.dtype == torch.int64
+    assert pool.req_to_token.shape == (4 + 1, 8) and pool.padding_row == 4 and pool.req_to_token.dtype == torch.int64
     assert pool.alloc(2) == [0, 1]
     assert pool.available_size() == 2
     assert pool.alloc(3) is None and pool.available_size() == 2

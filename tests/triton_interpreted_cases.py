@@ -209,6 +209,42 @@ def engine_case() -> float:
     return 0.0
 
 
+def graph_runner_case(arch: str) -> float:
+    """CUDA-graph mode of ``DecodeGraphRunner`` without CUDA: each bucket's "graph" re-runs the function it would
+    capture on the static batch (fixed split count, padding rows on the padding row/slot), and the start-up check
+    must find every bucket within 1e-5 (of the logits' scale) of eager Triton decode; the check's pages and rows are left clean."""
+    from common import graph_runner
+    from common.config import ServerArgs
+    from common.mem.kv_pool import MHATokenToKVPool
+    from common.mem.req_to_token_pool import ReqToTokenPool
+    from tests.model_fixtures import load_tiny_model
+
+    class Replay:
+        def __init__(self, run: Callable[[], object]) -> None:
+            self.replay = run
+
+    class EagerCapture(graph_runner.DecodeGraphRunner):
+        def _capture(self, bs: int) -> None:
+            fn, fb = self._capture_inputs(bs)
+            out = fn(self.model, fb).clone()
+            self._graph_out[bs] = out
+            self._graphs[bs] = Replay(lambda: out.copy_(fn(self.model, fb)))  # type: ignore[assignment]
+
+    graph_runner.VERIFY_RTOL[torch.float32] = 1e-5
+    model = load_tiny_model(arch)
+    cfg = model.config
+    pool = MHATokenToKVPool(32, 16, torch.float32, model.num_local_kv_heads, cfg.head_dim, cfg.num_layers)
+    r2t = ReqToTokenPool(5, cfg.context_len)
+    args = ServerArgs(attention_backend="triton", cuda_graph_max_bs=4, max_running_requests=4)
+    runner = EagerCapture(args, model, pool, r2t, model.make_attn_backend("triton"), True, 0)
+    with torch.inference_mode():
+        runner.warm_up()  # raises when a bucket is off
+    assert runner.buckets == [1, 2, 4], runner.buckets
+    assert all(not buf[16:].any() for buf in pool.k_buffer + pool.v_buffer), "the check left K/V on pages >= 1"
+    assert not r2t.req_to_token.any()
+    return 0.0
+
+
 F32, F16 = torch.float32, torch.float16
 CASES: dict[str, Callable[[], float]] = {}
 for _ps in (1, 16):
@@ -226,6 +262,7 @@ CASES["extend-window"] = lambda: extend_case(1, 4, window=12)
 CASES["model-llama-page16"] = lambda: model_case("llama", 16)
 CASES["model-mistral-window"] = lambda: model_case("mistral", 16, first_len=56)  # tiny window: 48
 CASES["engine-llama"] = engine_case
+CASES["graph-runner-llama"] = lambda: graph_runner_case("llama")
 
 
 def main(out_path: str) -> None:

@@ -6,7 +6,11 @@ Row layout (``kv_committed_len`` is the request's ``Req.kv_committed_len``)::
     | KV slot of token 0 | token 1 | ... | token kv_committed_len-1 | (stale, unused) ... | max_context_len
     |<-- prefix from the radix cache -->|<-- slots the request owns -->|
 
-Invariant: a row index is either in the free stack or owned by exactly one request, never both.
+    req_to_token[padding_row] (== size, one row past the allocatable ones): all 0, the padding page's slot 0.
+
+Invariant: a row index in [0, size) is either in the free stack or owned by exactly one request, never both. The
+padding row is never handed out or written: padded rows of a compiled decode batch (``common.graph_runner``) point
+at it, so their one key is the padding slot, which no request owns.
 
 Two copies of the table: ``req_to_token`` on the host is the authoritative one, read and written by the scheduler
 (batch preparation, prefix cache, KV transfer page lists); ``device_req_to_token`` on the model's device is what
@@ -37,10 +41,11 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64)
+        self.padding_row = size
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int64)
         self.mirrored = self.device.type != "cpu"
         self.device_req_to_token = (
-            torch.zeros((size, max_context_len), dtype=torch.int64, device=self.device)
+            torch.zeros((size + 1, max_context_len), dtype=torch.int64, device=self.device)
             if self.mirrored else self.req_to_token
         )
         self._flat = self.req_to_token.view(-1)
