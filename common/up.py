@@ -43,7 +43,8 @@ from common.tokenizer import resolve_model_path
 
 READY_TIMEOUT_S = 300.0
 NODE_FLAGS = ("page_size", "dp_size", "chunked_prefill_size", "max_total_tokens", "max_running_requests",
-              "dtype", "torch_num_threads", "device")
+              "dtype", "torch_num_threads", "device", "torch_compile_max_bs", "cuda_graph_max_bs")
+NODE_SWITCHES = ("disable_overlap_schedule", "enable_overlap_schedule", "enable_torch_compile", "disable_cuda_graph")
 DEFAULT_BACKEND = {"cpu": "tcp", "cuda": "shm"}
 CUDA_MEM_FRACTION = 0.85
 
@@ -73,6 +74,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--torch-num-threads", type=int, default=None)
+    p.add_argument("--disable-overlap-schedule", action="store_true", help="every node: the normal loop")
+    p.add_argument("--enable-overlap-schedule", action="store_true",
+                   help="every node: overlap even where its torch threads take every core")
+    p.add_argument("--enable-torch-compile", action="store_true", help="every decode-capable node: compiled steps")
+    p.add_argument("--torch-compile-max-bs", type=int, default=None)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
     p.add_argument("--metrics", action="store_true", help="give every node a Prometheus /metrics port")
     p.add_argument("--log-requests", action="store_true", help="nodes log each request's arrival and outcome")
@@ -232,6 +240,7 @@ class LocalCluster:
             value = getattr(self.ns, name)
             if value is not None:
                 flags += [f"--{name.replace('_', '-')}", str(value)]
+        flags += [f"--{name.replace('_', '-')}" for name in NODE_SWITCHES if getattr(self.ns, name)]
         if self.ns.torch_num_threads is None:  # per rank: dp x tp ranks per node share the host's cores
             flags += ["--torch-num-threads", "1"]
         if self.ns.log_requests:

@@ -163,3 +163,17 @@ def test_up_reports_the_start_up_error_of_a_node(tmp_path) -> None:
             cluster._wait_nodes_serving([child], time.monotonic() + 120)
     finally:
         cluster.stop()
+
+
+def test_up_passes_scheduling_switches_to_every_node(tmp_path) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    model = str(make_tiny_model("llama"))
+    cluster = LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path), "--enable-overlap-schedule",
+                                  "--enable-torch-compile", "--torch-compile-max-bs", "8", "--disable-cuda-graph"))
+    for name in cluster.node_names:
+        args = _serve_args(cluster, name)
+        assert args.enable_overlap_schedule and args.enable_torch_compile and args.disable_cuda_graph
+        assert args.torch_compile_max_bs == 8 and not args.disable_overlap_schedule
+    plain = _serve_args(LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path))), "decode-0")
+    assert not (plain.enable_overlap_schedule or plain.disable_overlap_schedule or plain.enable_torch_compile)
