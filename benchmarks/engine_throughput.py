@@ -220,8 +220,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--tp-size", type=int, default=1,
                    help="> 1: our engine with this many TP ranks (--threads split over them), beside a tp 1 engine")
-    p.add_argument("--also-normal-loop", action="store_true",
-                   help="add a side running our engine with --disable-overlap-schedule")
+    p.add_argument("--compare-overlap", action="store_true",
+                   help="ours with the overlap schedule forced on, beside a side with it off (the default on CPU "
+                        "turns it off where the threads take every core)")
     p.add_argument("--enable-torch-compile", action="store_true", help="our engine: compiled decode steps")
     p.add_argument("--torch-compile-max-bs", type=int, default=32, help="our engine: largest compiled decode batch")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="our engine: largest captured decode batch")
@@ -269,12 +270,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"engine args: {engine_args}")
     print(f"machine: {machine}")
 
-    sides = {"ours": _Side("ours", model_path, a.threads, engine_args)}
+    ours_args = engine_args | ({"enable_overlap_schedule": True} if a.compare_overlap else {})
+    sides = {"ours": _Side("ours", model_path, a.threads, ours_args)}
     if a.tp_size > 1:
         per_rank = max(1, a.threads // a.tp_size)
         sides = {"ours_tp": _Side("ours_tp", model_path, per_rank,
                                   engine_args | {"tp_size": a.tp_size, "torch_num_threads": per_rank}), **sides}
-    if a.also_normal_loop:
+    if a.compare_overlap:
         sides["ours_normal"] = _Side("ours", model_path, a.threads, engine_args | {"disable_overlap_schedule": True})
     if a.baseline_eager:
         sides["ours_eager"] = _Side("ours_eager", model_path, a.threads,
