@@ -37,7 +37,7 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python proto/gen.py --check
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider --durations=25
 
 test-gpu:
 	@if [ -x $(BIN)/python ]; then \
