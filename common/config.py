@@ -18,6 +18,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")
+TP_MIN_TIMEOUT_S = 60.0  # TP rendezvous and collectives: ranks loading their shards may skew by more than a watchdog
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,12 @@ class ServerArgs:
         """TP ranks of each DP replica that run on this host (all of them unless --nnodes > 1)."""
         per = self.tp_size // self.nnodes
         return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+    @property
+    def tp_timeout_s(self) -> float:
+        """A TP group's rendezvous and collective timeout: ``--watchdog-timeout``, but at least TP_MIN_TIMEOUT_S (a
+        dead rank closes its connections at once; the timeout only ends a wait on a live, stuck peer)."""
+        return max(self.watchdog_timeout, TP_MIN_TIMEOUT_S)
 
     @property
     def mem_fraction(self) -> float:

@@ -106,3 +106,12 @@ def test_watchdog_timeout_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="--watchdog-timeout"):
         ServerArgs(watchdog_timeout=0)
     assert ServerArgs().watchdog_timeout == 300.0
+
+
+def test_tp_collectives_outwait_a_short_watchdog() -> None:
+    """Ranks loading their shards may start a collective seconds apart: a test's 3 s watchdog must not time them out;
+    the production watchdog (300 s) stays the bound."""
+    from common.config import TP_MIN_TIMEOUT_S, ServerArgs
+
+    assert ServerArgs(watchdog_timeout=3.0).tp_timeout_s == TP_MIN_TIMEOUT_S
+    assert ServerArgs().tp_timeout_s == 300.0

@@ -80,10 +80,10 @@ class RankClient:
         if args.tp_size == 1 or not self.is_leader_host:
             return
         if args.dist_init_addr is None:  # single host: a free local port, told to the ranks through their args
-            self._store = host_store("127.0.0.1:0", args.watchdog_timeout)
+            self._store = host_store("127.0.0.1:0", args.tp_timeout_s)
             self.args = args.replace(dist_init_addr=f"127.0.0.1:{self._store.port}")
         else:
-            self._store = host_store(args.dist_init_addr, args.watchdog_timeout)
+            self._store = host_store(args.dist_init_addr, args.tp_timeout_s)
 
     async def start(self, timeout: float = 300.0) -> None:
         self._start_store()

@@ -85,7 +85,7 @@ def run_scheduler_process(
         if args.tp_size > 1:
             assert args.dist_init_addr is not None, "the front sets --dist-init-addr for tp_size > 1"
             tp = init_tp_group(dist_init_addr=args.dist_init_addr, dp_rank=dp_rank, tp_rank=tp_rank,
-                               tp_size=args.tp_size, device=device, timeout_s=args.watchdog_timeout)
+                               tp_size=args.tp_size, device=device, timeout_s=args.tp_timeout_s)
         tokenizer = load_tokenizer(model_path)
         scheduler = _load_class(scheduler_ref)(args, model_path, tokenizer, send_outputs if leader else drop_outputs,
                                                dp_rank, tp)
