@@ -45,15 +45,16 @@ PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
 
 
-def _free_base(span: int = 12) -> int:
-    """A port base with ``span`` free ports after it."""
+def _free_bases(span: int = 12) -> dict[str, int]:
+    """Port bases of the router, prefill and decode roles: 3 consecutive spans of ``span`` free ports (bases drawn
+    one by one could land within a replica stride of each other, which the spec refuses)."""
     for _ in range(200):
         base = random.randrange(40000, 60000)
         try:
-            for port in range(base, base + span):
+            for port in range(base, base + 3 * span):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
-            return base
+            return {"router": base, "prefill": base + span, "decode": base + 2 * span}
         except OSError:
             continue
     raise RuntimeError("no free port range")
@@ -78,7 +79,7 @@ def cluster() -> Iterator[dict[str, Any]]:
     model = make_tiny_model("llama")
     spec = (
         load_spec()
-        .with_port_bases(router=_free_base(), prefill=_free_base(), decode=_free_base())
+        .with_port_bases(**_free_bases())
         .with_counts(prefill=1, decode=1, router=1)
         .with_flags(model_path=str(model), max_total_tokens=1024, torch_num_threads=1, drain_timeout=2,
                     max_running_requests=16, watchdog_timeout=WATCHDOG_S)
@@ -291,7 +292,7 @@ def test_tp2_nodes_run_in_one_placement_group_each_with_the_same_greedy_tokens(c
     from ray.util import placement_group_table
 
     deployer.down(NAMESPACE, grace=5)  # the module's tp 1 deployment holds the role nodes' CPUs when run alone
-    spec = cluster["spec"].with_port_bases(router=_free_base(), prefill=_free_base(), decode=_free_base()).with_tp(
+    spec = cluster["spec"].with_port_bases(**_free_bases()).with_tp(
         prefill=2, decode=2)
     opts = deployer.RayOptions(namespace=NAMESPACE, node_cpus=0.5, start_timeout_s=180)
     try:
