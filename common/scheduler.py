@@ -5,9 +5,8 @@ Lifecycle of a colocated request: waiting -> (chunked) prefill -> running (decod
     loop: recv_requests -> process_input_requests -> get_next_batch_to_run -> run_batch -> process_batch_result
 
 Overlap schedule (default, but see ``overlap_schedule_on`` for CPU; ``--disable-overlap-schedule`` keeps the loop
-above): batch k runs on a forward thread
-while this thread processes batch k-1's results and prepares batch k+1 from batch k's future tokens
-(``common.overlap``)::
+above): batch k runs on a forward thread while this thread processes batch k-1's results and prepares batch k+1
+from batch k's future tokens (``common.overlap``)::
 
     step k: process_input_requests -> get_next_batch_to_run (k) -> launch k -> process_batch_result (k-1)
 
