@@ -5,6 +5,7 @@ every rank's pools return to their free counts (``GetLoad`` reports the MIN over
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -52,30 +53,41 @@ def test_colocated_tp2_node_matches_tp1(model_path, colocated) -> None:
 
 
 @pytest.mark.parametrize(
-    ("p_tp", "d_tp", "backend", "p_dp"),
-    # P tp 2 -> D tp 1 over tcp runs with P dp 2 (DP beside TP); every backend runs both heterogeneous directions.
-    [(1, 2, "tcp", 1), (2, 2, "tcp", 1), (2, 1, "tcp", 2), (2, 1, "shm", 1), (1, 2, "shm", 1), (2, 1, "nccl", 1),
-     (1, 2, "nccl", 1)],
+    ("backend", "pairs"),
+    # (P tp, P dp, D tp) pairs; P tp 2 -> D tp 1 over tcp runs with P dp 2 (DP beside TP). Every backend runs both
+    # heterogeneous directions; one set of nodes per backend serves all its pairs (node starts dominate the cost).
+    [("tcp", [(1, 1, 2), (2, 2, 2), (2, 2, 1)]), ("shm", [(2, 1, 1), (1, 1, 2)]), ("nccl", [(2, 1, 1), (1, 1, 2)])],
 )
-def test_pd_with_tp_matches_colocated_tp1(model_path, colocated, p_tp, d_tp, backend, p_dp) -> None:
-    prefill = start_node("prefill", model_path, backend=backend, dp_size=p_dp, extra=tp_args(p_tp), wait=False)
-    decode = start_node("decode", model_path, backend=backend, extra=tp_args(d_tp), wait=False)
+def test_pd_with_tp_matches_colocated_tp1(model_path, colocated, backend, pairs) -> None:
+    prefills = {(p_tp, p_dp): None for p_tp, p_dp, _ in pairs}
+    decodes = {d_tp: None for _, _, d_tp in pairs}
+    nodes = []
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        reqs = requests(f"pd-{p_tp}{d_tp}{backend}{p_dp}", p_tp * 10 + d_tp)
-        rooms = random.Random(p_tp + d_tp).sample(range(1, 2**63), len(reqs))
-        p_ranks = [i % p_dp for i in range(len(reqs))]
-        with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda a: run_pd(prefill, decode, *a), zip(reqs, rooms, p_ranks, strict=True)))
-        for req, (got, fin, pre) in zip(reqs, results, strict=True):
-            assert got == reference(colocated, req), f"prompt of {len(req.input_ids)} tokens"
-            assert fin.finish_reason == "length" and pre.prompt_tokens == len(req.input_ids)
-        prefill.wait_pools_free()
-        decode.wait_pools_free()
+        for key in prefills:
+            prefills[key] = start_node("prefill", model_path, backend=backend, dp_size=key[1],
+                                       extra=tp_args(key[0]), wait=False)
+            nodes.append(prefills[key])
+        for d_tp in decodes:
+            decodes[d_tp] = start_node("decode", model_path, backend=backend, extra=tp_args(d_tp), wait=False)
+            nodes.append(decodes[d_tp])
+        for node in nodes:
+            node.wait_ready(timeout=240)  # four nodes start at once on the 2-core runner
+        for p_tp, p_dp, d_tp in pairs:
+            prefill, decode = prefills[(p_tp, p_dp)], decodes[d_tp]
+            reqs = requests(f"pd-{p_tp}{d_tp}{backend}{p_dp}", p_tp * 10 + d_tp)
+            rooms = random.Random(p_tp + d_tp).sample(range(1, 2**63), len(reqs))
+            p_ranks = [i % p_dp for i in range(len(reqs))]
+            with ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(functools.partial(run_pd, prefill, decode), reqs, rooms, p_ranks))
+            for req, (got, fin, pre) in zip(reqs, results, strict=True):
+                assert got == reference(colocated, req), f"P tp {p_tp} dp {p_dp} -> D tp {d_tp}: " \
+                                                         f"prompt of {len(req.input_ids)} tokens"
+                assert fin.finish_reason == "length" and pre.prompt_tokens == len(req.input_ids)
+        for node in nodes:
+            node.wait_pools_free()
     finally:
-        prefill.stop()
-        decode.stop()
+        for node in nodes:
+            node.stop()
 
 
 def test_killed_tp_rank_fails_its_node_and_frees_the_peer(model_path) -> None:
