@@ -1,5 +1,7 @@
 """``pdcluster up``: a whole local cluster on 127.0.0.1 — a router, N prefill and M decode nodes — as child
 processes of this one. Prints the endpoints and a ready line; Ctrl-C (or SIGTERM) stops every child it started.
+Once ready it supervises them (common/supervisor.py): a child that dies - node or router - is reported with its
+exit code and log tail and restarted on the same ports with backoff, up to ``--max-restarts`` in a row.
 
 Nodes are started with ``pdcluster serve`` and the router with ``pdcluster router``: the same commands a user
 runs by hand, so this is only a launcher. Each child's output goes to ``--log-dir`` (default: a temp dir).
@@ -24,7 +26,6 @@ import os
 import signal
 import socket
 import ssl
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,10 +39,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import env
 from common.config import KV_TRANSFER_BACKENDS
 from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
+from common.supervisor import Child, RestartPolicy, Supervisor
 from common.tls import TlsFiles
 from common.tokenizer import resolve_model_path
 
 READY_TIMEOUT_S = 300.0
+SUPERVISE_INTERVAL_S = 0.5
 NODE_FLAGS = ("page_size", "dp_size", "chunked_prefill_size", "max_total_tokens", "max_running_requests",
               "dtype", "torch_num_threads", "device", "torch_compile_max_bs", "cuda_graph_max_bs")
 NODE_SWITCHES = ("disable_overlap_schedule", "enable_overlap_schedule", "enable_torch_compile", "disable_cuda_graph")
@@ -93,6 +96,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     s.add_argument("--tls-ca", default=None,
                    help="PEM CA that signed --tls-cert: router <-> nodes mutual TLS, every process presenting it")
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                   help="restarts in a row of one dead child (node or router; backoff 1 s doubling to 30 s, reset "
+                        "after 60 s up) before up gives up on it and serves without it; 0: never restart. Giving "
+                        "up on the router stops the cluster")
     p.add_argument("--demo", action="store_true", help="once ready, send example requests through the OpenAI API")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
 
@@ -170,18 +177,6 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    grpc_port: int
-    metrics_port: int | None = None
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-
 class LocalCluster:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
@@ -226,11 +221,10 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str], grpc_port: int, metrics_port: int | None = None) -> Child:
         log = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "common.cli", *args]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
-        child = Child(name, proc, log, grpc_port, metrics_port)
+        log.write_bytes(b"")
+        child = Child(name, [sys.executable, "-m", "common.cli", *args],
+                      {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}, log, grpc_port, metrics_port)
+        child.launch()
         self.children.append(child)
         return child
 
@@ -277,8 +271,9 @@ class LocalCluster:
         self._wait_http_health(child, deadline)
 
     def _check_alive(self, child: Child) -> None:
-        if child.proc.poll() is not None:
-            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; its log:\n{child.tail()}")
+        code = child.exit_code()
+        if code is not None:
+            raise RuntimeError(f"{child.name} exited with code {code}; its log:\n{child.tail()}")
 
     def _wait_nodes_serving(self, nodes: list[Child], deadline: float) -> None:
         """Until every node's gRPC health is SERVING; the first node to exit meanwhile (e.g. a tp its model cannot
@@ -311,17 +306,16 @@ class LocalCluster:
         raise TimeoutError(f"router not ready within {READY_TIMEOUT_S:.0f} s; its log:\n{child.tail()}")
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM every child (router first, so no new work reaches the nodes), then SIGKILL stragglers."""
+        """SIGTERM every child (router first, so no new work reaches the nodes), then SIGKILL stragglers and
+        whatever their process groups left behind. Called only where no restart can start (the supervisor's
+        caller has left its loop)."""
         for child in reversed(self.children):
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
+            child.terminate()
         deadline = time.monotonic() + timeout
         for child in reversed(self.children):
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait(5)
+            child.wait(max(0.1, deadline - time.monotonic()))
+            child.kill_group()
+            child.wait(5)
 
 
 def placement_lines(placement: dict[str, NodePlacement]) -> list[str]:
@@ -364,17 +358,23 @@ def run_demo(base_url: str, model_name: str, api_key: str = "", tls_ca: str | No
 def run_up(ns: argparse.Namespace) -> int:
     try:
         cluster = LocalCluster(ns)
+        policy = RestartPolicy(max_restarts=ns.max_restarts)
     except (ValueError, RuntimeError) as e:  # placement: more GPUs than visible, nccl on a shared GPU
         print(f"pdcluster up: {e}", file=sys.stderr, flush=True)
         return 2
+    # NOTE: a signal interrupts start-up and the demo at once (KeyboardInterrupt); while supervising it only sets
+    # the flag, so no stop lands between a restart's Popen and its bookkeeping (no orphaned child).
     stop_requested = False
+    interruptible = True
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stop_requested
         stop_requested = True
-        raise KeyboardInterrupt
+        if interruptible:
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         tp = ", ".join(f"{role} tp {node_tp_size(ns, role)}" for role, count in
                        (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated)) if count)
@@ -389,7 +389,7 @@ def run_up(ns: argparse.Namespace) -> int:
             return 1
         for child in cluster.children:
             metrics = f"  metrics http://127.0.0.1:{child.metrics_port}/metrics" if child.metrics_port else ""
-            print(f"  {child.name:<10} pid {child.proc.pid:<7} grpc 127.0.0.1:{child.grpc_port}{metrics}", flush=True)
+            print(f"  {child.name:<10} pid {child.pid:<7} grpc 127.0.0.1:{child.grpc_port}{metrics}", flush=True)
         security = ", ".join(x for x in ("TLS" if cluster.tls.enabled else "", "mTLS to nodes" if cluster.tls.mutual
                                          else "", "API key required" if cluster.api_key else "") if x)
         print(f"pdcluster ready: OpenAI {cluster.http_base}/v1  gRPC 127.0.0.1:{ns.grpc_port}  "
@@ -398,21 +398,20 @@ def run_up(ns: argparse.Namespace) -> int:
             run_demo(cluster.http_base, Path(cluster.model_path).name, cluster.api_key, cluster.tls.ca)
         if ns.exit_after_demo:
             return 0
-        router = cluster.children[-1]
-        reported: set[str] = set()
-        while router.proc.poll() is None:  # a dead node is reported; the router routes around it
-            for child in cluster.children:
-                if child.proc.poll() is not None and child.name not in reported:
-                    reported.add(child.name)
-                    print(f"{child.name} exited with code {child.proc.returncode} (log: {child.log})",
-                          file=sys.stderr, flush=True)
-            time.sleep(0.5)
-        print(f"router exited with code {router.proc.returncode}; stopping the cluster:\n{router.tail()}",
-              file=sys.stderr)
-        return 1
+        interruptible = False
+        supervisor = Supervisor(cluster.children, policy)
+        while not stop_requested:
+            supervisor.poll()
+            if supervisor.given_up("router"):
+                print("the router is down for good; stopping the cluster", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(SUPERVISE_INTERVAL_S)
+        print("stopping...", flush=True)
+        return 0
     except KeyboardInterrupt:
         print("stopping...", flush=True)
         return 0
     finally:
+        interruptible = False
         cluster.stop()
         print("pdcluster stopped", flush=True)

@@ -22,6 +22,7 @@ ROLES = ("router", *NODE_ROLES)
 FlagValue = str | int | float
 PRESTOP_S = 5  # the node pods' preStop sleep (discovery drops a terminating pod first)
 SHUTDOWN_MARGIN_S = 25  # after the drain: ranks stop, transfers close
+ROUTER_SHUTDOWN_MARGIN_S = 10  # after the router's drain: abort RPCs of the requests it cut short, listeners close
 # Flags the spec derives from a node role's topology (key: the role key that sets it), never set as flags.
 TOPOLOGY_FLAGS = {"tp-size": "tp", "nnodes": "nnodes", "node-rank": "nnodes", "dist-init-addr": "nnodes"}
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
@@ -67,7 +68,7 @@ class RoleSpec:
     port_base: int
     flags: dict[str, FlagValue] = field(default_factory=dict)
     resources: Resources = Resources(cpu="1", memory="1Gi")
-    grace_period: int | None = None  # seconds; None on node roles: preStop + --drain-timeout + a shutdown margin
+    grace_period: int | None = None  # seconds; None: preStop + the role's --drain-timeout + a shutdown margin
     tp: int = 1  # TP ranks per DP replica of a node (its --tp-size); the router's is unused
     nnodes: int = 1  # hosts (pods) one node's TP group spans: --nnodes, with --dp-size 1 and tp divisible by it
 
@@ -165,10 +166,13 @@ class ClusterSpec:
         return self.roles[role].resources.gpus_per_rank * self.ranks_per_pod(role)
 
     def grace_period(self, role: str) -> int:
-        """terminationGracePeriodSeconds: explicit, or preStop + --drain-timeout + the ranks' shutdown."""
+        """terminationGracePeriodSeconds: explicit, or preStop + --drain-timeout + the role's shutdown after it
+        (a node's ranks; the router's abort RPCs)."""
         explicit = self.roles[role].grace_period
         if explicit is not None:
             return explicit
+        if role == "router":
+            return int(PRESTOP_S + float(self.router_flags().get("drain-timeout", 30)) + ROUTER_SHUTDOWN_MARGIN_S)
         drain = float(self.node_flags(role).get("drain-timeout", 30))
         return int(PRESTOP_S + drain + SHUTDOWN_MARGIN_S)
 

@@ -6,11 +6,15 @@ import argparse
 import asyncio
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 from common import env
 from common.errors import ConfigError
 from common.tls import TlsFiles
 from router.config import POLICIES, RouterConfig, WorkerSpec
+
+if TYPE_CHECKING:
+    from router.server import RouterServer
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=d.request_timeout_s,
         help="deadline of a request without a client deadline, seconds",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=d.drain_timeout_s,
+        help="SIGTERM: seconds requests in flight may go on (new ones get 503 / UNAVAILABLE) before the rest are "
+        "aborted; a second SIGTERM cuts it short",
     )
     p.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold)
     p.add_argument("--cb-open-seconds", type=float, default=d.cb_open_s)
@@ -118,6 +129,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         max_retries=ns.max_retries,
         retry_backoff_s=ns.retry_backoff,
         request_timeout_s=ns.request_timeout,
+        drain_timeout_s=ns.drain_timeout,
         cb_failure_threshold=ns.cb_failure_threshold,
         cb_open_s=ns.cb_open_seconds,
         health_interval_s=ns.health_interval,
@@ -166,14 +178,28 @@ async def _serve(cfg: RouterConfig) -> None:
 
     server = RouterServer(cfg)
     await server.start()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     print(
         f"router ready grpc={server.grpc_address} http={server.http_url if cfg.http_port is not None else '-'}",
         flush=True,
     )
-    await stop.wait()
-    logger.info("router stopping")
-    await server.stop()
+    await serve_until_signal(server)
+
+
+async def serve_until_signal(server: RouterServer) -> None:
+    """Serve until SIGINT/SIGTERM, then drain (``--drain-timeout``; a second signal cuts it short) and stop.
+    The handlers are this loop's while it serves; the defaults come back after."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        for sig in signals:
+            loop.add_signal_handler(sig, server.service.drain.expire_now)
+        await server.drain(server.cfg.drain_timeout_s)
+        logger.info("router stopping")
+        await server.stop()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

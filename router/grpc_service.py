@@ -102,7 +102,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 max_tokens_field="sampling_params.max_new_tokens",
                 **kw,
             )
-            async for ev in self.service.core.generate(req):
+            async for ev in self.service.generate(req):
                 if isinstance(ev, Delta):
                     yield router_pb2.RouterGenerateResponse(
                         chunk=router_pb2.TextChunk(text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs,

@@ -137,7 +137,7 @@ class HttpGateway:
         if not req.stream:
             final: Final | None = None
             try:
-                async with contextlib.aclosing(svc.core.generate(req)) as events:
+                async with contextlib.aclosing(svc.generate(req)) as events:
                     async for ev in events:
                         if isinstance(ev, Final):
                             final = ev
@@ -158,7 +158,7 @@ class HttpGateway:
             req.return_logprob,
             include_usage,
             headers,
-            svc.core.generate(req),
+            svc.generate(req),
         )
 
     def _full_body(

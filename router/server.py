@@ -33,6 +33,7 @@ class RouterServer:
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
+        self._health: health.aio.HealthServicer | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -68,7 +69,7 @@ class RouterServer:
         await server.start()
         for name in ("", ROUTER_SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._grpc = server
+        self._grpc, self._health = server, health_servicer
         if cfg.http_port is not None:
             gateway = HttpGateway(self.service)
             runner = web.AppRunner(gateway.app, handler_cancellation=True, access_log=None)
@@ -94,7 +95,22 @@ class RouterServer:
             cfg.decode_policy,
         )
 
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful stop, before ``stop``: new generation calls are refused and readiness (HTTP ``/health``, gRPC
+        health) goes false; calls in flight get up to ``timeout_s`` to finish, then both legs of the rest are
+        aborted (router/drain.py). Listeners stay open meanwhile, so refusals are answered, not reset."""
+        if self._health is not None:
+            for name in ("", ROUTER_SERVICE_NAME):
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        drain = self.service.drain
+        logger.info("router draining: %d request(s) in flight get up to %.1f s", drain.in_flight, timeout_s)
+        cut = await drain.run(timeout_s, self.cfg.rpc_timeout_s)
+        if cut:
+            logger.warning("router drain timed out: cancelled %d request(s): %s", len(cut), ", ".join(cut[:20]))
+
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self._stopped.is_set():
+            return
         if self._http is not None:
             await self._http.cleanup()
             self._http = None

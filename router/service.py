@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,11 @@ from common.errors import InvalidRequestError
 from common.tokenizer import load_tokenizer, resolve_model_path
 from router.config import Role, RouterConfig, WorkerSpec
 from router.core import RouterCore
+from router.drain import Drain
 from router.inputs import InputProcessor, Tokenizer, config_context_len
 from router.metrics import RouterMetrics
 from router.monitor import Monitor
+from router.request import Delta, Final, GenRequest
 from router.workers import Registry
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ class RouterService:
         )
         self.core = RouterCore(cfg, self.inputs, hf, self.metrics, self.registry)
         self.monitor = Monitor(cfg, self.registry, self.metrics, self._infos_changed)
+        self.drain = Drain()
 
     async def start(self) -> None:
         for spec in self.cfg.workers:
@@ -47,6 +51,11 @@ class RouterService:
         await self.monitor.stop()
         await self.core.aborter.drain(self.cfg.rpc_timeout_s)
         await self.registry.close()
+
+    def generate(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
+        """Deltas (streaming requests only), then exactly one Final; or raises a typed error. Refused while the
+        router drains (router/drain.py)."""
+        return self.drain.guard(req.rid, self.core.generate(req))
 
     def _infos_changed(self) -> None:
         self.inputs.worker_context_len = self.registry.context_len()
@@ -92,6 +101,8 @@ class RouterService:
         return out
 
     def ready(self) -> tuple[bool, str]:
+        if self.drain.draining:
+            return False, "the router is shutting down"
         reg = self.registry
         if reg.routable("prefill") and reg.routable("decode"):
             return True, "ok"

@@ -81,10 +81,10 @@ def cluster(model_path) -> Iterator[Cluster]:
     stop_up(c)
     assert c.proc.returncode == 0, c.log.read_text()[-3000:]
     assert "pdcluster stopped" in c.log.read_text()
-    for name, pid in c.pids.items():
+    restarted = [int(line.split()[3]) for line in c.log.read_text().splitlines() if " restarted: pid " in line]
+    for pid in [*c.pids.values(), *restarted]:
         with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)  # every child is gone
-        del name
+            os.kill(pid, 0)  # every child is gone, restarts too
 
 
 @pytest.fixture(scope="module")
@@ -226,8 +226,63 @@ def test_grpc_stream_carries_top_logprobs(cluster) -> None:
         assert len(top.token_ids) == 3 and top.token_ids[0] == tok  # greedy: the chosen token is the most likely
 
 
+RESTART_TIMEOUT_S = 120
+
+
+def wait_restarted(cluster: Cluster, name: str, old_pid: int) -> int:
+    """The new pid ``up`` reports for ``name`` after ``old_pid`` died (its exit line first, with the code)."""
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while time.monotonic() < deadline:
+        text = cluster.log.read_text()
+        if f"{name} (pid {old_pid}) exited with code -9" in text:
+            for line in text.splitlines():
+                if line.startswith(f"{name} restarted: pid "):
+                    pid = int(line.split()[3])
+                    if pid != old_pid and pid not in cluster.pids.values():
+                        cluster.pids[name] = pid
+                        return pid
+        time.sleep(0.2)
+    raise TimeoutError(f"up did not restart {name}:\n{cluster.log.read_text()[-3000:]}")
+
+
+def complete_within(cluster: Cluster, timeout: float) -> int:
+    """Seconds until a request through the router succeeds (each try bounded; errors while nodes come back)."""
+    from openai import APIConnectionError, APIStatusError, OpenAI
+
+    client = OpenAI(base_url=cluster.base_url, api_key="x", timeout=30, max_retries=0)
+    start = time.monotonic()
+    while True:
+        try:
+            model = client.models.list().data[0].id
+            resp = client.completions.create(model=model, prompt="back again", max_tokens=4, temperature=0,
+                                             extra_body={"ignore_eos": True})
+            assert resp.usage.completion_tokens == 4
+            return int(time.monotonic() - start)
+        except (APIConnectionError, APIStatusError):
+            assert time.monotonic() - start < timeout, cluster.log.read_text()[-3000:]
+            time.sleep(0.5)
+
+
+def test_up_restarts_a_killed_decode_node(cluster) -> None:
+    old = cluster.pids["decode-0"]
+    os.kill(old, signal.SIGKILL)
+    new = wait_restarted(cluster, "decode-0", old)
+    os.kill(new, 0)
+    complete_within(cluster, 90)  # the router's monitor and the prefill nodes' KV peers find it again
+    wait_nodes_idle(cluster, ["prefill-0", "prefill-1", "decode-0"])
+
+
+def test_up_restarts_a_killed_router(cluster) -> None:
+    old = cluster.pids["router"]
+    os.kill(old, signal.SIGKILL)
+    wait_restarted(cluster, "router", old)
+    complete_within(cluster, 90)  # on its old ports
+    assert cluster.proc.poll() is None  # up kept the nodes serving meanwhile
+    wait_nodes_idle(cluster, ["prefill-0", "prefill-1", "decode-0"])
+
+
 def test_prefill_killed_then_all_prefill_down(cluster) -> None:
-    """Runs last in this module: it kills the prefill nodes."""
+    """Runs last in this module: it kills the prefill nodes (up restarts them; a node takes seconds to start)."""
     from openai import APIStatusError, OpenAI
 
     client = OpenAI(base_url=cluster.base_url, api_key="x", timeout=60, max_retries=0)
@@ -237,7 +292,10 @@ def test_prefill_killed_then_all_prefill_down(cluster) -> None:
         resp = client.completions.create(model=model, prompt=f"after the crash {i}", max_tokens=4, temperature=0,
                                          extra_body={"ignore_eos": True})
         assert resp.usage.completion_tokens == 4
-    os.kill(cluster.pids["prefill-1"], signal.SIGKILL)
+    wait_restarted(cluster, "prefill-0", cluster.pids["prefill-0"])
+    down = {name: cluster.pids[name] for name in ("prefill-0", "prefill-1")}
+    for pid in down.values():  # both at once: a restart takes >= 1 s of backoff plus a node's start
+        os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(APIStatusError) as exc:
         client.completions.create(model=model, prompt="nobody home", max_tokens=4)
@@ -245,3 +303,7 @@ def test_prefill_killed_then_all_prefill_down(cluster) -> None:
     assert time.monotonic() - start < 30
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/liveness", timeout=5) as r:
         assert r.status == 200  # the router itself keeps serving
+    for name, pid in down.items():
+        wait_restarted(cluster, name, pid)
+    complete_within(cluster, 90)
+    wait_nodes_idle(cluster, ["prefill-0", "prefill-1", "decode-0"])
