@@ -4,6 +4,11 @@ Load a policy sees for one DP rank = the node's last ``GetLoad`` report (polled 
 this router dispatched to the rank and has not yet finished (``RankState.inflight``). KV pages this router
 dispatched *since the last report* are subtracted from the reported free pages (``reserved_pages``); a new report
 resets that, because the node's own count then includes them.
+
+Membership: a worker gets no credential and no request before it proved the cluster secret (``router.membership``):
+until then only its bare channel exists (``ProveMembership`` and health checks); ``admit`` opens the credentialed
+channel. Clients see a worker only by its ``name`` (``prefill-0``, ``decode-1``, ... in registration order); the
+address stays on the admin surface.
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ import asyncio
 import logging
 from collections.abc import Iterator
 
+import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from common.worker_auth import aio_worker_channel
+from common.worker_auth import aio_bare_channel, aio_worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.breaker import CircuitBreaker
 from router.config import Role, RouterConfig, WorkerSpec
@@ -98,18 +104,28 @@ class Lease:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, cfg: RouterConfig) -> None:
+    def __init__(self, spec: WorkerSpec, cfg: RouterConfig, name: str = "") -> None:
         self.spec = spec
         self.address = spec.address
+        self.name = name or spec.role
         self.role: Role = spec.role
         self.host = spec.address.rsplit(":", 1)[0]
-        self.channel = aio_worker_channel(spec.address, node_channel_options(cfg),
-                                          cfg.tls.grpc_channel_credentials() if cfg.tls.mutual else None)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self._options = node_channel_options(cfg)
+        self._tls = cfg.tls.grpc_channel_credentials() if cfg.tls.mutual else None
+        # NOTE: the bare channel never carries the credential; it is all a worker gets before ``admit``.
+        self.bare_channel = aio_bare_channel(spec.address, self._options, self._tls)
+        self.bare_stub = worker_pb2_grpc.WorkerStub(self.bare_channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.bare_channel)
+        self.channel: grpc.aio.Channel | None = None  # credentialed; opened by ``admit``
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self.proven = False  # proved the cluster secret since it last turned unhealthy
         self.breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_open_s)
         self.info: worker_pb2.ServerInfo | None = None
-        self.error = ""  # why the worker is not usable (shown by ListWorkers and logs)
+        # Why the worker is not usable (shown by ListWorkers and logs), by what found it: the membership proof,
+        # its server info (mode, absurd or disagreeing facts), its load reports.
+        self.proof_error = ""
+        self.info_error = ""
+        self.load_error = ""
         self.healthy = False
         self.health_failures = 0
         self.removed = False
@@ -119,20 +135,56 @@ class Worker:
         self.inflight_tokens = 0
         self.rr = 0  # rotating tie-break among equally loaded ranks
 
+    # -- membership ---------------------------------------------------------------------------------------------
+    @property
+    def stub(self) -> worker_pb2_grpc.WorkerStub:
+        """The credentialed stub; only for a worker that proved the cluster secret."""
+        if self._stub is None:
+            raise RuntimeError(f"worker {self.name} has not proven the cluster secret")
+        return self._stub
+
+    def admit(self) -> None:
+        """The worker proved the cluster secret: open the credentialed channel."""
+        self.proven, self.proof_error = True, ""
+        if self.channel is None:
+            self.channel = aio_worker_channel(self.address, self._options, self._tls)
+            self._stub = worker_pb2_grpc.WorkerStub(self.channel)
+
+    def reject(self, why: str) -> None:
+        self.proven, self.proof_error = False, why
+
+    @property
+    def error(self) -> str:
+        return self.proof_error or self.info_error or self.load_error
+
+    @property
+    def state(self) -> str:
+        if self.removed:
+            return "removed"
+        if self.error:
+            return "rejected"
+        if not self.proven:
+            return "unproven"
+        if not self.healthy:
+            return "unhealthy"
+        if not self.breaker.allows():
+            return f"circuit_{self.breaker.state}"
+        return "ready"
+
     # -- facts from GetServerInfo ------------------------------------------------------------------------------
     def set_info(self, info: worker_pb2.ServerInfo) -> bool:
         """Adopt the worker's server info; False (with ``error`` set) when it cannot serve in its role."""
         want = MODE_OF_ROLE[self.role]
         if info.mode != want:
-            self.error = (
+            self.info_error = (
                 f"registered as {self.role} but the node runs in mode {info.mode!r} (expected {want!r})"
             )
             return False
         if self.role == "prefill" and not (self.spec.bootstrap_port or info.bootstrap_port):
-            self.error = "prefill node reports no bootstrap port; pass --prefill HOST:PORT:BOOTSTRAP_PORT"
+            self.info_error = "prefill node reports no bootstrap port; pass --prefill HOST:PORT:BOOTSTRAP_PORT"
             return False
         self.info = info
-        self.error = ""
+        self.info_error = ""
         self.page_size = max(info.page_size, 1)
         dp = max(info.dp_size, 1)
         if len(self.ranks) != dp:
@@ -150,7 +202,8 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.info is not None and self.healthy and not self.removed and self.breaker.allows()
+        return (self.proven and self.info is not None and not self.error and self.healthy and not self.removed
+                and self.breaker.allows())
 
     def set_load(self, load: worker_pb2.GetLoadResponse) -> None:
         for r in load.ranks:
@@ -172,7 +225,12 @@ class Worker:
         return -(-tokens // self.page_size)
 
     def close_soon(self) -> None:
-        asyncio.get_running_loop().create_task(self.channel.close())
+        asyncio.get_running_loop().create_task(self.close())
+
+    async def close(self) -> None:
+        await self.bare_channel.close()
+        if self.channel is not None:
+            await self.channel.close()
 
 
 class Registry:
@@ -181,6 +239,7 @@ class Registry:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.workers: dict[str, Worker] = {}
+        self._names: dict[tuple[str, Role], str] = {}  # (address, role) -> name; kept across deregistration
 
     def add(self, spec: WorkerSpec) -> tuple[Worker, bool]:
         """Register (idempotent for the same address and role); returns (worker, created)."""
@@ -191,9 +250,9 @@ class Registry:
                     f"worker {spec.address} is already registered as {old.role}; deregister it first"
                 )
             return old, False
-        w = Worker(spec, self.cfg)
+        w = Worker(spec, self.cfg, self._name(spec))
         self.workers[spec.address] = w
-        logger.info("worker added: %s (%s)", spec.address, spec.role)
+        logger.info("worker added: %s (%s) as %s", spec.address, spec.role, w.name)
         return w, True
 
     def remove(self, address: str) -> bool:
@@ -207,6 +266,18 @@ class Registry:
         logger.info("worker removed: %s (%s), %d in flight", address, w.role, w.inflight)
         return True
 
+    def _name(self, spec: WorkerSpec) -> str:
+        key = (spec.address, spec.role)
+        if key not in self._names:
+            n = sum(1 for _, role in self._names if role == spec.role)
+            self._names[key] = f"{spec.role}-{n}"
+        return self._names[key]
+
+    def peer_infos(self, w: Worker) -> list[worker_pb2.ServerInfo]:
+        """Server infos of the other accepted workers of ``w``'s role (what ``w``'s facts must agree with)."""
+        return [o.info for o in self.workers.values()
+                if o is not w and o.role == w.role and o.info is not None and not o.error and not o.removed]
+
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self.workers.values()))
 
@@ -218,11 +289,12 @@ class Registry:
 
     def context_len(self) -> int | None:
         lens = [
-            w.info.context_len for w in self.workers.values() if w.info is not None and w.info.context_len > 0
+            w.info.context_len for w in self.workers.values()
+            if w.info is not None and w.info.context_len > 0 and not w.error
         ]
         return min(lens) if lens else None
 
     async def close(self) -> None:
         for w in list(self.workers.values()):
-            await w.channel.close()
+            await w.close()
         self.workers.clear()
