@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import secrets
 import struct
+from collections.abc import Callable
 
 import grpc
 
@@ -110,10 +111,16 @@ class WorkerAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 class _AioCredential:
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+    """Adds the credential to a call, except to ``ProveMembership`` and while ``admitted()`` is False."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...], admitted: Callable[[], bool] | None) -> None:
         self._metadata = metadata
+        self._admitted = admitted
 
     def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        method = d.method.decode() if isinstance(d.method, bytes) else d.method
+        if method == MEMBERSHIP_RPC or (self._admitted is not None and not self._admitted()):
+            return d
         metadata = grpc.aio.Metadata(*(tuple(d.metadata) if d.metadata else ()), *self._metadata)
         return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
 
@@ -149,21 +156,17 @@ class _SyncCredential(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
         return continuation(self._details(client_call_details), request)
 
 
-def aio_worker_channel(address: str, options: list | tuple = (),
-                       tls: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
-    """The router's channel to a node: every call carries the cluster credential; over (m)TLS with ``tls``."""
-    interceptors = [_AioUnaryCredential(credential_metadata()), _AioStreamCredential(credential_metadata())]
+def aio_worker_channel(address: str, options: list | tuple = (), tls: grpc.ChannelCredentials | None = None,
+                       admitted: Callable[[], bool] | None = None) -> grpc.aio.Channel:
+    """The router's channel to a node, over (m)TLS with ``tls``. Calls carry the cluster credential, except
+    ``ProveMembership`` and any call made while ``admitted()`` is False (the node has not proven membership yet), so
+    the challenge and the later calls share the channel (one connection while it stays up) without the credential
+    going out first."""
+    metadata = credential_metadata()
+    interceptors = [_AioUnaryCredential(metadata, admitted), _AioStreamCredential(metadata, admitted)]
     if tls is not None:
         return grpc.aio.secure_channel(address, tls, options=list(options), interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
-
-
-def aio_bare_channel(address: str, options: list | tuple = (),
-                     tls: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
-    """The router's channel to a node that carries no credential: ``ProveMembership`` and health checks only."""
-    if tls is not None:
-        return grpc.aio.secure_channel(address, tls, options=list(options))
-    return grpc.aio.insecure_channel(address, options=list(options))
 
 
 def worker_channel(address: str, tls: grpc.ChannelCredentials | None = None) -> grpc.Channel:

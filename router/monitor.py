@@ -88,7 +88,7 @@ class Monitor:
         return w.routable
 
     async def _prove(self, w: Worker) -> bool:
-        verdict = await challenge(w.bare_stub, w.address, self.cfg.rpc_timeout_s)
+        verdict = await challenge(w.stub, w.address, self.cfg.rpc_timeout_s)
         if verdict.proven:
             w.admit()
             logger.info("worker %s (%s) proved the cluster secret; admitted as %s", w.address, w.role, w.name)

@@ -6,8 +6,7 @@ dispatched *since the last report* are subtracted from the reported free pages (
 resets that, because the node's own count then includes them.
 
 Membership: a worker gets no credential and no request before it proved the cluster secret (``router.membership``):
-until then only its bare channel exists (``ProveMembership`` and health checks); ``admit`` opens the credentialed
-channel. Clients see a worker only by its ``name`` (``prefill-0``, ``decode-1``, ... in registration order); the
+until ``admit`` its channel sends only ``ProveMembership`` and health checks, without the credential. Clients see a worker only by its ``name`` (``prefill-0``, ``decode-1``, ... in registration order); the
 address stays on the admin surface.
 """
 
@@ -17,10 +16,9 @@ import asyncio
 import logging
 from collections.abc import Iterator
 
-import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from common.worker_auth import aio_bare_channel, aio_worker_channel
+from common.worker_auth import aio_worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.breaker import CircuitBreaker
 from router.config import Role, RouterConfig, WorkerSpec
@@ -110,15 +108,13 @@ class Worker:
         self.name = name or spec.role
         self.role: Role = spec.role
         self.host = spec.address.rsplit(":", 1)[0]
-        self._options = node_channel_options(cfg)
-        self._tls = cfg.tls.grpc_channel_credentials() if cfg.tls.mutual else None
-        # NOTE: the bare channel never carries the credential; it is all a worker gets before ``admit``.
-        self.bare_channel = aio_bare_channel(spec.address, self._options, self._tls)
-        self.bare_stub = worker_pb2_grpc.WorkerStub(self.bare_channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.bare_channel)
-        self.channel: grpc.aio.Channel | None = None  # credentialed; opened by ``admit``
-        self._stub: worker_pb2_grpc.WorkerStub | None = None
         self.proven = False  # proved the cluster secret since it last turned unhealthy
+        # NOTE: calls carry the credential only while ``proven``; ``ProveMembership`` never does.
+        self.channel = aio_worker_channel(spec.address, node_channel_options(cfg),
+                                          cfg.tls.grpc_channel_credentials() if cfg.tls.mutual else None,
+                                          admitted=lambda: self.proven)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)  # requests go only to routable (so proven) workers
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_open_s)
         self.info: worker_pb2.ServerInfo | None = None
         # Why the worker is not usable (shown by ListWorkers and logs), by what found it: the membership proof,
@@ -136,19 +132,9 @@ class Worker:
         self.rr = 0  # rotating tie-break among equally loaded ranks
 
     # -- membership ---------------------------------------------------------------------------------------------
-    @property
-    def stub(self) -> worker_pb2_grpc.WorkerStub:
-        """The credentialed stub; only for a worker that proved the cluster secret."""
-        if self._stub is None:
-            raise RuntimeError(f"worker {self.name} has not proven the cluster secret")
-        return self._stub
-
     def admit(self) -> None:
-        """The worker proved the cluster secret: open the credentialed channel."""
+        """The worker proved the cluster secret: its calls carry the credential from now on."""
         self.proven, self.proof_error = True, ""
-        if self.channel is None:
-            self.channel = aio_worker_channel(self.address, self._options, self._tls)
-            self._stub = worker_pb2_grpc.WorkerStub(self.channel)
 
     def reject(self, why: str) -> None:
         self.proven, self.proof_error = False, why
@@ -228,9 +214,7 @@ class Worker:
         asyncio.get_running_loop().create_task(self.close())
 
     async def close(self) -> None:
-        await self.bare_channel.close()
-        if self.channel is not None:
-            await self.channel.close()
+        await self.channel.close()
 
 
 class Registry:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from common.server.front import WorkerServicer
-from common.worker_auth import WorkerAuthInterceptor, aio_bare_channel, new_nonce, proof_matches
+from common.worker_auth import WorkerAuthInterceptor, new_nonce, proof_matches
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.admin import bearer_metadata
 from router.membership import challenge
@@ -101,7 +101,7 @@ async def test_node_proves_only_for_its_own_port_so_a_relay_cannot_borrow_the_pr
     node_address = f"127.0.0.1:{node_port}"
     servers = [node_server]
     try:
-        async with aio_bare_channel(node_address) as bare:  # no credential: only ProveMembership answers
+        async with grpc.aio.insecure_channel(node_address) as bare:  # no credential: only ProveMembership answers
             stub = worker_pb2_grpc.WorkerStub(bare)
             nonce = new_nonce()
             proof = (await stub.ProveMembership(worker_pb2.ProveMembershipRequest(
@@ -123,7 +123,7 @@ async def test_node_proves_only_for_its_own_port_so_a_relay_cannot_borrow_the_pr
                 relay_server, relay_port = await _serve(_Relay(stub, node_address, rewrite), [])
                 servers.append(relay_server)
                 relay_address = f"127.0.0.1:{relay_port}"
-                async with aio_bare_channel(relay_address) as to_relay:
+                async with grpc.aio.insecure_channel(relay_address) as to_relay:
                     verdict = await challenge(worker_pb2_grpc.WorkerStub(to_relay), relay_address, 5.0)
                 assert not verdict.proven and verdict.reason == reason
     finally:
