@@ -1,8 +1,8 @@
 """The router's side of the membership proof: before a worker gets the cluster credential or any request, it answers
 a fresh nonce with a proof that only a holder of the cluster secret can compute (``common.worker_auth``).
 
-Outcomes: proven; rejected (a wrong proof, or a refusal/unknown RPC: not a pdcluster node of this cluster);
-unreachable (UNAVAILABLE, DEADLINE_EXCEEDED: retried by the monitor, not counted as a failure).
+Outcomes: proven; rejected (a wrong proof, or a refusal/unknown RPC: not a pdcluster node of this cluster; or the
+router itself has no secret); unreachable (UNAVAILABLE, DEADLINE_EXCEEDED: retried by the monitor, not counted as a failure).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common import env
 from common.worker_auth import new_nonce, proof_matches
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
@@ -20,7 +21,7 @@ TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 @dataclass(frozen=True, slots=True)
 class Verdict:
     proven: bool
-    reason: str = ""  # "" when proven; otherwise a short kind ("wrong_proof", "refused", "unreachable")
+    reason: str = ""  # "" when proven; else "wrong_proof", "refused", "no_secret" or "unreachable"
     detail: str = ""  # a sentence for logs and ListWorkers (names no secret)
 
     @property
@@ -29,7 +30,10 @@ class Verdict:
 
 
 async def challenge(stub: worker_pb2_grpc.WorkerStub, address: str, timeout: float) -> Verdict:
-    """Ask the worker at ``address`` (through ``stub``, a channel without the credential) to prove membership."""
+    """Ask the worker at ``address`` to prove membership (``stub``'s channel sends this call without the credential)."""
+    if not env.cluster_token():
+        return Verdict(False, "no_secret", "the router has no cluster secret to check membership with: set "
+                                           "PDCLUSTER_CLUSTER_TOKEN (or PDCLUSTER_CLUSTER_TOKEN_FILE)")
     nonce = new_nonce()
     try:
         resp = await stub.ProveMembership(worker_pb2.ProveMembershipRequest(nonce=nonce, address=address),

@@ -177,3 +177,11 @@ async def test_served_by_names_workers_without_addresses() -> None:
         for text in (served, r.model_extra["pdcluster"]["served_by"]):
             assert text == "prefill-0 -> decode-0" and "127.0.0.1" not in text
         assert (await listed(f, f.decode[0].address)).name == "decode-0"
+
+
+
+async def test_a_router_without_the_secret_admits_nobody(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "")
+    monkeypatch.delenv("PDCLUSTER_CLUSTER_TOKEN_FILE", raising=False)
+    verdict = await challenge(None, "127.0.0.1:1", 1.0)  # type: ignore[arg-type]  # never reaches a node
+    assert not verdict.proven and verdict.reason == "no_secret" and "PDCLUSTER_CLUSTER_TOKEN" in verdict.detail
