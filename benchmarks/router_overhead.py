@@ -198,10 +198,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router_overhead.json"))
     ns = ap.parse_args()
 
+    from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
     from common.tokenizer import load_tokenizer
     from tests.mock_worker import make_model_dir
 
     env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+    env.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())  # the mocks prove it to the router
     procs: list[subprocess.Popen[str]] = []
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp:

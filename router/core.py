@@ -62,7 +62,8 @@ class Plan:
 
     @property
     def served_by(self) -> str:
-        return f"{self.prefill.address} -> {self.worker.address}" if self.prefill else self.worker.address
+        """The workers' names, never their addresses (clients see this)."""
+        return f"{self.prefill.name} -> {self.worker.name}" if self.prefill else self.worker.name
 
 
 class RouterCore:
@@ -334,6 +335,8 @@ class RouterCore:
 def _state(w: Worker) -> str:
     if w.error:
         return f"unusable: {w.error}"
+    if not w.proven:
+        return "not proven a cluster member yet"
     if w.info is None:
         return "not reachable yet"
     if not w.healthy:

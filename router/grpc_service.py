@@ -136,6 +136,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     free_kv_pages=s["free_kv_pages"],
                     circuit_state=s["circuit_state"],
                     error=s["error"] or "",
+                    state=s["state"],
+                    name=s["name"],
                 )
                 for s in self.service.list_workers()
             ]

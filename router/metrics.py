@@ -77,6 +77,13 @@ class RouterMetrics:
         self.worker_inflight = Gauge(
             p + "worker_inflight_requests", "Router requests in flight per worker", ["worker"], registry=r
         )
+        self.worker_rejections = Counter(
+            p + "worker_rejections",
+            "Workers found unusable: failed membership proofs (wrong_proof, refused) and absurd or disagreeing "
+            "reported facts (info, load), by role",
+            ["role", "reason"],
+            registry=r,
+        )
         for leg in ("prefill", "decode", "generate", "overloaded"):
             self.retries.labels(leg)
         for role in ("prefill", "decode", "colocated"):

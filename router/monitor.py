@@ -1,6 +1,10 @@
 """Background monitoring of every registered worker: server info, grpc.health.v1 checks, load reports.
 
-- A worker becomes routable once ``GetServerInfo`` answered and its mode matches its role (``probe``).
+- A worker becomes routable once it proved the cluster secret (``router.membership``; before that it is sent no
+  credential and no request), then ``GetServerInfo`` answered, its mode matches its role and its facts are sane
+  and agree with the fleet's (``router.worker_facts``) (``probe``). Load reports are checked the same way.
+- A worker that turns unhealthy must prove membership again before it is routable (a process that took over its
+  address after it died gets nothing).
 - Health: every ``health_interval_s``; ``health_failure_threshold`` failures in a row mark it unhealthy, one
   success marks it healthy again (and fetches its info if it has none).
 - Load: every ``load_interval_s`` ``GetLoad`` refreshes the per-rank reports the policies read; requests never wait
@@ -20,7 +24,9 @@ from grpc_health.v1 import health_pb2
 from pdcluster.v1 import worker_pb2
 from router.breaker import HALF_OPEN, OPEN
 from router.config import RouterConfig
+from router.membership import challenge
 from router.metrics import RouterMetrics
+from router.worker_facts import fleet_problem, info_problem, load_problem
 from router.workers import Registry, Worker
 
 logger = logging.getLogger(__name__)
@@ -49,19 +55,26 @@ class Monitor:
                 await t
 
     async def probe(self, w: Worker) -> bool:
-        """Fetch server info, health and load once; True when the worker is routable afterwards."""
+        """Prove membership, then fetch server info, health and load once; True when the worker is routable."""
         timeout = self.cfg.rpc_timeout_s
+        if not w.proven and not await self._prove(w):
+            return False
         try:
             info = await w.stub.GetServerInfo(worker_pb2.GetServerInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             logger.info("worker %s (%s) not reachable yet: %s", w.address, w.role, e.code().name)
             return False
+        problem = info_problem(info) or fleet_problem(info, self.registry.peer_infos(w))
+        if problem:
+            self._reject_facts(w, "info", problem)
+            w.info_error = problem
+            return False
         if not w.set_info(info):
             logger.error("worker %s cannot serve: %s", w.address, w.error)
             return False
         self.on_change()
+        await self._load(w)  # NOTE: before health, so a worker with an absurd load report is never healthy-routable
         await self._check_health(w)
-        await self._load(w)
         logger.info(
             "worker %s (%s) ready: dp_size=%d page_size=%d context_len=%d bootstrap=%s healthy=%s",
             w.address,
@@ -73,6 +86,27 @@ class Monitor:
             w.healthy,
         )
         return w.routable
+
+    async def _prove(self, w: Worker) -> bool:
+        verdict = await challenge(w.stub, w.address, self.cfg.rpc_timeout_s)
+        if verdict.proven:
+            w.admit()
+            logger.info("worker %s (%s) proved the cluster secret; admitted as %s", w.address, w.role, w.name)
+            return True
+        if verdict.unreachable:
+            logger.info("worker %s (%s) %s", w.address, w.role, verdict.detail)
+            return False
+        if w.proof_error != verdict.detail:
+            logger.warning("worker %s (%s) rejected, it gets no credential and no traffic: %s", w.address, w.role,
+                           verdict.detail)
+        w.reject(verdict.detail)
+        self.metrics.worker_rejections.labels(w.role, verdict.reason).inc()
+        return False
+
+    def _reject_facts(self, w: Worker, kind: str, problem: str) -> None:
+        if problem not in (w.info_error, w.load_error):
+            logger.warning("worker %s (%s) is not routable: it %s", w.address, w.role, problem)
+        self.metrics.worker_rejections.labels(w.role, kind).inc()
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self.registry), return_exceptions=False)
@@ -92,7 +126,7 @@ class Monitor:
         else:
             w.health_failures += 1
             if w.healthy and w.health_failures >= self.cfg.health_failure_threshold:
-                w.healthy = False
+                w.healthy, w.proven = False, False
                 logger.warning(
                     "worker %s (%s) is unhealthy after %d failed health checks",
                     w.address,
@@ -106,7 +140,13 @@ class Monitor:
         except grpc.aio.AioRpcError as e:
             logger.debug("GetLoad on %s failed: %s", w.address, e.code().name)
             return
-        w.set_load(load)
+        assert w.info is not None
+        problem = load_problem(load, w.info)
+        if problem:
+            self._reject_facts(w, "load", problem)
+        w.load_error = problem
+        if not problem:
+            w.set_load(load)
 
     async def _health_loop(self) -> None:
         while True:
@@ -115,7 +155,7 @@ class Monitor:
             self._export()
 
     async def _health_one(self, w: Worker) -> None:
-        if w.info is None:
+        if w.info is None or not w.proven or w.info_error:
             await self.probe(w)
         else:
             await self._check_health(w)
@@ -123,7 +163,7 @@ class Monitor:
     async def _load_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.load_interval_s)
-            await asyncio.gather(*(self._load(w) for w in self.registry if w.info is not None))
+            await asyncio.gather(*(self._load(w) for w in self.registry if w.proven and w.info is not None))
 
     def _export(self) -> None:
         m = self.metrics

@@ -87,6 +87,8 @@ class RouterService:
             out.append(
                 {
                     "address": w.address,
+                    "name": w.name,
+                    "state": w.state,
                     "role": w.role,
                     "bootstrap_port": int(w.bootstrap_addr.rsplit(":", 1)[1]) if w.role == "prefill" else 0,
                     "healthy": w.healthy,

@@ -4,6 +4,10 @@ Load a policy sees for one DP rank = the node's last ``GetLoad`` report (polled 
 this router dispatched to the rank and has not yet finished (``RankState.inflight``). KV pages this router
 dispatched *since the last report* are subtracted from the reported free pages (``reserved_pages``); a new report
 resets that, because the node's own count then includes them.
+
+Membership: a worker gets no credential and no request before it proved the cluster secret (``router.membership``):
+until ``admit`` its channel sends only ``ProveMembership`` and health checks, without the credential. Clients see a worker only by its ``name`` (``prefill-0``, ``decode-1``, ... in registration order); the
+address stays on the admin surface.
 """
 
 from __future__ import annotations
@@ -98,18 +102,26 @@ class Lease:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, cfg: RouterConfig) -> None:
+    def __init__(self, spec: WorkerSpec, cfg: RouterConfig, name: str = "") -> None:
         self.spec = spec
         self.address = spec.address
+        self.name = name or spec.role
         self.role: Role = spec.role
         self.host = spec.address.rsplit(":", 1)[0]
+        self.proven = False  # proved the cluster secret since it last turned unhealthy
+        # NOTE: calls carry the credential only while ``proven``; ``ProveMembership`` never does.
         self.channel = aio_worker_channel(spec.address, node_channel_options(cfg),
-                                          cfg.tls.grpc_channel_credentials() if cfg.tls.mutual else None)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+                                          cfg.tls.grpc_channel_credentials() if cfg.tls.mutual else None,
+                                          admitted=lambda: self.proven)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)  # requests go only to routable (so proven) workers
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_open_s)
         self.info: worker_pb2.ServerInfo | None = None
-        self.error = ""  # why the worker is not usable (shown by ListWorkers and logs)
+        # Why the worker is not usable (shown by ListWorkers and logs), by what found it: the membership proof,
+        # its server info (mode, absurd or disagreeing facts), its load reports.
+        self.proof_error = ""
+        self.info_error = ""
+        self.load_error = ""
         self.healthy = False
         self.health_failures = 0
         self.removed = False
@@ -119,20 +131,46 @@ class Worker:
         self.inflight_tokens = 0
         self.rr = 0  # rotating tie-break among equally loaded ranks
 
+    # -- membership ---------------------------------------------------------------------------------------------
+    def admit(self) -> None:
+        """The worker proved the cluster secret: its calls carry the credential from now on."""
+        self.proven, self.proof_error = True, ""
+
+    def reject(self, why: str) -> None:
+        self.proven, self.proof_error = False, why
+
+    @property
+    def error(self) -> str:
+        return self.proof_error or self.info_error or self.load_error
+
+    @property
+    def state(self) -> str:
+        if self.removed:
+            return "removed"
+        if self.error:
+            return "rejected"
+        if not self.proven:
+            return "unproven"
+        if not self.healthy:
+            return "unhealthy"
+        if not self.breaker.allows():
+            return f"circuit_{self.breaker.state}"
+        return "ready"
+
     # -- facts from GetServerInfo ------------------------------------------------------------------------------
     def set_info(self, info: worker_pb2.ServerInfo) -> bool:
         """Adopt the worker's server info; False (with ``error`` set) when it cannot serve in its role."""
         want = MODE_OF_ROLE[self.role]
         if info.mode != want:
-            self.error = (
+            self.info_error = (
                 f"registered as {self.role} but the node runs in mode {info.mode!r} (expected {want!r})"
             )
             return False
         if self.role == "prefill" and not (self.spec.bootstrap_port or info.bootstrap_port):
-            self.error = "prefill node reports no bootstrap port; pass --prefill HOST:PORT:BOOTSTRAP_PORT"
+            self.info_error = "prefill node reports no bootstrap port; pass --prefill HOST:PORT:BOOTSTRAP_PORT"
             return False
         self.info = info
-        self.error = ""
+        self.info_error = ""
         self.page_size = max(info.page_size, 1)
         dp = max(info.dp_size, 1)
         if len(self.ranks) != dp:
@@ -150,7 +188,8 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.info is not None and self.healthy and not self.removed and self.breaker.allows()
+        return (self.proven and self.info is not None and not self.error and self.healthy and not self.removed
+                and self.breaker.allows())
 
     def set_load(self, load: worker_pb2.GetLoadResponse) -> None:
         for r in load.ranks:
@@ -172,7 +211,10 @@ class Worker:
         return -(-tokens // self.page_size)
 
     def close_soon(self) -> None:
-        asyncio.get_running_loop().create_task(self.channel.close())
+        asyncio.get_running_loop().create_task(self.close())
+
+    async def close(self) -> None:
+        await self.channel.close()
 
 
 class Registry:
@@ -181,6 +223,7 @@ class Registry:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.workers: dict[str, Worker] = {}
+        self._names: dict[tuple[str, Role], str] = {}  # (address, role) -> name; kept across deregistration
 
     def add(self, spec: WorkerSpec) -> tuple[Worker, bool]:
         """Register (idempotent for the same address and role); returns (worker, created)."""
@@ -191,9 +234,9 @@ class Registry:
                     f"worker {spec.address} is already registered as {old.role}; deregister it first"
                 )
             return old, False
-        w = Worker(spec, self.cfg)
+        w = Worker(spec, self.cfg, self._name(spec))
         self.workers[spec.address] = w
-        logger.info("worker added: %s (%s)", spec.address, spec.role)
+        logger.info("worker added: %s (%s) as %s", spec.address, spec.role, w.name)
         return w, True
 
     def remove(self, address: str) -> bool:
@@ -207,6 +250,18 @@ class Registry:
         logger.info("worker removed: %s (%s), %d in flight", address, w.role, w.inflight)
         return True
 
+    def _name(self, spec: WorkerSpec) -> str:
+        key = (spec.address, spec.role)
+        if key not in self._names:
+            n = sum(1 for _, role in self._names if role == spec.role)
+            self._names[key] = f"{spec.role}-{n}"
+        return self._names[key]
+
+    def peer_infos(self, w: Worker) -> list[worker_pb2.ServerInfo]:
+        """Server infos of the other accepted workers of ``w``'s role (what ``w``'s facts must agree with)."""
+        return [o.info for o in self.workers.values()
+                if o is not w and o.role == w.role and o.info is not None and not o.error and not o.removed]
+
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self.workers.values()))
 
@@ -218,11 +273,12 @@ class Registry:
 
     def context_len(self) -> int | None:
         lens = [
-            w.info.context_len for w in self.workers.values() if w.info is not None and w.info.context_len > 0
+            w.info.context_len for w in self.workers.values()
+            if w.info is not None and w.info.context_len > 0 and not w.error
         ]
         return min(lens) if lens else None
 
     async def close(self) -> None:
         for w in list(self.workers.values()):
-            await w.channel.close()
+            await w.close()
         self.workers.clear()

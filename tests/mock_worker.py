@@ -9,7 +9,10 @@
 - Output tokens are a deterministic function of the input ids (``fake_tokens``).
 - Faults: fail the next N Prefill calls, die before the first token, die after K tokens, report no free KV pages,
   hang, or stop serving health.
-- Records what it received (``records``: kind, rid, room, ranks, bootstrap address) and the aborts (``aborts``).
+- Records what it received (``records``: kind, rid, room, ranks, bootstrap address) and the aborts (``aborts``);
+  ``calls``: every RPC's method and the ``x-pdcluster-credential`` value it carried ("" when none).
+- Membership: answers ``ProveMembership`` like a node, with ``secret`` (default: the cluster secret of the test
+  environment; a wrong one makes a rogue worker). It does not enforce the credential itself.
 
 ``python -m tests.mock_worker --prefill 1 --decode 1 --colocated 1 --service-time 0.02`` runs a mock fleet in one
 process and prints its addresses as one JSON line (used by ``benchmarks/router_overhead.py``).
@@ -33,6 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.tls import TlsFiles
+from common.worker_auth import METADATA_KEY, ChallengeRefused, answer_challenge
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
@@ -69,6 +73,7 @@ class MockConfig:
     die_after_tokens: int | None = None  # Decode/Generate fail after streaming this many tokens
     hang: bool = False  # never answer Prefill/Decode/Generate (until cancelled)
     tls: TlsFiles | None = None  # serve the Worker port over (m)TLS, as a node with --tls-cert/--tls-key[/--tls-ca]
+    secret: str | None = None  # cluster secret its membership proofs use (None: the environment's)
 
 
 @dataclass
@@ -109,12 +114,23 @@ class Active:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+class _CallRecorder(grpc.aio.ServerInterceptor):
+    def __init__(self, calls: list[tuple[str, str]]) -> None:
+        self._calls = calls
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        credential = dict(handler_call_details.invocation_metadata or ()).get(METADATA_KEY, "")
+        self._calls.append((handler_call_details.method.rsplit("/", 1)[-1], str(credential)))
+        return await continuation(handler_call_details)
+
+
 class MockWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, cfg: MockConfig, hub: MockHub | None = None) -> None:
         self.cfg = cfg
         self.hub = hub or MockHub()
         self.records: list[dict[str, Any]] = []
         self.aborts: list[str] = []
+        self.calls: list[tuple[str, str]] = []  # (method, credential metadata or "")
         self.active: dict[str, Active] = {}
         self.cache: list[set[int]] = [set() for _ in range(cfg.dp_size)]
         self.port = 0
@@ -127,7 +143,7 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
         return f"127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0) -> str:
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[_CallRecorder(self.calls)])
         worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"127.0.0.1:{port}"
@@ -433,6 +449,15 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
             kv_transfer_backend="fake",
             max_total_tokens=cfg.total_kv_pages * cfg.page_size,
         )
+
+    async def ProveMembership(
+        self, request: worker_pb2.ProveMembershipRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        try:
+            proof = answer_challenge(request.nonce, request.address, self.port, self.cfg.secret)
+        except ChallengeRefused as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        return worker_pb2.ProveMembershipResponse(proof=proof)
 
 
 def free_port() -> int:

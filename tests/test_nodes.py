@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.worker_auth import new_nonce, proof_matches
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.node_helpers import Node, start_node
 
@@ -311,6 +312,13 @@ def test_node_rpcs_without_the_cluster_credential_are_refused(pd_dp2) -> None:
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert health_pb2_grpc.HealthStub(bare).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
             health_pb2.HealthCheckResponse.SERVING
+        # Membership: the one Worker RPC open without the credential, answered only for the node's own gRPC port.
+        nonce = new_nonce()
+        proof = rogue.ProveMembership(worker_pb2.ProveMembershipRequest(nonce=nonce, address=decode.addr), timeout=5)
+        assert proof_matches(proof.proof, nonce, decode.addr)
+        with pytest.raises(grpc.RpcError) as exc:
+            rogue.ProveMembership(worker_pb2.ProveMembershipRequest(nonce=nonce, address=prefill.addr), timeout=5)
+        assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
     # The victim's stream was not aborted by the rogue: it ends by the real Abort only.
     time.sleep(0.5)
     decode.stub.Abort(worker_pb2.AbortRequest(rid="victim"))

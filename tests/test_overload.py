@@ -70,7 +70,7 @@ async def test_router_tries_another_node_when_one_is_full_without_opening_its_ci
         for i in range(3):
             msgs = [m async for m in stub.Generate(gen(f"r{i}"))]
             assert msgs[-1].complete.usage.completion_tokens == 3
-            assert msgs[-1].complete.served_by.startswith(f.prefill[1].address)
+            assert msgs[-1].complete.served_by.startswith(f.name(f.prefill[1]))
         assert f.prefill[0].received("prefill")  # it was tried ...
         worker = f.server.service.registry.workers[f.prefill[0].address]
         assert worker.breaker.allows()  # ... and being full is not a fault: its circuit stays closed
@@ -127,5 +127,5 @@ async def test_router_skips_a_decode_node_whose_admission_budget_cannot_take_the
         stub = f.stub()
         for i in range(6):
             msgs = await _collect(stub, gen(f"adm{i}"))
-            assert msgs[-1].complete.served_by.endswith(roomy.address)
+            assert msgs[-1].complete.served_by.endswith(f.name(roomy))
         assert not full.received("decode") and len(roomy.received("decode")) == 6

@@ -117,7 +117,8 @@ async def test_grpc_generate_stream_and_unary() -> None:
         assert "".join(c.text for c in chunks) == done.text == expected_text(ids, 6)
         assert done.request_id == "g-1" and done.finish_reason == "length"
         assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 6)
-        assert done.timing.e2e > 0 and done.served_by == f"{f.prefill[0].address} -> {f.decode[0].address}"
+        assert done.timing.e2e > 0 and done.served_by == "prefill-0 -> decode-0"
+        assert done.served_by == f"{f.name(f.prefill[0])} -> {f.name(f.decode[0])}"
 
         unary = router_pb2.RouterGenerateRequest(
             input_ids=router_pb2.TokenIds(ids=[10, 11, 12]),
@@ -159,7 +160,8 @@ async def test_colocated_fleet() -> None:
             r = await client.completions.create(model="mock-model", prompt="Hello world", max_tokens=4)
             assert r.choices[0].text == expected_text(ids, 4)
         assert [len(w.received("generate")) for w in f.colocated] == [1, 1]
-        assert r.model_extra["pdcluster"]["served_by"] in [w.address for w in f.colocated]
+        assert [f.name(w) for w in f.colocated] == ["colocated-0", "colocated-1"]
+        assert r.model_extra["pdcluster"]["served_by"] in ["colocated-0", "colocated-1"]
 
 
 async def test_membership_and_observability_endpoints() -> None:

@@ -32,6 +32,10 @@ class Fleet:
     def workers(self) -> list[MockWorker]:
         return self.prefill + self.decode + self.colocated
 
+    def name(self, w: MockWorker) -> str:
+        """The router's client-facing name of ``w`` (what ``served_by`` shows)."""
+        return self.server.service.registry.workers[w.address].name
+
     def openai(self, **kw: Any) -> AsyncOpenAI:
         client = AsyncOpenAI(base_url=self.server.http_url + "/v1", api_key="unused", max_retries=0, **kw)
         self._closers.append(client)

@@ -31,6 +31,7 @@ def worker(port: int, dp: int = 1, role: str = "decode", free: list[int] | None 
         )
     )
     w.healthy = True
+    w.admit()
     if free is not None:
         w.set_load(
             worker_pb2.GetLoadResponse(

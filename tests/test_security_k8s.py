@@ -1,7 +1,8 @@
 """Kubernetes: every router and node container reads the cluster secret from the operator-created Secret, and no
 overlay ships a Secret object (a committed value would be a public default). Every pod runs as the image's non-root
 UID without privileges on a read-only root; node pods carry no service-account token; NetworkPolicies admit exactly
-clients -> router, router -> node gRPC, nodes <-> nodes (bootstrap, KV ports), Prometheus -> node metrics."""
+clients -> router, router -> node gRPC, nodes <-> nodes (bootstrap, KV ports), Prometheus -> node metrics. Prometheus
+scrapes the router's admin-guarded /metrics with the admin token from the Secret, and sends no token to nodes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from deploy.manifests import OVERLAYS, Peer, PodTemplate, ingress_allowed, pod_templates, render
+from deploy.manifests import (
+    OVERLAYS,
+    Peer,
+    PodTemplate,
+    ingress_allowed,
+    pod_templates,
+    render,
+    selector_matches,
+)
 from deploy.spec import NODE_ROLES, load_spec
 
 CLUSTER_SECRET = "pdcluster-cluster-secret"
@@ -42,6 +51,36 @@ def test_every_serving_container_gets_the_cluster_secret_from_a_secret(overlay: 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_no_secret_value_is_committed(overlay: str) -> None:
     assert not [d for d in rendered(overlay) if d["kind"] == "Secret"]
+
+
+def router_admin_token_ref(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """Where the router's admin token comes from: PDCLUSTER_ADMIN_TOKEN, else the cluster secret (router/admin.py)."""
+    (router,) = [c for t in pod_templates(docs) for c in t.spec["containers"] if c["name"] == "router"]
+    assert not any(a.startswith("--admin-token") for a in (*router.get("command", []), *router.get("args", [])))
+    env = {e["name"]: e for e in router.get("env", [])}
+    source = env.get("PDCLUSTER_ADMIN_TOKEN") or env["PDCLUSTER_CLUSTER_TOKEN"]
+    return source["valueFrom"]["secretKeyRef"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_monitors_send_the_admin_token_to_the_router_only(overlay: str) -> None:
+    docs = rendered(overlay)
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert monitors or overlay != "prod", "prod ships the monitoring component"
+    services = [d for d in docs if d["kind"] == "Service"]
+    scraped: set[str] = set()
+    for sm in monitors:
+        roles = {s["metadata"]["labels"][ROLE_LABEL] for s in services
+                 if selector_matches(sm["spec"]["selector"], s["metadata"].get("labels", {}))}
+        assert roles and (roles == {"router"} or "router" not in roles), f"{sm['metadata']['name']} mixes {roles}"
+        scraped |= roles
+        for ep in sm["spec"]["endpoints"]:
+            if roles == {"router"}:
+                assert ep["bearerTokenSecret"] == router_admin_token_ref(docs), sm["metadata"]["name"]
+            else:
+                assert not {"bearerTokenSecret", "authorization", "basicAuth"} & ep.keys(), sm["metadata"]["name"]
+    if monitors:
+        assert scraped == {"router", *NODE_ROLES}
 
 
 def image_uid() -> int:

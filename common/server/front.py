@@ -24,6 +24,7 @@ from common.model.config import ModelConfig
 from common.server.convert import request_from_proto, token_out_to_proto
 from common.server.metrics import observe_final, observe_itl
 from common.server.ranks import RankClient
+from common.worker_auth import MIN_NONCE_BYTES, ChallengeRefused, answer_challenge
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.draining = False
         self.in_flight = [0] * args.dp_size  # requests each rank holds (running or queued), counted at the front
         self.max_in_flight = args.max_running_requests + args.max_queued_requests
+        self.grpc_port = args.port  # the bound Worker port (the server sets it after binding port 0)
 
     # -- helpers shared by the roles -------------------------------------------------------------------------------
     async def fail(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
@@ -203,6 +205,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_transfer_backend=self.args.kv_transfer_backend if self.args.is_disaggregated else "",
             max_total_tokens=self.ranks.max_total_tokens,
         )
+
+
+    async def ProveMembership(self, request: worker_pb2.ProveMembershipRequest,
+                              context: grpc.aio.ServicerContext) -> Any:
+        try:
+            proof = answer_challenge(request.nonce, request.address, self.grpc_port)
+        except ChallengeRefused as e:
+            short = len(request.nonce) < MIN_NONCE_BYTES
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT if short else grpc.StatusCode.PERMISSION_DENIED,
+                                str(e))
+        return worker_pb2.ProveMembershipResponse(proof=proof)
 
 
 class _Unavailable(Exception):

@@ -97,6 +97,7 @@ class NodeServer:
                      else self.server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot bind the Worker gRPC port {self.args.host}:{self.args.port}")
+        self.servicer.grpc_port = self.port
         await self.server.start()
         if self.args.metrics_port is not None:
             self._probe_server = start_probe_server(

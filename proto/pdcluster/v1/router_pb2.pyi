@@ -120,7 +120,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "bootstrap_port", "healthy", "dp_size", "inflight_requests", "free_kv_pages", "circuit_state", "error")
+    __slots__ = ("address", "role", "bootstrap_port", "healthy", "dp_size", "inflight_requests", "free_kv_pages", "circuit_state", "error", "state", "name")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,8 @@ class WorkerStatus(_message.Message):
     FREE_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     CIRCUIT_STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: WorkerRole
     bootstrap_port: int
@@ -139,7 +141,9 @@ class WorkerStatus(_message.Message):
     free_kv_pages: int
     circuit_state: str
     error: str
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., bootstrap_port: _Optional[int] = ..., healthy: _Optional[bool] = ..., dp_size: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., circuit_state: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    state: str
+    name: str
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., bootstrap_port: _Optional[int] = ..., healthy: _Optional[bool] = ..., dp_size: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., circuit_state: _Optional[str] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

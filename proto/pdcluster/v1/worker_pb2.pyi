@@ -180,3 +180,17 @@ class ServerInfo(_message.Message):
     kv_transfer_backend: str
     max_total_tokens: int
     def __init__(self, mode: _Optional[str] = ..., model_path: _Optional[str] = ..., served_model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., bootstrap_port: _Optional[int] = ..., context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_transfer_backend: _Optional[str] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
+
+class ProveMembershipRequest(_message.Message):
+    __slots__ = ("nonce", "address")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    address: str
+    def __init__(self, nonce: _Optional[bytes] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ProveMembershipResponse(_message.Message):
+    __slots__ = ("proof",)
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    def __init__(self, proof: _Optional[bytes] = ...) -> None: ...

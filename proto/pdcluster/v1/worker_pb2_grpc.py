@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=pdcluster_dot_v1_dot_worker__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_worker__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.ProveMembership = channel.unary_unary(
+                '/pdcluster.v1.Worker/ProveMembership',
+                request_serializer=pdcluster_dot_v1_dot_worker__pb2.ProveMembershipRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_worker__pb2.ProveMembershipResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -112,6 +117,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProveMembership(self, request, context):
+        """Membership challenge: the node proves it holds the cluster secret, revealing neither the secret nor the RPC
+        credential. The only Worker RPC served without the x-pdcluster-credential metadata; the router calls it on a
+        channel that carries no credential and sends nothing else (no credential, no request) to a worker until its
+        proof verified. Refused (PERMISSION_DENIED) when `address` does not name this node's own gRPC port, so a relay
+        listening on another port cannot borrow the node's proof; INVALID_ARGUMENT for a nonce under 16 bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +160,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=pdcluster_dot_v1_dot_worker__pb2.GetServerInfoRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_worker__pb2.ServerInfo.SerializeToString,
+            ),
+            'ProveMembership': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProveMembership,
+                    request_deserializer=pdcluster_dot_v1_dot_worker__pb2.ProveMembershipRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_worker__pb2.ProveMembershipResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +329,33 @@ class Worker:
             '/pdcluster.v1.Worker/GetServerInfo',
             pdcluster_dot_v1_dot_worker__pb2.GetServerInfoRequest.SerializeToString,
             pdcluster_dot_v1_dot_worker__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProveMembership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Worker/ProveMembership',
+            pdcluster_dot_v1_dot_worker__pb2.ProveMembershipRequest.SerializeToString,
+            pdcluster_dot_v1_dot_worker__pb2.ProveMembershipResponse.FromString,
             options,
             channel_credentials,
             insecure,
