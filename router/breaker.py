@@ -1,7 +1,9 @@
 """Circuit breaker per worker: closed -> open after N consecutive failures -> half-open after a cool-down.
 
 Half-open lets one probe request through at a time; its success closes the circuit, its failure re-opens it. A
-probe that ends with neither (client cancel) frees the slot after another ``open_s``.
+probe that ends with neither (client cancel) frees the slot after another ``open_s``. A passing health check
+half-opens an open circuit at once (``health_ok``): a worker whose probes say it serves is tried again within one
+health interval, not after the whole cool-down.
 Only worker faults count (transport errors, crashes, timeouts), never a client's bad input.
 """
 
@@ -41,6 +43,10 @@ class CircuitBreaker:
     def on_dispatch(self) -> None:
         if self.state == HALF_OPEN:
             self._probe_at = self.clock()
+
+    def health_ok(self) -> None:
+        if self.state == OPEN:
+            self._state, self._probe_at = HALF_OPEN, None
 
     def record_success(self) -> None:
         self.failures, self._state, self._probe_at = 0, CLOSED, None

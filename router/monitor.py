@@ -123,6 +123,7 @@ class Monitor:
             if not w.healthy:
                 logger.info("worker %s (%s) is healthy", w.address, w.role)
             w.healthy, w.health_failures = True, 0
+            w.breaker.health_ok()
         else:
             w.health_failures += 1
             if w.healthy and w.health_failures >= self.cfg.health_failure_threshold:

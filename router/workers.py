@@ -187,9 +187,12 @@ class Worker:
         return len(self.ranks)
 
     @property
+    def usable_but_for_circuit(self) -> bool:
+        return self.proven and self.info is not None and not self.error and self.healthy and not self.removed
+
+    @property
     def routable(self) -> bool:
-        return (self.proven and self.info is not None and not self.error and self.healthy and not self.removed
-                and self.breaker.allows())
+        return self.usable_but_for_circuit and self.breaker.allows()
 
     def set_load(self, load: worker_pb2.GetLoadResponse) -> None:
         for r in load.ranks:
@@ -266,7 +269,12 @@ class Registry:
         return iter(list(self.workers.values()))
 
     def routable(self, role: Role) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and w.routable]
+        """Routable workers of ``role``. When none is, but some are held back by their circuit alone while their
+        health checks pass, those: a breaker never blackholes a role whose workers say they serve."""
+        ws = [w for w in self.workers.values() if w.role == role and w.routable]
+        if ws:
+            return ws
+        return [w for w in self.workers.values() if w.role == role and w.usable_but_for_circuit]
 
     def has_role(self, role: Role) -> bool:
         return any(w.role == role for w in self.workers.values())

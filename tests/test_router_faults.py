@@ -163,6 +163,23 @@ async def test_circuit_breaker_opens_on_repeated_failures() -> None:
         assert len(f.prefill[0].received("prefill")) == 2  # nothing routed there once open
 
 
+async def test_an_open_circuit_never_blackholes_the_only_healthy_worker_of_a_role() -> None:
+    """A glitch opens the only prefill worker's circuit; its health checks pass, so requests still reach it (and
+    its first success closes the circuit) instead of 503 for the whole cool-down."""
+    async with fleet(prefill=[{"fail_prefill": 2}], decode=1, cb_failure_threshold=2, cb_open_s=600,
+                     max_retries=0, health_interval_s=600) as f:  # no health round half-opens it meanwhile
+        client = f.openai()
+        for _ in range(2):
+            with pytest.raises(openai.APIStatusError):
+                await client.completions.create(model="mock-model", prompt="hi", max_tokens=1)
+        only = f.server.service.registry.workers[f.prefill[0].address]
+        assert only.breaker.state == "open"
+        r = await client.completions.create(model="mock-model", prompt="hi", max_tokens=1)
+        assert r.usage.completion_tokens == 1
+        assert only.breaker.state == "closed"
+        assert len(f.prefill[0].received("prefill")) == 3
+
+
 async def test_concurrent_requests_get_unique_rooms_and_finish() -> None:
     async with fleet(prefill=2, decode=2, common={"service_time": 0.005}) as f:
         client = f.openai()

@@ -160,6 +160,21 @@ def test_circuit_breaker_states() -> None:
     assert cb.allows()
 
 
+def test_a_passing_health_check_half_opens_an_open_circuit_at_once() -> None:
+    now = [0.0]
+    cb = CircuitBreaker(failure_threshold=1, open_s=60, clock=lambda: now[0])
+    cb.health_ok()
+    assert cb.state == "closed"  # nothing to do on a closed circuit
+    cb.record_failure()
+    now[0] = 2.0
+    assert cb.state == "open" and not cb.allows()
+    cb.health_ok()
+    assert cb.state == "half_open" and cb.allows()
+    cb.on_dispatch()
+    cb.record_failure()  # the early probe failed: open again, for a full cool-down unless health says otherwise
+    assert cb.state == "open" and not cb.allows()
+
+
 def test_worker_flags() -> None:
     assert WorkerSpec.parse("10.0.0.1:30001", "prefill") == WorkerSpec("10.0.0.1:30001", "prefill", None)
     assert WorkerSpec.parse("grpc://h:30001:8998", "prefill") == WorkerSpec("h:30001", "prefill", 8998)

@@ -1,0 +1,325 @@
+"""Fault-injecting soak of a ``pdcluster up`` cluster (1 prefill + 2 decode nodes by default) through the router's
+OpenAI API.
+
+A closed loop of mixed prompt lengths (every tenth prompt long) with a share of client cancels runs for
+``--duration``; a prober sends a 2-token request every half second. On top of that, at fixed fractions of the run:
+a burst of ``--burst`` concurrent requests, a decode node SIGKILLed (``up`` restarts it), and the prefill node's
+whole process group stalled ``--stall-s`` seconds (SIGSTOP, then SIGCONT). Afterwards every node must come back to
+its starting free KV pages with empty queues.
+
+Report (JSON, and a PNG of RSS per process over time with the faults marked): RSS growth per process after warm-up,
+leaked pages, requests without a final status, error counts by kind, the burst's status counts, and for each fault
+the seconds until the first request started after it succeeded. Targets (10 minutes at concurrency 32): RSS growth
+< 5 %, 0 leaked pages, 0 requests without a final status, service back within 10 s of each fault.
+
+    python -m benchmarks.soak --duration 600 --concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import re
+import secrets
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.loadgen.clients import OpenAIClient
+from benchmarks.loadgen.stats import RequestResult
+from benchmarks.loadgen.workload import RequestSpec, WorkloadConfig, make_workload
+from benchmarks.up_runs import UpCluster, free_port, machine_info
+
+RESTART_LINE = re.compile(r"^(\S+) restarted: pid (\d+)", re.M)
+GRPC_LINE = re.compile(r"^\s+(\S+)\s+pid \d+\s+grpc (\S+)", re.M)
+NO_FINAL_STATUS = ("timeout", "cancelled_at_time_limit", "connection")
+TARGETS = {"rss_growth_pct": 5.0, "leaked_pages": 0, "without_final_status": 0, "service_back_s": 10.0}
+
+
+@dataclass
+class Fault:
+    kind: str  # burst | kill | stall
+    at_s: float  # planned start, seconds since the load began
+    started: float = 0.0
+    ended: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Soak:
+    args: argparse.Namespace
+    cluster: UpCluster
+    t0: float = 0.0
+    results: list[RequestResult] = field(default_factory=list)
+    probes: list[tuple[float, float, bool]] = field(default_factory=list)  # (start, end, ok) since t0
+    rss: list[tuple[float, str, int, float]] = field(default_factory=list)  # (t, child, pid, MiB)
+    faults: list[Fault] = field(default_factory=list)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def pids(self) -> dict[str, int]:
+        """Each child's current pid: the one ``up`` printed at start, or its latest restart."""
+        pids = dict(self.cluster.children or {})
+        pids.update({name: int(pid) for name, pid in RESTART_LINE.findall(self.cluster.log.read_text())})
+        return pids
+
+    async def send(self, client: OpenAIClient, spec: RequestSpec, cancel_after: float | None) -> None:
+        if cancel_after is None:
+            self.results.append(await client.send(spec, self.t0))
+            return
+        try:
+            self.results.append(await asyncio.wait_for(client.send(spec, self.t0), cancel_after))
+        except TimeoutError:
+            self.results.append(RequestResult(spec.index, spec.kind, 0.0, error="client_cancel"))
+
+    async def closed_loop(self, client: OpenAIClient, until: float) -> None:
+        specs = make_workload(WorkloadConfig(kind="mixed", num_requests=100_000, input_len=self.args.input_len,
+                                             output_len=self.args.output_len, long_input_len=self.args.long_len,
+                                             seed=self.args.seed))
+        queue = collections.deque(specs)
+        rng = random.Random(self.args.seed)
+
+        async def worker() -> None:
+            while queue and self.now() < until:
+                cancel = rng.uniform(0.05, 2.0) if rng.random() < self.args.cancel_fraction else None
+                await self.send(client, queue.popleft(), cancel)
+
+        await asyncio.gather(*(worker() for _ in range(self.args.concurrency)))
+
+    async def prober(self, client: OpenAIClient, until: float) -> None:
+        spec = RequestSpec(index=-1, prompt_ids=[101, 102, 103, 104], max_tokens=2, kind="probe")
+        while self.now() < until:
+            start = self.now()
+            try:
+                res = await asyncio.wait_for(client.send(spec, self.t0), 30)
+                ok = res.ok
+            except TimeoutError:
+                ok = False
+            self.probes.append((start, self.now(), ok))
+            await asyncio.sleep(max(0.0, 0.5 - (self.now() - start)))
+
+    async def sample_rss(self, until: float) -> None:
+        while self.now() < until:
+            for name, pid in self.pids().items():
+                try:
+                    root = psutil.Process(pid)
+                    procs = [root, *root.children(recursive=True)]
+                    mib = sum(p.memory_info().rss for p in procs) / 2**20
+                except psutil.Error:
+                    continue
+                self.rss.append((round(self.now(), 2), name, pid, round(mib, 1)))
+            await asyncio.sleep(2.0)
+
+    async def inject(self, client: OpenAIClient, fault: Fault) -> None:
+        await asyncio.sleep(max(0.0, fault.at_s - self.now()))
+        fault.started = self.now()
+        pids = self.pids()
+        if fault.kind == "burst":
+            specs = make_workload(WorkloadConfig(kind="fixed", num_requests=self.args.burst, input_len=16,
+                                                 output_len=8, seed=self.args.seed + 1))
+            res = await asyncio.gather(*(client.send(s, self.t0) for s in specs))
+            fault.detail = dict(collections.Counter("ok" if r.ok else str(r.error) for r in res))
+        elif fault.kind == "kill":
+            victim = sorted(n for n in pids if n.startswith("decode"))[-1]
+            os.killpg(pids[victim], signal.SIGKILL)  # up starts each child in a session (and group) of its own
+            fault.detail = {"victim": victim, "pid": pids[victim]}
+        else:
+            victim = sorted(n for n in pids if n.startswith("prefill"))[0]
+            os.killpg(pids[victim], signal.SIGSTOP)
+            try:
+                await asyncio.sleep(self.args.stall_s)
+            finally:
+                os.killpg(pids[victim], signal.SIGCONT)
+            fault.detail = {"victim": victim, "stall_s": self.args.stall_s}
+        fault.ended = self.now()
+
+    def service_back_s(self, fault: Fault) -> float | None:
+        """Seconds from the fault's end until the first probe started after it succeeded (None: none did)."""
+        ends = [end for start, end, ok in self.probes if ok and start >= fault.ended]
+        return round(min(ends) - fault.ended, 2) if ends else None
+
+
+def node_addresses(cluster: UpCluster) -> dict[str, str]:
+    return {n: a for n, a in GRPC_LINE.findall(cluster.log.read_text()) if n != "router"}
+
+
+def pool_state(addresses: dict[str, str]) -> dict[str, list[dict[str, int]]]:
+    from common.worker_auth import worker_channel
+    from pdcluster.v1 import worker_pb2, worker_pb2_grpc
+
+    out: dict[str, list[dict[str, int]]] = {}
+    for name, addr in addresses.items():
+        with worker_channel(addr) as ch:
+            load = worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        out[name] = [{"held_pages": r.total_kv_pages - r.free_kv_pages - r.evictable_tokens // load.page_size,
+                      "held_slots": r.total_req_slots - r.free_req_slots,
+                      "queued": r.running + r.waiting + r.bootstrap + r.inflight + r.prealloc + r.transfer}
+                     for r in load.ranks]
+    return out
+
+
+def wait_pools_back(addresses: dict[str, str], timeout_s: float) -> tuple[dict[str, list[dict[str, int]]], int]:
+    """Poll until every rank is idle with every page free or evictable (a restarted node has new pools, so the
+    rule is against the totals, as at start); returns the last state and the pages still held."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        end = pool_state(addresses)
+        held = sum(max(0, r["held_pages"]) for ranks in end.values() for r in ranks)
+        busy = sum(r["queued"] + r["held_slots"] for ranks in end.values() for r in ranks)
+        if (held == 0 and busy == 0) or time.monotonic() > deadline:
+            return end, held
+        time.sleep(1.0)
+
+
+def rss_growth(soak: Soak, warmup_s: float) -> dict[str, float | None]:
+    """Per child: % change of median RSS from the first to the last fifth of its samples after warm-up (after its
+    latest restart plus warm-up, when it was restarted)."""
+    out: dict[str, float | None] = {}
+    for name in sorted({s[1] for s in soak.rss}):
+        latest = soak.pids().get(name)
+        mine = [s for s in soak.rss if s[1] == name and s[2] == latest]
+        since = mine[0][0] + warmup_s if mine else 0.0
+        xs = [s[3] for s in mine if s[0] >= since]
+        if len(xs) < 10:
+            out[name] = None  # too few samples after (re)start to tell
+            continue
+        k = max(2, len(xs) // 5)
+        first, last = statistics.median(xs[:k]), statistics.median(xs[-k:])
+        out[name] = round(100 * (last - first) / first, 2)
+    return out
+
+
+def plot(soak: Soak, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for name in sorted({s[1] for s in soak.rss}):
+        pts = [(s[0], s[3]) for s in soak.rss if s[1] == name]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", ms=2, label=name)
+    for f in soak.faults:
+        ax.axvspan(f.started, max(f.ended, f.started + 1), alpha=0.2, color="red")
+        ax.text(f.started, ax.get_ylim()[1], f.kind, va="top", fontsize=8)
+    ax.set_xlabel("seconds since load began")
+    ax.set_ylabel("RSS (MiB, process tree)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+async def run(soak: Soak) -> None:
+    a = soak.args
+    client = OpenAIClient(f"http://127.0.0.1:{soak.cluster.http_port}/v1", timeout_s=a.request_timeout)
+    try:
+        await asyncio.wait_for(client.resolve_model(), 60)
+        soak.t0 = time.perf_counter()
+        d = a.duration
+        soak.faults = [Fault("burst", 0.25 * d), Fault("kill", 0.45 * d), Fault("stall", 0.65 * d)]
+        await asyncio.gather(soak.closed_loop(client, d), soak.prober(client, d + a.tail_s),
+                             soak.sample_rss(d + a.tail_s), *(soak.inject(client, f) for f in soak.faults))
+    finally:
+        await client.close()
+
+
+def report(soak: Soak, start: dict, end: dict, leaked: int, wall_s: float) -> dict[str, Any]:
+    a = soak.args
+    errors = collections.Counter(r.error for r in soak.results if not r.ok)
+    without = sum(n for kind, n in errors.items() if kind in NO_FINAL_STATUS)
+    growth = rss_growth(soak, a.warmup_s)
+    known = [g for g in growth.values() if g is not None]
+    back = {f.kind: soak.service_back_s(f) for f in soak.faults}
+    burst = next(f.detail for f in soak.faults if f.kind == "burst")
+    checks = {
+        "rss_growth_pct": max(known) if known else None,
+        "leaked_pages": leaked,
+        "stuck_requests": sum(r["queued"] + r["held_slots"] for ranks in end.values() for r in ranks),
+        "without_final_status": without,
+        "service_back_s": max((b for b in back.values() if b is not None), default=None),
+        "burst_only_200_or_429": set(burst) <= {"ok", "http_429"},
+        "every_fault_recovered": all(b is not None for b in back.values()),
+    }
+    met = {
+        "rss_growth_pct": checks["rss_growth_pct"] is not None and checks["rss_growth_pct"] < TARGETS["rss_growth_pct"],
+        "leaked_pages": leaked == 0 and checks["stuck_requests"] == 0,
+        "without_final_status": without == 0,
+        "service_back_s": checks["every_fault_recovered"] and checks["service_back_s"] is not None
+        and checks["service_back_s"] <= TARGETS["service_back_s"],
+        "burst_only_200_or_429": checks["burst_only_200_or_429"],
+    }
+    return {
+        "config": {k: v for k, v in vars(a).items() if k != "out"},
+        "machine": machine_info() | {"loadavg_end": os.getloadavg()},
+        "wall_s": round(wall_s, 1),
+        "requests": len(soak.results), "ok": sum(r.ok for r in soak.results),
+        "output_tokens": sum(r.output_tokens for r in soak.results if r.ok),
+        "errors_by_kind": dict(errors),
+        "probes": {"sent": len(soak.probes), "ok": sum(p[2] for p in soak.probes)},
+        "faults": [{"kind": f.kind, "started_s": round(f.started, 1), "ended_s": round(f.ended, 1),
+                    "service_back_s": back[f.kind], **f.detail} for f in soak.faults],
+        "rss_growth_pct": growth,
+        "pools": {"start": start, "end": end},
+        "checks": checks, "targets": TARGETS, "met": met, "all_met": all(met.values()),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--cancel-fraction", type=float, default=0.15, help="share of requests the client cancels")
+    p.add_argument("--burst", type=int, default=400, help="concurrent requests of the burst")
+    p.add_argument("--stall-s", type=float, default=20.0, help="seconds the prefill node is stopped")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--long-len", type=int, default=1000, help="every tenth prompt has this many tokens")
+    p.add_argument("--warmup-s", type=float, default=60.0, help="RSS samples before this (per process) are ignored")
+    p.add_argument("--tail-s", type=float, default=15.0, help="probing after the load stops")
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--model-path", default=None, help="default: up's embedded model")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "soak")
+    a = p.parse_args()
+    if a.decode < 1 or a.prefill < 1:
+        p.error("--prefill and --decode must be >= 1")
+    os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", secrets.token_hex(16))  # shared with up, to read GetLoad
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    up_args = ["--prefill", str(a.prefill), "--decode", str(a.decode), "--max-restarts", "3"]
+    if a.model_path:
+        up_args += ["--model-path", a.model_path]
+    cluster = UpCluster(up_args, Path(f"{a.out}-up.log"), free_port(), free_port())
+    soak = Soak(a, cluster)
+    t_start = time.monotonic()
+    try:
+        cluster.start()
+        cluster.wait_ready(300)
+        addresses = node_addresses(cluster)
+        start = pool_state(addresses)
+        asyncio.run(run(soak))
+        end, leaked = wait_pools_back(addresses, timeout_s=60)
+    finally:
+        code = cluster.stop()
+    out = report(soak, start, end, leaked, time.monotonic() - t_start) | {"up_exit_code": code}
+    Path(f"{a.out}.json").write_text(json.dumps(out, indent=1))
+    plot(soak, Path(f"{a.out}-rss.png"))
+    print(json.dumps({k: out[k] for k in ("requests", "ok", "errors_by_kind", "faults", "checks", "met")}, indent=1))
+    print(f"report: {a.out}.json  plot: {a.out}-rss.png")
+    return 0 if out["all_met"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
