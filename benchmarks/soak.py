@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import datetime
 import json
 import os
 import random
@@ -40,6 +41,7 @@ from benchmarks.loadgen.workload import RequestSpec, WorkloadConfig, make_worklo
 from benchmarks.up_runs import UpCluster, free_port, machine_info
 
 RESTART_LINE = re.compile(r"^(\S+) restarted: pid (\d+)", re.M)
+READY_STAMP = re.compile(r"^(\S+ \S+) INFO common.server.serve: node ready", re.M)
 GRPC_LINE = re.compile(r"^\s+(\S+)\s+pid \d+\s+grpc (\S+)", re.M)
 NO_FINAL_STATUS = ("timeout", "cancelled_at_time_limit", "connection")
 TARGETS = {"rss_growth_pct": 5.0, "leaked_pages": 0, "without_final_status": 0, "service_back_s": 10.0}
@@ -59,6 +61,7 @@ class Soak:
     args: argparse.Namespace
     cluster: UpCluster
     t0: float = 0.0
+    wall0: float = 0.0  # time.time() at t0, to place the children's log lines
     results: list[RequestResult] = field(default_factory=list)
     probes: list[tuple[float, float, bool]] = field(default_factory=list)  # (start, end, ok) since t0
     rss: list[tuple[float, str, int, float]] = field(default_factory=list)  # (t, child, pid, MiB)
@@ -181,14 +184,26 @@ def wait_pools_back(addresses: dict[str, str], timeout_s: float) -> tuple[dict[s
         time.sleep(1.0)
 
 
+def ready_s(soak: Soak, name: str) -> float | None:
+    """When the child's latest start logged ``node ready`` (seconds since t0), from its log in up's log dir."""
+    log = soak.cluster.log.parent / soak.cluster.log.stem / f"{name}.log"
+    stamps = READY_STAMP.findall(log.read_text(errors="replace")) if log.exists() else []
+    if not stamps:
+        return None
+    wall = datetime.datetime.strptime(stamps[-1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return wall - soak.wall0
+
+
 def rss_growth(soak: Soak, warmup_s: float) -> dict[str, float | None]:
-    """Per child: % change of median RSS from the first to the last fifth of its samples after warm-up (after its
-    latest restart plus warm-up, when it was restarted)."""
+    """Per child: % change of median RSS from the first to the last fifth of its samples after warm-up. A restarted
+    child counts from its latest start's ready line plus warm-up (its start-up allocates the KV pool)."""
     out: dict[str, float | None] = {}
+    first_pids = soak.cluster.children or {}
     for name in sorted({s[1] for s in soak.rss}):
         latest = soak.pids().get(name)
         mine = [s for s in soak.rss if s[1] == name and s[2] == latest]
-        since = mine[0][0] + warmup_s if mine else 0.0
+        ready = 0.0 if latest == first_pids.get(name) else ready_s(soak, name)
+        since = float("inf") if ready is None else ready + warmup_s
         xs = [s[3] for s in mine if s[0] >= since]
         if len(xs) < 10:
             out[name] = None  # too few samples after (re)start to tell
@@ -225,7 +240,7 @@ async def run(soak: Soak) -> None:
     client = OpenAIClient(f"http://127.0.0.1:{soak.cluster.http_port}/v1", timeout_s=a.request_timeout)
     try:
         await asyncio.wait_for(client.resolve_model(), 60)
-        soak.t0 = time.perf_counter()
+        soak.t0, soak.wall0 = time.perf_counter(), time.time()
         d = a.duration
         soak.faults = [Fault("burst", 0.25 * d), Fault("kill", 0.45 * d), Fault("stall", 0.65 * d)]
         await asyncio.gather(soak.closed_loop(client, d), soak.prober(client, d + a.tail_s),
