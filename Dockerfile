@@ -31,11 +31,13 @@ COPY router router
 COPY deploy deploy
 COPY benchmarks benchmarks
 COPY proto proto
-RUN pip install .
+RUN pip install ".[mooncake]"
 
 FROM ${BASE_IMAGE}
-RUN command -v python3 >/dev/null 2>&1 || (apt-get update \
-    && apt-get install -y --no-install-recommends python3 && rm -rf /var/lib/apt/lists/*)
+# libibverbs1: the Mooncake transfer engine (--kv-transfer-backend mooncake) links it, even over TCP.
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 \
+    && (command -v python3 >/dev/null 2>&1 || apt-get install -y --no-install-recommends python3) \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 pdcluster && useradd --uid 10001 --gid 10001 --create-home pdcluster
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PDCLUSTER_CACHE_DIR=/opt/pdcluster/cache

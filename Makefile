@@ -20,13 +20,19 @@ $(BIN)/python:
 
 # torch is pinned first: on a machine without a GPU, torch==2.13.0 resolves to the CPU build that lies on disk
 # (pip's find-links); left to the dependency resolver, an unpinned torch would pull the multi-GB CUDA build.
+# The Mooncake wheels link Debian's libibverbs1 (the RDMA verbs library; loaded even for its TCP transport).
 $(STAMP): pyproject.toml | $(BIN)/python
+	@ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || { \
+		echo "installing libibverbs1 (the Mooncake transfer engine links it)"; \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 \
+			|| { echo "cannot install libibverbs1: run 'apt-get install libibverbs1' as root"; exit 1; }; }
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "GPU found: installing the CUDA build of torch"; $(BIN)/pip install -q torch==2.13.0; \
 	else \
 		echo "no GPU: installing the CPU build of torch"; $(BIN)/pip install -q "torch==2.13.0+cpu" || $(BIN)/pip install -q torch==2.13.0; \
 	fi
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,mooncake]"
+	$(BIN)/python -c "import mooncake.engine" || { echo "the Mooncake transfer engine does not load (see above)"; exit 1; }
 	touch $(STAMP)
 
 install: $(STAMP)

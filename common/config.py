@@ -12,7 +12,7 @@ from common.errors import ConfigError
 from common.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
-KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "shm", "fake")
+KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "mooncake", "shm", "fake")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 DEVICES = ("cpu", "cuda")

@@ -13,6 +13,7 @@ BACKENDS: dict[str, str] = {
     "nccl": "kvtransfer.backends.nccl:NcclBackend",
     "ucx": "kvtransfer.backends.ucx:UcxBackend",
     "nixl": "kvtransfer.backends.nixl:NixlBackend",
+    "mooncake": "kvtransfer.backends.mooncake:MooncakeBackend",
 }
 
 

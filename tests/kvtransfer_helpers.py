@@ -6,6 +6,7 @@ Tests kill only their own children, by PID, and every wait is bounded.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import random
@@ -13,6 +14,7 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 
+import pytest
 import torch
 
 from kvtransfer.args import KVArgs, KVTransferConfig
@@ -26,6 +28,25 @@ HEAD_DIM = 8
 PREFILL_SEED = 1234
 DECODE_SEED = 99
 TOKEN = "test-cluster-token"
+OPTIONAL_ENGINES = {"mooncake": "kvtransfer.backends.mooncake"}  # backend -> its module that loads the package
+
+
+def _engine_missing(backend: str) -> str:
+    """Why ``backend``'s optional engine cannot load here ("" when it can or the backend needs none)."""
+    module = OPTIONAL_ENGINES.get(backend)
+    if module is None:
+        return ""
+    try:
+        importlib.import_module(module)
+    except (ImportError, OSError) as exc:  # OSError: a shared library it links (libibverbs1) is missing
+        return f"{backend}: {module} does not load ({exc}); `make install` installs it"
+    return ""
+
+
+def backend_param(backend: str) -> object:
+    """``backend`` as a pytest parameter, skipped only when its optional engine package cannot load."""
+    missing = _engine_missing(backend)
+    return pytest.param(backend, marks=pytest.mark.skipif(bool(missing), reason=missing))
 
 
 def make_args(

@@ -22,6 +22,7 @@ from tests.kvtransfer_helpers import (
     PREFILL_SEED,
     Child,
     RoleSpec,
+    backend_param,
     kv_config,
     make_args,
     plan_rooms,
@@ -31,8 +32,8 @@ from tests.kvtransfer_helpers import (
 
 pytestmark = pytest.mark.slow
 NUM_PAGES = 64
-KILL_BACKENDS = ["tcp", "shm", "fake", "nccl", "ucx", "nixl"]
-FAULT_BACKENDS = ["tcp", "nixl"]  # the faults below, on a two-sided and a one-sided data plane
+KILL_BACKENDS = ["tcp", "shm", "fake", "nccl", "ucx", "nixl", backend_param("mooncake")]
+FAULT_BACKENDS = ["tcp", "nixl", backend_param("mooncake")]  # the faults below: two-sided and one-sided planes
 
 
 def _decode(backend: str = "tcp", **overrides: object) -> KVManager:

@@ -1,6 +1,7 @@
-"""The ``nixl`` backend through the ``KVBackend`` interface (both agents in this process, one-sided WRITEs on UCX).
+"""The one-sided backends (``nixl`` over UCX, ``mooncake`` over its TCP transport) through the ``KVBackend``
+interface, both sides in this process.
 
-The cross-process matrix (64 interleaved rooms, kills, aborts, restarts, refusals) covers nixl in
+The cross-process matrix (64 interleaved rooms, kills, aborts, restarts, refusals) covers them in
 test_kvtransfer_transfer.py and test_kvtransfer_faults.py; here: what only a one-sided backend does.
 """
 
@@ -18,10 +19,11 @@ import torch
 from kvtransfer.backends.base import PeerInfo, PeerKey, TransferJob
 from kvtransfer.pages import HeadSlice, PageRun
 from kvtransfer.registry import backend_class
-from tests.kvtransfer_helpers import PAGE_SIZE, kv_config, make_args
+from tests.kvtransfer_helpers import PAGE_SIZE, backend_param, kv_config, make_args
 from tests.test_kvtransfer_backends_extra import Events, Pair
 
 NUM_PAGES = 48
+ONE_SIDED = ["nixl", backend_param("mooncake")]
 
 
 @pytest.fixture(autouse=True)
@@ -54,10 +56,11 @@ def test_decode_endpoint_publishes_agent_and_buffers_prefill_none() -> None:
         pair.close()
 
 
-def test_jobs_land_byte_exact_in_order_and_empty_jobs_complete() -> None:
+@pytest.mark.parametrize("backend", ONE_SIDED)
+def test_jobs_land_byte_exact_in_order_and_empty_jobs_complete(backend: str) -> None:
     dst = make_args(2, NUM_PAGES)
     before = [b.clone() for b in _all(dst)]
-    pair = Pair("nixl", make_args(1, NUM_PAGES), dst)
+    pair = Pair(backend, make_args(1, NUM_PAGES), dst)
     try:
         jobs = [pair.job(7, i, [1 + 3 * i, 2 + 3 * i, 40 - i], [10 + 2 * i, 11 + 2 * i, 47 - i]) for i in range(8)]
         jobs.insert(3, TransferJob(7, 99, pair.d_key, ()))
@@ -78,11 +81,12 @@ def test_jobs_land_byte_exact_in_order_and_empty_jobs_complete() -> None:
         pair.close()
 
 
-def test_head_slice_writes_only_those_heads() -> None:
+@pytest.mark.parametrize("backend", ONE_SIDED)
+def test_head_slice_writes_only_those_heads(backend: str) -> None:
     src = make_args(1, NUM_PAGES, heads=4, total_heads=4)  # prefill tp=1 holds heads 0..3
     dst = make_args(2, NUM_PAGES, heads=2, total_heads=4)  # decode tp rank 1 of 2 holds heads 2..3
     before = [b.clone() for b in _all(dst)]
-    pair = Pair("nixl", src, dst)
+    pair = Pair(backend, src, dst)
     try:
         job = pair.job(3, 0, [5, 6, 7, 20], [30, 31, 32, 9], HeadSlice(src_head=2, dst_head=0, num_heads=2))
         pair.prefill.submit(job)
@@ -96,10 +100,11 @@ def test_head_slice_writes_only_those_heads() -> None:
         pair.close()
 
 
-def test_pages_outside_the_peer_pool_and_bad_heads_are_refused_and_write_nothing() -> None:
+@pytest.mark.parametrize("backend", ONE_SIDED)
+def test_pages_outside_the_peer_pool_and_bad_heads_are_refused_and_write_nothing(backend: str) -> None:
     dst = make_args(2, NUM_PAGES)
     before = [b.clone() for b in _all(dst)]
-    pair = Pair("nixl", make_args(1, NUM_PAGES), dst)
+    pair = Pair(backend, make_args(1, NUM_PAGES), dst)
     try:
         jobs = [TransferJob(1, 0, pair.d_key, (PageRun(3, NUM_PAGES, 2),)),  # runs past the last page
                 TransferJob(2, 0, pair.d_key, (PageRun(3, 0, 1),)),  # page 0 is padding, never a destination
@@ -131,8 +136,9 @@ def test_unloadable_peer_fails_its_jobs_naming_the_cause() -> None:
         prefill.close()
 
 
-def test_remove_peer_and_close_fail_outstanding_jobs_once() -> None:
-    pair = Pair("nixl", make_args(1, 200, layers=4), make_args(2, 200, layers=4))
+@pytest.mark.parametrize("backend", ONE_SIDED)
+def test_remove_peer_and_close_fail_outstanding_jobs_once(backend: str) -> None:
+    pair = Pair(backend, make_args(1, 200, layers=4), make_args(2, 200, layers=4))
     try:
         jobs = [pair.job(5, i, list(range(1, 200)), list(range(1, 200))) for i in range(6)]
         for job in jobs:
@@ -153,3 +159,44 @@ def test_missing_package_is_a_clear_startup_error(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "nixl._api", None)  # as if `nixl` were not installed
     with pytest.raises(ImportError, match=r"--kv-transfer-backend nixl needs the `nixl` package"):
         importlib.import_module("kvtransfer.backends.nixl")
+
+
+def test_mooncake_decode_publishes_session_and_buffers_prefill_none() -> None:
+    pytest.importorskip("mooncake.engine")
+    pair = Pair("mooncake", make_args(1, NUM_PAGES), make_args(2, NUM_PAGES))
+    try:
+        ep = pair.decode.endpoint()
+        host, _, port = ep["session"].rpartition(":")
+        assert ep["memory"] == "cpu" and host == "127.0.0.1" and int(port) > 0
+        assert [int(b) for b in ep["bases"].split(",")] == [b.data_ptr() for b in _all_layer_major(pair.dst)]
+        assert "session" not in pair.prefill.endpoint()  # a WRITE initiator exposes no memory
+    finally:
+        pair.close()
+
+
+def test_mooncake_unusable_peer_fails_its_jobs_naming_the_cause() -> None:
+    pytest.importorskip("mooncake.engine")
+    events = Events()
+    prefill = backend_class("mooncake")(make_args(1, NUM_PAGES), kv_config("mooncake"), "prefill", events,
+                                        PeerKey("prefill/dp0/tp0", 1))
+    bad = PeerKey("decode/dp0/tp0", 2)
+    try:
+        prefill.add_peer(PeerInfo(bad, make_args(2, NUM_PAGES).layout({}), {"memory": "cpu"}))
+        job = TransferJob(1, 0, bad, (PageRun(1, 1, 1),))
+        prefill.submit(job)
+        [(got, err)] = events.wait(1)
+        assert got is job and err and "segment is unknown" in err and "session" in err, err
+    finally:
+        prefill.close()
+
+
+def test_mooncake_missing_package_is_a_clear_startup_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "kvtransfer.backends.mooncake", raising=False)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # as if the wheel (or libibverbs1) were missing
+    with pytest.raises(ImportError, match=r"--kv-transfer-backend mooncake needs the Mooncake Transfer Engine.*"
+                                          r"mooncake-transfer-engine-non-cuda.*libibverbs1"):
+        importlib.import_module("kvtransfer.backends.mooncake")
+
+
+def _all_layer_major(args) -> list[torch.Tensor]:
+    return [b for pair_ in zip(args.k_buffers, args.v_buffers, strict=True) for b in pair_]

@@ -17,6 +17,7 @@ from tests.kvtransfer_helpers import (
     PREFILL_SEED,
     Child,
     RoleSpec,
+    backend_param,
     kv_config,
     make_args,
     plan_rooms,
@@ -24,7 +25,8 @@ from tests.kvtransfer_helpers import (
     wait_final,
 )
 
-AVAILABLE = [name for name, target in BACKENDS.items() if importlib.util.find_spec(target.partition(":")[0])]
+AVAILABLE = [backend_param(name) for name, target in BACKENDS.items()
+             if importlib.util.find_spec(target.partition(":")[0])]
 NUM_PAGES = 64 * 5 + 16
 
 

@@ -1,4 +1,5 @@
-"""What the two-sided message backends (``nccl``, ``ucx``) share: the per-job messages and the buffer views.
+"""What the two-sided message backends (``nccl``, ``ucx``) share: the payload message plan of a job (the messages
+themselves are in ``wire``).
 
 A two-sided transport needs the receiver to post one receive per message, so every job is announced first::
 
@@ -24,53 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 import torch
 
 from kvtransfer.args import KVArgs
 from kvtransfer.backends.base import TransferJob
-
-
-class DataHello(msgspec.Struct, frozen=True, tag=True):
-    """First message on a data connection: which prefill rank (start) is talking."""
-
-    instance_id: str
-    epoch: int
-
-
-class ChunkHeader(msgspec.Struct, frozen=True, tag=True):
-    room: int
-    chunk_id: int
-    dst_runs: list[tuple[int, int]]  # (first destination page, pages), in the job's run order
-    heads: tuple[int, int, int] | None  # (src_head, dst_head, num_heads); None = whole pages
-    nbytes: int  # payload bytes over all messages (a consistency check)
-    pack_bytes: int = 0  # see the module docstring; 0 = one message per slice
-
-
-class ChunkAck(msgspec.Struct, frozen=True, tag=True):
-    room: int
-    chunk_id: int
-    error: str = ""
-
-
-AnyDataMessage = DataHello | ChunkHeader | ChunkAck
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(AnyDataMessage)
-
-
-def encode(msg: AnyDataMessage) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode(data: bytes | memoryview) -> AnyDataMessage:
-    """Raises msgspec.DecodeError/ValidationError on bytes that are not a data-plane message."""
-    return _decoder.decode(data)
-
-
-def layer_buffers(args: KVArgs) -> list[torch.Tensor]:
-    """The pool's buffers in payload order: K0, V0, K1, V1, ..."""
-    return [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
+from kvtransfer.backends.wire import ChunkHeader, layer_buffers
 
 
 @dataclass
@@ -143,7 +103,7 @@ def source_messages(args: KVArgs, job: TransferJob, pack_bytes: int) -> tuple[Ch
     msgs = plan_messages(args, [(r.src_page, r.num_pages) for r in job.runs], heads, pack_bytes)
     header = ChunkHeader(job.room, job.chunk_id, [(r.dst_page, r.num_pages) for r in job.runs],
                          None if job.heads is None else (job.heads.src_head, job.heads.dst_head, job.heads.num_heads),
-                         sum(m.nbytes for m in msgs), pack_bytes)
+                         sum(m.nbytes for m in msgs), pack_bytes=pack_bytes)
     return header, msgs
 
 
@@ -180,7 +140,3 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     else:
         dst.copy_(src)
 
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor as a flat uint8 view (dtype-agnostic transports; numpy has no bfloat16)."""
-    return t.reshape(-1).view(torch.uint8)

@@ -45,10 +45,11 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
-from kvtransfer.backends import _twosided as wire
-from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends import _twosided as twosided
+from kvtransfer.backends import wire
+from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import device_identity, memory_kind
-from kvtransfer.backends.workers import PeerWorkers, TransferError
+from kvtransfer.backends.workers import QueuedBackend, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,9 @@ class _Pair:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class NcclBackend(KVBackend):
+class NcclBackend(QueuedBackend):
+    transport = "nccl"
+
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
@@ -97,7 +100,6 @@ class NcclBackend(KVBackend):
         if mode == "decode":
             self._store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False,
                                         timeout=_td(self._connect_s))
-        self._workers = PeerWorkers(events, self._move, "nccl")
 
     # ---- interface ---------------------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, str]:
@@ -133,8 +135,7 @@ class NcclBackend(KVBackend):
                 self._threads.append(pair.thread)
         if pair.thread is not None:
             pair.thread.start()
-        if self.mode == "prefill":
-            self._workers.add_peer(peer.key)
+        super().add_peer(peer)
 
     def _unpairable(self, peer: PeerInfo) -> str:
         """Why this rank and ``peer`` cannot form an NCCL/gloo pair ("" if they can)."""
@@ -157,15 +158,9 @@ class NcclBackend(KVBackend):
     def remove_peer(self, key: PeerKey) -> None:
         with self._lock:
             pair = self._pairs.pop(key, None)
-        self._workers.remove_peer(key, "peer removed")
+        super().remove_peer(key)
         if pair is not None:
             self._break(pair, "peer removed")
-
-    def submit(self, job: TransferJob) -> None:
-        self._workers.submit(job)
-
-    def cancel_room(self, room: int) -> None:
-        self._workers.cancel_room(room)
 
     def close(self) -> None:
         with self._lock:
@@ -176,7 +171,7 @@ class NcclBackend(KVBackend):
             self._pairs.clear()
         for pair in pairs:
             self._break(pair, "backend closed")
-        self._workers.close("backend closed")
+        super().close()
         for thread in threads:  # bounded: a thread still in a rendezvous ends within _connect_s
             thread.join(self._connect_s + 1)
         self._store = None
@@ -279,7 +274,7 @@ class NcclBackend(KVBackend):
         self._set_device()
         pg, timeout = pair.pg, _td(self.config.transfer_timeout_s)
         try:
-            header, msgs = wire.source_messages(self.args, job, self._pack_bytes)
+            header, msgs = twosided.source_messages(self.args, job, self._pack_bytes)
             sent: deque[tuple[dist.Work, torch.Tensor, int]] = deque()  # send, its tensor (kept alive), staged
             sent.extend((w, torch.empty(0), 0) for w in self._send_msg(pg, DECODE_RANK, TAG_CTL, header))
             staged = 0
@@ -349,13 +344,13 @@ class NcclBackend(KVBackend):
         connection dropped (its payload is never read, so nothing of it is written)."""
         timeout = _td(self.config.transfer_timeout_s)
         try:
-            msgs = wire.destination_messages(self.args, header)
-        except wire.RefusedHeader as exc:
+            msgs = twosided.destination_messages(self.args, header)
+        except twosided.RefusedHeader as exc:
             for work in self._send_msg(pg, PREFILL_RANK, TAG_ACK, wire.ChunkAck(header.room, header.chunk_id,
                                                                                str(exc))):
                 self._wait(work, timeout)
             raise TransferError(f"refused room {header.room} chunk {header.chunk_id}: {exc}") from exc
-        posted: deque[tuple[dist.Work, wire.Message, torch.Tensor]] = deque()
+        posted: deque[tuple[dist.Work, twosided.Message, torch.Tensor]] = deque()
         staged = 0
         for msg in msgs:
             landing = msg.landing()

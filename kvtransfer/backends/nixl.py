@@ -34,9 +34,10 @@ import numpy as np
 import torch
 
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
-from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import memory_kind
-from kvtransfer.backends.workers import PeerWorkers, TransferError
+from kvtransfer.backends.onesided import RemotePool, pool_endpoint, write_segments
+from kvtransfer.backends.workers import QueuedBackend, TransferError
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -55,24 +56,21 @@ class _Remote:
     """A decode peer's agent, loaded into this (prefill) agent."""
 
     agent: str
-    bases: np.ndarray  # uint64 address of each buffer, K0 V0 K1 V1 ...
-    buffer_bytes: int
+    pool: RemotePool
     mem_type: str
     device_id: int
-    num_pages: int
-    kv_heads: int
-    item_len: int
     broken: str = ""  # set when a WRITE could not be cancelled and the agent was unloaded
 
 
-class NixlBackend(KVBackend):
+class NixlBackend(QueuedBackend):
+    transport = "nixl"
+
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
-        super().__init__(args, config, mode, events, local)
         device = args.k_buffers[0].device
         if device.type not in MEM_TYPES:
             raise ValueError(f"the nixl backend moves CPU or CUDA KV buffers, not {device.type}; use tcp")
-        self._buffers = [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
+        super().__init__(args, config, mode, events, local)
         self._mem_type = MEM_TYPES[device.type]
         self._device_id = max(self._buffers[0].get_device(), 0)
         self._buffer_bytes = self._buffers[0].numel() * self._buffers[0].element_size()
@@ -91,15 +89,14 @@ class NixlBackend(KVBackend):
         self._closed = threading.Event()
         self._stuck: list[Any] = []  # handles NIXL refused to release: kept alive until the agent goes
         self._ready: weakref.WeakKeyDictionary[TransferJob, torch.cuda.Event] = weakref.WeakKeyDictionary()
-        self._workers = PeerWorkers(events, self._move, "nixl", on_stop=self._unload)
 
     # ---- interface ---------------------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, str]:
         ep = {"agent": self._name, "memory": memory_kind(self._buffers[0].device)}
         if self.mode == "decode":
             ep.update(metadata=base64.b64encode(self._agent.get_agent_metadata()).decode("ascii"),
-                      bases=",".join(str(int(b)) for b in self._bases), buffer_bytes=str(self._buffer_bytes),
-                      mem_type=self._mem_type, device_id=str(self._device_id))
+                      mem_type=self._mem_type, device_id=str(self._device_id),
+                      **pool_endpoint(self._bases, self._buffer_bytes))
         return ep
 
     def add_peer(self, peer: PeerInfo) -> None:
@@ -107,28 +104,25 @@ class NixlBackend(KVBackend):
             return  # a WRITE target needs nothing from its initiator
         try:
             ep = peer.endpoint
-            bases = np.array([int(b) for b in ep["bases"].split(",")], dtype=np.uint64)
-            if len(bases) != len(self._buffers):
-                raise ValueError(f"the peer has {len(bases)} KV buffers, this rank {len(self._buffers)}")
+            pool = RemotePool.of(peer, len(self._buffers))
             name = self._agent.add_remote_agent(base64.b64decode(ep["metadata"]))
-            remote = _Remote(name.decode() if isinstance(name, bytes) else str(name), bases,
-                             int(ep["buffer_bytes"]), ep["mem_type"], int(ep["device_id"]),
-                             peer.layout.num_pages, peer.layout.kv_heads, peer.layout.item_len)
+            remote = _Remote(name.decode() if isinstance(name, bytes) else str(name), pool, ep["mem_type"],
+                             int(ep["device_id"]))
         except Exception as exc:  # KeyError/ValueError from a bad endpoint, nixlError from the metadata
             log.warning("kv nixl: cannot load the agent of %s (%s); its jobs will fail", peer.key.instance_id, exc)
             with self._lock:
                 self._unloaded[peer.key] = f"{type(exc).__name__}: {exc}"
-            self._workers.add_peer(peer.key)  # its jobs fail naming the cause
+            super().add_peer(peer)  # its jobs fail naming the cause
             return
         with self._lock:
             self._remotes[peer.key] = remote
             self._stopping.discard(peer.key)
-        self._workers.add_peer(peer.key)
+        super().add_peer(peer)
 
     def remove_peer(self, key: PeerKey) -> None:
         with self._lock:
             self._stopping.add(key)
-        self._workers.remove_peer(key, "peer removed")  # the worker unloads the agent after its last job
+        super().remove_peer(key)  # the worker unloads the agent after its last job (_peer_stopped)
 
     def submit(self, job: TransferJob) -> None:
         device = self._buffers[0].device
@@ -137,20 +131,17 @@ class NixlBackend(KVBackend):
             ready.record(torch.cuda.default_stream(device))
             with self._lock:
                 self._ready[job] = ready
-        self._workers.submit(job)
-
-    def cancel_room(self, room: int) -> None:
-        self._workers.cancel_room(room)
+        super().submit(job)
 
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._workers.close("backend closed")
+        super().close()
         with self._lock:
             keys = list(self._remotes)
         for key in keys:
-            self._unload(key)
+            self._peer_stopped(key)
         if not self._stuck:
             try:
                 self._agent.deregister_memory(self._reg, backends=["UCX"])
@@ -161,32 +152,10 @@ class NixlBackend(KVBackend):
     # ---- prefill worker thread ----------------------------------------------------------------------------------
     def _descs(self, job: TransferJob, remote: _Remote) -> tuple[np.ndarray, np.ndarray]:
         """(local, remote) Nx3 uint64 descriptor arrays (address, length, device id), buffer-major."""
-        src = np.array([(r.src_page, r.dst_page, r.num_pages) for r in job.runs], dtype=np.uint64).reshape(-1, 3)
-        a = self.args
-        if job.heads is None:
-            if remote.item_len != a.item_len:
-                raise TransferError(f"page sizes differ ({a.item_len} vs {remote.item_len} bytes) without a head slice")
-            src_off = src[:, 0] * a.item_len
-            dst_off = src[:, 1] * a.item_len
-            length = src[:, 2] * a.item_len
-        else:
-            h = job.heads
-            if h.dst_head + h.num_heads > remote.kv_heads or h.src_head + h.num_heads > a.kv_heads:
-                raise TransferError(f"head slice {h} outside {a.kv_heads} source / {remote.kv_heads} peer heads")
-            ps, head_bytes = a.page_size, a.head_dim * self._buffers[0].element_size()
-            slots = [(np.arange(r.src_page * ps, (r.src_page + r.num_pages) * ps, dtype=np.uint64),
-                      np.arange(r.dst_page * ps, (r.dst_page + r.num_pages) * ps, dtype=np.uint64)) for r in job.runs]
-            s_slots = np.concatenate([s for s, _ in slots])
-            d_slots = np.concatenate([d for _, d in slots])
-            src_off = s_slots * (a.kv_heads * head_bytes) + h.src_head * head_bytes
-            dst_off = d_slots * (remote.kv_heads * head_bytes) + h.dst_head * head_bytes
-            length = np.full(len(s_slots), h.num_heads * head_bytes, dtype=np.uint64)
-        n = len(src_off)
-        local = np.empty((len(self._buffers) * n, 3), dtype=np.uint64)
-        dest = np.empty_like(local)
-        local[:, 0] = (self._bases[:, None] + src_off[None, :]).reshape(-1)
-        dest[:, 0] = (remote.bases[:, None] + dst_off[None, :]).reshape(-1)
-        local[:, 1] = dest[:, 1] = np.tile(length, len(self._buffers))
+        src, dst, length = write_segments(self.args, self._bases, self._buffers[0].element_size(), remote.pool, job)
+        local, dest = np.empty((len(src), 3), dtype=np.uint64), np.empty((len(src), 3), dtype=np.uint64)
+        local[:, 0], dest[:, 0] = src, dst
+        local[:, 1] = dest[:, 1] = length
         local[:, 2], dest[:, 2] = self._device_id, remote.device_id
         return local, dest
 
@@ -197,8 +166,6 @@ class NixlBackend(KVBackend):
             raise TransferError(f"the peer's NIXL agent is not loaded: {why or 'peer removed'}")
         if remote.broken:
             raise TransferError(remote.broken)
-        if any(r.dst_page < 1 or r.dst_page + r.num_pages > remote.num_pages for r in job.runs):
-            raise TransferError(f"destination pages of room {job.room} outside the peer's {remote.num_pages} pages")
         if not job.runs:
             return
         local, dest = self._descs(job, remote)
@@ -249,7 +216,7 @@ class NixlBackend(KVBackend):
         except Exception as exc:
             log.error("kv nixl: unloading the agent of %s failed: %s", job.peer.instance_id, exc)
 
-    def _unload(self, key: PeerKey) -> None:
+    def _peer_stopped(self, key: PeerKey) -> None:
         with self._lock:
             remote = self._remotes.pop(key, None)
             self._unloaded.pop(key, None)

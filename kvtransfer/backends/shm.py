@@ -26,7 +26,7 @@ import torch
 
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
-from kvtransfer.backends.workers import PeerWorkers, TransferError
+from kvtransfer.backends.workers import QueuedBackend, TransferError
 from kvtransfer.pages import copy_runs
 
 log = logging.getLogger(__name__)
@@ -95,18 +95,18 @@ class ShmBackend(KVBackend):
         self.impl.close()
 
 
-class ShmFileBackend(KVBackend):
+class ShmFileBackend(QueuedBackend):
     """CPU buffers through one ``/dev/shm`` file per decode rank."""
+
+    transport = "shm"
 
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
-        self._buffers = [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
         self._layer_bytes = self._buffers[0].numel() * self._buffers[0].element_size()
         self._lock = threading.Lock()
         self._maps: dict[PeerKey, _Mapping] = {}
         self._unmapped: dict[PeerKey, str] = {}  # peers whose pool could not be mapped: why
-        self._workers = PeerWorkers(events, self._move, "shm", on_stop=self._unmap)
         self._path: Path | None = None
         if mode == "decode":
             self._path = self._share_pool()
@@ -147,7 +147,7 @@ class ShmFileBackend(KVBackend):
             log.warning("kv shm: cannot map the pool of %s (%s); its jobs will fail", peer.key.instance_id, exc)
             with self._lock:
                 self._unmapped[peer.key] = str(exc)
-            self._workers.add_peer(peer.key)  # its jobs fail naming the cause
+            super().add_peer(peer)  # its jobs fail naming the cause
             return
         try:
             mm = mmap.mmap(fd, layer_bytes * len(self._buffers))
@@ -157,19 +157,10 @@ class ShmFileBackend(KVBackend):
         with self._lock:
             self._maps[peer.key] = _Mapping(mm, array, array.ctypes.data, layer_bytes, peer.layout.num_pages,
                                             peer.layout.kv_heads)
-        self._workers.add_peer(peer.key)
-
-    def remove_peer(self, key: PeerKey) -> None:
-        self._workers.remove_peer(key, "peer removed")  # the worker unmaps after its last job (_unmap)
-
-    def submit(self, job: TransferJob) -> None:
-        self._workers.submit(job)
-
-    def cancel_room(self, room: int) -> None:
-        self._workers.cancel_room(room)
+        super().add_peer(peer)  # the worker unmaps after its last job (_peer_stopped)
 
     def close(self) -> None:
-        self._workers.close("backend closed")
+        super().close()
         if self._path is not None:
             self._path.unlink(missing_ok=True)
 
@@ -195,7 +186,7 @@ class ShmFileBackend(KVBackend):
             dst = shared[i * m.layer_bytes:(i + 1) * m.layer_bytes].view(a.dtype).view(shape)
             copy_runs(buf, dst, job.runs, a.page_size, job.heads)
 
-    def _unmap(self, key: PeerKey) -> None:
+    def _peer_stopped(self, key: PeerKey) -> None:
         with self._lock:
             m = self._maps.pop(key, None)
             self._unmapped.pop(key, None)

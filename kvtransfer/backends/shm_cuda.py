@@ -33,9 +33,9 @@ import torch
 
 from common.kernels.kv_pages import gather_pages, scatter_pages
 from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
-from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import device_identity
-from kvtransfer.backends.workers import PeerWorkers, TransferError
+from kvtransfer.backends.workers import QueuedBackend, TransferError
 from kvtransfer.pages import copy_runs
 
 log = logging.getLogger(__name__)
@@ -98,11 +98,12 @@ def open_handles(described: str, layout: KVLayout, dtype: torch.dtype, device: t
     return tensors
 
 
-class CudaIpcBackend(KVBackend):
+class CudaIpcBackend(QueuedBackend):
+    transport = "shm"
+
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
-        self._buffers = [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
         self._device = self._buffers[0].device
         self._lock = threading.Lock()
         self._pools: dict[PeerKey, _PeerPool] = {}
@@ -114,7 +115,6 @@ class CudaIpcBackend(KVBackend):
             self._handles = export_handles(self._buffers)
             self._export = _Export(self._buffers)
             _EXPORTS[self._export_id] = self._export
-        self._workers = PeerWorkers(events, self._move, "shm", on_stop=self._close_peer)
 
     # ---- interface ---------------------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, str]:
@@ -138,19 +138,10 @@ class CudaIpcBackend(KVBackend):
                 self._pools[peer.key] = pool
             else:
                 self._failed[peer.key] = reason
-        self._workers.add_peer(peer.key)
-
-    def remove_peer(self, key: PeerKey) -> None:
-        self._workers.remove_peer(key, "peer removed")  # the worker closes the mapping after its last job
-
-    def submit(self, job: TransferJob) -> None:
-        self._workers.submit(job)
-
-    def cancel_room(self, room: int) -> None:
-        self._workers.cancel_room(room)
+        super().add_peer(peer)  # the worker closes the mapping after its last job (_peer_stopped)
 
     def close(self) -> None:
-        self._workers.close("backend closed")
+        super().close()
         with self._lock:
             self._pools.clear()
             self._failed.clear()
@@ -182,7 +173,7 @@ class CudaIpcBackend(KVBackend):
                              f"{len(self._buffers)}")
         return _PeerPool(buffers, layout.num_pages, layout.kv_heads, torch.cuda.Stream(self._device))
 
-    def _close_peer(self, key: PeerKey) -> None:
+    def _peer_stopped(self, key: PeerKey) -> None:
         with self._lock:
             self._pools.pop(key, None)  # dropping the storages closes the IPC mappings
             self._failed.pop(key, None)

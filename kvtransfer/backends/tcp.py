@@ -12,7 +12,7 @@ One connection per (prefill rank, decode peer), opened lazily by the prefill sid
     prefill -> decode   frame(DataHello)                                  its proof of the cluster secret
     prefill -> decode   frame(ChunkHeader) payload                        per job
     decode -> prefill   frame(ChunkAck)                                   per job, after the payload landed
-    frame = u32 little-endian length + msgpack;  payload = for layer: for K, V: for run: the run's bytes
+    frame = u32 little-endian length + msgpack (``wire``);  payload = for layer: for K, V: for run: the run's bytes
                                                  (staged: for segment: see ``staging``)
 
 The ack is what makes ``on_job_done(job, None)`` mean "in the destination pages" (see ``base.py``).
@@ -26,7 +26,6 @@ Listener bounds: nothing is allocated for a connection before its DataHello prov
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import logging
 import secrets
@@ -39,9 +38,18 @@ import msgspec
 import torch
 
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
-from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.staging import DEFAULT_SEGMENT_BYTES, PageStager, expand_pages
-from kvtransfer.backends.workers import PeerWorkers, TransferError
+from kvtransfer.backends.wire import (
+    AnyDataMessage,
+    ChunkAck,
+    ChunkHeader,
+    DataHello,
+    data_proof,
+    decode,
+    encode,
+)
+from kvtransfer.backends.workers import QueuedBackend, TransferError
 from kvtransfer.pages import HeadSlice, PageRun
 
 log = logging.getLogger(__name__)
@@ -56,38 +64,8 @@ MAX_CONNS = 64
 DISCARD_BYTES = 1 << 16
 
 
-class DataHello(msgspec.Struct, frozen=True, tag=True):
-    instance_id: str
-    epoch: int
-    proof: bytes = b""  # data_proof(secret, nonce, instance_id, epoch)
-
-
-def data_proof(secret: str, nonce: bytes, instance_id: str, epoch: int) -> bytes:
-    data = b"tcp-data\0" + nonce + b"\0" + instance_id.encode() + b"\0" + str(epoch).encode()
-    return hmac.new(secret.encode(), data, hashlib.sha256).digest()
-
-
-class ChunkHeader(msgspec.Struct, frozen=True, tag=True):
-    room: int
-    chunk_id: int
-    dst_runs: list[tuple[int, int]]  # (first destination page, pages)
-    heads: tuple[int, int, int] | None  # (src_head, dst_head, num_heads); None = whole pages
-    nbytes: int
-    segment_pages: int = 0  # > 0: the payload is staged in segments of this many pages (see ``staging``)
-
-
-class ChunkAck(msgspec.Struct, frozen=True, tag=True):
-    room: int
-    chunk_id: int
-    error: str = ""
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(DataHello | ChunkHeader | ChunkAck)
-
-
-def _send_frame(sock: socket.socket, msg: msgspec.Struct) -> None:
-    body = _encoder.encode(msg)
+def _send_frame(sock: socket.socket, msg: AnyDataMessage) -> None:
+    body = encode(msg)
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
@@ -97,12 +75,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket, max_bytes: int = 1 << 20) -> DataHello | ChunkHeader | ChunkAck:
+def _recv_frame(sock: socket.socket, max_bytes: int = 1 << 20) -> AnyDataMessage:
     """One frame; a declared length over ``max_bytes`` closes the connection before anything is allocated."""
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > max_bytes:
         raise TransferError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
-    return _decoder.decode(_recv_exact(sock, n))
+    return decode(_recv_exact(sock, n))
 
 
 def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -147,11 +125,12 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-class TcpBackend(KVBackend):
+class TcpBackend(QueuedBackend):
+    transport = "tcp"
+
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
-        self._buffers = [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
         self._on_device = self._buffers[0].device.type != "cpu"
         # layer-major: K0, V0, K1, V1, ... (host buffers only: device buffers always travel staged)
         self._views = [] if self._on_device else [_bytes_of(buf) for buf in self._buffers]
@@ -173,7 +152,6 @@ class TcpBackend(KVBackend):
         # A header lists at most one run per page; msgpack needs < 32 bytes per run.
         self.max_frame_bytes = 4096 + 32 * args.num_pages
         self.refused_connections = 0
-        self._workers = PeerWorkers(events, self._move, "tcp")
         self._listener: socket.socket | None = None
         if mode == "decode":
             self._listener = socket.create_server((config.host, 0))
@@ -189,8 +167,7 @@ class TcpBackend(KVBackend):
     def add_peer(self, peer: PeerInfo) -> None:
         with self._lock:
             self._peers[peer.key] = peer
-        if self.mode == "prefill":
-            self._workers.add_peer(peer.key)
+        super().add_peer(peer)
 
     def remove_peer(self, key: PeerKey) -> None:
         with self._lock:
@@ -198,15 +175,9 @@ class TcpBackend(KVBackend):
             self._stagers.pop(key, None)
             socks = [self._socks.pop(key)] if key in self._socks else []
             socks += [s for s, k in self._accepted.items() if k == key]
-        self._workers.remove_peer(key, "peer removed")
+        super().remove_peer(key)
         for sock in socks:
             _shutdown(sock)
-
-    def submit(self, job: TransferJob) -> None:
-        self._workers.submit(job)
-
-    def cancel_room(self, room: int) -> None:
-        self._workers.cancel_room(room)
 
     def close(self) -> None:
         with self._lock:
@@ -217,7 +188,7 @@ class TcpBackend(KVBackend):
             _shutdown(sock)
         if self._listener is not None:
             _shutdown(self._listener)
-        self._workers.close("backend closed")
+        super().close()
 
     # ---- prefill: one worker thread per peer --------------------------------------------------------------------
     def _move(self, job: TransferJob) -> None:
@@ -248,7 +219,7 @@ class TcpBackend(KVBackend):
             num_heads = self.args.kv_heads if job.heads is None else job.heads.num_heads
             segment = stager.segment_pages(num_heads)
             _send_frame(sock, ChunkHeader(job.room, job.chunk_id, dst_runs, heads,
-                                          job.num_pages * stager.page_bytes(num_heads), segment))
+                                          job.num_pages * stager.page_bytes(num_heads), segment_pages=segment))
             stager.send(expand_pages([(r.src_page, r.num_pages) for r in job.runs]), src_heads, segment,
                         lambda view: _send_views(sock, [view]))
         ack = _recv_frame(sock)

@@ -50,9 +50,10 @@ import ucxx
 from ucxx.exceptions import UCXError
 
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
-from kvtransfer.backends import _twosided as wire
-from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
-from kvtransfer.backends.workers import PeerWorkers, TransferError
+from kvtransfer.backends import _twosided as twosided
+from kvtransfer.backends import wire
+from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.workers import QueuedBackend, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,9 @@ def _buffer(t: torch.Tensor) -> Any:
     return flat.numpy() if flat.device.type == "cpu" else flat
 
 
-class UcxBackend(KVBackend):
+class UcxBackend(QueuedBackend):
+    transport = "ucx"
+
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
@@ -154,7 +157,6 @@ class UcxBackend(KVBackend):
         self._eps: dict[PeerKey, Any] = {}  # prefill: endpoint per decode peer (touched on the loop only)
         self._serving: dict[asyncio.Task[None], PeerKey | None] = {}  # decode: one task per connection (loop only)
         self._listener: Any = None
-        self._workers = PeerWorkers(events, self._move, "ucx")
         if mode == "decode":
             try:
                 self._call(self._listen())
@@ -174,8 +176,7 @@ class UcxBackend(KVBackend):
             if self._closed:
                 return
             self._peers[peer.key] = peer
-        if self.mode == "prefill":
-            self._workers.add_peer(peer.key)
+        super().add_peer(peer)
 
     def remove_peer(self, key: PeerKey) -> None:
         with self._lock:
@@ -185,15 +186,9 @@ class UcxBackend(KVBackend):
             closed = self._closed
         for future in inflight:
             future.cancel()
-        self._workers.remove_peer(key, "peer removed")
+        super().remove_peer(key)
         if not closed:
             self._on_loop(self._drop_connections, key)
-
-    def submit(self, job: TransferJob) -> None:
-        self._workers.submit(job)
-
-    def cancel_room(self, room: int) -> None:
-        self._workers.cancel_room(room)
 
     def close(self) -> None:
         with self._lock:
@@ -204,7 +199,7 @@ class UcxBackend(KVBackend):
         try:
             self._call(self._shutdown())
         finally:
-            self._workers.close("backend closed")
+            super().close()
             _Runtime.release()
 
     def _check_cuda_transports(self) -> None:
@@ -294,7 +289,7 @@ class UcxBackend(KVBackend):
 
     async def _move_async(self, job: TransferJob) -> wire.ChunkAck:
         ep = await self._endpoint(job.peer)
-        header, msgs = wire.source_messages(self.args, job, self._pack_bytes)
+        header, msgs = twosided.source_messages(self.args, job, self._pack_bytes)
         self._sync()  # the pages' forward pass
         await ep.send_obj(wire.encode(header))
         sends: deque[tuple[asyncio.Future[Any], int]] = deque()  # in posting order, with staged bytes
@@ -381,11 +376,11 @@ class UcxBackend(KVBackend):
         """Land one job's payload in the pool, then ack; a refused header is acked with the reason and the
         connection dropped (its payload is never read, so nothing of it is written)."""
         try:
-            msgs = wire.destination_messages(self.args, header)
-        except wire.RefusedHeader as exc:
+            msgs = twosided.destination_messages(self.args, header)
+        except twosided.RefusedHeader as exc:
             await ep.send_obj(wire.encode(wire.ChunkAck(header.room, header.chunk_id, str(exc))))
             raise TransferError(f"refused room {header.room} chunk {header.chunk_id}: {exc}") from exc
-        recvs: deque[tuple[asyncio.Future[Any], wire.Message, torch.Tensor]] = deque()  # in posting order
+        recvs: deque[tuple[asyncio.Future[Any], twosided.Message, torch.Tensor]] = deque()  # in posting order
         try:
             staged = 0
             for msg in msgs:

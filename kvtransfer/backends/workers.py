@@ -1,7 +1,16 @@
-"""Per-peer FIFO worker threads shared by the simple backends (fake, tcp, shm).
+"""The skeleton every backend here shares: per-peer FIFO worker threads (``PeerWorkers``) and the base class that
+wires them to the ``KVBackend`` interface (``QueuedBackend``).
 
 Each peer gets one thread that runs ``move(job)`` for its jobs in submission order and reports every job exactly
 once through ``events.on_job_done``. ``move`` raises ``TransferError`` (or ``OSError``) on failure.
+
+A ``QueuedBackend`` subclass writes its transport only::
+
+    _move(job)              prefill worker thread: move one job's bytes, return once they are in the destination
+    _peer_stopped(key)      that peer's worker thread, after its last job: release per-peer resources (optional)
+    endpoint/add_peer/remove_peer/close   its own connections, calling super() for the worker side
+
+``submit``/``cancel_room`` come from the base: jobs queue per peer, a cancelled room's queued jobs fail unmoved.
 """
 
 from __future__ import annotations
@@ -10,9 +19,12 @@ import logging
 import queue
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 
-from kvtransfer.backends.base import BackendEvents, PeerKey, TransferJob
+from kvtransfer.args import KVArgs, KVTransferConfig, Mode
+from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.wire import layer_buffers
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +121,42 @@ class PeerWorkers:
                                       item.room)
                         error = f"{self._name} to {key.instance_id}: internal error: {type(exc).__name__}: {exc}"
             self._events.on_job_done(item, error)
+
+
+class QueuedBackend(KVBackend):
+    """A backend whose prefill jobs run one at a time per peer on ``PeerWorkers`` threads (see the module docstring).
+
+    Invariant: a peer has a worker (prefill only) from ``add_peer`` until ``remove_peer``/``close``; a job for a
+    peer without one fails (reported on another thread), never blocks ``submit``.
+    """
+
+    transport = "kv"  # names the worker threads and prefixes job errors
+
+    def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
+                 local: PeerKey) -> None:
+        super().__init__(args, config, mode, events, local)
+        self._buffers = layer_buffers(args)  # K0, V0, K1, V1, ...
+        self._workers = PeerWorkers(events, self._move, self.transport, on_stop=self._peer_stopped)
+
+    @abstractmethod
+    def _move(self, job: TransferJob) -> None:
+        """Worker thread: move ``job``; raises ``TransferError`` (or ``OSError``) naming the cause on failure."""
+
+    def _peer_stopped(self, key: PeerKey) -> None:
+        """Worker thread of ``key``, after its last job: nothing of this backend touches its resources again."""
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        if self.mode == "prefill":
+            self._workers.add_peer(peer.key)
+
+    def remove_peer(self, key: PeerKey) -> None:
+        self._workers.remove_peer(key, "peer removed")
+
+    def submit(self, job: TransferJob) -> None:
+        self._workers.submit(job)
+
+    def cancel_room(self, room: int) -> None:
+        self._workers.cancel_room(room)
+
+    def close(self) -> None:
+        self._workers.close("backend closed")
