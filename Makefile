@@ -25,14 +25,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	@ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || { \
 		echo "installing libibverbs1 (the Mooncake transfer engine links it)"; \
 		apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 \
-			|| { echo "cannot install libibverbs1: run 'apt-get install libibverbs1' as root"; exit 1; }; }
+			|| echo "WARNING: cannot install libibverbs1 (run 'apt-get install libibverbs1' as root): the mooncake backend will not load"; }
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "GPU found: installing the CUDA build of torch"; $(BIN)/pip install -q torch==2.13.0; \
 	else \
 		echo "no GPU: installing the CPU build of torch"; $(BIN)/pip install -q "torch==2.13.0+cpu" || $(BIN)/pip install -q torch==2.13.0; \
 	fi
 	$(BIN)/pip install -q -e ".[test,mooncake]"
-	$(BIN)/python -c "import mooncake.engine" || { echo "the Mooncake transfer engine does not load (see above)"; exit 1; }
+	@$(BIN)/python -c "import mooncake.engine" 2>/dev/null \
+		|| echo "WARNING: the Mooncake transfer engine does not load: --kv-transfer-backend mooncake and its tests are off"
 	touch $(STAMP)
 
 install: $(STAMP)
