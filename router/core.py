@@ -17,11 +17,12 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from common.errors import CapacityError, InvalidRequestError
-from pdcluster.v1 import worker_pb2
+from pdcluster.v1 import common_pb2, worker_pb2
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
 from router.inputs import InputProcessor
@@ -133,22 +134,23 @@ class RouterCore:
             self.metrics.requests.labels(req.api, outcome).inc()
 
     async def _attempts(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
+        """Attempts until one finishes. An attempt that fails before producing a token is retried (``max_retries``);
+        one that fails after producing tokens is migrated (``max_migrations``): the next attempt's prompt is the
+        original prompt plus every token so far, and ``out`` (ids, detokenizer, stop strings, logprobs) carries on,
+        so the client sees each token once."""
         failed: set[str] = set()
         exhausted: set[str] = set()  # workers that answered RESOURCE_EXHAUSTED to this request
+        out = OutputState(req, self.inputs.tok, self.metrics)
+        migrations: list[dict[str, Any]] = []
         attempt = 0
+        retries = 0  # attempts that failed without producing a token
+        first_dispatched_at: float | None = None
+        first_prefill_resp: worker_pb2.PrefillResponse | None = None
         while True:
-            plan = self._route(req, failed)
-            node_rid = req.rid if attempt == 0 else f"{req.rid}#{attempt}"
-            node_req = worker_pb2.GenerateRequest(
-                rid=node_rid,
-                input_ids=req.input_ids,
-                sampling_params=req.sampling_pb,
-                return_logprob=req.return_logprob,
-                top_logprobs_num=req.top_logprobs_num,
-            )
+            node_req = self._node_request(req, out.ids, req.rid if attempt == 0 else f"{req.rid}#{attempt}")
+            plan = self._route(req, failed, len(node_req.input_ids))
             dispatched_at = time.monotonic()
-            out = OutputState(req, self.inputs.tok, self.metrics)
-            emitted = False
+            produced_before = len(out.ids)
             try:
                 if plan.prefill is not None:
                     leg: PdAttempt | ColocatedAttempt = PdAttempt(
@@ -180,8 +182,10 @@ class RouterCore:
                                     True,
                                 )
                             delta = out.add(fin.last, final=True)
+                        if first_dispatched_at is None and out.ids:
+                            first_dispatched_at = dispatched_at
+                            first_prefill_resp = leg.prefill_resp if isinstance(leg, PdAttempt) else None
                         if req.stream and delta is not None and (delta.text or delta.token_ids):
-                            emitted = True
                             yield delta
                         if out.stopped:
                             break  # closing the legs aborts them on both nodes
@@ -194,8 +198,10 @@ class RouterCore:
                     )
                 for lease in plan.leases:
                     lease.worker.breaker.record_success()
-                prefill_resp = leg.prefill_resp if isinstance(leg, PdAttempt) else None
-                final = out.finish(fin, prefill_resp, plan.served_by, attempt + 1, dispatched_at)
+                final = out.finish(
+                    fin, first_prefill_resp, plan.served_by, attempt + 1, first_dispatched_at or dispatched_at,
+                    migrations,
+                )
                 self.timings.put(req.rid, {**final.timing, "served_by": final.served_by})
                 yield final
                 return
@@ -205,13 +211,47 @@ class RouterCore:
                     w = self.registry.workers.get(e.worker)
                     if w is not None:
                         w.breaker.record_failure()
-                if not e.retryable or emitted:
-                    if emitted:
+                if not e.retryable:
+                    if out.ids and req.stream:
                         raise RouterError(f"the request failed after streaming began: {e}", e.code,
                                           e.internal) from None
                     raise
                 attempt += 1
                 failed.add(e.worker)
+                produced = len(out.ids) - produced_before
+                if produced:
+                    if len(migrations) >= self.cfg.max_migrations:
+                        raise UnavailableError(
+                            f"the request failed after {len(out.ids)} output tokens and {len(migrations)} "
+                            f"migration(s), the limit (--max-migrations); last error: {e}",
+                            internal=e.internal,
+                        ) from None
+                    leg_name = "generate" if plan.prefill is None else "decode"
+                    migrations.append(
+                        {"after_tokens": len(out.ids), "failed": e.worker, "leg": leg_name, "code": e.code.name,
+                         "at": time.monotonic() - req.arrival}
+                    )
+                    self.metrics.migrations.labels(leg_name).inc()
+                    logger.info("[rid=%s] %s leg failed after %d tokens (%s); migrating", req.rid, leg_name,
+                                len(out.ids), e.log_text())
+                    ended = _ended_by(req, out.ids)
+                    if ended is not None:
+                        # The failed leg had sent the request's last token but not its Finished message.
+                        delta = out.end_at_router(*ended)
+                        if req.stream and delta.text:
+                            yield delta
+                        final = out.finish(None, first_prefill_resp, plan.served_by, attempt,
+                                           first_dispatched_at or dispatched_at, migrations)
+                        self.timings.put(req.rid, {**final.timing, "served_by": final.served_by})
+                        yield final
+                        return
+                    if time.monotonic() >= req.deadline:
+                        raise DeadlineError(
+                            f"request deadline exceeded after {len(out.ids)} output tokens; last error: {e}",
+                            internal=e.internal,
+                        ) from None
+                    continue  # no backoff: the next attempt goes to another worker while one exists
+                retries += 1
                 if overloaded:
                     exhausted.add(e.worker)
                     self._raise_if_all_exhausted(e, exhausted)
@@ -222,10 +262,10 @@ class RouterCore:
                     raise DeadlineError(
                         f"request deadline exceeded after {attempt} attempt(s); last error: {e}", internal=e.internal
                     ) from None
-                if attempt > self.cfg.max_retries:
+                if retries > self.cfg.max_retries:
                     raise UnavailableError(f"all {attempt} attempts failed; last error: {e}",
                                            internal=e.internal) from None
-                backoff = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1), self.cfg.retry_backoff_max_s)
+                backoff = min(self.cfg.retry_backoff_s * 2 ** (retries - 1), self.cfg.retry_backoff_max_s)
                 backoff *= 0.5 + self.rng.random() / 2
                 if now + backoff >= req.deadline:
                     raise DeadlineError(
@@ -251,6 +291,24 @@ class RouterCore:
                     lease.release()
                 self.rooms.release(plan.room)
 
+    @staticmethod
+    def _node_request(req: GenRequest, produced: list[int], rid: str) -> worker_pb2.GenerateRequest:
+        """The request a node gets: the client's, or after a migration its continuation from ``produced``."""
+        sampling = req.sampling_pb
+        if produced:
+            sampling = common_pb2.SamplingParams()
+            sampling.CopyFrom(req.sampling_pb)
+            sampling.max_new_tokens = req.max_new_tokens - len(produced)
+            sampling.min_new_tokens = max(0, req.sampling.min_new_tokens - len(produced))
+        return worker_pb2.GenerateRequest(
+            rid=rid,
+            input_ids=req.input_ids + produced,
+            sampling_params=sampling,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+            prior_output_len=len(produced),
+        )
+
     def _raise_if_all_exhausted(self, e: LegError, exhausted: set[str]) -> None:
         """429 once every routable worker of the full worker's role answered RESOURCE_EXHAUSTED to this request."""
         w = self.registry.workers.get(e.worker)
@@ -264,16 +322,17 @@ class RouterCore:
             ) from None
 
     # -- routing ---------------------------------------------------------------------------------------------
-    def _route(self, req: GenRequest, failed: set[str]) -> Plan:
+    def _route(self, req: GenRequest, failed: set[str], prompt_len: int) -> Plan:
+        """``prompt_len``: the node's prompt (after a migration, the client's prompt plus the tokens so far)."""
         hint = RouteHint(req.input_ids, len(req.input_ids) + req.max_new_tokens)
-        prefills = self._candidates("prefill", failed, len(req.input_ids))
+        prefills = self._candidates("prefill", failed, prompt_len)
         # A decode node admits by the prompt (its generation headroom is reserved per active request).
-        decodes = self._candidates("decode", failed, len(req.input_ids))
+        decodes = self._candidates("decode", failed, prompt_len)
         if prefills and decodes:
-            p, p_rank = self._choose(self.prefill_policy, prefills, hint, len(req.input_ids))
+            p, p_rank = self._choose(self.prefill_policy, prefills, hint, prompt_len)
             d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)
             leases = [
-                Lease(p, p.ranks[p_rank], len(req.input_ids), p.pages_for(len(req.input_ids))),
+                Lease(p, p.ranks[p_rank], prompt_len, p.pages_for(prompt_len)),
                 Lease(d, d.ranks[d_rank], hint.tokens, d.pages_for(hint.tokens)),
             ]
             self.metrics.disagg_decisions.labels(p.address, d.address).inc()
@@ -330,6 +389,17 @@ class RouterCore:
             parts = [describe(r) for r, got in (("prefill", prefills), ("decode", decodes)) if not got]
             return "; ".join(parts)
         return describe("colocated")
+
+
+def _ended_by(req: GenRequest, ids: list[int]) -> tuple[str, int | None] | None:
+    """(finish reason, matched stop id) when ``ids`` already end the request by length or a stop id, else None.
+    (An EOS id is the node's to judge: a node that dies right after sending EOS costs one needless migration.)"""
+    sp = req.sampling
+    if len(ids) >= sp.min_new_tokens and ids[-1] in sp.stop_token_ids:
+        return "stop", ids[-1]
+    if len(ids) >= sp.max_new_tokens:
+        return "length", None
+    return None
 
 
 def _state(w: Worker) -> str:
