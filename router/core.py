@@ -1,9 +1,11 @@
 """``RouterCore``: route one request, run its attempts with retries, stream its output.
 
 Per request: pick a prefill worker P and a decode worker D (separate policies), a DP rank on each by load, and a
-fresh bootstrap room; run the PD attempt; stream D's tokens. A failed attempt is retried - new room, the failed
-worker excluded while another exists, exponential backoff with jitter - only while nothing reached the client
-(streaming: no chunk yet; non-streaming: always) and within ``max_retries`` and the deadline. A fleet of colocated
+fresh bootstrap room; run the PD attempt; stream D's tokens. An attempt that failed before producing a token is
+retried - new room, the failed worker excluded while another exists, exponential backoff with jitter - within
+``max_retries`` and the deadline. One that failed after producing tokens is migrated (``max_migrations``): the next
+attempt's prompt is the client's prompt plus the tokens so far, ``GenerateRequest.prior_output_len`` marks them as
+outputs, and one ``OutputState`` spans the attempts, so the client sees each token once. A fleet of colocated
 workers (``--worker``) is served the same way with one ``Generate`` leg; PD pairs are preferred when both exist.
 """
 

@@ -75,6 +75,7 @@ class MockConfig:
     die_before_first_token: int = 0  # the next N Decode/Generate calls fail before any token (-1: every one)
     die_after_tokens: int | None = None  # Decode/Generate fail after streaming this many tokens ...
     die_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE  # ... with this status
+    die_before_finished: bool = False  # Decode/Generate stream every token, then fail instead of sending Finished
     hang: bool = False  # never answer Prefill/Decode/Generate (until cancelled)
     tls: TlsFiles | None = None  # serve the Worker port over (m)TLS, as a node with --tls-cert/--tls-key[/--tls-ca]
     secret: str | None = None  # cluster secret its membership proofs use (None: the environment's)
@@ -387,6 +388,9 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
             yield worker_pb2.GenerateResponse(chunk=self._chunk(req, ids[sent : sent + cfg.chunk_tokens]))
             sent += cfg.chunk_tokens
             await self._sleep(a, cfg.itl)
+        if cfg.die_before_finished:
+            yield worker_pb2.GenerateResponse(chunk=self._chunk(req, ids[sent:]))
+            await context.abort(cfg.die_code, "injected: worker died before its Finished message")
         fin = worker_pb2.Finished(
             last=self._chunk(req, ids[sent:]),
             finish_reason=reason,

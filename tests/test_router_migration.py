@@ -103,3 +103,16 @@ async def test_exhausted_migrations_fail_clearly_after_the_tokens_streamed() -> 
         assert "--max-migrations" in e.value.details() and "4 output tokens" in e.value.details()
         assert got == fake_tokens(ids, 4, VOCAB)  # each token once, across both attempts
         assert sum(len(w.received("decode")) for w in f.decode) == 2
+
+
+async def test_a_leg_lost_after_its_last_token_ends_the_request_without_another_attempt() -> None:
+    ids = [40, 41, 42]
+    async with fleet(prefill=1, decode=[{"die_before_finished": True}]) as f:
+        for stream in (True, False):
+            msgs = [m async for m in f.stub().Generate(ids_request(ids, 5, stream, f"e{stream}"))]
+            done = msgs[-1].complete
+            assert list(done.output_ids) == fake_tokens(ids, 5, VOCAB) and done.finish_reason == "length"
+            if stream:
+                assert "".join(m.chunk.text for m in msgs[:-1]) == done.text
+            assert done.text == tokenizer().decode(done.output_ids, skip_special_tokens=True)
+        assert len(f.decode[0].received("decode")) == 2  # one attempt per request
