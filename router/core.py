@@ -24,12 +24,13 @@ from typing import Any
 import grpc
 
 from common.errors import CapacityError, InvalidRequestError
-from pdcluster.v1 import common_pb2, worker_pb2
+from pdcluster.v1 import worker_pb2
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
 from router.inputs import InputProcessor
 from router.legs import Aborter, ColocatedAttempt, PdAttempt
 from router.metrics import RouterMetrics
+from router.migration import ended_by, node_request
 from router.output import OutputState
 from router.policies import Policy, RouteHint, make_policy, pick_rank
 from router.request import Delta, Final, GenRequest
@@ -149,7 +150,7 @@ class RouterCore:
         first_dispatched_at: float | None = None
         first_prefill_resp: worker_pb2.PrefillResponse | None = None
         while True:
-            node_req = self._node_request(req, out.ids, req.rid if attempt == 0 else f"{req.rid}#{attempt}")
+            node_req = node_request(req, out.ids, req.rid if attempt == 0 else f"{req.rid}#{attempt}")
             plan = self._route(req, failed, len(node_req.input_ids))
             dispatched_at = time.monotonic()
             produced_before = len(out.ids)
@@ -236,7 +237,7 @@ class RouterCore:
                     self.metrics.migrations.labels(leg_name).inc()
                     logger.info("[rid=%s] %s leg failed after %d tokens (%s); migrating", req.rid, leg_name,
                                 len(out.ids), e.log_text())
-                    ended = _ended_by(req, out.ids)
+                    ended = ended_by(req, out.ids)
                     if ended is not None:
                         # The failed leg had sent the request's last token but not its Finished message.
                         delta = out.end_at_router(*ended)
@@ -292,24 +293,6 @@ class RouterCore:
                 for lease in plan.leases:
                     lease.release()
                 self.rooms.release(plan.room)
-
-    @staticmethod
-    def _node_request(req: GenRequest, produced: list[int], rid: str) -> worker_pb2.GenerateRequest:
-        """The request a node gets: the client's, or after a migration its continuation from ``produced``."""
-        sampling = req.sampling_pb
-        if produced:
-            sampling = common_pb2.SamplingParams()
-            sampling.CopyFrom(req.sampling_pb)
-            sampling.max_new_tokens = req.max_new_tokens - len(produced)
-            sampling.min_new_tokens = max(0, req.sampling.min_new_tokens - len(produced))
-        return worker_pb2.GenerateRequest(
-            rid=rid,
-            input_ids=req.input_ids + produced,
-            sampling_params=sampling,
-            return_logprob=req.return_logprob,
-            top_logprobs_num=req.top_logprobs_num,
-            prior_output_len=len(produced),
-        )
 
     def _raise_if_all_exhausted(self, e: LegError, exhausted: set[str]) -> None:
         """429 once every routable worker of the full worker's role answered RESOURCE_EXHAUSTED to this request."""
@@ -391,17 +374,6 @@ class RouterCore:
             parts = [describe(r) for r, got in (("prefill", prefills), ("decode", decodes)) if not got]
             return "; ".join(parts)
         return describe("colocated")
-
-
-def _ended_by(req: GenRequest, ids: list[int]) -> tuple[str, int | None] | None:
-    """(finish reason, matched stop id) when ``ids`` already end the request by length or a stop id, else None.
-    (An EOS id is the node's to judge: a node that dies right after sending EOS costs one needless migration.)"""
-    sp = req.sampling
-    if len(ids) >= sp.min_new_tokens and ids[-1] in sp.stop_token_ids:
-        return "stop", ids[-1]
-    if len(ids) >= sp.max_new_tokens:
-        return "length", None
-    return None
 
 
 def _state(w: Worker) -> str:
