@@ -230,8 +230,10 @@ class RouterCore:
                             internal=e.internal,
                         ) from None
                     leg_name = "generate" if plan.prefill is None else "decode"
-                    migrations.append(
-                        {"after_tokens": len(out.ids), "failed": e.worker, "leg": leg_name, "code": e.code.name,
+                    failed_worker = self.registry.workers.get(e.worker)
+                    migrations.append(  # names, not addresses: clients see the timing
+                        {"after_tokens": len(out.ids), "leg": leg_name, "code": e.code.name,
+                         "failed": failed_worker.name if failed_worker is not None else leg_name,
                          "at": time.monotonic() - req.arrival}
                     )
                     self.metrics.migrations.labels(leg_name).inc()
