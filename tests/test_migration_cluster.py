@@ -5,6 +5,7 @@ exactly as the uninterrupted run (``prior_output_len``: P draws step ``k``, D th
 
 from __future__ import annotations
 
+import signal
 import time
 
 import grpc
@@ -103,5 +104,8 @@ async def test_decode_killed_mid_stream_migrates_token_identical(model_path) -> 
     finally:
         if server is not None:
             await server.stop(0)
+        for n in nodes:  # NOTE: all drain at once; ``stop`` then waits for each
+            if n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGTERM)
         for n in nodes:
             n.stop()
