@@ -148,7 +148,7 @@ class RouterCore:
         attempt = 0
         retries = 0  # attempts that failed without producing a token
         first_dispatched_at: float | None = None
-        first_prefill_resp: worker_pb2.PrefillResponse | None = None
+        first_leg: PdAttempt | ColocatedAttempt | None = None  # the attempt that produced the first token
         while True:
             node_req = node_request(req, out.ids, req.rid if attempt == 0 else f"{req.rid}#{attempt}")
             plan = self._route(req, failed, len(node_req.input_ids))
@@ -187,7 +187,7 @@ class RouterCore:
                             delta = out.add(fin.last, final=True)
                         if first_dispatched_at is None and out.ids:
                             first_dispatched_at = dispatched_at
-                            first_prefill_resp = leg.prefill_resp if isinstance(leg, PdAttempt) else None
+                            first_leg = leg
                         if req.stream and delta is not None and (delta.text or delta.token_ids):
                             yield delta
                         if out.stopped:
@@ -202,7 +202,7 @@ class RouterCore:
                 for lease in plan.leases:
                     lease.worker.breaker.record_success()
                 final = out.finish(
-                    fin, first_prefill_resp, plan.served_by, attempt + 1, first_dispatched_at or dispatched_at,
+                    fin, _prefill_resp(first_leg), plan.served_by, attempt + 1, first_dispatched_at or dispatched_at,
                     migrations,
                 )
                 self.timings.put(req.rid, {**final.timing, "served_by": final.served_by})
@@ -245,7 +245,7 @@ class RouterCore:
                         delta = out.end_at_router(*ended)
                         if req.stream and delta.text:
                             yield delta
-                        final = out.finish(None, first_prefill_resp, plan.served_by, attempt,
+                        final = out.finish(None, _prefill_resp(first_leg), plan.served_by, attempt,
                                            first_dispatched_at or dispatched_at, migrations)
                         self.timings.put(req.rid, {**final.timing, "served_by": final.served_by})
                         yield final
@@ -376,6 +376,11 @@ class RouterCore:
             parts = [describe(r) for r, got in (("prefill", prefills), ("decode", decodes)) if not got]
             return "; ".join(parts)
         return describe("colocated")
+
+
+def _prefill_resp(leg: PdAttempt | ColocatedAttempt | None) -> worker_pb2.PrefillResponse | None:
+    """P's answer for a PD attempt (read at the end: D may stream before P's RPC returns)."""
+    return leg.prefill_resp if isinstance(leg, PdAttempt) else None
 
 
 def _state(w: Worker) -> str:
