@@ -205,6 +205,7 @@ class Engine:
         return_logprob: bool,
         top_logprobs_num: int,
         rid: str | None,
+        prior_output_len: int = 0,
     ) -> GenerateReqInput:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
@@ -227,6 +228,7 @@ class Engine:
             sampling_params=sp,
             return_logprob=return_logprob or top_logprobs_num > 0,
             top_logprobs_num=top_logprobs_num,
+            prior_output_len=prior_output_len,
         )
 
     def _register(self, msg: GenerateReqInput, deliver: Callable[[Any], None]) -> _RequestState:
@@ -269,13 +271,17 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         timeout: float = 600.0,
+        prior_output_len: int = 0,
     ) -> GenerateOutput | list[GenerateOutput]:
-        """Run one prompt (returns one output) or a batch (returns a list), blocking until all finish."""
+        """Run one prompt (returns one output) or a batch (returns a list), blocking until all finish.
+        ``prior_output_len``: continue a migrated request whose last that many input ids are earlier outputs."""
         batched = isinstance(prompt, list) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], list))
         prompts: list[Any] = (prompt if isinstance(prompt, list) else [prompt]) if prompt is not None else []
         ids_list: list[Any] = (input_ids if batched else [input_ids]) if input_ids is not None else []
-        msgs = [self._make_input(p, None, sampling_params, return_logprob, top_logprobs_num, None) for p in prompts]
-        msgs += [self._make_input(None, i, sampling_params, return_logprob, top_logprobs_num, None) for i in ids_list]
+        msgs = [self._make_input(p, None, sampling_params, return_logprob, top_logprobs_num, None, prior_output_len)
+                for p in prompts]
+        msgs += [self._make_input(None, i, sampling_params, return_logprob, top_logprobs_num, None, prior_output_len)
+                 for i in ids_list]
         if not msgs:
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
         done: queue.Queue[TokenOut] = queue.Queue()

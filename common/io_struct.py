@@ -22,6 +22,8 @@ class GenerateReqInput(msgspec.Struct, tag=True, kw_only=True):
     bootstrap_room: int | None = None
     bootstrap_addr: str | None = None  # decode side: the prefill node's host:bootstrap_port
     prefill_dp_rank: int | None = None
+    # Request migration: the last ``prior_output_len`` input ids are outputs of an interrupted earlier attempt.
+    prior_output_len: int = 0
 
 
 class AbortReq(msgspec.Struct, tag=True, kw_only=True):

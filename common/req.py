@@ -4,6 +4,8 @@ Token bookkeeping (``fill_ids`` is what the next extend computes up to)::
 
     origin_input_ids                  output_ids
     |<----------------------------->|<---------------->|
+                     |<- prior ->|                          a migrated request: its last ``prior_output_len`` input
+                                                            ids are outputs of an interrupted earlier attempt
     |<- prefix_indices ->|<- extend_input_len ->|          (one prefill round; a chunked request has several)
     req_to_token[req_pool_idx, :kv_committed_len] holds the KV slots already written for this request.
 """
@@ -59,10 +61,14 @@ class Req:
         top_logprobs_num: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
         bootstrap_room: int | None = None,
+        prior_output_len: int = 0,
     ) -> None:
         self.rid = rid
         self.origin_input_ids: list[int] = list(input_ids)
         self.output_ids: list[int] = []
+        # Outputs produced before a migration, at the end of ``origin_input_ids``. Sampling sees them as outputs
+        # (seeded step index, frequency/presence penalties, stop strings); lengths and limits do not.
+        self.prior_output_len = prior_output_len
         self.sampling_params = sampling_params
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
@@ -118,8 +124,15 @@ class Req:
         return self.output_ids[-1]
 
     def draw_step(self) -> int:
-        """Index of the output token the next launched step draws (counts a launched, unappended token)."""
-        return len(self.output_ids) + (self.future_slot is not None)
+        """Index of the output token the next launched step draws (counts a launched, unappended token and the
+        outputs of earlier attempts)."""
+        return self.prior_output_len + len(self.output_ids) + (self.future_slot is not None)
+
+    def generated_ids(self) -> list[int]:
+        """Every output token of the request, those of earlier attempts (a migration) first."""
+        if not self.prior_output_len:
+            return self.output_ids
+        return self.origin_input_ids[len(self.origin_input_ids) - self.prior_output_len :] + self.output_ids
 
     def finishes_with_pending(self) -> bool:
         """Its launched, unappended token will end it by length: it needs no further step."""

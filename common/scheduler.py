@@ -167,6 +167,10 @@ class Scheduler:
         n = len(msg.input_ids)
         if n == 0:
             raise InvalidRequestError("input_ids is empty; send at least one prompt token")
+        if not 0 <= msg.prior_output_len < n:
+            raise InvalidRequestError(
+                f"prior_output_len must be in [0, {n}) (it leaves at least one prompt token), got {msg.prior_output_len}"
+            )
         if any(not 0 <= t < self.model_config.vocab_size for t in msg.input_ids):
             raise InvalidRequestError(f"input_ids contains ids outside the vocabulary [0, {self.model_config.vocab_size})")
         if n >= self.model_config.context_len:
@@ -202,6 +206,7 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             bootstrap_room=msg.bootstrap_room,
+            prior_output_len=msg.prior_output_len,
         )
         req.times.queue_enter = time.monotonic()
         self.reqs_by_rid[req.rid] = req

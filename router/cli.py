@@ -55,7 +55,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "--max-retries",
         type=int,
         default=d.max_retries,
-        help="extra attempts before the first token reached the client",
+        help="extra attempts after attempts that failed before producing a token",
+    )
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=d.max_migrations,
+        help="times a request whose decode/colocated leg failed after producing tokens continues on another "
+        "worker from those tokens (0: fail it)",
     )
     p.add_argument(
         "--retry-backoff", type=float, default=d.retry_backoff_s, help="first retry backoff, seconds"
@@ -127,6 +134,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         prefill_policy=ns.prefill_policy,
         decode_policy=ns.decode_policy,
         max_retries=ns.max_retries,
+        max_migrations=ns.max_migrations,
         retry_backoff_s=ns.retry_backoff,
         request_timeout_s=ns.request_timeout,
         drain_timeout_s=ns.drain_timeout,

@@ -52,7 +52,10 @@ class RouterConfig:
     prefill_policy: str = "cache_aware"
     decode_policy: str = "power_of_two"
     # Failures.
-    max_retries: int = 3  # extra attempts after the first, only before the first token reached the client
+    max_retries: int = 3  # extra attempts after ones that failed before producing a token
+    # Times one request may move to another worker after its decode (or colocated) leg failed having produced
+    # tokens; the next attempt continues from those tokens (router/core.py).
+    max_migrations: int = 2
     retry_backoff_s: float = 0.05  # first backoff; doubles each retry, with jitter
     retry_backoff_max_s: float = 1.0
     request_timeout_s: float = 300.0  # whole-request deadline when the client sets none
@@ -102,6 +105,8 @@ class RouterConfig:
                 raise ConfigError(f"{flag} must be one of {', '.join(POLICIES)}, got {getattr(self, name)!r}")
         if self.max_retries < 0:
             raise ConfigError(f"--max-retries must be >= 0, got {self.max_retries}")
+        if self.max_migrations < 0:
+            raise ConfigError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.request_timeout_s <= 0:
             raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
         if self.drain_timeout_s < 0:

@@ -1,9 +1,11 @@
 """``RouterCore``: route one request, run its attempts with retries, stream its output.
 
 Per request: pick a prefill worker P and a decode worker D (separate policies), a DP rank on each by load, and a
-fresh bootstrap room; run the PD attempt; stream D's tokens. A failed attempt is retried - new room, the failed
-worker excluded while another exists, exponential backoff with jitter - only while nothing reached the client
-(streaming: no chunk yet; non-streaming: always) and within ``max_retries`` and the deadline. A fleet of colocated
+fresh bootstrap room; run the PD attempt; stream D's tokens. An attempt that failed before producing a token is
+retried - new room, the failed worker excluded while another exists, exponential backoff with jitter - within
+``max_retries`` and the deadline. One that failed after producing tokens is migrated (``max_migrations``): the next
+attempt's prompt is the client's prompt plus the tokens so far, ``GenerateRequest.prior_output_len`` marks them as
+outputs, and one ``OutputState`` spans the attempts, so the client sees each token once. A fleet of colocated
 workers (``--worker``) is served the same way with one ``Generate`` leg; PD pairs are preferred when both exist.
 """
 
@@ -17,6 +19,7 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -27,6 +30,7 @@ from router.errors import DeadlineError, LegError, OverloadedError, RouterError,
 from router.inputs import InputProcessor
 from router.legs import Aborter, ColocatedAttempt, PdAttempt
 from router.metrics import RouterMetrics
+from router.migration import ended_by, node_request
 from router.output import OutputState
 from router.policies import Policy, RouteHint, make_policy, pick_rank
 from router.request import Delta, Final, GenRequest
@@ -133,22 +137,23 @@ class RouterCore:
             self.metrics.requests.labels(req.api, outcome).inc()
 
     async def _attempts(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
+        """Attempts until one finishes. An attempt that fails before producing a token is retried (``max_retries``);
+        one that fails after producing tokens is migrated (``max_migrations``): the next attempt's prompt is the
+        original prompt plus every token so far, and ``out`` (ids, detokenizer, stop strings, logprobs) carries on,
+        so the client sees each token once."""
         failed: set[str] = set()
         exhausted: set[str] = set()  # workers that answered RESOURCE_EXHAUSTED to this request
+        out = OutputState(req, self.inputs.tok, self.metrics)
+        migrations: list[dict[str, Any]] = []
         attempt = 0
+        retries = 0  # attempts that failed without producing a token
+        first_dispatched_at: float | None = None
+        first_leg: PdAttempt | ColocatedAttempt | None = None  # the attempt that produced the first token
         while True:
-            plan = self._route(req, failed)
-            node_rid = req.rid if attempt == 0 else f"{req.rid}#{attempt}"
-            node_req = worker_pb2.GenerateRequest(
-                rid=node_rid,
-                input_ids=req.input_ids,
-                sampling_params=req.sampling_pb,
-                return_logprob=req.return_logprob,
-                top_logprobs_num=req.top_logprobs_num,
-            )
+            node_req = node_request(req, out.ids, req.rid if attempt == 0 else f"{req.rid}#{attempt}")
+            plan = self._route(req, failed, len(node_req.input_ids))
             dispatched_at = time.monotonic()
-            out = OutputState(req, self.inputs.tok, self.metrics)
-            emitted = False
+            produced_before = len(out.ids)
             try:
                 if plan.prefill is not None:
                     leg: PdAttempt | ColocatedAttempt = PdAttempt(
@@ -180,8 +185,10 @@ class RouterCore:
                                     True,
                                 )
                             delta = out.add(fin.last, final=True)
+                        if first_dispatched_at is None and out.ids:
+                            first_dispatched_at = dispatched_at
+                            first_leg = leg
                         if req.stream and delta is not None and (delta.text or delta.token_ids):
-                            emitted = True
                             yield delta
                         if out.stopped:
                             break  # closing the legs aborts them on both nodes
@@ -194,8 +201,10 @@ class RouterCore:
                     )
                 for lease in plan.leases:
                     lease.worker.breaker.record_success()
-                prefill_resp = leg.prefill_resp if isinstance(leg, PdAttempt) else None
-                final = out.finish(fin, prefill_resp, plan.served_by, attempt + 1, dispatched_at)
+                final = out.finish(
+                    fin, _prefill_resp(first_leg), plan.served_by, attempt + 1, first_dispatched_at or dispatched_at,
+                    migrations,
+                )
                 self.timings.put(req.rid, {**final.timing, "served_by": final.served_by})
                 yield final
                 return
@@ -205,13 +214,49 @@ class RouterCore:
                     w = self.registry.workers.get(e.worker)
                     if w is not None:
                         w.breaker.record_failure()
-                if not e.retryable or emitted:
-                    if emitted:
+                if not e.retryable:
+                    if out.ids and req.stream:
                         raise RouterError(f"the request failed after streaming began: {e}", e.code,
                                           e.internal) from None
                     raise
                 attempt += 1
                 failed.add(e.worker)
+                produced = len(out.ids) - produced_before
+                if produced:
+                    if len(migrations) >= self.cfg.max_migrations:
+                        raise UnavailableError(
+                            f"the request failed after {len(out.ids)} output tokens and {len(migrations)} "
+                            f"migration(s), the limit (--max-migrations); last error: {e}",
+                            internal=e.internal,
+                        ) from None
+                    leg_name = "generate" if plan.prefill is None else "decode"
+                    failed_worker = self.registry.workers.get(e.worker)
+                    migrations.append(  # names, not addresses: clients see the timing
+                        {"after_tokens": len(out.ids), "leg": leg_name, "code": e.code.name,
+                         "failed": failed_worker.name if failed_worker is not None else leg_name,
+                         "at": time.monotonic() - req.arrival}
+                    )
+                    self.metrics.migrations.labels(leg_name).inc()
+                    logger.info("[rid=%s] %s leg failed after %d tokens (%s); migrating", req.rid, leg_name,
+                                len(out.ids), e.log_text())
+                    ended = ended_by(req, out.ids)
+                    if ended is not None:
+                        # The failed leg had sent the request's last token but not its Finished message.
+                        delta = out.end_at_router(*ended)
+                        if req.stream and delta.text:
+                            yield delta
+                        final = out.finish(None, _prefill_resp(first_leg), plan.served_by, attempt,
+                                           first_dispatched_at or dispatched_at, migrations)
+                        self.timings.put(req.rid, {**final.timing, "served_by": final.served_by})
+                        yield final
+                        return
+                    if time.monotonic() >= req.deadline:
+                        raise DeadlineError(
+                            f"request deadline exceeded after {len(out.ids)} output tokens; last error: {e}",
+                            internal=e.internal,
+                        ) from None
+                    continue  # no backoff: the next attempt goes to another worker while one exists
+                retries += 1
                 if overloaded:
                     exhausted.add(e.worker)
                     self._raise_if_all_exhausted(e, exhausted)
@@ -222,10 +267,10 @@ class RouterCore:
                     raise DeadlineError(
                         f"request deadline exceeded after {attempt} attempt(s); last error: {e}", internal=e.internal
                     ) from None
-                if attempt > self.cfg.max_retries:
+                if retries > self.cfg.max_retries:
                     raise UnavailableError(f"all {attempt} attempts failed; last error: {e}",
                                            internal=e.internal) from None
-                backoff = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1), self.cfg.retry_backoff_max_s)
+                backoff = min(self.cfg.retry_backoff_s * 2 ** (retries - 1), self.cfg.retry_backoff_max_s)
                 backoff *= 0.5 + self.rng.random() / 2
                 if now + backoff >= req.deadline:
                     raise DeadlineError(
@@ -264,16 +309,17 @@ class RouterCore:
             ) from None
 
     # -- routing ---------------------------------------------------------------------------------------------
-    def _route(self, req: GenRequest, failed: set[str]) -> Plan:
+    def _route(self, req: GenRequest, failed: set[str], prompt_len: int) -> Plan:
+        """``prompt_len``: the node's prompt (after a migration, the client's prompt plus the tokens so far)."""
         hint = RouteHint(req.input_ids, len(req.input_ids) + req.max_new_tokens)
-        prefills = self._candidates("prefill", failed, len(req.input_ids))
+        prefills = self._candidates("prefill", failed, prompt_len)
         # A decode node admits by the prompt (its generation headroom is reserved per active request).
-        decodes = self._candidates("decode", failed, len(req.input_ids))
+        decodes = self._candidates("decode", failed, prompt_len)
         if prefills and decodes:
-            p, p_rank = self._choose(self.prefill_policy, prefills, hint, len(req.input_ids))
+            p, p_rank = self._choose(self.prefill_policy, prefills, hint, prompt_len)
             d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)
             leases = [
-                Lease(p, p.ranks[p_rank], len(req.input_ids), p.pages_for(len(req.input_ids))),
+                Lease(p, p.ranks[p_rank], prompt_len, p.pages_for(prompt_len)),
                 Lease(d, d.ranks[d_rank], hint.tokens, d.pages_for(hint.tokens)),
             ]
             self.metrics.disagg_decisions.labels(p.address, d.address).inc()
@@ -330,6 +376,11 @@ class RouterCore:
             parts = [describe(r) for r, got in (("prefill", prefills), ("decode", decodes)) if not got]
             return "; ".join(parts)
         return describe("colocated")
+
+
+def _prefill_resp(leg: PdAttempt | ColocatedAttempt | None) -> worker_pb2.PrefillResponse | None:
+    """P's answer for a PD attempt (read at the end: D may stream before P's RPC returns)."""
+    return leg.prefill_resp if isinstance(leg, PdAttempt) else None
 
 
 def _state(w: Worker) -> str:

@@ -52,6 +52,12 @@ class RouterMetrics:
         self.retries = Counter(
             p + "retries", "Attempts retried before the first token, by failed leg", ["leg"], registry=r
         )
+        self.migrations = Counter(
+            p + "migrations",
+            "Requests moved to another worker after their leg failed having produced tokens, by failed leg",
+            ["leg"],
+            registry=r,
+        )
         self.aborts = Counter(p + "aborts", "Worker.Abort calls sent, by worker role", ["role"], registry=r)
         self.disagg_decisions = Counter(
             p + "disagg_decisions",

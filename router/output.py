@@ -34,6 +34,7 @@ class OutputState:
         self.top_logprobs: list[common_pb2.TopLogprobs] = []
         self.first_at: float | None = None
         self.last_at = 0.0
+        self.router_end: tuple[str, int | None] | None = None  # set by ``end_at_router``
 
     @property
     def stopped(self) -> bool:
@@ -63,6 +64,13 @@ class OutputState:
         self.top_logprobs.extend(tops)
         return Delta(text, ids, lps, tops)
 
+    def end_at_router(self, reason: str, matched_token: int | None) -> Delta:
+        """End the request without a Finished message (its last leg failed after sending its last token); the
+        Delta holds the text held back until now."""
+        self.router_end = (reason, matched_token)
+        text = self.detok.add(self.ids[len(self.detok.ids) :], final=True)
+        return Delta(text, [])
+
     def _note_arrival(self) -> None:
         now = time.monotonic()
         if self.first_at is None:
@@ -86,14 +94,19 @@ class OutputState:
         served_by: str,
         attempts: int,
         dispatched_at: float,
+        migrations: list[dict[str, Any]],
     ) -> Final:
-        """``fin`` None: the router matched a stop string and ended the request itself."""
+        """``fin`` None: the router ended the request itself (a stop string matched, or ``end_at_router``).
+        ``prefill`` and ``dispatched_at`` are of the attempt that produced the first token; ``fin`` of the last;
+        ``migrations``: one entry per migration, in order."""
         now = time.monotonic()
         req = self.req
         matched_token: int | None = None
         matched_stop: str | None = None
         if self.detok.stopped:
             reason, matched_stop = "stop", self.matched_stop()
+        elif fin is None and self.router_end is not None:
+            reason, matched_token = self.router_end
         else:
             assert fin is not None
             reason = fin.finish_reason or "stop"
@@ -108,10 +121,11 @@ class OutputState:
         ttft = (self.first_at or now) - req.arrival
         e2e = now - req.arrival
         merged = common_pb2.Timing(ttft=ttft, e2e=e2e)
-        src = p_t if p_t is not None else d_t
+        src = p_t if p_t is not None else (d_t if not migrations else None)
         if src is not None:
             merged.queue, merged.bootstrap, merged.prefill = src.queue, src.bootstrap, src.prefill
-        if d_t is not None:
+        # NOTE: after a migration ``d_t`` is a later attempt's: its transfer and queue are not part of the TTFT.
+        if d_t is not None and not migrations:
             merged.transfer, merged.decode_queue = d_t.transfer, d_t.decode_queue
             merged.transfer_bytes = d_t.transfer_bytes
         if p_t is not None and p_t.transfer > 0:
@@ -129,6 +143,8 @@ class OutputState:
             ttft_other=ttft - parts,
             decode=e2e - ttft,
             attempts=attempts,
+            migrations=len(migrations),
+            migrated=migrations,
             prefill_node=timing_dict(p_t),
             decode_node=timing_dict(d_t),
         )

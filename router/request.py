@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.sampling.params import SamplingParams
 from pdcluster.v1 import common_pb2
@@ -49,7 +50,7 @@ class Final:
     completion_tokens: int
     cached_tokens: int
     served_by: str
-    timing: dict[str, float | int | dict[str, float]]
+    timing: dict[str, Any]  # router/output.py ``OutputState.finish`` documents the keys
     matched_token: int | None = None
     matched_stop: str | None = None
     logprobs: list[float] = field(default_factory=list)

@@ -6,7 +6,8 @@
   leg; ``Decode`` streams nothing before the matching prefill finished, and checks that it was sent the prefill
   node's bootstrap address and prefill DP rank. Either side fails when the other does not come within
   ``pair_timeout``; an abort on one side fails the other.
-- Output tokens are a deterministic function of the input ids (``fake_tokens``).
+- Output tokens are a deterministic function of the input ids (``fake_tokens``); a request with
+  ``prior_output_len`` continues the sequence its prompt started.
 - Faults: fail the next N Prefill calls, die before the first token, die after K tokens, report no free KV pages,
   hang, or stop serving health.
 - Records what it received (``records``: kind, rid, room, ranks, bootstrap address) and the aborts (``aborts``);
@@ -43,11 +44,13 @@ MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
 FIRST_TOKEN = 5  # ids below are special tokens of the test tokenizer
 
 
-def fake_tokens(input_ids: list[int], n: int, vocab_size: int) -> list[int]:
-    """The mock model: n output ids, a deterministic function of the prompt."""
-    base = (sum(input_ids) * 2654435761 + len(input_ids)) & 0xFFFFFFFF
+def fake_tokens(input_ids: list[int], n: int, vocab_size: int, prior: int = 0) -> list[int]:
+    """The mock model: n output ids, a deterministic function of the prompt. ``prior``: the last ``prior`` input
+    ids are earlier outputs (a migrated request), so the output continues the prompt's sequence after them."""
+    prompt = input_ids[: len(input_ids) - prior]
+    base = (sum(prompt) * 2654435761 + len(prompt)) & 0xFFFFFFFF
     span = vocab_size - FIRST_TOKEN
-    return [FIRST_TOKEN + (base + i * 40503) % span for i in range(n)]
+    return [FIRST_TOKEN + (base + i * 40503) % span for i in range(prior, prior + n)]
 
 
 @dataclass
@@ -70,7 +73,9 @@ class MockConfig:
     fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     fail_message: str = "injected prefill failure"
     die_before_first_token: int = 0  # the next N Decode/Generate calls fail before any token (-1: every one)
-    die_after_tokens: int | None = None  # Decode/Generate fail after streaming this many tokens
+    die_after_tokens: int | None = None  # Decode/Generate fail after streaming this many tokens ...
+    die_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE  # ... with this status
+    die_before_finished: bool = False  # Decode/Generate stream every token, then fail instead of sending Finished
     hang: bool = False  # never answer Prefill/Decode/Generate (until cancelled)
     tls: TlsFiles | None = None  # serve the Worker port over (m)TLS, as a node with --tls-cert/--tls-key[/--tls-ca]
     secret: str | None = None  # cluster secret its membership proofs use (None: the environment's)
@@ -180,6 +185,8 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
                 "rank": rank,
                 "input_ids": list(req.input_ids),
                 "max_new_tokens": req.sampling_params.max_new_tokens,
+                "min_new_tokens": req.sampling_params.min_new_tokens,
+                "prior_output_len": req.prior_output_len,
                 **extra,
             }
         )
@@ -270,7 +277,7 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
             t1 = time.monotonic()
             await self._sleep(a, self.cfg.service_time)
             cached = self._cached(rank, list(req.input_ids), insert=True)
-            first = fake_tokens(list(req.input_ids), 1, self.cfg.vocab_size)[0]
+            first = fake_tokens(list(req.input_ids), 1, self.cfg.vocab_size, req.prior_output_len)[0]
             if not room.prefill_done.done():
                 room.prefill_done.set_result((first, cached, f"127.0.0.1:{self.bootstrap_port}", rank))
             return worker_pb2.PrefillResponse(
@@ -367,7 +374,7 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
         if cfg.hang:
             await self._sleep(a, 3600)
         n = req.sampling_params.max_new_tokens if req.sampling_params.HasField("max_new_tokens") else 128
-        ids = fake_tokens(list(req.input_ids), n, cfg.vocab_size)
+        ids = fake_tokens(list(req.input_ids), n, cfg.vocab_size, req.prior_output_len)
         stop_ids = set(req.sampling_params.stop_token_ids)
         reason, matched = "length", None
         for i, t in enumerate(ids):
@@ -377,10 +384,13 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
         sent = 0
         while len(ids) - sent > cfg.chunk_tokens:
             if cfg.die_after_tokens is not None and sent >= cfg.die_after_tokens:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"injected: worker died after {sent} tokens")
+                await context.abort(cfg.die_code, f"injected: worker died after {sent} tokens")
             yield worker_pb2.GenerateResponse(chunk=self._chunk(req, ids[sent : sent + cfg.chunk_tokens]))
             sent += cfg.chunk_tokens
             await self._sleep(a, cfg.itl)
+        if cfg.die_before_finished:
+            yield worker_pb2.GenerateResponse(chunk=self._chunk(req, ids[sent:]))
+            await context.abort(cfg.die_code, "injected: worker died before its Finished message")
         fin = worker_pb2.Finished(
             last=self._chunk(req, ids[sent:]),
             finish_reason=reason,

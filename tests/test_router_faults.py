@@ -119,7 +119,7 @@ async def test_a_decode_worker_without_room_is_skipped() -> None:
 
 
 async def test_failure_after_streaming_began_is_an_error_not_a_short_success() -> None:
-    async with fleet(prefill=1, decode=[{"die_after_tokens": 2}]) as f:
+    async with fleet(prefill=1, decode=[{"die_after_tokens": 2}], max_migrations=0) as f:
         stub = f.stub()
         chunks = 0
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -127,13 +127,14 @@ async def test_failure_after_streaming_began_is_an_error_not_a_short_success() -
                 chunks += m.HasField("chunk")
                 assert not m.HasField("complete")
         assert chunks >= 1 and e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "after streaming began" in e.value.details()
+        assert "0 migration(s), the limit (--max-migrations)" in e.value.details()
 
-        # Not streaming: nothing reached the client yet, so the router retries (and fails: every decode dies).
+        # Not streaming: the tokens produced are not lost to a retry from scratch; with no migration allowed the
+        # request fails rather than returning a short success.
         with pytest.raises(grpc.aio.AioRpcError) as e:
             async for _ in stub.Generate(gen(n=10)):
                 pass
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "attempts failed" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "--max-migrations" in e.value.details()
 
 
 async def test_deadline_is_enforced_and_both_legs_aborted() -> None:

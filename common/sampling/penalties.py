@@ -9,7 +9,8 @@ tensors are then filled on the device from sparse (row, token) indices.
 
 - repetition (HF ``RepetitionPenaltyLogitsProcessor``): over prompt + output tokens, ``logit > 0 -> logit / p``,
   else ``logit * p``.
-- frequency / presence (OpenAI): over output tokens, ``logit -= f * count + p * (count > 0)``.
+- frequency / presence (OpenAI): over output tokens (a migrated request's earlier outputs included),
+  ``logit -= f * count + p * (count > 0)``.
 - min_new_tokens: EOS (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf`` until the request has produced
   ``min_new_tokens`` tokens.
 """
@@ -128,7 +129,7 @@ class FrequencyPresencePenalty:
     def host_inputs(cls, reqs: Sequence[Req], vocab_size: int) -> tuple[list[float], Columns]:
         freq = [float(r.sampling_params.frequency_penalty) for r in reqs]
         pres = [float(r.sampling_params.presence_penalty) for r in reqs]
-        rows = [r.output_ids if f or p else [] for r, f, p in zip(reqs, freq, pres, strict=True)]
+        rows = [r.generated_ids() if f or p else [] for r, f, p in zip(reqs, freq, pres, strict=True)]
         return freq + pres, [freq, pres, *_mask_columns(rows)]
 
     @classmethod

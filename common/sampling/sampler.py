@@ -20,8 +20,9 @@ Per step, for logits ``[bs, vocab]`` fp32::
   expect. SGLang returns post-temperature logprobs by default; we deliberately do not.
 
 Randomness: each sampled row consumes exactly one uniform ``u`` per step. A row with ``seed`` derives
-``u = hash(seed, step)`` where ``step = len(output_ids)`` before the draw, so its tokens do not depend on batch
-composition, position in the batch, device, retraction, or which node (prefill or decode) draws the token.
+``u = hash(seed, step)`` where ``step = len(output_ids)`` before the draw (plus ``prior_output_len`` for a migrated
+request), so its tokens do not depend on batch composition, position in the batch, device, retraction, which node
+(prefill or decode) draws the token, or a migration.
 Unseeded rows take ``u`` from one generator shared by the ``Sampler``.
 
 Lifecycle (owned by the scheduler): ``from_reqs`` when a batch is built; after each step whose tokens are appended

@@ -58,7 +58,8 @@ def _match_stop_string(req: Req, tokenizer: Detokenizer | None) -> str | None:
     if tokenizer is None:
         raise ValueError(f"request {req.rid} has stop strings but the scheduler was given no tokenizer")
     window = max(len(s.encode("utf-8")) for s in params.stop) + 1
-    tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=params.skip_special_tokens)
+    ids = req.output_ids if len(req.output_ids) >= window else req.generated_ids()  # spans a migration
+    tail = tokenizer.decode(ids[-window:], skip_special_tokens=params.skip_special_tokens)
     return _first_stop(tail, params.stop)[1]
 
 

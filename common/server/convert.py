@@ -43,12 +43,18 @@ def request_from_proto(req: worker_pb2.GenerateRequest) -> GenerateReqInput:
         raise InvalidRequestError("input_ids is empty; send at least one prompt token")
     if req.top_logprobs_num < 0:
         raise InvalidRequestError(f"top_logprobs_num must be >= 0, got {req.top_logprobs_num}")
+    if not 0 <= req.prior_output_len < len(req.input_ids):
+        raise InvalidRequestError(
+            f"prior_output_len must be in [0, {len(req.input_ids)}) (it leaves at least one prompt token), "
+            f"got {req.prior_output_len}"
+        )
     return GenerateReqInput(
         rid=req.rid,
         input_ids=list(req.input_ids),
         sampling_params=sampling_from_proto(req.sampling_params),
         return_logprob=req.return_logprob or req.top_logprobs_num > 0,
         top_logprobs_num=req.top_logprobs_num,
+        prior_output_len=req.prior_output_len,
     )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdcluster.v1 import common_pb2 as pdcluster_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/worker.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\"\xbc\x01\n\x0fGenerateRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x16\n\x0ereturn_logprob\x18\x04 \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x05 \x01(\x05\x12\x14\n\x07\x64p_rank\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\n\n\x08_dp_rank\"\xa2\x01\n\x0ePrefillRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.pdcluster.v1.GenerateRequest\x12\x1b\n\x0e\x62ootstrap_room\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x1c\n\x0fprefill_dp_rank\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\x11\n\x0f_bootstrap_roomB\x12\n\x10_prefill_dp_rank\"r\n\x0fPrefillResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12$\n\x06timing\x18\x04 \x01(\x0b\x32\x14.pdcluster.v1.Timing\"\xe9\x01\n\rDecodeRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.pdcluster.v1.GenerateRequest\x12\x1b\n\x0e\x62ootstrap_room\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0e\x62ootstrap_addr\x18\x03 \x01(\t\x12\x1c\n\x0fprefill_dp_rank\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x0e\x64\x65\x63ode_dp_rank\x18\x05 \x01(\x05H\x02\x88\x01\x01\x42\x11\n\x0f_bootstrap_roomB\x12\n\x10_prefill_dp_rankB\x11\n\x0f_decode_dp_rank\"q\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.pdcluster.v1.TokenChunkH\x00\x12*\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x16.pdcluster.v1.FinishedH\x00\x42\x06\n\x04kind\"b\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.pdcluster.v1.TopLogprobs\"\xcf\x01\n\x08\x46inished\x12&\n\x04last\x18\x01 \x01(\x0b\x32\x18.pdcluster.v1.TokenChunk\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x17\n\rmatched_token\x18\x03 \x01(\x05H\x00\x12\x16\n\x0cmatched_stop\x18\x04 \x01(\tH\x00\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.pdcluster.v1.TimingB\t\n\x07matched\"\x1b\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xcb\x02\n\x08RankLoad\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x11\n\tbootstrap\x18\x04 \x01(\x05\x12\x10\n\x08inflight\x18\x05 \x01(\x05\x12\x10\n\x08prealloc\x18\x06 \x01(\x05\x12\x10\n\x08transfer\x18\x07 \x01(\x05\x12\x15\n\rfree_kv_pages\x18\x08 \x01(\x03\x12\x16\n\x0etotal_kv_pages\x18\t \x01(\x03\x12\x16\n\x0e\x66ree_req_slots\x18\n \x01(\x05\x12\x17\n\x0ftotal_req_slots\x18\x0b \x01(\x05\x12\x13\n\x0btoken_usage\x18\x0c \x01(\x02\x12\x18\n\x10\x65victable_tokens\x18\r \x01(\x03\x12\x1e\n\x11\x61\x64missible_tokens\x18\x0e \x01(\x03H\x00\x88\x01\x01\x42\x14\n\x12_admissible_tokens\"K\n\x0fGetLoadResponse\x12%\n\x05ranks\x18\x01 \x03(\x0b\x32\x16.pdcluster.v1.RankLoad\x12\x11\n\tpage_size\x18\x02 \x01(\x05\"\x16\n\x14GetServerInfoRequest\"\x91\x02\n\nServerInfo\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x19\n\x11served_model_name\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x0f\n\x07tp_size\x18\x06 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x07 \x01(\x05\x12\x16\n\x0e\x62ootstrap_port\x18\x08 \x01(\x05\x12\x13\n\x0b\x63ontext_len\x18\t \x01(\x05\x12\x12\n\nvocab_size\x18\n \x01(\x05\x12\x1b\n\x13kv_transfer_backend\x18\x0b \x01(\t\x12\x18\n\x10max_total_tokens\x18\x0c \x01(\x03\"8\n\x16ProveMembershipRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"(\n\x17ProveMembershipResponse\x12\r\n\x05proof\x18\x01 \x01(\x0c\x32\x9f\x04\n\x06Worker\x12\x46\n\x07Prefill\x12\x1c.pdcluster.v1.PrefillRequest\x1a\x1d.pdcluster.v1.PrefillResponse\x12G\n\x06\x44\x65\x63ode\x12\x1b.pdcluster.v1.DecodeRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.pdcluster.v1.GetLoadRequest\x1a\x1d.pdcluster.v1.GetLoadResponse\x12M\n\rGetServerInfo\x12\".pdcluster.v1.GetServerInfoRequest\x1a\x18.pdcluster.v1.ServerInfo\x12^\n\x0fProveMembership\x12$.pdcluster.v1.ProveMembershipRequest\x1a%.pdcluster.v1.ProveMembershipResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/worker.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\"\xd6\x01\n\x0fGenerateRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x16\n\x0ereturn_logprob\x18\x04 \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x05 \x01(\x05\x12\x14\n\x07\x64p_rank\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10prior_output_len\x18\x07 \x01(\x05\x42\n\n\x08_dp_rank\"\xa2\x01\n\x0ePrefillRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.pdcluster.v1.GenerateRequest\x12\x1b\n\x0e\x62ootstrap_room\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x1c\n\x0fprefill_dp_rank\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\x11\n\x0f_bootstrap_roomB\x12\n\x10_prefill_dp_rank\"r\n\x0fPrefillResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12$\n\x06timing\x18\x04 \x01(\x0b\x32\x14.pdcluster.v1.Timing\"\xe9\x01\n\rDecodeRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.pdcluster.v1.GenerateRequest\x12\x1b\n\x0e\x62ootstrap_room\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0e\x62ootstrap_addr\x18\x03 \x01(\t\x12\x1c\n\x0fprefill_dp_rank\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x0e\x64\x65\x63ode_dp_rank\x18\x05 \x01(\x05H\x02\x88\x01\x01\x42\x11\n\x0f_bootstrap_roomB\x12\n\x10_prefill_dp_rankB\x11\n\x0f_decode_dp_rank\"q\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.pdcluster.v1.TokenChunkH\x00\x12*\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x16.pdcluster.v1.FinishedH\x00\x42\x06\n\x04kind\"b\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.pdcluster.v1.TopLogprobs\"\xcf\x01\n\x08\x46inished\x12&\n\x04last\x18\x01 \x01(\x0b\x32\x18.pdcluster.v1.TokenChunk\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x17\n\rmatched_token\x18\x03 \x01(\x05H\x00\x12\x16\n\x0cmatched_stop\x18\x04 \x01(\tH\x00\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.pdcluster.v1.TimingB\t\n\x07matched\"\x1b\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xcb\x02\n\x08RankLoad\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x11\n\tbootstrap\x18\x04 \x01(\x05\x12\x10\n\x08inflight\x18\x05 \x01(\x05\x12\x10\n\x08prealloc\x18\x06 \x01(\x05\x12\x10\n\x08transfer\x18\x07 \x01(\x05\x12\x15\n\rfree_kv_pages\x18\x08 \x01(\x03\x12\x16\n\x0etotal_kv_pages\x18\t \x01(\x03\x12\x16\n\x0e\x66ree_req_slots\x18\n \x01(\x05\x12\x17\n\x0ftotal_req_slots\x18\x0b \x01(\x05\x12\x13\n\x0btoken_usage\x18\x0c \x01(\x02\x12\x18\n\x10\x65victable_tokens\x18\r \x01(\x03\x12\x1e\n\x11\x61\x64missible_tokens\x18\x0e \x01(\x03H\x00\x88\x01\x01\x42\x14\n\x12_admissible_tokens\"K\n\x0fGetLoadResponse\x12%\n\x05ranks\x18\x01 \x03(\x0b\x32\x16.pdcluster.v1.RankLoad\x12\x11\n\tpage_size\x18\x02 \x01(\x05\"\x16\n\x14GetServerInfoRequest\"\x91\x02\n\nServerInfo\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x19\n\x11served_model_name\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x0f\n\x07tp_size\x18\x06 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x07 \x01(\x05\x12\x16\n\x0e\x62ootstrap_port\x18\x08 \x01(\x05\x12\x13\n\x0b\x63ontext_len\x18\t \x01(\x05\x12\x12\n\nvocab_size\x18\n \x01(\x05\x12\x1b\n\x13kv_transfer_backend\x18\x0b \x01(\t\x12\x18\n\x10max_total_tokens\x18\x0c \x01(\x03\"8\n\x16ProveMembershipRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"(\n\x17ProveMembershipResponse\x12\r\n\x05proof\x18\x01 \x01(\x0c\x32\x9f\x04\n\x06Worker\x12\x46\n\x07Prefill\x12\x1c.pdcluster.v1.PrefillRequest\x1a\x1d.pdcluster.v1.PrefillResponse\x12G\n\x06\x44\x65\x63ode\x12\x1b.pdcluster.v1.DecodeRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.pdcluster.v1.GetLoadRequest\x1a\x1d.pdcluster.v1.GetLoadResponse\x12M\n\rGetServerInfo\x12\".pdcluster.v1.GetServerInfoRequest\x1a\x18.pdcluster.v1.ServerInfo\x12^\n\x0fProveMembership\x12$.pdcluster.v1.ProveMembershipRequest\x1a%.pdcluster.v1.ProveMembershipResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,37 +33,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdcluster.v1.worker_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=71
-  _globals['_GENERATEREQUEST']._serialized_end=259
-  _globals['_PREFILLREQUEST']._serialized_start=262
-  _globals['_PREFILLREQUEST']._serialized_end=424
-  _globals['_PREFILLRESPONSE']._serialized_start=426
-  _globals['_PREFILLRESPONSE']._serialized_end=540
-  _globals['_DECODEREQUEST']._serialized_start=543
-  _globals['_DECODEREQUEST']._serialized_end=776
-  _globals['_GENERATERESPONSE']._serialized_start=778
-  _globals['_GENERATERESPONSE']._serialized_end=891
-  _globals['_TOKENCHUNK']._serialized_start=893
-  _globals['_TOKENCHUNK']._serialized_end=991
-  _globals['_FINISHED']._serialized_start=994
-  _globals['_FINISHED']._serialized_end=1201
-  _globals['_ABORTREQUEST']._serialized_start=1203
-  _globals['_ABORTREQUEST']._serialized_end=1230
-  _globals['_ABORTRESPONSE']._serialized_start=1232
-  _globals['_ABORTRESPONSE']._serialized_end=1262
-  _globals['_GETLOADREQUEST']._serialized_start=1264
-  _globals['_GETLOADREQUEST']._serialized_end=1280
-  _globals['_RANKLOAD']._serialized_start=1283
-  _globals['_RANKLOAD']._serialized_end=1614
-  _globals['_GETLOADRESPONSE']._serialized_start=1616
-  _globals['_GETLOADRESPONSE']._serialized_end=1691
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1693
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1715
-  _globals['_SERVERINFO']._serialized_start=1718
-  _globals['_SERVERINFO']._serialized_end=1991
-  _globals['_PROVEMEMBERSHIPREQUEST']._serialized_start=1993
-  _globals['_PROVEMEMBERSHIPREQUEST']._serialized_end=2049
-  _globals['_PROVEMEMBERSHIPRESPONSE']._serialized_start=2051
-  _globals['_PROVEMEMBERSHIPRESPONSE']._serialized_end=2091
-  _globals['_WORKER']._serialized_start=2094
-  _globals['_WORKER']._serialized_end=2637
+  _globals['_GENERATEREQUEST']._serialized_end=285
+  _globals['_PREFILLREQUEST']._serialized_start=288
+  _globals['_PREFILLREQUEST']._serialized_end=450
+  _globals['_PREFILLRESPONSE']._serialized_start=452
+  _globals['_PREFILLRESPONSE']._serialized_end=566
+  _globals['_DECODEREQUEST']._serialized_start=569
+  _globals['_DECODEREQUEST']._serialized_end=802
+  _globals['_GENERATERESPONSE']._serialized_start=804
+  _globals['_GENERATERESPONSE']._serialized_end=917
+  _globals['_TOKENCHUNK']._serialized_start=919
+  _globals['_TOKENCHUNK']._serialized_end=1017
+  _globals['_FINISHED']._serialized_start=1020
+  _globals['_FINISHED']._serialized_end=1227
+  _globals['_ABORTREQUEST']._serialized_start=1229
+  _globals['_ABORTREQUEST']._serialized_end=1256
+  _globals['_ABORTRESPONSE']._serialized_start=1258
+  _globals['_ABORTRESPONSE']._serialized_end=1288
+  _globals['_GETLOADREQUEST']._serialized_start=1290
+  _globals['_GETLOADREQUEST']._serialized_end=1306
+  _globals['_RANKLOAD']._serialized_start=1309
+  _globals['_RANKLOAD']._serialized_end=1640
+  _globals['_GETLOADRESPONSE']._serialized_start=1642
+  _globals['_GETLOADRESPONSE']._serialized_end=1717
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1719
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1741
+  _globals['_SERVERINFO']._serialized_start=1744
+  _globals['_SERVERINFO']._serialized_end=2017
+  _globals['_PROVEMEMBERSHIPREQUEST']._serialized_start=2019
+  _globals['_PROVEMEMBERSHIPREQUEST']._serialized_end=2075
+  _globals['_PROVEMEMBERSHIPRESPONSE']._serialized_start=2077
+  _globals['_PROVEMEMBERSHIPRESPONSE']._serialized_end=2117
+  _globals['_WORKER']._serialized_start=2120
+  _globals['_WORKER']._serialized_end=2663
 # @@protoc_insertion_point(module_scope)
