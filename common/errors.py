@@ -21,3 +21,10 @@ class ModelLoadError(PdclusterError):
 
 class ConfigError(PdclusterError, ValueError):
     """A server flag or flag combination is invalid."""
+
+
+# A node's failure that is its KV transfer peer's fault (the peer died, went silent, refused or broke the
+# transfer) travels as this trailing metadata on the failing RPC, so the router charges the peer's circuit
+# breaker, not the node's that only reported it.
+FAULT_METADATA_KEY = "pdcluster-fault"
+KV_PEER_FAULT = "kv-peer"

@@ -66,6 +66,7 @@ class TokenOut(msgspec.Struct, tag=True, kw_only=True):
     matched_stop: int | str | None = None
     error: str | None = None  # for "abort": what happened
     error_code: str | None = None  # "INVALID_ARGUMENT", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", ...
+    error_origin: str | None = None  # KV_PEER_FAULT: the failure was the KV transfer peer's, not this node's
     timing: Timing | None = None
 
 
@@ -118,6 +119,7 @@ class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
     cached_tokens: int = 0
     error: str | None = None
     error_code: str | None = None
+    error_origin: str | None = None  # KV_PEER_FAULT: the decode peer's fault
     timing: Timing | None = None
 
 

@@ -35,6 +35,7 @@ class Finished:
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str = ""  # for ABORT: why
     code: str = "CANCELLED"  # for ABORT: the gRPC status name the client sees
+    origin: str = ""  # for ABORT: whose fault, when not this node's (KV_PEER_FAULT: the KV transfer's peer)
 
 
 @dataclass
@@ -155,8 +156,8 @@ class Req:
         self.is_retracted = True
         self.future_slot = None
 
-    def abort(self, message: str, code: str = "CANCELLED") -> None:
-        self.finished_reason = Finished(FinishReason.ABORT, message=message, code=code)
+    def abort(self, message: str, code: str = "CANCELLED", origin: str = "") -> None:
+        self.finished_reason = Finished(FinishReason.ABORT, message=message, code=code, origin=origin)
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input_len={len(self.origin_input_ids)}, output_len={len(self.output_ids)})"

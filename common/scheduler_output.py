@@ -59,6 +59,7 @@ class OutputCollector:
         if reason.message:
             out.error = reason.message
             out.error_code = reason.code
+            out.error_origin = reason.origin or None
         out.timing = req_timing(req)
         self.pending.append(out)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.distributed import TPGroup
+from common.errors import KV_PEER_FAULT
 from common.faults import inject
 from common.io_struct import GenerateReqInput, QueueLoad, SchedulerInput
 from common.mem.pages import bytes_per_page
@@ -108,7 +109,7 @@ class DecodeScheduler:
             logger.warning("rid=%s room=%s: %s", req.rid, req.bootstrap_room, reason)
         req.disagg_kv.clear()
         self.prealloc_queue.release_metadata_slot(req)
-        req.abort(reason, code)
+        req.abort(reason, code, origin="" if req.to_abort else KV_PEER_FAULT)
         self.sched.finish_req(req, release=req.req_pool_idx is not None)
 
     def add_prebuilt(self, reqs: list[Req]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.distributed import TPGroup
+from common.errors import KV_PEER_FAULT
 from common.faults import inject
 from common.io_struct import GenerateReqInput, PrefillDone, QueueLoad, SchedulerInput, Timing
 from common.mem.pages import bytes_per_page, num_pages, req_pages
@@ -258,6 +259,8 @@ class PrefillScheduler:
             cached_tokens=req.cached_tokens,
             error=error,
             error_code=code,
+            error_origin=KV_PEER_FAULT if state != KVPoll.Success and not _internal(req) and not req.to_abort
+            else None,
             timing=Timing(
                 queue=max(0.0, (t.forward_start or t.queue_enter) - (t.bootstrapped or t.queue_enter)),
                 bootstrap=max(0.0, (t.bootstrapped or t.queue_enter) - t.queue_enter),

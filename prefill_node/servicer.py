@@ -32,7 +32,7 @@ class PrefillServicer(WorkerServicer):
             )
             async for out in self.run_request(msg, rank, context):
                 if out.error_code is not None:
-                    await self.fail(context, out.error_code, out.error or "prefill failed")
+                    await self.fail(context, out.error_code, out.error or "prefill failed", out.error_origin)
                 if isinstance(out, PrefillDone):
                     yield worker_pb2.PrefillResponse(
                         rid=out.rid, prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,

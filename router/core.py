@@ -212,6 +212,8 @@ class RouterCore:
                 overloaded = e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
                 if e.code not in NOT_WORKER_FAULTS and not overloaded:
                     w = self.registry.workers.get(e.worker)
+                    if e.peer_fault and plan.prefill is not None:  # the other leg's worker broke the transfer
+                        w = plan.prefill if e.worker == plan.worker.address else plan.worker
                     if w is not None:
                         w.breaker.record_failure()
                 if not e.retryable:

@@ -73,17 +73,19 @@ class LegError(RouterError):
     """One leg (Prefill, Decode or Generate) failed on a worker. ``retryable``: another attempt may succeed.
 
     ``worker``: the worker's address (routing and logs; the message names its role only). ``retry_after_s``: the
-    worker's retry hint when it answered RESOURCE_EXHAUSTED.
+    worker's retry hint when it answered RESOURCE_EXHAUSTED. ``peer_fault``: the worker said the failure was its
+    KV transfer peer's (the other leg's worker), not its own.
     """
 
     def __init__(
         self, message: str, code: grpc.StatusCode, worker: str, retryable: bool, retry_after_s: float | None = None,
-        internal: str = "",
+        internal: str = "", peer_fault: bool = False,
     ) -> None:
         super().__init__(message, code, internal or f"worker {worker}")
         self.worker = worker
         self.retryable = retryable
         self.retry_after_s = retry_after_s
+        self.peer_fault = peer_fault
 
 
 # Worker statuses after which a fresh attempt (new room, maybe new pair) can succeed.

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from pdcluster.v1 import worker_pb2
 from router.errors import RETRYABLE, LegError, scrub_internal
 from router.metrics import RouterMetrics
@@ -62,6 +63,7 @@ def leg_error(leg: str, worker: Worker, e: grpc.aio.AioRpcError) -> LegError:
         code in RETRYABLE,
         _retry_after(e) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None,
         internal=f"{leg} on {worker.address}: {details}",
+        peer_fault=(FAULT_METADATA_KEY, KV_PEER_FAULT) in tuple(e.trailing_metadata() or ()),
     )
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from common.tls import TlsFiles
 from common.worker_auth import METADATA_KEY, ChallengeRefused, answer_challenge
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -76,6 +77,7 @@ class MockConfig:
     die_after_tokens: int | None = None  # Decode/Generate fail after streaming this many tokens ...
     die_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE  # ... with this status
     die_before_finished: bool = False  # Decode/Generate stream every token, then fail instead of sending Finished
+    kv_peer_fault: int = 0  # the next N Decode calls fail once paired, blaming their KV peer (as a real decode does)
     hang: bool = False  # never answer Prefill/Decode/Generate (until cancelled)
     tls: TlsFiles | None = None  # serve the Worker port over (m)TLS, as a node with --tls-cert/--tls-key[/--tls-ca]
     secret: str | None = None  # cluster secret its membership proofs use (None: the environment's)
@@ -332,6 +334,10 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
                     f"bootstrap mismatch: sent {request.bootstrap_addr}/rank "
                     f"{request.prefill_dp_rank}, prefill ran on {paddr}/rank {prank}",
                 )
+            peer_fault, self.cfg.kv_peer_fault = self._take(self.cfg.kv_peer_fault)
+            if peer_fault:
+                context.set_trailing_metadata(((FAULT_METADATA_KEY, KV_PEER_FAULT),))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: the prefill peer went silent")
             transfer = time.monotonic() - t0
             async for msg in self._tokens(a, req, context, cached, common_pb2.Timing(transfer=transfer)):
                 yield msg

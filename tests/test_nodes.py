@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from common.worker_auth import new_nonce, proof_matches
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.node_helpers import Node, start_node
@@ -256,6 +257,8 @@ def test_prefill_killed_mid_transfer(model_path) -> None:
             list(stream)
         assert exc.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         assert time.monotonic() - start < 20
+        # the decode node blames its KV peer, so the router charges the prefill node's circuit, not its own
+        assert (FAULT_METADATA_KEY, KV_PEER_FAULT) in [tuple(m) for m in exc.value.trailing_metadata() or ()]
         decode.wait_pools_free()
     finally:
         prefill.stop()

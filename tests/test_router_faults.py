@@ -155,6 +155,7 @@ async def test_circuit_breaker_opens_on_repeated_failures() -> None:
         prefill_policy="round_robin",
         cb_failure_threshold=2,
         cb_open_s=60,
+        health_interval_s=600,  # a passing health round would half-open it early (tested in test_router_units)
     ) as f:
         client = f.openai()
         for _ in range(6):
@@ -179,6 +180,15 @@ async def test_an_open_circuit_never_blackholes_the_only_healthy_worker_of_a_rol
         assert r.usage.completion_tokens == 1
         assert only.breaker.state == "closed"
         assert len(f.prefill[0].received("prefill")) == 3
+
+
+async def test_a_decode_failure_blamed_on_its_kv_peer_counts_against_the_prefill_worker() -> None:
+    async with fleet(prefill=1, decode=[{"kv_peer_fault": 1}], max_retries=0, cb_open_s=600) as f:
+        with pytest.raises(openai.APIStatusError):
+            await f.openai().completions.create(model="mock-model", prompt="hi", max_tokens=2)
+        workers = f.server.service.registry.workers
+        assert workers[f.prefill[0].address].breaker.failures == 1
+        assert workers[f.decode[0].address].breaker.failures == 0
 
 
 async def test_concurrent_requests_get_unique_rooms_and_finish() -> None:

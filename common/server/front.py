@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from common.config import ServerArgs
-from common.errors import InvalidRequestError
+from common.errors import FAULT_METADATA_KEY, InvalidRequestError
 from common.io_struct import AbortReq, GenerateReqInput, TokenOut
 from common.model.config import ModelConfig
 from common.server.convert import request_from_proto, token_out_to_proto
@@ -54,7 +54,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.grpc_port = args.port  # the bound Worker port (the server sets it after binding port 0)
 
     # -- helpers shared by the roles -------------------------------------------------------------------------------
-    async def fail(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
+    async def fail(self, context: grpc.aio.ServicerContext, code: str, message: str, origin: str | None = None) -> None:
+        if origin:
+            context.set_trailing_metadata(((FAULT_METADATA_KEY, origin),))
         await context.abort(STATUS.get(code, grpc.StatusCode.UNKNOWN), message)
 
     def check_rank(self, rank: int | None, name: str) -> int:
@@ -134,7 +136,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         last = None
         async for out in self.run_request(msg, rank, context):
             if out.error_code is not None:
-                await self.fail(context, out.error_code, out.error or "request failed")
+                await self.fail(context, out.error_code, out.error or "request failed", out.error_origin)
             now = time.monotonic()
             if last is not None:
                 observe_itl(now - last, len(out.token_ids))
