@@ -47,7 +47,6 @@ NOT_WORKER_FAULTS = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.OUT_OF_RANGE,
-        grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.CANCELLED,
     }
 )
@@ -388,6 +387,8 @@ def _prefill_resp(leg: PdAttempt | ColocatedAttempt | None) -> worker_pb2.Prefil
 def _state(w: Worker) -> str:
     if w.error:
         return f"unusable: {w.error}"
+    if not w.healthy and w.info is not None:  # it served once; it re-proves itself when healthy again
+        return "unhealthy"
     if not w.proven:
         return "not proven a cluster member yet"
     if w.info is None:

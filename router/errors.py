@@ -88,9 +88,12 @@ class LegError(RouterError):
         self.peer_fault = peer_fault
 
 
-# Worker statuses after which a fresh attempt (new room, maybe new pair) can succeed.
+# Worker statuses after which a fresh attempt (new room, maybe new pair) can succeed. FAILED_PRECONDITION from a
+# node is a refused pairing (KV layouts, cluster secret): the cluster's misconfiguration, never the client's, and
+# another pair may match; when none does the client gets 503, not 400.
 RETRYABLE = frozenset(
     {
+        grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.ABORTED,

@@ -149,6 +149,8 @@ class Worker:
             return "removed"
         if self.error:
             return "rejected"
+        if not self.healthy and self.info is not None:  # it served once; it re-proves itself when healthy again
+            return "unhealthy"
         if not self.proven:
             return "unproven"
         if not self.healthy:

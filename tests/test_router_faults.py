@@ -191,6 +191,22 @@ async def test_a_decode_failure_blamed_on_its_kv_peer_counts_against_the_prefill
         assert workers[f.decode[0].address].breaker.failures == 0
 
 
+REFUSED_PAIRING = {"fail_prefill": -1, "fail_code": grpc.StatusCode.FAILED_PRECONDITION,
+                   "fail_message": "KV layouts incompatible: page_size: prefill=16 decode=1"}
+
+
+async def test_a_refused_pairing_is_retried_elsewhere_and_never_a_client_error() -> None:
+    async with fleet(prefill=[REFUSED_PAIRING, {}], decode=1, prefill_policy="round_robin") as f:
+        for _ in range(2):  # one of them is routed to the misconfigured prefill first
+            r = await f.openai().completions.create(model="mock-model", prompt="hi", max_tokens=1)
+            assert r.usage.completion_tokens == 1
+        assert len(f.prefill[0].received("prefill")) >= 1
+    async with fleet(prefill=[REFUSED_PAIRING], decode=1, max_retries=1) as f:
+        with pytest.raises(openai.APIStatusError) as e:
+            await f.openai().completions.create(model="mock-model", prompt="hi", max_tokens=1)
+        assert e.value.status_code == 503  # the cluster's misconfiguration, not a bad request
+
+
 async def test_concurrent_requests_get_unique_rooms_and_finish() -> None:
     async with fleet(prefill=2, decode=2, common={"service_time": 0.005}) as f:
         client = f.openai()
