@@ -384,17 +384,11 @@ def _prefill_resp(leg: PdAttempt | ColocatedAttempt | None) -> worker_pb2.Prefil
     return leg.prefill_resp if isinstance(leg, PdAttempt) else None
 
 
+STATE_TEXT = {"unproven": "not proven a cluster member yet", "unreachable": "not reachable yet", "ready": "ok"}
+
+
 def _state(w: Worker) -> str:
-    if w.error:
+    state = w.state
+    if state == "rejected":
         return f"unusable: {w.error}"
-    if not w.healthy and w.info is not None:  # it served once; it re-proves itself when healthy again
-        return "unhealthy"
-    if not w.proven:
-        return "not proven a cluster member yet"
-    if w.info is None:
-        return "not reachable yet"
-    if not w.healthy:
-        return "unhealthy"
-    if not w.breaker.allows():
-        return f"circuit {w.breaker.state}"
-    return "ok"
+    return STATE_TEXT.get(state, state.replace("_", " ", 1))  # circuit_open -> "circuit open"

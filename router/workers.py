@@ -153,6 +153,8 @@ class Worker:
             return "unhealthy"
         if not self.proven:
             return "unproven"
+        if self.info is None:
+            return "unreachable"
         if not self.healthy:
             return "unhealthy"
         if not self.breaker.allows():
