@@ -157,13 +157,19 @@ def node_addresses(cluster: UpCluster) -> dict[str, str]:
 
 
 def pool_state(addresses: dict[str, str]) -> dict[str, list[dict[str, int]]]:
+    import grpc
+
     from common.worker_auth import worker_channel
     from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
     out: dict[str, list[dict[str, int]]] = {}
     for name, addr in addresses.items():
-        with worker_channel(addr) as ch:
-            load = worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        try:
+            with worker_channel(addr) as ch:
+                load = worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        except grpc.RpcError:
+            out[name] = []  # not answering (a restarted node still starting)
+            continue
         out[name] = [{"held_pages": r.total_kv_pages - r.free_kv_pages - r.evictable_tokens // load.page_size,
                       "held_slots": r.total_req_slots - r.free_req_slots,
                       "queued": r.running + r.waiting + r.bootstrap + r.inflight + r.prealloc + r.transfer}
@@ -172,14 +178,16 @@ def pool_state(addresses: dict[str, str]) -> dict[str, list[dict[str, int]]]:
 
 
 def wait_pools_back(addresses: dict[str, str], timeout_s: float) -> tuple[dict[str, list[dict[str, int]]], int]:
-    """Poll until every rank is idle with every page free or evictable (a restarted node has new pools, so the
-    rule is against the totals, as at start); returns the last state and the pages still held."""
+    """Poll until every node answers and every rank is idle with every page free or evictable (a restarted node
+    has new pools, so the rule is against the totals, as at start); returns the last state and the pages still
+    held. A node that never answered again is reported with no ranks (``unreachable`` in the checks)."""
     deadline = time.monotonic() + timeout_s
     while True:
         end = pool_state(addresses)
         held = sum(max(0, r["held_pages"]) for ranks in end.values() for r in ranks)
         busy = sum(r["queued"] + r["held_slots"] for ranks in end.values() for r in ranks)
-        if (held == 0 and busy == 0) or time.monotonic() > deadline:
+        answered = all(end.values())
+        if (answered and held == 0 and busy == 0) or time.monotonic() > deadline:
             return end, held
         time.sleep(1.0)
 
@@ -261,6 +269,7 @@ def report(soak: Soak, start: dict, end: dict, leaked: int, wall_s: float) -> di
         "rss_growth_pct": max(known) if known else None,
         "leaked_pages": leaked,
         "stuck_requests": sum(r["queued"] + r["held_slots"] for ranks in end.values() for r in ranks),
+        "unreachable_nodes": sorted(n for n, ranks in end.items() if not ranks),
         "without_final_status": without,
         "service_back_s": max((b for b in back.values() if b is not None), default=None),
         "burst_only_200_or_429": set(burst) <= {"ok", "http_429"},
@@ -268,7 +277,7 @@ def report(soak: Soak, start: dict, end: dict, leaked: int, wall_s: float) -> di
     }
     met = {
         "rss_growth_pct": checks["rss_growth_pct"] is not None and checks["rss_growth_pct"] < TARGETS["rss_growth_pct"],
-        "leaked_pages": leaked == 0 and checks["stuck_requests"] == 0,
+        "leaked_pages": leaked == 0 and checks["stuck_requests"] == 0 and not checks["unreachable_nodes"],
         "without_final_status": without == 0,
         "service_back_s": checks["every_fault_recovered"] and checks["service_back_s"] is not None
         and checks["service_back_s"] <= TARGETS["service_back_s"],
@@ -325,7 +334,7 @@ def main() -> int:
         addresses = node_addresses(cluster)
         start = pool_state(addresses)
         asyncio.run(run(soak))
-        end, leaked = wait_pools_back(addresses, timeout_s=60)
+        end, leaked = wait_pools_back(addresses, timeout_s=180)
     finally:
         code = cluster.stop()
     out = report(soak, start, end, leaked, time.monotonic() - t_start) | {"up_exit_code": code}

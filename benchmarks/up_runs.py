@@ -14,7 +14,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from benchmarks.loadgen.clients import Client, GrpcClient, OpenAIClient
 from benchmarks.loadgen.runner import LoadShape, run_load
 from benchmarks.loadgen.stats import RequestResult
 from benchmarks.loadgen.workload import WorkloadConfig, make_workload
+from common.ports import pick_free_port
 
 READY_LINE = "pdcluster ready"
 CHILD_LINE = re.compile(r"^\s+(\S+)\s+pid (\d+)\s")
@@ -36,9 +36,7 @@ TIMING_KEYS = ("queue", "bootstrap", "prefill", "transfer", "decode_queue", "dec
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return pick_free_port()
 
 
 @dataclass

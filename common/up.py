@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import ssl
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import env
 from common.config import KV_TRANSFER_BACKENDS
+from common.ports import pick_free_port
 from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 from common.supervisor import Child, RestartPolicy, Supervisor
 from common.tls import TlsFiles
@@ -123,9 +123,7 @@ def cluster_env() -> dict[str, str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return pick_free_port()
 
 
 @dataclass(frozen=True)

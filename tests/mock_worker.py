@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
+from common.ports import pick_free_port
 from common.tls import TlsFiles
 from common.worker_auth import METADATA_KEY, ChallengeRefused, answer_challenge
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -477,9 +477,7 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return pick_free_port()
 
 
 # -- a model folder the router can load (tokenizer + config.json) ---------------------------------------------

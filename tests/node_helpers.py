@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.ports import pick_free_port
 from common.worker_auth import worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
@@ -34,9 +34,7 @@ def rank_pids(front_pid: int) -> list[int]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick_free_port()
 
 
 @dataclass

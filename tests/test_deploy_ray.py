@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from common.ports import LOWEST, ephemeral_range
+
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by ray.cluster_utils; keeps every node on loopback
 
 import grpc
@@ -49,7 +51,7 @@ def _free_bases(span: int = 12) -> dict[str, int]:
     """Port bases of the router, prefill and decode roles: 3 consecutive spans of ``span`` free ports (bases drawn
     one by one could land within a replica stride of each other, which the spec refuses)."""
     for _ in range(200):
-        base = random.randrange(40000, 60000)
+        base = random.randrange(LOWEST, ephemeral_range()[0] - 3 * span)  # no port-0 bind can take them
         try:
             for port in range(base, base + 3 * span):
                 with socket.socket() as s:

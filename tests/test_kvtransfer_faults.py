@@ -5,12 +5,12 @@ Each test ends in Failed rooms with a reason naming the peer and the state (neve
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 import zmq
 
+from common.ports import pick_free_port
 from kvtransfer.bootstrap import BootstrapServer
 from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, encode
@@ -49,9 +49,7 @@ def _wait(predicate, timeout_s: float) -> float:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick_free_port()
 
 
 @pytest.mark.parametrize("backend", KILL_BACKENDS)
