@@ -60,7 +60,9 @@ def summary(name: str, xs: list[float]) -> str:
 async def main(ns: argparse.Namespace) -> None:
     prompts = [big_prompt(ns.big_bytes, i) for i in range(ns.big)]
     timeout = aiohttp.ClientTimeout(total=ns.timeout)
-    async with fleet(common={"context_len": 1 << 23, "total_kv_pages": 1 << 20}, request_timeout_s=ns.timeout) as f, aiohttp.ClientSession(
+    # rpc_timeout_s: the in-process mocks parse and hash the ~2.4M-id prompts on this loop; health checks must wait
+    kw = {"request_timeout_s": ns.timeout, "rpc_timeout_s": 20.0}
+    async with fleet(common={"context_len": 1 << 23, "total_kv_pages": 1 << 20}, **kw) as f, aiohttp.ClientSession(
         timeout=timeout
     ) as session:
         base = f.server.http_url

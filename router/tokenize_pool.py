@@ -23,7 +23,7 @@ from pathlib import Path
 
 from common import env
 from common.errors import InvalidRequestError
-from router.errors import DeadlineError, RouterError
+from router.errors import DeadlineError, RouterError, UnavailableError
 from router.tokenize_messages import HEADER_BYTES, RESULT_DECODER, TokenizeJob, TokenizeResult, frame
 from router.tokenize_worker import serve
 
@@ -104,7 +104,7 @@ class TokenizePool:
 
     async def _run(self, job: TokenizeJob, deadline: float) -> TokenizeResult:
         if self._closed:
-            raise RouterError("the router is shutting down")
+            raise UnavailableError("the router is shutting down")
         self._start()
         try:
             async with asyncio.timeout(deadline - time.monotonic()):
