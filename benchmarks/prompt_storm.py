@@ -78,7 +78,8 @@ async def main(ns: argparse.Namespace) -> None:
               f"(each {min(big_s):.1f}-{max(big_s):.1f} s)")
         for name in ("small", "liveness"):
             print("idle  ", summary(name, idle[name]))
-            print("storm ", summary(name, storm[name]), f"  ({len(storm[name])} probes)")
+            slow = sum(x > statistics.median(idle[name]) + 0.1 for x in storm[name])
+            print("storm ", summary(name, storm[name]), f"  ({len(storm[name])} probes, {slow} over idle p50 + 100 ms)")
     print("loadavg", Path("/proc/loadavg").read_text().strip())
 
 
