@@ -56,3 +56,17 @@ def log_level() -> str:
 def triton_interpret() -> bool:
     """Triton's own ``TRITON_INTERPRET=1``: kernels run on CPU tensors in its interpreter (tests only: slow)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+TOKENIZE_PRELOAD = "PDCLUSTER_TOKENIZE_PRELOAD"
+
+
+def tokenize_preload() -> str | None:
+    """The model folder whose tokenizer the router's tokenize fork server loads once (``PDCLUSTER_TOKENIZE_PRELOAD``;
+    set by the router itself, router/tokenize_pool.py), so each forked worker starts with it loaded."""
+    return os.environ.get(TOKENIZE_PRELOAD) or None
+
+
+def set_tokenize_preload(model_path: str) -> None:
+    """Name the tokenizer for fork servers started from now on (they inherit this process's environment)."""
+    os.environ.setdefault(TOKENIZE_PRELOAD, model_path)

@@ -89,6 +89,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument(
+        "--tokenize-workers",
+        type=int,
+        default=d.tokenize_workers,
+        help="processes that tokenize prompts over --tokenize-inline-bytes off the event loop (0: all inline)",
+    )
+    p.add_argument("--tokenize-inline-bytes", type=int, default=d.tokenize_inline_bytes)
+    p.add_argument(
         "--max-inflight-requests",
         type=int,
         default=d.max_inflight_requests,
@@ -146,6 +153,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         balance_abs_threshold=ns.balance_abs_threshold,
         balance_rel_threshold=ns.balance_rel_threshold,
         max_request_bytes=ns.max_request_bytes,
+        tokenize_workers=ns.tokenize_workers,
+        tokenize_inline_bytes=ns.tokenize_inline_bytes,
         max_inflight_requests=ns.max_inflight_requests,
         reuse_port=ns.reuse_port,
         **({"admin_token": ns.admin_token} if ns.admin_token is not None else {}),

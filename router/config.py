@@ -77,6 +77,10 @@ class RouterConfig:
     max_inflight_requests: int = 4096  # requests the router serves at once (0: unbounded); more get HTTP 429
     max_request_bytes: int = 4 << 20
     max_n: int = 1
+    # Prompts (text, or all chat message contents) over tokenize_inline_bytes UTF-8 bytes are tokenized in one of
+    # tokenize_workers processes (router/tokenize_pool.py), never on the event loop; 0 workers: all inline.
+    tokenize_workers: int = 2
+    tokenize_inline_bytes: int = 4 << 10
     timing_keep: int = 1024  # /v1/requests/{id}/timing: last N requests ...
     timing_ttl_s: float = 300.0  # ... for at most this long
     default_max_tokens: int = 128  # gRPC requests without max_new_tokens (clamped to the context)
@@ -113,6 +117,10 @@ class RouterConfig:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if self.max_inflight_requests < 0:
             raise ConfigError(f"--max-inflight-requests must be >= 0, got {self.max_inflight_requests}")
+        if self.tokenize_workers < 0:
+            raise ConfigError(f"--tokenize-workers must be >= 0, got {self.tokenize_workers}")
+        if self.tokenize_inline_bytes < 0:
+            raise ConfigError(f"--tokenize-inline-bytes must be >= 0, got {self.tokenize_inline_bytes}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
         self.tls.check()

@@ -16,6 +16,9 @@ from typing import Any
 from common.errors import CapacityError, InvalidRequestError
 from common.sampling.params import SamplingParams
 from router.request import GenRequest, sampling_to_proto
+from router.tokenize_messages import ChatMessage, TokenizeJob
+from router.tokenize_pool import TokenizePool
+from router.tokenizer import Tokenizer
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
@@ -45,48 +48,6 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOP_LOGPROBS = 20
 
 
-class Tokenizer:
-    """The HF tokenizer, with a fast path straight into the Rust tokenizer when it encodes identically."""
-
-    def __init__(self, hf: Any) -> None:
-        self.hf = hf
-        self.vocab_size = len(hf)
-        self.has_chat_template = bool(getattr(hf, "chat_template", None))
-        backend = getattr(hf, "backend_tokenizer", None)
-        probe = "Hello, world! 12 \u00e9t\u00e9 \U0001f600\n  x"
-        self._fast = (
-            backend if backend is not None and backend.encode(probe).ids == hf.encode(probe) else None
-        )
-        ids = [*hf.encode(probe), *range(min(self.vocab_size, 64))]
-        same = backend is not None and all(
-            backend.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
-            for skip in (True, False)
-        )
-        self._fast_decode = backend if same else None
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """Same text as the HF tokenizer's ``decode`` (used by the incremental detokenizer on the hot path)."""
-        if self._fast_decode is not None:
-            return self._fast_decode.decode(ids, skip_special_tokens=skip_special_tokens)
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def encode(self, text: str) -> list[int]:
-        if self._fast is not None:
-            return self._fast.encode(text).ids
-        return self.hf.encode(text)
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except (
-            Exception
-        ) as e:  # jinja raises anything (TemplateError, TypeError) on input the template rejects
-            raise InvalidRequestError(f"messages: the model's chat template rejected them: {e}") from e
-        if self._fast is not None:
-            return self._fast.encode(text, add_special_tokens=False).ids
-        return self.hf.encode(text, add_special_tokens=False)
-
-
 def config_context_len(model_path: Path) -> int | None:
     try:
         cfg = json.loads((model_path / "config.json").read_text())
@@ -106,8 +67,15 @@ class InputProcessor:
         config_context_len: int | None,
         default_max_tokens: int,
         request_timeout_s: float,
+        pool: TokenizePool | None = None,
+        inline_bytes: int = 0,
     ) -> None:
+        """``pool``: where inputs over ``inline_bytes`` (UTF-8 bytes of text, or of all message contents) are
+        tokenized; None tokenizes everything inline."""
         self.tok = tokenizer
+        self.pool = pool
+        self.inline_bytes = inline_bytes
+        self.max_bytes_per_token = tokenizer.max_bytes_per_token()
         self.model_name = model_name
         self.config_context_len = config_context_len
         self.worker_context_len: int | None = None  # from the workers' GetServerInfo, when known
@@ -118,7 +86,15 @@ class InputProcessor:
     def context_len(self) -> int | None:
         return self.worker_context_len or self.config_context_len
 
-    def build(
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """Prompts longer than this (UTF-8 bytes) cannot fit the context whatever they say: refused untokenized."""
+        ctx = self.context_len
+        if ctx is None or self.max_bytes_per_token is None:
+            return None
+        return ctx * self.max_bytes_per_token
+
+    async def build(
         self,
         *,
         rid: str,
@@ -143,7 +119,8 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"model: {model!r} is not served here; available models: [{self.model_name!r}]"
             )
-        ids = self._tokenize(text, input_ids, messages)
+        timeout = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
+        ids = await self._tokenize(text, input_ids, messages, arrival + timeout)
         tokenize_s = time.monotonic() - arrival
 
         ctx = self.context_len
@@ -179,7 +156,6 @@ class InputProcessor:
             raise InvalidRequestError(f"sampling parameters: {e}") from e
         sp.verify(self.tok.vocab_size)
 
-        timeout = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         return GenRequest(
             rid=rid,
             api=api,
@@ -194,8 +170,12 @@ class InputProcessor:
             tokenize_s=tokenize_s,
         )
 
-    def _tokenize(
-        self, text: str | None, input_ids: list[int] | None, messages: list[dict[str, str]] | None
+    async def _tokenize(
+        self,
+        text: str | None,
+        input_ids: list[int] | None,
+        messages: list[dict[str, str]] | None,
+        deadline: float,
     ) -> list[int]:
         given = sum(x is not None for x in (text, input_ids, messages))
         if given != 1:
@@ -203,7 +183,11 @@ class InputProcessor:
         if text is not None:
             if not text:
                 raise InvalidRequestError("prompt must not be empty")
-            ids = self.tok.encode(text)
+            nbytes = self._check_bytes("prompt", utf8_len(text))
+            if self.pool is not None and nbytes > self.inline_bytes:
+                ids = await self.pool.tokenize(TokenizeJob(text=text), deadline)
+            else:
+                ids = self.tok.encode(text)
             if not ids:
                 raise InvalidRequestError("prompt encodes to no tokens")
             return ids
@@ -230,7 +214,26 @@ class InputProcessor:
             raise InvalidRequestError(
                 "messages: this model has no chat template; send a prompt to /v1/completions"
             )
-        ids = self.tok.encode_chat(messages)
+        nbytes = self._check_bytes("messages", sum(utf8_len(m["content"]) for m in messages))
+        if self.pool is not None and nbytes > self.inline_bytes:
+            job = TokenizeJob(messages=[ChatMessage(m["role"], m["content"]) for m in messages])
+            ids = await self.pool.tokenize(job, deadline)
+        else:
+            ids = self.tok.encode_chat(messages)
         if not ids:
             raise InvalidRequestError("messages render to no tokens")
         return ids
+
+    def _check_bytes(self, field: str, nbytes: int) -> int:
+        limit = self.max_prompt_bytes
+        if limit is not None and nbytes > limit:
+            raise CapacityError(
+                f"{field}: {nbytes} bytes cannot fit the model's context of {self.context_len} tokens (this "
+                f"tokenizer's tokens stand for at most {self.max_bytes_per_token} bytes each: a limit of {limit} "
+                "bytes); shorten the prompt"
+            )
+        return nbytes
+
+
+def utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))

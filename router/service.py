@@ -16,6 +16,7 @@ from router.inputs import InputProcessor, Tokenizer, config_context_len
 from router.metrics import RouterMetrics
 from router.monitor import Monitor
 from router.request import Delta, Final, GenRequest
+from router.tokenize_pool import TokenizePool
 from router.workers import Registry
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class RouterService:
             config_context_len(path),
             cfg.default_max_tokens,
             cfg.request_timeout_s,
+            TokenizePool(path, cfg.tokenize_workers) if cfg.tokenize_workers else None,
+            cfg.tokenize_inline_bytes,
         )
         self.core = RouterCore(cfg, self.inputs, hf, self.metrics, self.registry)
         self.monitor = Monitor(cfg, self.registry, self.metrics, self._infos_changed)
@@ -51,6 +54,8 @@ class RouterService:
         await self.monitor.stop()
         await self.core.aborter.drain(self.cfg.rpc_timeout_s)
         await self.registry.close()
+        if self.inputs.pool is not None:
+            await self.inputs.pool.close()
 
     def generate(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
         """Deltas (streaming requests only), then exactly one Final; or raises a typed error. Refused while the

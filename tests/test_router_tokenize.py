@@ -1,0 +1,103 @@
+"""Large prompts tokenize off the router's event loop (router/tokenize_pool.py) and never stall other requests."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import aiohttp
+import grpc
+import pytest
+
+from pdcluster.v1 import router_pb2
+from tests.test_router_support import eventually, fleet
+
+BIG = 3_900_000  # bytes: ~2.4M tokens of the mock tokenizer, ~7 s to encode on a loaded 2-core machine
+# The mock's context raised so BIG prompts fit (and its KV, so the mock accepts them).
+HUGE_CONTEXT = {"context_len": 1 << 23, "total_kv_pages": 1 << 20}
+
+
+def words(nbytes: int) -> str:
+    return ("the quick brown fox jumps over the lazy dog 12345 " * (nbytes // 50 + 1))[:nbytes]
+
+
+async def latencies(session: aiohttp.ClientSession, base: str, n: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"small": [], "liveness": []}
+    for _ in range(n):
+        for name, method, path, body in (
+            ("small", "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 1}),
+            ("liveness", "GET", "/liveness", None),
+        ):
+            t = time.perf_counter()
+            async with session.request(method, base + path, json=body) as r:
+                await r.read()
+                assert r.status == 200
+            out[name].append(time.perf_counter() - t)
+        await asyncio.sleep(0.05)
+    return out
+
+
+async def test_large_prompts_leave_small_requests_and_liveness_fast() -> None:
+    async with fleet(common=HUGE_CONTEXT) as f, aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=60)
+    ) as session:
+        base = f.server.http_url
+        pool = f.server.service.inputs.pool
+        assert pool is not None
+        idle = await latencies(session, base, 10)
+        big = [
+            asyncio.create_task(session.post(base + "/v1/completions", json={"prompt": words(BIG), "max_tokens": 1}))
+            for _ in range(4)
+        ]
+        await eventually(lambda: pool.busy == pool.size, timeout=60)  # includes the fork server's first start
+        storm = await latencies(session, base, 10)
+        assert pool.busy == pool.size, "the storm ended before the probes did; the probes measured nothing"
+        # Margin for a loaded 2-core CI machine (both cores busy encoding): 100 ms on the median, 500 ms on the
+        # worst probe. Tokenizing one BIG prompt inline blocks the loop for seconds.
+        for name in ("small", "liveness"):
+            assert statistics.median(storm[name]) < statistics.median(idle[name]) + 0.1, (name, idle, storm)
+            assert max(storm[name]) < max(idle[name]) + 0.5, (name, idle, storm)
+
+        # Clients that go away free their workers at once: killed and replaced, not left encoding for seconds.
+        for t in big:
+            t.cancel()
+        await asyncio.gather(*big, return_exceptions=True)
+        await eventually(lambda: pool.busy == 0, timeout=2)
+        t0 = time.perf_counter()
+        async with session.post(base + "/v1/completions", json={"prompt": words(64 << 10), "max_tokens": 1}) as r:
+            assert r.status == 200, await r.text()
+        assert time.perf_counter() - t0 < 3.0  # the cancelled encodes alone would hold both workers for seconds
+
+
+async def test_prompt_that_cannot_fit_is_refused_before_tokenization() -> None:
+    async with fleet() as f, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        inputs = f.server.service.inputs
+        limit = inputs.max_prompt_bytes
+        assert limit is not None and inputs.context_len == 2048
+        prompt = words(limit + 1)
+        async with session.post(
+            f.server.http_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}
+        ) as r:
+            assert r.status == 400
+            message = (await r.json())["error"]["message"]
+        assert f"{limit + 1} bytes" in message and f"limit of {limit} bytes" in message and "2048 tokens" in message
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await f.stub().Generate(router_pb2.RouterGenerateRequest(text=prompt)).read()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"limit of {limit} bytes" in e.value.details()
+        chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+        async with session.post(f.server.http_url + "/v1/chat/completions", json=chat) as r:
+            assert r.status == 400 and "messages:" in (await r.json())["error"]["message"]
+        assert inputs.pool is not None and not inputs.pool.started  # nothing was tokenized
+
+
+async def test_medium_prompts_tokenize_in_the_pool_like_inline() -> None:
+    async with fleet(common=HUGE_CONTEXT) as f:
+        inputs = f.server.service.inputs
+        text = words(inputs.inline_bytes * 3)
+        chat = [{"role": "user", "content": text}]
+        pooled = await inputs.build(rid="a", api="completions", sampling={}, text=text)
+        pooled_chat = await inputs.build(rid="b", api="chat", sampling={}, messages=chat)
+        assert inputs.pool is not None and inputs.pool.started
+        assert pooled.input_ids == inputs.tok.encode(text)
+        assert pooled_chat.input_ids == inputs.tok.encode_chat(chat)
