@@ -100,12 +100,13 @@ class Soak:
         await asyncio.gather(*(worker() for _ in range(self.args.concurrency)))
 
     async def prober(self, client: OpenAIClient, until: float) -> None:
+        """A 2-token probe every 0.5 s, one at a time (a probe is a client like the others: under a saturating load it
+        queues like them, so its latency is reported with the recovery figures)."""
         spec = RequestSpec(index=-1, prompt_ids=[101, 102, 103, 104], max_tokens=2, kind="probe")
         while self.now() < until:
             start = self.now()
             try:
-                res = await asyncio.wait_for(client.send(spec, self.t0), 30)
-                ok = res.ok
+                ok = (await asyncio.wait_for(client.send(spec, self.t0), 60)).ok
             except TimeoutError:
                 ok = False
             self.probes.append((start, self.now(), ok))
@@ -147,9 +148,15 @@ class Soak:
         fault.ended = self.now()
 
     def service_back_s(self, fault: Fault) -> float | None:
-        """Seconds from the fault's end until the first probe started after it succeeded (None: none did)."""
+        """Seconds from the fault's end until the first probe started after it succeeded (None: none did). This
+        includes that probe's own latency, which a saturating load makes long fault or not: compare it with the
+        median probe latency before the faults (``probes`` in the report)."""
         ends = [end for start, end, ok in self.probes if ok and start >= fault.ended]
         return round(min(ends) - fault.ended, 2) if ends else None
+
+    def probe_latency_s(self, since: float, until: float) -> float | None:
+        xs = [end - start for start, end, ok in self.probes if ok and since <= start < until]
+        return round(statistics.median(xs), 2) if xs else None
 
 
 def node_addresses(cluster: UpCluster) -> dict[str, str]:
@@ -290,7 +297,10 @@ def report(soak: Soak, start: dict, end: dict, leaked: int, wall_s: float) -> di
         "requests": len(soak.results), "ok": sum(r.ok for r in soak.results),
         "output_tokens": sum(r.output_tokens for r in soak.results if r.ok),
         "errors_by_kind": dict(errors),
-        "probes": {"sent": len(soak.probes), "ok": sum(p[2] for p in soak.probes)},
+        "probes": {"sent": len(soak.probes), "ok": sum(p[2] for p in soak.probes),
+                   "median_latency_s_before_faults": soak.probe_latency_s(0.0, soak.faults[0].started),
+                   "median_latency_s_after_each_fault": [soak.probe_latency_s(f.ended, f.ended + 30)
+                                                         for f in soak.faults]},
         "faults": [{"kind": f.kind, "started_s": round(f.started, 1), "ended_s": round(f.ended, 1),
                     "service_back_s": back[f.kind], **f.detail} for f in soak.faults],
         "rss_growth_pct": growth,
@@ -340,7 +350,8 @@ def main() -> int:
     out = report(soak, start, end, leaked, time.monotonic() - t_start) | {"up_exit_code": code}
     Path(f"{a.out}.json").write_text(json.dumps(out, indent=1))
     plot(soak, Path(f"{a.out}-rss.png"))
-    print(json.dumps({k: out[k] for k in ("requests", "ok", "errors_by_kind", "faults", "checks", "met")}, indent=1))
+    print(json.dumps({k: out[k] for k in ("requests", "ok", "errors_by_kind", "probes", "faults", "checks", "met")},
+                     indent=1))
     print(f"report: {a.out}.json  plot: {a.out}-rss.png")
     return 0 if out["all_met"] else 1
 
