@@ -204,7 +204,8 @@ class PrefillScheduler:
                     if self.sched.chunked_req is req:
                         self.sched.chunked_req = None
                     req.disagg_kv.abort(req.to_abort or "transfer failed")
-                    req.abort(req.to_abort or self.polls.failure(req.disagg_kv))
+                    req.abort(req.to_abort or self.polls.failure(req.disagg_kv),
+                              ErrorCode.CANCELLED if req.to_abort else self.polls.failure_code(req.disagg_kv))
                     self.inflight_queue.add(req)  # released once quiesced
                 continue
             try:
@@ -218,7 +219,7 @@ class PrefillScheduler:
                                  req.rid, req.bootstrap_room)
                 req.finished_reason = None
                 req.abort(internal_error_message(e), ErrorCode.INTERNAL)
-                req.disagg_kv.abort(internal_error_message(e))
+                req.disagg_kv.abort(internal_error_message(e), ErrorCode.INTERNAL)
             self.inflight_queue.add(req)
 
     def poll_inflight(self) -> None:
