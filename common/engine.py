@@ -24,7 +24,7 @@ from common.config import ServerArgs
 from common.detokenizer import IncrementalDetokenizer
 from common.device import rank_device
 from common.distributed import TPGroup, broadcast_inputs, host_store, init_tp_group
-from common.errors import CapacityError, ConfigError, InvalidRequestError, PdclusterError
+from common.errors import CapacityError, ConfigError, ErrorCode, InvalidRequestError, PdclusterError
 from common.io_struct import (
     AbortReq,
     GenerateReqInput,
@@ -181,7 +181,7 @@ class Engine:
         with self._lock:
             states = list(self._states.items())
         for rid, state in states:
-            state.deliver(TokenOut(rid=rid, token_ids=[], finish_reason="abort", error=message, error_code="INTERNAL"))
+            state.deliver(TokenOut(rid=rid, token_ids=[], finish_reason="abort", error=message, error_code=ErrorCode.INTERNAL))
 
     def _on_outputs(self, msgs: list[Any]) -> None:
         for msg in msgs:
@@ -256,9 +256,9 @@ class Engine:
             out.text = state.detok.text
             with self._lock:
                 self._states.pop(msg.rid, None)
-            if msg.error_code == "INVALID_ARGUMENT":
+            if msg.error_code == ErrorCode.INVALID_ARGUMENT:
                 raise InvalidRequestError(msg.error or "invalid request")
-            if msg.error_code not in (None, "CANCELLED"):
+            if msg.error_code not in (None, ErrorCode.CANCELLED):
                 raise RequestFailed(msg.error or "request failed", msg.error_code)
         return delta
 

@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    """The gRPC status a node fails a request with, chosen where the failure happens (never guessed from a message's
+    wording). Each value is the ``grpc.StatusCode`` member of the same name."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"  # the client's request is malformed or can never fit
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the cluster refused the pairing (KV layout, cluster secret)
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # over the node's queue limit; retry later
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # a deadline passed (a KV room's state, a request's)
+    CANCELLED = "CANCELLED"  # aborted: by the client, a scheduler, or the KV peer's abort
+    UNAVAILABLE = "UNAVAILABLE"  # a peer or rank died, went silent, or the transport failed
+    INTERNAL = "INTERNAL"  # a bug or broken invariant in this node
+
 
 class PdclusterError(Exception):
     """Base of every error pdcluster raises on purpose."""

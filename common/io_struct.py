@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from common.errors import ErrorCode
 from common.sampling.params import SamplingParams
 
 
@@ -65,7 +66,7 @@ class TokenOut(msgspec.Struct, tag=True, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_stop: int | str | None = None
     error: str | None = None  # for "abort": what happened
-    error_code: str | None = None  # "INVALID_ARGUMENT", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", ...
+    error_code: ErrorCode | None = None  # for "abort": the gRPC status the client sees
     error_origin: str | None = None  # KV_PEER_FAULT: the failure was the KV transfer peer's, not this node's
     timing: Timing | None = None
 
@@ -118,7 +119,7 @@ class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
-    error_code: str | None = None
+    error_code: ErrorCode | None = None
     error_origin: str | None = None  # KV_PEER_FAULT: the decode peer's fault
     timing: Timing | None = None
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.errors import ErrorCode
+
 if TYPE_CHECKING:
     from common.sampling.params import SamplingParams
 
@@ -34,7 +36,7 @@ class Finished:
     reason: FinishReason
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str = ""  # for ABORT: why
-    code: str = "CANCELLED"  # for ABORT: the gRPC status name the client sees
+    code: ErrorCode = ErrorCode.CANCELLED  # for ABORT: the gRPC status the client sees
     origin: str = ""  # for ABORT: whose fault, when not this node's (KV_PEER_FAULT: the KV transfer's peer)
 
 
@@ -156,7 +158,7 @@ class Req:
         self.is_retracted = True
         self.future_slot = None
 
-    def abort(self, message: str, code: str = "CANCELLED", origin: str = "") -> None:
+    def abort(self, message: str, code: ErrorCode = ErrorCode.CANCELLED, origin: str = "") -> None:
         self.finished_reason = Finished(FinishReason.ABORT, message=message, code=code, origin=origin)
 
     def __repr__(self) -> str:

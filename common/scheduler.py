@@ -30,7 +30,7 @@ import torch
 
 from common.config import ServerArgs
 from common.distributed import TPGroup
-from common.errors import CapacityError, InvalidRequestError
+from common.errors import CapacityError, ErrorCode, InvalidRequestError
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 from common.mem.chunk_cache import ChunkCache
@@ -186,13 +186,13 @@ class Scheduler:
 
     def build_req(self, msg: GenerateReqInput) -> Req | None:
         if msg.rid in self.reqs_by_rid:
-            self.out.error(msg.rid, f"request id {msg.rid!r} is already in flight", "INVALID_ARGUMENT")
+            self.out.error(msg.rid, f"request id {msg.rid!r} is already in flight", ErrorCode.INVALID_ARGUMENT)
             return None
         inject("input", msg.rid)
         try:
             self.validate(msg)
         except (InvalidRequestError, CapacityError) as e:
-            self.out.error(msg.rid, str(e), "INVALID_ARGUMENT")
+            self.out.error(msg.rid, str(e), ErrorCode.INVALID_ARGUMENT)
             return None
         sp = msg.sampling_params
         room = self.model_config.context_len - len(msg.input_ids)
@@ -218,7 +218,7 @@ class Scheduler:
         """An unexpected error while taking a request in: it fails with INTERNAL; it holds no pages yet."""
         logger.exception("rid=%s: internal error handling the request", rid, exc_info=exc)
         self.reqs_by_rid.pop(rid, None)
-        self.out.error(rid, internal_error_message(exc), "INTERNAL")
+        self.out.error(rid, internal_error_message(exc), ErrorCode.INTERNAL)
 
     def fail_req(self, req: Req, exc: Exception) -> None:
         """An unexpected error while handling one request's result: it finishes with INTERNAL and its KV and slot
@@ -228,7 +228,7 @@ class Scheduler:
         if self.chunked_req is req:
             self.chunked_req = None
         req.finished_reason = None
-        req.abort(internal_error_message(exc), "INTERNAL")
+        req.abort(internal_error_message(exc), ErrorCode.INTERNAL)
         self.finish_req(req)
 
     def abort_request(self, rid: str, reason: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from common.errors import ErrorCode
 from common.io_struct import Timing, TokenOut
 from common.req import Req
 
@@ -63,7 +64,7 @@ class OutputCollector:
         out.timing = req_timing(req)
         self.pending.append(out)
 
-    def error(self, rid: str, message: str, code: str) -> None:
+    def error(self, rid: str, message: str, code: ErrorCode) -> None:
         self.pending.append(TokenOut(rid=rid, token_ids=[], finish_reason="abort", error=message, error_code=code))
 
     def send_now(self, msgs: list[Any]) -> None:

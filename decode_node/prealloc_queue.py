@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from common.errors import ErrorCode
 from common.io_struct import GenerateReqInput
 from common.mem.pages import req_pages
 from common.req import Req
@@ -37,11 +38,11 @@ class DecodePreallocQueue:
 
     def add(self, msg: GenerateReqInput) -> Req | None:
         if msg.bootstrap_room is None:
-            self.scheduler.out.error(msg.rid, "bootstrap_room is required on a decode node", "INVALID_ARGUMENT")
+            self.scheduler.out.error(msg.rid, "bootstrap_room is required on a decode node", ErrorCode.INVALID_ARGUMENT)
             return None
         if not msg.bootstrap_addr:
             self.scheduler.out.error(msg.rid, "bootstrap_addr (the prefill node's host:port) is required on a "
-                                     "decode node", "INVALID_ARGUMENT")
+                                     "decode node", ErrorCode.INVALID_ARGUMENT)
             return None
         req = self.scheduler.build_req(msg)
         if req is None:

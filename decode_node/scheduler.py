@@ -13,7 +13,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.distributed import TPGroup
-from common.errors import KV_PEER_FAULT
+from common.errors import KV_PEER_FAULT, ErrorCode
 from common.faults import inject
 from common.io_struct import GenerateReqInput, QueueLoad, SchedulerInput
 from common.mem.pages import bytes_per_page
@@ -23,7 +23,7 @@ from common.scheduler import Scheduler
 from common.scheduler_metrics import DisaggQueueCounts
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
-from kvtransfer.node import make_kv_manager, transfer_error_code
+from kvtransfer.node import make_kv_manager
 from kvtransfer.poll import GroupPolls
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class DecodeScheduler:
     def fail(self, req: Req) -> None:
         """A request whose transfer failed or was aborted: free its pages (quiesced) and report why."""
         reason = req.to_abort or self.polls.failure(req.disagg_kv) or "KV transfer failed"
-        code = "CANCELLED" if req.to_abort else transfer_error_code(reason)
+        code = ErrorCode.CANCELLED if req.to_abort else self.polls.failure_code(req.disagg_kv)
         if req.to_abort is None:
             logger.warning("rid=%s room=%s: %s", req.rid, req.bootstrap_room, reason)
         req.disagg_kv.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from common.errors import ErrorCode
 from kvtransfer.poll import KVPoll
 from kvtransfer.rooms import RoomRecord, Rooms
 
@@ -39,10 +40,15 @@ class KVHandle(Generic[RoomsT]):
         """Why the room failed (names the peer and the state), or "" if it has not."""
         return self._rec.reason
 
-    def abort(self, reason: str | None = None) -> None:
-        """Fail the room here and on the peer side (which acks); pages stay owned until ``is_quiesced()``."""
+    def failure_code(self) -> ErrorCode | None:
+        """The status the room failed with, set where the failure was detected; None if it has not failed."""
+        return self._rec.code
+
+    def abort(self, reason: str | None = None, code: ErrorCode = ErrorCode.CANCELLED) -> None:
+        """Fail the room with ``code`` here and on the peer side (which acks); pages stay owned until
+        ``is_quiesced()``."""
         reason = f"aborted by the {self._rooms.mode} scheduler" if reason is None else reason
-        self._rooms.abort(self._rec, f"room {self.room}: {reason}")
+        self._rooms.abort(self._rec, code, f"room {self.room}: {reason}")
 
     def is_quiesced(self) -> bool:
         """True once no transfer touches this room's pages any more (prefill reads them, decode writes them): they

@@ -13,9 +13,9 @@ Flow of one room (D = decode rank, P = prefill rank)::
     D -> P  TransferInfo(room, dst_pages, slot)   P's sender: Bootstrapping -> WaitingForInput
     P -> D  ChunkDone(room, chunk_id, ...)        after the data plane put each chunk in D's pages;
                                                   the last one carries num_chunks and the MetadataRecord
-    either  Abort(room, reason) -> AbortAck(room) the acker has no transfer of that room in flight any more
+    either  Abort(room, code, reason) -> AbortAck(room) the acker has no transfer of that room in flight any more
     D -> P  Status(room, Success)                 D has every chunk and a valid record; P's sender: -> Success
-    P -> D  Status(room, Failed, reason)          P failed the room (transfer error, deadline)
+    P -> D  Status(room, Failed, code, reason)    P failed the room (transfer error, deadline)
     both    Heartbeat                             every heartbeat_interval_s to every accepted peer
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import msgspec
 
+from common.errors import ErrorCode
 from kvtransfer.args import KVLayout
 from kvtransfer.metadata import MetadataRecord
 
@@ -93,11 +94,13 @@ class Status(ControlMessage, tag="status"):
     room: int
     state: int
     reason: str = ""
+    code: ErrorCode = ErrorCode.UNAVAILABLE  # of a Failed state: the failure's code, which the peer's room takes
 
 
 class Abort(ControlMessage, tag="abort"):
     room: int
     reason: str
+    code: ErrorCode = ErrorCode.CANCELLED  # the aborting room's failure code, which the peer's room takes
 
 
 class AbortAck(ControlMessage, tag="abort_ack"):

@@ -60,15 +60,3 @@ def bootstrap_addr(args: ServerArgs, mode: Mode) -> str | None:
         host = args.dist_init_addr.rpartition(":")[0]
     return f"{host}:{args.disaggregation_bootstrap_port}"
 
-
-def transfer_error_code(reason: str) -> str:
-    """gRPC status of a failed transfer: DEADLINE_EXCEEDED for expired states, FAILED_PRECONDITION for refused
-    handshakes, CANCELLED for aborts, UNAVAILABLE for lost peers (and anything else)."""
-    lowered = reason.lower()
-    if "deadline" in lowered or "timed out" in lowered or "timeout" in lowered:
-        return "DEADLINE_EXCEEDED"
-    if "incompatible" in lowered or "mismatch" in lowered or ("token" in lowered and "cluster" in lowered):
-        return "FAILED_PRECONDITION"
-    if "aborted" in lowered:
-        return "CANCELLED"
-    return "UNAVAILABLE"

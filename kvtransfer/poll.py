@@ -4,7 +4,8 @@
 
 Invariants: a room's state only moves up (``advance``); Failed is sticky and can be entered from any state except
 Success; across TP ranks a request's state is the MIN of the ranks' states (``reduce_polls``), so any failed rank
-fails the request and all ranks must succeed before it succeeds.
+fails the request and all ranks must succeed before it succeeds; a failed request's code is its lowest failed
+rank's (``GroupPolls``), which the ranks it aborts adopt, so every rank reports one code.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from common.errors import ErrorCode
 
 
 class KVPoll(enum.IntEnum):
@@ -50,7 +53,8 @@ class KVHandleLike(Protocol):
     def poll(self) -> KVPoll: ...
     def is_quiesced(self) -> bool: ...
     def failure(self) -> str: ...
-    def abort(self, reason: str = ...) -> None: ...
+    def failure_code(self) -> ErrorCode | None: ...
+    def abort(self, reason: str = ..., code: ErrorCode = ...) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,18 +64,21 @@ class GroupPoll:
     state: KVPoll  # MIN over the group's ranks
     quiesced: bool  # every rank's handle is quiesced
     failed_rank: int | None  # the lowest TP rank whose own handle failed, when ``state`` is Failed
+    code: ErrorCode | None = None  # ``failed_rank``'s failure code, when ``state`` is Failed
 
 
 _UNSEEN = GroupPoll(KVPoll.Bootstrapping, False, None)
+_CODES = tuple(ErrorCode)  # identical order on every rank: a code travels in the all-reduce as its index here
 
 
 class GroupPolls:
     """The TP group's view of its requests' transfers (the seeds' all-reduce of ``KVPoll``), refreshed once a step.
 
     ``refresh`` runs ONE collective over every handle the scheduler may act on this step, in the scheduler's
-    (identical) queue order: each rank contributes ``state * tp_size + tp_rank`` and ``quiesced``; the MIN gives the
-    group's state, the lowest failed rank, and whether all ranks are quiesced. A rank whose own handle is still
-    open when the group failed aborts it, so its pages quiesce too. Decisions read the snapshot, so all ranks make
+    (identical) queue order: each rank contributes ``(state * tp_size + tp_rank) * len(ErrorCode) + code`` and
+    ``quiesced``; the MIN gives the group's state, the lowest failed rank with its failure code, and whether all
+    ranks are quiesced. A rank whose own handle is still open when the group failed aborts it with the group's
+    code, so its pages quiesce too and a later refresh reports the same code. Decisions read the snapshot, so all ranks make
     them on the same values; a handle opened after the refresh reads as Bootstrapping until the next one.
     With ``tp_size == 1`` there is no snapshot: every read is the handle's own live state.
     """
@@ -88,20 +95,29 @@ class GroupPolls:
         self._seen = {}
         if not unique:
             return
-        local = torch.tensor([[int(h.poll()) * self.tp_size + self.tp_rank, int(h.is_quiesced())] for h in unique],
-                             dtype=torch.int64)
+        local = torch.tensor([[self._encode(h), int(h.is_quiesced())] for h in unique], dtype=torch.int64)
         reduced = self._all_reduce_min(local).tolist()
-        for h, (code, quiesced) in zip(unique, reduced, strict=True):
-            state, rank = KVPoll(code // self.tp_size), code % self.tp_size
-            group = GroupPoll(state, bool(quiesced), rank if state == KVPoll.Failed else None)
-            if state == KVPoll.Failed and h.poll() != KVPoll.Failed:
-                h.abort(f"KV transfer failed on TP rank {rank}")
+        for h, (packed, quiesced) in zip(unique, reduced, strict=True):
+            state_rank, code_index = divmod(packed, len(_CODES))
+            state, rank = KVPoll(state_rank // self.tp_size), state_rank % self.tp_size
+            failed = state == KVPoll.Failed
+            group = GroupPoll(state, bool(quiesced), rank if failed else None, _CODES[code_index] if failed else None)
+            if failed and h.poll() != KVPoll.Failed:
+                h.abort(f"KV transfer failed on TP rank {rank}", _CODES[code_index])
             self._seen[id(h)] = (h, group)
+
+    def _encode(self, h: KVHandleLike) -> int:
+        state = h.poll()
+        # A failed handle always has a code; UNAVAILABLE stands in should a handle fail without one.
+        code = (h.failure_code() or ErrorCode.UNAVAILABLE) if state == KVPoll.Failed else _CODES[0]
+        return (int(state) * self.tp_size + self.tp_rank) * len(_CODES) + _CODES.index(code)
 
     def get(self, handle: KVHandleLike) -> GroupPoll:
         if self.tp_size == 1:
             state = handle.poll()
-            return GroupPoll(state, handle.is_quiesced(), 0 if state == KVPoll.Failed else None)
+            if state != KVPoll.Failed:
+                return GroupPoll(state, handle.is_quiesced(), None)
+            return GroupPoll(state, handle.is_quiesced(), 0, handle.failure_code() or ErrorCode.UNAVAILABLE)
         entry = self._seen.get(id(handle))
         return entry[1] if entry is not None and entry[0] is handle else _UNSEEN
 
@@ -111,3 +127,7 @@ class GroupPolls:
     def failure(self, handle: KVHandleLike) -> str:
         """Why the group failed the request: this rank's own reason, else which rank failed it."""
         return handle.failure() or f"KV transfer failed on TP rank {self.get(handle).failed_rank} (see its log)"
+
+    def failure_code(self, handle: KVHandleLike) -> ErrorCode:
+        """The status the group failed the request with (its lowest failed rank's code); call once Failed."""
+        return self.get(handle).code or ErrorCode.UNAVAILABLE

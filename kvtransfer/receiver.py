@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import grpc
 
+from common.errors import ErrorCode
 from kvtransfer import auth
 from kvtransfer.args import Mode, incompatibility
 from kvtransfer.backends.base import PeerKey, TransferJob
@@ -110,7 +111,7 @@ class DecodeRooms:
             rec = RecvRoom(room, self.mgr.config, now, bootstrap_addr=bootstrap_addr,
                            waiting_for=f"bootstrap {bootstrap_addr}")
             if room in self.rooms:
-                rec.fail(f"room {room}: duplicate bootstrap room (already in flight on this decode rank)", now)
+                rec.fail(ErrorCode.UNAVAILABLE, f"room {room}: duplicate bootstrap room (already in flight on this decode rank)", now)
                 rec.quiesced = True
             else:
                 self.rooms[room] = rec
@@ -134,16 +135,16 @@ class DecodeRooms:
             rec.progress(time.monotonic())
             self._send_infos(rec)
 
-    def abort(self, rec: RecvRoom, reason: str) -> None:
+    def abort(self, rec: RecvRoom, code: ErrorCode, reason: str) -> None:
         with self.mgr.lock:
-            self.fail(rec, reason, time.monotonic())
+            self.fail(rec, code, reason, time.monotonic())
 
     def clear(self, rec: RecvRoom) -> None:
         with self.mgr.lock:
             if self.rooms.get(rec.room) is not rec:
                 return
             if not rec.state.is_final:
-                self.fail(rec, f"room {rec.room}: cleared while {rec.state.name}", time.monotonic())
+                self.fail(rec, ErrorCode.CANCELLED, f"room {rec.room}: cleared while {rec.state.name}", time.monotonic())
             if rec.quiesced:
                 del self.rooms[rec.room]
                 if rec.metadata_slot is not None:
@@ -216,8 +217,8 @@ class DecodeRooms:
             elif isinstance(msg, Abort) or (isinstance(msg, Status) and msg.state == KVPoll.Failed):
                 what = "aborted" if isinstance(msg, Abort) else "failed"
                 rec.unacked.discard(peer.key)  # it has nothing in flight for this room any more
-                self.fail(rec, f"room {rec.room}: prefill {peer.describe()} {what} the room: {msg.reason}", now,
-                          skip=peer.key)
+                self.fail(rec, msg.code, f"room {rec.room}: prefill {peer.describe()} {what} the room: {msg.reason}",
+                          now, skip=peer.key)
                 rec.peer_quiesced(peer.key)
             elif isinstance(msg, AbortAck):
                 rec.peer_quiesced(peer.key)
@@ -233,14 +234,14 @@ class DecodeRooms:
                     del self.ranks[cache_key]
             for rec in list(self.rooms.values()):
                 if any(s.key == key for s in rec.sources or ()):
-                    self.fail(rec, f"room {rec.room}: {reason} while {rec.state.name}", now, skip=key)
+                    self.fail(rec, ErrorCode.UNAVAILABLE, f"room {rec.room}: {reason} while {rec.state.name}", now, skip=key)
                     rec.peer_quiesced(key)
 
     def tick(self, now: float) -> None:
         with self.mgr.lock:
             for rec in list(self.rooms.values()):
                 if rec.expired(now):
-                    self.fail(rec, rec.expiry_reason(), now)
+                    self.fail(rec, ErrorCode.DEADLINE_EXCEEDED, rec.expiry_reason(), now)
                 elif rec.state == KVPoll.Failed and not rec.quiesced and now > rec.ack_deadline:
                     log.warning("kv %s: room %d: no abort ack from %s within %.1fs; treating pages as free",
                                 self.mgr.instance_id, rec.room, sorted(k.instance_id for k in rec.unacked),
@@ -256,19 +257,19 @@ class DecodeRooms:
     def close(self, reason: str) -> None:
         with self.mgr.lock:
             for rec in self.rooms.values():
-                self.fail(rec, reason, time.monotonic())
+                self.fail(rec, ErrorCode.UNAVAILABLE, reason, time.monotonic())
 
     # ---- internals ----------------------------------------------------------------------------------------------
-    def fail(self, rec: RecvRoom, reason: str, now: float, skip: PeerKey | None = None) -> bool:
+    def fail(self, rec: RecvRoom, code: ErrorCode, reason: str, now: float, skip: PeerKey | None = None) -> bool:
         """Fail the room and send Abort to every source that may still write into its pages (except ``skip``)."""
-        if not rec.fail(reason, now):
+        if not rec.fail(code, reason, now):
             return False
         log.warning("kv %s: %s", self.mgr.instance_id, reason)
         for source in rec.sources or ():
             if source.key is not None and source.info_sent and source.key != skip \
                     and source.key.instance_id in self.mgr.peers:
                 rec.unacked.add(source.key)
-                self.mgr.send_to(source.key, Abort(**self.mgr.stamp(), room=rec.room, reason=reason))
+                self.mgr.send_to(source.key, Abort(**self.mgr.stamp(), room=rec.room, reason=reason, code=code))
         rec.quiesced = not rec.unacked
         return True
 
@@ -284,7 +285,7 @@ class DecodeRooms:
         if msg.num_chunks:
             source.num_chunks = msg.num_chunks
             if source.chunks != msg.num_chunks:
-                self.fail(rec, f"room {rec.room}: prefill {source.key} reported {msg.num_chunks} chunks but "
+                self.fail(rec, ErrorCode.UNAVAILABLE, f"room {rec.room}: prefill {source.key} reported {msg.num_chunks} chunks but "
                                f"{source.chunks} arrived", now)
                 return
         if rec.state == KVPoll.Transferring and rec.metadata_ok and all(s.complete for s in rec.sources or ()):
@@ -296,11 +297,11 @@ class DecodeRooms:
     def _land_metadata(self, rec: RecvRoom, record: MetadataRecord, now: float) -> None:
         slot = rec.metadata_slot
         if slot is None or record.room != rec.room:
-            self.fail(rec, f"room {rec.room}: metadata record for room {record.room} (slot {slot})", now)
+            self.fail(rec, ErrorCode.UNAVAILABLE, f"room {rec.room}: metadata record for room {record.room} (slot {slot})", now)
             return
         self.mgr.metadata.write(slot, record)
         if self.mgr.metadata.room_of(slot) != rec.room:
-            self.fail(rec, f"room {rec.room}: context corruption: metadata slot {slot} holds room "
+            self.fail(rec, ErrorCode.INTERNAL, f"room {rec.room}: context corruption: metadata slot {slot} holds room "
                            f"{self.mgr.metadata.room_of(slot)}", now)
             return
         rec.metadata_ok = True
@@ -335,8 +336,8 @@ class DecodeRooms:
                 return
             dp_size, tp_size = topo
             if not 0 <= rec.dp_rank < dp_size:
-                self.fail(rec, f"room {rec.room}: prefill_dp_rank {rec.dp_rank} outside dp_size {dp_size} of {addr}",
-                          now)
+                self.fail(rec, ErrorCode.FAILED_PRECONDITION,
+                          f"room {rec.room}: prefill_dp_rank {rec.dp_rank} outside dp_size {dp_size} of {addr}", now)
                 return
             if rec.sources is None:
                 plan = source_plan(me.tp_rank, me.tp_size, tp_size, me.total_kv_heads)
@@ -350,7 +351,8 @@ class DecodeRooms:
                     self._lookup(addr, rec.dp_rank, source.tp_rank, now)
                     continue
                 if (reason := self.refused.get(entry.instance_id)) is not None:
-                    self.fail(rec, f"room {rec.room}: prefill rank {entry.instance_id} refused the handshake: "
+                    self.fail(rec, ErrorCode.FAILED_PRECONDITION,
+                              f"room {rec.room}: prefill rank {entry.instance_id} refused the handshake: "
                                    f"{reason}", now)
                     return
                 peer = self.mgr.peers.get(entry.instance_id)
@@ -402,8 +404,17 @@ class DecodeRooms:
                     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 for rec in list(self.rooms.values()):
                     if rec.bootstrap_addr == key[0] and rec.state == KVPoll.Bootstrapping:
-                        self.fail(rec, f"room {rec.room}: {result}", now)
+                        self.fail(rec, bootstrap_error_code(result), f"room {rec.room}: {result}", now)
         self._pump_all()
+
+
+def bootstrap_error_code(error: BootstrapError) -> ErrorCode:
+    """A room's code for a lookup the bootstrap refused: the lookup does not fit its topology or the cluster's
+    secret (FAILED_PRECONDITION), else the rank is gone or unknown (UNAVAILABLE)."""
+    if error.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                      grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return ErrorCode.FAILED_PRECONDITION
+    return ErrorCode.UNAVAILABLE
 
 
 class KVReceiver(KVHandle[DecodeRooms]):

@@ -1,4 +1,4 @@
-"""Per-room records shared by both sides (state, failure reason, deadline, quiescence) and ``Rooms``, the
+"""Per-room records shared by both sides (state, failure code and reason, deadline, quiescence) and ``Rooms``, the
 protocol of a role's room logic that ``KVManager`` drives.
 
 Invariants: ``state`` only moves through ``poll.advance`` (up; Failed sticky); every non-final state has a
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from common.errors import ErrorCode
 from kvtransfer.args import KVTransferConfig, Mode
 from kvtransfer.backends.base import PeerKey, TransferJob
 from kvtransfer.poll import KVPoll, advance
@@ -32,6 +33,7 @@ class RoomRecord:
     now: float
     state: KVPoll = KVPoll.Bootstrapping
     reason: str = ""
+    code: ErrorCode | None = None  # set with ``reason`` by the failure, by the code that detected it
     deadline: float = 0.0
     quiesced: bool = False
     finished_at: float = 0.0
@@ -58,11 +60,11 @@ class RoomRecord:
         if not self.state.is_final:
             self.deadline = now + state_timeout(self.config, self.state)
 
-    def fail(self, reason: str, now: float) -> bool:
-        """Failed with ``reason``; True if this call failed it (the first failure's reason is kept)."""
+    def fail(self, code: ErrorCode, reason: str, now: float) -> bool:
+        """Failed with ``code`` and ``reason``; True if this call failed it (the first failure's are kept)."""
         if self.state.is_final:
             return False
-        self.state, self.reason, self.finished_at = KVPoll.Failed, reason, now
+        self.state, self.code, self.reason, self.finished_at = KVPoll.Failed, code, reason, now
         self.ack_deadline = now + self.config.abort_ack_timeout_s
         return True
 
@@ -90,8 +92,8 @@ class Rooms(Protocol):
     def __init__(self, mgr: KVManager) -> None: ...
 
     # ---- scheduler thread, through the role's handle (``KVSender``/``KVReceiver``) -----------------------------
-    def abort(self, rec: Any, reason: str) -> None:
-        """Fail ``rec`` (one of this role's records) here and on its peers."""
+    def abort(self, rec: Any, code: ErrorCode, reason: str) -> None:
+        """Fail ``rec`` (one of this role's records) with ``code`` here and on its peers."""
 
     def clear(self, rec: Any) -> None:
         """Forget ``rec`` once quiesced; an open one is failed first."""
@@ -107,10 +109,10 @@ class Rooms(Protocol):
         """A data-plane job finished (``error`` None) or failed."""
 
     def peer_lost(self, key: PeerKey, reason: str) -> None:
-        """The peer died or restarted: fail the rooms it serves."""
+        """The peer died or restarted: fail the rooms it serves (UNAVAILABLE)."""
 
     def tick(self, now: float) -> None:
         """The periodic sweep: deadlines, retries, forgetting old rooms."""
 
     def close(self, reason: str) -> None:
-        """The manager closes (any thread): fail every open room."""
+        """The manager closes (any thread): fail every open room (UNAVAILABLE)."""

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+from common.errors import ErrorCode
 from kvtransfer import auth
 from kvtransfer.args import Mode, incompatibility
 from kvtransfer.backends.base import PeerKey, TransferJob
@@ -91,7 +92,8 @@ class PrefillRooms:
         self.mgr = mgr
         self.rooms: dict[int, SendRoom] = {}
         self.early: dict[int, tuple[float, list[tuple[Peer, TransferInfo]]]] = {}  # TransferInfo before the sender
-        self.tombstones: dict[int, tuple[float, str]] = {}  # finished room -> (forget at, failure reason or "")
+        # failed room -> (forget at, failure reason, failure code)
+        self.tombstones: dict[int, tuple[float, str, ErrorCode]] = {}
         # (decode instance_id, epoch) -> (expires, its Hello, our nonce): challenges awaiting a HelloProof
         self.challenges: dict[tuple[str, int], tuple[float, Hello, bytes]] = {}
 
@@ -101,13 +103,13 @@ class PrefillRooms:
         with self.mgr.lock:
             rec = SendRoom(room, self.mgr.config, now, waiting_for="the decode side's TransferInfo")
             if room in self.rooms:
-                rec.fail(f"room {room}: duplicate bootstrap room (already in flight on this prefill rank)", now)
+                rec.fail(ErrorCode.UNAVAILABLE, f"room {room}: duplicate bootstrap room (already in flight on this prefill rank)", now)
                 rec.quiesced = True
                 return rec
             self.rooms[room] = rec
-            _, reason = self.tombstones.pop(room, (0.0, ""))
+            _, reason, code = self.tombstones.pop(room, (0.0, "", ErrorCode.UNAVAILABLE))
             if reason:
-                rec.fail(reason, now)
+                rec.fail(code, reason, now)
                 rec.quiesced = True
             for peer, info in self.early.pop(room, (0.0, []))[1]:
                 self._add_info(rec, peer, info, now)
@@ -129,7 +131,7 @@ class PrefillRooms:
             if rec.state.is_final:
                 return
             if rec.state < KVPoll.WaitingForInput or rec.last_submitted:
-                self.fail(rec, f"room {rec.room}: send() in state {rec.state.name}"
+                self.fail(rec, ErrorCode.INTERNAL, f"room {rec.room}: send() in state {rec.state.name}"
                                f"{' after the last chunk' if rec.last_submitted else ''}", now)
                 return
             start, stop = rec.pages_sent, rec.pages_sent + len(pages)
@@ -137,7 +139,7 @@ class PrefillRooms:
             for target in rec.targets.values():
                 dst = target.info.dst_pages
                 if stop > len(dst):
-                    self.fail(rec, f"room {rec.room}: prefill sent {stop} pages but decode {target.key.instance_id} "
+                    self.fail(rec, ErrorCode.FAILED_PRECONDITION, f"room {rec.room}: prefill sent {stop} pages but decode {target.key.instance_id} "
                                    f"allocated {len(dst)}", now)
                     return
                 runs = tuple(coalesce_runs(pages, dst[start:stop]))
@@ -151,15 +153,16 @@ class PrefillRooms:
             for job in jobs:
                 self.mgr.backend.submit(job)
 
-    def abort(self, rec: SendRoom, reason: str) -> None:
+    def abort(self, rec: SendRoom, code: ErrorCode, reason: str) -> None:
         with self.mgr.lock:
-            self.fail(rec, reason, time.monotonic(), notify=Abort)
+            self.fail(rec, code, reason, time.monotonic(), notify=Abort)
 
     def clear(self, rec: SendRoom) -> None:
         with self.mgr.lock:
             if self.rooms.get(rec.room) is rec:
                 if not rec.state.is_final:
-                    self.fail(rec, f"room {rec.room}: cleared while {rec.state.name}", time.monotonic(), notify=Abort)
+                    self.fail(rec, ErrorCode.CANCELLED, f"room {rec.room}: cleared while {rec.state.name}",
+                              time.monotonic(), notify=Abort)
                 if rec.quiesced:
                     del self.rooms[rec.room]
 
@@ -223,8 +226,9 @@ class PrefillRooms:
                 if rec is not None:
                     self._add_info(rec, peer, msg, now)
                 elif msg.room in self.tombstones:
+                    _, reason, code = self.tombstones[msg.room]
                     self.mgr.send_to(peer.key, Status(**self.mgr.stamp(), room=msg.room, state=KVPoll.Failed,
-                                                      reason=self.tombstones[msg.room][1] or "room already finished"))
+                                                      reason=reason or "room already finished", code=code))
                 else:
                     expires, infos = self.early.get(msg.room, (now + self.mgr.config.bootstrap_timeout_s, []))
                     self.early[msg.room] = (expires, [*infos, (peer, msg)])
@@ -232,11 +236,11 @@ class PrefillRooms:
                 reason = f"room {msg.room}: aborted by decode {peer.describe()}: {msg.reason}"
                 if rec is None or rec.quiesced:
                     self.early.pop(msg.room, None)
-                    self.tombstones.setdefault(msg.room, (now + self.mgr.config.tombstone_s, reason))
+                    self.tombstones.setdefault(msg.room, (now + self.mgr.config.tombstone_s, reason, msg.code))
                     self.mgr.send_to(peer.key, AbortAck(**self.mgr.stamp(), room=msg.room))
                 else:
                     rec.abort_from = peer.key
-                    if not self.fail(rec, reason, now) and rec.quiesced:
+                    if not self.fail(rec, msg.code, reason, now) and rec.quiesced:
                         self.mgr.send_to(peer.key, AbortAck(**self.mgr.stamp(), room=msg.room))
             elif isinstance(msg, Status) and rec is not None and msg.state == KVPoll.Success:
                 target = rec.targets.get(peer.key)
@@ -255,7 +259,8 @@ class PrefillRooms:
             rec.outstanding -= 1
             target = rec.targets.get(job.peer)
             if error is not None:
-                self.fail(rec, f"room {job.room}: chunk {job.chunk_id} to {job.peer.instance_id} failed: {error}", now)
+                self.fail(rec, ErrorCode.UNAVAILABLE,
+                          f"room {job.room}: chunk {job.chunk_id} to {job.peer.instance_id} failed: {error}", now)
             elif not rec.state.is_final and target is not None:
                 final = rec.last_submitted and job.chunk_id == rec.next_chunk - 1
                 self.mgr.send_to(job.peer, ChunkDone(
@@ -273,7 +278,7 @@ class PrefillRooms:
         with self.mgr.lock:
             for rec in list(self.rooms.values()):
                 if key in rec.targets:
-                    self.fail(rec, f"room {rec.room}: {reason} while {rec.state.name}", now)
+                    self.fail(rec, ErrorCode.UNAVAILABLE, f"room {rec.room}: {reason} while {rec.state.name}", now)
             for room, (expires, infos) in list(self.early.items()):
                 self.early[room] = (expires, [(p, i) for p, i in infos if p.key != key])
 
@@ -281,32 +286,34 @@ class PrefillRooms:
         with self.mgr.lock:
             for rec in list(self.rooms.values()):
                 if rec.expired(now):
-                    self.fail(rec, rec.expiry_reason(), now)
+                    self.fail(rec, ErrorCode.DEADLINE_EXCEEDED, rec.expiry_reason(), now)
                 elif rec.state.is_final and rec.quiesced and now - rec.finished_at > self.mgr.config.tombstone_s:
                     del self.rooms[rec.room]  # never cleared by the scheduler; bound the table
             for room, (expires, infos) in list(self.early.items()):
                 if now > expires:
                     del self.early[room]
                     for peer, _ in infos:
-                        self.mgr.send_to(peer.key, Status(**self.mgr.stamp(), room=room, state=KVPoll.Failed, reason=(
+                        self.mgr.send_to(peer.key, Status(**self.mgr.stamp(), room=room, state=KVPoll.Failed,
+                                                          code=ErrorCode.UNAVAILABLE, reason=(
                             f"room {room}: no prefill request for it arrived within "
                             f"{self.mgr.config.bootstrap_timeout_s:.1f}s on {self.mgr.instance_id}")))
-            for room, (expires, _) in list(self.tombstones.items()):
+            for room, (expires, _, _) in list(self.tombstones.items()):
                 if now > expires:
                     del self.tombstones[room]
 
     def close(self, reason: str) -> None:
         with self.mgr.lock:
             for rec in self.rooms.values():
-                self.fail(rec, reason, time.monotonic())
+                self.fail(rec, ErrorCode.UNAVAILABLE, reason, time.monotonic())
 
     # ---- internals (lock held) --------------------------------------------------------------------------------
-    def fail(self, rec: SendRoom, reason: str, now: float, notify: type[Status] | type[Abort] | None = Status) -> bool:
-        """Fail the room, stop its queued jobs; its decode peers hear of it once nothing is in flight."""
-        if not rec.fail(reason, now):
+    def fail(self, rec: SendRoom, code: ErrorCode, reason: str, now: float,
+             notify: type[Status] | type[Abort] | None = Status) -> bool:
+        """Fail the room, stop its queued jobs; its decode peers hear of it (with ``code``) once nothing is in flight."""
+        if not rec.fail(code, reason, now):
             return False
         log.warning("kv %s: %s", self.mgr.instance_id, reason)
-        self.tombstones[rec.room] = (now + self.mgr.config.tombstone_s, reason)
+        self.tombstones[rec.room] = (now + self.mgr.config.tombstone_s, reason, code)
         rec.waiting_for = "in-flight jobs to drain"
         rec.notify = notify or Status
         rec.unacked = set(rec.targets) if notify is not None else set()
@@ -319,14 +326,15 @@ class PrefillRooms:
             return
         rec.quiesced = True
         if rec.state == KVPoll.Failed:
+            code = rec.code or ErrorCode.UNAVAILABLE
             for key in rec.unacked:
                 if key == rec.abort_from:
                     self.mgr.send_to(key, AbortAck(**self.mgr.stamp(), room=rec.room))
                 elif rec.notify is Abort:
-                    self.mgr.send_to(key, Abort(**self.mgr.stamp(), room=rec.room, reason=rec.reason))
+                    self.mgr.send_to(key, Abort(**self.mgr.stamp(), room=rec.room, reason=rec.reason, code=code))
                 else:
                     self.mgr.send_to(key, Status(**self.mgr.stamp(), room=rec.room, state=KVPoll.Failed,
-                                                 reason=rec.reason))
+                                                 reason=rec.reason, code=code))
             rec.unacked = set()
 
     def _add_info(self, rec: SendRoom, peer: Peer, info: TransferInfo, now: float) -> None:
@@ -335,7 +343,7 @@ class PrefillRooms:
         me, dst = self.mgr.layout, peer.layout
         heads = head_slice_for(me.tp_rank, me.tp_size, dst.tp_rank, dst.tp_size, me.total_kv_heads)
         if heads is None:
-            self.fail(rec, f"room {rec.room}: decode rank {peer.describe()} takes no KV heads from prefill tp rank "
+            self.fail(rec, ErrorCode.FAILED_PRECONDITION, f"room {rec.room}: decode rank {peer.describe()} takes no KV heads from prefill tp rank "
                            f"{me.tp_rank}/{me.tp_size}", now)
             return
         writer = source_plan(dst.tp_rank, dst.tp_size, me.tp_size, me.total_kv_heads)[0][0] == me.tp_rank
@@ -352,7 +360,7 @@ class PrefillRooms:
             return
         for target in rec.targets.values():
             if len(target.info.dst_pages) != rec.num_pages:
-                self.fail(rec, f"room {rec.room}: page count mismatch: prefill={rec.num_pages} "
+                self.fail(rec, ErrorCode.FAILED_PRECONDITION, f"room {rec.room}: page count mismatch: prefill={rec.num_pages} "
                                f"decode={len(target.info.dst_pages)} ({target.key.instance_id})", now)
                 return
 

@@ -6,6 +6,7 @@ import time
 
 import msgspec
 
+from common.errors import ErrorCode
 from common.io_struct import GenerateReqInput
 from common.mem.pages import num_pages
 from common.req import Req
@@ -28,7 +29,7 @@ class PrefillBootstrapQueue:
     def add(self, msg: GenerateReqInput) -> Req | None:
         """Validate (capacity, sampling), cap generation at the first token, open the request's KVSender."""
         if msg.bootstrap_room is None:
-            self.scheduler.out.error(msg.rid, "bootstrap_room is required on a prefill node", "INVALID_ARGUMENT")
+            self.scheduler.out.error(msg.rid, "bootstrap_room is required on a prefill node", ErrorCode.INVALID_ARGUMENT)
             return None
         # Prefill samples only the first token; capacity is checked for the prompt alone. min_new_tokens stays
         # (capped at 1) so EOS and stop ids are masked on the first token exactly as on a colocated node.

@@ -18,7 +18,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.distributed import TPGroup
-from common.errors import KV_PEER_FAULT
+from common.errors import KV_PEER_FAULT, ErrorCode
 from common.faults import inject
 from common.io_struct import GenerateReqInput, PrefillDone, QueueLoad, SchedulerInput, Timing
 from common.mem.pages import bytes_per_page, num_pages, req_pages
@@ -28,7 +28,7 @@ from common.schedule_batch import ScheduleBatch
 from common.scheduler import Scheduler, internal_error_message
 from common.scheduler_metrics import DisaggQueueCounts
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
-from kvtransfer.node import make_kv_manager, transfer_error_code
+from kvtransfer.node import make_kv_manager
 from kvtransfer.poll import GroupPolls, KVPoll
 from prefill_node.bootstrap_queue import PrefillBootstrapQueue
 from prefill_node.inflight_queue import PrefillInflightQueue
@@ -204,7 +204,8 @@ class PrefillScheduler:
                     if self.sched.chunked_req is req:
                         self.sched.chunked_req = None
                     req.disagg_kv.abort(req.to_abort or "transfer failed")
-                    req.abort(req.to_abort or self.polls.failure(req.disagg_kv))
+                    req.abort(req.to_abort or self.polls.failure(req.disagg_kv),
+                              ErrorCode.CANCELLED if req.to_abort else self.polls.failure_code(req.disagg_kv))
                     self.inflight_queue.add(req)  # released once quiesced
                 continue
             try:
@@ -217,8 +218,8 @@ class PrefillScheduler:
                 logger.exception("rid=%s room=%s: internal error; the request fails, the rank keeps serving",
                                  req.rid, req.bootstrap_room)
                 req.finished_reason = None
-                req.abort(internal_error_message(e), "INTERNAL")
-                req.disagg_kv.abort(internal_error_message(e))
+                req.abort(internal_error_message(e), ErrorCode.INTERNAL)
+                req.disagg_kv.abort(internal_error_message(e), ErrorCode.INTERNAL)
             self.inflight_queue.add(req)
 
     def poll_inflight(self) -> None:
@@ -229,7 +230,7 @@ class PrefillScheduler:
             except Exception as e:
                 logger.exception("rid=%s room=%s: internal error in the transfer callback", req.rid, req.bootstrap_room)
                 req.finished_reason = None
-                req.abort(internal_error_message(e), "INTERNAL")
+                req.abort(internal_error_message(e), ErrorCode.INTERNAL)
                 state = KVPoll.Failed
             if state == KVPoll.Failed and not req.to_abort and not _internal(req):
                 logger.warning("rid=%s room=%s: KV transfer failed: %s", req.rid, req.bootstrap_room,
@@ -245,10 +246,10 @@ class PrefillScheduler:
         error = code = None
         if _internal(req):
             assert req.finished_reason is not None
-            error, code = req.finished_reason.message, "INTERNAL"
+            error, code = req.finished_reason.message, ErrorCode.INTERNAL
         elif state != KVPoll.Success:
             error = req.to_abort or self.polls.failure(req.disagg_kv) or "prefill failed"
-            code = "CANCELLED" if req.to_abort else transfer_error_code(error)
+            code = ErrorCode.CANCELLED if req.to_abort else self.polls.failure_code(req.disagg_kv)
         sent_bytes = req.kv_pages_sent * self.bytes_per_page
         self.sched.log_request_end(req, "kv sent" if state == KVPoll.Success else f"failed ({error})")
         req.disagg_kv.clear()
@@ -274,4 +275,4 @@ class PrefillScheduler:
 
 def _internal(req: Req) -> bool:
     """The request failed on an internal error of this rank (reported as INTERNAL, whatever the transfer did)."""
-    return req.finished_reason is not None and req.finished_reason.code == "INTERNAL"
+    return req.finished_reason is not None and req.finished_reason.code == ErrorCode.INTERNAL

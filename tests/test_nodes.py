@@ -247,15 +247,17 @@ def test_prefill_killed_mid_transfer(model_path) -> None:
         req = greedy_request("victim", [random.Random(1).randrange(10, 1000) for _ in range(1500)])
         stream = decode.stub.Decode(worker_pb2.DecodeRequest(
             request=req, bootstrap_room=5, bootstrap_addr=prefill.bootstrap_addr), timeout=60)
-        prefill.stub.Prefill.future(worker_pb2.PrefillRequest(request=req, bootstrap_room=5), timeout=60)
+        # Held: a dropped future cancels its RPC, and the prefill would abort the room before the kill.
+        prefill_leg = prefill.stub.Prefill.future(worker_pb2.PrefillRequest(request=req, bootstrap_room=5), timeout=60)
         deadline = time.monotonic() + 20
         while decode.load().ranks[0].transfer == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert not prefill_leg.done(), "the prefill leg ended before the kill"
         prefill.kill()
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as exc:
             list(stream)
-        assert exc.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert exc.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc.value.details()
         assert time.monotonic() - start < 20
         # the decode node blames its KV peer, so the router charges the prefill node's circuit, not its own
         assert (FAULT_METADATA_KEY, KV_PEER_FAULT) in [tuple(m) for m in exc.value.trailing_metadata() or ()]

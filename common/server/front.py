@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from common.config import ServerArgs
-from common.errors import FAULT_METADATA_KEY, InvalidRequestError
+from common.errors import FAULT_METADATA_KEY, ErrorCode, InvalidRequestError
 from common.io_struct import AbortReq, GenerateReqInput, TokenOut
 from common.model.config import ModelConfig
 from common.server.convert import request_from_proto, token_out_to_proto
@@ -31,15 +31,7 @@ logger = logging.getLogger(__name__)
 
 OVERLOAD_RETRY_AFTER_S = 1.0  # the retry hint of RESOURCE_EXHAUSTED (trailing metadata ``retry-after-ms``)
 
-STATUS = {
-    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
-    "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
-    "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "CANCELLED": grpc.StatusCode.CANCELLED,
-    "INTERNAL": grpc.StatusCode.INTERNAL,
-    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
-}
+STATUS = {code: grpc.StatusCode[code.value] for code in ErrorCode}  # total: every node code has its status
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -54,10 +46,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.grpc_port = args.port  # the bound Worker port (the server sets it after binding port 0)
 
     # -- helpers shared by the roles -------------------------------------------------------------------------------
-    async def fail(self, context: grpc.aio.ServicerContext, code: str, message: str, origin: str | None = None) -> None:
+    async def fail(self, context: grpc.aio.ServicerContext, code: ErrorCode, message: str,
+                   origin: str | None = None) -> None:
         if origin:
             context.set_trailing_metadata(((FAULT_METADATA_KEY, origin),))
-        await context.abort(STATUS.get(code, grpc.StatusCode.UNKNOWN), message)
+        await context.abort(STATUS[code], message)
 
     def check_rank(self, rank: int | None, name: str) -> int:
         if rank is None:
@@ -121,14 +114,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for item in agen:
                 yield item
         except InvalidRequestError as e:
-            await self.fail(context, "INVALID_ARGUMENT", str(e))
+            await self.fail(context, ErrorCode.INVALID_ARGUMENT, str(e))
         except _Unavailable as e:
-            await self.fail(context, "UNAVAILABLE", str(e))
+            await self.fail(context, ErrorCode.UNAVAILABLE, str(e))
         except _Deadline as e:
-            await self.fail(context, "DEADLINE_EXCEEDED", str(e))
+            await self.fail(context, ErrorCode.DEADLINE_EXCEEDED, str(e))
         except _Overloaded as e:
             context.set_trailing_metadata((("retry-after-ms", str(int(OVERLOAD_RETRY_AFTER_S * 1000))),))
-            await self.fail(context, "RESOURCE_EXHAUSTED", str(e))
+            await self.fail(context, ErrorCode.RESOURCE_EXHAUSTED, str(e))
 
     async def stream_tokens(
         self, msg: GenerateReqInput, rank: int, context: grpc.aio.ServicerContext
@@ -157,10 +150,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield resp
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> Any:
-        await self.fail(context, "INVALID_ARGUMENT", self._wrong_role("Prefill", "prefill"))
+        await self.fail(context, ErrorCode.INVALID_ARGUMENT, self._wrong_role("Prefill", "prefill"))
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
-        await self.fail(context, "INVALID_ARGUMENT", self._wrong_role("Decode", "decode"))
+        await self.fail(context, ErrorCode.INVALID_ARGUMENT, self._wrong_role("Decode", "decode"))
 
     def _wrong_role(self, rpc: str, mode: str) -> str:
         return (f"{rpc} is not served here: this node runs in disaggregation mode {self.args.disaggregation_mode!r}; "
@@ -176,7 +169,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             loads = await self.ranks.get_load()
         except TimeoutError:
-            await self.fail(context, "UNAVAILABLE", "scheduler ranks did not report their load in time")
+            await self.fail(context, ErrorCode.UNAVAILABLE, "scheduler ranks did not report their load in time")
         return worker_pb2.GetLoadResponse(
             page_size=self.args.page_size,
             ranks=[

@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from common.errors import ErrorCode
 from common.io_struct import PrefillDone, QueueLoad, TokenOut
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ FAILURES = Counter("pdcluster_node_failures_total", "Failed requests by kind (bo
                    ["kind", "code"])
 REQUESTS.labels(outcome="ok")
 for _kind in ("bootstrap", "transfer"):
-    FAILURES.labels(kind=_kind, code="UNAVAILABLE")  # exported at 0 from the start
+    FAILURES.labels(kind=_kind, code=ErrorCode.UNAVAILABLE)  # exported at 0 from the start
 
 
 def observe_itl(gap_s: float, num_tokens: int) -> None:
@@ -59,9 +60,9 @@ def observe_final(out: Any) -> None:
     if isinstance(out, TokenOut | PrefillDone):
         code = out.error_code
         REQUESTS.labels(outcome="ok" if code is None else code.lower()).inc()
-        if code is not None and code != "CANCELLED":
+        if code is not None and code != ErrorCode.CANCELLED:
             kind = "bootstrap" if "bootstrap" in (out.error or "").lower() else "transfer"
-            FAILURES.labels(kind=kind if code != "INVALID_ARGUMENT" else "invalid", code=code).inc()
+            FAILURES.labels(kind=kind if code != ErrorCode.INVALID_ARGUMENT else "invalid", code=code).inc()
         t = out.timing
         if t is None:
             return

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from common.config import ServerArgs
 from common.distributed import host_store
+from common.errors import ErrorCode
 from common.io_struct import (
     LoadOut,
     LoadReq,
@@ -164,7 +165,7 @@ class RankClient:
         for rid, r in list(self.rid_rank.items()):
             if r == rank and rid in self.waiters:
                 self.waiters[rid](TokenOut(rid=rid, token_ids=[], finish_reason="abort", error=message,
-                                           error_code="UNAVAILABLE"))
+                                           error_code=ErrorCode.UNAVAILABLE))
 
     def alive(self) -> bool:
         return not self.closed and all(p.exitcode is None for p in self.procs)
