@@ -24,10 +24,10 @@ class RouteHint:
     tokens: int  # prompt + max_new_tokens: the request's KV footprint and its weight in in-flight tokens
     _hashes: dict[int, list[int]] = field(default_factory=dict)
 
-    def hashes(self, block_tokens: int) -> list[int]:
+    def hashes(self, block_tokens: int, max_blocks: int | None = None) -> list[int]:
         h = self._hashes.get(block_tokens)
         if h is None:
-            h = self._hashes[block_tokens] = block_hashes(self.input_ids, block_tokens)
+            h = self._hashes[block_tokens] = block_hashes(self.input_ids, block_tokens, max_blocks)
         return h
 
 
@@ -88,7 +88,8 @@ class CacheAware(Policy):
 
     Imbalanced (max - min in-flight > ``balance_abs_threshold`` and max > ``balance_rel_threshold`` * min): the
     least loaded worker. Otherwise the (worker, rank) holding the longest routed prefix if it covers at least
-    ``cache_threshold`` of the prompt, else the least loaded worker.
+    ``cache_threshold`` of the prompt, else the least loaded worker. Each rank's share of the index is bounded by
+    the KV pool its node reports (``total_kv_pages * page_size`` tokens), so the index forgets as the node evicts.
     """
 
     name = "cache_aware"
@@ -104,25 +105,32 @@ class CacheAware(Policy):
             lo = least.inflight
             if hi - lo > self.cfg.balance_abs_threshold and hi > self.cfg.balance_rel_threshold * lo:
                 return least, None
-        hashes = hint.hashes(self.index.block_tokens)
+        hashes = hint.hashes(self.index.block_tokens, self.index.max_blocks)
         if not hashes:
             return least, None
+        matched = self.index.match(hashes)
         best: tuple[int, float] = (0, 0.0)
         choice: tuple[Worker, int] | None = None
-        for w in workers:
-            for s in w.ranks:
-                m = self.index.match(_tenant(w, s.rank), hashes)
-                key = (m, -float(s.queued()))
-                if m and (choice is None or key > best):
-                    best, choice = key, (w, s.rank)
+        if matched:
+            for w in workers:
+                for s in w.ranks:
+                    m = matched.get(_tenant(w, s.rank), 0)
+                    key = (m, -float(s.queued()))
+                    if m and (choice is None or key > best):
+                        best, choice = key, (w, s.rank)
         if choice is not None and best[0] / len(hashes) >= self.cfg.cache_threshold:
             return choice
         return least, None
 
     def routed(self, worker: Worker, rank: int, hint: RouteHint) -> None:
-        hashes = hint.hashes(self.index.block_tokens)
-        if hashes:
-            self.index.insert(_tenant(worker, rank), hashes)
+        hashes = hint.hashes(self.index.block_tokens, self.index.max_blocks)
+        if not hashes:
+            return
+        tenant = _tenant(worker, rank)
+        report = worker.ranks[rank].report if rank < len(worker.ranks) else None
+        if report is not None and report.total_kv_pages > 0:
+            self.index.set_capacity(tenant, report.total_kv_pages * worker.page_size)
+        self.index.insert(tenant, hashes)
 
     def forget(self, address: str) -> None:
         self.index.remove_tenant_prefix(address + "#")
