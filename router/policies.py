@@ -99,28 +99,29 @@ class CacheAware(Policy):
         self.index = PrefixIndex(cfg.prefix_block_tokens, cfg.prefix_tree_blocks)
 
     def pick(self, workers: Sequence[Worker], hint: RouteHint) -> tuple[Worker, int | None]:
-        least = min(workers, key=_load)
         if len(workers) > 1:
             hi = max(w.inflight for w in workers)
-            lo = least.inflight
+            lo = min(w.inflight for w in workers)
             if hi - lo > self.cfg.balance_abs_threshold and hi > self.cfg.balance_rel_threshold * lo:
-                return least, None
+                return _least(workers), None
         hashes = hint.hashes(self.index.block_tokens, self.index.max_blocks)
-        if not hashes:
-            return least, None
-        matched = self.index.match(hashes)
-        best: tuple[int, float] = (0, 0.0)
-        choice: tuple[Worker, int] | None = None
+        # NOTE: cost per request ~ the matched depth, plus one pass over the workers only when nothing matched.
+        matched = self.index.match(hashes) if hashes else {}
         if matched:
-            for w in workers:
-                for s in w.ranks:
-                    m = matched.get(_tenant(w, s.rank), 0)
-                    key = (m, -float(s.queued()))
-                    if m and (choice is None or key > best):
-                        best, choice = key, (w, s.rank)
-        if choice is not None and best[0] / len(hashes) >= self.cfg.cache_threshold:
-            return choice
-        return least, None
+            by_address = {w.address: w for w in workers}
+            best: tuple[int, int] = (0, 0)
+            choice: tuple[Worker, int] | None = None
+            for tenant, m in matched.items():
+                address, _, rank = tenant.rpartition("#")
+                w = by_address.get(address)
+                if w is None or int(rank) >= len(w.ranks):
+                    continue
+                key = (m, -w.ranks[int(rank)].queued())
+                if choice is None or key > best:
+                    best, choice = key, (w, int(rank))
+            if choice is not None and best[0] / len(hashes) >= self.cfg.cache_threshold:
+                return choice
+        return _least(workers), None
 
     def routed(self, worker: Worker, rank: int, hint: RouteHint) -> None:
         hashes = hint.hashes(self.index.block_tokens, self.index.max_blocks)
@@ -169,6 +170,13 @@ def pick_rank(worker: Worker, need_pages: int | None) -> int:
         if best_key is None or key < best_key:
             best_key, best = key, s.rank
     return best
+
+
+def _least(workers: Sequence[Worker]) -> Worker:
+    """The worker with the fewest in-flight tokens, ties broken by queued requests (``min(workers, key=_load)``)."""
+    lo = min(w.inflight_tokens for w in workers)
+    tied = [w for w in workers if w.inflight_tokens == lo]
+    return tied[0] if len(tied) == 1 else min(tied, key=_load)
 
 
 def _load(w: Worker) -> tuple[int, int]:
