@@ -84,6 +84,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-compile-max-bs", type=int, default=None)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--prefill-policy", default=None,
+                   help="the router's prefill worker policy (round_robin, random, power_of_two, cache_aware; default: "
+                        "the router's, cache_aware)")
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
     p.add_argument("--metrics", action="store_true", help="give every node a Prometheus /metrics port")
     p.add_argument("--log-requests", action="store_true", help="nodes log each request's arrival and outcome")
@@ -255,6 +258,8 @@ class LocalCluster:
         router = ["router", "--model-path", self.model_path, "--host", "127.0.0.1",
                   "--grpc-port", str(self.ns.grpc_port), "--http-port", str(self.ns.http_port),
                   *self.tls_flags("router")]
+        if self.ns.prefill_policy:
+            router += ["--prefill-policy", self.ns.prefill_policy]
         nodes: list[Child] = []
         for name in self.node_names:
             role = name.rsplit("-", 1)[0]

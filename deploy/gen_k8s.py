@@ -6,16 +6,19 @@
 - ``deploy/k8s/base/spec/`` and ``deploy/k8s/overlays/<profile>/spec/``: kustomize Components with the spec's
   images, args, ports, replicas, grace periods, resources and /dev/shm sizes (``deploy.k8s_spec``).
 - ``deploy/k8s/components/multinode-lws/lws-<role>.yaml``: the node Deployments' pod templates as LeaderWorkerSets.
+- ``deploy/k8s/components/monitoring/dashboard.json``: the Grafana dashboard (``deploy.dashboard``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import yaml
 
+from deploy.dashboard import dashboard
 from deploy.k8s_spec import component, env_key, leader_worker_set
 from deploy.spec import NODE_ROLES, ROLES, ClusterSpec, load_spec, profile_names
 
@@ -54,6 +57,7 @@ def generated_files() -> dict[Path, str]:
                           if d["kind"] == "Deployment")
         lws = leader_worker_set(deployment)
         files[K8S_DIR / "components" / "multinode-lws" / f"lws-{role}.yaml"] = _yaml(lws)
+    files[K8S_DIR / "components" / "monitoring" / "dashboard.json"] = json.dumps(dashboard(), indent=1) + "\n"
     files |= {path: HEADER + "".join(f"{k}={v}\n" for k, v in env.items()) for path, env in env_files.items()}
     return files
 

@@ -87,6 +87,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold)
     p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold)
     p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
+    p.add_argument("--prefix-tree-blocks", type=int, default=d.prefix_tree_blocks,
+                   help="cache_aware: most prefix blocks remembered per worker rank (each also bounded by its KV pool)")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument(
         "--tokenize-workers",
@@ -152,6 +154,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         cache_threshold=ns.cache_threshold,
         balance_abs_threshold=ns.balance_abs_threshold,
         balance_rel_threshold=ns.balance_rel_threshold,
+        prefix_tree_blocks=ns.prefix_tree_blocks,
         max_request_bytes=ns.max_request_bytes,
         tokenize_workers=ns.tokenize_workers,
         tokenize_inline_bytes=ns.tokenize_inline_bytes,

@@ -71,7 +71,9 @@ class RouterConfig:
     cache_threshold: float = 0.5  # cache_aware: prefix match rate above which the match wins
     balance_abs_threshold: int = 32  # cache_aware: load gap (in-flight requests) that forces balancing ...
     balance_rel_threshold: float = 1.5  # ... when also max > rel * min
-    prefix_tree_blocks: int = 1 << 16  # cache_aware: blocks remembered per worker (LRU)
+    # cache_aware: blocks remembered per worker DP rank (LRU), at most; each rank's own bound is its node's KV pool
+    # in blocks (``total_kv_pages * page_size / prefix_block_tokens``). ~330 B of router memory per held block.
+    prefix_tree_blocks: int = 1 << 16
     prefix_block_tokens: int = 16  # cache_aware: tokens per hashed block
     # Limits.
     max_inflight_requests: int = 4096  # requests the router serves at once (0: unbounded); more get HTTP 429
@@ -121,6 +123,8 @@ class RouterConfig:
             raise ConfigError(f"--tokenize-workers must be >= 0, got {self.tokenize_workers}")
         if self.tokenize_inline_bytes < 0:
             raise ConfigError(f"--tokenize-inline-bytes must be >= 0, got {self.tokenize_inline_bytes}")
+        if self.prefix_tree_blocks < 1 or self.prefix_block_tokens < 1:
+            raise ConfigError(f"--prefix-tree-blocks must be >= 1, got {self.prefix_tree_blocks}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
         self.tls.check()

@@ -24,10 +24,10 @@ class RouteHint:
     tokens: int  # prompt + max_new_tokens: the request's KV footprint and its weight in in-flight tokens
     _hashes: dict[int, list[int]] = field(default_factory=dict)
 
-    def hashes(self, block_tokens: int) -> list[int]:
+    def hashes(self, block_tokens: int, max_blocks: int | None = None) -> list[int]:
         h = self._hashes.get(block_tokens)
         if h is None:
-            h = self._hashes[block_tokens] = block_hashes(self.input_ids, block_tokens)
+            h = self._hashes[block_tokens] = block_hashes(self.input_ids, block_tokens, max_blocks)
         return h
 
 
@@ -88,7 +88,8 @@ class CacheAware(Policy):
 
     Imbalanced (max - min in-flight > ``balance_abs_threshold`` and max > ``balance_rel_threshold`` * min): the
     least loaded worker. Otherwise the (worker, rank) holding the longest routed prefix if it covers at least
-    ``cache_threshold`` of the prompt, else the least loaded worker.
+    ``cache_threshold`` of the prompt, else the least loaded worker. Each rank's share of the index is bounded by
+    the KV pool its node reports (``total_kv_pages * page_size`` tokens), so the index forgets as the node evicts.
     """
 
     name = "cache_aware"
@@ -98,31 +99,39 @@ class CacheAware(Policy):
         self.index = PrefixIndex(cfg.prefix_block_tokens, cfg.prefix_tree_blocks)
 
     def pick(self, workers: Sequence[Worker], hint: RouteHint) -> tuple[Worker, int | None]:
-        least = min(workers, key=_load)
         if len(workers) > 1:
             hi = max(w.inflight for w in workers)
-            lo = least.inflight
+            lo = min(w.inflight for w in workers)
             if hi - lo > self.cfg.balance_abs_threshold and hi > self.cfg.balance_rel_threshold * lo:
-                return least, None
-        hashes = hint.hashes(self.index.block_tokens)
-        if not hashes:
-            return least, None
-        best: tuple[int, float] = (0, 0.0)
-        choice: tuple[Worker, int] | None = None
-        for w in workers:
-            for s in w.ranks:
-                m = self.index.match(_tenant(w, s.rank), hashes)
-                key = (m, -float(s.queued()))
-                if m and (choice is None or key > best):
-                    best, choice = key, (w, s.rank)
-        if choice is not None and best[0] / len(hashes) >= self.cfg.cache_threshold:
-            return choice
-        return least, None
+                return _least(workers), None
+        hashes = hint.hashes(self.index.block_tokens, self.index.max_blocks)
+        # NOTE: cost per request ~ the matched depth, plus one pass over the workers only when nothing matched.
+        matched = self.index.match(hashes) if hashes else {}
+        if matched:
+            by_address = {w.address: w for w in workers}
+            best: tuple[int, int] = (0, 0)
+            choice: tuple[Worker, int] | None = None
+            for tenant, m in matched.items():
+                address, _, rank = tenant.rpartition("#")
+                w = by_address.get(address)
+                if w is None or int(rank) >= len(w.ranks):
+                    continue
+                key = (m, -w.ranks[int(rank)].queued())
+                if choice is None or key > best:
+                    best, choice = key, (w, int(rank))
+            if choice is not None and best[0] / len(hashes) >= self.cfg.cache_threshold:
+                return choice
+        return _least(workers), None
 
     def routed(self, worker: Worker, rank: int, hint: RouteHint) -> None:
-        hashes = hint.hashes(self.index.block_tokens)
-        if hashes:
-            self.index.insert(_tenant(worker, rank), hashes)
+        hashes = hint.hashes(self.index.block_tokens, self.index.max_blocks)
+        if not hashes:
+            return
+        tenant = _tenant(worker, rank)
+        report = worker.ranks[rank].report if rank < len(worker.ranks) else None
+        if report is not None and report.total_kv_pages > 0:
+            self.index.set_capacity(tenant, report.total_kv_pages * worker.page_size)
+        self.index.insert(tenant, hashes)
 
     def forget(self, address: str) -> None:
         self.index.remove_tenant_prefix(address + "#")
@@ -161,6 +170,13 @@ def pick_rank(worker: Worker, need_pages: int | None) -> int:
         if best_key is None or key < best_key:
             best_key, best = key, s.rank
     return best
+
+
+def _least(workers: Sequence[Worker]) -> Worker:
+    """The worker with the fewest in-flight tokens, ties broken by queued requests (``min(workers, key=_load)``)."""
+    lo = min(w.inflight_tokens for w in workers)
+    tied = [w for w in workers if w.inflight_tokens == lo]
+    return tied[0] if len(tied) == 1 else min(tied, key=_load)
 
 
 def _load(w: Worker) -> tuple[int, int]:

@@ -35,6 +35,7 @@ class Cluster:
     nodes: dict[str, str]  # name -> "127.0.0.1:port"
     pids: dict[str, int]
     log: Path
+    metrics: dict[str, str]  # node name -> its /metrics URL (``up --metrics``)
 
     @property
     def base_url(self) -> str:
@@ -55,12 +56,14 @@ def start_up(model_path: Path, *extra: str) -> Cluster:
     while time.monotonic() < deadline:
         text = log.read_text()
         if "pdcluster ready" in text:
-            nodes, pids = {}, {}
+            nodes, pids, metrics = {}, {}, {}
             for line in text.splitlines():
                 parts = line.split()
                 if len(parts) >= 5 and parts[1] == "pid" and parts[3] == "grpc":
                     nodes[parts[0]], pids[parts[0]] = parts[4], int(parts[2])
-            return Cluster(proc, http_port, grpc_port, nodes, pids, log)
+                    if len(parts) >= 7 and parts[5] == "metrics":
+                        metrics[parts[0]] = parts[6]
+            return Cluster(proc, http_port, grpc_port, nodes, pids, log, metrics)
         if proc.poll() is not None:
             raise RuntimeError(f"pdcluster up exited with {proc.returncode}:\n{text[-4000:]}")
         time.sleep(0.3)
@@ -76,7 +79,7 @@ def stop_up(cluster: Cluster) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(model_path) -> Iterator[Cluster]:
-    c = start_up(model_path, "--prefill", "2", "--decode", "1")
+    c = start_up(model_path, "--prefill", "2", "--decode", "1", "--metrics")
     yield c
     stop_up(c)
     assert c.proc.returncode == 0, c.log.read_text()[-3000:]
@@ -231,6 +234,22 @@ def test_grpc_stream_carries_top_logprobs(cluster) -> None:
     assert tokens == list(complete.output_ids) and len(tops) == 6
     for tok, top in zip(tokens, tops, strict=True):
         assert len(top.token_ids) == 3 and top.token_ids[0] == tok  # greedy: the chosen token is the most likely
+
+
+def test_dashboard_names_only_exported_series(cluster) -> None:
+    """After the traffic above, every series, label and function of the Grafana dashboard's PromQL exists in the
+    scrapes of the router and of every node (tests/test_dashboard.py checks the dashboard offline)."""
+    from deploy.dashboard import TARGET_LABELS, dashboard, expressions
+    from deploy.promql import exported_series, unknown_names
+
+    token = os.environ["PDCLUSTER_CLUSTER_TOKEN"]
+    urls = [f"http://127.0.0.1:{cluster.http_port}/metrics", *cluster.metrics.values()]
+    assert len(cluster.metrics) == 3, cluster.metrics
+    text = "".join(urllib.request.urlopen(urllib.request.Request(u, headers={"Authorization": f"Bearer {token}"}),
+                                          timeout=10).read().decode() for u in urls)
+    series = exported_series(text)
+    assert "pdcluster_node_queue_requests" in series and "pdcluster_router_ttft_seconds_bucket" in series
+    assert unknown_names(list(expressions(dashboard())), series, TARGET_LABELS) == []
 
 
 RESTART_TIMEOUT_S = 120

@@ -201,9 +201,9 @@ def test_prefix_index_and_timing_store() -> None:
     h = block_hashes([1, 2, 3, 4, 5, 6, 7], 2)
     assert len(h) == 3
     idx.insert("a", h)
-    assert idx.match("a", h) == 3 and idx.match("a", block_hashes([1, 2, 9, 9], 2)) == 1
-    idx.insert("a", block_hashes([8, 8, 8, 8], 2))  # evicts the oldest blocks
-    assert idx.size("a") == 3 and idx.match("a", h) == 0
+    assert idx.match(h) == {"a": 3} and idx.match(block_hashes([1, 2, 9, 9], 2)) == {"a": 1}
+    idx.insert("a", block_hashes([8, 8, 8, 8], 2))  # evicts the oldest blocks, leaves before their root
+    assert idx.size("a") == 3 and idx.match(h) == {"a": 1}
 
     store = TimingStore(keep=2, ttl_s=1000)
     for rid in ("a", "b", "c"):
