@@ -1,5 +1,6 @@
 """Bursts of 400 and 2,000 concurrent requests far over the cluster's limits on real nodes (1 prefill + 2 decode,
-tcp) through an in-process router: every request ends 200 or 429, no node dies, every pool comes back, and the cluster serves afterwards."""
+tcp) through an in-process router: every request ends 200 or 429, no node dies, every pool comes back, and the
+cluster serves afterwards."""
 
 from __future__ import annotations
 
