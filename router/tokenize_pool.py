@@ -38,6 +38,7 @@ _CTX.set_forkserver_preload(["router.tokenize_worker"])
 
 PIPE_LIMIT = 16 << 20  # asyncio stream buffer; frames are read with readexactly, so larger ones still pass
 START_BACKOFF_S = (0.5, 30.0)
+JOB_ATTEMPTS = 2
 LIST_SLICE = 1 << 16  # token ids turned into Python ints per event-loop turn (~3 ms)
 
 
@@ -50,6 +51,9 @@ class _Worker:
     async def read(self) -> TokenizeResult:
         header = await self.reader.readexactly(HEADER_BYTES)
         return RESULT_DECODER.decode(await self.reader.readexactly(int.from_bytes(header, "big")))
+
+    def alive(self) -> bool:
+        return self.proc.is_alive() and not self.reader.at_eof()
 
     def kill(self) -> None:
         self.writer.close()
@@ -85,6 +89,9 @@ class TokenizePool:
     def idle(self) -> int:
         return self._idle.qsize()
 
+    def idle_pids(self) -> list[int]:
+        return [w.proc.pid for w in self._idle._queue if w.proc.pid is not None]  # type: ignore[attr-defined]
+
     async def tokenize(self, job: TokenizeJob, deadline: float) -> list[int]:
         """The job's token ids. ``deadline`` is ``time.monotonic()`` time. Raises ``InvalidRequestError`` (the chat
         template refused the messages), ``DeadlineError``, or ``RouterError`` (a worker died mid-job)."""
@@ -103,17 +110,39 @@ class TokenizePool:
         return ids
 
     async def _run(self, job: TokenizeJob, deadline: float) -> TokenizeResult:
+        """One job on one worker. A worker found dead in the idle queue is replaced and skipped; a worker that dies
+        mid-job is retried once on another (a job is pure, and one bad prompt can then kill at most two)."""
         if self._closed:
             raise UnavailableError("the router is shutting down")
         self._start()
+        for attempt in range(JOB_ATTEMPTS):
+            worker = await self._take_idle(deadline)
+            try:
+                return await self._run_on(worker, job, deadline)
+            except (ConnectionError, asyncio.IncompleteReadError) as e:
+                if attempt + 1 == JOB_ATTEMPTS:
+                    raise RouterError("a router tokenizer worker failed", internal=repr(e)) from e
+                logger.warning("tokenizer worker died mid-job (%r); retrying the job on another worker", e)
+        raise AssertionError("unreachable")
+
+    async def _take_idle(self, deadline: float) -> _Worker:
+        """An idle worker that is still alive; dead ones (killed while idle, e.g. by the OOM killer) are replaced."""
         try:
             async with asyncio.timeout(deadline - time.monotonic()):
-                worker = await self._idle.get()
+                while True:
+                    worker = await self._idle.get()
+                    if worker.alive():
+                        return worker
+                    logger.warning("tokenizer worker (pid %s) died while idle; starting a replacement", worker.proc.pid)
+                    worker.kill()
+                    self._spawn(reap=worker)
         except TimeoutError:
             raise DeadlineError(
                 f"the request's deadline passed while waiting for one of the router's {self.size} tokenizer "
                 "workers (all busy with other large prompts)"
             ) from None
+
+    async def _run_on(self, worker: _Worker, job: TokenizeJob, deadline: float) -> TokenizeResult:
         self._busy.add(worker)
         done = False
         try:
@@ -125,8 +154,6 @@ class TokenizePool:
             return result
         except TimeoutError:
             raise DeadlineError("the request's deadline passed while its prompt was being tokenized") from None
-        except (ConnectionError, asyncio.IncompleteReadError) as e:
-            raise RouterError("a router tokenizer worker failed", internal=repr(e)) from e
         finally:
             self._busy.discard(worker)
             if done:

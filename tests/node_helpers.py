@@ -132,3 +132,16 @@ def start_node(
             node.kill()
             raise
     return node
+
+
+def wait_all(nodes: list[Node]) -> list[Node]:
+    """Wait until every node (started with ``wait=False``, so they start side by side) is ready; on failure kill
+    them all."""
+    try:
+        for n in nodes:
+            n.wait_ready()
+    except BaseException:
+        for n in nodes:
+            n.kill()
+        raise
+    return nodes

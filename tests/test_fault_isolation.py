@@ -15,7 +15,7 @@ import pytest
 from common.faults import FAULT_ENV
 from pdcluster.v1 import common_pb2, worker_pb2
 from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import Node, start_node
+from tests.node_helpers import Node, start_node, wait_all
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33]
@@ -84,11 +84,12 @@ def faulty_pd() -> Iterator[tuple[Node, Node]]:
     mp = pytest.MonkeyPatch()
     try:
         mp.setenv(FAULT_ENV, "token:p-bad")
-        prefill = start_node("prefill", model)
+        prefill = start_node("prefill", model, wait=False)  # the environment is read at spawn
         mp.setenv(FAULT_ENV, "transfer:d-bad-transfer,token:d-bad-token")
-        decode = start_node("decode", model)
+        decode = start_node("decode", model, wait=False)
     finally:
         mp.undo()
+    wait_all([prefill, decode])
     yield prefill, decode
     prefill.stop()
     decode.stop()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import statistics
 import time
 
@@ -101,3 +103,23 @@ async def test_medium_prompts_tokenize_in_the_pool_like_inline() -> None:
         assert inputs.pool is not None and inputs.pool.started
         assert pooled.input_ids == inputs.tok.encode(text)
         assert pooled_chat.input_ids == inputs.tok.encode_chat(chat)
+
+        # Workers killed while idle (the OOM killer's way) are replaced when found, and the job still runs.
+        pool = inputs.pool
+        await eventually(lambda: pool.idle == pool.size, timeout=30)
+        dead = pool.idle_pids()
+        for pid in dead:
+            os.kill(pid, signal.SIGKILL)
+        await eventually(lambda: all(not _alive(pid) for pid in dead), timeout=10)
+        again = await inputs.build(rid="c", api="completions", sampling={}, text=text)
+        assert again.input_ids == pooled.input_ids
+        assert not set(pool.idle_pids()) & set(dead)
+
+
+def _alive(pid: int) -> bool:
+    """False once the process is gone or a zombie (killed, not yet reaped by the pool)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

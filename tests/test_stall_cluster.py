@@ -15,7 +15,7 @@ import pytest
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer
 from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import Node, start_node
+from tests.node_helpers import Node, start_node, wait_all
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +26,8 @@ RECOVER_S = 10.0
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[list[Node]]:
     model = make_tiny_model("llama")
-    started: list[Node] = []
+    started = wait_all([start_node(mode, model, wait=False) for mode in ("prefill", "decode")])
     try:
-        for mode in ("prefill", "decode"):
-            started.append(start_node(mode, model))
         yield started
     finally:
         for n in started:

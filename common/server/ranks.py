@@ -86,7 +86,11 @@ class RankClient:
         else:
             self._store = host_store(args.dist_init_addr, args.tp_timeout_s)
 
-    async def start(self, timeout: float = 300.0) -> None:
+    def spawn(self) -> None:
+        """Start the rank processes (once). Separate from ``start`` so the front can load its own state while the
+        ranks import torch and load the model: on an idle core that overlaps seconds of start-up."""
+        if self.procs:
+            return
         self._start_store()
         spawn = multiprocessing.get_context("spawn")
         for dp_rank, tp_rank in self.ranks:
@@ -98,6 +102,15 @@ class RankClient:
             )
             proc.start()
             self.procs.append(proc)
+
+    def kill(self) -> None:
+        """Kill spawned rank processes at once (the front failed before ``start``)."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+
+    async def start(self, timeout: float = 300.0) -> None:
+        self.spawn()
         if self.is_leader_host:
             for dp_rank in range(self.args.dp_size):
                 push = self.ctx.socket(zmq.PUSH)

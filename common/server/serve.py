@@ -67,8 +67,13 @@ class NodeServer:
         self.role = ROLES[args.disaggregation_mode]
         self.model_path = str(resolve_model_path(args.model_path))
         self.args = args.replace(model_path=self.model_path)
-        self.model_config = ModelConfig.from_path(self.model_path)
         self.ranks = RankClient(self.args, self.model_path, self.role.scheduler_ref)
+        self.ranks.spawn()
+        try:
+            self.model_config = ModelConfig.from_path(self.model_path)
+        except BaseException:
+            self.ranks.kill()
+            raise
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.servicer: WorkerServicer | None = None
