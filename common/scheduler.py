@@ -2,7 +2,8 @@
 
 Lifecycle of a colocated request: waiting -> (chunked) prefill -> running (decode) -> finished.
 
-    loop: recv_requests -> process_input_requests -> get_next_batch_to_run -> run_batch -> process_batch_result
+    loop: role.begin_step -> process_input_requests -> role.poll -> get_next_batch_to_run -> run_batch
+          -> process_batch_result (-> finish_req)
 
 Overlap schedule (default, but see ``overlap_schedule_on`` for CPU; ``--disable-overlap-schedule`` keeps the loop
 above): batch k runs on a forward thread while this thread processes batch k-1's results and prepares batch k+1
@@ -12,7 +13,8 @@ from batch k's future tokens (``common.overlap``)::
 
 A request therefore runs one step past its end at most (that token is dropped); one whose pending token ends it by
 length is left out of the next batch. Penalties read every output token, so a batch holding a penalised request
-has its results processed before the next batch is prepared.
+has its results processed before the next batch is prepared; a role that reads a batch's KV pages between steps
+(``waits_for_forward``: the prefill node) has its forward finish before the next batch is prepared.
 
 This is the one loop of every role: the prefill and decode nodes hold a ``Scheduler`` and plug their queues in
 through the hooks of ``common.scheduler_role.SchedulerRole``, asked at fixed points of ``step`` (see there).
