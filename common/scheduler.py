@@ -2,7 +2,8 @@
 
 Lifecycle of a colocated request: waiting -> (chunked) prefill -> running (decode) -> finished.
 
-    loop: recv_requests -> process_input_requests -> get_next_batch_to_run -> run_batch -> process_batch_result
+    loop: role.begin_step -> process_input_requests -> role.poll -> get_next_batch_to_run -> run_batch
+          -> process_batch_result (-> finish_req)
 
 Overlap schedule (default, but see ``overlap_schedule_on`` for CPU; ``--disable-overlap-schedule`` keeps the loop
 above): batch k runs on a forward thread while this thread processes batch k-1's results and prepares batch k+1
@@ -12,9 +13,11 @@ from batch k's future tokens (``common.overlap``)::
 
 A request therefore runs one step past its end at most (that token is dropped); one whose pending token ends it by
 length is left out of the next batch. Penalties read every output token, so a batch holding a penalised request
-has its results processed before the next batch is prepared.
+has its results processed before the next batch is prepared; a role that reads a batch's KV pages between steps
+(``waits_for_forward``: the prefill node) has its forward finish before the next batch is prepared.
 
-The prefill and decode nodes hold a ``Scheduler`` and compose their queues around these same steps.
+This is the one loop of every role: the prefill and decode nodes hold a ``Scheduler`` and plug their queues in
+through the hooks of ``common.scheduler_role.SchedulerRole``, asked at fixed points of ``step`` (see there).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import torch
@@ -43,34 +46,20 @@ from common.sampling.stop import check_finished
 from common.schedule_batch import ModelWorkerBatch, ScheduleBatch
 from common.schedule_policy import AddReqResult, PrefillAdder
 from common.scheduler_metrics import (
-    NO_DISAGG_QUEUES,
     DecodeLogInterval,
     DecodeStats,
-    DisaggQueueCounts,
     PrefillStats,
     format_decode_line,
     format_prefill_line,
 )
 from common.scheduler_output import OutputCollector
+from common.scheduler_role import ColocatedRole, SchedulerRole
 
 logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
-
-
-class SchedulerRole(Protocol):
-    """What a node's role adds to the loop: where a new request waits, how it is aborted there, and the role's queue
-    lengths (load reports, log lines). The colocated role is the ``Scheduler`` itself."""
-
-    def admit(self, msg: GenerateReqInput) -> None: ...
-
-    def abort(self, rid: str, reason: str) -> None: ...
-
-    def fill_load(self, load: QueueLoad) -> None: ...
-
-    def queue_counts(self) -> DisaggQueueCounts: ...
 
 
 class Scheduler:
@@ -113,7 +102,7 @@ class Scheduler:
         self.num_retracted = 0
         self.request_log_level = logging.INFO if args.log_requests else logging.DEBUG
         self.decode_log = DecodeLogInterval(args.decode_log_interval)
-        self.role: SchedulerRole = self  # a prefill or decode node installs itself
+        self.role: SchedulerRole = ColocatedRole(self)  # a prefill or decode node installs itself
 
     # -- construction helpers --------------------------------------------------------------------------------------
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -145,21 +134,7 @@ class Scheduler:
                 self.role.fill_load(load)
                 self.out.send_now([LoadOut(load=load)])
 
-    # -- the colocated role ----------------------------------------------------------------------------------------
-    def admit(self, msg: GenerateReqInput) -> None:
-        req = self.build_req(msg)
-        if req is not None:
-            self.waiting_queue.append(req)
-
-    def abort(self, rid: str, reason: str) -> None:
-        self.abort_request(rid, reason)
-
-    def fill_load(self, load: QueueLoad) -> None:
-        """Colocated: no queues beyond the waiting queue."""
-
-    def queue_counts(self) -> DisaggQueueCounts:
-        return NO_DISAGG_QUEUES
-
+    # -- admission -------------------------------------------------------------------------------------------------
     def validate(self, msg: GenerateReqInput) -> None:
         """Raise a typed error saying what to fix if the request can never be served here."""
         sp = msg.sampling_params
@@ -243,17 +218,44 @@ class Scheduler:
         else:
             req.to_abort = reason
 
+    def take_waiting(self, leaves: Callable[[Req], bool]) -> list[Req]:
+        """Remove and return the waiting requests for which ``leaves`` is true, in queue order."""
+        gone = [r for r in self.waiting_queue if leaves(r)]
+        for req in gone:
+            self.waiting_queue.remove(req)
+        return gone
+
+    def add_prebuilt(self, reqs: list[Req], take_first_token: Callable[[Req], None]) -> None:
+        """Requests whose prompt KV and first token were computed elsewhere (a decode node's transfers): each
+        gets its first token from ``take_first_token``, then joins the running batch or finishes at once."""
+        running = []
+        for req in reqs:
+            try:
+                take_first_token(req)
+            except Exception as e:  # this request fails with INTERNAL and frees its pages; the rank carries on
+                self.fail_req(req, e)
+                continue
+            if req.finished():
+                self.finish_req(req)
+            else:
+                self.out.stream_token(req)
+                running.append(req)
+        if running:
+            self.running_batch.merge_batch(self.new_batch(running))
+
     # -- batching --------------------------------------------------------------------------------------------------
     def merge_last_batch(self) -> None:
         """Fold the last prefill batch into the running batch; the chunked request stays out and is cached.
 
-        Idempotent: the last batch is consumed, so role schedulers may call it before ``get_next_batch_to_run``.
+        NOTE: a request of an overlapped batch whose pending token ends it (a prefill node's, capped at one token)
+        is left out by ``filter_batch`` although its result is not processed yet.
         """
         last, self.last_batch = self.last_batch, None
         if last is None or not last.forward_mode.is_extend():
             return
         if self.chunked_req is not None:
             self.tree_cache.cache_unfinished_req(self.chunked_req)
+            self.role.on_chunk_done(self.chunked_req)
         last.filter_batch(exclude=self.chunked_req)
         if not last.is_empty():
             self.running_batch.merge_batch(last)
@@ -384,6 +386,8 @@ class Scheduler:
 
     # -- results ---------------------------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        """The one result path: append each row's token, then finish, cache or stop it; the role is asked when a
+        chunk or a whole prompt is done."""
         is_prefill = batch.forward_mode.is_extend()
         decoding = {id(r) for r in batch.decoding_reqs}
         slots = batch.future_slots
@@ -394,17 +398,19 @@ class Scheduler:
                 continue
             if req.is_chunked > 0:  # a middle chunk: its token is not a real sample
                 req.is_chunked -= 1
-                if req.to_abort is not None:
-                    self._abort_chunked(req)
+                self._check_chunked(req)
                 continue
+            prefilled = is_prefill and id(req) not in decoding
             try:
                 self.append_token(req, result, i)
+                if prefilled:
+                    self.role.on_prefill_done(req)
             except Exception as e:
                 self.fail_req(req, e)
                 continue
             if req.finished():
                 self.finish_req(req)
-            elif is_prefill and id(req) not in decoding:
+            elif prefilled:
                 self.tree_cache.cache_unfinished_req(req)
         if not is_prefill:
             self.log_decode_stats()
@@ -426,19 +432,33 @@ class Scheduler:
             req.abort(req.to_abort)
         self.out.stream_token(req)
 
-    def _abort_chunked(self, req: Req) -> None:
+    def _check_chunked(self, req: Req) -> None:
+        """Between two chunks: an aborted request, or one the role stops (its transfer failed), ends here."""
+        stop = self.role.chunk_stop(req)
+        if stop is None and req.to_abort is not None:
+            stop = (req.to_abort, ErrorCode.CANCELLED)
+        if stop is None:
+            return
         if self.chunked_req is req:
             self.chunked_req = None
-        req.abort(req.to_abort)
+        req.abort(*stop)
         self.finish_req(req)
 
     def finish_req(self, req: Req, release: bool = True) -> None:
-        """Hand the request's KV to the prefix cache (or free it) and send its last output."""
+        """The one finish path: hand the request's KV to the prefix cache (or free it) and report its outcome.
+
+        With ``release``, a role may keep the pages (a KV transfer still reads them): the request then stays the
+        role's until it calls ``finish_req`` again.
+        """
         if release and req.req_pool_idx is not None:
+            if self.role.keep_pages_on_finish(req):
+                return
             self.tree_cache.cache_finished_req(req)
             self.running_batch.batch_is_full = False  # memory came back: the queue may fit again
         req.times.finished = time.monotonic()
         self.reqs_by_rid.pop(req.rid, None)
+        if self.role.on_finish(req):
+            return
         self.log_request_end(req, req.finished_reason.reason.value if req.finished_reason else "abort")
         self.out.finish(req)
 
@@ -449,10 +469,12 @@ class Scheduler:
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
-        """One iteration of the loop; returns whether a batch ran or its results were processed."""
+        """One iteration of the loop of every role; returns whether a batch ran or its results were processed."""
+        self.role.begin_step()
         if self.is_idle():
             self.decode_log.restart()
         self.process_input_requests(msgs)
+        self.role.poll()
         ran = self.step_overlap() if self.overlap else self.step_normal()
         self.out.flush()
         return ran
@@ -469,6 +491,8 @@ class Scheduler:
         if prev is not None and any(_reads_output_history(r) for r in prev[0].reqs):
             self.process_batch_result(prev[0], prev[1].result())
             prev = None
+        elif prev is not None and self.role.waits_for_forward():
+            prev[1].result()  # NOTE: its results are still processed after the next launch
         batch = self.get_next_batch_to_run()
         if batch is not None:
             future = self.launch(batch)
@@ -479,6 +503,7 @@ class Scheduler:
         return batch is not None or prev is not None
 
     def is_idle(self) -> bool:
+        """The engine's own state is idle (a role adds its queues)."""
         return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and (
             self.last_batch is None) and self.in_flight is None
 

@@ -1,7 +1,13 @@
-"""``DecodeScheduler``: one decode rank. Holds the engine's ``Scheduler``, the KV manager and its two queues.
+"""``DecodeScheduler``: one decode rank's role in the engine loop. Holds the engine's ``Scheduler``, the KV manager
+and its two queues; ``Scheduler.step`` runs the loop and asks the hooks below (``SchedulerRole``).
 
-    step: receive -> resolve + preallocate (prealloc queue) -> poll transfers (transfer queue) -> prebuilt
-          requests join the running batch with their first token -> pick and run a batch -> process results
+Lifecycle of a request: prealloc -> transfer -> running (decode) -> finished::
+
+    begin_step   snapshot every transfer the step acts on (one TP collective)
+    admit        a new request waits in the prealloc queue for its prefill peer and for KV memory here
+    poll         preallocated -> transfer queue; transferred requests join the running batch with the prefill
+                 node's first token (PD prebuilt); failed ones finish
+    (the other hooks are empty: from the running batch on, a decode node is a colocated engine)
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from common.req import Req
 from common.sampling.stop import check_finished
 from common.scheduler import Scheduler
 from common.scheduler_metrics import DisaggQueueCounts
+from common.scheduler_role import LoopHooks
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
 from kvtransfer.node import make_kv_manager
@@ -29,7 +36,7 @@ from kvtransfer.poll import GroupPolls
 logger = logging.getLogger(__name__)
 
 
-class DecodeScheduler:
+class DecodeScheduler(LoopHooks):
     def __init__(
         self, args: ServerArgs, model_path: str, tokenizer: Any, send_outputs: Callable[[list[Any]], None],
         dp_rank: int = 0,
@@ -50,34 +57,24 @@ class DecodeScheduler:
         self.bytes_per_page = bytes_per_page(pool) * self.sched.model_config.num_kv_heads // pool.num_kv_heads
         self.sched.role = self
 
-    def queue_counts(self) -> DisaggQueueCounts:
-        return DisaggQueueCounts(prealloc=len(self.prealloc_queue), transfer=len(self.transfer_queue))
-
     @property
     def max_total_num_tokens(self) -> int:
         return self.sched.max_total_num_tokens
 
-    # -- the loop --------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
-        self.polls.refresh([r.disagg_kv for r in (*self.prealloc_queue.queue, *self.transfer_queue.queue)])
-        self.sched.process_input_requests(msgs)
-        admitted, failed = self.prealloc_queue.pop_preallocated(len(self.transfer_queue))
-        self.transfer_queue.extend(admitted)
-        transferred, transfer_failed = self.transfer_queue.pop_transferred()
-        for req in failed + transfer_failed:
-            self.fail(req)
-        self.add_prebuilt(transferred)
-        ran = self.sched.step([])
-        self.sched.out.flush()
-        return ran
+        return self.sched.step(msgs)
 
     def is_idle(self) -> bool:
         return self.sched.is_idle() and not self.prealloc_queue.queue and not self.transfer_queue.queue
 
     def close(self) -> None:
+        self.sched.close()
         self.kv_manager.close()
 
-    # -- the role's hooks (``SchedulerRole``; the engine's ``process_input_requests`` dispatches to them) --------
+    # -- inputs (``SchedulerRole``) ----------------------------------------------------------------------------------
+    def queue_counts(self) -> DisaggQueueCounts:
+        return DisaggQueueCounts(prealloc=len(self.prealloc_queue), transfer=len(self.transfer_queue))
+
     def admit(self, msg: GenerateReqInput) -> None:
         self.prealloc_queue.add(msg)
 
@@ -100,6 +97,19 @@ class DecodeScheduler:
         else:
             self.sched.abort_request(rid, reason)
 
+    # -- the loop's hooks (``SchedulerRole``) ------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.polls.refresh([r.disagg_kv for r in (*self.prealloc_queue.queue, *self.transfer_queue.queue)])
+
+    def poll(self) -> None:
+        admitted, failed = self.prealloc_queue.pop_preallocated(len(self.transfer_queue))
+        self.transfer_queue.extend(admitted)
+        transferred, transfer_failed = self.transfer_queue.pop_transferred()
+        for req in failed + transfer_failed:
+            self.fail(req)
+        now = time.monotonic()
+        self.sched.add_prebuilt(transferred, lambda req: self.take_transferred(req, now))
+
     # -- transfers -------------------------------------------------------------------------------------------------
     def fail(self, req: Req) -> None:
         """A request whose transfer failed or was aborted: free its pages (quiesced) and report why."""
@@ -111,24 +121,6 @@ class DecodeScheduler:
         self.prealloc_queue.release_metadata_slot(req)
         req.abort(reason, code, origin="" if req.to_abort else KV_PEER_FAULT)
         self.sched.finish_req(req, release=req.req_pool_idx is not None)
-
-    def add_prebuilt(self, reqs: list[Req]) -> None:
-        """Transferred requests continue from the prefill node's first token, straight into the running batch."""
-        now = time.monotonic()
-        running = []
-        for req in reqs:
-            try:
-                self.take_transferred(req, now)
-            except Exception as e:  # this request fails with INTERNAL and frees its pages; the rank carries on
-                self.sched.fail_req(req, e)
-                continue
-            if req.finished():
-                self.sched.finish_req(req)
-            else:
-                self.sched.out.stream_token(req)
-                running.append(req)
-        if running:
-            self.sched.running_batch.merge_batch(self.sched.new_batch(running))
 
     def take_transferred(self, req: Req, now: float) -> None:
         """The transfer callback: the prefill node's first token and metadata become the request's first output."""

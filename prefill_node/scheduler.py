@@ -1,11 +1,15 @@
-"""``PrefillScheduler``: one prefill rank. Holds the engine's ``Scheduler``, the KV manager and its two queues.
+"""``PrefillScheduler``: one prefill rank's role in the engine loop. Holds the engine's ``Scheduler``, the KV
+manager and its two queues; ``Scheduler.step`` runs the loop and asks the hooks below (``SchedulerRole``).
 
-Two loops: the normal one below, and (default) an overlap loop that runs each prefill forward on a worker thread
-while the scheduler thread handles the previous batch's results and the queues (``--disable-overlap-schedule``).
+Lifecycle of a request: bootstrap -> waiting -> (chunked) prefill -> inflight -> done (PrefillDone)::
 
-    step: receive -> pop bootstrapped into the waiting queue -> fold the last batch (send the chunked request's
-          cached pages) -> pick and run a prefill batch -> send finished prompts' last pages + metadata ->
-          poll the inflight queue (release KV, report PrefillDone)
+    begin_step          snapshot every transfer the step acts on (one TP collective)
+    admit               a new request waits in the bootstrap queue for its decode peer
+    poll                bootstrapped -> waiting queue; failed peers leave; finished transfers release their pages
+    on_chunk_done       the chunked request's computed pages are sent, once cached
+    on_prefill_done     the prompt's last pages and the first token go to the decode node
+    keep_pages_on_finish  a finished request waits in the inflight queue until no transfer reads its pages
+    on_finish           the Prefill leg's outcome is reported (PrefillDone), not a token stream
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from common.config import ServerArgs
@@ -22,9 +25,7 @@ from common.errors import KV_PEER_FAULT, ErrorCode
 from common.faults import inject
 from common.io_struct import GenerateReqInput, PrefillDone, QueueLoad, SchedulerInput, Timing
 from common.mem.pages import bytes_per_page, num_pages, req_pages
-from common.model_runner import BatchResult
 from common.req import Req
-from common.schedule_batch import ScheduleBatch
 from common.scheduler import Scheduler, internal_error_message
 from common.scheduler_metrics import DisaggQueueCounts
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
@@ -51,23 +52,48 @@ class PrefillScheduler:
         self.polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
         self.bootstrap_queue = PrefillBootstrapQueue(self.sched, self.kv_manager, self.polls)
         self.inflight_queue = PrefillInflightQueue(self.polls)
+        self.leaving: dict[int, KVPoll] = {}  # id(req) -> final transfer state, while poll finishes it
         pool = self.sched.runner.kv_pool
         self.bytes_per_page = bytes_per_page(pool) * self.sched.model_config.num_kv_heads // pool.num_kv_heads
-        self.executor = ThreadPoolExecutor(1, "prefill-forward") if self.sched.overlap else None
-        self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
         self.sched.role = self
-
-    def queue_counts(self) -> DisaggQueueCounts:
-        return DisaggQueueCounts(bootstrap=len(self.bootstrap_queue), inflight=len(self.inflight_queue))
 
     @property
     def max_total_num_tokens(self) -> int:
         return self.sched.max_total_num_tokens
 
-    # -- the loops -------------------------------------------------------------------------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
+        return self.sched.step(msgs)
+
+    def is_idle(self) -> bool:
+        return self.sched.is_idle() and not self.bootstrap_queue.queue and not self.inflight_queue.queue
+
+    def close(self) -> None:
+        self.sched.close()
+        self.kv_manager.close()
+
+    # -- inputs (``SchedulerRole``) ----------------------------------------------------------------------------------
+    def admit(self, msg: GenerateReqInput) -> None:
+        self.bootstrap_queue.add(msg)
+
+    def abort(self, rid: str, reason: str) -> None:
+        req = self.sched.reqs_by_rid.get(rid)
+        if req is None:
+            return
+        req.disagg_kv.abort(reason)
+        if self.bootstrap_queue.remove(req) or self.sched.take_waiting(lambda r: r is req):
+            self.sched.finish_req(req, release=False)
+        elif self.inflight_queue.find(rid) is None:
+            req.to_abort = reason  # in a prefill batch: stops at its next chunk boundary
+
+    def fill_load(self, load: QueueLoad) -> None:
+        load.bootstrap, load.inflight = len(self.bootstrap_queue), len(self.inflight_queue)
+
+    def queue_counts(self) -> DisaggQueueCounts:
+        return DisaggQueueCounts(bootstrap=len(self.bootstrap_queue), inflight=len(self.inflight_queue))
+
+    # -- the loop's hooks (``SchedulerRole``) ------------------------------------------------------------------------
+    def begin_step(self) -> None:
         self.polls.refresh(self.kv_handles())
-        return self.step_overlap(msgs) if self.executor is not None else self.step_normal(msgs)
 
     def kv_handles(self) -> list[Any]:
         """Every transfer handle a step may act on, in queue order (identical on every TP rank)."""
@@ -76,99 +102,28 @@ class PrefillScheduler:
             reqs.append(self.sched.chunked_req)
         return [r.disagg_kv for r in reqs if r.disagg_kv is not None]
 
-    def step_normal(self, msgs: list[SchedulerInput]) -> bool:
-        self.take_inputs(msgs)
-        self.sched.merge_last_batch()
-        self.send_chunked_pages()
-        batch = self.sched.get_next_batch_to_run()
-        if batch is not None:
-            self.process_batch_result(batch, self.sched.run_batch(batch))
-        self.sched.last_batch = batch
-        self.poll_inflight()
-        self.sched.out.flush()
-        return batch is not None
-
-    def step_overlap(self, msgs: list[SchedulerInput]) -> bool:
-        """Batch k runs on the forward thread while this thread processes batch k-1's results and the queues.
-
-        NOTE: safe because a prefill batch never depends on the previous batch's sampled tokens (its requests
-        finish after one token), forwards run one at a time in order, and memory is only allocated here after
-        the previous forward finished; pages released meanwhile are reused no earlier than the next step.
-        """
-        prev = None
-        if self.in_flight is not None:
-            prev_batch, future = self.in_flight
-            self.in_flight = None
-            prev = (prev_batch, future.result())
-            if self.sched.chunked_req is not None and self.sched.chunked_req in prev_batch.reqs:
-                self.sched.tree_cache.cache_unfinished_req(self.sched.chunked_req)
-                self.send_chunked_pages()
-        batch = self.sched.get_new_batch_prefill()
-        if batch is not None:
-            assert self.executor is not None
-            self.in_flight = (batch, self.executor.submit(self.sched.run_batch, batch))
-        if prev is not None:
-            self.process_batch_result(*prev)
-        self.take_inputs(msgs)
-        self.poll_inflight()
-        self.sched.out.flush()
-        return batch is not None or prev is not None
-
-    def take_inputs(self, msgs: list[SchedulerInput]) -> None:
-        self.sched.process_input_requests(msgs)
+    def poll(self) -> None:
         ready, failed = self.bootstrap_queue.pop_bootstrapped()
         self.sched.waiting_queue.extend(ready)
+        # Waiting requests whose decode side failed or went away leave before using any compute.
+        failed += self.sched.take_waiting(lambda r: self.polls.poll(r.disagg_kv) == KVPoll.Failed)
         for req in failed:
-            self.finish(req, release=False)
-        self.drop_failed_waiting()
+            self.sched.finish_req(req, release=False)
+        self.poll_inflight()
 
-    def is_idle(self) -> bool:
-        return (self.sched.is_idle() and self.in_flight is None and not self.bootstrap_queue.queue
-                and not self.inflight_queue.queue)
+    def waits_for_forward(self) -> bool:
+        """The chunked request's pages are sent (read by the transfer) between steps, and memory is allocated
+        only after the previous forward finished: pages released meanwhile are reused no earlier than the next
+        step."""
+        return True
 
-    def close(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=True)
-        self.kv_manager.close()
-
-    # -- the role's hooks (``SchedulerRole``; the engine's ``process_input_requests`` dispatches to them) --------
-    def admit(self, msg: GenerateReqInput) -> None:
-        self.bootstrap_queue.add(msg)
-
-    def fill_load(self, load: QueueLoad) -> None:
-        load.bootstrap, load.inflight = len(self.bootstrap_queue), len(self.inflight_queue)
-
-    def abort(self, rid: str, reason: str) -> None:
-        req = self.sched.reqs_by_rid.get(rid)
-        if req is None:
-            return
-        req.disagg_kv.abort(reason)
-        if self.bootstrap_queue.remove(req):
-            self.finish(req, release=False)
-        elif req in self.sched.waiting_queue:
-            self.sched.waiting_queue.remove(req)
-            self.finish(req, release=False)
-        elif self.inflight_queue.find(rid) is None:
-            req.to_abort = reason  # in a prefill batch: stops at its next chunk boundary
-
-    def drop_failed_waiting(self) -> None:
-        """Waiting requests whose decode side failed or went away leave before using any compute."""
-        failed = [r for r in self.sched.waiting_queue if self.polls.poll(r.disagg_kv) == KVPoll.Failed]
-        for req in failed:
-            self.sched.waiting_queue.remove(req)
-            self.finish(req, release=False)
-
-    # -- sending ---------------------------------------------------------------------------------------------------
-    def send_chunked_pages(self) -> None:
+    def on_chunk_done(self, req: Req) -> None:
         """Send the chunked request's pages computed so far.
 
-        NOTE: runs after ``cache_unfinished_req`` (in ``merge_last_batch``), which may replace the request's own
-        slots by the radix tree's copies and free the originals; sending before it could read freed pages.
+        NOTE: runs after ``cache_unfinished_req``, which may replace the request's own slots by the radix tree's
+        copies and free the originals; sending before it could read freed pages.
         """
-        req = self.sched.chunked_req
-        if req is None or req.req_pool_idx is None:
-            return
-        if req.to_abort is not None or self.polls.poll(req.disagg_kv) == KVPoll.Failed:
+        if req.req_pool_idx is None or req.to_abort is not None or self.polls.poll(req.disagg_kv) == KVPoll.Failed:
             return
         full_pages = req.kv_committed_len // self.page_size
         if full_pages > req.kv_pages_sent:
@@ -177,6 +132,37 @@ class PrefillScheduler:
             req.disagg_kv.send(pages)
             req.kv_pages_sent = full_pages
 
+    def chunk_stop(self, req: Req) -> tuple[str, ErrorCode] | None:
+        """An aborted request or a failed transfer stops between chunks; its transfer is aborted."""
+        if req.to_abort is None and self.polls.poll(req.disagg_kv) != KVPoll.Failed:
+            return None
+        req.disagg_kv.abort(req.to_abort or "transfer failed")
+        if req.to_abort is not None:
+            return req.to_abort, ErrorCode.CANCELLED
+        return self.polls.failure(req.disagg_kv), self.polls.failure_code(req.disagg_kv)
+
+    def on_prefill_done(self, req: Req) -> None:
+        """The first (and only) token ends the request here: the rest of its KV and the token go to decode."""
+        if req.to_abort is not None:
+            req.disagg_kv.abort(req.to_abort)
+        else:
+            self.send_last_pages(req)
+
+    def keep_pages_on_finish(self, req: Req) -> bool:
+        """Pages stay locked in the inflight queue until the transfer is final and quiesced on every rank."""
+        if id(req) in self.leaving:
+            return False
+        if _internal(req):
+            assert req.finished_reason is not None
+            req.disagg_kv.abort(req.finished_reason.message, ErrorCode.INTERNAL)
+        self.inflight_queue.add(req)
+        return True
+
+    def on_finish(self, req: Req) -> bool:
+        self.report(req, self.leaving.pop(id(req), KVPoll.Failed))
+        return True
+
+    # -- sending ---------------------------------------------------------------------------------------------------
     def send_last_pages(self, req: Req) -> None:
         total = num_pages(len(req.origin_input_ids), self.page_size)
         pages = req_pages(self.sched.req_to_token_pool.req_to_token, req, req.kv_pages_sent,
@@ -193,35 +179,7 @@ class PrefillScheduler:
         req.disagg_kv.send(pages, last=True, metadata=metadata)
         req.kv_pages_sent = total
 
-    # -- results ---------------------------------------------------------------------------------------------------
-    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        for i, req in enumerate(batch.reqs):
-            if req.finished():
-                continue
-            if req.is_chunked > 0:
-                req.is_chunked -= 1
-                if req.to_abort is not None or self.polls.poll(req.disagg_kv) == KVPoll.Failed:
-                    if self.sched.chunked_req is req:
-                        self.sched.chunked_req = None
-                    req.disagg_kv.abort(req.to_abort or "transfer failed")
-                    req.abort(req.to_abort or self.polls.failure(req.disagg_kv),
-                              ErrorCode.CANCELLED if req.to_abort else self.polls.failure_code(req.disagg_kv))
-                    self.inflight_queue.add(req)  # released once quiesced
-                continue
-            try:
-                self.sched.append_token(req, result, i)  # the first (and only) token; finishes the request
-                if req.to_abort is not None:
-                    req.disagg_kv.abort(req.to_abort)
-                else:
-                    self.send_last_pages(req)
-            except Exception as e:  # this request fails with INTERNAL; its pages wait until no transfer reads them
-                logger.exception("rid=%s room=%s: internal error; the request fails, the rank keeps serving",
-                                 req.rid, req.bootstrap_room)
-                req.finished_reason = None
-                req.abort(internal_error_message(e), ErrorCode.INTERNAL)
-                req.disagg_kv.abort(internal_error_message(e), ErrorCode.INTERNAL)
-            self.inflight_queue.add(req)
-
+    # -- finishing -------------------------------------------------------------------------------------------------
     def poll_inflight(self) -> None:
         for req, state in self.inflight_queue.pop_done():
             req.times.transfer_done = time.monotonic()
@@ -235,14 +193,11 @@ class PrefillScheduler:
             if state == KVPoll.Failed and not req.to_abort and not _internal(req):
                 logger.warning("rid=%s room=%s: KV transfer failed: %s", req.rid, req.bootstrap_room,
                                self.polls.failure(req.disagg_kv))
-            self.finish(req, release=True, state=state)
+            self.leaving[id(req)] = state
+            self.sched.finish_req(req)  # releases its KV into the radix cache, unlocked
 
-    def finish(self, req: Req, release: bool, state: KVPoll = KVPoll.Failed) -> None:
-        """Release the request's KV (into the radix cache, unlocked) and report the Prefill leg's outcome."""
-        if release and req.req_pool_idx is not None:
-            self.sched.tree_cache.cache_finished_req(req)
-            self.sched.running_batch.batch_is_full = False
-        self.sched.reqs_by_rid.pop(req.rid, None)
+    def report(self, req: Req, state: KVPoll) -> None:
+        """Report the Prefill leg's outcome."""
         error = code = None
         if _internal(req):
             assert req.finished_reason is not None

@@ -1,0 +1,108 @@
+"""The prefill and decode roles in the one engine loop, in this process (TCP transfer on 127.0.0.1): chunked prompts,
+an abort between two chunks and an internal error on the prefill node, with the overlap schedule on and off."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import common.faults as faults
+from common.config import ServerArgs
+from common.errors import ErrorCode
+from common.io_struct import AbortReq, GenerateReqInput, PrefillDone, TokenOut
+from common.sampling.params import SamplingParams
+from common.scheduler import Scheduler
+from common.tokenizer import load_tokenizer
+from tests.model_fixtures import make_tiny_model
+
+PROMPT_LENGTHS = [5, 17, 40, 63, 3, 100]  # chunks of 16: one to seven per prompt
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+def run(step: Callable[[list[Any]], Any], idle: Callable[[], bool], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not idle():
+        assert time.monotonic() < deadline, f"not idle after {timeout} s"
+        step([])
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(overlap, monkeypatch) -> None:
+    from decode_node.scheduler import DecodeScheduler
+    from kvtransfer.bootstrap import BootstrapServer
+    from prefill_node.scheduler import PrefillScheduler
+
+    monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "test-cluster-token")
+    monkeypatch.setattr(faults, "_FAULTS", {"token": frozenset({"fault"})})
+    model = str(make_tiny_model("llama"))
+    tokenizer = load_tokenizer(model)
+    bootstrap = BootstrapServer("test-cluster-token")
+    port = bootstrap.start()
+    base = ServerArgs(model_path=model, page_size=4, max_total_tokens=4096, max_running_requests=16,
+                      chunked_prefill_size=16, disaggregation_bootstrap_port=port,
+                      disable_overlap_schedule=not overlap, enable_overlap_schedule=overlap)
+    prompts = {f"r{i}": [(7 * i + 3 * j) % 900 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)}
+
+    colocated_out: list[Any] = []
+    colocated = Scheduler(base, model, tokenizer, colocated_out.extend)
+    try:
+        colocated.step([GenerateReqInput(rid=r, input_ids=p, sampling_params=greedy(8)) for r, p in prompts.items()])
+        run(colocated.step, colocated.is_idle)
+    finally:
+        colocated.close()
+    expected: dict[str, list[int]] = {}
+    for m in colocated_out:
+        if isinstance(m, TokenOut):
+            expected.setdefault(m.rid, []).extend(m.token_ids)
+
+    prefill_out: list[Any] = []
+    decode_out: list[Any] = []
+    prefill = PrefillScheduler(base.replace(disaggregation_mode="prefill"), model, tokenizer, prefill_out.extend)
+    decode = DecodeScheduler(base.replace(disaggregation_mode="decode"), model, tokenizer, decode_out.extend)
+    try:
+        extra = {"fault": list(range(20, 32)), "abort": list(range(20, 110))}  # "abort": six chunks
+        msgs = [GenerateReqInput(rid=r, input_ids=p, sampling_params=greedy(8), bootstrap_room=1000 + i,
+                                 bootstrap_addr=f"127.0.0.1:{port}")
+                for i, (r, p) in enumerate({**prompts, **extra}.items())]
+        decode.step(msgs)
+        prefill.step(msgs)
+        deadline = time.monotonic() + 120
+        aborted_mid_chunk = False
+        while not (prefill.is_idle() and decode.is_idle()):
+            assert time.monotonic() < deadline, "the PD pair did not finish in 120 s"
+            chunked = prefill.sched.chunked_req
+            abort = [] if aborted_mid_chunk or chunked is None or chunked.rid != "abort" else [
+                AbortReq(rid="abort", reason="client went away")]
+            aborted_mid_chunk |= bool(abort)
+            prefill.step(abort)
+            decode.step(abort)
+        assert aborted_mid_chunk
+
+        got: dict[str, list[int]] = {}
+        finished: dict[str, TokenOut] = {}
+        for m in decode_out:
+            if isinstance(m, TokenOut):
+                got.setdefault(m.rid, []).extend(m.token_ids)
+                if m.finish_reason is not None:
+                    finished[m.rid] = m
+        done = {m.rid: m for m in prefill_out if isinstance(m, PrefillDone)}
+        for rid in prompts:
+            assert got[rid] == expected[rid], rid
+            assert done[rid].error is None and finished[rid].finish_reason == "length"
+        assert done["abort"].error_code == finished["abort"].error_code == ErrorCode.CANCELLED
+        assert done["fault"].error_code == finished["fault"].error_code == ErrorCode.INTERNAL
+        assert "injected token fault" in (done["fault"].error or "")
+        for sched in (prefill.sched, decode.sched):
+            assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+            sched.tree_cache.evict(sched.allocator.size)
+            assert sched.allocator.available_size() == sched.allocator.size
+    finally:
+        prefill.close()
+        decode.close()
+        bootstrap.stop()
