@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from common.config import ServerArgs
 from common.detokenizer import IncrementalDetokenizer
@@ -63,6 +64,15 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+class _GrpcProbeFilter(logging.Filter):
+    """sglang-router first tries gRPC on a worker's address; aiohttp would log that HTTP/2 preface ("PRI * ...") as
+    an error with a traceback on every registration."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, BadHttpMessage) and "PRI" in str(exc))
 
 
 class _NoDeadline:
@@ -108,6 +118,7 @@ class SglangHttpServer:
         self.app = app
 
     async def start(self) -> int:
+        logging.getLogger("aiohttp.server").addFilter(_GrpcProbeFilter())
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.args.host, self.args.sglang_http_port)
