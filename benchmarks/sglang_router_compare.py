@@ -26,11 +26,41 @@ from typing import Any
 from benchmarks.bench import machine
 from benchmarks.loadgen.clients import OpenAIClient
 from benchmarks.loadgen.runner import LoadShape, run_load
-from benchmarks.loadgen.stats import summarize
-from benchmarks.loadgen.workload import WorkloadConfig, make_workload
+from benchmarks.loadgen.stats import RequestResult, summarize
+from benchmarks.loadgen.workload import RequestSpec, WorkloadConfig, make_workload
 from common.ports import pick_free_port
+from common.tokenizer import load_tokenizer
 
 ROUTERS = ("ours", "sglang")
+
+
+class TextClient(OpenAIClient):
+    """Streaming ``/v1/completions`` with the spec's prompt as text: sglang-router 0.3.2 refuses token-id prompts
+    (422 "prompt: data did not match any variant of untagged enum StringOrArray")."""
+
+    def __init__(self, base_url: str, model: str, tokenizer: Any) -> None:
+        super().__init__(base_url, model=model)
+        self.tokenizer = tokenizer
+
+    async def send(self, spec: RequestSpec, t0: float) -> RequestResult:
+        r = RequestResult(spec.index, spec.kind, time.perf_counter() - t0, prompt_tokens=spec.prompt_len)
+        sent = time.perf_counter()
+        try:
+            stream = await self.client.completions.create(
+                model=self.model, prompt=self.tokenizer.decode(spec.prompt_ids), max_tokens=spec.max_tokens,
+                temperature=0.0, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.choices and chunk.choices[0].text:
+                    r.ttft = now - sent if r.ttft is None else r.ttft
+                    r.token_times.append(now - t0)
+                self._finish(r, chunk)
+            r.e2e = time.perf_counter() - sent
+        except Exception as e:  # a failed request is a result, not a crash of the run
+            r.error = type(e).__name__
+            r.ok = False
+        return r
 
 
 def _spawn(cmd: list[str], log: Path, cores: str | None = None) -> subprocess.Popen[bytes]:
@@ -89,8 +119,9 @@ def _start(model: str, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[s
                    "sglang": (f"http://127.0.0.1:{ports['sgl']}/v1", sgl.pid)}
 
 
-async def _phase(url: str, pid: int, model: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    client = OpenAIClient(url, model=model)
+async def _phase(url: str, pid: int, model: str, tokenizer: Any, args: argparse.Namespace,
+                 seed: int) -> dict[str, Any]:
+    client = TextClient(url, model, tokenizer)
     warm = WorkloadConfig(kind="fixed", num_requests=8, input_len=args.input_len, output_len=4, seed=seed + 1000)
     await run_load(client, make_workload(warm), LoadShape(concurrency=4, progress=False))
     wl = WorkloadConfig(kind="fixed", num_requests=args.requests, input_len=args.input_len,
@@ -101,7 +132,7 @@ async def _phase(url: str, pid: int, model: str, args: argparse.Namespace, seed:
     cpu = _cpu_s(pid) - cpu0
     await client.close()
     s = summarize(run.results, run.wall_s)
-    return {"req_s": s["request_throughput"], "completed": s["completed"], "failed": s["failed"],
+    return {"req_s": s["request_throughput"], "completed": s["completed"], "errors": s["errors"],
             "ttft_p50_ms": s["ttft"].get("p50_ms"), "ttft_p99_ms": s["ttft"].get("p99_ms"),
             "e2e_p50_ms": s["e2e"].get("p50_ms"), "e2e_p99_ms": s["e2e"].get("p99_ms"),
             "router_cpu_ms_per_req": round(1000 * cpu / max(s["completed"], 1), 3),
@@ -110,6 +141,9 @@ async def _phase(url: str, pid: int, model: str, args: argparse.Namespace, seed:
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     from common.model_gen.make_model import make_model
+    from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
+
+    os.environ.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())  # inherited by the nodes and our router
 
     tmp = Path(tempfile.mkdtemp(prefix="pdcluster-sglang-compare-"))
     model = args.model or str(make_model("llama", "tiny", tmp / "model", seed=0))
@@ -117,10 +151,11 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     phases: list[dict[str, Any]] = []
     try:
         name = Path(model).name
+        tokenizer = load_tokenizer(model)
         for r in range(args.rounds):
             for router in ROUTERS:
                 url, pid = routers[router]
-                phases.append({"router": router, "round": r, **await _phase(url, pid, name, args, seed=r)})
+                phases.append({"router": router, "round": r, **await _phase(url, pid, name, tokenizer, args, seed=r)})
                 print(json.dumps(phases[-1]), flush=True)
     finally:
         for p in procs:

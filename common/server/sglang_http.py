@@ -235,7 +235,7 @@ class SglangHttpServer:
         """The node's message for this body and the DP rank it runs on (the checks our Worker servicers make)."""
         if self.servicer.draining:
             raise front._Unavailable("node is draining (shutting down); retry on another node")
-        room = req.bootstrap_room
+        room = req.bootstrap_room if self.mode != "null" else None  # a colocated node ignores the bootstrap fields
         # NOTE: the room is in the node's request id: a retry of the router (a new room) never collides with an
         # attempt still unwinding on this node.
         msg = GenerateReqInput(
