@@ -119,23 +119,25 @@ def _start(model: str, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[s
                    "sglang": (f"http://127.0.0.1:{ports['sgl']}/v1", sgl.pid)}
 
 
-async def _phase(url: str, pid: int, model: str, tokenizer: Any, args: argparse.Namespace,
+async def _phase(url: str, pid: int, fronts: list[int], model: str, tokenizer: Any, args: argparse.Namespace,
                  seed: int) -> dict[str, Any]:
     client = TextClient(url, model, tokenizer)
     warm = WorkloadConfig(kind="fixed", num_requests=8, input_len=args.input_len, output_len=4, seed=seed + 1000)
     await run_load(client, make_workload(warm), LoadShape(concurrency=4, progress=False))
     wl = WorkloadConfig(kind="fixed", num_requests=args.requests, input_len=args.input_len,
                         output_len=args.output_len, seed=seed)
-    cpu0 = _cpu_s(pid)
+    cpu0, fronts0 = _cpu_s(pid), sum(map(_cpu_s, fronts))
     run = await run_load(client, make_workload(wl), LoadShape(concurrency=args.concurrency, progress=False,
                                                               time_limit_s=args.time_limit))
-    cpu = _cpu_s(pid) - cpu0
+    cpu, fronts_cpu = _cpu_s(pid) - cpu0, sum(map(_cpu_s, fronts)) - fronts0
     await client.close()
     s = summarize(run.results, run.wall_s)
     return {"req_s": s["request_throughput"], "completed": s["completed"], "errors": s["errors"],
             "ttft_p50_ms": s["ttft"].get("p50_ms"), "ttft_p99_ms": s["ttft"].get("p99_ms"),
             "e2e_p50_ms": s["e2e"].get("p50_ms"), "e2e_p99_ms": s["e2e"].get("p99_ms"),
             "router_cpu_ms_per_req": round(1000 * cpu / max(s["completed"], 1), 3),
+            # the nodes' front processes (tokenize/detokenize there behind sglang-router; ranks not counted)
+            "node_fronts_cpu_ms_per_req": round(1000 * fronts_cpu / max(s["completed"], 1), 3),
             "loadavg": machine()["loadavg"]}
 
 
@@ -152,10 +154,11 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     try:
         name = Path(model).name
         tokenizer = load_tokenizer(model)
+        fronts = [procs[0].pid, procs[1].pid]  # the prefill and decode nodes' front processes
         for r in range(args.rounds):
             for router in ROUTERS:
                 url, pid = routers[router]
-                phases.append({"router": router, "round": r, **await _phase(url, pid, name, tokenizer, args, seed=r)})
+                phases.append({"router": router, "round": r, **await _phase(url, pid, fronts, name, tokenizer, args, seed=r)})
                 print(json.dumps(phases[-1]), flush=True)
     finally:
         for p in procs:
