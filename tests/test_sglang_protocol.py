@@ -7,7 +7,7 @@ import pytest
 
 from common.errors import InvalidRequestError
 from common.io_struct import TokenOut
-from common.server.sglang_openai import completion_to_generate
+from common.server.sglang_openai import chat_to_generate, completion_to_generate
 from common.server.sglang_protocol import finish_reason, parse_generate
 
 
@@ -74,3 +74,20 @@ def test_finish_reasons_in_sglang_shape() -> None:
     assert finish_reason(out("stop", 2), 8) == {"type": "stop", "matched": 2}
     assert finish_reason(out("stop", "</s>"), 8) == {"type": "stop", "matched": "</s>"}
     assert finish_reason(out("abort"), 8) == {"type": "abort", "message": "gone"}
+
+
+def test_openai_chat_maps_to_generate() -> None:
+    gen, usage, messages = chat_to_generate({
+        "messages": [{"role": "system", "content": None}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                      {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 6, "max_tokens": 9, "logprobs": True, "top_logprobs": 3, "bootstrap_room": 5,
+        "separate_reasoning": True, "stream_reasoning": True, "skip_special_tokens": True})  # sglang-router's extras
+    assert messages == [{"role": "system", "content": ""}, {"role": "user", "content": "ab"}] and not usage
+    req = parse_generate({**gen, "input_ids": [1, 2]})
+    assert req.sampling.max_new_tokens == 6 and req.top_logprobs_num == 3 and req.bootstrap_room == 5
+    assert chat_to_generate({"messages": [{"role": "user", "content": "x"}]})[0]["sampling_params"][
+        "max_new_tokens"] == 128
+    for bad in ({"messages": []}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                {"messages": [{"content": "x"}]}):
+        with pytest.raises(InvalidRequestError):
+            chat_to_generate(bad)

@@ -84,6 +84,7 @@ class Stack:
     decode_http: int
     sglang: Server  # sglang-router in front of the two nodes' SGLang HTTP API
     ours: Server  # our router (OpenAI HTTP) in front of the same nodes' Worker gRPC
+    model: str  # the served model name
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def stack(model_path) -> Iterator[Stack]:
              "--prefill", f"{prefill.addr}:{prefill.bootstrap_port}", "--decode", decode.addr], port))
         _wait_ready(servers[0], "/readiness", b'"ready"')
         _wait_ready(servers[1], "/health", b'"ok"')
-        yield Stack(prefill, decode, p_http, d_http, servers[0], servers[1])
+        yield Stack(prefill, decode, p_http, d_http, servers[0], servers[1], Path(model_path).name)
     finally:
         for proc in [*(s.proc for s in servers), prefill.proc, decode.proc]:
             if proc.poll() is None:
@@ -144,10 +145,11 @@ def get(url: str) -> Any:
 
 
 def test_greedy_outputs_match_our_router(stack: Stack) -> None:
+    wants: dict[str, str] = {}
     for prompt in PROMPTS:
         _, ours = post(stack.ours.url + "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
                                                             "ignore_eos": True})
-        want = ours["choices"][0]["text"]
+        want = wants[prompt] = ours["choices"][0]["text"]
         assert ours["usage"]["completion_tokens"] == 12
         sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
         status, got = post(stack.sglang.url + "/generate", {"text": prompt, "sampling_params": sp})
@@ -167,17 +169,34 @@ def test_greedy_outputs_match_our_router(stack: Stack) -> None:
         assert status == 200, comp
         assert comp["choices"][0]["text"] == want and comp["usage"] == ours["usage"] | {
             "prompt_tokens_details": comp["usage"]["prompt_tokens_details"]}
+    # chat: the node renders the model's chat template as our router does
+    chat = {"model": stack.model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    _, ours_chat = post(stack.ours.url + "/v1/chat/completions", chat)
+    status, chat_got = post(stack.sglang.url + "/v1/chat/completions", chat)
+    assert status == 200, chat_got
+    assert chat_got["choices"][0]["message"]["content"] == ours_chat["choices"][0]["message"]["content"]
+    assert chat_got["usage"]["prompt_tokens"] == ours_chat["usage"]["prompt_tokens"]
+    assert chat_got["usage"]["completion_tokens"] == 8
+    status, chunks = post(stack.sglang.url + "/v1/chat/completions", chat | {"stream": True})
+    assert status == 200 and chunks[0]["choices"][0]["delta"]["role"] == "assistant", chunks
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == chat_got["choices"][0]["message"][
+        "content"]
     # token ids in, and a stop string: the text is cut before it as our router cuts it
     ids = got["output_ids"][:3]
-    stop = want[len(want) // 2: len(want) // 2 + 2]
+    want = wants[PROMPTS[0]]
+    stop = want[len(want) // 2: len(want) // 2 + 2]  # a string the greedy output holds
     _, ours = post(stack.ours.url + "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
                                                         "stop": [stop], "ignore_eos": True})
     _, got = post(stack.sglang.url + "/generate", {"text": PROMPTS[0], "sampling_params": {
         "max_new_tokens": 12, "temperature": 0, "stop": stop, "ignore_eos": True}})
     assert got["text"] == ours["choices"][0]["text"] and got["meta_info"]["finish_reason"]["type"] == "stop"
-    status, by_ids = post(stack.sglang.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 4,
-                                                                                                "temperature": 0}})
-    assert status == 200 and len(by_ids["output_ids"]) <= 4, by_ids
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, by_ids = post(stack.sglang.url + "/generate", {"input_ids": ids, "sampling_params": sp})
+    _, ours = post(stack.ours.url + "/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0,
+                                                        "ignore_eos": True})
+    assert status == 200 and len(by_ids["output_ids"]) == 4, by_ids
+    assert by_ids["text"] == ours["choices"][0]["text"]
     stack.prefill.wait_pools_free()
     stack.decode.wait_pools_free()
 

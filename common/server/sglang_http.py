@@ -33,18 +33,16 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from common.config import ServerArgs
-from common.detokenizer import IncrementalDetokenizer
 from common.errors import ErrorCode, InvalidRequestError
 from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from common.server import front
-from common.server.sglang_openai import completion_body, completion_chunk, completion_to_generate
+from common.server.sglang_openai import chat_to_generate, completion_to_generate
 from common.server.sglang_protocol import (
-    Logprobs,
     SglangRequest,
     decode_body,
-    finish_reason,
     parse_generate,
 )
+from common.server.sglang_response import HttpError, SglangResponse, error_response
 from common.tokenizer import load_tokenizer
 from kvtransfer.bootstrap import BootstrapClient, BootstrapError
 
@@ -54,16 +52,11 @@ MAX_BODY_BYTES = 64 << 20
 TOPOLOGY_TTL_S = 30.0  # a prefill node's dp_size is re-read this often (a restarted node may change it)
 TOPOLOGY_TIMEOUT_S = 5.0
 TOKENIZE_INLINE_CHARS = 4096  # longer texts are tokenized on a thread, off the event loop
+_RID_PREFIX = {"generate": "", "completions": "cmpl-", "chat": "chatcmpl-"}
 HTTP_STATUS = {
     ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.FAILED_PRECONDITION: 400, ErrorCode.RESOURCE_EXHAUSTED: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504, ErrorCode.CANCELLED: 503, ErrorCode.UNAVAILABLE: 503, ErrorCode.INTERNAL: 500,
 }
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class _GrpcProbeFilter(logging.Filter):
@@ -86,14 +79,6 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
 
 
-def _error(status: int, message: str) -> web.Response:
-    return _json({"error": {"message": message, "code": status}, "object": "error", "message": message}, status)
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-
 class SglangHttpServer:
     def __init__(self, args: ServerArgs, servicer: front.WorkerServicer) -> None:
         self.args = args
@@ -108,6 +93,7 @@ class SglangHttpServer:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
         app.router.add_get("/health_generate", self.health_generate)
         for path in ("/server_info", "/get_server_info"):
@@ -141,7 +127,7 @@ class SglangHttpServer:
 
     async def health(self, request: web.Request) -> web.Response:
         why = self._unhealthy()
-        return web.Response(status=200) if why is None else _error(503, why)
+        return web.Response(status=200) if why is None else error_response(503, why)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """Every scheduler rank answers a load query within the deadline (a PD node cannot generate alone)."""
@@ -151,7 +137,7 @@ class SglangHttpServer:
                 await self.servicer.ranks.get_load(timeout=TOPOLOGY_TIMEOUT_S)
             except TimeoutError:
                 why = f"scheduler ranks did not answer within {TOPOLOGY_TIMEOUT_S:.0f} s"
-        return web.Response(status=200) if why is None else _error(503, why)
+        return web.Response(status=200) if why is None else error_response(503, why)
 
     async def server_info(self, request: web.Request) -> web.Response:
         a, cfg = self.args, self.servicer.model_config
@@ -189,32 +175,38 @@ class SglangHttpServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completions")
 
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
         try:
             obj = decode_body(await request.read())
             include_usage = False
             if api == "completions":
                 obj, include_usage = completion_to_generate(obj)
+            elif api == "chat":
+                obj, include_usage, messages = chat_to_generate(obj)
+                obj["input_ids"] = await self._chat_ids(messages)
             req = parse_generate(obj)
-            rid = req.rid or request.headers.get("X-Request-ID") or ("cmpl-" if api == "completions" else "") + \
+            rid = req.rid or request.headers.get("X-Request-ID") or _RID_PREFIX[api] + \
                 uuid.uuid4().hex
             msg, rank = await self._node_request(req, rid, await self._tokenize(req))
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+            return error_response(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
         except InvalidRequestError as e:
-            return _error(400, str(e))
+            return error_response(400, str(e))
         except HttpError as e:
-            return _error(e.status, str(e))
+            return error_response(e.status, str(e))
         except front._Unavailable as e:
-            return _error(503, str(e))
-        run = _Run(self, req, rid, api, include_usage)
+            return error_response(503, str(e))
+        run = SglangResponse(self.tokenizer, self.model_name, req, rid, api, include_usage)
         outputs = self._outputs(msg, rank)
         if req.stream:
             return await run.stream(request, outputs)
         try:
             return _json(await run.full(outputs))
         except HttpError as e:
-            return _error(e.status, str(e))
+            return error_response(e.status, str(e))
 
     async def _tokenize(self, req: SglangRequest) -> list[int]:
         if req.input_ids is not None:
@@ -230,6 +222,21 @@ class SglangHttpServer:
         if not ids:
             raise InvalidRequestError("text encodes to no tokens")
         return list(ids)
+
+    async def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation through the model's chat template, then encoded as our router encodes it."""
+        def render() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # jinja raises anything (TemplateError, TypeError) on input the template rejects
+                raise InvalidRequestError(f"messages: the model's chat template rejected them: {e}") from e
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+        size = sum(len(m["content"]) for m in messages)
+        ids = render() if size <= TOKENIZE_INLINE_CHARS else await asyncio.to_thread(render)
+        if not ids:
+            raise InvalidRequestError("messages render to no tokens")
+        return ids
 
     async def _node_request(self, req: SglangRequest, rid: str, ids: list[int]) -> tuple[GenerateReqInput, int]:
         """The node's message for this body and the DP rank it runs on (the checks our Worker servicers make)."""
@@ -301,81 +308,3 @@ class SglangHttpServer:
             raise HttpError(504, str(e)) from None
         except front._Unavailable as e:
             raise HttpError(503, str(e)) from None
-
-
-class _Run:
-    """One request's response: SGLang's ``/generate`` shape or OpenAI's completion shape, whole or as SSE."""
-
-    def __init__(self, server: SglangHttpServer, req: SglangRequest, rid: str, api: str, include_usage: bool) -> None:
-        self.server, self.req, self.rid, self.api, self.include_usage = server, req, rid, api, include_usage
-        sp = req.sampling
-        self.detok = IncrementalDetokenizer(server.tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop)
-        self.logprobs = Logprobs(server.tokenizer, req.return_text_in_logprobs)
-        self.ids: list[int] = []
-        self.started = time.monotonic()
-        self.created = int(time.time())
-        self.last: TokenOut | PrefillDone | None = None
-
-    def _add(self, out: TokenOut | PrefillDone) -> str:
-        """Take one output; returns the text it made final."""
-        self.last = out
-        if isinstance(out, PrefillDone):
-            return ""
-        self.ids.extend(out.token_ids)
-        self.logprobs.add(out)
-        return self.detok.add(out.token_ids, final=out.finish_reason is not None)
-
-    def _meta(self) -> dict[str, Any]:
-        out = self.last
-        meta: dict[str, Any] = {"id": self.rid, "finish_reason": None, "prompt_tokens": 0,
-                                "completion_tokens": len(self.ids), "cached_tokens": 0,
-                                "e2e_latency": time.monotonic() - self.started}
-        if isinstance(out, PrefillDone):
-            meta.update(finish_reason={"type": "length", "length": 0}, prompt_tokens=out.prompt_tokens,
-                        cached_tokens=out.cached_tokens)
-        elif out is not None:
-            meta.update(finish_reason=finish_reason(out, self.req.sampling.max_new_tokens),
-                        prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
-            if out.finish_reason is not None:
-                meta["completion_tokens"] = out.completion_tokens
-        if self.req.return_logprob:
-            meta.update(self.logprobs.fields(self.req.top_logprobs_num))
-        return meta
-
-    def _body(self) -> dict[str, Any]:
-        if self.api == "completions":
-            return completion_body(self.rid, self.server.model_name, self.created, self.detok.text, self._meta())
-        return {"text": self.detok.text, "output_ids": list(self.ids), "meta_info": self._meta()}
-
-    async def full(self, outputs: AsyncIterator[TokenOut | PrefillDone]) -> dict[str, Any]:
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                self._add(out)
-        return self._body()
-
-    async def stream(self, request: web.Request, outputs: AsyncIterator[TokenOut | PrefillDone]) -> web.StreamResponse:
-        """Headers go out with the first output, so a failure before it is a real HTTP status."""
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-ID": self.rid})
-        async with contextlib.aclosing(outputs):
-            try:
-                async for out in outputs:
-                    delta = self._add(out)
-                    finished = isinstance(out, PrefillDone) or out.finish_reason is not None
-                    if not resp.prepared:
-                        await resp.prepare(request)
-                    if not finished and not delta and not (self.req.return_logprob and out.token_ids):
-                        continue
-                    if self.api == "completions":
-                        meta = self._meta()
-                        await resp.write(_sse(completion_chunk(self.rid, self.server.model_name, self.created, delta,
-                                                               meta, self.include_usage and finished)))
-                    else:
-                        await resp.write(_sse(self._body()))
-                await resp.write(b"data: [DONE]\n\n")
-            except HttpError as e:
-                if not resp.prepared:
-                    return _error(e.status, str(e))
-                await resp.write(_sse({"error": {"message": str(e), "code": e.status}}))
-        await resp.write_eof()
-        return resp

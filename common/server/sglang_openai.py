@@ -95,3 +95,53 @@ def completion_chunk(rid: str, model: str, created: int, delta: str, meta: dict[
     if with_usage:
         chunk["usage"] = _usage(meta)
     return chunk
+
+
+def chat_to_generate(obj: dict[str, Any]) -> tuple[dict[str, Any], bool, list[dict[str, str]]]:
+    """An OpenAI chat body -> a ``/generate`` body without its prompt (the caller renders ``messages`` through the
+    model's chat template into ``input_ids``), whether the stream ends with usage, and the text-only messages."""
+    raw = obj.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequestError("messages must be a non-empty list of {role, content}")
+    messages = []
+    for i, m in enumerate(raw):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequestError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str | None):
+            raise InvalidRequestError(f"messages[{i}] must be {{role: string, content: string}}")
+        messages.append({"role": m["role"], "content": content or ""})
+    body = {k: v for k, v in obj.items() if k not in ("messages", "logprobs", "top_logprobs", "max_tokens")}
+    body["prompt"] = ""  # replaced by the rendered ids
+    gen, usage = completion_to_generate(body)
+    gen.pop("text", None)
+    limit = obj.get("max_completion_tokens", obj.get("max_tokens"))
+    gen["sampling_params"]["max_new_tokens"] = limit if limit is not None else 128  # SGLang's default
+    if obj.get("logprobs"):
+        top = obj.get("top_logprobs") or 0
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise InvalidRequestError(f"top_logprobs must be an integer in [0, 20], got {top!r}")
+        gen.update(return_logprob=True, top_logprobs_num=top, return_text_in_logprobs=True)
+    return gen, usage, messages
+
+
+def chat_body(rid: str, model: str, created: int, text: str, meta: dict[str, Any]) -> dict[str, Any]:
+    reason, matched = _finish(meta)
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": reason, "matched_stop": matched}],
+            "usage": _usage(meta)}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, str], meta: dict[str, Any],
+               with_usage: bool) -> dict[str, Any]:
+    reason, matched = _finish(meta)
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
+                                          "matched_stop": matched}]}
+    if with_usage:
+        chunk["usage"] = _usage(meta)
+    return chunk
