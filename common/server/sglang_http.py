@@ -49,6 +49,7 @@ from kvtransfer.bootstrap import BootstrapClient, BootstrapError
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20
+BODY_READ_TIMEOUT_S = 30.0
 TOPOLOGY_TTL_S = 30.0  # a prefill node's dp_size is re-read this often (a restarted node may change it)
 TOPOLOGY_TIMEOUT_S = 5.0
 TOKENIZE_INLINE_CHARS = 4096  # longer texts are tokenized on a thread, off the event loop
@@ -180,7 +181,13 @@ class SglangHttpServer:
 
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
         try:
-            obj = decode_body(await request.read())
+            raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+        except TimeoutError:
+            return error_response(408, f"request body not received within {BODY_READ_TIMEOUT_S:.0f} s")
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+        try:
+            obj = decode_body(raw)
             include_usage = False
             if api == "completions":
                 obj, include_usage = completion_to_generate(obj)
@@ -188,11 +195,8 @@ class SglangHttpServer:
                 obj, include_usage, messages = chat_to_generate(obj)
                 obj["input_ids"] = await self._chat_ids(messages)
             req = parse_generate(obj)
-            rid = req.rid or request.headers.get("X-Request-ID") or _RID_PREFIX[api] + \
-                uuid.uuid4().hex
+            rid = req.rid or request.headers.get("X-Request-ID") or _RID_PREFIX[api] + uuid.uuid4().hex
             msg, rank = await self._node_request(req, rid, await self._tokenize(req))
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
         except InvalidRequestError as e:
             return error_response(400, str(e))
         except HttpError as e:

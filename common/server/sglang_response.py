@@ -7,6 +7,7 @@ the cumulative ``text`` and ``output_ids`` (SGLang's default), OpenAI chunks the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +31,13 @@ class HttpError(Exception):
 def error_response(status: int, message: str) -> web.Response:
     body = {"error": {"message": message, "code": status}, "object": "error", "message": message}
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
+
+
+WRITE_TIMEOUT_S = 30.0  # a client that takes no bytes for this long is gone: its request is aborted
+
+
+async def _write(resp: web.StreamResponse, data: bytes) -> None:
+    await asyncio.wait_for(resp.write(data), WRITE_TIMEOUT_S)
 
 
 def _sse(obj: Any) -> bytes:
@@ -105,19 +113,19 @@ class SglangResponse:
                         continue
                     usage = self.include_usage and finished
                     if self.api == "completions":
-                        await resp.write(_sse(completion_chunk(self.rid, self.model_name, self.created, delta,
+                        await _write(resp, _sse(completion_chunk(self.rid, self.model_name, self.created, delta,
                                                                self._meta(), usage)))
                     elif self.api == "chat":
                         role = {"role": "assistant"} if not self.sent_role else {}
                         self.sent_role = True
-                        await resp.write(_sse(chat_chunk(self.rid, self.model_name, self.created,
+                        await _write(resp, _sse(chat_chunk(self.rid, self.model_name, self.created,
                                                          {**role, "content": delta}, self._meta(), usage)))
                     else:
-                        await resp.write(_sse(self._body()))
-                await resp.write(b"data: [DONE]\n\n")
+                        await _write(resp, _sse(self._body()))
+                await _write(resp, b"data: [DONE]\n\n")
             except HttpError as e:
                 if not resp.prepared:
                     return error_response(e.status, str(e))
-                await resp.write(_sse({"error": {"message": str(e), "code": e.status}}))
+                await _write(resp, _sse({"error": {"message": str(e), "code": e.status}}))
         await resp.write_eof()
         return resp
