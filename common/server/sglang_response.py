@@ -37,7 +37,8 @@ WRITE_TIMEOUT_S = 30.0  # a client that takes no bytes for this long is gone: it
 
 
 async def _write(resp: web.StreamResponse, data: bytes) -> None:
-    await asyncio.wait_for(resp.write(data), WRITE_TIMEOUT_S)
+    async with asyncio.timeout(WRITE_TIMEOUT_S):  # no task per write, unlike wait_for
+        await resp.write(data)
 
 
 def _sse(obj: Any) -> bytes:
