@@ -28,6 +28,9 @@ class ServerArgs:
     advertise_host: str | None = None  # what peers and the router are told; None = --host
     port: int = 30000
     metrics_port: int | None = None
+    # SGLang's HTTP worker surface (common/server/sglang_http.py): /generate, /health, /get_server_info, ... so the
+    # node serves behind sglang-router; None: off.
+    sglang_http_port: int | None = None
     disaggregation_mode: DisaggregationMode = "null"
     disaggregation_bootstrap_port: int = 8998
     kv_transfer_backend: str = "tcp"
@@ -146,6 +149,8 @@ class ServerArgs:
         for name in ("port", "disaggregation_bootstrap_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a TCP port, got {getattr(self, name)}")
+        if self.sglang_http_port is not None and not 0 <= self.sglang_http_port < 65536:
+            raise ConfigError(f"--sglang-http-port must be a TCP port, got {self.sglang_http_port}")
         if self.torch_compile_max_bs < 1:
             raise ConfigError(f"--torch-compile-max-bs must be >= 1, got {self.torch_compile_max_bs}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
@@ -237,6 +242,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="address peers and the router are told (bootstrap, KV endpoints); default --host")
     g.add_argument("--port", type=int, default=d.port, help="gRPC pdcluster.v1.Worker port")
     g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics HTTP port (off by default)")
+    g.add_argument("--sglang-http-port", type=int, default=d.sglang_http_port,
+                   help="serve SGLang's HTTP worker API (/generate with bootstrap_host/port/room, /health, "
+                        "/get_server_info, ...) on this port, so sglang-router can route to this node; off by default")
     g.add_argument("--log-level", default=d.log_level)
     g.add_argument("--log-requests", action="store_true", help="log each request's arrival and outcome (rid, room)")
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain: the Worker gRPC port serves TLS")

@@ -81,6 +81,7 @@ class NodeServer:
         self.port = args.port
         self._metrics_task: asyncio.Task[None] | None = None
         self._probe_server: Any = None
+        self._sglang_http: Any = None  # SglangHttpServer with --sglang-http-port
         self.rank_died = False  # a rank exited on its own: the node stops with a non-zero exit code
 
     async def start(self) -> None:
@@ -109,6 +110,11 @@ class NodeServer:
                 self.args.metrics_port, self.args.host, node_liveness(self.ranks, self.args.watchdog_timeout)
             )
             self._metrics_task = asyncio.create_task(poll_load_forever(self.ranks))
+        if self.args.sglang_http_port is not None:
+            from common.server.sglang_http import SglangHttpServer
+
+            self._sglang_http = SglangHttpServer(self.args, self.servicer)
+            await self._sglang_http.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("pdcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
         logger.info(
@@ -124,6 +130,8 @@ class NodeServer:
         while self.ranks.waiters and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
         await self.server.stop(grace=1.0)
+        if self._sglang_http is not None:
+            await self._sglang_http.stop()
         if self._metrics_task is not None:
             self._metrics_task.cancel()
         for cleanup in self._cleanups:

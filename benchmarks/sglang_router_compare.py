@@ -1,0 +1,193 @@
+"""Our router versus SGLang's router (``sglang-router``, Rust) in front of the same prefill and decode nodes.
+
+One prefill and one decode node (tiny generated model, ``--sglang-http-port``) serve both at once: our router over
+the Worker gRPC API, sglang-router (``--pd-disaggregation``) over the nodes' SGLang HTTP API. The same closed-loop
+OpenAI client (``/v1/completions``, streaming, token-id prompts, ``ignore_eos``) drives each router in turn,
+alternating phases (ours, sglang, ours, sglang, ...) so drift on a shared machine hits both alike. Reported per
+router: req/s, TTFT and e2e percentiles, and the router process's CPU time per request (from /proc).
+
+    .venv/bin/python -m benchmarks.sglang_router_compare --requests 200 --concurrency 8 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench import machine
+from benchmarks.loadgen.clients import OpenAIClient
+from benchmarks.loadgen.runner import LoadShape, run_load
+from benchmarks.loadgen.stats import RequestResult, summarize
+from benchmarks.loadgen.workload import RequestSpec, WorkloadConfig, make_workload
+from common.ports import pick_free_port
+from common.tokenizer import load_tokenizer
+
+ROUTERS = ("ours", "sglang")
+
+
+class TextClient(OpenAIClient):
+    """Streaming ``/v1/completions`` with the spec's prompt as text: sglang-router 0.3.2 refuses token-id prompts
+    (422 "prompt: data did not match any variant of untagged enum StringOrArray")."""
+
+    def __init__(self, base_url: str, model: str, tokenizer: Any) -> None:
+        super().__init__(base_url, model=model)
+        self.tokenizer = tokenizer
+
+    async def send(self, spec: RequestSpec, t0: float) -> RequestResult:
+        r = RequestResult(spec.index, spec.kind, time.perf_counter() - t0, prompt_tokens=spec.prompt_len)
+        sent = time.perf_counter()
+        try:
+            stream = await self.client.completions.create(
+                model=self.model, prompt=self.tokenizer.decode(spec.prompt_ids), max_tokens=spec.max_tokens,
+                temperature=0.0, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.choices and chunk.choices[0].text:
+                    r.ttft = now - sent if r.ttft is None else r.ttft
+                    r.token_times.append(now - t0)
+                self._finish(r, chunk)
+            r.e2e = time.perf_counter() - sent
+        except Exception as e:  # a failed request is a result, not a crash of the run
+            r.error = type(e).__name__
+            r.ok = False
+        return r
+
+
+def _spawn(cmd: list[str], log: Path, cores: str | None = None) -> subprocess.Popen[bytes]:
+    if cores is not None:
+        cmd = ["taskset", "-c", cores, *cmd]
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _wait(url: str, body: bytes, procs: list[subprocess.Popen[bytes]], timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if body in resp.read():
+                    return
+        except OSError:
+            pass
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _start(model: str, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str, tuple[str, int]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    ports = {name: pick_free_port() for name in ("p", "pb", "ph", "d", "dh", "ours", "ours_grpc", "sgl", "prom")}
+    for mode, core, grpc_port, http_port, boot in (("prefill", "0", "p", "ph", "pb"), ("decode", "1", "d", "dh", "pb")):
+        procs.append(_spawn(
+            [sys.executable, "-m", "common.cli", "serve", "--model-path", model, "--host", "127.0.0.1",
+             "--port", str(ports[grpc_port]), "--disaggregation-mode", mode,
+             "--disaggregation-bootstrap-port", str(ports[boot] if mode == "prefill" else pick_free_port()),
+             "--sglang-http-port", str(ports[http_port]), "--torch-num-threads", "1", "--max-total-tokens", "8192",
+             "--kv-transfer-backend", "tcp"], tmp / f"{mode}.log", core))
+    for name in ("ph", "dh"):
+        _wait(f"http://127.0.0.1:{ports[name]}/health_generate", b"", procs)
+    ours = _spawn([sys.executable, "-m", "common.cli", "router", "--model-path", model, "--host", "127.0.0.1",
+                   "--http-port", str(ports["ours"]), "--grpc-port", str(ports["ours_grpc"]),
+                   "--prefill", f"127.0.0.1:{ports['p']}:{ports['pb']}", "--decode", f"127.0.0.1:{ports['d']}"],
+                  tmp / "ours.log")
+    sgl = _spawn([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                  "--port", str(ports["sgl"]), "--pd-disaggregation",
+                  "--prefill", f"http://127.0.0.1:{ports['ph']}", str(ports["pb"]),
+                  "--decode", f"http://127.0.0.1:{ports['dh']}", "--policy", "round_robin", "--model-path", model,
+                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports["prom"]), "--log-level", "warn"],
+                 tmp / "sglang.log")
+    procs += [ours, sgl]
+    _wait(f"http://127.0.0.1:{ports['ours']}/health", b'"ok"', procs)
+    _wait(f"http://127.0.0.1:{ports['sgl']}/readiness", b'"ready"', procs)
+    return procs, {"ours": (f"http://127.0.0.1:{ports['ours']}/v1", ours.pid),
+                   "sglang": (f"http://127.0.0.1:{ports['sgl']}/v1", sgl.pid)}
+
+
+async def _phase(url: str, pid: int, fronts: list[int], model: str, tokenizer: Any, args: argparse.Namespace,
+                 seed: int) -> dict[str, Any]:
+    client = TextClient(url, model, tokenizer)
+    warm = WorkloadConfig(kind="fixed", num_requests=8, input_len=args.input_len, output_len=4, seed=seed + 1000)
+    await run_load(client, make_workload(warm), LoadShape(concurrency=4, progress=False))
+    wl = WorkloadConfig(kind="fixed", num_requests=args.requests, input_len=args.input_len,
+                        output_len=args.output_len, seed=seed)
+    cpu0, fronts0 = _cpu_s(pid), sum(map(_cpu_s, fronts))
+    run = await run_load(client, make_workload(wl), LoadShape(concurrency=args.concurrency, progress=False,
+                                                              time_limit_s=args.time_limit))
+    cpu, fronts_cpu = _cpu_s(pid) - cpu0, sum(map(_cpu_s, fronts)) - fronts0
+    await client.close()
+    s = summarize(run.results, run.wall_s)
+    return {"req_s": s["request_throughput"], "completed": s["completed"], "errors": s["errors"],
+            "ttft_p50_ms": s["ttft"].get("p50_ms"), "ttft_p99_ms": s["ttft"].get("p99_ms"),
+            "e2e_p50_ms": s["e2e"].get("p50_ms"), "e2e_p99_ms": s["e2e"].get("p99_ms"),
+            "router_cpu_ms_per_req": round(1000 * cpu / max(s["completed"], 1), 3),
+            # the nodes' front processes (tokenize/detokenize there behind sglang-router; ranks not counted)
+            "node_fronts_cpu_ms_per_req": round(1000 * fronts_cpu / max(s["completed"], 1), 3),
+            "loadavg": machine()["loadavg"]}
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    from common.model_gen.make_model import make_model
+    from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
+
+    os.environ.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())  # inherited by the nodes and our router
+
+    tmp = Path(tempfile.mkdtemp(prefix="pdcluster-sglang-compare-"))
+    model = args.model or str(make_model("llama", "tiny", tmp / "model", seed=0))
+    procs, routers = _start(model, tmp)
+    phases: list[dict[str, Any]] = []
+    try:
+        name = Path(model).name
+        tokenizer = load_tokenizer(model)
+        fronts = [procs[0].pid, procs[1].pid]  # the prefill and decode nodes' front processes
+        for r in range(args.rounds):
+            for router in ROUTERS:
+                url, pid = routers[router]
+                phases.append({"router": router, "round": r, **await _phase(url, pid, fronts, name, tokenizer, args, seed=r)})
+                print(json.dumps(phases[-1]), flush=True)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return {"config": vars(args), "machine": machine(), "phases": phases, "logs": str(tmp)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: a tiny generated llama)")
+    ap.add_argument("--requests", type=int, default=200, help="requests per phase")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating phases per router")
+    ap.add_argument("--time-limit", type=float, default=120.0)
+    ap.add_argument("--out", default="benchmarks/results/sglang_router_compare.json")
+    args = ap.parse_args()
+    result = asyncio.run(_main(args))
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
