@@ -1,5 +1,5 @@
-"""The one-sided backends (``nixl`` over UCX, ``mooncake`` over its TCP transport) through the ``KVBackend``
-interface, both sides in this process.
+"""The one-sided backends (``nixl`` over UCX, ``ucx`` PUTs through ucxx's UCP handles, ``mooncake`` over its TCP
+transport) through the ``KVBackend`` interface, both sides in this process.
 
 The cross-process matrix (64 interleaved rooms, kills, aborts, restarts, refusals) covers them in
 test_kvtransfer_transfer.py and test_kvtransfer_faults.py; here: what only a one-sided backend does.
@@ -23,7 +23,7 @@ from tests.kvtransfer_helpers import PAGE_SIZE, backend_param, kv_config, make_a
 from tests.test_kvtransfer_backends_extra import Events, Pair
 
 NUM_PAGES = 48
-ONE_SIDED = ["nixl", backend_param("mooncake")]
+ONE_SIDED = ["nixl", "ucx", backend_param("mooncake")]
 
 
 @pytest.fixture(autouse=True)
