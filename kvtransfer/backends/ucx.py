@@ -69,6 +69,8 @@ DEFAULT_TLS = "sm,tcp"
 CUDA_TLS = "cuda_copy,cuda_ipc"
 DEFAULT_PROGRESS = "blocking"
 CALL_TIMEOUT_S = 10.0  # loop-thread housekeeping calls (listen, abort, shutdown, a cancelled flush)
+SPIN_POLLS = 2000  # flush polls before backing off to short sleeps (a TCP transfer would hold a core otherwise)
+BACKOFF_S = 0.0002
 
 
 class _Runtime:
@@ -397,9 +399,11 @@ class UcxBackend(QueuedBackend):
         if req is None:
             return
         try:
+            polls = 0
             while (status := ucp.status(req)) == ucp.UCS_INPROGRESS:
                 ucp.progress()
-                await asyncio.sleep(0)
+                polls += 1
+                await asyncio.sleep(0 if polls < SPIN_POLLS else BACKOFF_S)
             if status != ucp.UCS_OK:
                 raise TransferError(f"WRITE of room {job.room} to {job.peer.instance_id} failed: "
                                     f"{ucp.describe(status)}")
