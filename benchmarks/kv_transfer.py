@@ -15,7 +15,7 @@ or ``ucx`` backend, raw NIXL too: two agents in two processes, one ``initialize_
 (every layer, K and V) + ``transfer`` + ``check_xfer_state`` until DONE per rep (the handle is built inside the timed
 region, as a new request's page table needs; UCX transports from ``UCX_TLS``); with the ``mooncake`` backend, raw
 Mooncake too: two ``TransferEngine``s (P2P handshake, TCP protocol) in two processes, one
-``batch_transfer_sync_write`` of the same page runs per rep. Targets: tcp >= 1.0x raw TCP, shm >= 0.85x memcpy,
+``batch_transfer_sync_write`` of the same page runs per rep (in batches of 2048 segments, the engine's limit). Targets: tcp >= 1.0x raw TCP, shm >= 0.85x memcpy,
 nixl >= 0.9x raw NIXL, ucx >= 1.0x raw NIXL (same ``UCX_TLS``), mooncake >= 0.9x raw Mooncake.
 
 ``--device cuda``: both pools on ``cuda:0`` (two processes on one GPU; default backends shm and tcp). Baselines in
@@ -260,6 +260,7 @@ def _raw_mooncake_target(out: mp.Queue, done: mp.Queue, geom: Geometry) -> None:
 def bench_raw_mooncake(src: KVArgs, runs: list[tuple[int, int, int]], reps: int, geom: Geometry) -> list[float]:
     """``batch_transfer_sync_write`` of the same page runs (every layer, K and V) with Mooncake's own API, between
     two processes; ``src``'s bytes are copied into a pool registered with the initiator's engine."""
+    from kvtransfer.backends.mooncake import MAX_BATCH
     engine, pool, bases = _mooncake_engine(geom)
     for s_buf, d_buf in zip(_kv_list(src), _kv_list(pool), strict=True):
         d_buf.copy_(s_buf)
@@ -276,7 +277,11 @@ def bench_raw_mooncake(src: KVArgs, runs: list[tuple[int, int, int]], reps: int,
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            ret = engine.batch_transfer_sync_write(session, local, remote, lengths)
+            for i in range(0, len(local), MAX_BATCH):  # the engine refuses larger batches
+                ret = engine.batch_transfer_sync_write(session, local[i:i + MAX_BATCH], remote[i:i + MAX_BATCH],
+                                                       lengths[i:i + MAX_BATCH])
+                if ret != 0:
+                    break
             times.append(time.perf_counter() - t0)
             if ret != 0:
                 raise RuntimeError(f"raw Mooncake WRITE failed ({ret})")

@@ -101,6 +101,24 @@ def test_head_slice_writes_only_those_heads(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ONE_SIDED)
+def test_job_of_more_segments_than_one_engine_batch_lands_whole(backend: str) -> None:
+    """A head slice is one segment per token slot per buffer: 199 pages x 4 slots x 4 buffers = 3184 segments,
+    more than one Mooncake batch takes (2048)."""
+    src = make_args(1, 200, heads=4, total_heads=4)
+    dst = make_args(2, 200, heads=2, total_heads=4)
+    pair = Pair(backend, src, dst)
+    try:
+        src_pages, dst_pages = list(range(1, 200)), list(range(199, 0, -1))
+        job = pair.job(4, 0, src_pages, dst_pages, HeadSlice(src_head=1, dst_head=0, num_heads=2))
+        pair.prefill.submit(job)
+        assert pair.events.wait(1) == [(job, None)]
+        for s, d in zip(_all(src), _all(dst), strict=True):
+            assert all(torch.equal(_pages(d, dp), _pages(s, sp)[:, 1:3]) for sp, dp in zip(src_pages, dst_pages, strict=True))
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("backend", ONE_SIDED)
 def test_pages_outside_the_peer_pool_and_bad_heads_are_refused_and_write_nothing(backend: str) -> None:
     dst = make_args(2, NUM_PAGES)
     before = [b.clone() for b in _all(dst)]
