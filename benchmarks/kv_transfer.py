@@ -417,20 +417,27 @@ def main() -> int:
         src_pages, dst_pages = page_tables(mode, 11, geom)
         runs = runs_of(src_pages, dst_pages)
         row = results.setdefault(mode, {})
-        row[copy_key] = gbps(bench_device_copy(geom, opts.reps) if scratch is None else
-                           bench_memcpy(src, scratch, runs, opts.reps), geom)
-        row["raw_tcp"] = gbps(bench_raw_tcp(host_src, runs, opts.reps, geom), geom)
-        if {"nixl", "ucx"} & set(backends.split(",")) and not cuda:
-            row["raw_nixl"] = gbps(bench_raw_nixl(src, runs, opts.reps, geom), geom)
-        if "mooncake" in backends.split(",") and not cuda:
-            row["raw_mooncake"] = gbps(bench_raw_mooncake(src, runs, opts.reps, geom), geom)
+        def baseline(name: str, runs: list[tuple[int, int, int]] = runs) -> float:
+            if name == copy_key:
+                return gbps(bench_device_copy(geom, opts.reps) if scratch is None else
+                            bench_memcpy(src, scratch, runs, opts.reps), geom)
+            bench = {"raw_tcp": bench_raw_tcp, "raw_nixl": bench_raw_nixl, "raw_mooncake": bench_raw_mooncake}[name]
+            return gbps(bench(host_src if name == "raw_tcp" else src, runs, opts.reps, geom), geom)
+
+        # NOTE: each backend runs right after its baseline (on a shared machine the load drifts within minutes)
         for backend in backends.split(","):
+            base = None if cuda else next((b for b, _, name, _ in TARGETS if name == backend), None)
+            if base is not None and base not in row:
+                row[base] = baseline(base)
             try:
                 row[backend] = gbps(bench_backend(backend, src_pages, dst_pages, opts.reps, src, geom, options),
                                    geom)
             except Exception as exc:  # report the failure in the table and go on with the other backends
                 row[backend] = f"error: {exc}"
             print(f"{mode:10s} {backend:6s} {row[backend]}", file=sys.stderr, flush=True)
+        for base in (copy_key, "raw_tcp"):  # the table's columns
+            if base not in row:
+                row[base] = baseline(base)
     mib = geom.nbytes / 2**20
     print(f"\n{mib:.0f} MiB request on {geom.device}, median of {opts.reps} reps, GB/s "
           f"(ratio to raw TCP sendmsg / to {copy_name})\n")
