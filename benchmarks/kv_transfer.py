@@ -425,9 +425,10 @@ def main() -> int:
             return gbps(bench(host_src if name == "raw_tcp" else src, runs, opts.reps, geom), geom)
 
         # NOTE: each backend runs right after its baseline (on a shared machine the load drifts within minutes), and
-        # ucx last: importing ucxx sets UCX_* variables in this process's environment (UCX_MEMTYPE_CACHE=n,
-        # UCX_RNDV_THRESH=8192, ...) that NIXL's UCX here and in later children would read (measured: 0.3x).
-        for backend in sorted(backends.split(","), key=lambda name: name == "ucx"):
+        # nixl then ucx last, both right after raw NIXL: importing ucxx sets UCX_* variables in this process's
+        # environment (UCX_MEMTYPE_CACHE=n, UCX_RNDV_THRESH=8192, ...) that NIXL's UCX here and in later children
+        # would read (measured: 0.3x).
+        for backend in sorted(backends.split(","), key=lambda name: {"nixl": 1, "ucx": 2}.get(name, 0)):
             base = None if cuda else next((b for b, _, name, _ in TARGETS if name == backend), None)
             if base is not None and base not in row:
                 row[base] = baseline(base)
