@@ -43,10 +43,11 @@ def _engine_missing(backend: str) -> str:
     return ""
 
 
-def backend_param(backend: str) -> object:
-    """``backend`` as a pytest parameter, skipped only when its optional engine package cannot load."""
+def backend_param(backend: str, *values: object) -> object:
+    """``backend`` (and the case's other ``values``) as a pytest parameter, skipped only when the backend's optional
+    engine package cannot load."""
     missing = _engine_missing(backend)
-    return pytest.param(backend, marks=pytest.mark.skipif(bool(missing), reason=missing))
+    return pytest.param(backend, *values, marks=pytest.mark.skipif(bool(missing), reason=missing))
 
 
 def make_args(

@@ -1,4 +1,6 @@
-"""The two-sided message backends (``nccl`` on gloo, ``ucx``) beyond the shared suite.
+"""The queued backends ``nccl`` (two-sided messages on gloo) and ``ucx`` (one-sided PUTs) beyond the shared suite;
+the message-plan tests (packing, refusal by the destination) are ``nccl``'s alone (``ucx`` is in
+test_kvtransfer_nixl.py's one-sided suite for those).
 
 Driven directly through the ``KVBackend`` interface with recording events (prefill and decode backend in this
 process, each on its own threads), plus the shared kill-mid-transfer faults across processes.
@@ -32,6 +34,7 @@ from tests.kvtransfer_helpers import (
 )
 
 BACKENDS = ["nccl", "ucx"]
+TWO_SIDED = ["nccl"]
 NUM_PAGES = 48
 
 
@@ -97,6 +100,7 @@ def _pages(buf: torch.Tensor, page: int) -> torch.Tensor:
 
 # pack_bytes: one message per run / mixed (runs of >= 2 pages go direct, single pages are packed) / all packed
 @pytest.mark.parametrize("pack", ["0", "1024", "4194304"])
+@pytest.mark.parametrize("backend", TWO_SIDED)
 def test_jobs_land_in_submission_order_and_empty_jobs_complete(backend: str, pack: str) -> None:
     pair = Pair(backend, make_args(1, NUM_PAGES), make_args(2, NUM_PAGES), backend_options={"pack_bytes": pack})
     try:
@@ -118,6 +122,7 @@ def test_jobs_land_in_submission_order_and_empty_jobs_complete(backend: str, pac
 
 
 @pytest.mark.parametrize("pack", ["0", "4194304"])
+@pytest.mark.parametrize("backend", TWO_SIDED)
 def test_head_slice_moves_only_those_heads(backend: str, pack: str) -> None:
     src = make_args(1, NUM_PAGES, heads=4, total_heads=4)  # prefill tp=1 holds heads 0..3
     dst = make_args(2, NUM_PAGES, heads=2, total_heads=4)  # decode tp rank 1 of 2 holds heads 2..3
@@ -137,6 +142,7 @@ def test_head_slice_moves_only_those_heads(backend: str, pack: str) -> None:
         pair.close()
 
 
+@pytest.mark.parametrize("backend", TWO_SIDED)
 def test_destination_refuses_pages_outside_its_pool_and_writes_nothing(backend: str) -> None:
     dst = make_args(2, NUM_PAGES)
     before = [b.clone() for b in (*dst.k_buffers, *dst.v_buffers)]

@@ -1,5 +1,5 @@
-"""The one-sided backends (``nixl`` over UCX, ``mooncake`` over its TCP transport) through the ``KVBackend``
-interface, both sides in this process.
+"""The one-sided backends (``nixl`` over UCX, ``ucx`` PUTs through ucxx's UCP handles, ``mooncake`` over its TCP
+transport) through the ``KVBackend`` interface, both sides in this process.
 
 The cross-process matrix (64 interleaved rooms, kills, aborts, restarts, refusals) covers them in
 test_kvtransfer_transfer.py and test_kvtransfer_faults.py; here: what only a one-sided backend does.
@@ -23,7 +23,7 @@ from tests.kvtransfer_helpers import PAGE_SIZE, backend_param, kv_config, make_a
 from tests.test_kvtransfer_backends_extra import Events, Pair
 
 NUM_PAGES = 48
-ONE_SIDED = ["nixl", backend_param("mooncake")]
+ONE_SIDED = ["nixl", "ucx", backend_param("mooncake")]
 
 
 @pytest.fixture(autouse=True)
@@ -96,6 +96,24 @@ def test_head_slice_writes_only_those_heads(backend: str) -> None:
                 assert torch.equal(_pages(d, dp), _pages(s, sp)[:, 2:4])
             untouched = [p for p in range(dst.num_pages) if p not in (30, 31, 32, 9)]
             assert all(torch.equal(_pages(d, p), _pages(old, p)) for p in untouched)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("backend", ONE_SIDED)
+def test_job_of_more_segments_than_one_engine_batch_lands_whole(backend: str) -> None:
+    """A head slice is one segment per token slot per buffer: 199 pages x 4 slots x 4 buffers = 3184 segments,
+    more than one Mooncake batch takes (2048)."""
+    src = make_args(1, 200, heads=4, total_heads=4)
+    dst = make_args(2, 200, heads=2, total_heads=4)
+    pair = Pair(backend, src, dst)
+    try:
+        src_pages, dst_pages = list(range(1, 200)), list(range(199, 0, -1))
+        job = pair.job(4, 0, src_pages, dst_pages, HeadSlice(src_head=1, dst_head=0, num_heads=2))
+        pair.prefill.submit(job)
+        assert pair.events.wait(1) == [(job, None)]
+        for s, d in zip(_all(src), _all(dst), strict=True):
+            assert all(torch.equal(_pages(d, dp), _pages(s, sp)[:, 1:3]) for sp, dp in zip(src_pages, dst_pages, strict=True))
     finally:
         pair.close()
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from common.worker_auth import new_nonce, proof_matches
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.kvtransfer_helpers import backend_param
 from tests.node_helpers import Node, start_node
 
 pytestmark = pytest.mark.slow
@@ -61,9 +62,12 @@ def reference(colocated: Node, req: worker_pb2.GenerateRequest) -> list[int]:
 PROMPT_LENGTHS = [1, 3, 9, 17, 30, 45, 64, 65, 90, 120, 150, 200, 5, 77, 260, 33]
 
 
+# One node pair per backend (CI time): page sizes 1 and 16 and overlap off are spread over the backends; dp 2 runs
+# on nixl in ``pd_dp2`` below (every (prefill rank, decode rank) combination).
 @pytest.mark.parametrize(
-    ("backend", "page_size", "overlap"), [("tcp", 16, True), ("tcp", 1, False), ("nccl", 1, True), ("ucx", 1, True),
-                                          ("shm", 16, True), ("nixl", 16, True)],
+    ("backend", "page_size", "overlap"),
+    [("tcp", 16, True), ("nccl", 1, False), ("ucx", 1, True), ("shm", 16, True), ("nixl", 16, True),
+     backend_param("mooncake", 1, True)],
 )
 def test_pd_tokens_match_colocated(model_path, colocated, backend, page_size, overlap) -> None:
     extra = ["--page-size", str(page_size), "--chunked-prefill-size", "64"]
@@ -94,9 +98,11 @@ def test_pd_tokens_match_colocated(model_path, colocated, backend, page_size, ov
 
 @pytest.fixture(scope="module")
 def pd_dp2(model_path) -> Iterator[tuple[Node, Node]]:
+    """dp 2 on both nodes over ``nixl`` (one-sided WRITEs, one agent per rank): the tests below are the
+    control plane's, and the matrix above covers every backend at dp 1 (tcp, the default, everywhere else)."""
     extra = ["--chunked-prefill-size", "32", *FAST_DEADLINES]
-    prefill = start_node("prefill", model_path, dp_size=2, extra=extra, wait=False)
-    decode = start_node("decode", model_path, dp_size=2, extra=extra, wait=False)
+    prefill = start_node("prefill", model_path, backend="nixl", dp_size=2, extra=extra, wait=False)
+    decode = start_node("decode", model_path, backend="nixl", dp_size=2, extra=extra, wait=False)
     prefill.wait_ready()
     decode.wait_ready()
     yield prefill, decode

@@ -1,4 +1,4 @@
-"""What the two-sided message backends (``nccl``, ``ucx``) share: the payload message plan of a job (the messages
+"""The two-sided message plan of a job (``nccl``; ``ucx`` writes one-sided): its payload messages (the messages
 themselves are in ``wire``).
 
 A two-sided transport needs the receiver to post one receive per message, so every job is announced first::

@@ -3,8 +3,8 @@
 Every rank runs one ``TransferEngine`` in P2P-handshake mode (no metadata server: a peer's segment is fetched from
 its engine's RPC port on first use) and registers its KV buffers once at start-up. The decode rank publishes its
 session (``host:rpc_port``) and the address of each registered buffer through ``endpoint()``; the prefill rank
-issues, per job, one batched WRITE (``batch_transfer_sync_write``) of every page run of every layer, K and V (head
-slices: one segment per token slot per buffer, see ``onesided``). The engine returns once every segment is in
+issues, per job, batched WRITEs (``batch_transfer_sync_write``, at most ``MAX_BATCH`` segments each) of every page
+run of every layer, K and V (head slices: one segment per token slot per buffer, see ``onesided``). The engine returns once every segment is in
 the target's memory, or failed, or its own deadline passed (``MC_TRANSFER_TIMEOUT``, set here from
 ``transfer_timeout_s`` unless the operator set it, plus one second per GiB), so no confirmation from decode is
 needed and every wait is bounded. The target engine refuses a segment outside its registered buffers.
@@ -47,6 +47,7 @@ except ImportError as exc:  # no silent fallback: the operator chose this backen
 log = logging.getLogger(__name__)
 
 MIN_ENGINE_TIMEOUT_S = 5  # the engine's own floor for MC_TRANSFER_TIMEOUT
+MAX_BATCH = 2048  # segments per batch_transfer_sync_write: 0.3.13 fails (-1) any batch of more (measured: 2049)
 
 
 class MooncakeBackend(QueuedBackend):
@@ -138,7 +139,13 @@ class MooncakeBackend(QueuedBackend):
             if not job.runs:
                 return
             src, dst, length = write_segments(self.args, self._bases, self._buffers[0].element_size(), pool, job)
-            ret = self._engine.batch_transfer_sync_write(session, src.tolist(), dst.tolist(), length.tolist())
+            ret = 0
+            for i in range(0, len(src), MAX_BATCH):  # NOTE: in order; the first failed batch ends the job
+                ret = self._engine.batch_transfer_sync_write(session, src[i:i + MAX_BATCH].tolist(),
+                                                             dst[i:i + MAX_BATCH].tolist(),
+                                                             length[i:i + MAX_BATCH].tolist())
+                if ret != 0:
+                    break
         finally:
             with self._lock:
                 self._writing -= 1

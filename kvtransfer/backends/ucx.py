@@ -1,33 +1,38 @@
-"""``ucx``: KV pages over UCX tag messages (``ucxx``, its asyncio API), straight from the source page runs into the
-destination page runs; UCX picks the transport (CMA/shared memory on one host, TCP across hosts, CUDA IPC or
-RDMA for GPU buffers where built in).
+"""``ucx``: one-sided UCX PUTs (``ucp_put_nbi`` with registered memory and remote keys) straight from the source
+page runs into the decode rank's pages; UCX picks the transport (CMA on one host, TCP across hosts, RDMA on
+InfiniBand/RoCE, CUDA IPC for GPU buffers where built in). No Python runs per page on the decode side, and on the
+prefill side one C call per segment (no future, no message).
 
-    decode rank: a UCX listener, address in endpoint() {"host", "port"}
-    prefill rank: one endpoint per decode peer, opened by the peer's first job
-    per connection:  P -> D  DataHello(instance_id, epoch)                               once
-    per job:         P -> D  ChunkHeader;  payload: for layer: for K, V: for run: one tag message
-                     D -> P  ChunkAck      after every payload message landed         (see ``_twosided``)
+    decode rank: its KV buffers registered once (``ucp_mem_map``); a UCX listener; endpoint() publishes
+                 {"host", "port", "bases", "buffer_bytes", "rkeys"} (packed remote key of each buffer, hex)
+    prefill rank: one endpoint per decode peer, opened by the peer's first job, then  P -> D  DataHello(instance_id,
+                 epoch) (decode drops connections from ranks that passed no handshake, and a removed peer's);
+                 the peer's remote keys are unpacked on that endpoint
+    per job:     write_segments (``onesided``: every page run of every layer, K and V, or head slices) -> one PUT
+                 per segment -> ``ucp_ep_flush_nbx``, polled until the bytes are in decode's memory
 
-Threads: all UCX calls run on one asyncio loop thread per process (``_Runtime``, shared by the process's UCX
+Threads: every UCX call runs on one asyncio loop thread per process (``_Runtime``, shared by the process's UCX
 backends and stopped with the last of them); the prefill side's per-peer worker threads (``PeerWorkers``) hand
 each job to that loop and wait for it, so jobs to one peer complete in submission order and the scheduler thread
-never blocks. Within one endpoint and tag UCX matches messages in posting order, which keeps header and payload
-aligned without per-message tags.
+never blocks. The UCP calls ucxx does not wrap go through ``ucp_rma``.
 
-Failure: an error or a job over ``transfer_timeout_s`` aborts the endpoint and marks the peer broken (later jobs
-fail at once naming it); a dead peer's endpoint errors out through UCX's error handling.
+Invariant: a job is reported only after its flush completed, or after its endpoint was aborted and the flush
+request finished (no PUT of it in flight): nothing touches its source or destination pages afterwards. The
+registration is dropped at close only when no job is still on the loop. Destination pages are checked against the
+peer's pool before any PUT (``onesided.write_segments``); the remote keys cover only the registered KV buffers.
+Trust: as for ``nixl``: only peers that passed the control-plane handshake (cluster token) learn the keys.
 
-GPU buffers: UCX moves device memory itself (cuda_copy, cuda_ipc, or RDMA with GPUDirect), never through a
-host copy made here. At start-up the backend checks that the process's UCX context has CUDA transports and
-otherwise refuses with an error naming the missing support (and ``shm``/``tcp`` as the backends that move GPU
-buffers without it). Device work (packing, scattering) runs on the default stream and is synchronized before
-UCX reads a buffer and before the ack.
+Failure: an error, a removed peer or a job over ``transfer_timeout_s`` aborts the endpoint and marks the peer
+broken (later jobs fail at once naming it); a dead peer's endpoint errors out through UCX's error handling.
+
+GPU buffers: UCX moves device memory itself (cuda_copy, cuda_ipc, or RDMA with GPUDirect), never through a host
+copy made here. At start-up the backend checks that the process's UCX context has CUDA transports and otherwise
+refuses with an error naming the missing support. The forward that wrote the pages (default stream) is
+synchronized before the PUTs read them.
 
 Settings (``KVTransferConfig.backend_options``): ``ucx_tls`` (default "sm,tcp", with "cuda_copy,cuda_ipc" added
-for GPU buffers: "sm" alone cannot connect; the user's ``UCX_TLS`` wins), ``ucx_progress_mode`` (default
-"blocking", fastest on few cores). Both are per process: the first UCX backend of a process fixes them.
-``pack_bytes`` (default 4 MiB: runs under 1 MiB travel packed in staging messages, which doubled paged throughput
-here; see ``_twosided``; 0 = one message per run and layer).
+for GPU buffers; the user's ``UCX_TLS`` wins), ``ucx_progress_mode`` (default "blocking"). Both are per process:
+the first UCX backend of a process fixes them.
 """
 
 from __future__ import annotations
@@ -38,21 +43,24 @@ import gc
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import ucxx
 from ucxx.exceptions import UCXError
 
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
-from kvtransfer.backends import _twosided as twosided
+from kvtransfer.backends import ucp_rma as ucp
 from kvtransfer.backends import wire
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.devices import memory_kind
+from kvtransfer.backends.onesided import RemotePool, pool_endpoint, write_segments
 from kvtransfer.backends.workers import QueuedBackend, TransferError
 
 log = logging.getLogger(__name__)
@@ -60,9 +68,9 @@ log = logging.getLogger(__name__)
 DEFAULT_TLS = "sm,tcp"
 CUDA_TLS = "cuda_copy,cuda_ipc"
 DEFAULT_PROGRESS = "blocking"
-CALL_TIMEOUT_S = 10.0  # loop-thread housekeeping calls (listen, abort, shutdown)
-STAGING_WINDOW = 64 << 20  # per job and side: staged payload bytes in flight (see _twosided's packing)
-DEFAULT_PACK_BYTES = 4 << 20
+CALL_TIMEOUT_S = 10.0  # loop-thread housekeeping calls (listen, abort, shutdown, a cancelled flush)
+SPIN_POLLS = 2000  # flush polls before backing off to short sleeps (a TCP transfer would hold a core otherwise)
+BACKOFF_S = 0.0002
 
 
 class _Runtime:
@@ -122,10 +130,23 @@ class _Runtime:
             loop.close()
 
 
-def _buffer(t: torch.Tensor) -> Any:
-    """A zero-copy UCX-sendable view of a contiguous tensor (numpy for host memory, CUDA array interface else)."""
-    flat = wire.as_bytes(t)
-    return flat.numpy() if flat.device.type == "cpu" else flat
+
+@dataclass
+class _Target:
+    """A decode peer as its endpoint describes it (prefill side)."""
+
+    info: PeerInfo
+    pool: RemotePool
+    rkeys: list[bytes]
+
+
+@dataclass
+class _Connection:
+    """Prefill: the endpoint to a decode peer and its remote keys unpacked on it (loop thread only)."""
+
+    ep: Any
+    rkeys: list[ucp.RemoteKey] = field(default_factory=list)
+    open: bool = True
 
 
 class UcxBackend(QueuedBackend):
@@ -135,52 +156,77 @@ class UcxBackend(QueuedBackend):
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
         opts = config.backend_options
-        self._pack_bytes = int(opts.get("pack_bytes", DEFAULT_PACK_BYTES))
         self._device = args.k_buffers[0].device
         self._cuda = self._device.type == "cuda"
         default_tls = f"{DEFAULT_TLS},{CUDA_TLS}" if self._cuda else DEFAULT_TLS
         self._loop = _Runtime.acquire(opts.get("ucx_tls", default_tls),
                                       opts.get("ucx_progress_mode", DEFAULT_PROGRESS), self._device)
-        if self._cuda:
-            try:
-                self._check_cuda_transports()
-            except BaseException:
-                _Runtime.release()
-                raise
         self._lock = threading.Lock()
         self._closed = False
-        self._peers: dict[PeerKey, PeerInfo] = {}
+        self._targets: dict[PeerKey, _Target] = {}  # prefill: known decode peers
+        self._unusable: dict[PeerKey, str] = {}  # prefill: peers whose endpoint could not be read: why
+        self._peers: set[PeerKey] = set()  # decode: prefill ranks that passed the handshake
         self._broken: dict[PeerKey, str] = {}
         # prefill: the loop futures of jobs in flight per peer; a removed peer's are cancelled at once (a connect to
         # a dead peer would otherwise hold its rooms' pages until the connect timeout)
         self._inflight: dict[PeerKey, set[Future[Any]]] = {}
-        self._eps: dict[PeerKey, Any] = {}  # prefill: endpoint per decode peer (touched on the loop only)
+        self._running = 0  # jobs on the loop (the registration stays while any is)
+        self._conns: dict[PeerKey, _Connection] = {}  # prefill: per decode peer (loop only)
         self._serving: dict[asyncio.Task[None], PeerKey | None] = {}  # decode: one task per connection (loop only)
         self._listener: Any = None
-        if mode == "decode":
-            try:
+        self._bases = np.array([buf.data_ptr() for buf in self._buffers], dtype=np.uint64)
+        self._buffer_bytes = self._buffers[0].numel() * self._buffers[0].element_size()
+        self._regs: list[ucp.Registration] = []
+        self._packed: list[bytes] = []
+        try:
+            if self._cuda:
+                self._check_cuda_transports()
+            self._call(self._register())
+            if mode == "decode":
                 self._call(self._listen())
-            except BaseException:
-                _Runtime.release()
-                raise
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._call(self._unregister())
+            _Runtime.release()
+            raise
 
     # ---- interface ---------------------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, str]:
-        """Decode: the listener's address; prefill: nothing (it connects out)."""
-        if self._listener is None:
-            return {}
-        return {"host": self.config.advertised_host, "port": str(self._listener.port)}
+        """Decode: the listener's address, the pool's buffers and their remote keys; prefill: the memory kind."""
+        ep = {"memory": memory_kind(self._device)}
+        if self._listener is not None:
+            ep.update(host=self.config.advertised_host, port=str(self._listener.port),
+                      rkeys=",".join(k.hex() for k in self._packed), **pool_endpoint(self._bases, self._buffer_bytes))
+        return ep
 
     def add_peer(self, peer: PeerInfo) -> None:
         with self._lock:
             if self._closed:
                 return
-            self._peers[peer.key] = peer
+            if self.mode == "decode":
+                self._peers.add(peer.key)
+        if self.mode == "prefill":
+            try:
+                ep = peer.endpoint
+                rkeys = [bytes.fromhex(k) for k in ep["rkeys"].split(",")]
+                target = _Target(peer, RemotePool.of(peer, len(self._buffers)), rkeys)
+                if len(rkeys) != len(self._buffers) or "port" not in ep:
+                    raise ValueError(f"{len(rkeys)} remote keys for {len(self._buffers)} KV buffers")
+            except (KeyError, ValueError) as exc:
+                log.warning("kv ucx: unusable endpoint of %s (%s); its jobs will fail", peer.key.instance_id, exc)
+                with self._lock:
+                    self._unusable[peer.key] = f"{type(exc).__name__}: {exc}"
+            else:
+                with self._lock:
+                    self._targets[peer.key] = target
+                    self._unusable.pop(peer.key, None)
         super().add_peer(peer)
 
     def remove_peer(self, key: PeerKey) -> None:
         with self._lock:
-            self._peers.pop(key, None)
+            self._targets.pop(key, None)
+            self._unusable.pop(key, None)
+            self._peers.discard(key)
             self._broken.pop(key, None)
             inflight = self._inflight.pop(key, set())
             closed = self._closed
@@ -195,12 +241,21 @@ class UcxBackend(QueuedBackend):
             if self._closed:
                 return
             self._closed = True
+            self._targets.clear()
             self._peers.clear()
         try:
             self._call(self._shutdown())
         finally:
             super().close()
-            _Runtime.release()
+            with self._lock:
+                running = self._running
+            try:
+                if running:  # NOTE: its pages stay registered (untouchable) until the process exits
+                    log.warning("kv ucx: %d job(s) still running at close; the KV buffers stay registered", running)
+                else:
+                    self._call(self._unregister())
+            finally:
+                _Runtime.release()
 
     def _check_cuda_transports(self) -> None:
         async def transports() -> set[str]:
@@ -213,11 +268,6 @@ class UcxBackend(QueuedBackend):
                 f"{', '.join(sorted(active)) or 'none'}): install a CUDA build of ucxx (ucxx-cu12) and keep "
                 "cuda_copy/cuda_ipc in UCX_TLS, or use --kv-transfer-backend shm (same host) or tcp (staged)")
 
-    def _sync(self) -> None:
-        """Device work enqueued so far (forward pass, packing, scattering) is done: UCX may read or ack."""
-        if self._cuda:
-            torch.cuda.default_stream(self._device).synchronize()
-
     # ---- loop-thread plumbing ----------------------------------------------------------------------------------
     def _call(self, coro: Coroutine[Any, Any, Any], timeout_s: float = CALL_TIMEOUT_S) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
@@ -227,11 +277,24 @@ class UcxBackend(QueuedBackend):
         with contextlib.suppress(RuntimeError):  # loop closed: nothing left to drop
             self._loop.call_soon_threadsafe(fn, key)
 
+    async def _register(self) -> None:
+        for base in self._bases:
+            self._regs.append(ucp.Registration(int(base), self._buffer_bytes))
+        self._packed = [reg.pack() for reg in self._regs] if self.mode == "decode" else []
+
+    async def _unregister(self) -> None:
+        regs, self._regs = self._regs, []
+        for reg in regs:
+            try:
+                reg.unmap()
+            except ucp.UcpError as exc:
+                log.warning("kv ucx: deregistering a KV buffer failed: %s", exc)
+
     async def _listen(self) -> None:
         self._listener = ucxx.create_listener(self._serve, port=0)
 
     async def _shutdown(self) -> None:
-        for key in list(self._eps):
+        for key in list(self._conns):
             self._drop_connections(key)
         tasks = list(self._serving)
         for task in tasks:
@@ -242,10 +305,13 @@ class UcxBackend(QueuedBackend):
             self._listener = None
 
     def _drop_connections(self, key: PeerKey) -> None:
-        """Loop thread: abort the endpoint to ``key`` and stop serving its connections."""
-        ep = self._eps.pop(key, None)
-        if ep is not None:
-            ep.abort()
+        """Loop thread: abort the endpoint to ``key`` (its remote keys first) and stop serving its connections."""
+        conn = self._conns.pop(key, None)
+        if conn is not None:
+            conn.open = False
+            for rkey in conn.rkeys:
+                rkey.destroy()
+            conn.ep.abort()
         for task, peer in list(self._serving.items()):
             if peer == key:
                 task.cancel()
@@ -253,31 +319,49 @@ class UcxBackend(QueuedBackend):
     # ---- prefill: the peer's worker thread waits for its job on the loop ----------------------------------------
     def _move(self, job: TransferJob) -> None:
         with self._lock:
-            broken, known = self._broken.get(job.peer), job.peer in self._peers
-        if not known:
-            raise TransferError("peer removed")
+            target, why, broken = self._targets.get(job.peer), self._unusable.get(job.peer), self._broken.get(job.peer)
+        if target is None:
+            raise TransferError(f"the peer's UCX endpoint is unknown: {why or 'peer removed'}")
         if broken is not None:
             raise TransferError(f"connection broken earlier: {broken}")
-        future = asyncio.run_coroutine_threadsafe(self._move_async(job), self._loop)
+        if not job.runs:
+            return
+        # raises before anything is written when a page or head falls outside the peer's pool
+        segments = write_segments(self.args, self._bases, self._buffers[0].element_size(), target.pool, job)
+        with self._lock:
+            if self._closed:
+                raise TransferError("backend closed")
+            self._running += 1
+        try:
+            self._run_on_loop(job, target, segments)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _run_on_loop(self, job: TransferJob, target: _Target, segments: tuple[np.ndarray, ...]) -> None:
+        started, left = threading.Event(), threading.Event()  # the job's coroutine entered / left the loop
+        future = asyncio.run_coroutine_threadsafe(self._move_async(job, target, segments, started, left), self._loop)
         with self._lock:
             self._inflight.setdefault(job.peer, set()).add(future)
         future.add_done_callback(lambda f, peer=job.peer: self._forget(peer, f))
         try:
-            ack = future.result(self.config.transfer_timeout_s)
+            future.result(self.config.transfer_timeout_s)
+            return
         except FutureCancelled:
-            raise TransferError(f"room {job.room} chunk {job.chunk_id}: peer removed") from None
+            reason = f"room {job.room} chunk {job.chunk_id}: peer removed"
         except FutureTimeout as exc:
             if not future.cancel():  # done: the job itself raised a TimeoutError (e.g. connecting)
                 reason = f"room {job.room} chunk {job.chunk_id}: {type(exc).__name__}: {exc}"
             else:
-                reason = f"room {job.room} chunk {job.chunk_id}: no ack within {self.config.transfer_timeout_s}s"
+                reason = f"room {job.room} chunk {job.chunk_id}: not flushed within {self.config.transfer_timeout_s}s"
         except Exception as exc:  # whatever ended the job is its failure (reported, never swallowed)
             reason = f"room {job.room} chunk {job.chunk_id}: {type(exc).__name__}: {exc}"
-        else:
-            if not ack.error:
-                return
-            # NOTE: the refused payload was never read; the connection cannot be reused.
-            reason = f"decode refused room {job.room} chunk {job.chunk_id}: {ack.error}"
+        # NOTE: the task's cancellation was queued on the loop before this barrier: a coroutine that has not started
+        # by then never runs; one that has aborts its endpoint and sets ``left`` once no PUT of it is in flight.
+        with contextlib.suppress(FutureTimeout, RuntimeError):
+            self._call(asyncio.sleep(0))
+        if started.is_set() and not left.wait(CALL_TIMEOUT_S):
+            log.error("kv ucx: room %d chunk %d still on the loop after its end", job.room, job.chunk_id)
         with self._lock:
             self._broken.setdefault(job.peer, reason)
         self._on_loop(self._drop_connections, job.peer)
@@ -287,57 +371,75 @@ class UcxBackend(QueuedBackend):
         with self._lock:
             self._inflight.get(peer, set()).discard(future)
 
-    async def _move_async(self, job: TransferJob) -> wire.ChunkAck:
-        ep = await self._endpoint(job.peer)
-        header, msgs = twosided.source_messages(self.args, job, self._pack_bytes)
-        self._sync()  # the pages' forward pass
-        await ep.send_obj(wire.encode(header))
-        sends: deque[tuple[asyncio.Future[Any], int]] = deque()  # in posting order, with staged bytes
+    async def _move_async(self, job: TransferJob, target: _Target, segments: tuple[np.ndarray, ...],
+                          started: threading.Event, left: threading.Event) -> None:
+        started.set()
         try:
-            staged = 0
-            for msg in msgs:
-                tensor = msg.gather()
-                if not msg.direct:
-                    self._sync()
-                sends.append((asyncio.ensure_future(ep.send(_buffer(tensor))), 0 if msg.direct else msg.nbytes))
-                staged += sends[-1][1]
-                while staged > STAGING_WINDOW:  # bounds staging memory
-                    send, done = sends.popleft()
-                    await send
-                    staged -= done
-            ack = wire.decode(await ep.recv_obj())
-            if not isinstance(ack, wire.ChunkAck) or (ack.room, ack.chunk_id) != (job.room, job.chunk_id):
-                raise TransferError(f"unexpected reply {ack!r}")
-            if not ack.error:  # a refused payload is never received: its sends are cancelled below
-                while sends:
-                    await sends.popleft()[0]
-            return ack
+            conn = await self._connection(job.peer, target)
+            if self._cuda:  # the forward that wrote the pages
+                torch.cuda.default_stream(self._device).synchronize()
+            src, dst, length = (a.tolist() for a in segments)
+            per_buffer = len(src) // len(conn.rkeys)  # segments are buffer-major, as many per buffer
+            ep, rkeys = conn.ep.ucp_endpoint, [k.handle for k in conn.rkeys]
+            for i, (s, d, n) in enumerate(zip(src, dst, length, strict=True)):  # NOTE: no await: conn stays open
+                status = ucp.put(ep, s, n, d, rkeys[i // per_buffer])
+                if status < 0:
+                    raise TransferError(f"PUT to {job.peer.instance_id} failed: {ucp.describe(status)}")
+            await self._flush(job, conn)
         finally:
-            for send, _ in sends:
-                send.cancel()
-            await asyncio.gather(*(send for send, _ in sends), return_exceptions=True)
+            left.set()
 
-    async def _endpoint(self, key: PeerKey) -> Any:
-        ep = self._eps.get(key)
-        if ep is not None:
-            return ep
-        with self._lock:
-            peer = self._peers.get(key)
-        if peer is None or "port" not in peer.endpoint:
-            raise TransferError(f"peer has no ucx endpoint: {peer.endpoint if peer else 'removed'}")
-        ep = await ucxx.create_endpoint(peer.endpoint["host"], int(peer.endpoint["port"]),
+    async def _flush(self, job: TransferJob, conn: _Connection) -> None:
+        """Until every PUT on ``conn`` is in the peer's memory; on any exit before that (error, cancellation) the
+        endpoint is aborted and the flush request waited for, so no PUT of the job is left in flight."""
+        try:
+            req = ucp.flush(conn.ep.ucp_endpoint)
+        except ucp.UcpError as exc:
+            raise TransferError(f"flush to {job.peer.instance_id}: {exc}") from exc
+        if req is None:
+            return
+        try:
+            polls = 0
+            while (status := ucp.status(req)) == ucp.UCS_INPROGRESS:
+                ucp.progress()
+                polls += 1
+                await asyncio.sleep(0 if polls < SPIN_POLLS else BACKOFF_S)
+            if status != ucp.UCS_OK:
+                raise TransferError(f"WRITE of room {job.room} to {job.peer.instance_id} failed: "
+                                    f"{ucp.describe(status)}")
+        finally:
+            if ucp.status(req) == ucp.UCS_INPROGRESS:  # cancelled: abort, then let the request finish
+                self._drop_connections(job.peer)
+                end = time.monotonic() + CALL_TIMEOUT_S
+                while ucp.status(req) == ucp.UCS_INPROGRESS and time.monotonic() < end:
+                    ucp.progress()
+            ucp.release(req)
+
+    async def _connection(self, key: PeerKey, target: _Target) -> _Connection:
+        conn = self._conns.get(key)
+        if conn is not None:
+            return conn
+        ep = await ucxx.create_endpoint(target.info.endpoint["host"], int(target.info.endpoint["port"]),
                                        connect_timeout=min(self.config.bootstrap_timeout_s, 30.0))
-        await ep.send_obj(wire.encode(wire.DataHello(self.local.instance_id, self.local.epoch)))
-        with self._lock:
-            gone = self._closed or key not in self._peers
-        if gone:
+        conn = _Connection(ep)
+        try:
+            await ep.send_obj(wire.encode(wire.DataHello(self.local.instance_id, self.local.epoch)))
+            with self._lock:
+                gone = self._closed or key not in self._targets
+            if gone:
+                raise TransferError("peer removed")
+            conn.rkeys = [ucp.RemoteKey(ep.ucp_endpoint, packed) for packed in target.rkeys]
+        except BaseException:
+            for rkey in conn.rkeys:
+                rkey.destroy()
             ep.abort()
-            raise TransferError("peer removed")
-        self._eps[key] = ep
-        return ep
+            raise
+        self._conns[key] = conn
+        return conn
 
     # ---- decode: one task per incoming connection --------------------------------------------------------------
     async def _serve(self, ep: Any) -> None:
+        """Admit a prefill rank that passed the handshake; hold its connection until either side ends it."""
         task = asyncio.current_task()
         assert task is not None
         self._serving[task] = None
@@ -348,11 +450,8 @@ class UcxBackend(QueuedBackend):
             key = PeerKey(hello.instance_id, hello.epoch)
             await self._await_peer(key)
             self._serving[task] = key
-            while True:
-                header = wire.decode(await ep.recv_obj())
-                if not isinstance(header, wire.ChunkHeader):
-                    raise TransferError(f"expected ChunkHeader, got {type(header).__name__}")
-                await self._receive(ep, header)
+            msg = await ep.recv_obj()  # the prefill side sends nothing more: this returns when it closes
+            raise TransferError(f"unexpected {len(msg)}-byte message on a data connection")
         except Exception as exc:  # the connection ends; the prefill side fails its jobs (logged, not swallowed)
             log.info("kv ucx: data connection closed: %s: %s", type(exc).__name__, exc)
         finally:
@@ -371,30 +470,3 @@ class UcxBackend(QueuedBackend):
             if time.monotonic() > end:
                 raise TransferError(f"data connection from {key.instance_id} which passed no handshake")
             await asyncio.sleep(0.01)
-
-    async def _receive(self, ep: Any, header: wire.ChunkHeader) -> None:
-        """Land one job's payload in the pool, then ack; a refused header is acked with the reason and the
-        connection dropped (its payload is never read, so nothing of it is written)."""
-        try:
-            msgs = twosided.destination_messages(self.args, header)
-        except twosided.RefusedHeader as exc:
-            await ep.send_obj(wire.encode(wire.ChunkAck(header.room, header.chunk_id, str(exc))))
-            raise TransferError(f"refused room {header.room} chunk {header.chunk_id}: {exc}") from exc
-        recvs: deque[tuple[asyncio.Future[Any], twosided.Message, torch.Tensor]] = deque()  # in posting order
-        try:
-            staged = 0
-            for msg in msgs:
-                landing = msg.landing()
-                recvs.append((asyncio.ensure_future(ep.recv(_buffer(landing))), msg, landing))
-                staged += 0 if msg.direct else msg.nbytes
-                while recvs and (staged > STAGING_WINDOW or msg is msgs[-1]):
-                    recv, done, landed = recvs.popleft()
-                    await recv
-                    done.scatter(landed)
-                    staged -= 0 if done.direct else done.nbytes
-        finally:
-            for recv, _, _ in recvs:
-                recv.cancel()
-            await asyncio.gather(*(recv for recv, _, _ in recvs), return_exceptions=True)
-        self._sync()  # scattered staging is in the pool before the ack
-        await ep.send_obj(wire.encode(wire.ChunkAck(header.room, header.chunk_id)))

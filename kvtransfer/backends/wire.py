@@ -1,4 +1,5 @@
-"""The data-plane messages of the two-sided backends (``tcp``, ``ucx``, ``nccl``) and the pool's byte views.
+"""The data-plane messages of the two-sided backends (``tcp``, ``nccl``; ``ucx`` sends only ``DataHello``) and the
+pool's byte views.
 
 Each transport frames these its own way (``tcp``: u32 length + msgpack; ``ucx``: ``send_obj``; ``nccl``: a length
 tensor then the body), but the messages and their meaning are one::
