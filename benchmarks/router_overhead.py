@@ -1,6 +1,6 @@
 """Router overhead: the router in PD mode in front of mock workers, versus calling a mock worker directly.
 
-Mock workers (``tests/mock_worker.py``: the P/D pair in one process, since they rendezvous in-process, and the
+Mock workers (``common/testing/mock_worker.py``: the P/D pair in one process, since they rendezvous in-process, and the
 colocated mock in another) answer after a fixed service time (default 20 ms). The same closed-loop gRPC client
 (several channels, ``--concurrency`` in flight, ``--requests`` per phase after a warm-up) measures, back to back
 at each concurrency,
@@ -165,7 +165,7 @@ async def _run_pair(
 def _start_router(
     model: Path, fleet: dict[str, list[str]], replicas: int, env: dict[str, str]
 ) -> tuple[subprocess.Popen[str], str, list[int]]:
-    from tests.mock_worker import free_port
+    from common.ports import pick_free_port as free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "common.cli", "router", "--model-path", str(model), "--grpc-port", str(port),
@@ -177,7 +177,7 @@ def _start_router(
 
 
 def _mock_cmd(ns: argparse.Namespace, prefill: int, decode: int, colocated: int) -> list[str]:
-    return [sys.executable, "-m", "tests.mock_worker", "--prefill", str(prefill), "--decode", str(decode),
+    return [sys.executable, "-m", "common.testing.mock_worker", "--prefill", str(prefill), "--decode", str(decode),
             "--colocated", str(colocated), "--service-time", str(ns.service_time),
             "--chunk-tokens", str(ns.chunk_tokens or ns.max_new_tokens)]
 
@@ -199,8 +199,8 @@ def main() -> int:
     ns = ap.parse_args()
 
     from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
+    from common.testing.mock_worker import make_model_dir
     from common.tokenizer import load_tokenizer
-    from tests.mock_worker import make_model_dir
 
     env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
     env.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())  # the mocks prove it to the router

@@ -14,7 +14,6 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 
-import pytest
 import torch
 
 from kvtransfer.args import KVArgs, KVTransferConfig
@@ -45,6 +44,7 @@ def _engine_missing(backend: str) -> str:
 
 def backend_param(backend: str) -> object:
     """``backend`` as a pytest parameter, skipped only when its optional engine package cannot load."""
+    import pytest  # the test extra; benchmarks use this module without it
     missing = _engine_missing(backend)
     return pytest.param(backend, marks=pytest.mark.skipif(bool(missing), reason=missing))
 
