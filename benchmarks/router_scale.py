@@ -32,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.router_overhead import PROMPT, _closed_loop, _cpu_s, _spawn, _stop  # noqa: E402
+from benchmarks.router_overhead import PROMPT, _closed_loop, _cpu_s, _cpu_split, _pin, _spawn, _stop  # noqa: E402
 from common.sampling.params import SamplingParams  # noqa: E402
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from router.config import RouterConfig, WorkerSpec  # noqa: E402
@@ -123,18 +123,6 @@ async def measure_decisions(n_workers: int, decisions: int, window: int, kv_page
 
 
 # -- e2e: through the router process -------------------------------------------------------------------------------
-def _pin(cpus: set[int] | None) -> list[str]:
-    return ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
-
-
-def _cpu_split() -> tuple[set[int] | None, set[int] | None]:
-    """(router CPUs, mocks' and client's CPUs): the router alone on CPU 0 when there are 2+ CPUs."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None, None
-    return {cpus[0]}, set(cpus[1:])
-
-
 async def _e2e(ns: argparse.Namespace, fleet: dict[str, list[str]], router_addr: str, router_pid: int,
                concurrency: int) -> dict[str, Any]:
     import grpc
@@ -188,7 +176,7 @@ async def _e2e(ns: argparse.Namespace, fleet: dict[str, list[str]], router_addr:
 def run_e2e(ns: argparse.Namespace, n_workers: int, env: dict[str, str]) -> dict[str, Any]:
     from common.ports import pick_free_port
 
-    router_cpus, other_cpus = _cpu_split()
+    router_cpus, other_cpus = _cpu_split("")
     if other_cpus:
         os.sched_setaffinity(0, other_cpus)
     half = max(1, n_workers // 2)
