@@ -117,9 +117,16 @@ async def measure_decisions(n_workers: int, decisions: int, window: int, kv_page
     t0, c0 = time.perf_counter(), time.process_time()
     run(decisions)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    while outstanding:
+        old = outstanding.popleft()
+        for lease in old.leases:
+            lease.release()
+        core.rooms.release(old.room)
+    inflight = sum(w.inflight for w in registry)
     await registry.close()
     return {"decisions": decisions, "decisions_per_s": round(decisions / wall),
-            "cpu_us_per_decision": round(cpu / decisions * 1e6, 1), "decode_workers_used": len(spread)}
+            "cpu_us_per_decision": round(cpu / decisions * 1e6, 1), "decode_workers_used": len(spread),
+            "inflight_after": inflight}
 
 
 # -- e2e: through the router process -------------------------------------------------------------------------------
