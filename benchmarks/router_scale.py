@@ -10,7 +10,10 @@ Two measurements per fleet size N:
           and ``--kv-pages`` of KV capacity each), pinned to the other CPUs with the client. A closed loop at
           ``--concurrency``, direct (a colocated mock in the same process) then through the router, back to back:
           router req/s (each request is one routing decision: a P and a D), added p50/p99 latency, and the router's
-          CPU per request from /proc/PID/stat (which includes its health and load polling of N workers).
+          CPU per request from /proc/PID/stat (which includes its health and load polling of N workers; the
+          polling alone is sampled for ``--idle`` seconds first and also reported per second and subtracted).
+          Then the added latency without queueing: ``--latency-requests`` each, direct then routed, started at a
+          fixed ``--rate`` (open loop, well below what either path serves).
 
     .venv/bin/python -m benchmarks.router_scale --workers 2 8 32 64 --requests 1500
 """
@@ -130,6 +133,24 @@ async def measure_decisions(n_workers: int, decisions: int, window: int, kv_page
 
 
 # -- e2e: through the router process -------------------------------------------------------------------------------
+async def _open_loop(call: Any, n: int, rate: float) -> dict[str, float]:
+    """``n`` calls started at a fixed ``rate`` (not waiting for each other): latency without self-made queueing."""
+    import statistics
+
+    latencies: list[float] = []
+
+    async def one(at: float) -> None:
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        t0 = time.perf_counter()
+        await call()
+        latencies.append(time.perf_counter() - t0)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(start + i / rate) for i in range(n)))
+    qs = statistics.quantiles(latencies, n=100, method="inclusive")
+    return {"requests": n, "rate": rate, "p50_ms": round(qs[49] * 1000, 3), "p99_ms": round(qs[98] * 1000, 3)}
+
+
 async def _e2e(ns: argparse.Namespace, fleet: dict[str, list[str]], router_addr: str, router_pid: int,
                concurrency: int) -> dict[str, Any]:
     import grpc
@@ -169,10 +190,15 @@ async def _e2e(ns: argparse.Namespace, fleet: dict[str, list[str]], router_addr:
     cpu0 = _cpu_s(router_pid)
     r = await _closed_loop(via_router, ns.requests, concurrency, ns.time_limit)
     cpu = _cpu_s(router_pid) - cpu0
+    od = await _open_loop(direct, ns.latency_requests, ns.rate)
+    orr = await _open_loop(via_router, ns.latency_requests, ns.rate)
     for c in direct_chs + router_chs:
         await c.close()
     return {"direct": d, "router": r, "router_req_per_s": r["rps"],
             "added_p50_ms": round(r["p50_ms"] - d["p50_ms"], 3), "added_p99_ms": round(r["p99_ms"] - d["p99_ms"], 3),
+            "open_direct": od, "open_router": orr,
+            "open_added_p50_ms": round(orr["p50_ms"] - od["p50_ms"], 3),
+            "open_added_p99_ms": round(orr["p99_ms"] - od["p99_ms"], 3),
             "router_cpu_us_per_request": round(cpu / r["requests"] * 1e6, 1),
             "poll_cpu_ms_per_s": round(poll_cpu_per_s * 1e3, 1),
             "router_cpu_us_per_request_less_polling": round(
@@ -225,6 +251,8 @@ def main() -> int:
     ap.add_argument("--prefill-policy", default="cache_aware")
     ap.add_argument("--decode-policy", default="power_of_two")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds between router ready and the first request")
+    ap.add_argument("--rate", type=float, default=50.0, help="open-loop arrivals/s of the latency phase")
+    ap.add_argument("--latency-requests", type=int, default=500, help="requests per open-loop latency phase")
     ap.add_argument("--idle", type=float, default=3.0, help="seconds of router CPU sampled with no requests")
     ap.add_argument("--time-limit", type=float, default=90.0, help="per phase, seconds")
     ap.add_argument("--skip-e2e", action="store_true")
@@ -265,12 +293,13 @@ def main() -> int:
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:
-    lines = ["| workers | decisions/s (in-process) | us CPU/decision | router req/s (e2e) | added p50 ms | "
-             "added p99 ms | router CPU us/req | polling CPU ms/s | CPU us/req less polling | loadavg |",
-             "|" + "---|" * 10]
+    lines = ["| workers | decisions/s (in-process) | us CPU/decision | router req/s (e2e, c) | added p50/p99 ms "
+             "(c) | added p50/p99 ms (open loop) | router CPU us/req | polling CPU ms/s | CPU us/req less polling "
+             "| loadavg |", "|" + "---|" * 10]
     for r in runs:
         d, e = r["decide"], r.get("e2e")
-        e2e = (f"{e['router_req_per_s']} | {e['added_p50_ms']} | {e['added_p99_ms']} | "
+        e2e = (f"{e['router_req_per_s']} | {e['added_p50_ms']} / {e['added_p99_ms']} | "
+               f"{e['open_added_p50_ms']} / {e['open_added_p99_ms']} | "
                f"{e['router_cpu_us_per_request']} | {e['poll_cpu_ms_per_s']} | "
                f"{e['router_cpu_us_per_request_less_polling']} | {e['loadavg'].split()[0]}"
                ) if e else "- | - | - | - | - | - | -"
