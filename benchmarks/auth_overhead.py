@@ -15,6 +15,7 @@ import argparse
 import statistics
 import time
 
+from common.testing.kvtransfer_helpers import DECODE_SEED, PREFILL_SEED, make_args
 from kvtransfer import auth
 from kvtransfer.args import KVTransferConfig
 from kvtransfer.bootstrap import BootstrapServer
@@ -22,7 +23,6 @@ from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, encode
 from kvtransfer.receiver import DecodeRooms, KVReceiver
 from kvtransfer.sender import PrefillRooms
-from tests.kvtransfer_helpers import DECODE_SEED, PREFILL_SEED, make_args
 
 SECRET = "benchmark-only-secret-value"
 

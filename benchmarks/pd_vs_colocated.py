@@ -32,7 +32,7 @@ from benchmarks.loadgen.plots import write_plots
 from benchmarks.loadgen.runner import LoadShape, run_load
 from benchmarks.loadgen.stats import RequestResult, Slo, summarize
 from benchmarks.loadgen.workload import WorkloadConfig, make_workload
-from tests.mock_worker import free_port
+from common.ports import pick_free_port as free_port
 
 CONFIGS = ("colocated", "chunked", "pd")
 

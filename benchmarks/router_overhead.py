@@ -1,16 +1,20 @@
 """Router overhead: the router in PD mode in front of mock workers, versus calling a mock worker directly.
 
-Mock workers (``tests/mock_worker.py``: the P/D pair in one process, since they rendezvous in-process, and the
+Mock workers (``common/testing/mock_worker.py``: the P/D pair in one process, since they rendezvous in-process, and the
 colocated mock in another) answer after a fixed service time (default 20 ms). The same closed-loop gRPC client
 (several channels, ``--concurrency`` in flight, ``--requests`` per phase after a warm-up) measures, back to back
 at each concurrency,
   direct     client -> colocated mock ``Worker.Generate``
   router_pd  client -> router ``Router.Generate`` -> mock ``Prefill`` + mock ``Decode`` (concurrently)
 and reports the added p50/p99 latency, the throughput ratio and the router's CPU time per request (from /proc,
-summed over replicas). ``--replicas 1 2`` repeats it with N router processes sharing the port (SO_REUSEPORT).
-By default the mocks send all output tokens in one message and router requests are not streamed.
+summed over replicas). ``--modes grpc http``: the router leg through the gRPC API and/or through the HTTP gateway
+(OpenAI ``/v1/completions`` with ``stream: true``, read to ``data: [DONE]``; CPU per request is then the gateway's,
+the router process serving both). ``--replicas 1 2`` repeats it with N router processes sharing the ports
+(SO_REUSEPORT). With 2+ CPUs the router processes are pinned with ``taskset`` to ``--router-cpus`` (default: CPU 0)
+and the mocks and this client to the other CPUs, so the router never shares a core with them.
+By default the mocks send all output tokens in one message and gRPC router requests are not streamed.
 
-    .venv/bin/python -m benchmarks.router_overhead --requests 2000 --concurrency 1 32 --replicas 1 2
+    .venv/bin/python -m benchmarks.router_overhead --requests 2000 --concurrency 1 32 --modes grpc http --replicas 1 2
 """
 
 from __future__ import annotations
@@ -115,10 +119,14 @@ def _pids_cpu(pids: list[int]) -> float:
 
 
 async def _run_pair(
-    ns: argparse.Namespace, direct_addr: str, router_addr: str, prompt_ids: list[int], router_pids: list[int],
-    concurrency: int,
+    ns: argparse.Namespace, direct_addr: str, router: tuple[str, str], prompt_ids: list[int], router_pids: list[int],
+    concurrency: int, mode: str,
 ) -> dict[str, Any]:
-    """Direct then via the router at one concurrency, back to back (so both see the same machine load)."""
+    """Direct then via the router (``mode``: its gRPC API or its HTTP gateway) at one concurrency, back to back (so
+    both see the same machine load). ``router``: (gRPC address, HTTP base URL)."""
+    import aiohttp
+
+    router_addr, http_url = router
     sp = common_pb2.SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=0)
     # one channel per 8 in-flight calls: a single HTTP/2 connection serialises the client's reads
     n_ch = max(1, concurrency // 8)
@@ -146,11 +154,25 @@ async def _run_pair(
             done += m.HasField("complete")
         assert done == 1
 
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
+    body = {"model": "mock-model", "prompt": PROMPT, "max_tokens": ns.max_new_tokens, "temperature": 0,
+            "stream": True}
+
+    async def via_http() -> None:
+        done = False
+        async with http.post(f"{http_url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                done = done or line.startswith(b"data: [DONE]")
+        assert done
+
+    call = via_router if mode == "grpc" else via_http
     sub = argparse.Namespace(**{**vars(ns), "concurrency": concurrency})
-    results: dict[str, Any] = {"concurrency": concurrency, "direct": await _measure(f"c={concurrency} direct", direct, sub)}
-    await _closed_loop(via_router, ns.warmup, concurrency, ns.time_limit)
+    results: dict[str, Any] = {"mode": mode, "concurrency": concurrency,
+                               "direct": await _measure(f"c={concurrency} direct", direct, sub)}
+    await _closed_loop(call, ns.warmup, concurrency, ns.time_limit)
     cpu0 = _pids_cpu(router_pids)
-    r = results["router_pd"] = await _measure(f"c={concurrency} router", via_router, sub, warmup=False)
+    r = results["router_pd"] = await _measure(f"c={concurrency} {mode}", call, sub, warmup=False)
     results["router_cpu_us_per_request"] = round((_pids_cpu(router_pids) - cpu0) / r["requests"] * 1e6, 1)
     d = results["direct"]
     results["added_p50_ms"] = round(r["p50_ms"] - d["p50_ms"], 3)
@@ -159,25 +181,44 @@ async def _run_pair(
     results["loadavg"] = round(os.getloadavg()[0], 2)
     for c in direct_chs + router_chs:
         await c.close()
+    await http.close()
     return results
 
 
 def _start_router(
-    model: Path, fleet: dict[str, list[str]], replicas: int, env: dict[str, str]
-) -> tuple[subprocess.Popen[str], str, list[int]]:
-    from tests.mock_worker import free_port
+    model: Path, fleet: dict[str, list[str]], replicas: int, env: dict[str, str], cpus: set[int] | None
+) -> tuple[subprocess.Popen[str], tuple[str, str], list[int]]:
+    """The router (``replicas`` processes sharing its ports), pinned to ``cpus``; (proc, (gRPC, HTTP), pids)."""
+    from common.ports import pick_free_port as free_port
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "common.cli", "router", "--model-path", str(model), "--grpc-port", str(port),
-           "--http-port", "-1", "--prefill", fleet["prefill"][0], "--decode", fleet["decode"][0],
-           "--replicas", str(replicas)]
+    port, http_port = free_port(), free_port()
+    cmd = [*_pin(cpus), sys.executable, "-m", "common.cli", "router", "--model-path", str(model),
+           "--grpc-port", str(port), "--http-port", str(http_port), "--prefill", fleet["prefill"][0],
+           "--decode", fleet["decode"][0], "--replicas", str(replicas)]
     proc, line = _spawn(cmd, "router ready", env)
     pids = [int(x) for x in line.split("pids=")[1].split(",")] if "pids=" in line else [proc.pid]
-    return proc, f"127.0.0.1:{port}", pids
+    return proc, (f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"), pids
 
 
-def _mock_cmd(ns: argparse.Namespace, prefill: int, decode: int, colocated: int) -> list[str]:
-    return [sys.executable, "-m", "tests.mock_worker", "--prefill", str(prefill), "--decode", str(decode),
+def _pin(cpus: set[int] | None) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
+
+
+def _cpu_split(router_cpus: str) -> tuple[set[int] | None, set[int] | None]:
+    """(router CPUs, mocks' and client's CPUs). ``router_cpus``: "" = CPU 0 when there are 2+ CPUs, "none" = no
+    pinning, else a list ("0" or "0,1"); the others get the remaining CPUs (all of them when none remain)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if router_cpus == "none" or (not router_cpus and len(cpus) < 2):
+        return None, None
+    chosen = {cpus[0]} if not router_cpus else {int(x) for x in router_cpus.split(",")}
+    rest = set(cpus) - chosen
+    return chosen, rest or set(cpus)
+
+
+def _mock_cmd(
+    ns: argparse.Namespace, prefill: int, decode: int, colocated: int, cpus: set[int] | None
+) -> list[str]:
+    return [*_pin(cpus), sys.executable, "-m", "common.testing.mock_worker", "--prefill", str(prefill), "--decode", str(decode),
             "--colocated", str(colocated), "--service-time", str(ns.service_time),
             "--chunk-tokens", str(ns.chunk_tokens or ns.max_new_tokens)]
 
@@ -188,6 +229,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32])
     ap.add_argument("--replicas", type=int, nargs="+", default=[1], help="router replica counts to compare")
+    ap.add_argument("--modes", nargs="+", choices=("grpc", "http"), default=["grpc"],
+                    help="the router's client API measured: gRPC and/or the HTTP gateway (streamed completions)")
+    ap.add_argument("--router-cpus", default="",
+                    help='CPUs of the router processes ("0", "0,1"; "none": no pinning; default: CPU 0 on 2+ CPUs)')
     ap.add_argument("--service-time", type=float, default=0.02)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--stream", action="store_true", help="router requests stream text chunks")
@@ -199,8 +244,8 @@ def main() -> int:
     ns = ap.parse_args()
 
     from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
+    from common.testing.mock_worker import make_model_dir
     from common.tokenizer import load_tokenizer
-    from tests.mock_worker import make_model_dir
 
     env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
     env.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())  # the mocks prove it to the router
@@ -209,22 +254,27 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp:
         model = make_model_dir(Path(tmp) / "mock-model")
         prompt_ids = load_tokenizer(model).encode(PROMPT)
+        router_cpus, other_cpus = _cpu_split(ns.router_cpus)
+        if other_cpus:
+            os.sched_setaffinity(0, other_cpus)
         try:
             # one process for the P/D pair (they rendezvous in-process), one for the colocated mock
-            pd_mocks, line = _spawn(_mock_cmd(ns, 1, 1, 0), "{", env)
+            pd_mocks, line = _spawn(_mock_cmd(ns, 1, 1, 0, other_cpus), "{", env)
             procs.append(pd_mocks)
             fleet = json.loads(line)
-            colo, line = _spawn(_mock_cmd(ns, 0, 0, 1), "{", env)
+            colo, line = _spawn(_mock_cmd(ns, 0, 0, 1, other_cpus), "{", env)
             procs.append(colo)
             direct_addr = json.loads(line)["colocated"][0]
             for replicas in ns.replicas:
-                router, addr, pids = _start_router(model, fleet, replicas, env)
+                router, addr, pids = _start_router(model, fleet, replicas, env, router_cpus)
                 try:
-                    for c in ns.concurrency:
-                        res = asyncio.run(_run_pair(ns, direct_addr, addr, prompt_ids, pids, c))
-                        res["router_replicas"] = replicas
-                        runs.append(res)
-                        print(json.dumps({k: res[k] for k in SUMMARY_KEYS}), flush=True)
+                    for mode in ns.modes:
+                        for c in ns.concurrency:
+                            res = asyncio.run(_run_pair(ns, direct_addr, addr, prompt_ids, pids, c, mode))
+                            res["router_replicas"] = replicas
+                            res["router_cpus"] = sorted(router_cpus) if router_cpus else "unpinned"
+                            runs.append(res)
+                            print(json.dumps({k: res[k] for k in SUMMARY_KEYS}), flush=True)
                 finally:
                     _stop(router)
         finally:
@@ -234,7 +284,8 @@ def main() -> int:
         "benchmark": "router_overhead",
         "config": {
             k: getattr(ns, k)
-            for k in ("requests", "warmup", "concurrency", "replicas", "service_time", "max_new_tokens", "stream")
+            for k in ("requests", "warmup", "concurrency", "replicas", "modes", "router_cpus", "service_time",
+                      "max_new_tokens", "stream")
         },
         "machine": {
             "cpus": os.cpu_count(),
@@ -252,17 +303,18 @@ def main() -> int:
     return 0
 
 
-SUMMARY_KEYS = ("router_replicas", "concurrency", "added_p50_ms", "added_p99_ms", "throughput_ratio",
+SUMMARY_KEYS = ("mode", "router_replicas", "router_cpus", "concurrency", "added_p50_ms", "added_p99_ms", "throughput_ratio",
                 "router_cpu_us_per_request", "loadavg")
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:
-    head = ("| replicas | c | direct req/s | router req/s | direct p50 | router p50 | added p50 ms | added p99 ms "
+    head = ("| mode | replicas | router CPUs | c | direct req/s | router req/s | direct p50 | router p50 | added p50 ms | added p99 ms "
             "| router CPU us/req | loadavg |")
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 12]
     for r in runs:
         d, x = r["direct"], r["router_pd"]
-        lines.append(f"| {r['router_replicas']} | {r['concurrency']} | {d['rps']} | {x['rps']} | {d['p50_ms']} | "
+        cpus = ",".join(map(str, r["router_cpus"])) if isinstance(r["router_cpus"], list) else r["router_cpus"]
+        lines.append(f"| {r['mode']} | {r['router_replicas']} | {cpus} | {r['concurrency']} | {d['rps']} | {x['rps']} | {d['p50_ms']} | "
                      f"{x['p50_ms']} | {r['added_p50_ms']} | {r['added_p99_ms']} | "
                      f"{r['router_cpu_us_per_request']} | {r['loadavg']} |")
     return "\n".join(lines)

@@ -9,6 +9,8 @@
   success marks it healthy again (and fetches its info if it has none).
 - Load: every ``load_interval_s`` ``GetLoad`` refreshes the per-rank reports the policies read; requests never wait
   for a load report.
+- Both polls are spread over their interval (worker i of N starts i/N of it in), not fired at once: a burst of N
+  RPCs would hold the event loop (and the nodes) for N RPCs' time, in front of requests.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -151,8 +153,7 @@ class Monitor:
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.health_interval_s)
-            await asyncio.gather(*(self._health_one(w) for w in self.registry))
+            await _spread(self._health_one, list(self.registry), self.cfg.health_interval_s)
             self._export()
 
     async def _health_one(self, w: Worker) -> None:
@@ -163,8 +164,8 @@ class Monitor:
 
     async def _load_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.load_interval_s)
-            await asyncio.gather(*(self._load(w) for w in self.registry if w.proven and w.info is not None))
+            ws = [w for w in self.registry if w.proven and w.info is not None]
+            await _spread(self._load, ws, self.cfg.load_interval_s)
 
     def _export(self) -> None:
         m = self.metrics
@@ -172,3 +173,21 @@ class Monitor:
             m.worker_healthy.labels(w.address, w.role).set(1 if w.healthy else 0)
             m.worker_circuit_open.labels(w.address).set(CIRCUIT_VALUE.get(w.breaker.state, 0))
             m.worker_inflight.labels(w.address).set(w.inflight)
+
+
+async def _spread(poll: Callable[[Worker], Awaitable[None]], workers: list[Worker], interval: float) -> None:
+    """One round: ``poll(w)`` for each worker, started evenly over ``interval`` (the first after interval / N, the
+    last at ``interval``, as one sleep then a gather did); returns when every poll of the round has."""
+    if not workers:
+        await asyncio.sleep(interval)
+        return
+    step = interval / len(workers)
+    tasks: list[asyncio.Future[None]] = []
+    try:
+        for w in workers:
+            await asyncio.sleep(step)
+            tasks.append(asyncio.ensure_future(poll(w)))
+        await asyncio.gather(*tasks)
+    finally:  # cancelled (the monitor stops): no poll outlives it
+        for t in tasks:
+            t.cancel()

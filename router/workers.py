@@ -196,7 +196,9 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.usable_but_for_circuit and self.breaker.allows()
+        # NOTE: ``usable_but_for_circuit`` and ``allows()`` inlined: every routing decision asks every worker.
+        return (self.proven and self.healthy and not self.removed and self.info is not None
+                and not (self.proof_error or self.info_error or self.load_error) and self.breaker.allows())
 
     def set_load(self, load: worker_pb2.GetLoadResponse) -> None:
         for r in load.ranks:
@@ -206,6 +208,8 @@ class Worker:
 
     def free_pages(self) -> int | None:
         """The most pages any one rank can take now (None: unknown)."""
+        if len(self.ranks) == 1:
+            return self.ranks[0].free_pages(self.page_size)
         best: int | None = None
         for s in self.ranks:
             f = s.free_pages(self.page_size)
@@ -230,6 +234,7 @@ class Registry:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.workers: dict[str, Worker] = {}
+        self._by_role: dict[Role, list[Worker]] = {"prefill": [], "decode": [], "colocated": []}  # = workers, by role
         self._names: dict[tuple[str, Role], str] = {}  # (address, role) -> name; kept across deregistration
 
     def add(self, spec: WorkerSpec) -> tuple[Worker, bool]:
@@ -243,6 +248,7 @@ class Registry:
             return old, False
         w = Worker(spec, self.cfg, self._name(spec))
         self.workers[spec.address] = w
+        self._by_role[spec.role].append(w)
         logger.info("worker added: %s (%s) as %s", spec.address, spec.role, w.name)
         return w, True
 
@@ -252,6 +258,7 @@ class Registry:
         if w is None:
             return False
         w.removed = True
+        self._by_role[w.role].remove(w)
         if w.inflight == 0:
             w.close_soon()
         logger.info("worker removed: %s (%s), %d in flight", address, w.role, w.inflight)
@@ -275,10 +282,11 @@ class Registry:
     def routable(self, role: Role) -> list[Worker]:
         """Routable workers of ``role``. When none is, but some are held back by their circuit alone while their
         health checks pass, those: a breaker never blackholes a role whose workers say they serve."""
-        ws = [w for w in self.workers.values() if w.role == role and w.routable]
+        of_role = self._by_role[role]
+        ws = [w for w in of_role if w.routable]
         if ws:
             return ws
-        return [w for w in self.workers.values() if w.role == role and w.usable_but_for_circuit]
+        return [w for w in of_role if w.usable_but_for_circuit]
 
     def has_role(self, role: Role) -> bool:
         return any(w.role == role for w in self.workers.values())
@@ -294,3 +302,5 @@ class Registry:
         for w in list(self.workers.values()):
             await w.close()
         self.workers.clear()
+        for ws in self._by_role.values():
+            ws.clear()

@@ -12,13 +12,20 @@ import pytest
 
 import kvtransfer.node
 from common.errors import ErrorCode
+from common.testing.kvtransfer_helpers import (
+    DECODE_SEED,
+    PREFILL_SEED,
+    TOKEN,
+    kv_config,
+    make_args,
+    plan_rooms,
+)
 from kvtransfer.bootstrap import BootstrapServer
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import KVPoll
 from kvtransfer.receiver import DecodeRooms, KVReceiver
 from kvtransfer.rooms import RoomRecord
 from kvtransfer.sender import KVSender, PrefillRooms
-from tests.kvtransfer_helpers import DECODE_SEED, PREFILL_SEED, TOKEN, kv_config, make_args, plan_rooms
 
 NUM_PAGES = 16
 WAIT_S = 10.0

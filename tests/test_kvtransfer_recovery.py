@@ -8,12 +8,7 @@ import time
 
 import pytest
 
-from kvtransfer.bootstrap import BootstrapServer
-from kvtransfer.manager import KVManager
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import PrefillRooms
-from tests.kvtransfer_helpers import (
+from common.testing.kvtransfer_helpers import (
     DECODE_SEED,
     PREFILL_SEED,
     TOKEN,
@@ -26,6 +21,11 @@ from tests.kvtransfer_helpers import (
     start_receivers,
     wait_final,
 )
+from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.manager import KVManager
+from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import PrefillRooms
 
 pytestmark = pytest.mark.slow
 NUM_PAGES = 64

@@ -7,11 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from kvtransfer.manager import KVManager
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.registry import BACKENDS
-from tests.kvtransfer_helpers import (
+from common.testing.kvtransfer_helpers import (
     DECODE_SEED,
     PAGE_SIZE,
     PREFILL_SEED,
@@ -24,6 +20,10 @@ from tests.kvtransfer_helpers import (
     start_receivers,
     wait_final,
 )
+from kvtransfer.manager import KVManager
+from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.registry import BACKENDS
 
 AVAILABLE = [backend_param(name) for name, target in BACKENDS.items()
              if importlib.util.find_spec(target.partition(":")[0])]

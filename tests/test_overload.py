@@ -14,9 +14,9 @@ from common.config import ServerArgs
 from common.io_struct import GenerateReqInput
 from common.sampling.params import SamplingParams
 from common.scheduler import Scheduler
+from common.testing.router_fleet import eventually, fleet
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.model_fixtures import make_tiny_model
-from tests.test_router_support import eventually, fleet
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from common.testing.mock_worker import fake_tokens
+from common.testing.router_fleet import fleet
 from pdcluster.v1 import common_pb2, router_pb2
-from tests.mock_worker import fake_tokens
 from tests.test_router_api import tokenizer
-from tests.test_router_support import fleet
 
 VOCAB = 1536
 

@@ -17,13 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.cli import main
 from common.errors import ConfigError
+from common.testing.mock_worker import shared_model_dir
+from common.testing.router_fleet import FAST, eventually, fleet
 from common.tls import TlsFiles
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.admin import bearer_metadata
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer
-from tests.mock_worker import shared_model_dir
-from tests.test_router_support import FAST, eventually, fleet
 from tests.tls_helpers import TestCa
 
 API_KEY = "client-api-key-0123456789abcdef"

@@ -12,12 +12,12 @@ import grpc
 import pytest
 
 from common.server.front import WorkerServicer
+from common.testing.mock_worker import MockConfig, MockWorker
+from common.testing.router_fleet import eventually, fleet
 from common.worker_auth import WorkerAuthInterceptor, new_nonce, proof_matches
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.admin import bearer_metadata
 from router.membership import challenge
-from tests.mock_worker import MockConfig, MockWorker
-from tests.test_router_support import eventually, fleet
 
 ADMIN = bearer_metadata(os.environ["PDCLUSTER_CLUSTER_TOKEN"])
 CREDENTIALED = {"Prefill", "Decode", "Generate", "Abort", "GetLoad", "GetServerInfo"}

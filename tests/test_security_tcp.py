@@ -10,6 +10,7 @@ import tracemalloc
 
 import pytest
 
+from common.testing.kvtransfer_helpers import DECODE_SEED, TOKEN, kv_config, make_args
 from kvtransfer.backends.base import PeerInfo, PeerKey
 from kvtransfer.backends.tcp import (
     MAX_CONNS_PER_HOST,
@@ -21,7 +22,6 @@ from kvtransfer.backends.tcp import (
 )
 from kvtransfer.manager import KVManager
 from kvtransfer.receiver import DecodeRooms
-from tests.kvtransfer_helpers import DECODE_SEED, TOKEN, kv_config, make_args
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Helpers for the router tests (no tests here): a mock fleet behind an in-process ``RouterServer``."""
+"""A mock fleet behind an in-process ``RouterServer``, for the router tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 import grpc
 from openai import AsyncOpenAI
 
+from common.testing.mock_worker import MockConfig, MockHub, MockWorker, shared_model_dir
 from pdcluster.v1 import router_pb2_grpc
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer
-from tests.mock_worker import MockConfig, MockHub, MockWorker, shared_model_dir
 
 FAST = {"health_interval_s": 0.1, "load_interval_s": 0.05, "retry_backoff_s": 0.01, "rpc_timeout_s": 1.0}
 

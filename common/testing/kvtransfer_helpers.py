@@ -14,7 +14,6 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 
-import pytest
 import torch
 
 from kvtransfer.args import KVArgs, KVTransferConfig
@@ -46,6 +45,7 @@ def _engine_missing(backend: str) -> str:
 def backend_param(backend: str, *values: object) -> object:
     """``backend`` (and the case's other ``values``) as a pytest parameter, skipped only when the backend's optional
     engine package cannot load."""
+    import pytest  # the test extra; benchmarks use this module without it
     missing = _engine_missing(backend)
     return pytest.param(backend, *values, marks=pytest.mark.skipif(bool(missing), reason=missing))
 

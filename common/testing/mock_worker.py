@@ -15,7 +15,7 @@
 - Membership: answers ``ProveMembership`` like a node, with ``secret`` (default: the cluster secret of the test
   environment; a wrong one makes a rogue worker). It does not enforce the credential itself.
 
-``python -m tests.mock_worker --prefill 1 --decode 1 --colocated 1 --service-time 0.02`` runs a mock fleet in one
+``python -m common.testing.mock_worker --prefill 1 --decode 1 --colocated 1 --service-time 0.02`` runs a mock fleet in one
 process and prints its addresses as one JSON line (used by ``benchmarks/router_overhead.py``).
 """
 
