@@ -15,7 +15,6 @@ import argparse
 import statistics
 import time
 
-from common.testing.kvtransfer_helpers import DECODE_SEED, PREFILL_SEED, make_args
 from kvtransfer import auth
 from kvtransfer.args import KVTransferConfig
 from kvtransfer.bootstrap import BootstrapServer
@@ -23,6 +22,7 @@ from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, encode
 from kvtransfer.receiver import DecodeRooms, KVReceiver
 from kvtransfer.sender import PrefillRooms
+from kvtransfer.testing import DECODE_SEED, PREFILL_SEED, make_args
 
 SECRET = "benchmark-only-secret-value"
 

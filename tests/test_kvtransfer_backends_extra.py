@@ -15,7 +15,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from common.testing.kvtransfer_helpers import (
+from kvtransfer.args import KVArgs
+from kvtransfer.backends.base import KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.pages import HeadSlice, PageRun, coalesce_runs
+from kvtransfer.poll import KVPoll
+from kvtransfer.registry import backend_class
+from kvtransfer.testing import (
     PAGE_SIZE,
     PREFILL_SEED,
     Child,
@@ -26,11 +31,6 @@ from common.testing.kvtransfer_helpers import (
     start_receivers,
     wait_final,
 )
-from kvtransfer.args import KVArgs
-from kvtransfer.backends.base import KVBackend, PeerInfo, PeerKey, TransferJob
-from kvtransfer.pages import HeadSlice, PageRun, coalesce_runs
-from kvtransfer.poll import KVPoll
-from kvtransfer.registry import backend_class
 from tests import test_kvtransfer_faults as faults
 
 BACKENDS = ["nccl", "ucx"]

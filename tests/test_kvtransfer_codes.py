@@ -12,7 +12,13 @@ import pytest
 
 import kvtransfer.node
 from common.errors import ErrorCode
-from common.testing.kvtransfer_helpers import (
+from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.manager import KVManager
+from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms, KVReceiver
+from kvtransfer.rooms import RoomRecord
+from kvtransfer.sender import KVSender, PrefillRooms
+from kvtransfer.testing import (
     DECODE_SEED,
     PREFILL_SEED,
     TOKEN,
@@ -20,12 +26,6 @@ from common.testing.kvtransfer_helpers import (
     make_args,
     plan_rooms,
 )
-from kvtransfer.bootstrap import BootstrapServer
-from kvtransfer.manager import KVManager
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms, KVReceiver
-from kvtransfer.rooms import RoomRecord
-from kvtransfer.sender import KVSender, PrefillRooms
 
 NUM_PAGES = 16
 WAIT_S = 10.0

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from common.testing.kvtransfer_helpers import kv_config, make_args
 from kvtransfer.backends.base import PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import device_identity, memory_kind
 from kvtransfer.pages import PageRun
 from kvtransfer.registry import backend_class
+from kvtransfer.testing import kv_config, make_args
 from tests.test_kvtransfer_backends_extra import Events
 
 

@@ -11,7 +11,13 @@ import pytest
 import zmq
 
 from common.ports import pick_free_port
-from common.testing.kvtransfer_helpers import (
+from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.manager import KVManager
+from kvtransfer.messages import ChunkDone, encode
+from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import KVSender, PrefillRooms
+from kvtransfer.testing import (
     DECODE_SEED,
     PREFILL_SEED,
     Child,
@@ -23,12 +29,6 @@ from common.testing.kvtransfer_helpers import (
     start_receivers,
     wait_final,
 )
-from kvtransfer.bootstrap import BootstrapServer
-from kvtransfer.manager import KVManager
-from kvtransfer.messages import ChunkDone, encode
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import KVSender, PrefillRooms
 
 pytestmark = pytest.mark.slow
 NUM_PAGES = 64

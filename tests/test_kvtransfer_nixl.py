@@ -16,10 +16,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from common.testing.kvtransfer_helpers import PAGE_SIZE, backend_param, kv_config, make_args
 from kvtransfer.backends.base import PeerInfo, PeerKey, TransferJob
 from kvtransfer.pages import HeadSlice, PageRun
 from kvtransfer.registry import backend_class
+from kvtransfer.testing import PAGE_SIZE, backend_param, kv_config, make_args
 from tests.test_kvtransfer_backends_extra import Events, Pair
 
 NUM_PAGES = 48

@@ -8,7 +8,12 @@ import time
 
 import pytest
 
-from common.testing.kvtransfer_helpers import (
+from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.manager import KVManager
+from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import PrefillRooms
+from kvtransfer.testing import (
     DECODE_SEED,
     PREFILL_SEED,
     TOKEN,
@@ -21,11 +26,6 @@ from common.testing.kvtransfer_helpers import (
     start_receivers,
     wait_final,
 )
-from kvtransfer.bootstrap import BootstrapServer
-from kvtransfer.manager import KVManager
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import PrefillRooms
 
 pytestmark = pytest.mark.slow
 NUM_PAGES = 64

@@ -10,7 +10,15 @@ import time
 import pytest
 import torch
 
-from common.testing.kvtransfer_helpers import (
+from kvtransfer.backends.base import PeerInfo, TransferJob
+from kvtransfer.backends.staging import PageStager, expand_pages
+from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.manager import KVManager
+from kvtransfer.pages import HeadSlice
+from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import KVSender, PrefillRooms
+from kvtransfer.testing import (
     DECODE_SEED,
     PAGE_SIZE,
     PREFILL_SEED,
@@ -23,14 +31,6 @@ from common.testing.kvtransfer_helpers import (
     start_receivers,
     wait_final,
 )
-from kvtransfer.backends.base import PeerInfo, TransferJob
-from kvtransfer.backends.staging import PageStager, expand_pages
-from kvtransfer.bootstrap import BootstrapServer
-from kvtransfer.manager import KVManager
-from kvtransfer.pages import HeadSlice
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import KVSender, PrefillRooms
 from tests.test_kvtransfer_backends_extra import Pair
 
 SEGMENT = 2 * 4 * PAGE_SIZE * 2 * 8 * 2  # two pages of 4 buffers (2 layers, K and V), 2 heads x 8 dims, bf16

@@ -7,7 +7,11 @@ import importlib.util
 import pytest
 import torch
 
-from common.testing.kvtransfer_helpers import (
+from kvtransfer.manager import KVManager
+from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.registry import BACKENDS
+from kvtransfer.testing import (
     DECODE_SEED,
     PAGE_SIZE,
     PREFILL_SEED,
@@ -20,10 +24,6 @@ from common.testing.kvtransfer_helpers import (
     start_receivers,
     wait_final,
 )
-from kvtransfer.manager import KVManager
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.registry import BACKENDS
 
 AVAILABLE = [backend_param(name) for name, target in BACKENDS.items()
              if importlib.util.find_spec(target.partition(":")[0])]

@@ -7,7 +7,6 @@ import msgspec
 import pytest
 import torch
 
-from common.testing.kvtransfer_helpers import TOKEN, make_args
 from kvtransfer.args import compat_problems, model_fingerprint
 from kvtransfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RankEntry, RankTable
 from kvtransfer.messages import PROTOCOL_VERSION, Abort, ChunkDone, Heartbeat, decode, encode
@@ -15,6 +14,7 @@ from kvtransfer.metadata import MetadataBuffers, MetadataRecord
 from kvtransfer.pages import PageRun, coalesce_runs, copy_runs, dst_ranks_served, owned_heads, source_plan
 from kvtransfer.poll import KVPoll, advance, reduce_polls
 from kvtransfer.registry import backend_class
+from kvtransfer.testing import TOKEN, make_args
 
 
 def test_states_only_move_up_and_failed_is_sticky() -> None:

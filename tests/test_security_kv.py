@@ -10,7 +10,14 @@ import grpc
 import pytest
 import zmq
 
-from common.testing.kvtransfer_helpers import (
+from kvtransfer import auth
+from kvtransfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RankEntry
+from kvtransfer.manager import KVManager
+from kvtransfer.messages import ChunkDone, Heartbeat, HelloChallenge, decode, encode
+from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import PrefillRooms
+from kvtransfer.testing import (
     DECODE_SEED,
     PREFILL_SEED,
     TOKEN,
@@ -21,13 +28,6 @@ from common.testing.kvtransfer_helpers import (
     start_receivers,
     wait_final,
 )
-from kvtransfer import auth
-from kvtransfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RankEntry
-from kvtransfer.manager import KVManager
-from kvtransfer.messages import ChunkDone, Heartbeat, HelloChallenge, decode, encode
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import PrefillRooms
 
 NUM_PAGES = 32
 

@@ -10,7 +10,6 @@ import tracemalloc
 
 import pytest
 
-from common.testing.kvtransfer_helpers import DECODE_SEED, TOKEN, kv_config, make_args
 from kvtransfer.backends.base import PeerInfo, PeerKey
 from kvtransfer.backends.tcp import (
     MAX_CONNS_PER_HOST,
@@ -22,6 +21,7 @@ from kvtransfer.backends.tcp import (
 )
 from kvtransfer.manager import KVManager
 from kvtransfer.receiver import DecodeRooms
+from kvtransfer.testing import DECODE_SEED, TOKEN, kv_config, make_args
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
@@ -44,7 +45,7 @@ from common.server.sglang_protocol import (
 )
 from common.server.sglang_response import HttpError, SglangResponse, error_response
 from common.tokenizer import load_tokenizer
-from kvtransfer.bootstrap import BootstrapClient, BootstrapError
+from pdcluster.v1 import bootstrap_pb2, bootstrap_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -281,18 +282,15 @@ class SglangHttpServer:
         if cached is not None and now - cached[1] < TOPOLOGY_TTL_S:
             return cached[0]
 
-        def read() -> int:
-            client = BootstrapClient(addr, rpc_timeout_s=TOPOLOGY_TIMEOUT_S)
-            try:
-                return client.topology()[0]
-            finally:
-                client.close()
-
         try:
-            dp_size = await asyncio.wait_for(asyncio.to_thread(read), TOPOLOGY_TIMEOUT_S + 1)
-        except (BootstrapError, TimeoutError) as e:
+            async with grpc.aio.insecure_channel(addr) as channel:
+                reply = await bootstrap_pb2_grpc.BootstrapStub(channel).GetTopology(
+                    bootstrap_pb2.GetTopologyRequest(), timeout=TOPOLOGY_TIMEOUT_S
+                )
+        except grpc.aio.AioRpcError as e:
             raise HttpError(503, f"cannot read the prefill node's topology from its bootstrap service {addr}: "
-                                 f"{e or 'timed out'}") from None
+                                 f"{e.details() or e.code().name}") from None
+        dp_size = reply.dp_size
         self._topology[addr] = (dp_size, now)
         return dp_size
 

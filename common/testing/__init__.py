@@ -2,7 +2,7 @@
 
 - ``mock_worker``: a mock ``pdcluster.v1.Worker`` in any role, and a mock fleet in one process.
 - ``router_fleet``: a mock fleet behind an in-process ``RouterServer``.
-- ``kvtransfer_helpers``: synthetic KV pools, room plans, and prefill/decode roles in child processes.
 
+KV transfer test support lives in ``kvtransfer/testing.py`` (``common`` imports nothing of ``kvtransfer``).
 Nothing here is imported by the serving processes.
 """

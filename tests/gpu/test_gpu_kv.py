@@ -12,7 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from common.testing.kvtransfer_helpers import (
+from kvtransfer.manager import KVManager
+from kvtransfer.pages import HeadSlice
+from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.testing import (
     DECODE_SEED,
     PAGE_SIZE,
     PREFILL_SEED,
@@ -24,10 +28,6 @@ from common.testing.kvtransfer_helpers import (
     start_receivers,
     wait_final,
 )
-from kvtransfer.manager import KVManager
-from kvtransfer.pages import HeadSlice
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 NUM_PAGES = 64 * 5 + 16

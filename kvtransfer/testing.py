@@ -1,4 +1,5 @@
-"""Helpers for the KV transfer tests: synthetic pools, room plans, and a prefill/decode role run in a child process.
+"""KV transfer test and benchmark support for ``tests/`` and ``benchmarks/`` (no serving process imports it):
+synthetic pools, room plans, and a prefill/decode role run in a child process.
 
 A child is started with multiprocessing "spawn" and scripted by a picklable ``RoleSpec``; it reports on a queue.
 Tests kill only their own children, by PID, and every wait is bounded.
