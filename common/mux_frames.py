@@ -61,6 +61,7 @@ class FrameWriter:
         try:
             while True:
                 await self._wake.wait()
+                await asyncio.sleep(0)  # let the tasks made ready in this loop iteration queue theirs too
                 self._wake.clear()
                 while self._small or self._large:
                     frame = worker_pb2.MuxFrame()
