@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from common.mux_frames import MUX_METADATA_KEY, FrameWriter, Reassembler
+from common.worker_auth import credential_metadata
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,10 @@ class MuxLink:
             self.stream = f.result()
 
     async def _open(self) -> MuxStream | None:
-        call = self.stub.Mux()
+        # The credential goes on the call itself: the channel's interceptors cover only unary-request calls, and an
+        # intercepted stream-request call would queue every write through an extra task. A Mux stream opens only
+        # for a routable worker, one that has proven its membership.
+        call = self.stub.Mux(metadata=credential_metadata())
         md = await call.initial_metadata()
         if MUX_METADATA_KEY not in dict(md or ()):  # no stream: the call ends with its status
             code = await call.code()

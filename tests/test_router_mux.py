@@ -17,10 +17,10 @@ from common.errors import ErrorCode
 from common.io_struct import AbortReq
 from common.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
 from common.server.front import WorkerServicer
+from common.testing.mock_worker import MockConfig, MockWorker, fake_tokens
+from common.testing.router_fleet import fleet
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
-from tests.mock_worker import MockConfig, MockWorker, fake_tokens
-from tests.test_router_support import fleet
 
 
 def gen_req(rid: str, ids: list[int], n: int = 4) -> worker_pb2.GenerateRequest:
