@@ -247,7 +247,7 @@ def main() -> int:
     from common.testing.mock_worker import make_model_dir
     from common.tokenizer import load_tokenizer
 
-    env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "proto")))}
     env.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())  # the mocks prove it to the router
     procs: list[subprocess.Popen[str]] = []
     runs: list[dict[str, Any]] = []

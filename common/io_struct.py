@@ -30,6 +30,8 @@ class GenerateReqInput(msgspec.Struct, tag=True, kw_only=True):
 class AbortReq(msgspec.Struct, tag=True, kw_only=True):
     rid: str
     reason: str = "aborted by client"
+    # Why, as the request's KV room fails: CANCELLED (the client went, or an explicit Abort) or DEADLINE_EXCEEDED.
+    code: ErrorCode = ErrorCode.CANCELLED
 
 
 class LoadReq(msgspec.Struct, tag=True, kw_only=True):

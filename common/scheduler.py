@@ -128,7 +128,7 @@ class Scheduler:
                 except Exception as e:  # one bad request fails alone; nothing of it was queued
                     self.fail_input(msg.rid, e)
             elif isinstance(msg, AbortReq):
-                self.role.abort(msg.rid, msg.reason)
+                self.role.abort(msg.rid, msg.reason, msg.code)
             elif isinstance(msg, LoadReq):
                 load = self.get_load()
                 self.role.fill_load(load)

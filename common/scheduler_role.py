@@ -34,8 +34,9 @@ class SchedulerRole(Protocol):
         """Take a new request in: validate it (``Scheduler.build_req``) and put it where it waits first."""
         ...
 
-    def abort(self, rid: str, reason: str) -> None:
-        """Abort a request wherever it is; one in a batch finishes as ABORT at its next result."""
+    def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
+        """Abort a request wherever it is; one in a batch finishes as ABORT at its next result. ``code`` says why
+        (CANCELLED: the client went; DEADLINE_EXCEEDED: its deadline passed) to the KV peer."""
         ...
 
     def fill_load(self, load: QueueLoad) -> None:
@@ -125,7 +126,7 @@ class ColocatedRole(LoopHooks):
         if req is not None:
             self.scheduler.waiting_queue.append(req)
 
-    def abort(self, rid: str, reason: str) -> None:
+    def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         self.scheduler.abort_request(rid, reason)
 
     def fill_load(self, load: QueueLoad) -> None:

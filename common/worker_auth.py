@@ -94,20 +94,30 @@ class WorkerAuthInterceptor(grpc.aio.ServerInterceptor):
         if same_secret(presented if isinstance(presented, str) else "", self._credential):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return _refusing(handler)
 
-        async def refuse_unary(request, context):  # type: ignore[no-untyped-def]
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
 
-        async def refuse_stream(request, context):  # type: ignore[no-untyped-def]
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
-            yield  # pragma: no cover  (an async generator, as the streaming handler must be)
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that ends every call with UNAUTHENTICATED (a handler of another
+    shape would leave a streaming caller hanging)."""
+    de, ser = handler.request_deserializer, handler.response_serializer
 
-        if handler is not None and handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(refuse_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(
-            refuse_unary, handler.request_deserializer if handler else None,
-            handler.response_serializer if handler else None)
+    async def refuse(request_or_iterator, context):  # type: ignore[no-untyped-def]
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+
+    async def refuse_stream(request_or_iterator, context):  # type: ignore[no-untyped-def]
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+        yield  # pragma: no cover  (an async generator, as a streaming handler must be)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, de, ser)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse, de, ser)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, de, ser)
+    return grpc.unary_unary_rpc_method_handler(refuse, de, ser)
 
 
 class _AioCredential:

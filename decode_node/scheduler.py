@@ -82,18 +82,18 @@ class DecodeScheduler(LoopHooks):
         load.prealloc, load.transfer = len(self.prealloc_queue), len(self.transfer_queue)
         load.admissible_tokens = self.prealloc_queue.admissible_tokens(len(self.transfer_queue))
 
-    def abort(self, rid: str, reason: str) -> None:
+    def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         req = self.sched.reqs_by_rid.get(rid)
         if req is None:
             return
         if self.prealloc_queue.remove(req):
-            req.disagg_kv.abort(reason)
+            req.disagg_kv.abort(reason, code)
             req.disagg_kv.clear()
             req.abort(reason)
             self.sched.finish_req(req, release=False)
         elif self.transfer_queue.find(rid) is not None:
             req.to_abort = reason
-            req.disagg_kv.abort(reason)  # pages are freed once the receiver is quiesced
+            req.disagg_kv.abort(reason, code)  # pages are freed once the receiver is quiesced
         else:
             self.sched.abort_request(rid, reason)
 

@@ -75,11 +75,11 @@ class PrefillScheduler:
     def admit(self, msg: GenerateReqInput) -> None:
         self.bootstrap_queue.add(msg)
 
-    def abort(self, rid: str, reason: str) -> None:
+    def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         req = self.sched.reqs_by_rid.get(rid)
         if req is None:
             return
-        req.disagg_kv.abort(reason)
+        req.disagg_kv.abort(reason, code)
         if self.bootstrap_queue.remove(req) or self.sched.take_waiting(lambda r: r is req):
             self.sched.finish_req(req, release=False)
         elif self.inflight_queue.find(rid) is None:

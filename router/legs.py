@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -20,6 +21,7 @@ from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from pdcluster.v1 import worker_pb2
 from router.errors import RETRYABLE, LegError, scrub_internal
 from router.metrics import RouterMetrics
+from router.mux import rpc_error
 from router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,26 @@ def _retry_after(e: grpc.aio.AioRpcError) -> float | None:
     return None
 
 
+_RPC_OF_KIND = {"prefill": "Prefill", "decode": "Decode", "generate": "Generate"}
+
+
+async def open_leg(w: Worker, kind: str, request: Any, timeout: float) -> Any:
+    """Start one leg on ``w``: on its Mux stream when it serves one, else the per-request RPC. Either way the
+    result reads like a ``grpc.aio`` call. Raises ``LegError`` when the worker cannot be reached."""
+    s = w.mux.stream
+    if s is not None and s.alive:
+        return s.open(kind, request, timeout)
+    try:
+        s = await w.mux.get(timeout)
+    except grpc.aio.AioRpcError as e:
+        raise leg_error(_RPC_OF_KIND[kind], w, e) from None
+    except TimeoutError:
+        raise leg_error(_RPC_OF_KIND[kind], w, rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")) from None
+    if s is not None:
+        return s.open(kind, request, timeout)
+    return getattr(w.stub, _RPC_OF_KIND[kind])(request, timeout=timeout)
+
+
 def _cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
@@ -106,22 +128,32 @@ class PdAttempt:
     async def stream(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         timeout = max(self.deadline - time.monotonic(), 0.001)
         p, d, rid = self.p, self.d, self.req.rid
-        pcall = p.stub.Prefill(
-            worker_pb2.PrefillRequest(
-                request=self.req, bootstrap_room=self.room, prefill_dp_rank=self.p_rank
-            ),
-            timeout=timeout,
-        )
-        dcall = d.stub.Decode(
-            worker_pb2.DecodeRequest(
-                request=self.req,
-                bootstrap_room=self.room,
-                bootstrap_addr=p.bootstrap_addr,
-                prefill_dp_rank=self.p_rank,
-                decode_dp_rank=self.d_rank,
-            ),
-            timeout=timeout,
-        )
+        try:
+            pcall = await open_leg(
+                p, "prefill",
+                worker_pb2.PrefillRequest(request=self.req, bootstrap_room=self.room, prefill_dp_rank=self.p_rank),
+                timeout,
+            )
+        except LegError:
+            self.failed_worker = p  # the request never reached a node
+            raise
+        try:
+            dcall = await open_leg(
+                d, "decode",
+                worker_pb2.DecodeRequest(
+                    request=self.req,
+                    bootstrap_room=self.room,
+                    bootstrap_addr=p.bootstrap_addr,
+                    prefill_dp_rank=self.p_rank,
+                    decode_dp_rank=self.d_rank,
+                ),
+                timeout,
+            )
+        except LegError:
+            self.failed_worker = d
+            pcall.cancel()
+            self.aborter.abort(p, rid)
+            raise
         ptask: asyncio.Future[worker_pb2.PrefillResponse] = asyncio.ensure_future(pcall)
 
         def on_prefill_done(t: asyncio.Future[worker_pb2.PrefillResponse]) -> None:
@@ -196,7 +228,11 @@ class ColocatedAttempt:
 
     async def stream(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         timeout = max(self.deadline - time.monotonic(), 0.001)
-        call = self.w.stub.Generate(self.req, timeout=timeout)
+        try:
+            call = await open_leg(self.w, "generate", self.req, timeout)
+        except LegError:
+            self.failed_worker = self.w
+            raise
         finished = False
         try:
             while True:

@@ -22,6 +22,7 @@ from common.worker_auth import aio_worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.breaker import CircuitBreaker
 from router.config import Role, RouterConfig, WorkerSpec
+from router.mux import MuxLink
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class Worker:
                                           admitted=lambda: self.proven)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)  # requests go only to routable (so proven) workers
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.mux = MuxLink(self.stub, spec.address)  # the request legs' stream, opened on first use
         self.breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_open_s)
         self.info: worker_pb2.ServerInfo | None = None
         # Why the worker is not usable (shown by ListWorkers and logs), by what found it: the membership proof,
@@ -225,6 +227,7 @@ class Worker:
         asyncio.get_running_loop().create_task(self.close())
 
     async def close(self) -> None:
+        self.mux.close()
         await self.channel.close()
 
 

@@ -24,6 +24,7 @@ from common.model.config import ModelConfig
 from common.server.convert import request_from_proto, token_out_to_proto
 from common.server.metrics import observe_final, observe_itl
 from common.server.ranks import RankClient
+from common.server.worker_mux import MuxServing
 from common.worker_auth import MIN_NONCE_BYTES, ChallengeRefused, answer_challenge
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
@@ -34,7 +35,7 @@ OVERLOAD_RETRY_AFTER_S = 1.0  # the retry hint of RESOURCE_EXHAUSTED (trailing m
 STATUS = {code: grpc.StatusCode[code.value] for code in ErrorCode}  # total: every node code has its status
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
     def __init__(self, args: ServerArgs, model_path: str, model_config: ModelConfig, ranks: RankClient) -> None:
         self.args = args
         self.model_path = model_path
@@ -90,6 +91,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.in_flight[rank] += 1
         deadline = asyncio.get_running_loop().time() + self.timeout(context)
         finished = False
+        expired = False
         try:
             self.ranks.send(rank, msg)
             while not finished:
@@ -97,6 +99,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 try:
                     out = await asyncio.wait_for(queue.get(), max(left, 0.0))
                 except TimeoutError:
+                    expired = True
                     raise _Deadline(f"request {msg.rid} did not finish within {self.timeout(context):.0f} s") from None
                 finished = getattr(out, "finish_reason", None) is not None or not isinstance(out, TokenOut)
                 if finished:
@@ -104,7 +107,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield out
         finally:
             if not finished:
-                self.ranks.send(rank, AbortReq(rid=msg.rid, reason="client cancelled or deadline passed"))
+                code = ErrorCode.DEADLINE_EXCEEDED if expired else abort_code(context)
+                why = "deadline passed" if code == ErrorCode.DEADLINE_EXCEEDED else "client cancelled"
+                self.ranks.send(rank, AbortReq(rid=msg.rid, reason=why, code=code))
             self.ranks.unregister(msg.rid)
             self.in_flight[rank] -= 1
 
@@ -211,6 +216,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT if short else grpc.StatusCode.PERMISSION_DENIED,
                                 str(e))
         return worker_pb2.ProveMembershipResponse(proof=proof)
+
+
+def abort_code(context: Any) -> ErrorCode:
+    """Why a request's handler is being left unfinished: its deadline passed, or its caller went (cancel)."""
+    cancel_code = getattr(context, "cancel_code", None)  # a Mux request says so (common.server.worker_mux)
+    if cancel_code is not None:
+        deadline = cancel_code == grpc.StatusCode.DEADLINE_EXCEEDED
+        return ErrorCode.DEADLINE_EXCEEDED if deadline else ErrorCode.CANCELLED
+    remaining = context.time_remaining()  # a per-request RPC: gRPC cancels the handler when its deadline passes
+    return ErrorCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else ErrorCode.CANCELLED
 
 
 class _Unavailable(Exception):

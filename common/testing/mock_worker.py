@@ -37,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from common.ports import pick_free_port
+from common.server.worker_mux import MuxServing
 from common.tls import TlsFiles
 from common.worker_auth import METADATA_KEY, ChallengeRefused, answer_challenge
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -81,6 +82,7 @@ class MockConfig:
     hang: bool = False  # never answer Prefill/Decode/Generate (until cancelled)
     tls: TlsFiles | None = None  # serve the Worker port over (m)TLS, as a node with --tls-cert/--tls-key[/--tls-ca]
     secret: str | None = None  # cluster secret its membership proofs use (None: the environment's)
+    serve_mux: bool = True  # False: answer Worker.Mux UNIMPLEMENTED, as a node built before Mux does
 
 
 @dataclass
@@ -131,12 +133,13 @@ class _CallRecorder(grpc.aio.ServerInterceptor):
         return await continuation(handler_call_details)
 
 
-class MockWorker(worker_pb2_grpc.WorkerServicer):
+class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
     def __init__(self, cfg: MockConfig, hub: MockHub | None = None) -> None:
         self.cfg = cfg
         self.hub = hub or MockHub()
         self.records: list[dict[str, Any]] = []
         self.aborts: list[str] = []
+        self.cancelled: list[str] = []  # rids whose Prefill/Decode/Generate call its caller cancelled (or let expire)
         self.calls: list[tuple[str, str]] = []  # (method, credential metadata or "")
         self.active: dict[str, Active] = {}
         self.cache: list[set[int]] = [set() for _ in range(cfg.dp_size)]
@@ -247,6 +250,11 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
         return True, counter if counter < 0 else counter - 1
 
     # -- Worker API ------------------------------------------------------------------------------------------
+    async def Mux(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        if not self.cfg.serve_mux:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        await super().Mux(request_iterator, context)
+
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> Any:
         req, rank = request.request, request.prefill_dp_rank
         a = self._begin(
@@ -294,6 +302,7 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
         finally:
             self.active.pop(req.rid, None)
             if context.cancelled():
+                self.cancelled.append(req.rid)
                 self.hub.fail(request.bootstrap_room, "prefill cancelled")
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
@@ -345,6 +354,8 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
         finally:
             self.active.pop(req.rid, None)
+            if context.cancelled():
+                self.cancelled.append(req.rid)
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
         rank = request.dp_rank if request.HasField("dp_rank") else 0
@@ -364,6 +375,8 @@ class MockWorker(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
         finally:
             self.active.pop(request.rid, None)
+            if context.cancelled():
+                self.cancelled.append(request.rid)
 
     async def _tokens(
         self,

@@ -7,6 +7,67 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MuxFrame(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[MuxMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[MuxMessage, _Mapping]]] = ...) -> None: ...
+
+class MuxMessage(_message.Message):
+    __slots__ = ("stream_id", "generate", "prefill", "decode", "cancel", "response", "prefill_done", "status", "fragment", "timeout_s")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    generate: GenerateRequest
+    prefill: PrefillRequest
+    decode: DecodeRequest
+    cancel: MuxCancel
+    response: GenerateResponse
+    prefill_done: PrefillResponse
+    status: MuxStatus
+    fragment: MuxFragment
+    timeout_s: float
+    def __init__(self, stream_id: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[_Union[MuxCancel, _Mapping]] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., prefill_done: _Optional[_Union[PrefillResponse, _Mapping]] = ..., status: _Optional[_Union[MuxStatus, _Mapping]] = ..., fragment: _Optional[_Union[MuxFragment, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class MuxCancel(_message.Message):
+    __slots__ = ("code",)
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    def __init__(self, code: _Optional[int] = ...) -> None: ...
+
+class MuxStatus(_message.Message):
+    __slots__ = ("code", "message", "trailing_metadata")
+    class TrailingMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    trailing_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class MuxFragment(_message.Message):
+    __slots__ = ("data", "more")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    more: bool
+    def __init__(self, data: _Optional[bytes] = ..., more: _Optional[bool] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("rid", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num", "dp_rank", "prior_output_len")
     RID_FIELD_NUMBER: _ClassVar[int]

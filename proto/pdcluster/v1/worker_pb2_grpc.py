@@ -69,6 +69,11 @@ class WorkerStub:
                 request_serializer=pdcluster_dot_v1_dot_worker__pb2.ProveMembershipRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_worker__pb2.ProveMembershipResponse.FromString,
                 _registered_method=True)
+        self.Mux = channel.stream_stream(
+                '/pdcluster.v1.Worker/Mux',
+                request_serializer=pdcluster_dot_v1_dot_worker__pb2.MuxFrame.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_worker__pb2.MuxFrame.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -128,6 +133,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Mux(self, request_iterator, context):
+        """One long-lived stream per (router, node) carrying many requests: each MuxMessage names its request by
+        stream_id (chosen by the router, unique among the stream's open requests). Router -> node: generate /
+        prefill / decode opens a request (exactly what the per-request RPC of the same name takes), cancel ends it.
+        Node -> router: response (Generate/Decode stream items), prefill_done (Prefill's answer), then exactly one
+        status per request, the last message about that stream_id (code OK after a Finished or a prefill_done).
+        The node sends its initial metadata at once, so a router learns without sending a request whether Mux is
+        served (UNIMPLEMENTED: fall back to the per-request RPCs). The stream ending fails every request on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +183,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ProveMembership,
                     request_deserializer=pdcluster_dot_v1_dot_worker__pb2.ProveMembershipRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_worker__pb2.ProveMembershipResponse.SerializeToString,
+            ),
+            'Mux': grpc.stream_stream_rpc_method_handler(
+                    servicer.Mux,
+                    request_deserializer=pdcluster_dot_v1_dot_worker__pb2.MuxFrame.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_worker__pb2.MuxFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +379,33 @@ class Worker:
             '/pdcluster.v1.Worker/ProveMembership',
             pdcluster_dot_v1_dot_worker__pb2.ProveMembershipRequest.SerializeToString,
             pdcluster_dot_v1_dot_worker__pb2.ProveMembershipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Mux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdcluster.v1.Worker/Mux',
+            pdcluster_dot_v1_dot_worker__pb2.MuxFrame.SerializeToString,
+            pdcluster_dot_v1_dot_worker__pb2.MuxFrame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,229 @@
+"""The router's end of ``Worker.Mux``: one long-lived stream per worker carrying every request's legs.
+
+A ``MuxCall`` reads like the per-request ``grpc.aio`` call it replaces (``read`` returns messages then
+``grpc.aio.EOF``; failures raise ``grpc.aio.AioRpcError`` with the node's code, message and trailing metadata;
+``cancel`` makes a pending ``read`` raise ``CancelledError``), so the attempt code and its error mapping are shared.
+
+Invariants: a call is in ``MuxStream.calls`` from its open until its terminal item (status, local deadline,
+cancel, or the stream's end) and gets exactly one terminal item; a stream that ends fails exactly the calls still
+on it, with UNAVAILABLE (or the stream's own error code), and is never reused: the next request opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any
+
+import grpc
+
+from common.mux_frames import MUX_METADATA_KEY, FrameWriter, Reassembler
+from common.worker_auth import credential_metadata
+from pdcluster.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+_CANCELLED = grpc.StatusCode.CANCELLED.value[0]
+_DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+
+
+def rpc_error(code: grpc.StatusCode, details: str, trailing: Any = ()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+class MuxCall:
+    """One request's leg on a Mux stream."""
+
+    __slots__ = ("_items", "_timer", "_waiter", "done", "sid", "stream")
+
+    def __init__(self, stream: MuxStream, sid: int) -> None:
+        self.stream, self.sid = stream, sid
+        self._items: deque[Any] = deque()  # messages, then one terminal: EOF or an exception instance
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.done = False  # the terminal item was delivered
+
+    def _deliver(self, item: Any) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _end(self, item: Any) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self.stream.calls.pop(self.sid, None)
+        self._deliver(item)
+
+    async def read(self) -> Any:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        item = self._items[0]
+        if item is grpc.aio.EOF or isinstance(item, BaseException):
+            if isinstance(item, BaseException):
+                raise item.with_traceback(None)
+            return item
+        return self._items.popleft()
+
+    async def result(self) -> Any:
+        """The unary answer (Prefill): the first message."""
+        item = await self.read()
+        if item is grpc.aio.EOF:
+            raise rpc_error(grpc.StatusCode.INTERNAL, "the worker ended the call without a response")
+        return item
+
+    def __await__(self) -> Any:
+        return self.result().__await__()
+
+    def cancel(self, code: int = _CANCELLED) -> bool:
+        """Cancel this request only: a cancel frame to the node; a pending ``read`` raises CancelledError."""
+        if self.done:
+            return False
+        self.stream.writer.send(worker_pb2.MuxMessage(stream_id=self.sid, cancel=worker_pb2.MuxCancel(code=code)))
+        self._end(asyncio.CancelledError())
+        return True
+
+    def _expire(self) -> None:
+        if self.done:
+            return
+        self.stream.writer.send(worker_pb2.MuxMessage(stream_id=self.sid, cancel=worker_pb2.MuxCancel(code=_DEADLINE)))
+        self._end(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+
+class MuxStream:
+    """One open ``Worker.Mux`` call and the requests it carries."""
+
+    def __init__(self, call: Any, address: str) -> None:
+        self.call, self.address = call, address
+        self.calls: dict[int, MuxCall] = {}
+        self.next_sid = 1
+        self.alive = True
+        self.parts = Reassembler()
+        self.loop = asyncio.get_running_loop()
+        self.writer = FrameWriter(call.write, self._broken)
+        self.reader = self.loop.create_task(self._read())
+
+    def open(self, kind: str, request: Any, timeout: float) -> MuxCall:
+        sid = self.next_sid
+        self.next_sid += 1
+        c = MuxCall(self, sid)
+        self.calls[sid] = c
+        msg = worker_pb2.MuxMessage(stream_id=sid, timeout_s=timeout)
+        getattr(msg, kind).CopyFrom(request)
+        self.writer.send(msg)
+        c._timer = self.loop.call_later(timeout, c._expire)
+        return c
+
+    async def _read(self) -> None:
+        err: grpc.aio.AioRpcError
+        try:
+            while True:
+                frame = await self.call.read()
+                if frame is grpc.aio.EOF:
+                    err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the worker {self.address} ended its Mux stream")
+                    break
+                for msg in frame.messages:
+                    self._receive(msg)
+        except grpc.aio.AioRpcError as e:
+            err = rpc_error(e.code(), f"Mux stream to {self.address} failed: {e.details()}", e.trailing_metadata())
+        except asyncio.CancelledError:
+            err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"Mux stream to {self.address} was closed")
+        except Exception as e:  # a malformed frame: the stream cannot be trusted any more
+            logger.exception("Mux stream to %s: bad frame", self.address)
+            err = rpc_error(grpc.StatusCode.INTERNAL, f"Mux stream to {self.address}: {e!r}")
+        self._fail_all(err)
+
+    def _receive(self, msg: worker_pb2.MuxMessage) -> None:
+        whole = self.parts.whole(msg)
+        if whole is None:
+            return
+        c = self.calls.get(whole.stream_id)
+        if c is None:
+            return  # already ended here (cancelled, expired): the node's late messages are dropped
+        kind = whole.WhichOneof("kind")
+        if kind == "response":
+            c._deliver(whole.response)
+        elif kind == "prefill_done":
+            c._deliver(whole.prefill_done)
+        elif kind == "status":
+            st = whole.status
+            if st.code == 0:
+                c._end(grpc.aio.EOF)
+            else:
+                code = _BY_VALUE.get(st.code, grpc.StatusCode.UNKNOWN)
+                c._end(rpc_error(code, st.message, tuple(st.trailing_metadata.items())))
+
+    def _broken(self, e: BaseException) -> None:
+        self._fail_all(rpc_error(grpc.StatusCode.UNAVAILABLE, f"Mux stream to {self.address} broke: {e!r}"))
+
+    def _fail_all(self, err: grpc.aio.AioRpcError) -> None:
+        self.alive = False
+        calls = list(self.calls.values())
+        if calls:
+            logger.warning("Mux stream to %s ended (%s); failing its %d requests", self.address, err.code().name,
+                           len(calls))
+        for c in calls:
+            c._end(err)
+        self.writer.close()
+        self.call.cancel()
+        self.reader.cancel()
+
+    def close(self) -> None:
+        if self.alive:
+            self._fail_all(rpc_error(grpc.StatusCode.UNAVAILABLE, f"Mux stream to {self.address} was closed"))
+
+
+class MuxLink:
+    """The Mux stream to one worker: opened lazily, reopened after it ends; ``supported`` False once the worker
+    answered UNIMPLEMENTED (its requests then use the per-request RPCs)."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
+        self.stub, self.address = stub, address
+        self.supported = True
+        self.stream: MuxStream | None = None
+        self._opening: asyncio.Future[MuxStream | None] | None = None
+
+    async def get(self, timeout: float) -> MuxStream | None:
+        """The live stream, opening one if needed; None when the worker does not serve Mux. Raises
+        ``AioRpcError`` when the worker cannot be reached (as the per-request RPC would have failed)."""
+        s = self.stream
+        if s is not None and s.alive:
+            return s
+        if not self.supported:
+            return None
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._open())
+            self._opening.add_done_callback(self._opened)
+        return await asyncio.wait_for(asyncio.shield(self._opening), timeout)
+
+    def _opened(self, f: asyncio.Future[MuxStream | None]) -> None:
+        self._opening = None
+        if not f.cancelled() and f.exception() is None:
+            self.stream = f.result()
+
+    async def _open(self) -> MuxStream | None:
+        # The credential goes on the call itself: the channel's interceptors cover only unary-request calls, and an
+        # intercepted stream-request call would queue every write through an extra task. A Mux stream opens only
+        # for a routable worker, one that has proven its membership.
+        call = self.stub.Mux(metadata=credential_metadata())
+        md = await call.initial_metadata()
+        if MUX_METADATA_KEY not in dict(md or ()):  # no stream: the call ends with its status
+            code = await call.code()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                logger.info("worker %s does not serve Mux; using per-request RPCs", self.address)
+                self.supported = False
+                return None
+            raise rpc_error(code, await call.details() or "the Mux stream ended at once",
+                            await call.trailing_metadata() or ())
+        return MuxStream(call, self.address)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None

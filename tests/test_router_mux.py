@@ -1,0 +1,237 @@
+"""Worker.Mux: the router's one multiplexed stream per worker (router/mux.py) over the node-side adapter
+(common/server/worker_mux.py), against in-process mock workers and a node front over fake ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from common.errors import ErrorCode
+from common.io_struct import AbortReq
+from common.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
+from common.server.front import WorkerServicer
+from common.testing.mock_worker import MockConfig, MockWorker, fake_tokens
+from common.testing.router_fleet import fleet
+from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from router.mux import MuxLink
+
+
+def gen_req(rid: str, ids: list[int], n: int = 4) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(rid=rid, input_ids=ids, sampling_params=common_pb2.SamplingParams(max_new_tokens=n))
+
+
+async def read_all(call: Any) -> list[int]:
+    """Token ids of a Generate/Decode leg through its Finished message."""
+    ids: list[int] = []
+    while True:
+        msg = await call.read()
+        assert msg is not grpc.aio.EOF
+        if msg.WhichOneof("kind") == "chunk":
+            ids += msg.chunk.token_ids
+        else:
+            return ids + list(msg.finished.last.token_ids)
+
+
+@contextlib.asynccontextmanager
+async def linked(**cfg: Any) -> AsyncIterator[tuple[MockWorker, MuxLink]]:
+    """A colocated mock worker and a MuxLink to it, on a plain channel."""
+    w = MockWorker(MockConfig(role="colocated", **cfg))
+    await w.start()
+    channel = grpc.aio.insecure_channel(w.address)
+    link = MuxLink(worker_pb2_grpc.WorkerStub(channel), w.address)
+    try:
+        yield w, link
+    finally:
+        link.close()
+        await channel.close()
+        await w.stop()
+
+
+async def test_many_concurrent_pd_requests_ride_one_stream_per_worker() -> None:
+    async with fleet(prefill=1, decode=1, common={"service_time": 0.01}) as f:
+        stub = f.stub()
+
+        async def one(i: int) -> router_pb2.RouterGenerateResponse:
+            req = router_pb2.RouterGenerateRequest(
+                request_id=f"r{i}", input_ids=router_pb2.TokenIds(ids=[10 + i, 11, 12]),
+                sampling_params=common_pb2.SamplingParams(max_new_tokens=3),
+            )
+            return [m async for m in stub.Generate(req)][-1]
+
+        done = await asyncio.gather(*(one(i) for i in range(48)))
+        assert [list(m.complete.output_ids) for m in done] == [fake_tokens([10 + i, 11, 12], 3, 1536) for i in range(48)]
+        for w in f.workers:
+            methods = [m for m, _ in w.calls]
+            assert methods.count("Mux") == 1 and "Prefill" not in methods and "Decode" not in methods
+        assert len(f.prefill[0].received("prefill")) == len(f.decode[0].received("decode")) == 48
+        assert f.server.service.core.rooms.in_flight == set()
+
+
+async def test_cancel_of_one_request_reaches_the_worker_and_leaves_the_others_running() -> None:
+    async with linked(itl=0.01) as (w, link):
+        stream = await link.get(5)
+        assert stream is not None
+        calls = [stream.open("generate", gen_req(f"c{i}", [5, i + 6], n=30), 10) for i in range(5)]
+        for c in calls:
+            assert (await c.read()).WhichOneof("kind") == "chunk"
+        assert calls[2].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await calls[2].read()
+        rest = [read_all(c) for i, c in enumerate(calls) if i != 2]
+        outs = await asyncio.wait_for(asyncio.gather(*rest), 10)
+        assert [len(o) for o in outs] == [29] * 4  # the first chunk was read above
+        deadline = time.monotonic() + 3
+        while "c2" not in w.cancelled:
+            assert time.monotonic() < deadline, "the cancel frame never reached the worker"
+            await asyncio.sleep(0.01)
+        assert w.cancelled == ["c2"] and not w.active
+        assert [m for m, _ in w.calls].count("Mux") == 1
+
+
+async def test_a_request_deadline_ends_only_that_request_on_both_ends() -> None:
+    async with linked(hang=True) as (w, link):
+        stream = await link.get(5)
+        assert stream is not None
+        short = stream.open("generate", gen_req("short", [7, 8]), 0.3)
+        long = stream.open("generate", gen_req("long", [7, 9]), 30)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await short.read()
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 1.5
+        deadline = time.monotonic() + 3
+        while "short" not in w.cancelled:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert set(w.active) == {"long"} and stream.alive
+        long.cancel()
+
+
+async def test_a_dying_stream_fails_exactly_its_requests_and_the_next_request_reconnects() -> None:
+    async with linked(itl=0.02) as (a, link_a), linked(itl=0.02) as (_b, link_b):
+        sa, sb = await link_a.get(5), await link_b.get(5)
+        assert sa is not None and sb is not None
+        on_a = [sa.open("generate", gen_req(f"a{i}", [3, i + 4], n=100), 10) for i in range(3)]
+        on_b = [sb.open("generate", gen_req(f"b{i}", [3, i + 4], n=20), 10) for i in range(2)]
+        for c in on_a + on_b:
+            await c.read()
+        port = a.port
+        await a.stop()
+        for c in on_a:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await asyncio.wait_for(read_all(c), 5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not sa.alive and sa.calls == {}
+        assert [len(o) for o in await asyncio.gather(*(read_all(c) for c in on_b))] == [19, 19]
+        await a.start(port)
+        again = await link_a.get(5)
+        assert again is not None and again is not sa
+        out = await read_all(again.open("generate", gen_req("a-again", [3, 4], n=5), 10))
+        assert out == fake_tokens([3, 4], 5, 1536)
+
+
+async def test_a_worker_without_mux_is_served_by_per_request_rpcs() -> None:
+    async with fleet(prefill=[{"serve_mux": False}], decode=1, colocated=0) as f:
+        stub = f.stub()
+        for i in range(3):
+            req = router_pb2.RouterGenerateRequest(
+                input_ids=router_pb2.TokenIds(ids=[20, 21 + i]), sampling_params=common_pb2.SamplingParams(max_new_tokens=2)
+            )
+            msgs = [m async for m in stub.Generate(req)]
+            assert list(msgs[-1].complete.output_ids) == fake_tokens([20, 21 + i], 2, 1536)
+        p_methods = [m for m, _ in f.prefill[0].calls]
+        d_methods = [m for m, _ in f.decode[0].calls]
+        assert p_methods.count("Mux") == 1 and p_methods.count("Prefill") == 3
+        assert d_methods.count("Mux") == 1 and "Decode" not in d_methods
+
+
+async def test_a_large_message_goes_out_in_fragments_interleaved_with_small_ones() -> None:
+    frames: list[worker_pb2.MuxFrame] = []
+
+    async def write(frame: worker_pb2.MuxFrame) -> None:
+        frames.append(frame)
+        await asyncio.sleep(0)
+
+    writer = FrameWriter(write, lambda e: None)
+    big = worker_pb2.MuxMessage(stream_id=1, generate=gen_req("big", list(range(100_000, 400_000))))
+    writer.send(big)
+    writer.send(worker_pb2.MuxMessage(stream_id=2, generate=gen_req("small", [1, 2])))
+    while len(frames) < 2 or any(m.fragment.more for m in frames[-1].messages):
+        await asyncio.sleep(0)
+    writer.close()
+    assert big.ByteSize() > 4 * FRAGMENT_BYTES and len(frames) > 4
+    assert [m.stream_id for m in frames[0].messages] == [1, 2]  # the small one is not behind the big one
+    parts, whole = Reassembler(), []
+    for f in frames:
+        for m in f.messages:
+            assert m.ByteSize() <= FRAGMENT_BYTES + 64
+            if (done := parts.whole(m)) is not None:
+                whole.append(done)
+    assert [m.generate.rid for m in whole] == ["small", "big"] and whole[1] == big
+
+
+class _Ranks:
+    """Stands in for a node's scheduler ranks: takes requests, never answers, records what it is sent."""
+
+    def __init__(self) -> None:
+        self.waiters: dict[str, Any] = {}
+        self.rid_rank: dict[str, int] = {}
+        self.sent: list[Any] = []
+
+    def register(self, rid: str, rank: int, put: Any) -> None:
+        self.waiters[rid], self.rid_rank[rid] = put, rank
+
+    def unregister(self, rid: str) -> None:
+        self.waiters.pop(rid, None)
+        self.rid_rank.pop(rid, None)
+
+    def send(self, rank: int, msg: Any) -> None:
+        self.sent.append(msg)
+
+    def least_loaded_rank(self) -> int:
+        return 0
+
+
+async def test_a_node_tells_its_ranks_a_deadline_from_a_cancel() -> None:
+    args = SimpleNamespace(dp_size=1, max_running_requests=8, max_queued_requests=8, port=0, request_timeout=60.0,
+                           disaggregation_mode="null")
+    ranks = _Ranks()
+    node = WorkerServicer(args, "m", None, ranks)  # type: ignore[arg-type]
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(node, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    link = MuxLink(stub, "node")
+    try:
+        stream = await link.get(5)
+        assert stream is not None
+        expiring = stream.open("generate", gen_req("mux-late", [1, 2]), 0.2)
+        cancelled = stream.open("generate", gen_req("mux-gone", [1, 2]), 30)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await expiring.read()
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in stub.Generate(gen_req("rpc-late", [1, 2]), timeout=0.2):
+                pass
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 3
+        while len([m for m in ranks.sent if isinstance(m, AbortReq)]) < 3:
+            assert time.monotonic() < deadline, ranks.sent
+            await asyncio.sleep(0.01)
+        codes = {m.rid: m.code for m in ranks.sent if isinstance(m, AbortReq)}
+        assert codes == {"mux-late": ErrorCode.DEADLINE_EXCEEDED, "mux-gone": ErrorCode.CANCELLED,
+                         "rpc-late": ErrorCode.DEADLINE_EXCEEDED}
+        assert ranks.waiters == {} and node.in_flight == [0]
+    finally:
+        link.close()
+        await channel.close()
+        await server.stop(0)
