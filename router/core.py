@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -67,6 +67,20 @@ class Plan:
     def served_by(self) -> str:
         """The workers' names, never their addresses (clients see this)."""
         return f"{self.prefill.name} -> {self.worker.name}" if self.prefill else self.worker.name
+
+
+@dataclass(slots=True)
+class Progress:
+    """What one request's attempts share: its output so far and what their failures taught."""
+
+    out: OutputState
+    failed: set[str] = field(default_factory=set)  # workers that failed it: avoided while another exists
+    exhausted: set[str] = field(default_factory=set)  # workers that answered RESOURCE_EXHAUSTED to it
+    migrations: list[dict[str, Any]] = field(default_factory=list)  # one record per migration (the timing shows them)
+    attempt: int = 0  # attempts that failed so far
+    retries: int = 0  # of those, the ones that failed without producing a token
+    first_dispatched_at: float | None = None
+    first_leg: PdAttempt | ColocatedAttempt | None = None  # the attempt that produced the first token
 
 
 class RouterCore:
@@ -136,166 +150,163 @@ class RouterCore:
             self.metrics.requests.labels(req.api, outcome).inc()
 
     async def _attempts(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
-        """Attempts until one finishes. An attempt that fails before producing a token is retried (``max_retries``);
-        one that fails after producing tokens is migrated (``max_migrations``): the next attempt's prompt is the
-        original prompt plus every token so far, and ``out`` (ids, detokenizer, stop strings, logprobs) carries on,
-        so the client sees each token once."""
-        failed: set[str] = set()
-        exhausted: set[str] = set()  # workers that answered RESOURCE_EXHAUSTED to this request
-        out = OutputState(req, self.inputs.tok, self.metrics)
-        migrations: list[dict[str, Any]] = []
-        attempt = 0
-        retries = 0  # attempts that failed without producing a token
-        first_dispatched_at: float | None = None
-        first_leg: PdAttempt | ColocatedAttempt | None = None  # the attempt that produced the first token
+        """Attempts until one finishes: route, run, and on a leg's failure decide (give up, migrate, retry), then
+        back off. An attempt that fails before producing a token is retried (``max_retries``); one that fails after
+        producing tokens is migrated (``max_migrations``): the next attempt's prompt is the original prompt plus every
+        token so far, and one ``OutputState`` (ids, detokenizer, stop strings, logprobs) carries on, so the client
+        sees each token once."""
+        pr = Progress(OutputState(req, self.inputs.tok, self.metrics))
         while True:
-            node_req = node_request(req, out.ids, req.rid if attempt == 0 else f"{req.rid}#{attempt}")
-            plan = self._route(req, failed, len(node_req.input_ids))
-            dispatched_at = time.monotonic()
-            produced_before = len(out.ids)
+            node_req = node_request(req, pr.out.ids, req.rid if pr.attempt == 0 else f"{req.rid}#{pr.attempt}")
+            plan = self._route(req, pr.failed, len(node_req.input_ids))
+            produced_before = len(pr.out.ids)
             try:
-                if plan.prefill is not None:
-                    leg: PdAttempt | ColocatedAttempt = PdAttempt(
-                        node_req,
-                        plan.prefill,
-                        plan.prefill_rank,
-                        plan.worker,
-                        plan.rank,
-                        plan.room,
-                        req.deadline,
-                        self.aborter,
-                    )
-                else:
-                    if plan.worker.dp_size > 1:
-                        node_req.dp_rank = plan.rank
-                    leg = ColocatedAttempt(node_req, plan.worker, req.deadline, self.aborter)
-                fin: worker_pb2.Finished | None = None
-                async with contextlib.aclosing(leg.stream()) as msgs:
-                    async for msg in msgs:
-                        if msg.WhichOneof("kind") == "chunk":
-                            delta = out.add(msg.chunk)
-                        else:
-                            fin = msg.finished
-                            if fin.finish_reason == "abort":
-                                raise LegError(
-                                    f"the {plan.worker.role} worker aborted the request",
-                                    grpc.StatusCode.ABORTED,
-                                    plan.worker.address,
-                                    True,
-                                )
-                            delta = out.add(fin.last, final=True)
-                        if first_dispatched_at is None and out.ids:
-                            first_dispatched_at = dispatched_at
-                            first_leg = leg
-                        if req.stream and delta is not None and (delta.text or delta.token_ids):
-                            yield delta
-                        if out.stopped:
-                            break  # closing the legs aborts them on both nodes
-                if not out.ids:
-                    raise LegError(
-                        "the request finished without producing a token",
-                        grpc.StatusCode.INTERNAL,
-                        plan.worker.address,
-                        True,
-                    )
-                for lease in plan.leases:
-                    lease.worker.breaker.record_success()
-                final = out.finish(
-                    fin, _prefill_resp(first_leg), plan.served_by, attempt + 1, first_dispatched_at or dispatched_at,
-                    migrations,
-                )
-                self.timings.put(req.rid, {**final.timing, "served_by": final.served_by})
-                yield final
+                async for ev in self._run(req, node_req, plan, pr):
+                    yield ev
                 return
             except LegError as e:
-                overloaded = e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                if e.code not in NOT_WORKER_FAULTS and not overloaded:
-                    w = self.registry.workers.get(e.worker)
-                    if e.peer_fault and plan.prefill is not None:  # the other leg's worker broke the transfer
-                        w = plan.prefill if e.worker == plan.worker.address else plan.worker
-                    if w is not None:
-                        w.breaker.record_failure()
+                self._blame(plan, e)
                 if not e.retryable:
-                    if out.ids and req.stream:
+                    if pr.out.ids and req.stream:
                         raise RouterError(f"the request failed after streaming began: {e}", e.code,
                                           e.internal) from None
                     raise
-                attempt += 1
-                failed.add(e.worker)
-                produced = len(out.ids) - produced_before
-                if produced:
-                    if len(migrations) >= self.cfg.max_migrations:
-                        raise UnavailableError(
-                            f"the request failed after {len(out.ids)} output tokens and {len(migrations)} "
-                            f"migration(s), the limit (--max-migrations); last error: {e}",
-                            internal=e.internal,
-                        ) from None
-                    leg_name = "generate" if plan.prefill is None else "decode"
-                    failed_worker = self.registry.workers.get(e.worker)
-                    migrations.append(  # names, not addresses: clients see the timing
-                        {"after_tokens": len(out.ids), "leg": leg_name, "code": e.code.name,
-                         "failed": failed_worker.name if failed_worker is not None else leg_name,
-                         "at": time.monotonic() - req.arrival}
-                    )
-                    self.metrics.migrations.labels(leg_name).inc()
-                    logger.info("[rid=%s] %s leg failed after %d tokens (%s); migrating", req.rid, leg_name,
-                                len(out.ids), e.log_text())
-                    ended = ended_by(req, out.ids)
-                    if ended is not None:
-                        # The failed leg had sent the request's last token but not its Finished message.
-                        delta = out.end_at_router(*ended)
-                        if req.stream and delta.text:
-                            yield delta
-                        final = out.finish(None, _prefill_resp(first_leg), plan.served_by, attempt,
-                                           first_dispatched_at or dispatched_at, migrations)
-                        self.timings.put(req.rid, {**final.timing, "served_by": final.served_by})
-                        yield final
+                pr.attempt += 1
+                pr.failed.add(e.worker)
+                if len(pr.out.ids) > produced_before:
+                    ended = self._migrate(req, plan, e, pr)
+                    if ended is not None:  # the failed leg had sent the last token but not its Finished
+                        for ev in ended:
+                            yield ev
                         return
-                    if time.monotonic() >= req.deadline:
-                        raise DeadlineError(
-                            f"request deadline exceeded after {len(out.ids)} output tokens; last error: {e}",
-                            internal=e.internal,
-                        ) from None
                     continue  # no backoff: the next attempt goes to another worker while one exists
-                retries += 1
-                if overloaded:
-                    exhausted.add(e.worker)
-                    self._raise_if_all_exhausted(e, exhausted)
-                    self.metrics.retries.labels("overloaded").inc()
-                    continue  # no backoff: another worker of the role has not said it is full
-                now = time.monotonic()
-                if now >= req.deadline:
-                    raise DeadlineError(
-                        f"request deadline exceeded after {attempt} attempt(s); last error: {e}", internal=e.internal
-                    ) from None
-                if retries > self.cfg.max_retries:
-                    raise UnavailableError(f"all {attempt} attempts failed; last error: {e}",
-                                           internal=e.internal) from None
-                backoff = min(self.cfg.retry_backoff_s * 2 ** (retries - 1), self.cfg.retry_backoff_max_s)
-                backoff *= 0.5 + self.rng.random() / 2
-                if now + backoff >= req.deadline:
-                    raise DeadlineError(
-                        f"request deadline exceeded after {attempt} attempt(s); last error: {e}", internal=e.internal
-                    ) from None
-                leg_name = (
-                    "decode"
-                    if e.worker == plan.worker.address and plan.prefill is not None
-                    else ("prefill" if plan.prefill is not None else "generate")
-                )
-                self.metrics.retries.labels(leg_name).inc()
-                logger.info(
-                    "[rid=%s room=%d] attempt %d failed (%s); retrying in %.0f ms",
-                    req.rid,
-                    plan.room,
-                    attempt,
-                    e.log_text(),
-                    backoff * 1000,
-                )
-                await asyncio.sleep(backoff)
+                backoff = self._retry_backoff(req, plan, e, pr)
+                if backoff > 0:
+                    await asyncio.sleep(backoff)
             finally:
                 for lease in plan.leases:
                     lease.release()
                 self.rooms.release(plan.room)
+
+    async def _run(
+        self, req: GenRequest, node_req: worker_pb2.GenerateRequest, plan: Plan, pr: Progress
+    ) -> AsyncIterator[Delta | Final]:
+        """One attempt on ``plan``: deltas (streaming requests), then its Final; raises ``LegError`` on failure."""
+        dispatched_at = time.monotonic()
+        leg: PdAttempt | ColocatedAttempt
+        if plan.prefill is not None:
+            leg = PdAttempt(node_req, plan.prefill, plan.prefill_rank, plan.worker, plan.rank, plan.room,
+                            req.deadline, self.aborter)
+        else:
+            if plan.worker.dp_size > 1:
+                node_req.dp_rank = plan.rank
+            leg = ColocatedAttempt(node_req, plan.worker, req.deadline, self.aborter)
+        out = pr.out
+        fin: worker_pb2.Finished | None = None
+        async with contextlib.aclosing(leg.stream()) as msgs:
+            async for msg in msgs:
+                if msg.WhichOneof("kind") == "chunk":
+                    delta = out.add(msg.chunk)
+                else:
+                    fin = msg.finished
+                    if fin.finish_reason == "abort":
+                        raise LegError(f"the {plan.worker.role} worker aborted the request", grpc.StatusCode.ABORTED,
+                                       plan.worker.address, True)
+                    delta = out.add(fin.last, final=True)
+                if pr.first_dispatched_at is None and out.ids:
+                    pr.first_dispatched_at, pr.first_leg = dispatched_at, leg
+                if req.stream and delta is not None and (delta.text or delta.token_ids):
+                    yield delta
+                if out.stopped:
+                    break  # closing the legs aborts them on both nodes
+        if not out.ids:
+            raise LegError("the request finished without producing a token", grpc.StatusCode.INTERNAL,
+                           plan.worker.address, True)
+        for lease in plan.leases:
+            lease.worker.breaker.record_success()
+        yield self._final(req, pr, fin, plan, pr.attempt + 1)
+
+    def _final(self, req: GenRequest, pr: Progress, fin: worker_pb2.Finished | None, plan: Plan,
+               attempts: int) -> Final:
+        assert pr.first_dispatched_at is not None  # a token was produced
+        final = pr.out.finish(fin, _prefill_resp(pr.first_leg), plan.served_by, attempts, pr.first_dispatched_at,
+                              pr.migrations)
+        self.timings.put(req.rid, {**final.timing, "served_by": final.served_by})
+        return final
+
+    def _blame(self, plan: Plan, e: LegError) -> None:
+        """Count a failure against the worker at fault (the circuit breaker), unless the request or load was."""
+        if e.code in NOT_WORKER_FAULTS or e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return
+        w = self.registry.workers.get(e.worker)
+        if e.peer_fault and plan.prefill is not None:  # the other leg's worker broke the transfer
+            w = plan.prefill if e.worker == plan.worker.address else plan.worker
+        if w is not None:
+            w.breaker.record_failure()
+
+    def _migrate(self, req: GenRequest, plan: Plan, e: LegError, pr: Progress) -> list[Delta | Final] | None:
+        """After a leg failed having produced tokens: None to go on with a new attempt, the request's last events
+        when the tokens so far already end it, or raise when it may not migrate again or its deadline passed."""
+        out = pr.out
+        if len(pr.migrations) >= self.cfg.max_migrations:
+            raise UnavailableError(
+                f"the request failed after {len(out.ids)} output tokens and {len(pr.migrations)} "
+                f"migration(s), the limit (--max-migrations); last error: {e}",
+                internal=e.internal,
+            ) from None
+        leg_name = "generate" if plan.prefill is None else "decode"
+        failed_worker = self.registry.workers.get(e.worker)
+        pr.migrations.append(  # names, not addresses: clients see the timing
+            {"after_tokens": len(out.ids), "leg": leg_name, "code": e.code.name,
+             "failed": failed_worker.name if failed_worker is not None else leg_name,
+             "at": time.monotonic() - req.arrival}
+        )
+        self.metrics.migrations.labels(leg_name).inc()
+        logger.info("[rid=%s] %s leg failed after %d tokens (%s); migrating", req.rid, leg_name, len(out.ids),
+                    e.log_text())
+        ended = ended_by(req, out.ids)
+        if ended is not None:
+            delta = out.end_at_router(*ended)
+            last: list[Delta | Final] = [delta] if req.stream and delta.text else []
+            return [*last, self._final(req, pr, None, plan, pr.attempt)]
+        if time.monotonic() >= req.deadline:
+            raise DeadlineError(
+                f"request deadline exceeded after {len(out.ids)} output tokens; last error: {e}",
+                internal=e.internal,
+            ) from None
+        return None
+
+    def _retry_backoff(self, req: GenRequest, plan: Plan, e: LegError, pr: Progress) -> float:
+        """After an attempt failed without producing a token: seconds to wait before the next one (0 after an
+        overloaded worker: another of its role has not said it is full), or raise when no retry is left in the
+        request's budget or deadline."""
+        pr.retries += 1
+        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            pr.exhausted.add(e.worker)
+            self._raise_if_all_exhausted(e, pr.exhausted)
+            self.metrics.retries.labels("overloaded").inc()
+            return 0.0
+        now = time.monotonic()
+        if now >= req.deadline:
+            raise DeadlineError(
+                f"request deadline exceeded after {pr.attempt} attempt(s); last error: {e}", internal=e.internal
+            ) from None
+        if pr.retries > self.cfg.max_retries:
+            raise UnavailableError(f"all {pr.attempt} attempts failed; last error: {e}", internal=e.internal) from None
+        backoff = min(self.cfg.retry_backoff_s * 2 ** (pr.retries - 1), self.cfg.retry_backoff_max_s)
+        backoff *= 0.5 + self.rng.random() / 2
+        if now + backoff >= req.deadline:
+            raise DeadlineError(
+                f"request deadline exceeded after {pr.attempt} attempt(s); last error: {e}", internal=e.internal
+            ) from None
+        if plan.prefill is None:
+            leg_name = "generate"
+        else:
+            leg_name = "decode" if e.worker == plan.worker.address else "prefill"
+        self.metrics.retries.labels(leg_name).inc()
+        logger.info("[rid=%s room=%d] attempt %d failed (%s); retrying in %.0f ms", req.rid, plan.room, pr.attempt,
+                    e.log_text(), backoff * 1000)
+        return backoff
 
     def _raise_if_all_exhausted(self, e: LegError, exhausted: set[str]) -> None:
         """429 once every routable worker of the full worker's role answered RESOURCE_EXHAUSTED to this request."""

@@ -12,7 +12,7 @@ import grpc
 from common.errors import PdclusterError
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.errors import retry_after_of, status_of
-from router.request import Delta, Final
+from router.request import ClientRequest, Delta, Final
 from router.service import RouterService
 
 OPTIONAL_SAMPLING = (
@@ -90,7 +90,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             kw["messages"] = [{"role": m.role, "content": m.content} for m in request.messages.messages]
         remaining = context.time_remaining()
         try:
-            req = await self.service.inputs.build(
+            req = await self.service.inputs.build(ClientRequest(
                 rid=request.request_id or f"{self._rid_prefix}{next(self._rid_seq)}",
                 api="grpc",
                 sampling=sampling_from_proto(request),
@@ -101,7 +101,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 timeout_s=remaining,
                 max_tokens_field="sampling_params.max_new_tokens",
                 **kw,
-            )
+            ))
             async for ev in self.service.generate(req):
                 if isinstance(ev, Delta):
                     yield router_pb2.RouterGenerateResponse(

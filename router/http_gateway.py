@@ -21,7 +21,7 @@ from router import openai_protocol as oai
 from router.admin import admin_middleware
 from router.client_auth import api_key_middleware
 from router.errors import http_status_of, retry_after_of
-from router.request import Delta, Final
+from router.request import ClientRequest, Delta, Final
 from router.service import RouterService
 
 _encode = msgspec.json.encode
@@ -128,7 +128,7 @@ class HttpGateway:
                 kw = oai.completion_inputs(parsed, svc.cfg.max_n)
             prefix = "chatcmpl-" if api == "chat" else "cmpl-"
             rid = request.headers.get("X-Request-ID") or parsed.request_id or prefix + uuid.uuid4().hex[:24]
-            req = await svc.inputs.build(rid=rid, api=api, **kw)
+            req = await svc.inputs.build(ClientRequest(rid=rid, api=api, **kw))
         except PdclusterError as e:
             return error_response(e)
         headers = {"X-Request-ID": rid}

@@ -15,7 +15,7 @@ from typing import Any
 
 from common.errors import CapacityError, InvalidRequestError
 from common.sampling.params import SamplingParams
-from router.request import GenRequest, sampling_to_proto
+from router.request import ClientRequest, GenRequest, sampling_to_proto
 from router.tokenize_messages import ChatMessage, TokenizeJob
 from router.tokenize_pool import TokenizePool
 from router.tokenizer import Tokenizer
@@ -94,33 +94,16 @@ class InputProcessor:
             return None
         return ctx * self.max_bytes_per_token
 
-    async def build(
-        self,
-        *,
-        rid: str,
-        api: str,
-        sampling: dict[str, Any],
-        text: str | None = None,
-        input_ids: list[int] | None = None,
-        messages: list[dict[str, str]] | None = None,
-        model: str = "",
-        stream: bool = False,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        timeout_s: float | None = None,
-        max_tokens_field: str = "max_tokens",
-        default_max_tokens: int | None = None,
-    ) -> GenRequest:
-        """``sampling`` holds ``SamplingParams`` fields; ``max_new_tokens`` None means the default (clamped to the
-        context); ``default_max_tokens`` None means "up to the context" (chat)."""
+    async def build(self, c: ClientRequest) -> GenRequest:
+        """Validate and tokenize ``c``: a ``GenRequest``, or a typed error saying what to fix."""
         arrival = time.monotonic()
-        check_request_id(rid)
-        if model and model != self.model_name:
+        check_request_id(c.rid)
+        if c.model and c.model != self.model_name:
             raise InvalidRequestError(
-                f"model: {model!r} is not served here; available models: [{self.model_name!r}]"
+                f"model: {c.model!r} is not served here; available models: [{self.model_name!r}]"
             )
-        timeout = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
-        ids = await self._tokenize(text, input_ids, messages, arrival + timeout)
+        timeout = self.request_timeout_s if c.timeout_s is None else min(c.timeout_s, self.request_timeout_s)
+        ids = await self._tokenize(c.text, c.input_ids, c.messages, arrival + timeout)
         tokenize_s = time.monotonic() - arrival
 
         ctx = self.context_len
@@ -130,11 +113,12 @@ class InputProcessor:
                 f"prompt: {n} tokens, but the model's context is {ctx} tokens "
                 "(one more is needed to generate); shorten the prompt"
             )
+        sampling, max_tokens_field = c.sampling, c.max_tokens_field
         max_new = sampling.get("max_new_tokens")
         if max_new is None:
             room = (ctx - n) if ctx is not None else self.default_max_tokens
-            want = self.default_max_tokens if default_max_tokens is None else default_max_tokens
-            sampling["max_new_tokens"] = max(1, min(want, room)) if api != "chat" else max(1, room)
+            want = self.default_max_tokens if c.default_max_tokens is None else c.default_max_tokens
+            sampling["max_new_tokens"] = max(1, min(want, room)) if c.api != "chat" else max(1, room)
         else:
             if isinstance(max_new, bool) or not isinstance(max_new, int):
                 raise InvalidRequestError(f"{max_tokens_field} must be an integer, got {max_new!r}")
@@ -145,9 +129,9 @@ class InputProcessor:
                     f"{max_tokens_field}: prompt ({n} tokens) + {max_tokens_field} ({max_new}) = "
                     f"{n + max_new} exceeds the model's context of {ctx} tokens; lower {max_tokens_field}"
                 )
-        if top_logprobs_num < 0 or top_logprobs_num > MAX_TOP_LOGPROBS:
+        if c.top_logprobs_num < 0 or c.top_logprobs_num > MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}"
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {c.top_logprobs_num}"
             )
         check_numeric_ranges(sampling)
         try:
@@ -157,16 +141,16 @@ class InputProcessor:
         sp.verify(self.tok.vocab_size)
 
         return GenRequest(
-            rid=rid,
-            api=api,
+            rid=c.rid,
+            api=c.api,
             input_ids=ids,
             sampling=sp,
             sampling_pb=sampling_to_proto(sp),
-            stream=stream,
+            stream=c.stream,
             arrival=arrival,
             deadline=arrival + timeout,
-            return_logprob=return_logprob or top_logprobs_num > 0,
-            top_logprobs_num=top_logprobs_num,
+            return_logprob=c.return_logprob or c.top_logprobs_num > 0,
+            top_logprobs_num=c.top_logprobs_num,
             tokenize_s=tokenize_s,
         )
 

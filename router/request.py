@@ -9,6 +9,27 @@ from common.sampling.params import SamplingParams
 from pdcluster.v1 import common_pb2
 
 
+@dataclass(slots=True, kw_only=True)
+class ClientRequest:
+    """A request as a client API decoded it, before validation and tokenization (``InputProcessor.build``).
+    Exactly one of ``text``, ``input_ids``, ``messages``; ``sampling`` holds ``SamplingParams`` fields, where
+    ``max_new_tokens`` None means the default (clamped to the context)."""
+
+    rid: str
+    api: str  # "grpc", "completions" or "chat" (a metrics label)
+    sampling: dict[str, Any]
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    model: str = ""
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    timeout_s: float | None = None  # the client's own deadline, if it sent one
+    max_tokens_field: str = "max_tokens"  # the API's name for max_new_tokens, in error messages
+    default_max_tokens: int | None = None  # None: "up to the context" (chat)
+
+
 @dataclass(slots=True)
 class GenRequest:
     """A validated, tokenized request. ``deadline`` and ``arrival`` are ``time.monotonic()`` values."""

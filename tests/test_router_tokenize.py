@@ -14,6 +14,7 @@ import pytest
 
 from common.testing.router_fleet import eventually, fleet
 from pdcluster.v1 import router_pb2
+from router.request import ClientRequest
 
 BIG = 3_900_000  # bytes: ~2.4M tokens of the mock tokenizer, ~7 s to encode on a loaded 2-core machine
 # The mock's context raised so BIG prompts fit (and its KV, so the mock accepts them).
@@ -98,8 +99,8 @@ async def test_medium_prompts_tokenize_in_the_pool_like_inline() -> None:
         inputs = f.server.service.inputs
         text = words(inputs.inline_bytes * 3)
         chat = [{"role": "user", "content": text}]
-        pooled = await inputs.build(rid="a", api="completions", sampling={}, text=text)
-        pooled_chat = await inputs.build(rid="b", api="chat", sampling={}, messages=chat)
+        pooled = await inputs.build(ClientRequest(rid="a", api="completions", sampling={}, text=text))
+        pooled_chat = await inputs.build(ClientRequest(rid="b", api="chat", sampling={}, messages=chat))
         assert inputs.pool is not None and inputs.pool.started
         assert pooled.input_ids == inputs.tok.encode(text)
         assert pooled_chat.input_ids == inputs.tok.encode_chat(chat)
@@ -111,7 +112,7 @@ async def test_medium_prompts_tokenize_in_the_pool_like_inline() -> None:
         for pid in dead:
             os.kill(pid, signal.SIGKILL)
         await eventually(lambda: all(not _alive(pid) for pid in dead), timeout=10)
-        again = await inputs.build(rid="c", api="completions", sampling={}, text=text)
+        again = await inputs.build(ClientRequest(rid="c", api="completions", sampling={}, text=text))
         assert again.input_ids == pooled.input_ids
         assert not set(pool.idle_pids()) & set(dead)
 
