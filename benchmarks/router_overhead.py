@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,22 +121,17 @@ def _pids_cpu(pids: list[int]) -> float:
 
 async def _run_pair(
     ns: argparse.Namespace, direct_addr: str, router: tuple[str, str], prompt_ids: list[int], router_pids: list[int],
-    concurrency: int, mode: str,
+    concurrency: int, mode: str, floor: tuple[tuple[str, str], int] | None = None,
 ) -> dict[str, Any]:
     """Direct then via the router (``mode``: its gRPC API or its HTTP gateway) at one concurrency, back to back (so
-    both see the same machine load). ``router``: (gRPC address, HTTP base URL)."""
-    import aiohttp
-
+    both see the same machine load), then the API floor (``floor``: its addresses and pid) when given.
+    ``router``: (gRPC address, HTTP base URL)."""
     router_addr, http_url = router
     sp = common_pb2.SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=0)
-    # one channel per 8 in-flight calls: a single HTTP/2 connection serialises the client's reads
-    n_ch = max(1, concurrency // 8)
+    n_ch = max(1, concurrency // 8)  # one channel per 8 in-flight calls: one HTTP/2 connection serialises reads
     direct_chs = [grpc.aio.insecure_channel(direct_addr, options=[("grpc.use_local_subchannel_pool", 1)])
                   for _ in range(n_ch)]
-    router_chs = [grpc.aio.insecure_channel(router_addr, options=[("grpc.use_local_subchannel_pool", 1)])
-                  for _ in range(n_ch)]
     workers = [worker_pb2_grpc.WorkerStub(c) for c in direct_chs]
-    routers = [router_pb2_grpc.RouterStub(c) for c in router_chs]
     seq = iter(range(10**9))
 
     async def direct() -> None:
@@ -146,17 +142,54 @@ async def _run_pair(
             n += m.HasField("finished")
         assert n == 1
 
-    async def via_router() -> None:
-        i = next(seq)
-        req = router_pb2.RouterGenerateRequest(text=PROMPT, sampling_params=sp, stream=ns.stream)
-        done = 0
-        async for m in routers[i % n_ch].Generate(req):
-            done += m.HasField("complete")
-        assert done == 1
+    sub = argparse.Namespace(**{**vars(ns), "concurrency": concurrency})
+    results: dict[str, Any] = {"mode": mode, "concurrency": concurrency,
+                               "direct": await _measure(f"c={concurrency} direct", direct, sub)}
+    async with _api_client(ns, mode, concurrency, router_addr, http_url) as call:
+        await _closed_loop(call, ns.warmup, concurrency, ns.time_limit)
+        cpu0 = _pids_cpu(router_pids)
+        r = results["router_pd"] = await _measure(f"c={concurrency} {mode}", call, sub, warmup=False)
+        results["router_cpu_us_per_request"] = round((_pids_cpu(router_pids) - cpu0) / r["requests"] * 1e6, 1)
+    if floor is not None:  # the same client against handlers that do nothing, on the router's CPUs
+        (floor_grpc, floor_http), floor_pid = floor
+        async with _api_client(ns, mode, concurrency, floor_grpc, floor_http) as call:
+            await _closed_loop(call, ns.warmup, concurrency, ns.time_limit)
+            cpu0 = _cpu_s(floor_pid)
+            f = results["floor"] = await _measure(f"c={concurrency} floor", call, sub, warmup=False)
+            results["floor_cpu_us_per_request"] = round((_cpu_s(floor_pid) - cpu0) / f["requests"] * 1e6, 1)
+    d = results["direct"]
+    results["added_p50_ms"] = round(r["p50_ms"] - d["p50_ms"], 3)
+    results["added_p99_ms"] = round(r["p99_ms"] - d["p99_ms"], 3)
+    results["throughput_ratio"] = round(r["rps"] / d["rps"], 3)
+    results["loadavg"] = round(os.getloadavg()[0], 2)
+    for c in direct_chs:
+        await c.close()
+    return results
 
+
+@contextlib.asynccontextmanager
+async def _api_client(
+    ns: argparse.Namespace, mode: str, concurrency: int, grpc_addr: str, http_url: str
+) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """One request through the router's client API (``mode``: gRPC ``Router.Generate`` or streamed HTTP
+    completions), read to its end; the connections live as long as the context."""
+    import aiohttp
+
+    sp = common_pb2.SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=0)
+    n_ch = max(1, concurrency // 8)  # one channel per 8 in-flight calls: one HTTP/2 connection serialises reads
+    chs = [grpc.aio.insecure_channel(grpc_addr, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(n_ch)]
+    routers = [router_pb2_grpc.RouterStub(c) for c in chs]
+    seq = iter(range(10**9))
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
     body = {"model": "mock-model", "prompt": PROMPT, "max_tokens": ns.max_new_tokens, "temperature": 0,
             "stream": True}
+
+    async def via_grpc() -> None:
+        req = router_pb2.RouterGenerateRequest(text=PROMPT, sampling_params=sp, stream=ns.stream)
+        done = 0
+        async for m in routers[next(seq) % n_ch].Generate(req):
+            done += m.HasField("complete")
+        assert done == 1
 
     async def via_http() -> None:
         done = False
@@ -166,23 +199,23 @@ async def _run_pair(
                 done = done or line.startswith(b"data: [DONE]")
         assert done
 
-    call = via_router if mode == "grpc" else via_http
-    sub = argparse.Namespace(**{**vars(ns), "concurrency": concurrency})
-    results: dict[str, Any] = {"mode": mode, "concurrency": concurrency,
-                               "direct": await _measure(f"c={concurrency} direct", direct, sub)}
-    await _closed_loop(call, ns.warmup, concurrency, ns.time_limit)
-    cpu0 = _pids_cpu(router_pids)
-    r = results["router_pd"] = await _measure(f"c={concurrency} {mode}", call, sub, warmup=False)
-    results["router_cpu_us_per_request"] = round((_pids_cpu(router_pids) - cpu0) / r["requests"] * 1e6, 1)
-    d = results["direct"]
-    results["added_p50_ms"] = round(r["p50_ms"] - d["p50_ms"], 3)
-    results["added_p99_ms"] = round(r["p99_ms"] - d["p99_ms"], 3)
-    results["throughput_ratio"] = round(r["rps"] / d["rps"], 3)
-    results["loadavg"] = round(os.getloadavg()[0], 2)
-    for c in direct_chs + router_chs:
-        await c.close()
-    await http.close()
-    return results
+    try:
+        yield via_grpc if mode == "grpc" else via_http
+    finally:
+        for c in chs:
+            await c.close()
+        await http.close()
+
+
+def _start_floor(env: dict[str, str], cpus: set[int] | None) -> tuple[subprocess.Popen[str], tuple[str, str], int]:
+    """``benchmarks.api_floor`` on the router's CPUs: (proc, (gRPC address, HTTP base URL), pid)."""
+    from common.ports import pick_free_port as free_port
+
+    port, http_port = free_port(), free_port()
+    cmd = [*_pin(cpus), sys.executable, "-m", "benchmarks.api_floor", "--grpc-port", str(port),
+           "--http-port", str(http_port)]
+    proc, _ = _spawn(cmd, "floor ready", env)
+    return proc, (f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"), proc.pid
 
 
 def _start_router(
@@ -240,6 +273,8 @@ def main() -> int:
         "--chunk-tokens", type=int, default=0, help="mock tokens per chunk (0: all in one message)"
     )
     ap.add_argument("--time-limit", type=float, default=120.0, help="per phase, seconds")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the API floor (benchmarks.api_floor: the same client APIs with do-nothing handlers)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router_overhead.json"))
     ns = ap.parse_args()
 
@@ -265,16 +300,21 @@ def main() -> int:
             colo, line = _spawn(_mock_cmd(ns, 0, 0, 1, other_cpus), "{", env)
             procs.append(colo)
             direct_addr = json.loads(line)["colocated"][0]
+            floor = None
+            if not ns.no_floor:
+                floor = _start_floor(env, router_cpus)
+                procs.append(floor[0])
             for replicas in ns.replicas:
                 router, addr, pids = _start_router(model, fleet, replicas, env, router_cpus)
                 try:
                     for mode in ns.modes:
                         for c in ns.concurrency:
-                            res = asyncio.run(_run_pair(ns, direct_addr, addr, prompt_ids, pids, c, mode))
+                            res = asyncio.run(_run_pair(ns, direct_addr, addr, prompt_ids, pids, c, mode,
+                                                        floor[1:] if floor is not None and replicas == 1 else None))
                             res["router_replicas"] = replicas
                             res["router_cpus"] = sorted(router_cpus) if router_cpus else "unpinned"
                             runs.append(res)
-                            print(json.dumps({k: res[k] for k in SUMMARY_KEYS}), flush=True)
+                            print(json.dumps({k: res.get(k) for k in SUMMARY_KEYS}), flush=True)
                 finally:
                     _stop(router)
         finally:
@@ -304,19 +344,19 @@ def main() -> int:
 
 
 SUMMARY_KEYS = ("mode", "router_replicas", "router_cpus", "concurrency", "added_p50_ms", "added_p99_ms", "throughput_ratio",
-                "router_cpu_us_per_request", "loadavg")
+                "router_cpu_us_per_request", "floor_cpu_us_per_request", "loadavg")
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:
     head = ("| mode | replicas | router CPUs | c | direct req/s | router req/s | direct p50 | router p50 | added p50 ms | added p99 ms "
-            "| router CPU us/req | loadavg |")
-    lines = [head, "|" + "---|" * 12]
+            "| router CPU us/req | floor CPU us/req | loadavg |")
+    lines = [head, "|" + "---|" * 13]
     for r in runs:
         d, x = r["direct"], r["router_pd"]
         cpus = ",".join(map(str, r["router_cpus"])) if isinstance(r["router_cpus"], list) else r["router_cpus"]
         lines.append(f"| {r['mode']} | {r['router_replicas']} | {cpus} | {r['concurrency']} | {d['rps']} | {x['rps']} | {d['p50_ms']} | "
                      f"{x['p50_ms']} | {r['added_p50_ms']} | {r['added_p99_ms']} | "
-                     f"{r['router_cpu_us_per_request']} | {r['loadavg']} |")
+                     f"{r['router_cpu_us_per_request']} | {r.get('floor_cpu_us_per_request', '')} | {r['loadavg']} |")
     return "\n".join(lines)
 
 
