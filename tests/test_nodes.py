@@ -111,7 +111,26 @@ def pd_dp2(model_path) -> Iterator[tuple[Node, Node]]:
 
 
 def test_dp2_requests_spread_over_ranks(pd_dp2, colocated) -> None:
-    prefill, decode = pd_dp2
+    _match_over_every_rank_pair(*pd_dp2, colocated)
+
+
+@pytest.mark.parametrize("backend", [backend_param("mooncake")])
+def test_dp2_pair_matches_colocated(model_path, colocated, backend) -> None:
+    """dp 2 on the other field engine (nixl's dp 2 pair is ``pd_dp2``): one Mooncake engine per rank, every
+    (prefill rank, decode rank) combination token-identical to colocated."""
+    extra = ["--chunked-prefill-size", "32", *FAST_DEADLINES]
+    prefill = start_node("prefill", model_path, backend=backend, dp_size=2, extra=extra, wait=False)
+    decode = start_node("decode", model_path, backend=backend, dp_size=2, extra=extra, wait=False)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        _match_over_every_rank_pair(prefill, decode, colocated)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def _match_over_every_rank_pair(prefill: Node, decode: Node, colocated) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(5)
     reqs = [greedy_request(f"dp-{i}", [rng.randrange(10, 1000) for _ in range(rng.randrange(1, 120))])
             for i in range(12)]
