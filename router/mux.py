@@ -24,6 +24,7 @@ from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+OPEN_TIMEOUT_S = 5.0  # for a node's answer (its initial metadata) to a new Mux stream
 _BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
@@ -212,7 +213,12 @@ class MuxLink:
         # intercepted stream-request call would queue every write through an extra task. A Mux stream opens only
         # for a routable worker, one that has proven its membership.
         call = self.stub.Mux(metadata=credential_metadata())
-        md = await call.initial_metadata()
+        try:  # a node that takes the connection but never answers must not hold every request's open
+            md = await asyncio.wait_for(call.initial_metadata(), OPEN_TIMEOUT_S)
+        except TimeoutError:
+            call.cancel()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                            f"the worker {self.address} did not open its Mux stream within {OPEN_TIMEOUT_S:.0f} s") from None
         if MUX_METADATA_KEY not in dict(md or ()):  # no stream: the call ends with its status
             code = await call.code()
             if code == grpc.StatusCode.UNIMPLEMENTED:

@@ -35,6 +35,11 @@ CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.enable_retries", 0),
+    # A connection that stops answering (host gone, partition: no RST) fails its Mux stream, and with it every leg
+    # on it (retried or migrated elsewhere), within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of each leg's
+    # deadline. Nodes accept pings this often (common/server/serve.py NODE_SERVER_OPTIONS).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
 )
 
 

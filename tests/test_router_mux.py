@@ -235,3 +235,35 @@ async def test_a_node_tells_its_ranks_a_deadline_from_a_cancel() -> None:
         link.close()
         await channel.close()
         await server.stop(0)
+
+
+class _MuteMux(worker_pb2_grpc.WorkerServicer):
+    """Takes a Mux stream and never answers it (no initial metadata): a hung node."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+
+    async def Mux(self, request_iterator: Any, context: Any) -> None:
+        self.opened += 1
+        await asyncio.sleep(30)
+
+
+async def test_a_node_that_never_answers_a_new_stream_fails_its_open_in_time(monkeypatch) -> None:
+    monkeypatch.setattr("router.mux.OPEN_TIMEOUT_S", 0.5)
+    servicer = _MuteMux()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            link = MuxLink(worker_pb2_grpc.WorkerStub(ch), f"127.0.0.1:{port}")
+            for expected_opens in (1, 2):  # the failed open is not left pending: the next request tries again
+                t0 = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await link.get(timeout=10.0)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 3.0
+                assert servicer.opened == expected_opens
+            link.close()
+    finally:
+        await server.stop(None)

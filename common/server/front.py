@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 OVERLOAD_RETRY_AFTER_S = 1.0  # the retry hint of RESOURCE_EXHAUSTED (trailing metadata ``retry-after-ms``)
 
+DEADLINE_SLACK_S = 0.1  # a cancel this close to the call's deadline counts as the deadline (``abort_code``)
 STATUS = {code: grpc.StatusCode[code.value] for code in ErrorCode}  # total: every node code has its status
 
 
@@ -224,8 +225,11 @@ def abort_code(context: Any) -> ErrorCode:
     if cancel_code is not None:
         deadline = cancel_code == grpc.StatusCode.DEADLINE_EXCEEDED
         return ErrorCode.DEADLINE_EXCEEDED if deadline else ErrorCode.CANCELLED
-    remaining = context.time_remaining()  # a per-request RPC: gRPC cancels the handler when its deadline passes
-    return ErrorCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else ErrorCode.CANCELLED
+    # A per-request RPC: a caller whose deadline passes cancels the call (RST_STREAM), which can reach the handler
+    # just before the node's copy of that deadline does; a cancel that close to it is the deadline.
+    remaining = context.time_remaining()
+    expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+    return ErrorCode.DEADLINE_EXCEEDED if expired else ErrorCode.CANCELLED
 
 
 class _Unavailable(Exception):

@@ -57,6 +57,15 @@ def _load(ref: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+NODE_SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),
+    # The router pings every 10 s while it holds a Mux stream (router/workers.py CHANNEL_OPTIONS): accept that
+    # (gRPC's default minimum is 5 min; more frequent pings would get the connection closed as abusive).
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
 class NodeServer:
     """A running node. ``start`` returns when every rank is ready and the gRPC port serves."""
 
@@ -85,7 +94,7 @@ class NodeServer:
         self.rank_died = False  # a rank exited on its own: the node stops with a non-zero exit code
 
     async def start(self) -> None:
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[WorkerAuthInterceptor()])
+        self.server = grpc.aio.server(options=NODE_SERVER_OPTIONS, interceptors=[WorkerAuthInterceptor()])
         servicer_cls = _load(self.role.servicer_ref)
         self.servicer = servicer_cls(self.args, self.model_path, self.model_config, self.ranks)
         if self.role.extra_services:
