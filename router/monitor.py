@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -28,11 +29,14 @@ from router.breaker import HALF_OPEN, OPEN
 from router.config import RouterConfig
 from router.membership import challenge
 from router.metrics import RouterMetrics
+from router.mux import LOAD_HEARTBEAT_S
 from router.worker_facts import fleet_problem, info_problem, load_problem
 from router.workers import Registry, Worker
 
 logger = logging.getLogger(__name__)
 CIRCUIT_VALUE = {HALF_OPEN: 1, OPEN: 2}
+# A pushed load report older than this (the node pushes at least every router.mux.LOAD_HEARTBEAT_S) brings polls back.
+PUSH_STALE_S = 3 * LOAD_HEARTBEAT_S
 
 
 class Monitor:
@@ -138,12 +142,27 @@ class Monitor:
                 )
 
     async def _load(self, w: Worker) -> None:
+        """A ``GetLoad`` poll, unless the worker pushes its load on a live Mux stream; a routable worker that serves
+        Mux gets its stream opened here, so later rounds need no poll."""
+        if w.mux.on_load is None:  # before any stream opens (a probe polls once before the worker is routable)
+            w.mux.on_load, w.mux.load_interval_s = functools.partial(self._apply_load, w), self.cfg.load_interval_s
+        age = w.mux.pushed_load_age()
+        if age is not None and age < PUSH_STALE_S:
+            return
+        if w.routable and w.mux.supported and (w.mux.stream is None or not w.mux.stream.alive):
+            with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                await w.mux.get(self.cfg.rpc_timeout_s)
         try:
             load = await w.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=self.cfg.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             logger.debug("GetLoad on %s failed: %s", w.address, e.code().name)
             return
-        assert w.info is not None
+        self._apply_load(w, load)
+
+    def _apply_load(self, w: Worker, load: worker_pb2.GetLoadResponse) -> None:
+        """A load report, polled or pushed: the policies read it once its facts are sane."""
+        if w.info is None:
+            return
         problem = load_problem(load, w.info)
         if problem:
             self._reject_facts(w, "load", problem)

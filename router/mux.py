@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -25,6 +26,7 @@ from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 5.0  # for a node's answer (its initial metadata) to a new Mux stream
+LOAD_HEARTBEAT_S = 2.0  # a watched node pushes its load at least this often, changed or not
 _BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
@@ -100,15 +102,21 @@ class MuxCall:
 class MuxStream:
     """One open ``Worker.Mux`` call and the requests it carries."""
 
-    def __init__(self, call: Any, address: str) -> None:
+    def __init__(self, call: Any, address: str, on_load: Callable[[worker_pb2.GetLoadResponse], None] | None = None,
+                 load_interval_s: float = 0.0) -> None:
         self.call, self.address = call, address
+        self.on_load = on_load  # the node's pushed load reports (stream_id 0), when watched
         self.calls: dict[int, MuxCall] = {}
         self.next_sid = 1
         self.alive = True
         self.parts = Reassembler()
         self.loop = asyncio.get_running_loop()
+        self.load_at: float | None = None  # loop time of the last pushed load report
         self.writer = FrameWriter(call.write, self._broken)
         self.reader = self.loop.create_task(self._read())
+        if on_load is not None and load_interval_s > 0:
+            self.writer.send(worker_pb2.MuxMessage(stream_id=0, watch_load=worker_pb2.MuxWatchLoad(
+                interval_s=load_interval_s, heartbeat_s=LOAD_HEARTBEAT_S)))
 
     def open(self, kind: str, request: Any, timeout: float) -> MuxCall:
         sid = self.next_sid
@@ -144,10 +152,15 @@ class MuxStream:
         whole = self.parts.whole(msg)
         if whole is None:
             return
+        kind = whole.WhichOneof("kind")
+        if kind == "load":
+            self.load_at = self.loop.time()
+            if self.on_load is not None:
+                self.on_load(whole.load)
+            return
         c = self.calls.get(whole.stream_id)
         if c is None:
             return  # already ended here (cancelled, expired): the node's late messages are dropped
-        kind = whole.WhichOneof("kind")
         if kind == "response":
             c._deliver(whole.response)
         elif kind == "prefill_done":
@@ -186,6 +199,9 @@ class MuxLink:
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
         self.stub, self.address = stub, address
+        # Set by the monitor: each stream asks the node to push its load every load_interval_s to on_load.
+        self.on_load: Callable[[worker_pb2.GetLoadResponse], None] | None = None
+        self.load_interval_s = 0.0
         self.supported = True
         self.stream: MuxStream | None = None
         self._opening: asyncio.Future[MuxStream | None] | None = None
@@ -227,7 +243,14 @@ class MuxLink:
                 return None
             raise rpc_error(code, await call.details() or "the Mux stream ended at once",
                             await call.trailing_metadata() or ())
-        return MuxStream(call, self.address)
+        return MuxStream(call, self.address, self.on_load, self.load_interval_s)
+
+    def pushed_load_age(self) -> float | None:
+        """Seconds since the live stream's last pushed load report; None without a stream or a report yet."""
+        s = self.stream
+        if s is None or not s.alive or s.load_at is None:
+            return None
+        return s.loop.time() - s.load_at
 
     def close(self) -> None:
         if self.stream is not None:

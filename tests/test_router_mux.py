@@ -18,7 +18,7 @@ from common.io_struct import AbortReq
 from common.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
 from common.server.front import WorkerServicer
 from common.testing.mock_worker import MockConfig, MockWorker, fake_tokens
-from common.testing.router_fleet import fleet
+from common.testing.router_fleet import eventually, fleet
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
 
@@ -267,3 +267,25 @@ async def test_a_node_that_never_answers_a_new_stream_fails_its_open_in_time(mon
             link.close()
     finally:
         await server.stop(None)
+
+
+async def test_a_node_pushes_its_load_on_the_stream_and_polls_stop() -> None:
+    async with fleet(prefill=1, decode=1, colocated=0) as f:
+        reg = f.server.service.registry
+        d = f.decode[0]
+        w = reg.workers[d.address]
+        await eventually(lambda: w.mux.pushed_load_age() is not None, timeout=5.0)  # opened by the monitor
+
+        def polls() -> int:
+            return [m for m, _ in d.calls].count("GetLoad")
+
+        before = polls()
+        d.cfg.free_kv_pages = 17  # the node's load changes: the router learns it without a poll
+        await eventually(lambda: w.ranks[0].report is not None and w.ranks[0].report.free_kv_pages == 17)
+        await asyncio.sleep(0.3)  # 6 load intervals
+        assert polls() == before
+        # The stream goes: polls come back (and a new stream is opened, whose pushes take over again).
+        w.mux.stream.close()
+        d.cfg.free_kv_pages = 23
+        await eventually(lambda: w.ranks[0].report.free_kv_pages == 23)
+        await eventually(lambda: w.mux.pushed_load_age() is not None, timeout=5.0)

@@ -77,6 +77,8 @@ class _MuxSession:
         self.parts = Reassembler()
         self.writer = FrameWriter(context.write, self._write_failed)
         self.loop = asyncio.get_running_loop()
+        self.load_pusher: asyncio.Task[None] | None = None
+        self.opened = 0  # requests opened on this stream (the load pusher reports after any)
 
     def _write_failed(self, e: BaseException) -> None:
         logger.info("Mux stream write failed (%r); cancelling its %d requests", e, len(self.tasks))
@@ -88,7 +90,14 @@ class _MuxSession:
             return
         kind = whole.WhichOneof("kind")
         sid = whole.stream_id
-        if kind == "cancel":
+        if kind == "watch_load":
+            if self.load_pusher is not None:
+                self.load_pusher.cancel()
+                self.load_pusher = None
+            w = whole.watch_load
+            if w.interval_s > 0:
+                self.load_pusher = self.loop.create_task(self._push_load(w.interval_s, max(w.heartbeat_s, w.interval_s)))
+        elif kind == "cancel":
             deadline_passed = whole.cancel.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
             self.cancel(sid, grpc.StatusCode.DEADLINE_EXCEEDED if deadline_passed else grpc.StatusCode.CANCELLED)
         elif kind in _HANDLERS:
@@ -98,6 +107,7 @@ class _MuxSession:
                 return
             deadline = self.loop.time() + whole.timeout_s if whole.timeout_s > 0 else None
             ctx = MuxCallContext(self.context, deadline)
+            self.opened += 1
             task = self.loop.create_task(self._run(sid, kind, getattr(whole, kind), ctx))
             self.tasks[sid] = (task, ctx)
             if deadline is not None:
@@ -115,6 +125,23 @@ class _MuxSession:
     def cancel_all(self) -> None:
         for sid in list(self.tasks):
             self.cancel(sid, grpc.StatusCode.CANCELLED)
+
+    async def _push_load(self, interval_s: float, heartbeat_s: float) -> None:
+        """Every ``interval_s``: the node's load (the servicer's own ``GetLoad``) when it changed, when requests were
+        opened since the last push (a router's reservations for them end at a report), or ``heartbeat_s`` after the
+        last push. A round whose ranks do not answer in time is skipped."""
+        last, last_at, opened = b"", -1e9, self.opened
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                load = await self.servicer.GetLoad(worker_pb2.GetLoadRequest(), MuxCallContext(self.context, None))
+            except MuxAbort:
+                continue
+            data = load.SerializeToString(deterministic=True)
+            now = self.loop.time()
+            if data != last or self.opened != opened or now - last_at >= heartbeat_s:
+                self.writer.send(worker_pb2.MuxMessage(stream_id=0, load=load))
+                last, last_at, opened = data, now, self.opened
 
     async def _run(self, sid: int, kind: str, request: Any, ctx: MuxCallContext) -> None:
         handler = getattr(self.servicer, _HANDLERS[kind])
@@ -148,6 +175,8 @@ class _MuxSession:
                 for msg in frame.messages:
                     self.receive(msg)
         finally:
+            if self.load_pusher is not None:
+                self.load_pusher.cancel()
             self.cancel_all()
             running = [t for t, _ in self.tasks.values()]
             if running:

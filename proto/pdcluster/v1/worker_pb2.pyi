@@ -14,7 +14,7 @@ class MuxFrame(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[MuxMessage, _Mapping]]] = ...) -> None: ...
 
 class MuxMessage(_message.Message):
-    __slots__ = ("stream_id", "generate", "prefill", "decode", "cancel", "response", "prefill_done", "status", "fragment", "timeout_s")
+    __slots__ = ("stream_id", "generate", "prefill", "decode", "cancel", "response", "prefill_done", "status", "fragment", "watch_load", "load", "timeout_s")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class MuxMessage(_message.Message):
     PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    WATCH_LOAD_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     generate: GenerateRequest
@@ -34,8 +36,18 @@ class MuxMessage(_message.Message):
     prefill_done: PrefillResponse
     status: MuxStatus
     fragment: MuxFragment
+    watch_load: MuxWatchLoad
+    load: GetLoadResponse
     timeout_s: float
-    def __init__(self, stream_id: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[_Union[MuxCancel, _Mapping]] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., prefill_done: _Optional[_Union[PrefillResponse, _Mapping]] = ..., status: _Optional[_Union[MuxStatus, _Mapping]] = ..., fragment: _Optional[_Union[MuxFragment, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[_Union[MuxCancel, _Mapping]] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., prefill_done: _Optional[_Union[PrefillResponse, _Mapping]] = ..., status: _Optional[_Union[MuxStatus, _Mapping]] = ..., fragment: _Optional[_Union[MuxFragment, _Mapping]] = ..., watch_load: _Optional[_Union[MuxWatchLoad, _Mapping]] = ..., load: _Optional[_Union[GetLoadResponse, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class MuxWatchLoad(_message.Message):
+    __slots__ = ("interval_s", "heartbeat_s")
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    heartbeat_s: float
+    def __init__(self, interval_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
 
 class MuxCancel(_message.Message):
     __slots__ = ("code",)
