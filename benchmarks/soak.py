@@ -300,7 +300,8 @@ def report(soak: Soak, start: dict, end: dict, leaked: int, wall_s: float) -> di
         "probes": {"sent": len(soak.probes), "ok": sum(p[2] for p in soak.probes),
                    "median_latency_s_before_faults": soak.probe_latency_s(0.0, soak.faults[0].started),
                    "median_latency_s_after_each_fault": [soak.probe_latency_s(f.ended, f.ended + 30)
-                                                         for f in soak.faults]},
+                                                         for f in soak.faults],
+                   "timeline": [[round(s, 2), round(e, 2), ok] for s, e, ok in soak.probes]},  # [start, end, ok]
         "faults": [{"kind": f.kind, "started_s": round(f.started, 1), "ended_s": round(f.ended, 1),
                     "service_back_s": back[f.kind], **f.detail} for f in soak.faults],
         "rss_growth_pct": growth,
@@ -322,7 +323,10 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=60.0, help="RSS samples before this (per process) are ignored")
     p.add_argument("--tail-s", type=float, default=15.0, help="probing after the load stops")
     p.add_argument("--request-timeout", type=float, default=120.0)
-    p.add_argument("--model-path", default=None, help="default: up's embedded model")
+    p.add_argument("--model-path", default=None, help="default: up's embedded model (see --model-size)")
+    p.add_argument("--model-size", choices=("small", "tiny"), default="small",
+                   help="without --model-path: the embedded llama of this size (tiny: a machine that --concurrency "
+                        "does not saturate, so a probe's latency is the service's, not its queue's)")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -333,6 +337,10 @@ def main() -> int:
     os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", secrets.token_hex(16))  # shared with up, to read GetLoad
     a.out.parent.mkdir(parents=True, exist_ok=True)
     up_args = ["--prefill", str(a.prefill), "--decode", str(a.decode), "--max-restarts", "3"]
+    if a.model_path is None and a.model_size != "small":
+        from common.model_gen.make_model import default_model_path
+
+        a.model_path = str(default_model_path(size=a.model_size))
     if a.model_path:
         up_args += ["--model-path", a.model_path]
     cluster = UpCluster(up_args, Path(f"{a.out}-up.log"), free_port(), free_port())

@@ -310,3 +310,11 @@ def test_default_model_path_generates_once_even_when_raced(tmp_path: Path) -> No
     cfg = ModelConfig.from_path(path)
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (512, 8, 8, 2)
     assert cfg.vocab_size == 8192 and cfg.context_len == 4096 and cfg.rope.rope_type == "llama3"
+
+
+def test_default_model_path_of_another_size_is_that_size_beside_the_default(tmp_path: Path) -> None:
+    path = default_model_path(tmp_path, size="tiny")  # the soak's --model-size tiny
+    assert path == tmp_path / "models" / "llama-tiny-s0"
+    cfg = ModelConfig.from_path(path)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.context_len) == (128, 3, 1536, 2048)
+    assert not (tmp_path / "models" / "llama-small-s0").exists()

@@ -35,6 +35,8 @@ def test_short_soak_loses_nothing_and_recovers_from_each_fault(model_path, tmp_p
     assert checks["leaked_pages"] == 0 and checks["stuck_requests"] == 0, report["pools"]
     assert checks["every_fault_recovered"], report["faults"]
     assert checks["service_back_s"] <= RECOVERY_BOUND_S, report["faults"]
+    timeline = report["probes"]["timeline"]  # [start, end, ok] per probe: what service_back_s is read from
+    assert len(timeline) == report["probes"]["sent"] and sum(ok for _, _, ok in timeline) == report["probes"]["ok"]
     kill = report["faults"][1]
     restarted = (out.parent / "soak-up.log").read_text()
     assert f"{kill['victim']} restarted: pid" in restarted

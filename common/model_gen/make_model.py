@@ -90,19 +90,19 @@ def make_model(arch: str, size: str, out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-def default_model_path(cache_dir: Path | None = None) -> Path:
-    """The default model (llama, small, seed 0) at ``<cache_dir>/models/llama-small-s0``, generated on first use.
+def default_model_path(cache_dir: Path | None = None, size: str = "small") -> Path:
+    """The default model (llama, ``size``, seed 0) at ``<cache_dir>/models/llama-<size>-s0``, generated on first use.
 
     ``cache_dir`` defaults to ``common.env.cache_dir()``. Generation writes to a private temp folder and renames
     it into place, so concurrent callers (threads or processes) never see a partial folder.
     """
-    final = Path(cache_dir if cache_dir is not None else env.cache_dir()) / "models" / "llama-small-s0"
+    final = Path(cache_dir if cache_dir is not None else env.cache_dir()) / "models" / f"llama-{size}-s0"
     if (final / "model.safetensors").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        make_model("llama", "small", tmp, seed=0)
+        make_model("llama", size, tmp, seed=0)
         try:
             os.rename(tmp, final)
         except OSError:
