@@ -128,7 +128,17 @@ def http_status_of(err: BaseException) -> int:
     return HTTP_STATUS.get(status_of(err), 500)
 
 
+UNAVAILABLE_RETRY_AFTER_S = 1.0  # a 503's hint: a node that comes back is routable again after a health check or two
+
+
 def retry_after_of(err: BaseException) -> float | None:
-    """Seconds after which a retry may succeed, for RESOURCE_EXHAUSTED errors that carry a hint."""
+    """Seconds after which a retry may succeed: the hint of a RESOURCE_EXHAUSTED error (429), and for UNAVAILABLE
+    (503: no routable worker, every attempt failed) its hint or ``UNAVAILABLE_RETRY_AFTER_S``, so clients back off
+    instead of resending at once while a role is down."""
     hint = getattr(err, "retry_after_s", None)
-    return hint if status_of(err) == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    code = status_of(err)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return hint
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return hint if hint is not None else UNAVAILABLE_RETRY_AFTER_S
+    return None

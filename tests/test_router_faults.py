@@ -58,6 +58,7 @@ async def test_all_prefill_workers_down_is_a_clear_unavailable_within_the_deadli
         assert time.monotonic() - t0 < 5
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "prefill" in e.value.details().lower() or "Prefill" in e.value.details()
+        assert dict(e.value.trailing_metadata() or ())["retry-after-ms"] == "1000"  # back off, do not hammer
 
         client = f.openai()
         with pytest.raises(openai.APIStatusError) as http_err:
@@ -68,6 +69,7 @@ async def test_all_prefill_workers_down_is_a_clear_unavailable_within_the_deadli
         with pytest.raises(openai.APIStatusError) as http_err:
             await client.completions.create(model="mock-model", prompt="hi", max_tokens=2)
         assert http_err.value.status_code == 503 and "no routable prefill worker" in str(http_err.value)
+        assert http_err.value.response.headers["Retry-After"] == "1"
 
 
 async def test_client_cancel_mid_stream_aborts_both_legs() -> None:
