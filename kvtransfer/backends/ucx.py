@@ -143,9 +143,16 @@ class _Target:
 
 @dataclass
 class _Connection:
-    """Prefill: the endpoint to a decode peer and its remote keys unpacked on it (loop thread only)."""
+    """Prefill: the endpoints to a decode peer and the remote keys unpacked on the data one (loop thread only).
+
+    ``ep`` (through decode's listener, peer-failure error handling) carries the handshake and ends when either side
+    drops the peer; a job fails if it is closed once its flush completed. ``data`` (from decode's worker address,
+    no peer-failure error handling) carries the PUTs: libucx 1.21's cma has no peer-failure support, so an endpoint
+    with it (every listener endpoint) gets no cma lane and PUTs go over tcp/lo (UCX_PROTO_INFO), ~2x slower than
+    NIXL's cma single-copy WRITE on one host. A dead decode still fails the flush (or the job's deadline aborts it)."""
 
     ep: Any
+    data: Any = None
     rkeys: list[ucp.RemoteKey] = field(default_factory=list)
     open: bool = True
 
@@ -174,6 +181,7 @@ class UcxBackend(QueuedBackend):
         self._conns: dict[PeerKey, _Connection] = {}  # prefill: per decode peer (loop only)
         self._serving: dict[asyncio.Task[None], PeerKey | None] = {}  # decode: one task per connection (loop only)
         self._listener: Any = None
+        self._worker_address = ""  # decode: hex of its UCP worker address, for prefill's data endpoints
         self._bases = np.array([buf.data_ptr() for buf in self._buffers], dtype=np.uint64)
         self._buffer_bytes = self._buffers[0].numel() * self._buffers[0].element_size()
         self._regs: list[ucp.Registration] = []
@@ -195,7 +203,7 @@ class UcxBackend(QueuedBackend):
         """Decode: the listener's address, the pool's buffers and their remote keys; prefill: the memory kind."""
         ep = {"memory": memory_kind(self._device)}
         if self._listener is not None:
-            ep.update(host=self.config.advertised_host, port=str(self._listener.port),
+            ep.update(host=self.config.advertised_host, port=str(self._listener.port), worker=self._worker_address,
                       rkeys=",".join(k.hex() for k in self._packed), **pool_endpoint(self._bases, self._buffer_bytes))
         return ep
 
@@ -210,7 +218,7 @@ class UcxBackend(QueuedBackend):
                 ep = peer.endpoint
                 rkeys = [bytes.fromhex(k) for k in ep["rkeys"].split(",")]
                 target = _Target(peer, RemotePool.of(peer, len(self._buffers)), rkeys)
-                if len(rkeys) != len(self._buffers) or "port" not in ep:
+                if len(rkeys) != len(self._buffers) or "port" not in ep or "worker" not in ep:
                     raise ValueError(f"{len(rkeys)} remote keys for {len(self._buffers)} KV buffers")
             except (KeyError, ValueError) as exc:
                 log.warning("kv ucx: unusable endpoint of %s (%s); its jobs will fail", peer.key.instance_id, exc)
@@ -292,6 +300,7 @@ class UcxBackend(QueuedBackend):
 
     async def _listen(self) -> None:
         self._listener = ucxx.create_listener(self._serve, port=0)
+        self._worker_address = ucxx.get_worker_address().tobytes().hex()
 
     async def _shutdown(self) -> None:
         for key in list(self._conns):
@@ -311,6 +320,8 @@ class UcxBackend(QueuedBackend):
             conn.open = False
             for rkey in conn.rkeys:
                 rkey.destroy()
+            if conn.data is not None:
+                conn.data.abort()
             conn.ep.abort()
         for task, peer in list(self._serving.items()):
             if peer == key:
@@ -380,7 +391,7 @@ class UcxBackend(QueuedBackend):
                 torch.cuda.default_stream(self._device).synchronize()
             src, dst, length = (a.tolist() for a in segments)
             per_buffer = len(src) // len(conn.rkeys)  # segments are buffer-major, as many per buffer
-            ep, rkeys = conn.ep.ucp_endpoint, [k.handle for k in conn.rkeys]
+            ep, rkeys = conn.data.ucp_endpoint, [k.handle for k in conn.rkeys]
             for i, (s, d, n) in enumerate(zip(src, dst, length, strict=True)):  # NOTE: no await: conn stays open
                 status = ucp.put(ep, s, n, d, rkeys[i // per_buffer])
                 if status < 0:
@@ -393,7 +404,7 @@ class UcxBackend(QueuedBackend):
         """Until every PUT on ``conn`` is in the peer's memory; on any exit before that (error, cancellation) the
         endpoint is aborted and the flush request waited for, so no PUT of the job is left in flight."""
         try:
-            req = ucp.flush(conn.ep.ucp_endpoint)
+            req = ucp.flush(conn.data.ucp_endpoint)
         except ucp.UcpError as exc:
             raise TransferError(f"flush to {job.peer.instance_id}: {exc}") from exc
         if req is None:
@@ -407,6 +418,8 @@ class UcxBackend(QueuedBackend):
             if status != ucp.UCS_OK:
                 raise TransferError(f"WRITE of room {job.room} to {job.peer.instance_id} failed: "
                                     f"{ucp.describe(status)}")
+            if conn.ep.closed:  # decode dropped this prefill rank: what it wrote may have landed after that
+                raise TransferError(f"connection to {job.peer.instance_id} closed by the peer")
         finally:
             if ucp.status(req) == ucp.UCS_INPROGRESS:  # cancelled: abort, then let the request finish
                 self._drop_connections(job.peer)
@@ -428,10 +441,15 @@ class UcxBackend(QueuedBackend):
                 gone = self._closed or key not in self._targets
             if gone:
                 raise TransferError("peer removed")
-            conn.rkeys = [ucp.RemoteKey(ep.ucp_endpoint, packed) for packed in target.rkeys]
+            conn.data = await ucxx.create_endpoint_from_worker_address(
+                ucxx.get_ucx_address_from_buffer(bytes.fromhex(target.info.endpoint["worker"])),
+                endpoint_error_handling=False)
+            conn.rkeys = [ucp.RemoteKey(conn.data.ucp_endpoint, packed) for packed in target.rkeys]
         except BaseException:
             for rkey in conn.rkeys:
                 rkey.destroy()
+            if conn.data is not None:
+                conn.data.abort()
             ep.abort()
             raise
         self._conns[key] = conn
