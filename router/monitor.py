@@ -196,17 +196,26 @@ class Monitor:
 
 async def _spread(poll: Callable[[Worker], Awaitable[None]], workers: list[Worker], interval: float) -> None:
     """One round: ``poll(w)`` for each worker, started evenly over ``interval`` (the first after interval / N, the
-    last at ``interval``, as one sleep then a gather did); returns when every poll of the round has."""
+    last at ``interval``, as one sleep then a gather did); returns when every poll of the round has.
+
+    Invariant: one worker's poll never ends the round early or the loop that runs it. A worker removed during the
+    round (its channel closed: calls on it raise ``UsageError``, not ``AioRpcError``) is skipped, and any other
+    exception of a poll is logged; before, either killed the health or load loop for good, and a worker re-added
+    later was never probed again (503 "not proven" until the router restarted)."""
     if not workers:
         await asyncio.sleep(interval)
         return
     step = interval / len(workers)
-    tasks: list[asyncio.Future[None]] = []
+    tasks: list[tuple[Worker, asyncio.Future[None]]] = []
     try:
         for w in workers:
             await asyncio.sleep(step)
-            tasks.append(asyncio.ensure_future(poll(w)))
-        await asyncio.gather(*tasks)
+            if not w.removed:
+                tasks.append((w, asyncio.ensure_future(poll(w))))
+        results = await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
     finally:  # cancelled (the monitor stops): no poll outlives it
-        for t in tasks:
+        for _, t in tasks:
             t.cancel()
+    for (w, _), r in zip(tasks, results, strict=True):
+        if isinstance(r, Exception) and not w.removed:
+            logger.warning("%s of worker %s failed: %r", getattr(poll, "__name__", "poll"), w.address, r)

@@ -220,3 +220,20 @@ async def test_concurrent_requests_get_unique_rooms_and_finish() -> None:
         assert len(rooms) == 64 == len(set(rooms))
         assert f.server.service.core.rooms.in_flight == set()
         assert all(w.inflight == 0 for w in f.server.service.registry)
+
+
+async def test_workers_removed_mid_round_leave_the_monitor_loops_running() -> None:
+    """A worker removed while a health or load round is under way (its channel closes: calls raise UsageError)
+    must not end those loops: a worker re-added later has to be probed and served again."""
+    async with fleet(prefill=1, decode=1) as f:
+        svc = f.server.service
+        d = f.decode[0]
+        for _ in range(12):
+            assert svc.deregister(d.address)
+            await asyncio.sleep(0.04)  # the channel closes while the round that listed the worker still polls it
+            await svc.register(d.address, "decode", None)
+        await asyncio.sleep(0.3)  # several health (0.1 s) and load (0.05 s) rounds
+        assert not any(t.done() for t in svc.monitor._tasks), [t for t in svc.monitor._tasks if t.done()]
+        await eventually(lambda: svc.registry.workers[d.address].routable)
+        msgs = [m async for m in f.stub().Generate(gen())]
+        assert msgs[-1].HasField("complete")
