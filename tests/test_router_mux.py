@@ -289,3 +289,25 @@ async def test_a_node_pushes_its_load_on_the_stream_and_polls_stop() -> None:
         d.cfg.free_kv_pages = 23
         await eventually(lambda: w.ranks[0].report.free_kv_pages == 23)
         await eventually(lambda: w.mux.pushed_load_age() is not None, timeout=5.0)
+
+
+async def test_a_load_report_that_raises_skips_one_round_and_pushes_go_on(monkeypatch) -> None:
+    async with fleet(prefill=1, decode=1, colocated=0) as f:
+        d = f.decode[0]
+        w = f.server.service.registry.workers[d.address]
+        await eventually(lambda: w.mux.pushed_load_age() is not None, timeout=5.0)
+        real = d.GetLoad
+        raised = []
+
+        async def flaky(request: Any, context: Any) -> Any:
+            if not raised:
+                raised.append(1)
+                raise RuntimeError("injected load failure")
+            return await real(request, context)
+
+        monkeypatch.setattr(d, "GetLoad", flaky)
+        await eventually(lambda: bool(raised))
+        d.cfg.free_kv_pages = 19  # a later round still reaches the router on the same stream
+        stream = w.mux.stream
+        await eventually(lambda: w.ranks[0].report is not None and w.ranks[0].report.free_kv_pages == 19)
+        assert w.mux.stream is stream and stream.alive

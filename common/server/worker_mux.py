@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 _HANDLERS = {"generate": "Generate", "prefill": "Prefill", "decode": "Decode"}
 _UNARY = frozenset({"prefill"})
+LOAD_ERROR_LOG_S = 30.0  # a failing load report is logged at most this often per stream
 
 
 class MuxAbort(Exception):
@@ -131,11 +132,17 @@ class _MuxSession:
         opened since the last push (a router's reservations for them end at a report), or ``heartbeat_s`` after the
         last push. A round whose ranks do not answer in time is skipped."""
         last, last_at, opened = b"", -1e9, self.opened
+        logged_at = -1e9
         while True:
             await asyncio.sleep(interval_s)
             try:
                 load = await self.servicer.GetLoad(worker_pb2.GetLoadRequest(), MuxCallContext(self.context, None))
             except MuxAbort:
+                continue
+            except Exception:  # a failed round must not end the pushes (the router would fall back to polling)
+                if self.loop.time() - logged_at >= LOAD_ERROR_LOG_S:
+                    logged_at = self.loop.time()
+                    logger.exception("Mux: a load report failed; skipping the round")
                 continue
             data = load.SerializeToString(deterministic=True)
             now = self.loop.time()
