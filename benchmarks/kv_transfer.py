@@ -23,8 +23,11 @@ the same run: an in-process device-to-device copy of the same number of bytes (o
 synchronized) and the raw TCP socket above (host memory). Targets: shm (CUDA IPC) >= 0.5x the device copy, tcp
 (staged through pinned host buffers) >= 0.8x raw TCP. ``--tokens`` shrinks the request (pool = 2x the request).
 
+``--rounds N`` measures each backend and its baseline N times, alternating which goes first, and takes the median
+of the N paired ratios for the target (a single pair moves by +-20 % on a shared 2-core machine).
+
     python benchmarks/kv_transfer.py [--device cpu|cuda] [--backends tcp,shm,...] [--modes paged] [--reps 5]
-                                     [--tokens 4096] [--option stage=always] [--json out.json]
+                                     [--rounds 1] [--tokens 4096] [--option stage=always] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import argparse
 import ctypes
 import json
 import multiprocessing as mp
+import os
 import random
 import socket
 import statistics
@@ -48,6 +52,11 @@ from kvtransfer.registry import BACKENDS
 
 LAYERS, HEADS, HEAD_DIM, PAGE, RUN = 32, 8, 128, 16, 4
 SRC_SEED = 7
+# Both sides wait for the room's final state in a sleep-poll loop, as a scheduler does between its iterations. On
+# 2 cores the sender and the receiver each fill one, so a poller's CPU comes out of the transfer: measured, a
+# 0.2 ms poll costs 6.5 % of a core and a 0.5 ms one 3.2 % (the raw baselines block in recv instead); 1 ms costs
+# 1.6 %, and its resolution is under 1 % of a 512 MiB rep.
+POLL_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -312,12 +321,12 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
     for room in rooms:
         sender = KVSender(mgr, room)
         while sender.poll() < KVPoll.WaitingForInput:
-            time.sleep(0.0005)
+            time.sleep(POLL_S)
         sender.init(len(src_pages), 0)
         t0 = time.perf_counter()
         sender.send(src_pages, last=True, metadata=MetadataRecord(room=room, first_token=1))
         while not sender.poll().is_final:
-            time.sleep(0.0002)
+            time.sleep(POLL_S)
         times.append(time.perf_counter() - t0)
         if sender.poll() != KVPoll.Success:
             out.put(("failed", sender.failure()))
@@ -352,7 +361,7 @@ def bench_backend(backend: str, src_pages: list[int], dst_pages: list[int], reps
             receiver.send_metadata(dst_pages, 0)
             end = time.monotonic() + 180
             while not receiver.poll().is_final and time.monotonic() < end:
-                time.sleep(0.0005)
+                time.sleep(POLL_S)
             if receiver.poll() != KVPoll.Success:
                 raise RuntimeError(f"{backend}: room {room} {receiver.poll().name}: {receiver.failure()}")
             receiver.clear()
@@ -393,6 +402,9 @@ def main() -> int:
     parser.add_argument("--backends", default="", help="default: all but fake then fake (cpu); shm,tcp (cuda)")
     parser.add_argument("--modes", default="", help="default: contiguous,paged (cpu); paged (cuda)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure each backend and its baseline this many times, alternating which goes first; "
+                             "the target ratio is the median of the rounds' ratios")
     parser.add_argument("--tokens", type=int, default=4096, help="request size (x 128 KiB); small runs: 256")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="backend option, e.g. stage=always (tcp's staged path on CPU buffers)")
@@ -424,20 +436,39 @@ def main() -> int:
             bench = {"raw_tcp": bench_raw_tcp, "raw_nixl": bench_raw_nixl, "raw_mooncake": bench_raw_mooncake}[name]
             return gbps(bench(host_src if name == "raw_tcp" else src, runs, opts.reps, geom), geom)
 
-        # NOTE: each backend runs right after its baseline (on a shared machine the load drifts within minutes), and
-        # nixl then ucx last, both right after raw NIXL: importing ucxx sets UCX_* variables in this process's
-        # environment (UCX_MEMTYPE_CACHE=n, UCX_RNDV_THRESH=8192, ...) that NIXL's UCX here and in later children
-        # would read (measured: 0.3x).
+        # NOTE: each backend runs next to its own baseline, ``--rounds`` times (on a shared machine the load drifts
+        # within minutes), nixl then ucx last: importing ucxx sets UCX_* variables in this process's environment
+        # (UCX_MEMTYPE_CACHE=n, UCX_RNDV_THRESH=8192, ...) that NIXL's UCX here and in later children would read
+        # (measured: 0.3x); the environment is restored after every measurement, and ucx's UCX is already set up.
         for backend in sorted(backends.split(","), key=lambda name: {"nixl": 1, "ucx": 2}.get(name, 0)):
             base = None if cuda else next((b for b, _, name, _ in TARGETS if name == backend), None)
-            if base is not None and base not in row:
-                row[base] = baseline(base)
-            try:
-                row[backend] = gbps(bench_backend(backend, src_pages, dst_pages, opts.reps, src, geom, options),
-                                   geom)
-            except Exception as exc:  # report the failure in the table and go on with the other backends
-                row[backend] = f"error: {exc}"
-            print(f"{mode:10s} {backend:6s} {row[backend]}", file=sys.stderr, flush=True)
+            measured: dict[str, list[float]] = {backend: []}
+            if base is not None:
+                measured[base] = []
+            for r in range(opts.rounds):
+                # ABBA: odd rounds run the backend first, so a drifting load weighs on both sides alike
+                for name in (list(measured) if r % 2 else list(measured)[::-1]):
+                    env = dict(os.environ)
+                    try:
+                        measured[name].append(baseline(name) if name == base else gbps(
+                            bench_backend(backend, src_pages, dst_pages, opts.reps, src, geom, options), geom))
+                    except Exception as exc:  # a backend's failure goes in the table; the other backends go on
+                        if name == base:
+                            raise
+                        measured[name].append(float("nan"))
+                        row[name] = f"error: {exc}"
+                    finally:  # importing ucxx writes UCX_* variables that NIXL's UCX would read (measured: 0.3x)
+                        os.environ.clear()
+                        os.environ.update(env)
+                print(f"{mode:10s} round {r}: " + ", ".join(f"{n} {v[-1]:.2f}" for n, v in measured.items()),
+                      file=sys.stderr, flush=True)
+            for name, values in measured.items():
+                if not isinstance(row.get(name), str):
+                    row[name] = statistics.median(values)
+            if base is not None and opts.rounds > 1 and not isinstance(row[backend], str):
+                ratios = [v / b for v, b in zip(measured[backend], measured[base], strict=True)]
+                row[f"{backend}/{base}"] = statistics.median(ratios)
+                row[f"{backend}/{base} rounds"] = ", ".join(f"{x:.2f}" for x in ratios)
         for base in (copy_key, "raw_tcp"):  # the table's columns
             if base not in row:
                 row[base] = baseline(base)
@@ -457,8 +488,11 @@ def main() -> int:
         for base, base_name, backend, target in TARGETS:
             if base in row and backend in row:
                 v = row[backend]
-                ratio = f"{v / float(row[base]):.2f}x" if not isinstance(v, str) else v
-                print(f"{mode}: {backend} / {base_name} ({float(row[base]):.2f} GB/s) = {ratio} (target >= {target}x)")
+                paired = row.get(f"{backend}/{base}")
+                ratio = v if isinstance(v, str) else f"{float(paired if paired is not None else v / float(row[base])):.2f}x"
+                rounds = f" (median of rounds {row[f'{backend}/{base} rounds']})" if paired is not None else ""
+                print(f"{mode}: {backend} / {base_name} ({float(row[base]):.2f} GB/s) = {ratio}{rounds} "
+                      f"(target >= {target}x)")
     if cuda:
         print("\ntargets: shm >= 0.5x the device copy, tcp >= 0.8x raw TCP")
     if opts.json:
