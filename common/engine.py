@@ -209,7 +209,13 @@ class Engine:
     ) -> GenerateReqInput:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
-        ids = list(input_ids) if input_ids is not None else self.tokenizer.encode(prompt)
+        if input_ids is None:
+            ids = self.tokenizer.encode(prompt)
+        else:
+            try:
+                ids = msgspec.convert(input_ids, list[int])
+            except msgspec.ValidationError as e:
+                raise InvalidRequestError(f"input_ids must be a list of token ids (ints): {e}") from None
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else msgspec.convert(
             sampling_params or {}, SamplingParams)
         sp.verify(self.model_config.vocab_size)
@@ -275,7 +281,9 @@ class Engine:
     ) -> GenerateOutput | list[GenerateOutput]:
         """Run one prompt (returns one output) or a batch (returns a list), blocking until all finish.
         ``prior_output_len``: continue a migrated request whose last that many input ids are earlier outputs."""
-        batched = isinstance(prompt, list) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], list))
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequestError("pass exactly one of prompt or input_ids")
+        batched = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
         prompts: list[Any] = (prompt if isinstance(prompt, list) else [prompt]) if prompt is not None else []
         ids_list: list[Any] = (input_ids if batched else [input_ids]) if input_ids is not None else []
         msgs = [self._make_input(p, None, sampling_params, return_logprob, top_logprobs_num, None, prior_output_len)

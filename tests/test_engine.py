@@ -180,6 +180,22 @@ def test_bad_sampling_params_rejected(engine_factory, llama, params, field) -> N
     assert engine.generate(prompt="hi", sampling_params=greedy(2)).output_ids  # still serving
 
 
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"prompt": "hi", "input_ids": [11, 12]}, "exactly one of prompt or input_ids"),
+        ({"prompt": ["hi", "yo"], "input_ids": [[11]]}, "exactly one of prompt or input_ids"),
+        ({"input_ids": ["11", "12"]}, "list of token ids"),
+        ({"input_ids": {"max_new_tokens": 4}}, "list of token ids"),
+    ],
+)
+def test_bad_prompt_arguments_rejected(engine_factory, llama, kw, match) -> None:
+    engine = engine_factory(llama)
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.generate(sampling_params=greedy(2), **kw)
+    assert engine.generate(prompt="hi", sampling_params=greedy(2)).output_ids  # still serving
+
+
 def test_prompt_longer_than_context_rejected(engine_factory, llama) -> None:
     engine = engine_factory(llama)
     too_long = [11] * (engine.model_config.context_len + 1)

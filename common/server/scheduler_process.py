@@ -27,6 +27,7 @@ import zmq
 from common.config import ServerArgs
 from common.device import bind_rank_device, cpu_threads_per_rank
 from common.distributed import TPGroup, broadcast_inputs, init_tp_group
+from common.gc_freeze import freeze_startup_heap
 from common.io_struct import RankHeartbeat, RankReady, SchedulerInput, ShutdownReq
 from common.server.ipc import IpcAddrs, decode_input, encode
 from common.tokenizer import load_tokenizer
@@ -93,6 +94,7 @@ def run_scheduler_process(
         logger.exception("scheduler rank dp=%d tp=%d failed to start", dp_rank, tp_rank)
         send_outputs([RankReady(dp_rank=dp_rank, tp_rank=tp_rank, error=f"{type(e).__name__}: {e}")])
         raise SystemExit(1) from e
+    freeze_startup_heap()  # the model and its imports: a full collection here would stall a step for 0.1 s
     send_outputs([RankReady(dp_rank=dp_rank, tp_rank=tp_rank, max_total_tokens=scheduler.max_total_num_tokens)])
     poller = zmq.Poller()
     if pull is not None:

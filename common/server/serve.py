@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.config import ServerArgs
+from common.gc_freeze import freeze_startup_heap
 from common.model.config import ModelConfig
 from common.security import require_cluster_token
 from common.server.front import WorkerServicer
@@ -207,6 +208,7 @@ async def serve(args: ServerArgs) -> int:
     except BaseException:
         await node.ranks.close()
         raise
+    freeze_startup_heap()  # a node process's own start-up; in-process NodeServers (tests) leave their host's GC alone
     print(f"pdcluster node ready: mode={args.disaggregation_mode} grpc={args.host}:{node.port}", flush=True)
     await node.wait_for_signal()
     await node.drain_and_stop()
