@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from common import env
 from common.errors import ConfigError
+from common.gc_freeze import freeze_startup_heap
 from common.tls import TlsFiles
 from router.config import POLICIES, RouterConfig, WorkerSpec
 
@@ -198,6 +199,7 @@ async def _serve(cfg: RouterConfig) -> None:
 
     server = RouterServer(cfg)
     await server.start()
+    freeze_startup_heap()
     print(
         f"router ready grpc={server.grpc_address} http={server.http_url if cfg.http_port is not None else '-'}",
         flush=True,
