@@ -5,6 +5,9 @@ probe that ends with neither (client cancel) frees the slot after another ``open
 half-opens an open circuit at once (``health_ok``): a worker whose probes say it serves is tried again within one
 health interval, not after the whole cool-down.
 Only worker faults count (transport errors, crashes, timeouts), never a client's bad input.
+
+``on_change`` is called whenever the circuit closes or leaves closed (the registry keeps its routable views by
+it, ``router.candidates``); the timed moves among open and half-open need no call: such a worker is asked each time.
 """
 
 from __future__ import annotations
@@ -26,6 +29,18 @@ class CircuitBreaker:
         self.opened_at = 0.0
         self._state = CLOSED
         self._probe_at: float | None = None  # half-open: when the probe in flight was sent
+        self.on_change: Callable[[], None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        """Closed now (a closed circuit stays closed until ``record_failure``, whatever the clock)."""
+        return self._state == CLOSED
+
+    def _set(self, state: str) -> None:
+        was_closed = self._state == CLOSED
+        self._state = state
+        if was_closed != (state == CLOSED) and self.on_change is not None:
+            self.on_change()
 
     @property
     def state(self) -> str:
@@ -51,9 +66,12 @@ class CircuitBreaker:
             self._state, self._probe_at = HALF_OPEN, None
 
     def record_success(self) -> None:
-        self.failures, self._state, self._probe_at = 0, CLOSED, None
+        self.failures, self._probe_at = 0, None
+        if self._state != CLOSED:
+            self._set(CLOSED)
 
     def record_failure(self) -> None:
         self.failures += 1
         if self._state == HALF_OPEN or self.failures >= self.failure_threshold:
-            self._state, self.opened_at, self._probe_at = OPEN, self.clock(), None
+            self.opened_at, self._probe_at = self.clock(), None
+            self._set(OPEN)

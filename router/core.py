@@ -17,7 +17,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ import grpc
 
 from common.errors import CapacityError, InvalidRequestError
 from pdcluster.v1 import worker_pb2
+from router.candidates import Candidates
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
 from router.inputs import InputProcessor
@@ -344,13 +345,17 @@ class RouterCore:
         raise UnavailableError(self._why_unavailable(prefills, decodes, detail=False),
                                internal=self._why_unavailable(prefills, decodes, detail=True))
 
-    def _candidates(self, role: Role, failed: set[str], tokens: int) -> list[Worker]:
-        """Routable workers of ``role``: not yet failed for this request if possible, that can hold it if possible."""
-        ws = self.registry.routable(role)
+    def _candidates(self, role: Role, failed: set[str], tokens: int) -> Sequence[Worker]:
+        """Routable workers of ``role``: not yet failed for this request if possible, that can hold it if possible.
+
+        O(1) in the number of workers while none failed this request and the role's smallest free KV fits it (the
+        registry keeps both views current); the per-worker filters run only when they can remove someone."""
+        ws: Sequence[Worker] = self.registry.routable(role)
         if len(ws) > 1 and failed:
-            ws = [w for w in ws if w.address not in failed] or ws
-        if len(ws) > 1:
-            fit = []
+            ws = Candidates(w for w in ws if w.address not in failed) or ws
+        # NOTE: free >= pages_for(tokens) <=> free * page_size >= tokens, so min_free_tokens >= tokens: all fit.
+        if len(ws) > 1 and self.registry.min_free_tokens(role) < tokens:
+            fit = Candidates()
             for w in ws:
                 free = w.free_pages()
                 if free is None or free >= w.pages_for(tokens):
@@ -359,7 +364,7 @@ class RouterCore:
         return ws
 
     def _choose(
-        self, policy: Policy, workers: list[Worker], hint: RouteHint, tokens: int
+        self, policy: Policy, workers: Sequence[Worker], hint: RouteHint, tokens: int
     ) -> tuple[Worker, int]:
         w, rank = policy.pick(workers, hint)
         if rank is None:
@@ -367,7 +372,7 @@ class RouterCore:
         policy.routed(w, rank, hint)
         return w, rank
 
-    def _why_unavailable(self, prefills: list[Worker], decodes: list[Worker], detail: bool) -> str:
+    def _why_unavailable(self, prefills: Sequence[Worker], decodes: Sequence[Worker], detail: bool) -> str:
         """Why no worker can take a request: per worker with ``detail`` (logs), else counts per state (clients)."""
         reg = self.registry
         if not reg.workers:

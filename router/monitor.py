@@ -10,7 +10,9 @@
 - Load: every ``load_interval_s`` ``GetLoad`` refreshes the per-rank reports the policies read; requests never wait
   for a load report.
 - Both polls are spread over their interval (worker i of N starts i/N of it in), not fired at once: a burst of N
-  RPCs would hold the event loop (and the nodes) for N RPCs' time, in front of requests.
+  RPCs would hold the event loop (and the nodes) for N RPCs' time, in front of requests. Per-worker metrics are
+  exported with each worker's health check, not for all workers at the end of a round; a load round leaves out the
+  workers whose pushed loads are fresh, so its cost is O(workers that need a poll), not O(workers).
 """
 
 from __future__ import annotations
@@ -141,13 +143,17 @@ class Monitor:
                     w.health_failures,
                 )
 
-    async def _load(self, w: Worker) -> None:
-        """A ``GetLoad`` poll, unless the worker pushes its load on a live Mux stream; a routable worker that serves
-        Mux gets its stream opened here, so later rounds need no poll."""
+    def _load_due(self, w: Worker) -> bool:
+        """False while the worker pushes its load on a live Mux stream (then a round spends nothing on it)."""
         if w.mux.on_load is None:  # before any stream opens (a probe polls once before the worker is routable)
             w.mux.on_load, w.mux.load_interval_s = functools.partial(self._apply_load, w), self.cfg.load_interval_s
         age = w.mux.pushed_load_age()
-        if age is not None and age < PUSH_STALE_S:
+        return age is None or age >= PUSH_STALE_S
+
+    async def _load(self, w: Worker) -> None:
+        """A ``GetLoad`` poll, unless the worker pushes its load on a live Mux stream; a routable worker that serves
+        Mux gets its stream opened here, so later rounds need no poll."""
+        if not self._load_due(w):
             return
         if w.routable and w.mux.supported and (w.mux.stream is None or not w.mux.stream.alive):
             with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
@@ -173,25 +179,27 @@ class Monitor:
     async def _health_loop(self) -> None:
         while True:
             await _spread(self._health_one, list(self.registry), self.cfg.health_interval_s)
-            self._export()
 
     async def _health_one(self, w: Worker) -> None:
         if w.info is None or not w.proven or w.info_error:
             await self.probe(w)
         else:
             await self._check_health(w)
+        if not w.removed:
+            self._export(w)  # NOTE: per worker, so the round's metric updates are spread with its checks
 
     async def _load_loop(self) -> None:
         while True:
-            ws = [w for w in self.registry if w.proven and w.info is not None]
+            # NOTE: workers pushing fresh loads are left out of the round (no task, no wake-up each): with every
+            # worker pushing, a round is one sleep. One whose pushes stop is polled from the next round on.
+            ws = [w for w in self.registry if w.proven and w.info is not None and self._load_due(w)]
             await _spread(self._load, ws, self.cfg.load_interval_s)
 
-    def _export(self) -> None:
+    def _export(self, w: Worker) -> None:
         m = self.metrics
-        for w in self.registry:
-            m.worker_healthy.labels(w.address, w.role).set(1 if w.healthy else 0)
-            m.worker_circuit_open.labels(w.address).set(CIRCUIT_VALUE.get(w.breaker.state, 0))
-            m.worker_inflight.labels(w.address).set(w.inflight)
+        m.worker_healthy.labels(w.address, w.role).set(1 if w.healthy else 0)
+        m.worker_circuit_open.labels(w.address).set(CIRCUIT_VALUE.get(w.breaker.state, 0))
+        m.worker_inflight.labels(w.address).set(w.inflight)
 
 
 async def _spread(poll: Callable[[Worker], Awaitable[None]], workers: list[Worker], interval: float) -> None:

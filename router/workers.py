@@ -8,6 +8,10 @@ resets that, because the node's own count then includes them.
 Membership: a worker gets no credential and no request before it proved the cluster secret (``router.membership``):
 until ``admit`` its channel sends only ``ProveMembership`` and health checks, without the credential. Clients see a worker only by its ``name`` (``prefill-0``, ``decode-1``, ... in registration order); the
 address stays on the admin surface.
+
+Routing reads the registry's per-role views (``router.candidates``), which workers keep current: a write to a field
+that decides routability (``_Watched``) or a circuit closing/opening calls ``state_changed``; a change of free KV
+pages (a lease, its release, a load report, new server info) calls ``free_changed``.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
+from typing import Any, Generic, TypeVar, overload
 
 from grpc_health.v1 import health_pb2_grpc
 
 from common.worker_auth import aio_worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.breaker import CircuitBreaker
+from router.candidates import Candidates, RoleView
 from router.config import Role, RouterConfig, WorkerSpec
 from router.mux import MuxLink
 
@@ -91,6 +97,8 @@ class Lease:
         state.inflight_tokens += tokens
         state.reserved_pages += pages
         worker.breaker.on_dispatch()
+        if pages:
+            worker.free_changed()
 
     def release(self) -> None:
         if self.released:
@@ -101,20 +109,60 @@ class Lease:
         w.inflight_tokens -= self.tokens
         s.inflight -= 1
         s.inflight_tokens -= self.tokens
-        if s.epoch == self.epoch:  # otherwise a newer report already accounts for these pages
+        if s.epoch == self.epoch and self.pages:  # otherwise a newer report already accounts for these pages
             s.reserved_pages = max(0, s.reserved_pages - self.pages)
+            w.free_changed()
         if w.removed and w.inflight == 0:
             w.close_soon()
 
 
+T = TypeVar("T")
+
+
+class _Watched(Generic[T]):
+    """A worker field that decides whether it is routable: a write that changes it calls ``state_changed``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Watched[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> T | _Watched[T]:
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: T) -> None:
+        old = getattr(obj, self.slot, _UNSET)
+        if old is value or (old is not _UNSET and old == value):
+            return
+        setattr(obj, self.slot, value)
+        obj.state_changed()
+
+
+_UNSET = object()
+
+
 class Worker:
+    # Routability inputs (see _Watched). Why the worker is not usable (ListWorkers and logs show it), by what found
+    # it: the membership proof, its server info (mode, absurd or disagreeing facts), its load reports.
+    proven: _Watched[bool] = _Watched()  # proved the cluster secret since it last turned unhealthy
+    healthy: _Watched[bool] = _Watched()
+    removed: _Watched[bool] = _Watched()
+    info: _Watched[worker_pb2.ServerInfo | None] = _Watched()
+    proof_error: _Watched[str] = _Watched()
+    info_error: _Watched[str] = _Watched()
+    load_error: _Watched[str] = _Watched()
+
     def __init__(self, spec: WorkerSpec, cfg: RouterConfig, name: str = "") -> None:
+        self.view: RoleView | None = None  # the registry's view of this worker's role (None: not registered)
+        self.seq = 0  # registration order (set by the registry)
         self.spec = spec
         self.address = spec.address
         self.name = name or spec.role
         self.role: Role = spec.role
         self.host = spec.address.rsplit(":", 1)[0]
-        self.proven = False  # proved the cluster secret since it last turned unhealthy
+        self.proven = False
         # NOTE: calls carry the credential only while ``proven``; ``ProveMembership`` never does.
         self.channel = aio_worker_channel(spec.address, node_channel_options(cfg),
                                           cfg.tls.grpc_channel_credentials() if cfg.tls.mutual else None,
@@ -123,9 +171,8 @@ class Worker:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.mux = MuxLink(self.stub, spec.address)  # the request legs' stream, opened on first use
         self.breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_open_s)
-        self.info: worker_pb2.ServerInfo | None = None
-        # Why the worker is not usable (shown by ListWorkers and logs), by what found it: the membership proof,
-        # its server info (mode, absurd or disagreeing facts), its load reports.
+        self.breaker.on_change = self.state_changed
+        self.info = None
         self.proof_error = ""
         self.info_error = ""
         self.load_error = ""
@@ -137,6 +184,16 @@ class Worker:
         self.inflight = 0
         self.inflight_tokens = 0
         self.rr = 0  # rotating tie-break among equally loaded ranks
+
+    def state_changed(self) -> None:
+        """Something that decides routability changed: the role's view rebuilds at the next decision."""
+        if self.view is not None:
+            self.view.invalidate()
+
+    def free_changed(self) -> None:
+        """Free KV pages (or the page size) changed: the role's capacity bound re-reads this worker."""
+        if self.view is not None:
+            self.view.capacity.touch(self)
 
     # -- membership ---------------------------------------------------------------------------------------------
     def admit(self) -> None:
@@ -186,6 +243,7 @@ class Worker:
         dp = max(info.dp_size, 1)
         if len(self.ranks) != dp:
             self.ranks = [RankState(r) for r in range(dp)]
+        self.free_changed()
         return True
 
     @property
@@ -212,6 +270,7 @@ class Worker:
             if 0 <= r.dp_rank < len(self.ranks):
                 s = self.ranks[r.dp_rank]
                 s.report, s.epoch, s.reserved_pages = r, s.epoch + 1, 0
+        self.free_changed()
 
     def free_pages(self) -> int | None:
         """The most pages any one rank can take now (None: unknown)."""
@@ -242,7 +301,8 @@ class Registry:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.workers: dict[str, Worker] = {}
-        self._by_role: dict[Role, list[Worker]] = {"prefill": [], "decode": [], "colocated": []}  # = workers, by role
+        self._views: dict[Role, RoleView] = {"prefill": RoleView(), "decode": RoleView(), "colocated": RoleView()}
+        self._seq = 0
         self._names: dict[tuple[str, Role], str] = {}  # (address, role) -> name; kept across deregistration
 
     def add(self, spec: WorkerSpec) -> tuple[Worker, bool]:
@@ -255,8 +315,10 @@ class Registry:
                 )
             return old, False
         w = Worker(spec, self.cfg, self._name(spec))
+        self._seq += 1
+        w.seq, w.view = self._seq, self._views[spec.role]
         self.workers[spec.address] = w
-        self._by_role[spec.role].append(w)
+        w.view.add(w)
         logger.info("worker added: %s (%s) as %s", spec.address, spec.role, w.name)
         return w, True
 
@@ -266,7 +328,8 @@ class Registry:
         if w is None:
             return False
         w.removed = True
-        self._by_role[w.role].remove(w)
+        self._views[w.role].remove(w)
+        w.view = None
         if w.inflight == 0:
             w.close_soon()
         logger.info("worker removed: %s (%s), %d in flight", address, w.role, w.inflight)
@@ -287,14 +350,16 @@ class Registry:
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self.workers.values()))
 
-    def routable(self, role: Role) -> list[Worker]:
+    def routable(self, role: Role) -> Candidates:
         """Routable workers of ``role``. When none is, but some are held back by their circuit alone while their
-        health checks pass, those: a breaker never blackholes a role whose workers say they serve."""
-        of_role = self._by_role[role]
-        ws = [w for w in of_role if w.routable]
-        if ws:
-            return ws
-        return [w for w in of_role if w.usable_but_for_circuit]
+        health checks pass, those: a breaker never blackholes a role whose workers say they serve. Read-only (the
+        same list is handed out until a worker of the role changes); O(1) plus O(workers with a non-closed circuit).
+        """
+        return self._views[role].routable()
+
+    def min_free_tokens(self, role: Role) -> float:
+        """A lower bound of the KV tokens any worker of ``role`` can take now (inf: no worker reported yet)."""
+        return self._views[role].capacity.min_tokens()
 
     def has_role(self, role: Role) -> bool:
         return any(w.role == role for w in self.workers.values())
@@ -310,5 +375,4 @@ class Registry:
         for w in list(self.workers.values()):
             await w.close()
         self.workers.clear()
-        for ws in self._by_role.values():
-            ws.clear()
+        self._views = {"prefill": RoleView(), "decode": RoleView(), "colocated": RoleView()}

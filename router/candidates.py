@@ -1,0 +1,140 @@
+"""What routing reads of one role's workers, kept up to date as workers change instead of rebuilt per decision.
+
+A routing decision used to ask every worker of both roles whether it is routable and has free KV pages: O(workers)
+per decision. ``RoleView`` keeps instead:
+
+    ready     the routable workers whose circuit is closed, in registration order: rebuilt (O(workers)) only after
+              a worker of the role changed state (health, membership, server info, errors, removal, circuit closing
+              or opening), never per decision
+    timed     the workers usable but for a circuit that is not closed: their circuit moves with the clock (open ->
+              half-open, a half-open probe's slot freeing), so each is asked at every decision: O(such workers)
+    capacity  a lower bound of the KV tokens any worker of the role can take now (``CapacityIndex``): when a
+              request fits under it, every worker fits and the per-worker KV filter is skipped
+
+Invariants: ``routable()`` equals ``[w for w in workers if w.routable]``, or when that is empty
+``[w for w in workers if w.usable_but_for_circuit]`` (a breaker never blackholes a role whose workers say they serve);
+``CapacityIndex.min_tokens()`` <= ``free_pages() * page_size`` of every worker of the role with a known count.
+Workers tell their view through ``Worker.state_changed`` and ``Worker.free_changed``; both run on the event loop.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.workers import Worker
+
+
+class Candidates(list["Worker"]):
+    """Workers a policy picks from; read-only once built (a registry view hands out the same one until a change).
+    ``by_address`` is built once per list."""
+
+    __slots__ = ("_by_address",)
+
+    def __init__(self, workers: Iterable[Worker] = ()) -> None:
+        super().__init__(workers)
+        self._by_address: dict[str, Worker] | None = None
+
+    def by_address(self) -> dict[str, Worker]:
+        d = self._by_address
+        if d is None:
+            d = self._by_address = {w.address: w for w in self}
+        return d
+
+
+class CapacityIndex:
+    """Min over the role's workers of the KV tokens each can take now (``free_pages() * page_size``; a worker with
+    no report yet bounds nothing). Lazy: a worker whose count changed is only marked (``touch``, O(1)) and re-read
+    at the next ``min_tokens``; a heap holds one live entry per worker plus stale ones, dropped when they reach the
+    top and compacted when they outnumber the live ones."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int]] = []  # (tokens, worker seq, generation)
+        self._gen: dict[int, int] = {}  # worker seq -> generation of its live entry (members only)
+        self._members: dict[int, Worker] = {}
+        self._dirty: dict[int, Worker] = {}
+
+    def add(self, w: Worker) -> None:
+        self._members[w.seq] = w
+        self._gen[w.seq] = 0
+        self._dirty[w.seq] = w
+
+    def drop(self, w: Worker) -> None:
+        self._members.pop(w.seq, None)
+        self._gen.pop(w.seq, None)  # its heap entries are stale from now on
+        self._dirty.pop(w.seq, None)
+
+    def touch(self, w: Worker) -> None:
+        if w.seq in self._members:
+            self._dirty[w.seq] = w
+
+    def min_tokens(self) -> float:
+        if self._dirty:
+            gen, heap = self._gen, self._heap
+            for seq, w in self._dirty.items():
+                g = gen[seq] = gen[seq] + 1
+                free = w.free_pages()
+                if free is not None:
+                    heapq.heappush(heap, (free * w.page_size, seq, g))
+            self._dirty.clear()
+            if len(heap) > 2 * len(gen) + 16:
+                self._compact()
+        heap, gen = self._heap, self._gen
+        while heap and gen.get(heap[0][1]) != heap[0][2]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else math.inf
+
+    def _compact(self) -> None:
+        gen = self._gen
+        self._heap = [e for e in self._heap if gen.get(e[1]) == e[2]]
+        heapq.heapify(self._heap)
+
+
+class RoleView:
+    """One role's workers (registration order) and the views above."""
+
+    def __init__(self) -> None:
+        self.workers: list[Worker] = []
+        self.capacity = CapacityIndex()
+        self._ready: Candidates | None = None  # None: a worker changed state since the last build
+        self._timed: list[Worker] = []
+
+    def add(self, w: Worker) -> None:
+        self.workers.append(w)
+        self.capacity.add(w)
+        self.invalidate()
+
+    def remove(self, w: Worker) -> None:
+        self.workers.remove(w)
+        self.capacity.drop(w)
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        self._ready = None
+
+    def routable(self) -> Candidates:
+        """See the module's invariant. Read-only: the same list is handed out until a worker changes."""
+        ready = self._ready
+        if ready is None:
+            ready = self._build()
+        if not self._timed:
+            return ready
+        extra = [w for w in self._timed if w.breaker.allows()]
+        if extra:
+            return Candidates(sorted([*ready, *extra], key=_seq))
+        return ready or Candidates(self._timed)
+
+    def _build(self) -> Candidates:
+        ready, timed = Candidates(), []
+        for w in self.workers:
+            if w.usable_but_for_circuit:
+                (ready if w.breaker.closed else timed).append(w)
+        self._ready, self._timed = ready, timed
+        return ready
+
+
+def _seq(w: Worker) -> int:
+    return w.seq
