@@ -8,8 +8,9 @@ import logging
 import signal
 from typing import TYPE_CHECKING
 
-from common import env
+from common import env, event_loop
 from common.errors import ConfigError
+from common.event_loop import EVENT_LOOPS
 from common.gc_freeze import freeze_startup_heap
 from common.tls import TlsFiles
 from router.config import POLICIES, RouterConfig, WorkerSpec
@@ -111,6 +112,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="router processes sharing the ports via SO_REUSEPORT (needs fixed, non-zero ports)",
     )
     p.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT (set by --replicas)")
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, default=d.event_loop,
+                   help="auto: uvloop when installed, else asyncio's loop")
     p.add_argument("--admin-token", default=None,
                    help="bearer token of the admin RPCs and /metrics, /v1/workers, timing lookups "
                         "(default: PDCLUSTER_ADMIN_TOKEN, else the cluster secret)")
@@ -161,6 +164,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         tokenize_inline_bytes=ns.tokenize_inline_bytes,
         max_inflight_requests=ns.max_inflight_requests,
         reuse_port=ns.reuse_port,
+        event_loop=ns.event_loop,
         **({"admin_token": ns.admin_token} if ns.admin_token is not None else {}),
         api_key=api_key_from_args(ns),
         tls=TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca),
@@ -190,7 +194,7 @@ def run_router(ns: argparse.Namespace) -> int:
             raise ConfigError("--replicas needs fixed ports: replicas share them, so 0 (pick any) cannot work")
         argv = sys.argv[sys.argv.index("router"):]
         return run_replicas(ns.replicas, argv)
-    asyncio.run(_serve(cfg))
+    event_loop.run(_serve(cfg), cfg.event_loop)
     return 0
 
 

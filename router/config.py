@@ -89,6 +89,7 @@ class RouterConfig:
     # Replicas: bind the ports with SO_REUSEPORT so several router processes share them (the kernel spreads
     # connections); each replica is stateless apart from its /v1/requests/{id}/timing store.
     reuse_port: bool = False
+    event_loop: str = "auto"  # common/event_loop.py: uvloop when installed, or "uvloop" / "asyncio"
     # Admin RPCs and internal HTTP views need this bearer token (router/admin.py); "" refuses them all.
     admin_token: str = field(default_factory=env.admin_token, repr=False)
     # Generation and model calls need this bearer key (router/client_auth.py); "" leaves them open.
