@@ -67,8 +67,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ("sum by (pod) (pdcluster_router_inflight_requests)", "router {{pod}}"),
             ("sum by (worker) (pdcluster_router_worker_inflight_requests)", "{{worker}}"),
         )),
-        Panel("Dispatches per (prefill, decode) pair",
-              ((_rate("pdcluster_router_disagg_decisions_total", "prefill, decode"), "{{prefill}} → {{decode}}"),),
+        Panel("Dispatches per worker",
+              ((_rate("pdcluster_router_dispatches_total", "worker, role"), "{{worker}} ({{role}})"),),
               "reqps"),
     )),
     ("Queues and KV cache (nodes)", (

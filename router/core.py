@@ -335,12 +335,13 @@ class RouterCore:
                 Lease(p, p.ranks[p_rank], prompt_len, p.pages_for(prompt_len)),
                 Lease(d, d.ranks[d_rank], hint.tokens, d.pages_for(hint.tokens)),
             ]
-            self.metrics.disagg_decisions.labels(p.address, d.address).inc()
+            self.metrics.dispatches.labels(p.address, "prefill").inc()
+            self.metrics.dispatches.labels(d.address, "decode").inc()
             return Plan(leases, self.rooms.acquire(), p, p_rank, d, d_rank)
         colocated = self._candidates("colocated", failed, hint.tokens)
         if colocated:
             w, rank = self._choose(self.colocated_policy, colocated, hint, hint.tokens)
-            self.metrics.disagg_decisions.labels(w.address, "").inc()
+            self.metrics.dispatches.labels(w.address, "colocated").inc()
             return Plan([Lease(w, w.ranks[rank], hint.tokens, w.pages_for(hint.tokens))], 0, None, 0, w, rank)
         raise UnavailableError(self._why_unavailable(prefills, decodes, detail=False),
                                internal=self._why_unavailable(prefills, decodes, detail=True))

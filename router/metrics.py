@@ -59,10 +59,12 @@ class RouterMetrics:
             registry=r,
         )
         self.aborts = Counter(p + "aborts", "Worker.Abort calls sent, by worker role", ["role"], registry=r)
-        self.disagg_decisions = Counter(
-            p + "disagg_decisions",
-            'Requests dispatched per (prefill, decode) pair; colocated requests count with decode=""',
-            ["prefill", "decode"],
+        # NOTE: one series per worker and role, never per (prefill, decode) pair: pairs grow as N^2 (4,096 series
+        # at 64 workers a side), which a Prometheus scrape of every router replica pays for.
+        self.dispatches = Counter(
+            p + "dispatches",
+            "Requests dispatched to each worker, by the role it served them in (prefill, decode, colocated)",
+            ["worker", "role"],
             registry=r,
         )
         self.inflight = Gauge(p + "inflight_requests", "Requests in flight through the router", registry=r)

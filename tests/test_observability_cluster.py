@@ -167,7 +167,7 @@ def test_timing_breakdown_adds_up_to_e2e(cluster: Cluster) -> None:
 
 ROUTER_MOVING = ("pdcluster_router_ttft_seconds_count", "pdcluster_router_itl_seconds_count",
                  "pdcluster_router_e2e_seconds_count", "pdcluster_router_requests_total",
-                 "pdcluster_router_disagg_decisions_total", "pdcluster_router_prompt_tokens_total",
+                 "pdcluster_router_dispatches_total", "pdcluster_router_prompt_tokens_total",
                  "pdcluster_router_completion_tokens_total")
 ROUTER_PRESENT = ("pdcluster_router_retries_total", "pdcluster_router_aborts_total",
                   "pdcluster_router_inflight_requests", "pdcluster_router_worker_healthy")

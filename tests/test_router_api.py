@@ -233,7 +233,8 @@ async def test_membership_and_observability_endpoints() -> None:
             assert name in text
         assert 'pdcluster_router_requests_total{api="grpc",outcome="success"} 1.0' in text
         assert 'pdcluster_router_requests_total{api="grpc",outcome="unavailable"} 1.0' in text
-        assert f'pdcluster_router_disagg_decisions_total{{decode="{f.decode[0].address}"' in text
+        for w, role in ((f.prefill[0], "prefill"), (f.decode[0], "decode")):
+            assert f'pdcluster_router_dispatches_total{{role="{role}",worker="{w.address}"}} 1.0' in text
 
 
 async def test_health_checks_take_an_unhealthy_worker_out_and_back() -> None:
