@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from common import env, event_loop
 from common.errors import ConfigError
-from common.event_loop import EVENT_LOOPS
 from common.gc_freeze import freeze_startup_heap
 from common.tls import TlsFiles
 from router.config import POLICIES, RouterConfig, WorkerSpec
@@ -112,7 +111,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="router processes sharing the ports via SO_REUSEPORT (needs fixed, non-zero ports)",
     )
     p.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT (set by --replicas)")
-    p.add_argument("--event-loop", choices=EVENT_LOOPS, default=d.event_loop,
+    p.add_argument("--event-loop", choices=event_loop.EVENT_LOOPS, default=d.event_loop,
                    help="auto: uvloop when installed, else asyncio's loop")
     p.add_argument("--admin-token", default=None,
                    help="bearer token of the admin RPCs and /metrics, /v1/workers, timing lookups "

@@ -233,7 +233,7 @@ class HttpGateway:
                             else oai.completion_chunk(rid, model, created, "", ev.finish_reason)
                         )
                         last["pdcluster"] = oai.extension_of(ev)
-                        await resp.write(_sse(last))
+                        tail = [_sse(last)]
                         if include_usage:
                             usage = {
                                 "id": rid,
@@ -243,8 +243,10 @@ class HttpGateway:
                                 "choices": [],
                                 "usage": oai.usage_of(ev),
                             }
-                            await resp.write(_sse(usage))
-                        await resp.write(b"data: [DONE]\n\n")
+                            tail.append(_sse(usage))
+                        tail.append(b"data: [DONE]\n\n")
+                        # One write for the final events and the end of the body: one send instead of four.
+                        await resp.write_eof(b"".join(tail))
             except PdclusterError as e:
                 if not resp.prepared:
                     return error_response(e, headers)
