@@ -47,6 +47,6 @@ RUN mkdir -p /opt/pdcluster/cache \
 USER 10001:10001
 WORKDIR /home/pdcluster
 # Replica 0's ports of deploy/cluster_spec.yaml (a test checks them).
-EXPOSE 30100 30101 31000 31001 31002 32000 32002
+EXPOSE 30100 30101 31000 31001 31002 31004 32000 32002 32004
 ENTRYPOINT []
 CMD ["pdcluster", "--help"]

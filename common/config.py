@@ -31,6 +31,9 @@ class ServerArgs:
     # SGLang's HTTP worker surface (common/server/sglang_http.py): /generate, /health, /get_server_info, ... so the
     # node serves behind sglang-router; None: off.
     sglang_http_port: int | None = None
+    # The Mux socket (common/mux_socket.py): Worker.Mux's stream on plain TCP (TLS with the gRPC port's), offered to
+    # routers on the gRPC Mux stream; 0: any free port on --host; -1: off (request legs stay on gRPC).
+    mux_port: int = 0
     disaggregation_mode: DisaggregationMode = "null"
     disaggregation_bootstrap_port: int = 8998
     kv_transfer_backend: str = "tcp"
@@ -151,6 +154,8 @@ class ServerArgs:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a TCP port, got {getattr(self, name)}")
         if self.sglang_http_port is not None and not 0 <= self.sglang_http_port < 65536:
             raise ConfigError(f"--sglang-http-port must be a TCP port, got {self.sglang_http_port}")
+        if not -1 <= self.mux_port < 65536:
+            raise ConfigError(f"--mux-port must be a TCP port, 0 (any free port) or -1 (off), got {self.mux_port}")
         if self.torch_compile_max_bs < 1:
             raise ConfigError(f"--torch-compile-max-bs must be >= 1, got {self.torch_compile_max_bs}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
@@ -245,6 +250,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-http-port", type=int, default=d.sglang_http_port,
                    help="serve SGLang's HTTP worker API (/generate with bootstrap_host/port/room, /health, "
                         "/get_server_info, ...) on this port, so sglang-router can route to this node; off by default")
+    g.add_argument("--mux-port", type=int, default=d.mux_port,
+                   help="port of the Mux socket: the router's request legs on plain TCP (TLS when the gRPC port has "
+                        "it) instead of gRPC frames; 0: any free port (offered to the router over gRPC); -1: off")
     g.add_argument("--log-level", default=d.log_level)
     g.add_argument("--log-requests", action="store_true", help="log each request's arrival and outcome (rid, room)")
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain: the Worker gRPC port serves TLS")

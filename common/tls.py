@@ -75,6 +75,15 @@ class TlsFiles:
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """An ``ssl`` client context for an mTLS listener (a node's Mux socket): verify it against ``ca``, present
+        ``cert``/``key``."""
+        assert self.ca is not None and self.cert is not None and self.key is not None
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert, self.key, password=_no_passphrase)
+        return ctx
+
     def grpc_server_credentials(self) -> grpc.ServerCredentials:
         """Credentials of a gRPC listener: TLS; client certificates signed by ``ca`` required when ``ca`` is set."""
         assert self.cert is not None and self.key is not None

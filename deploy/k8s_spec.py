@@ -66,7 +66,7 @@ def container_args(spec: ClusterSpec, role: str) -> list[str]:
         args = ["serve", "--host=$(POD_IP)", f"--port={p.grpc}"]
         if p.bootstrap is not None:
             args.append(f"--disaggregation-bootstrap-port={p.bootstrap}")
-        args.append(f"--metrics-port={p.metrics}")
+        args += [f"--metrics-port={p.metrics}", f"--mux-port={p.mux}"]
         if p.dist_init is not None:
             args += [f"--dist-init-addr=$({LWS_LEADER_ADDRESS}):{p.dist_init}", f"--node-rank=$({LWS_WORKER_INDEX})"]
         flags = spec.node_flags(role)
@@ -78,7 +78,7 @@ def container_ports(spec: ClusterSpec, role: str, leader: bool = True) -> list[d
     ranks only dial the leader's rendezvous and take gloo/NCCL connections on ephemeral ports."""
     p = spec.ports(role)
     named = {"grpc": p.grpc, "bootstrap": p.bootstrap, "metrics": p.metrics, "http": p.http,
-             "dist-init": p.dist_init}
+             "mux": p.mux, "dist-init": p.dist_init}
     if not leader:
         return []
     return [{"name": n, "containerPort": port, "protocol": "TCP"} for n, port in named.items() if port is not None]

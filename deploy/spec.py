@@ -49,16 +49,21 @@ class Resources:
     gpus_per_rank: int = 0
 
 
+PORTS_PER_REPLICA = 5  # a node replica's ports: gRPC, bootstrap, metrics, dist-init, mux
+
+
 @dataclass(frozen=True)
 class Ports:
-    """Where one replica listens. Nodes: grpc, bootstrap (prefill only), metrics, and dist_init (the TP rendezvous
-    on the leader pod) when the role spans nnodes > 1 hosts. Router: grpc, http."""
+    """Where one replica listens. Nodes: grpc, bootstrap (prefill only), metrics, mux (the Mux socket the router's
+    request legs use), and dist_init (the TP rendezvous on the leader pod) when the role spans nnodes > 1 hosts.
+    Router: grpc, http."""
 
     grpc: int
     bootstrap: int | None = None
     metrics: int | None = None
     http: int | None = None
     dist_init: int | None = None
+    mux: int | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,9 @@ class ClusterSpec:
             _check_flag("shared", key, value)
         self._check_parallelism()
         self._check_resources()
+        if self.replica_port_stride < PORTS_PER_REPLICA:
+            raise ConfigError(f"cluster spec: replica_port_stride must be >= {PORTS_PER_REPLICA} (a node replica "
+                              f"listens on port_base + 0..{PORTS_PER_REPLICA - 1}), got {self.replica_port_stride}")
         bases = sorted(r.port_base for r in self.roles.values())
         width = self.replica_port_stride * max(r.replicas for r in self.roles.values())
         if any(b - a < width for a, b in itertools.pairwise(bases)):
@@ -217,7 +225,7 @@ class ClusterSpec:
         if role == "router":
             return Ports(grpc=base, http=base + 1)
         return Ports(grpc=base, bootstrap=base + 1 if role == "prefill" else None, metrics=base + 2,
-                     dist_init=base + 3 if self.roles[role].nnodes > 1 else None)
+                     dist_init=base + 3 if self.roles[role].nnodes > 1 else None, mux=base + 4)
 
     def role_flags(self, role: str) -> dict[str, FlagValue]:
         """A node role's own flags: its ``flags`` and its ``--tp-size`` (and ``--nnodes`` when > 1)."""
@@ -246,7 +254,8 @@ class ClusterSpec:
         nnodes > 1 hosts also gets this host's ``--node-rank`` and ``--dist-init-addr`` = ``leader`` (the host of
         node rank 0) with the replica's rendezvous port."""
         p = self.ports(role, replica)
-        argv = ["serve", "--host", host, "--port", str(p.grpc), "--metrics-port", str(p.metrics)]
+        argv = ["serve", "--host", host, "--port", str(p.grpc), "--metrics-port", str(p.metrics),
+                "--mux-port", str(p.mux)]
         if p.bootstrap is not None:
             argv += ["--disaggregation-bootstrap-port", str(p.bootstrap)]
         if p.dist_init is not None:
@@ -268,7 +277,8 @@ def flags_to_argv(flags: dict[str, FlagValue]) -> list[str]:
 
 
 def _check_flag(where: str, key: str, value: object) -> None:
-    if key.startswith("-") or not key or key in ("host", "port", "grpc-port", "http-port", "metrics-port"):
+    if key.startswith("-") or not key or key in ("host", "port", "grpc-port", "http-port", "metrics-port",
+                                                             "mux-port"):
         raise ConfigError(f"cluster spec: {where}: {key!r} is not a flag name the spec may set")
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise ConfigError(f"cluster spec: {where}.{key} must be a string or number (valued flags only), got {value!r}")

@@ -12,7 +12,7 @@ from common import env, event_loop
 from common.errors import ConfigError
 from common.gc_freeze import freeze_startup_heap
 from common.tls import TlsFiles
-from router.config import POLICIES, RouterConfig, WorkerSpec
+from router.config import MUX_TRANSPORTS, POLICIES, RouterConfig, WorkerSpec
 
 if TYPE_CHECKING:
     from router.server import RouterServer
@@ -113,6 +113,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT (set by --replicas)")
     p.add_argument("--event-loop", choices=event_loop.EVENT_LOOPS, default=d.event_loop,
                    help="auto: uvloop when installed, else asyncio's loop")
+    p.add_argument("--mux-transport", choices=MUX_TRANSPORTS, default=d.mux_transport,
+                   help="request legs to a node: socket (its Mux socket when it offers one, else its gRPC Mux "
+                        "stream) or grpc (always the gRPC stream, e.g. through a proxy that passes only HTTP/2)")
     p.add_argument("--admin-token", default=None,
                    help="bearer token of the admin RPCs and /metrics, /v1/workers, timing lookups "
                         "(default: PDCLUSTER_ADMIN_TOKEN, else the cluster secret)")
@@ -164,6 +167,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         max_inflight_requests=ns.max_inflight_requests,
         reuse_port=ns.reuse_port,
         event_loop=ns.event_loop,
+        mux_transport=ns.mux_transport,
         **({"admin_token": ns.admin_token} if ns.admin_token is not None else {}),
         api_key=api_key_from_args(ns),
         tls=TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca),

@@ -11,6 +11,7 @@ from common.tls import TlsFiles
 
 Role = Literal["prefill", "decode", "colocated"]
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
+MUX_TRANSPORTS = ("socket", "grpc")
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,9 @@ class RouterConfig:
     # connections); each replica is stateless apart from its /v1/requests/{id}/timing store.
     reuse_port: bool = False
     event_loop: str = "auto"  # common/event_loop.py: uvloop when installed, or "uvloop" / "asyncio"
+    # Request legs: "socket" uses a node's Mux socket when its Mux stream offers one (common/mux_socket.py), "grpc"
+    # keeps them on the gRPC Mux stream.
+    mux_transport: str = "socket"
     # Admin RPCs and internal HTTP views need this bearer token (router/admin.py); "" refuses them all.
     admin_token: str = field(default_factory=env.admin_token, repr=False)
     # Generation and model calls need this bearer key (router/client_auth.py); "" leaves them open.
@@ -128,6 +132,8 @@ class RouterConfig:
             raise ConfigError(f"--prefix-tree-blocks must be >= 1, got {self.prefix_tree_blocks}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
+        if self.mux_transport not in MUX_TRANSPORTS:
+            raise ConfigError(f"--mux-transport must be one of {', '.join(MUX_TRANSPORTS)}, got {self.mux_transport!r}")
         self.tls.check()
         if self.tls_server_name is not None and not self.tls.mutual:
             raise ConfigError("--tls-server-name names the nodes' certificates: it needs --tls-ca (mutual TLS)")

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from common.mux_frames import MUX_METADATA_KEY, FrameWriter, Reassembler
-from common.worker_auth import credential_metadata
+from common.mux_socket import SOCKET_METADATA_KEY, FrameConnection, FrameError, connect
+from common.worker_auth import credential_metadata, worker_credential
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -99,12 +101,79 @@ class MuxCall:
         self._end(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
 
-class MuxStream:
-    """One open ``Worker.Mux`` call and the requests it carries."""
+class GrpcMuxIO:
+    """A Mux stream's frames over its ``Worker.Mux`` gRPC call."""
 
-    def __init__(self, call: Any, address: str, on_load: Callable[[worker_pb2.GetLoadResponse], None] | None = None,
-                 load_interval_s: float = 0.0) -> None:
+    def __init__(self, call: Any, address: str) -> None:
         self.call, self.address = call, address
+        self.reader: asyncio.Task[None] | None = None
+
+    def start(self, on_frame: Callable[[worker_pb2.MuxFrame], None],
+              on_end: Callable[[grpc.aio.AioRpcError], None]) -> None:
+        self.reader = asyncio.get_running_loop().create_task(self._read(on_frame, on_end))
+
+    def write(self, frame: worker_pb2.MuxFrame) -> Awaitable[None]:
+        return self.call.write(frame)
+
+    async def _read(self, on_frame: Callable[[worker_pb2.MuxFrame], None],
+                    on_end: Callable[[grpc.aio.AioRpcError], None]) -> None:
+        err: grpc.aio.AioRpcError
+        try:
+            while True:
+                frame = await self.call.read()
+                if frame is grpc.aio.EOF:
+                    err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the worker {self.address} ended its Mux stream")
+                    break
+                on_frame(frame)
+        except grpc.aio.AioRpcError as e:
+            err = rpc_error(e.code(), f"Mux stream to {self.address} failed: {e.details()}", e.trailing_metadata())
+        except asyncio.CancelledError:
+            err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"Mux stream to {self.address} was closed")
+        except Exception as e:  # a malformed frame: the stream cannot be trusted any more
+            logger.exception("Mux stream to %s: bad frame", self.address)
+            err = rpc_error(grpc.StatusCode.INTERNAL, f"Mux stream to {self.address}: {e!r}")
+        on_end(err)
+
+    def close(self) -> None:
+        self.call.cancel()
+        if self.reader is not None:
+            self.reader.cancel()
+
+
+class SocketMuxIO:
+    """A Mux stream's frames over a Mux socket connection (``common/mux_socket.py``)."""
+
+    def __init__(self, conn: FrameConnection, address: str) -> None:
+        self.conn, self.address = conn, address
+
+    def start(self, on_frame: Callable[[worker_pb2.MuxFrame], None],
+              on_end: Callable[[grpc.aio.AioRpcError], None]) -> None:
+        def lost(exc: BaseException | None) -> None:
+            if isinstance(exc, FrameError):
+                logger.error("Mux socket to %s: %s", self.address, exc)
+                on_end(rpc_error(grpc.StatusCode.INTERNAL, f"Mux socket to {self.address}: {exc}"))
+            else:
+                why = f"broke: {exc!r}" if exc is not None else "was closed"
+                on_end(rpc_error(grpc.StatusCode.UNAVAILABLE, f"Mux socket to {self.address} {why}"))
+
+        self.conn.on_frame, self.conn.on_lost = on_frame, lost
+        if self.conn.lost:
+            lost(ConnectionError("lost before use"))
+
+    def write(self, frame: worker_pb2.MuxFrame) -> Awaitable[None]:
+        return self.conn.write(frame)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class MuxStream:
+    """One open Mux stream (a gRPC call or a socket) and the requests it carries."""
+
+    def __init__(self, io: GrpcMuxIO | SocketMuxIO, address: str,
+                 on_load: Callable[[worker_pb2.GetLoadResponse], None] | None = None,
+                 load_interval_s: float = 0.0) -> None:
+        self.io, self.address = io, address
         self.on_load = on_load  # the node's pushed load reports (stream_id 0), when watched
         self.calls: dict[int, MuxCall] = {}
         self.next_sid = 1
@@ -112,11 +181,15 @@ class MuxStream:
         self.parts = Reassembler()
         self.loop = asyncio.get_running_loop()
         self.load_at: float | None = None  # loop time of the last pushed load report
-        self.writer = FrameWriter(call.write, self._broken)
-        self.reader = self.loop.create_task(self._read())
+        self.writer = FrameWriter(io.write, self._broken)
+        io.start(self._receive_frame, self._fail_all)
         if on_load is not None and load_interval_s > 0:
             self.writer.send(worker_pb2.MuxMessage(stream_id=0, watch_load=worker_pb2.MuxWatchLoad(
                 interval_s=load_interval_s, heartbeat_s=LOAD_HEARTBEAT_S)))
+
+    @property
+    def transport(self) -> str:
+        return "socket" if isinstance(self.io, SocketMuxIO) else "grpc"
 
     def open(self, kind: str, request: Any, timeout: float) -> MuxCall:
         sid = self.next_sid
@@ -129,24 +202,9 @@ class MuxStream:
         c._timer = self.loop.call_later(timeout, c._expire)
         return c
 
-    async def _read(self) -> None:
-        err: grpc.aio.AioRpcError
-        try:
-            while True:
-                frame = await self.call.read()
-                if frame is grpc.aio.EOF:
-                    err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the worker {self.address} ended its Mux stream")
-                    break
-                for msg in frame.messages:
-                    self._receive(msg)
-        except grpc.aio.AioRpcError as e:
-            err = rpc_error(e.code(), f"Mux stream to {self.address} failed: {e.details()}", e.trailing_metadata())
-        except asyncio.CancelledError:
-            err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"Mux stream to {self.address} was closed")
-        except Exception as e:  # a malformed frame: the stream cannot be trusted any more
-            logger.exception("Mux stream to %s: bad frame", self.address)
-            err = rpc_error(grpc.StatusCode.INTERNAL, f"Mux stream to {self.address}: {e!r}")
-        self._fail_all(err)
+    def _receive_frame(self, frame: worker_pb2.MuxFrame) -> None:
+        for msg in frame.messages:
+            self._receive(msg)
 
     def _receive(self, msg: worker_pb2.MuxMessage) -> None:
         whole = self.parts.whole(msg)
@@ -177,6 +235,8 @@ class MuxStream:
         self._fail_all(rpc_error(grpc.StatusCode.UNAVAILABLE, f"Mux stream to {self.address} broke: {e!r}"))
 
     def _fail_all(self, err: grpc.aio.AioRpcError) -> None:
+        if not self.alive:
+            return
         self.alive = False
         calls = list(self.calls.values())
         if calls:
@@ -185,20 +245,24 @@ class MuxStream:
         for c in calls:
             c._end(err)
         self.writer.close()
-        self.call.cancel()
-        self.reader.cancel()
+        self.io.close()
 
     def close(self) -> None:
-        if self.alive:
-            self._fail_all(rpc_error(grpc.StatusCode.UNAVAILABLE, f"Mux stream to {self.address} was closed"))
+        self._fail_all(rpc_error(grpc.StatusCode.UNAVAILABLE, f"Mux stream to {self.address} was closed"))
 
 
 class MuxLink:
     """The Mux stream to one worker: opened lazily, reopened after it ends; ``supported`` False once the worker
     answered UNIMPLEMENTED (its requests then use the per-request RPCs)."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str, use_socket: bool = True,
+                 socket_ssl: ssl.SSLContext | None = None, server_hostname: str | None = None) -> None:
         self.stub, self.address = stub, address
+        # The node's Mux socket, when it offers one (else, or when it cannot be reached, the gRPC stream); TLS with
+        # socket_ssl (the router's mTLS material), the node's certificate checked against server_hostname.
+        self.use_socket = use_socket
+        self.socket_ssl, self.server_hostname = socket_ssl, server_hostname
+        self.socket_error = ""  # why the last socket attempt failed ("" after a success)
         # Set by the monitor: each stream asks the node to push its load every load_interval_s to on_load.
         self.on_load: Callable[[worker_pb2.GetLoadResponse], None] | None = None
         self.load_interval_s = 0.0
@@ -243,7 +307,28 @@ class MuxLink:
                 return None
             raise rpc_error(code, await call.details() or "the Mux stream ended at once",
                             await call.trailing_metadata() or ())
-        return MuxStream(call, self.address, self.on_load, self.load_interval_s)
+        port = dict(md).get(SOCKET_METADATA_KEY)
+        if port and self.use_socket:
+            conn = await self._connect(port)
+            if conn is not None:
+                call.cancel()
+                return MuxStream(SocketMuxIO(conn, self.address), self.address, self.on_load, self.load_interval_s)
+        return MuxStream(GrpcMuxIO(call, self.address), self.address, self.on_load, self.load_interval_s)
+
+    async def _connect(self, port: str) -> FrameConnection | None:
+        """The node's Mux socket, or None (logged once per failure streak) when it cannot be reached."""
+        host = self.address.rsplit(":", 1)[0].strip("[]")
+        try:
+            conn = await connect(host, int(port), worker_credential(), self.socket_ssl,
+                                 self.server_hostname or host, OPEN_TIMEOUT_S)
+        except (OSError, TimeoutError, ValueError) as e:
+            if not self.socket_error:
+                logger.warning("worker %s: its Mux socket %s:%s cannot be used (%r); its requests stay on the gRPC "
+                               "Mux stream", self.address, host, port, e)
+            self.socket_error = repr(e)
+            return None
+        self.socket_error = ""
+        return conn
 
     def pushed_load_age(self) -> float | None:
         """Seconds since the live stream's last pushed load report; None without a stream or a report yet."""

@@ -169,7 +169,9 @@ class Worker:
                                           admitted=lambda: self.proven)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)  # requests go only to routable (so proven) workers
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self.mux = MuxLink(self.stub, spec.address)  # the request legs' stream, opened on first use
+        self.mux = MuxLink(  # the request legs' stream, opened on first use
+            self.stub, spec.address, use_socket=cfg.mux_transport == "socket",
+            socket_ssl=cfg.tls.client_ssl_context() if cfg.tls.mutual else None, server_hostname=cfg.tls_server_name)
         self.breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_open_s)
         self.breaker.on_change = self.state_changed
         self.info = None

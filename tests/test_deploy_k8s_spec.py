@@ -98,7 +98,8 @@ def test_device_flags_ports_replicas_and_grace_per_role(overlay: str) -> None:
             continue
         assert {p_["name"]: p_["containerPort"] for p_ in c["ports"]} == {
             k: v for k, v in (("grpc", p.grpc), ("bootstrap", p.bootstrap), ("metrics", p.metrics),
-                              ("dist-init", p.dist_init)) if v is not None}
+                              ("dist-init", p.dist_init), ("mux", p.mux)) if v is not None}
+        assert ns.mux_port == p.mux, t.owner
         assert c["startupProbe"]["grpc"]["port"] == c["readinessProbe"]["grpc"]["port"] == p.grpc
         assert c["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "metrics"}
         assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_S)]

@@ -17,9 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.cli import main
 from common.errors import ConfigError
+from common.mux_socket import connect
 from common.testing.mock_worker import shared_model_dir
 from common.testing.router_fleet import FAST, eventually, fleet
 from common.tls import TlsFiles
+from common.worker_auth import worker_credential
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.admin import bearer_metadata
 from router.config import RouterConfig, WorkerSpec
@@ -148,8 +150,21 @@ async def test_mtls_router_reaches_nodes_and_nodes_refuse_callers_without_a_ca_s
             msgs = await generate(router_pb2_grpc.RouterStub(channel))
         assert msgs[-1].complete.usage.completion_tokens == 2
         assert len(f.prefill[0].received("prefill")) == 1
+        for w in f.workers:  # the legs went over each node's Mux socket, under the same mTLS
+            stream = f.server.service.registry.workers[w.address].mux.stream
+            assert stream is not None and stream.transport == "socket"
 
         rogue = TestCa(tmp_path / "rogue", "rogue CA").issue("rogue")
+        verify_only = ssl.create_default_context(cafile=ca.ca)
+        rogue_ctx = ssl.create_default_context(cafile=ca.ca)
+        rogue_ctx.load_cert_chain(rogue.cert, rogue.key)
+        for who, ctx in {"plaintext": None, "TLS without a client certificate": verify_only,
+                         "a certificate of another CA": rogue_ctx}.items():
+            with pytest.raises((ConnectionError, ssl.SSLError, TimeoutError)):
+                conn = await connect("127.0.0.1", f.decode[0].mux_socket_port, worker_credential(), ctx,
+                                     "127.0.0.1", timeout=3)
+                conn.close()
+                pytest.fail(f"{who}: the Mux socket served a caller without a CA-signed certificate")
         callers = {
             "plaintext": None,
             "TLS without a client certificate": grpc.ssl_channel_credentials(Path(ca.ca).read_bytes()),
@@ -192,6 +207,9 @@ async def test_tls_server_name_lets_nodes_carry_one_dns_name(tmp_path: Path) -> 
         async with grpc.aio.secure_channel(f.server.grpc_address, creds) as channel:
             msgs = await generate(router_pb2_grpc.RouterStub(channel))
         assert msgs[-1].complete.usage.completion_tokens == 2
+        for w in f.workers:  # the Mux sockets checked the same name
+            stream = f.server.service.registry.workers[w.address].mux.stream
+            assert stream is not None and stream.transport == "socket"
     with pytest.raises(ConfigError, match="--tls-server-name"):
         RouterConfig(tls=ca.files("router", mutual=False), tls_server_name="pd-node.internal")
 

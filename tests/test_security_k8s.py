@@ -182,7 +182,7 @@ def test_network_policies_admit_exactly_the_cluster_flows(overlay: str) -> None:
         if group_worker:  # a TP group's non-leader pod: only its ranks' gloo/NCCL ephemeral ports, from nodes
             return src in NODE_ROLES and port in KV_PORTS
         if src == "router":
-            return port == p.grpc
+            return port in (p.grpc, p.mux)
         if src in NODE_ROLES:
             return port in (p.bootstrap, p.dist_init) or port in KV_PORTS
         if src == "prometheus":

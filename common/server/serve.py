@@ -26,9 +26,10 @@ from common.security import require_cluster_token
 from common.server.front import WorkerServicer
 from common.server.http_probe import node_liveness, start_probe_server
 from common.server.metrics import poll_load_forever
+from common.server.mux_socket_server import MuxSocketServer
 from common.server.ranks import RankClient
 from common.tokenizer import resolve_model_path
-from common.worker_auth import WorkerAuthInterceptor
+from common.worker_auth import WorkerAuthInterceptor, worker_credential
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class NodeServer:
         self._metrics_task: asyncio.Task[None] | None = None
         self._probe_server: Any = None
         self._sglang_http: Any = None  # SglangHttpServer with --sglang-http-port
+        self.mux_socket: MuxSocketServer | None = None
         self.rank_died = False  # a rank exited on its own: the node stops with a non-zero exit code
 
     async def start(self) -> None:
@@ -115,6 +117,10 @@ class NodeServer:
             raise OSError(f"cannot bind the Worker gRPC port {self.args.host}:{self.args.port}")
         self.servicer.grpc_port = self.port
         await self.server.start()
+        if self.args.mux_port >= 0:
+            self.mux_socket = MuxSocketServer(self.servicer, worker_credential(),
+                                              tls.server_ssl_context() if tls.enabled else None)
+            self.servicer.mux_socket_port = await self.mux_socket.start(self.args.host, self.args.mux_port)
         if self.args.metrics_port is not None:
             self._probe_server = start_probe_server(
                 self.args.metrics_port, self.args.host, node_liveness(self.ranks, self.args.watchdog_timeout)
@@ -128,8 +134,9 @@ class NodeServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("pdcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
         logger.info(
-            "node ready: mode=%s grpc=%s:%d dp=%d tp=%d model=%s", self.args.disaggregation_mode, self.args.host,
-            self.port, self.args.dp_size, self.args.tp_size, self.model_path,
+            "node ready: mode=%s grpc=%s:%d mux-socket=%s dp=%d tp=%d model=%s", self.args.disaggregation_mode,
+            self.args.host, self.port, self.mux_socket.port if self.mux_socket is not None else "off",
+            self.args.dp_size, self.args.tp_size, self.model_path,
         )
 
     async def drain_and_stop(self) -> None:
@@ -140,6 +147,8 @@ class NodeServer:
         while self.ranks.waiters and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
         await self.server.stop(grace=1.0)
+        if self.mux_socket is not None:
+            await self.mux_socket.stop()
         if self._sglang_http is not None:
             await self._sglang_http.stop()
         if self._metrics_task is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from common.mux_frames import MUX_METADATA_KEY, FrameWriter, Reassembler
+from common.mux_socket import SOCKET_METADATA_KEY
 from pdcluster.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class MuxCallContext:
         return self._outer.peer()
 
 
-class _MuxSession:
+class MuxSession:
     """One Mux stream on the node: requests by stream_id, their handler tasks, the batched writer."""
 
     def __init__(self, servicer: Any, context: grpc.aio.ServicerContext) -> None:
@@ -179,16 +180,23 @@ class _MuxSession:
     async def serve(self, requests: AsyncIterable[worker_pb2.MuxFrame]) -> None:
         try:
             async for frame in requests:
-                for msg in frame.messages:
-                    self.receive(msg)
+                self.receive_frame(frame)
         finally:
-            if self.load_pusher is not None:
-                self.load_pusher.cancel()
-            self.cancel_all()
-            running = [t for t, _ in self.tasks.values()]
-            if running:
-                await asyncio.wait(running, timeout=5.0)
-            self.writer.close()
+            await self.finish()
+
+    def receive_frame(self, frame: worker_pb2.MuxFrame) -> None:
+        for msg in frame.messages:
+            self.receive(msg)
+
+    async def finish(self) -> None:
+        """The stream ended: cancel every handler still running on it and wait (bounded) for them to end."""
+        if self.load_pusher is not None:
+            self.load_pusher.cancel()
+        self.cancel_all()
+        running = [t for t, _ in self.tasks.values()]
+        if running:
+            await asyncio.wait(running, timeout=5.0)
+        self.writer.close()
 
 
 def _status(sid: int, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> Any:
@@ -199,9 +207,16 @@ def _status(sid: int, code: grpc.StatusCode, details: str, trailing: tuple[tuple
 
 
 class MuxServing:
-    """Mixin for a ``WorkerServicer``: serves ``Mux`` with the class's own Generate / Prefill / Decode."""
+    """Mixin for a ``WorkerServicer``: serves ``Mux`` with the class's own Generate / Prefill / Decode.
+    ``mux_socket_port`` (set by whoever started a ``common.server.mux_socket_server.MuxSocketServer`` for it) is
+    offered to routers in the stream's initial metadata."""
+
+    mux_socket_port = 0  # 0: no Mux socket
 
     async def Mux(self, request_iterator: AsyncIterable[worker_pb2.MuxFrame],
                   context: grpc.aio.ServicerContext) -> None:
-        await context.send_initial_metadata(((MUX_METADATA_KEY, "1"),))  # tells the router at once: Mux is served
-        await _MuxSession(self, context).serve(request_iterator)
+        md: tuple[tuple[str, str], ...] = ((MUX_METADATA_KEY, "1"),)  # tells the router at once: Mux is served
+        if self.mux_socket_port:
+            md += ((SOCKET_METADATA_KEY, str(self.mux_socket_port)),)
+        await context.send_initial_metadata(md)
+        await MuxSession(self, context).serve(request_iterator)

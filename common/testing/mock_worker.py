@@ -37,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from common.ports import pick_free_port
+from common.server.mux_socket_server import MuxSocketServer
 from common.server.worker_mux import MuxServing
 from common.tls import TlsFiles
 from common.worker_auth import METADATA_KEY, ChallengeRefused, answer_challenge
@@ -83,6 +84,7 @@ class MockConfig:
     tls: TlsFiles | None = None  # serve the Worker port over (m)TLS, as a node with --tls-cert/--tls-key[/--tls-ca]
     secret: str | None = None  # cluster secret its membership proofs use (None: the environment's)
     serve_mux: bool = True  # False: answer Worker.Mux UNIMPLEMENTED, as a node built before Mux does
+    mux_socket: bool = True  # offer a Mux socket (common/mux_socket.py) on the Mux stream, as a node does by default
 
 
 @dataclass
@@ -147,6 +149,7 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
         self.bootstrap_port = 0
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
+        self._mux_socket: MuxSocketServer | None = None
 
     @property
     def address(self) -> str:
@@ -163,6 +166,11 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
         if self.cfg.role == "prefill":
             self.bootstrap_port = free_port()
         await server.start()
+        if self.cfg.serve_mux and self.cfg.mux_socket:
+            # Any credential is served (recorded in ``calls`` as "Mux-socket"), as the gRPC port is.
+            self._mux_socket = MuxSocketServer(self, None, tls.server_ssl_context() if tls is not None else None,
+                                               on_hello=lambda c: self.calls.append(("Mux-socket", c)))
+            self.mux_socket_port = await self._mux_socket.start("127.0.0.1")
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         return self.address
@@ -171,6 +179,10 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self._mux_socket is not None:
+            await self._mux_socket.stop()
+            self._mux_socket = None
+            self.mux_socket_port = 0
 
     async def set_serving(self, serving: bool) -> None:
         status = (

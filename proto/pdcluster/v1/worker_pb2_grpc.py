@@ -141,6 +141,12 @@ class WorkerServicer:
         status per request, the last message about that stream_id (code OK after a Finished or a prefill_done).
         The node sends its initial metadata at once, so a router learns without sending a request whether Mux is
         served (UNIMPLEMENTED: fall back to the per-request RPCs). The stream ending fails every request on it.
+        Mux socket: a node whose initial metadata carries `pdcluster-mux-socket: PORT` serves the same stream on a plain
+        TCP connection to PORT on the same host (TLS exactly when its gRPC port has it, client certificates included),
+        without gRPC's per-write cost: each MuxFrame goes as a 4-byte big-endian length and its serialized bytes. The
+        router's first frame holds one `hello` (stream_id 0) with the credential the gRPC calls carry; the node answers
+        `hello` once it is accepted, or a `status` (stream_id 0, UNAUTHENTICATED) and closes. Everything after is as on
+        the gRPC stream, which the router then cancels; a router that cannot connect keeps the gRPC stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

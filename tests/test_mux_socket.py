@@ -1,0 +1,195 @@
+"""The Mux socket (common/mux_socket.py, common/server/mux_socket_server.py): the router's request legs on a plain TCP
+connection offered on the gRPC Mux stream; the hello's credential, the fallback to gRPC, framing faults."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from common import mux_socket
+from common.mux_socket import FrameConnection, FrameError, connect
+from common.server import mux_socket_server
+from common.server.mux_socket_server import MuxSocketServer
+from common.testing.mock_worker import MockConfig, MockWorker, fake_tokens
+from common.testing.router_fleet import fleet
+from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from router.mux import MuxLink
+
+
+def gen_req(rid: str, ids: list[int], n: int = 4) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(rid=rid, input_ids=ids, sampling_params=common_pb2.SamplingParams(max_new_tokens=n))
+
+
+async def read_ids(call: Any) -> list[int]:
+    ids: list[int] = []
+    while True:
+        msg = await call.read()
+        assert msg is not grpc.aio.EOF
+        if msg.WhichOneof("kind") == "chunk":
+            ids += msg.chunk.token_ids
+        else:
+            return ids + list(msg.finished.last.token_ids)
+
+
+@contextlib.asynccontextmanager
+async def linked(**cfg: Any) -> AsyncIterator[tuple[MockWorker, MuxLink]]:
+    w = MockWorker(MockConfig(role="colocated", **cfg))
+    await w.start()
+    channel = grpc.aio.insecure_channel(w.address)
+    link = MuxLink(worker_pb2_grpc.WorkerStub(channel), w.address)
+    try:
+        yield w, link
+    finally:
+        link.close()
+        await channel.close()
+        await w.stop()
+
+
+async def until(cond: Any, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def generate(stub: Any, rid: str) -> router_pb2.RouterGenerateResponse:
+    req = router_pb2.RouterGenerateRequest(request_id=rid, input_ids=router_pb2.TokenIds(ids=[10, 11, 12]),
+                                           sampling_params=common_pb2.SamplingParams(max_new_tokens=3))
+    return [m async for m in stub.Generate(req)][-1]
+
+
+@pytest.mark.parametrize("transport", ["socket", "grpc"])
+async def test_router_legs_ride_the_offered_socket_unless_told_grpc(transport: str) -> None:
+    async with fleet(prefill=1, decode=1, mux_transport=transport) as f:
+        stub = f.stub()
+        done = await asyncio.gather(*(generate(stub, f"r{i}") for i in range(16)))
+        assert [list(m.complete.output_ids) for m in done] == [fake_tokens([10, 11, 12], 3, 1536)] * 16
+        for w in f.workers:
+            link = f.server.service.registry.workers[w.address].mux
+            assert link.stream is not None and link.stream.transport == transport
+            methods = [m for m, _ in w.calls]
+            assert methods.count("Mux-socket") == (transport == "socket")
+            assert "Prefill" not in methods and "Decode" not in methods
+        assert f.server.service.core.rooms.in_flight == set()
+
+
+async def test_an_unreachable_socket_leaves_the_legs_on_the_grpc_stream() -> None:
+    async with linked() as (w, link):
+        assert w._mux_socket is not None
+        port = w.mux_socket_port
+        await w._mux_socket.stop()  # still offered on the Mux stream, but nothing listens
+        w.mux_socket_port = port
+        stream = await link.get(5)
+        assert stream is not None and stream.transport == "grpc"
+        assert "Connect" in link.socket_error or "refused" in link.socket_error.lower()
+        assert await read_ids(stream.open("generate", gen_req("g", [3, 4], 5), 10)) == fake_tokens([3, 4], 5, 1536)
+
+
+async def test_a_hello_without_the_credential_is_refused_and_serves_nothing() -> None:
+    w = MockWorker(MockConfig(role="colocated"))
+    server = MuxSocketServer(w, credential="the-credential")
+    port = await server.start("127.0.0.1")
+    try:
+        with pytest.raises(ConnectionError, match=r"refused the hello.*PDCLUSTER_CLUSTER_TOKEN"):
+            await connect("127.0.0.1", port, "a-guess")
+        # A first frame that is not a hello (a request) is refused too, and never reaches a handler.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        data = worker_pb2.MuxFrame(messages=[worker_pb2.MuxMessage(stream_id=1, generate=gen_req("x", [1, 2]))])
+        writer.write(struct.pack(">I", data.ByteSize()) + data.SerializeToString())
+        (n,) = struct.unpack(">I", await asyncio.wait_for(reader.readexactly(4), 3))
+        refusal = worker_pb2.MuxFrame.FromString(await reader.readexactly(n))
+        assert refusal.messages[0].status.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+        assert await asyncio.wait_for(reader.read(), 3) == b""  # then closed
+        writer.close()
+        assert not w.records
+        conn = await connect("127.0.0.1", port, "the-credential")
+        conn.close()
+        await until(lambda: not server.connections)
+    finally:
+        await server.stop()
+
+
+async def test_a_connection_without_a_hello_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mux_socket_server, "HELLO_TIMEOUT_S", 0.2)
+    server = MuxSocketServer(MockWorker(MockConfig(role="colocated")), credential=None)
+    port = await server.start("127.0.0.1")
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 3) == b""
+        assert time.monotonic() - t0 < 2
+        writer.close()
+        await until(lambda: not server.connections)
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xff\xff\xff", struct.pack(">I", 3) + b"\x0a\xff\xff"])
+async def test_a_bad_frame_drops_the_connection_and_cancels_exactly_its_requests(garbage: bytes) -> None:
+    async with linked(hang=True) as (w, link), linked(itl=0.01) as (_v, other):
+        stream, calm = await link.get(5), await other.get(5)
+        assert stream is not None and stream.transport == "socket" and calm is not None
+        hung = stream.open("generate", gen_req("hung", [5, 6]), 30)
+        going = calm.open("generate", gen_req("going", [5, 7], 20), 30)
+        await until(lambda: "hung" in w.active)
+        assert isinstance(stream.io, object) and stream.io.conn.transport is not None  # type: ignore[union-attr]
+        stream.io.conn.transport.write(garbage)  # type: ignore[union-attr]
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(hung.read(), 5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        await until(lambda: "hung" in w.cancelled and not w.active)
+        assert len(await read_ids(going)) == 20  # the other worker's stream never noticed
+        again = await link.get(5)  # the next request reconnects
+        assert again is not None and again is not stream and again.transport == "socket"
+        again.open("generate", gen_req("after", [5, 8]), 0.5).cancel()
+
+
+class _Sink(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def _framed(frame: worker_pb2.MuxFrame) -> bytes:
+    data = frame.SerializeToString()
+    return struct.pack(">I", len(data)) + data
+
+
+@pytest.mark.parametrize("piece", [1, 3, 4096, 1 << 20])
+def test_frames_split_anywhere_arrive_whole_and_in_order(piece: int) -> None:
+    frames = [worker_pb2.MuxFrame(messages=[worker_pb2.MuxMessage(stream_id=i, fragment=worker_pb2.MuxFragment(
+        data=bytes([i]) * size))]) for i, size in enumerate([0, 10, 200_000, 7, 900_000])]
+    wire = b"".join(_framed(f) for f in frames)
+    conn, got, lost = FrameConnection(), [], []
+    conn.on_frame, conn.on_lost = got.append, lost.append
+    conn.connection_made(_Sink())
+    for i in range(0, len(wire), piece):
+        conn.data_received(wire[i : i + piece])
+    assert got == frames and not lost
+
+
+def test_an_oversized_frame_header_loses_the_connection_before_its_body() -> None:
+    conn, got, lost = FrameConnection(), [], []
+    conn.on_frame, conn.on_lost = got.append, lost.append
+    sink = _Sink()
+    conn.connection_made(sink)
+    conn.data_received(struct.pack(">I", mux_socket.MAX_FRAME_BYTES + 1))
+    assert not got and len(lost) == 1 and isinstance(lost[0], FrameError) and sink.closed
+    conn.data_received(_framed(worker_pb2.MuxFrame()))  # nothing is delivered after the loss
+    assert not got and len(lost) == 1
