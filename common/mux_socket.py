@@ -62,14 +62,16 @@ class FrameConnection(asyncio.Protocol):
         self._buf = bytearray()  # the start of a frame not yet whole
         self._need = 4  # bytes _buf must hold before a frame can be parsed from it
         self._paused: asyncio.Future[None] | None = None  # set while the transport's write buffer is over its mark
+        self._made: asyncio.Future[None] | None = None  # a wait_made() waiting
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  (uvloop's transports do not subclass asyncio's)
         tune_socket(transport.get_extra_info("socket"))
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        if self._made is not None and not self._made.done():
+            self._made.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf
@@ -115,6 +117,12 @@ class FrameConnection(asyncio.Protocol):
             self._paused = None
 
     # -- use ------------------------------------------------------------------------------------------------------
+    async def wait_made(self) -> None:
+        """Until connection_made (or the loss): uvloop may call it after create_connection has returned."""
+        if self.transport is None and not self.lost:
+            self._made = asyncio.get_running_loop().create_future()
+            await self._made
+
     async def write(self, frame: worker_pb2.MuxFrame) -> None:
         if self.lost or self.transport is None:
             raise ConnectionError(f"the Mux socket to {self.peer} is closed")
@@ -145,6 +153,8 @@ class FrameConnection(asyncio.Protocol):
             self.transport.abort()
         if self._paused is not None and not self._paused.done():
             self._paused.set_result(None)
+        if self._made is not None and not self._made.done():
+            self._made.set_result(None)
         self.on_lost(exc)
 
 
@@ -174,10 +184,13 @@ async def connect(host: str, port: int, credential: str, ssl: Any = None, server
         async with asyncio.timeout(timeout):
             await loop.create_connection(lambda: conn, host, port, ssl=ssl,
                                          server_hostname=server_hostname if ssl is not None else None)
+            await conn.wait_made()
             await conn.write(hello_frame(credential))
             frame = await answer
     except BaseException:
         conn.close()
+        if answer.done() and not answer.cancelled():
+            answer.exception()  # retrieved: the error raised here says it
         raise
     kinds = [m.WhichOneof("kind") for m in frame.messages]
     if kinds != ["hello"]:

@@ -193,3 +193,16 @@ def test_an_oversized_frame_header_loses_the_connection_before_its_body() -> Non
     assert not got and len(lost) == 1 and isinstance(lost[0], FrameError) and sink.closed
     conn.data_received(_framed(worker_pb2.MuxFrame()))  # nothing is delivered after the loss
     assert not got and len(lost) == 1
+
+
+def test_both_ends_work_on_uvloop() -> None:
+    """The router runs on uvloop (common/event_loop.py), whose transports are not asyncio's classes."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> tuple[str, list[int]]:
+        async with linked() as (_w, link):
+            stream = await link.get(5)
+            assert stream is not None
+            return stream.transport, await read_ids(stream.open("generate", gen_req("uv", [3, 4], 5), 10))
+
+    assert uvloop.run(main()) == ("socket", fake_tokens([3, 4], 5, 1536))
