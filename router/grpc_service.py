@@ -138,6 +138,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     error=s["error"] or "",
                     state=s["state"],
                     name=s["name"],
+                    legs_transport=s["legs_transport"],
+                    mux_socket_error=s["mux_socket_error"],
                 )
                 for s in self.service.list_workers()
             ]

@@ -330,6 +330,14 @@ class MuxLink:
         self.socket_error = ""
         return conn
 
+    @property
+    def transport(self) -> str:
+        """What carries the legs now: "socket", "grpc", "rpc" (no Mux served) or "" (no stream open)."""
+        if not self.supported:
+            return "rpc"
+        s = self.stream
+        return s.transport if s is not None and s.alive else ""
+
     def pushed_load_age(self) -> float | None:
         """Seconds since the live stream's last pushed load report; None without a stream or a report yet."""
         s = self.stream

@@ -103,6 +103,8 @@ class RouterService:
                     "free_kv_pages": free if free is not None else -1,
                     "circuit_state": w.breaker.state,
                     "error": w.error,
+                    "legs_transport": w.mux.transport,
+                    "mux_socket_error": w.mux.socket_error,
                 }
             )
         return out

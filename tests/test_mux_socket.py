@@ -77,6 +77,8 @@ async def test_router_legs_ride_the_offered_socket_unless_told_grpc(transport: s
             methods = [m for m, _ in w.calls]
             assert methods.count("Mux-socket") == (transport == "socket")
             assert "Prefill" not in methods and "Decode" not in methods
+        listed = {s["address"]: s for s in f.server.service.list_workers()}
+        assert {(s["legs_transport"], s["mux_socket_error"]) for s in listed.values()} == {(transport, "")}
         assert f.server.service.core.rooms.in_flight == set()
 
 
@@ -87,7 +89,7 @@ async def test_an_unreachable_socket_leaves_the_legs_on_the_grpc_stream() -> Non
         await w._mux_socket.stop()  # still offered on the Mux stream, but nothing listens
         w.mux_socket_port = port
         stream = await link.get(5)
-        assert stream is not None and stream.transport == "grpc"
+        assert stream is not None and stream.transport == link.transport == "grpc"
         assert "Connect" in link.socket_error or "refused" in link.socket_error.lower()
         assert await read_ids(stream.open("generate", gen_req("g", [3, 4], 5), 10)) == fake_tokens([3, 4], 5, 1536)
 

@@ -149,6 +149,8 @@ async def test_a_worker_without_mux_is_served_by_per_request_rpcs() -> None:
         d_methods = [m for m, _ in f.decode[0].calls]
         assert p_methods.count("Mux") == 1 and p_methods.count("Prefill") == 3
         assert d_methods.count("Mux") == 1 and "Decode" not in d_methods
+        legs = {s["role"]: s["legs_transport"] for s in f.server.service.list_workers()}
+        assert legs == {"prefill": "rpc", "decode": "socket"}
 
 
 async def test_a_large_message_goes_out_in_fragments_interleaved_with_small_ones() -> None:

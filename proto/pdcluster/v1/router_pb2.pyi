@@ -120,7 +120,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "bootstrap_port", "healthy", "dp_size", "inflight_requests", "free_kv_pages", "circuit_state", "error", "state", "name")
+    __slots__ = ("address", "role", "bootstrap_port", "healthy", "dp_size", "inflight_requests", "free_kv_pages", "circuit_state", "error", "state", "name", "legs_transport", "mux_socket_error")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,8 @@ class WorkerStatus(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    LEGS_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    MUX_SOCKET_ERROR_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: WorkerRole
     bootstrap_port: int
@@ -143,7 +145,9 @@ class WorkerStatus(_message.Message):
     error: str
     state: str
     name: str
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., bootstrap_port: _Optional[int] = ..., healthy: _Optional[bool] = ..., dp_size: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., circuit_state: _Optional[str] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    legs_transport: str
+    mux_socket_error: str
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., bootstrap_port: _Optional[int] = ..., healthy: _Optional[bool] = ..., dp_size: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., circuit_state: _Optional[str] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., legs_transport: _Optional[str] = ..., mux_socket_error: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
