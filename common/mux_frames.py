@@ -57,6 +57,12 @@ class FrameWriter:
             self._large.append(pieces)
         self._wake.set()
 
+    def send_first(self, msg: worker_pb2.MuxMessage) -> None:
+        """Queue a small message ahead of the small ones already queued (a keepalive's answer)."""
+        if not self._closed:
+            self._small.appendleft((msg, msg.ByteSize()))
+            self._wake.set()
+
     async def _run(self) -> None:
         try:
             while True:

@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 5.0  # for a node's answer (its initial metadata) to a new Mux stream
 LOAD_HEARTBEAT_S = 2.0  # a watched node pushes its load at least this often, changed or not
+KEEPALIVE_IDLE_S = 10.0  # a Mux socket silent this long is pinged ... (as CHANNEL_OPTIONS' gRPC keepalive)
+KEEPALIVE_TIMEOUT_S = 5.0  # ... and fails when nothing arrives within this after the ping
 _BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
@@ -141,13 +143,28 @@ class GrpcMuxIO:
 
 
 class SocketMuxIO:
-    """A Mux stream's frames over a Mux socket connection (``common/mux_socket.py``)."""
+    """A Mux stream's frames over a Mux socket connection (``common/mux_socket.py``).
+
+    Keepalive: a socket silent for ``KEEPALIVE_IDLE_S`` gets a ping, and fails (UNAVAILABLE, every request on it)
+    when nothing arrives within ``KEEPALIVE_TIMEOUT_S`` after it: a stopped or wedged node process, whose kernel
+    keeps the connection open, fails its legs as the gRPC stream's HTTP/2 keepalive would, not at their deadlines.
+    """
 
     def __init__(self, conn: FrameConnection, address: str) -> None:
         self.conn, self.address = conn, address
+        self.loop = asyncio.get_running_loop()
+        self.last_rx = self.loop.time()  # loop time of the last frame received
+        self.ping_at: float | None = None  # loop time of the unanswered ping
+        self.seq = 0
+        self._on_end: Callable[[grpc.aio.AioRpcError], None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def start(self, on_frame: Callable[[worker_pb2.MuxFrame], None],
               on_end: Callable[[grpc.aio.AioRpcError], None]) -> None:
+        def frame(f: worker_pb2.MuxFrame) -> None:
+            self.last_rx, self.ping_at = self.loop.time(), None
+            on_frame(f)
+
         def lost(exc: BaseException | None) -> None:
             if isinstance(exc, FrameError):
                 logger.error("Mux socket to %s: %s", self.address, exc)
@@ -156,14 +173,39 @@ class SocketMuxIO:
                 why = f"broke: {exc!r}" if exc is not None else "was closed"
                 on_end(rpc_error(grpc.StatusCode.UNAVAILABLE, f"Mux socket to {self.address} {why}"))
 
-        self.conn.on_frame, self.conn.on_lost = on_frame, lost
+        self._on_end = on_end
+        self.conn.on_frame, self.conn.on_lost = frame, lost
         if self.conn.lost:
             lost(ConnectionError("lost before use"))
+            return
+        self._timer = self.loop.call_later(self._check_every(), self._check)
+
+    @staticmethod
+    def _check_every() -> float:
+        return min(KEEPALIVE_IDLE_S, KEEPALIVE_TIMEOUT_S) / 5
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if self.ping_at is not None and now - self.ping_at >= KEEPALIVE_TIMEOUT_S:
+            logger.warning("Mux socket to %s: no answer to a keepalive within %.1f s; failing its requests",
+                           self.address, KEEPALIVE_TIMEOUT_S)
+            assert self._on_end is not None
+            self._on_end(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the worker {self.address} did not answer a "
+                                   f"keepalive within {KEEPALIVE_TIMEOUT_S:.0f} s"))
+            return
+        if self.ping_at is None and now - self.last_rx >= KEEPALIVE_IDLE_S:
+            self.seq += 1
+            self.ping_at = now
+            self.conn.send_now(worker_pb2.MuxFrame(messages=[worker_pb2.MuxMessage(
+                stream_id=0, ping=worker_pb2.MuxPing(seq=self.seq))]))
+        self._timer = self.loop.call_later(self._check_every(), self._check)
 
     def write(self, frame: worker_pb2.MuxFrame) -> Awaitable[None]:
         return self.conn.write(frame)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         self.conn.close()
 
 

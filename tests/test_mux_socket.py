@@ -20,6 +20,7 @@ from common.server.mux_socket_server import MuxSocketServer
 from common.testing.mock_worker import MockConfig, MockWorker, fake_tokens
 from common.testing.router_fleet import fleet
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from router import mux as router_mux
 from router.mux import MuxLink
 
 
@@ -208,3 +209,27 @@ def test_both_ends_work_on_uvloop() -> None:
             return stream.transport, await read_ids(stream.open("generate", gen_req("uv", [3, 4], 5), 10))
 
     assert uvloop.run(main()) == ("socket", fake_tokens([3, 4], 5, 1536))
+
+
+async def test_a_node_that_stops_answering_fails_its_socket_by_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped node process keeps its TCP connection open (its kernel still acknowledges): the router's keepalive
+    fails the socket and its requests, long before their deadlines."""
+    monkeypatch.setattr(router_mux, "KEEPALIVE_IDLE_S", 0.3)
+    monkeypatch.setattr(router_mux, "KEEPALIVE_TIMEOUT_S", 0.3)
+    async with linked(hang=True) as (w, link):
+        stream = await link.get(5)
+        assert stream is not None and stream.transport == "socket"
+        await asyncio.sleep(1.0)  # idle: pinged and answered, more than once
+        assert stream.alive and stream.io.seq >= 2  # type: ignore[union-attr]
+        hung = stream.open("generate", gen_req("stuck", [5, 6]), 60)
+        await until(lambda: "stuck" in w.active)
+        assert w._mux_socket is not None
+        (node_end,) = w._mux_socket.connections
+        node_end.conn.transport.pause_reading()  # type: ignore[union-attr]  (the node hears nothing more)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(hung.read(), 5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "keepalive" in e.value.details()
+        assert time.monotonic() - t0 < 2.0 and not stream.alive
+        node_end.conn.transport.resume_reading()  # type: ignore[union-attr]
+        await until(lambda: not w.active)  # the node saw the connection end and cancelled the request

@@ -99,6 +99,8 @@ class MuxSession:
             w = whole.watch_load
             if w.interval_s > 0:
                 self.load_pusher = self.loop.create_task(self._push_load(w.interval_s, max(w.heartbeat_s, w.interval_s)))
+        elif kind == "ping":  # the router's keepalive on a Mux socket: answered at once, ahead of queued frames
+            self.writer.send_first(whole)
         elif kind == "cancel":
             deadline_passed = whole.cancel.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
             self.cancel(sid, grpc.StatusCode.DEADLINE_EXCEEDED if deadline_passed else grpc.StatusCode.CANCELLED)

@@ -14,7 +14,7 @@ class MuxFrame(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[MuxMessage, _Mapping]]] = ...) -> None: ...
 
 class MuxMessage(_message.Message):
-    __slots__ = ("stream_id", "generate", "prefill", "decode", "cancel", "response", "prefill_done", "status", "fragment", "watch_load", "load", "hello", "timeout_s")
+    __slots__ = ("stream_id", "generate", "prefill", "decode", "cancel", "response", "prefill_done", "status", "fragment", "watch_load", "load", "hello", "ping", "timeout_s")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class MuxMessage(_message.Message):
     WATCH_LOAD_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     generate: GenerateRequest
@@ -40,14 +41,21 @@ class MuxMessage(_message.Message):
     watch_load: MuxWatchLoad
     load: GetLoadResponse
     hello: MuxHello
+    ping: MuxPing
     timeout_s: float
-    def __init__(self, stream_id: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[_Union[MuxCancel, _Mapping]] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., prefill_done: _Optional[_Union[PrefillResponse, _Mapping]] = ..., status: _Optional[_Union[MuxStatus, _Mapping]] = ..., fragment: _Optional[_Union[MuxFragment, _Mapping]] = ..., watch_load: _Optional[_Union[MuxWatchLoad, _Mapping]] = ..., load: _Optional[_Union[GetLoadResponse, _Mapping]] = ..., hello: _Optional[_Union[MuxHello, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[_Union[MuxCancel, _Mapping]] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., prefill_done: _Optional[_Union[PrefillResponse, _Mapping]] = ..., status: _Optional[_Union[MuxStatus, _Mapping]] = ..., fragment: _Optional[_Union[MuxFragment, _Mapping]] = ..., watch_load: _Optional[_Union[MuxWatchLoad, _Mapping]] = ..., load: _Optional[_Union[GetLoadResponse, _Mapping]] = ..., hello: _Optional[_Union[MuxHello, _Mapping]] = ..., ping: _Optional[_Union[MuxPing, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class MuxHello(_message.Message):
     __slots__ = ("credential",)
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     credential: str
     def __init__(self, credential: _Optional[str] = ...) -> None: ...
+
+class MuxPing(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class MuxWatchLoad(_message.Message):
     __slots__ = ("interval_s", "heartbeat_s")
