@@ -10,7 +10,8 @@ Each backend: prefill ``KVManager`` in a child process, decode ``KVManager`` her
 side from ``send(all pages, last=True)`` to the sender's ``Success`` (which needs decode's confirmation that every
 byte and the metadata landed). GB/s = 536,870,912 B / seconds (1 GB = 1e9 B). Median of ``--reps`` after one
 warm-up. Baselines in the same run: ``ctypes.memmove`` of the same runs in one thread, and a raw TCP socket
-(``sendmsg``/``recvmsg_into`` of the same runs, 64 iovecs per call) between two processes; with the ``nixl``
+(``sendmsg``/``recvmsg_into`` of the same runs, 64 iovecs per call, no flags: ``_raw_send_views`` /
+``_raw_recv_views``, fixed here so a change to the backend's loops never moves its baseline) between two processes; with the ``nixl``
 or ``ucx`` backend, raw NIXL too: two agents in two processes, one ``initialize_xfer("WRITE")`` of the same page runs
 (every layer, K and V) + ``transfer`` + ``check_xfer_state`` until DONE per rep (the handle is built inside the timed
 region, as a new request's page table needs; UCX transports from ``UCX_TLS``); with the ``mooncake`` backend, raw
@@ -151,22 +152,55 @@ def _views(args: KVArgs, pages: list[tuple[int, int]]) -> list[memoryview]:
     return out
 
 
+def _raw_recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """The raw baseline's receive: ``recvmsg_into`` of up to 64 views per call, no flags (what the tcp backend did
+    before it asked for MSG_WAITALL), each call returning what has landed."""
+    i, off = 0, 0
+    while i < len(views):
+        batch = views[i:i + 64]
+        if off:
+            batch[0] = batch[0][off:]
+        got = sock.recvmsg_into(batch)[0]
+        if got == 0:
+            raise ConnectionError("connection closed by peer")
+        while got and i < len(views):
+            rest = len(views[i]) - off
+            if got >= rest:
+                got, i, off = got - rest, i + 1, 0
+            else:
+                off, got = off + got, 0
+
+
+def _raw_send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """The raw baseline's send: ``sendmsg`` of up to 64 views per call (a blocking socket queues them all)."""
+    i, off = 0, 0
+    while i < len(views):
+        batch = views[i:i + 64]
+        if off:
+            batch[0] = batch[0][off:]
+        sent = sock.sendmsg(batch)
+        while sent and i < len(views):
+            rest = len(views[i]) - off
+            if sent >= rest:
+                sent, i, off = sent - rest, i + 1, 0
+            else:
+                off, sent = off + sent, 0
+
+
 def _raw_receiver(port_q: mp.Queue, runs: list[tuple[int, int, int]], reps: int, geom: Geometry) -> None:
-    from kvtransfer.backends.tcp import _recv_views
     dst = make_pool(None, geom, "cpu")
     views = _views(dst, [(d, n) for _, d, n in runs])
     server = socket.create_server(("127.0.0.1", 0))
     port_q.put(server.getsockname()[1])
     conn, _ = server.accept()
     for _ in range(reps + 1):
-        _recv_views(conn, views)
+        _raw_recv_views(conn, views)
         conn.sendall(b"k")
     conn.close()
 
 
 def bench_raw_tcp(src: KVArgs, runs: list[tuple[int, int, int]], reps: int, geom: Geometry) -> list[float]:
     """Host memory to host memory over loopback (``src`` must be a CPU pool)."""
-    from kvtransfer.backends.tcp import _send_views
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
     proc = ctx.Process(target=_raw_receiver, args=(q, runs, reps, geom), daemon=True)
@@ -176,7 +210,7 @@ def bench_raw_tcp(src: KVArgs, runs: list[tuple[int, int, int]], reps: int, geom
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
-        _send_views(sock, views)
+        _raw_send_views(sock, views)
         sock.recv(1)
         times.append(time.perf_counter() - t0)
     sock.close()
