@@ -158,6 +158,7 @@ class SocketMuxIO:
         self.seq = 0
         self._on_end: Callable[[grpc.aio.AioRpcError], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0  # loop time the next check is due
 
     def start(self, on_frame: Callable[[worker_pb2.MuxFrame], None],
               on_end: Callable[[grpc.aio.AioRpcError], None]) -> None:
@@ -178,7 +179,7 @@ class SocketMuxIO:
         if self.conn.lost:
             lost(ConnectionError("lost before use"))
             return
-        self._timer = self.loop.call_later(self._check_every(), self._check)
+        self._schedule(self.loop.time())
 
     @staticmethod
     def _check_every() -> float:
@@ -186,7 +187,10 @@ class SocketMuxIO:
 
     def _check(self) -> None:
         now = self.loop.time()
-        if self.ping_at is not None and now - self.ping_at >= KEEPALIVE_TIMEOUT_S:
+        # A check that runs late (this loop was held up) lets the I/O that waited with it be read first: uvloop runs
+        # due timers before polling sockets, so an answer already in the socket would not have been seen yet.
+        late = now - self._due > self._check_every()
+        if self.ping_at is not None and now - self.ping_at >= KEEPALIVE_TIMEOUT_S and not late:
             logger.warning("Mux socket to %s: no answer to a keepalive within %.1f s; failing its requests",
                            self.address, KEEPALIVE_TIMEOUT_S)
             assert self._on_end is not None
@@ -198,7 +202,11 @@ class SocketMuxIO:
             self.ping_at = now
             self.conn.send_now(worker_pb2.MuxFrame(messages=[worker_pb2.MuxMessage(
                 stream_id=0, ping=worker_pb2.MuxPing(seq=self.seq))]))
-        self._timer = self.loop.call_later(self._check_every(), self._check)
+        self._schedule(now)
+
+    def _schedule(self, now: float) -> None:
+        self._due = now + self._check_every()
+        self._timer = self.loop.call_at(self._due, self._check)
 
     def write(self, frame: worker_pb2.MuxFrame) -> Awaitable[None]:
         return self.conn.write(frame)

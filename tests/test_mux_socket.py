@@ -3,8 +3,10 @@ connection offered on the gRPC Mux stream; the hello's credential, the fallback 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -14,6 +16,8 @@ import grpc
 import pytest
 
 from common import mux_socket
+from common.config import ServerArgs
+from common.errors import ConfigError
 from common.mux_socket import FrameConnection, FrameError, connect
 from common.server import mux_socket_server
 from common.server.mux_socket_server import MuxSocketServer
@@ -21,6 +25,8 @@ from common.testing.mock_worker import MockConfig, MockWorker, fake_tokens
 from common.testing.router_fleet import fleet
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router import mux as router_mux
+from router.cli import add_router_args, config_from_args
+from router.config import RouterConfig
 from router.mux import MuxLink
 
 
@@ -233,3 +239,42 @@ async def test_a_node_that_stops_answering_fails_its_socket_by_keepalive(monkeyp
         assert time.monotonic() - t0 < 2.0 and not stream.alive
         node_end.conn.transport.resume_reading()  # type: ignore[union-attr]
         await until(lambda: not w.active)  # the node saw the connection end and cancelled the request
+
+
+def test_bad_mux_flags_are_config_errors_naming_the_flag() -> None:
+    for port in (-2, 65536):
+        with pytest.raises(ConfigError, match="--mux-port"):
+            ServerArgs(mux_port=port)
+    assert ServerArgs(mux_port=-1).mux_port == -1
+    with pytest.raises(ConfigError, match="--mux-transport must be one of socket, grpc"):
+        RouterConfig(mux_transport="udp")
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mux-transport", "udp"])
+    assert config_from_args(parser.parse_args(["--mux-transport", "grpc"])).mux_transport == "grpc"
+
+
+async def test_a_taken_mux_port_stops_the_node_with_the_flag_named() -> None:
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        server = MuxSocketServer(MockWorker(MockConfig(role="colocated")), credential=None)
+        with pytest.raises(OSError, match=r"cannot bind the Mux socket port 127\.0\.0\.1:\d+ \(--mux-port"):
+            await server.start("127.0.0.1", taken.getsockname()[1])
+    finally:
+        taken.close()
+
+
+async def test_a_router_loop_held_up_past_the_keepalive_does_not_fail_an_answered_socket(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ping's answer arrived while the router's loop was blocked: the late check reads it, it does not fail."""
+    monkeypatch.setattr(router_mux, "KEEPALIVE_IDLE_S", 0.2)
+    monkeypatch.setattr(router_mux, "KEEPALIVE_TIMEOUT_S", 0.2)
+    async with linked() as (_w, link):
+        stream = await link.get(5)
+        assert stream is not None and stream.transport == "socket"
+        io = stream.io
+        await until(lambda: io.ping_at is not None)  # type: ignore[union-attr]  (a ping is out)
+        time.sleep(0.6)  # (the router's loop held up: the answer waits in the socket)
+        await asyncio.sleep(0.3)
+        assert stream.alive and io.seq >= 1  # type: ignore[union-attr]

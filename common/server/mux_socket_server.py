@@ -116,7 +116,11 @@ class MuxSocketServer:
             self.connections.add(a)
             return a.conn
 
-        self._server = await asyncio.get_running_loop().create_server(accept, host, port, ssl=self.ssl_context)
+        try:
+            self._server = await asyncio.get_running_loop().create_server(accept, host, port, ssl=self.ssl_context)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot bind the Mux socket port {host}:{port} (--mux-port; 0 picks a free "
+                                   f"one, -1 turns it off): {e.strerror or e}") from e
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
