@@ -27,10 +27,10 @@ logger = logging.getLogger(__name__)
 SOCKET_METADATA_KEY = "pdcluster-mux-socket"  # the port, in a Mux stream's initial metadata
 HELLO_TIMEOUT_S = 5.0  # for the router's hello on a new connection, and for the node's answer
 MAX_FRAME_BYTES = FRAME_BYTES + (256 << 10)  # a frame's messages stop at FRAME_BYTES; room for their envelopes
-# A peer that stops answering (host gone, partition) loses the connection within about 15 s, as the gRPC
-# channel's keepalive (router/workers.py CHANNEL_OPTIONS) would: idle probes, and a bound on unacknowledged data.
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 1
-USER_TIMEOUT_MS = 15_000
+# A host that stops answering (gone, partitioned) loses the connection within about 15 s at the TCP level: idle
+# probes, and a bound on unacknowledged data. (A stopped process whose kernel still answers is the router's
+# application-level keepalive's job: router/mux.py SocketMuxIO.)
+TCP_OPTIONS = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 1), ("TCP_USER_TIMEOUT", 15_000))
 _HEADER = struct.Struct(">I")
 
 
@@ -43,8 +43,7 @@ def tune_socket(sock: socket.socket | None) -> None:
         return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                        ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
+    for name, value in TCP_OPTIONS:
         if hasattr(socket, name):  # Linux; elsewhere the system's keepalive defaults apply
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
@@ -126,8 +125,7 @@ class FrameConnection(asyncio.Protocol):
     async def write(self, frame: worker_pb2.MuxFrame) -> None:
         if self.lost or self.transport is None:
             raise ConnectionError(f"the Mux socket to {self.peer} is closed")
-        data = frame.SerializeToString()
-        self.transport.write(_HEADER.pack(len(data)) + data)
+        self.send_now(frame)
         while self._paused is not None:
             await self._paused
             if self.lost:
