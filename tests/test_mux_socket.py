@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -22,48 +20,12 @@ from common.mux_socket import FrameConnection, FrameError, connect
 from common.server import mux_socket_server
 from common.server.mux_socket_server import MuxSocketServer
 from common.testing.mock_worker import MockConfig, MockWorker, fake_tokens
-from common.testing.router_fleet import fleet
-from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from common.testing.router_fleet import eventually, fleet
+from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
 from router import mux as router_mux
 from router.cli import add_router_args, config_from_args
 from router.config import RouterConfig
-from router.mux import MuxLink
-
-
-def gen_req(rid: str, ids: list[int], n: int = 4) -> worker_pb2.GenerateRequest:
-    return worker_pb2.GenerateRequest(rid=rid, input_ids=ids, sampling_params=common_pb2.SamplingParams(max_new_tokens=n))
-
-
-async def read_ids(call: Any) -> list[int]:
-    ids: list[int] = []
-    while True:
-        msg = await call.read()
-        assert msg is not grpc.aio.EOF
-        if msg.WhichOneof("kind") == "chunk":
-            ids += msg.chunk.token_ids
-        else:
-            return ids + list(msg.finished.last.token_ids)
-
-
-@contextlib.asynccontextmanager
-async def linked(**cfg: Any) -> AsyncIterator[tuple[MockWorker, MuxLink]]:
-    w = MockWorker(MockConfig(role="colocated", **cfg))
-    await w.start()
-    channel = grpc.aio.insecure_channel(w.address)
-    link = MuxLink(worker_pb2_grpc.WorkerStub(channel), w.address)
-    try:
-        yield w, link
-    finally:
-        link.close()
-        await channel.close()
-        await w.stop()
-
-
-async def until(cond: Any, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
+from tests.mux_helpers import gen_req, linked, read_all
 
 
 async def generate(stub: Any, rid: str) -> router_pb2.RouterGenerateResponse:
@@ -98,7 +60,7 @@ async def test_an_unreachable_socket_leaves_the_legs_on_the_grpc_stream() -> Non
         stream = await link.get(5)
         assert stream is not None and stream.transport == link.transport == "grpc"
         assert "Connect" in link.socket_error or "refused" in link.socket_error.lower()
-        assert await read_ids(stream.open("generate", gen_req("g", [3, 4], 5), 10)) == fake_tokens([3, 4], 5, 1536)
+        assert await read_all(stream.open("generate", gen_req("g", [3, 4], 5), 10)) == fake_tokens([3, 4], 5, 1536)
 
 
 async def test_a_hello_without_the_credential_is_refused_and_serves_nothing() -> None:
@@ -120,7 +82,7 @@ async def test_a_hello_without_the_credential_is_refused_and_serves_nothing() ->
         assert not w.records
         conn = await connect("127.0.0.1", port, "the-credential")
         conn.close()
-        await until(lambda: not server.connections)
+        await eventually(lambda: not server.connections)
     finally:
         await server.stop()
 
@@ -135,7 +97,7 @@ async def test_a_connection_without_a_hello_is_dropped(monkeypatch: pytest.Monke
         assert await asyncio.wait_for(reader.read(), 3) == b""
         assert time.monotonic() - t0 < 2
         writer.close()
-        await until(lambda: not server.connections)
+        await eventually(lambda: not server.connections)
     finally:
         await server.stop()
 
@@ -147,14 +109,14 @@ async def test_a_bad_frame_drops_the_connection_and_cancels_exactly_its_requests
         assert stream is not None and stream.transport == "socket" and calm is not None
         hung = stream.open("generate", gen_req("hung", [5, 6]), 30)
         going = calm.open("generate", gen_req("going", [5, 7], 20), 30)
-        await until(lambda: "hung" in w.active)
+        await eventually(lambda: "hung" in w.active)
         assert isinstance(stream.io, object) and stream.io.conn.transport is not None  # type: ignore[union-attr]
         stream.io.conn.transport.write(garbage)  # type: ignore[union-attr]
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await asyncio.wait_for(hung.read(), 5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        await until(lambda: "hung" in w.cancelled and not w.active)
-        assert len(await read_ids(going)) == 20  # the other worker's stream never noticed
+        await eventually(lambda: "hung" in w.cancelled and not w.active)
+        assert len(await read_all(going)) == 20  # the other worker's stream never noticed
         again = await link.get(5)  # the next request reconnects
         assert again is not None and again is not stream and again.transport == "socket"
         again.open("generate", gen_req("after", [5, 8]), 0.5).cancel()
@@ -212,7 +174,7 @@ def test_both_ends_work_on_uvloop() -> None:
         async with linked() as (_w, link):
             stream = await link.get(5)
             assert stream is not None
-            return stream.transport, await read_ids(stream.open("generate", gen_req("uv", [3, 4], 5), 10))
+            return stream.transport, await read_all(stream.open("generate", gen_req("uv", [3, 4], 5), 10))
 
     assert uvloop.run(main()) == ("socket", fake_tokens([3, 4], 5, 1536))
 
@@ -228,7 +190,7 @@ async def test_a_node_that_stops_answering_fails_its_socket_by_keepalive(monkeyp
         await asyncio.sleep(1.0)  # idle: pinged and answered, more than once
         assert stream.alive and stream.io.seq >= 2  # type: ignore[union-attr]
         hung = stream.open("generate", gen_req("stuck", [5, 6]), 60)
-        await until(lambda: "stuck" in w.active)
+        await eventually(lambda: "stuck" in w.active)
         assert w._mux_socket is not None
         (node_end,) = w._mux_socket.connections
         node_end.conn.transport.pause_reading()  # type: ignore[union-attr]  (the node hears nothing more)
@@ -238,7 +200,7 @@ async def test_a_node_that_stops_answering_fails_its_socket_by_keepalive(monkeyp
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "keepalive" in e.value.details()
         assert time.monotonic() - t0 < 2.0 and not stream.alive
         node_end.conn.transport.resume_reading()  # type: ignore[union-attr]
-        await until(lambda: not w.active)  # the node saw the connection end and cancelled the request
+        await eventually(lambda: not w.active)  # the node saw the connection end and cancelled the request
 
 
 def test_bad_mux_flags_are_config_errors_naming_the_flag() -> None:
@@ -274,7 +236,7 @@ async def test_a_router_loop_held_up_past_the_keepalive_does_not_fail_an_answere
         stream = await link.get(5)
         assert stream is not None and stream.transport == "socket"
         io = stream.io
-        await until(lambda: io.ping_at is not None)  # type: ignore[union-attr]  (a ping is out)
+        await eventually(lambda: io.ping_at is not None)  # type: ignore[union-attr]  (a ping is out)
         time.sleep(0.6)  # (the router's loop held up: the answer waits in the socket)
         await asyncio.sleep(0.3)
         assert stream.alive and io.seq >= 1  # type: ignore[union-attr]

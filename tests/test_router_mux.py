@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,41 +15,11 @@ from common.errors import ErrorCode
 from common.io_struct import AbortReq
 from common.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
 from common.server.front import WorkerServicer
-from common.testing.mock_worker import MockConfig, MockWorker, fake_tokens
+from common.testing.mock_worker import fake_tokens
 from common.testing.router_fleet import eventually, fleet
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
-
-
-def gen_req(rid: str, ids: list[int], n: int = 4) -> worker_pb2.GenerateRequest:
-    return worker_pb2.GenerateRequest(rid=rid, input_ids=ids, sampling_params=common_pb2.SamplingParams(max_new_tokens=n))
-
-
-async def read_all(call: Any) -> list[int]:
-    """Token ids of a Generate/Decode leg through its Finished message."""
-    ids: list[int] = []
-    while True:
-        msg = await call.read()
-        assert msg is not grpc.aio.EOF
-        if msg.WhichOneof("kind") == "chunk":
-            ids += msg.chunk.token_ids
-        else:
-            return ids + list(msg.finished.last.token_ids)
-
-
-@contextlib.asynccontextmanager
-async def linked(**cfg: Any) -> AsyncIterator[tuple[MockWorker, MuxLink]]:
-    """A colocated mock worker and a MuxLink to it, on a plain channel."""
-    w = MockWorker(MockConfig(role="colocated", **cfg))
-    await w.start()
-    channel = grpc.aio.insecure_channel(w.address)
-    link = MuxLink(worker_pb2_grpc.WorkerStub(channel), w.address)
-    try:
-        yield w, link
-    finally:
-        link.close()
-        await channel.close()
-        await w.stop()
+from tests.mux_helpers import gen_req, linked, read_all
 
 
 async def test_many_concurrent_pd_requests_ride_one_stream_per_worker() -> None:
