@@ -16,7 +16,8 @@ or ``ucx`` backend, raw NIXL too: two agents in two processes, one ``initialize_
 (every layer, K and V) + ``transfer`` + ``check_xfer_state`` until DONE per rep (the handle is built inside the timed
 region, as a new request's page table needs; UCX transports from ``UCX_TLS``); with the ``mooncake`` backend, raw
 Mooncake too: two ``TransferEngine``s (P2P handshake, TCP protocol) in two processes, one
-``batch_transfer_sync_write`` of the same page runs per rep (in batches of 2048 segments, the engine's limit). Targets: tcp >= 1.0x raw TCP, shm >= 0.85x memcpy,
+``batch_transfer_sync_write`` of the same page runs per rep (in batches of 2048 segments, the engine's limit). Targets: tcp >= 1.0x raw TCP (tcp stripes a job over 2
+connections by default; ``--option streams=1`` measures it on one), shm >= 0.85x memcpy,
 nixl >= 0.9x raw NIXL, ucx >= 1.0x raw NIXL (same ``UCX_TLS``), mooncake >= 0.9x raw Mooncake.
 
 ``--device cuda``: both pools on ``cuda:0`` (two processes on one GPU; default backends shm and tcp). Baselines in
@@ -48,6 +49,7 @@ from typing import Any
 
 import torch
 
+from common.config import KV_TRANSFER_OPTIONS
 from kvtransfer.args import KVArgs, KVTransferConfig
 from kvtransfer.registry import BACKENDS
 
@@ -441,7 +443,8 @@ def main() -> int:
                              "the target ratio is the median of the rounds' ratios")
     parser.add_argument("--tokens", type=int, default=4096, help="request size (x 128 KiB); small runs: 256")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="backend option, e.g. stage=always (tcp's staged path on CPU buffers)")
+                        help="backend option, given to the backends that read it: stage=always (tcp's staged path "
+                             "on CPU buffers), streams=1 (tcp on one connection)")
     parser.add_argument("--json", default="")
     opts = parser.parse_args()
     options = dict(o.split("=", 1) for o in opts.option)
@@ -453,6 +456,9 @@ def main() -> int:
     geom = Geometry(opts.tokens, "cuda:0" if cuda else "cpu")
     backends = (opts.backends or ("shm,tcp" if cuda else ",".join(n for n in BACKENDS if n != "fake") + ",fake"))
     modes = opts.modes or ("paged" if cuda else "contiguous,paged")
+    unread = [k for k in options if not any(k in KV_TRANSFER_OPTIONS.get(b, ()) for b in backends.split(","))]
+    if unread:
+        parser.error(f"--option {unread} is read by none of the backends {backends}")
     torch.set_num_threads(1)
     src = make_pool(SRC_SEED, geom)
     host_src = make_pool(SRC_SEED, geom, "cpu") if cuda else src
@@ -485,7 +491,9 @@ def main() -> int:
                     env = dict(os.environ)
                     try:
                         measured[name].append(baseline(name) if name == base else gbps(
-                            bench_backend(backend, src_pages, dst_pages, opts.reps, src, geom, options), geom))
+                            bench_backend(backend, src_pages, dst_pages, opts.reps, src, geom,
+                                          {k: v for k, v in options.items() if k in KV_TRANSFER_OPTIONS[backend]}),
+                            geom))
                     except Exception as exc:  # a backend's failure goes in the table; the other backends go on
                         if name == base:
                             raise

@@ -35,6 +35,7 @@ def kv_transfer_config(args: ServerArgs, model_fingerprint: Mapping[str, object]
         waiting_timeout_s=args.waiting_timeout,
         transfer_timeout_s=args.transfer_timeout,
         fingerprint=fingerprint,
+        backend_options=args.kv_transfer_options,
     )
 
 

@@ -52,6 +52,29 @@ def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[Pa
     return [PageRun(int(src[s]), int(dst[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
+def split_runs(runs: Sequence[PageRun], parts: int) -> list[tuple[PageRun, ...]]:
+    """``runs`` cut into ``parts`` consecutive stripes of equal page counts (the first ones one page more when
+    the pages do not divide): together they are ``runs`` in order, page for page; a run may be cut in two."""
+    total = sum(r.num_pages for r in runs)
+    if not 1 <= parts <= max(total, 1):
+        raise ValueError(f"cannot split {total} pages into {parts} stripes")
+    sizes = [total // parts + (k < total % parts) for k in range(parts)]
+    stripes: list[tuple[PageRun, ...]] = []
+    it = iter(runs)
+    run: PageRun | None = None
+    for size in sizes:
+        stripe: list[PageRun] = []
+        while size:
+            run = run or next(it)
+            take = min(size, run.num_pages)
+            stripe.append(PageRun(run.src_page, run.dst_page, take))
+            size -= take
+            rest = run.num_pages - take
+            run = PageRun(run.src_page + take, run.dst_page + take, rest) if rest else None
+        stripes.append(tuple(stripe))
+    return stripes
+
+
 def owned_heads(tp_rank: int, tp_size: int, total_heads: int) -> range:
     """Global KV heads held by one TP rank (replicated when total_heads < tp_size): the model's own rule, so the
     heads a rank sends or receives are exactly the heads its KV pool holds."""

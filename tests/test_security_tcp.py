@@ -11,14 +11,9 @@ import tracemalloc
 import pytest
 
 from kvtransfer.backends.base import PeerInfo, PeerKey
-from kvtransfer.backends.tcp import (
-    MAX_CONNS_PER_HOST,
-    NONCE_BYTES,
-    ChunkHeader,
-    DataHello,
-    _send_frame,
-    data_proof,
-)
+from kvtransfer.backends.streamio import send_frame
+from kvtransfer.backends.tcp import MAX_CONNS_PER_HOST, NONCE_BYTES
+from kvtransfer.backends.wire import ChunkHeader, DataHello, data_proof
 from kvtransfer.manager import KVManager
 from kvtransfer.receiver import DecodeRooms
 from kvtransfer.testing import DECODE_SEED, TOKEN, kv_config, make_args
@@ -61,7 +56,7 @@ def test_huge_declared_length_allocates_nothing(decode_mgr: KVManager) -> None:
 def test_a_hello_without_the_secret_is_refused(decode_mgr: KVManager) -> None:
     sock = _connect(decode_mgr)
     # Even the identity of a real, accepted peer is not enough without the proof.
-    _send_frame(sock, DataHello("prefill/dp0/tp0@tcp://127.0.0.1:1", 1, b"\0" * 32))
+    send_frame(sock, DataHello("prefill/dp0/tp0@tcp://127.0.0.1:1", 1, b"\0" * 32))
     assert _closed_by_peer(sock)
     assert not decode_mgr.backend._accepted  # type: ignore[attr-defined]
 
@@ -88,10 +83,10 @@ def test_a_proven_peer_cannot_declare_more_than_its_runs_hold(decode_mgr: KVMana
     decode_mgr.backend.add_peer(PeerInfo(key, decode_mgr.layout, {}))
     sock = socket.create_connection((decode_mgr.endpoint["host"], int(decode_mgr.endpoint["port"])), timeout=5)
     nonce = sock.recv(NONCE_BYTES, socket.MSG_WAITALL)
-    _send_frame(sock, DataHello(key.instance_id, key.epoch, data_proof(TOKEN, nonce, key.instance_id, key.epoch)))
+    send_frame(sock, DataHello(key.instance_id, key.epoch, data_proof(TOKEN, nonce, key.instance_id, key.epoch)))
     tracemalloc.start()
     try:
-        _send_frame(sock, ChunkHeader(room=1, chunk_id=0, dst_runs=[(1, 1)], heads=None, nbytes=1 << 40))
+        send_frame(sock, ChunkHeader(room=1, chunk_id=0, dst_runs=[(1, 1)], heads=None, nbytes=1 << 40))
         assert _closed_by_peer(sock)
         _, peak = tracemalloc.get_traced_memory()
     finally:

@@ -2,15 +2,23 @@
 source pages into the destination pages (no staging copy for whole pages). Works everywhere.
 
 GPU buffers (either side) travel staged through pinned host buffers, overlapped per segment (``staging``): the
-header's ``segment_pages`` > 0 says the payload is in the staged layout. Settings
-(``KVTransferConfig.backend_options``): ``stage`` ("auto": stage when either side's buffers are on a GPU;
-"always": stage CPU buffers too, the same byte path CI runs), ``stage_bytes`` (segment size, default 16 MiB).
+header's ``segment_pages`` > 0 says the payload is in the staged layout.
 
-One connection per (prefill rank, decode peer), opened lazily by the prefill side's per-peer worker. Stream::
+Striping: a job of at least 2 x ``stripe_bytes`` is cut into up to ``streams`` stripes of consecutive pages
+(``split_runs``), each moved on its own connection by its own thread, so the copies into and out of the kernel run
+on several cores at once (one TCP stream is bound by one core's copy: on loopback two streams move ~1.2x the bytes
+of one). A stripe is a whole job on the wire (its own header and ack), so the decode side needs no stripe logic; the
+job is done when every stripe is, and a failed stripe fails the job only after the others have stopped.
+
+Settings (``KVTransferConfig.backend_options``): ``stage`` ("auto": stage when either side's buffers are on a
+GPU; "always": stage CPU buffers too, the same byte path CI runs), ``stage_bytes`` (segment size, default 16 MiB),
+``streams`` (connections per decode peer, 1..8, default 2), ``stripe_bytes`` (smallest stripe, default 4 MiB).
+
+Connections per (prefill rank, decode peer, stream), opened lazily by the prefill side's per-peer worker. Stream::
 
     decode -> prefill   nonce (16 bytes)                                  once per connection: the challenge
     prefill -> decode   frame(DataHello)                                  its proof of the cluster secret
-    prefill -> decode   frame(ChunkHeader) payload                        per job
+    prefill -> decode   frame(ChunkHeader) payload                        per job (per stripe)
     decode -> prefill   frame(ChunkAck)                                   per job, after the payload landed
     frame = u32 little-endian length + msgpack (``wire``);  payload = for layer: for K, V: for run: the run's bytes
                                                  (staged: for segment: see ``staging``)
@@ -25,13 +33,11 @@ Listener bounds: nothing is allocated for a connection before its DataHello prov
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import hmac
 import logging
 import secrets
-import select
 import socket
-import struct
 import threading
 
 import msgspec
@@ -40,89 +46,30 @@ import torch
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.staging import DEFAULT_SEGMENT_BYTES, PageStager, expand_pages
-from kvtransfer.backends.wire import (
-    AnyDataMessage,
-    ChunkAck,
-    ChunkHeader,
-    DataHello,
-    data_proof,
-    decode,
-    encode,
+from kvtransfer.backends.streamio import (
+    closed_by_peer,
+    discard,
+    recv_exact,
+    recv_frame,
+    recv_views,
+    send_frame,
+    send_views,
+    shutdown,
 )
+from kvtransfer.backends.wire import ChunkAck, ChunkHeader, DataHello, data_proof
 from kvtransfer.backends.workers import QueuedBackend, TransferError
-from kvtransfer.pages import HeadSlice, PageRun
+from kvtransfer.pages import HeadSlice, PageRun, split_runs
 
 log = logging.getLogger(__name__)
 
-IOV_BATCH = 64
-_LEN = struct.Struct("<I")
 NONCE_BYTES = 16
 MAX_HELLO_BYTES = 1024
 HELLO_TIMEOUT_S = 5.0
-MAX_CONNS_PER_HOST = 8
-MAX_CONNS = 64
-DISCARD_BYTES = 1 << 16
-
-
-def _send_frame(sock: socket.socket, msg: AnyDataMessage) -> None:
-    body = encode(msg)
-    sock.sendall(_LEN.pack(len(body)) + body)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_views(sock, [memoryview(buf)])
-    return bytes(buf)
-
-
-def _recv_frame(sock: socket.socket, max_bytes: int = 1 << 20) -> AnyDataMessage:
-    """One frame; a declared length over ``max_bytes`` closes the connection before anything is allocated."""
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > max_bytes:
-        raise TransferError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
-    return decode(_recv_exact(sock, n))
-
-
-def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    i, off = 0, 0
-    while i < len(views):
-        batch = views[i:i + IOV_BATCH]
-        if off:
-            batch[0] = batch[0][off:]
-        sent = sock.sendmsg(batch)
-        while sent and i < len(views):
-            rest = len(views[i]) - off
-            if sent >= rest:
-                sent, i, off = sent - rest, i + 1, 0
-            else:
-                off, sent = off + sent, 0
-        while i < len(views) and len(views[i]) == 0:
-            i += 1
-
-
-def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Fill ``views`` from the stream. MSG_WAITALL: the kernel returns once the whole batch (up to IOV_BATCH views)
-    is in, not whenever a segment lands, so a 512 MiB payload takes ~64 calls instead of ~1,400, and the Python
-    between calls (and its GIL hand-offs to the process's other threads) stops paying per segment. A short return
-    (a signal, the peer closing, a shutdown from another thread) is accounted for like any other."""
-    i, off = 0, 0
-    while i < len(views) and len(views[i]) == 0:
-        i += 1
-    while i < len(views):
-        batch = views[i:i + IOV_BATCH]
-        if off:
-            batch[0] = batch[0][off:]
-        got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
-        if got == 0:
-            raise ConnectionError("connection closed by peer")
-        while got and i < len(views):
-            rest = len(views[i]) - off
-            if got >= rest:
-                got, i, off = got - rest, i + 1, 0
-            else:
-                off, got = off + got, 0
-        while i < len(views) and len(views[i]) == 0:
-            i += 1
+MAX_STREAMS = 8
+DEFAULT_STREAMS = 2
+DEFAULT_STRIPE_BYTES = 4 << 20
+MAX_CONNS_PER_HOST = 32  # e.g. 8 prefill ranks on one host x 2 streams each, twice over
+MAX_CONNS = 128
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -142,15 +89,15 @@ class TcpBackend(QueuedBackend):
         if stage not in ("auto", "always"):
             raise ValueError(f"tcp backend option stage must be 'auto' or 'always', got {stage!r}")
         self._stage_always = stage == "always"
-        self._segment_bytes = int(config.backend_options.get("stage_bytes", DEFAULT_SEGMENT_BYTES))
-        if self._segment_bytes <= 0:
-            raise ValueError(f"tcp backend option stage_bytes must be > 0, got {self._segment_bytes}")
-        self._stagers: dict[PeerKey, PageStager] = {}  # prefill: per peer (used by that peer's worker only)
+        self._segment_bytes = _int_option(config, "stage_bytes", DEFAULT_SEGMENT_BYTES, 1, None)
+        self._streams = _int_option(config, "streams", DEFAULT_STREAMS, 1, MAX_STREAMS)
+        self._stripe_bytes = _int_option(config, "stripe_bytes", DEFAULT_STRIPE_BYTES, 1, None)
+        self._stagers: dict[tuple[PeerKey, int], PageStager] = {}  # prefill: per (peer, stream): one thread each
         self._recv_stager = threading.local()  # decode: one per connection thread
         self._lock = threading.Lock()
         self._closed = False
         self._peers: dict[PeerKey, PeerInfo] = {}
-        self._socks: dict[PeerKey, socket.socket] = {}  # prefill: connection per decode peer
+        self._socks: dict[tuple[PeerKey, int], socket.socket] = {}  # prefill: connection per (decode peer, stream)
         self._accepted: dict[socket.socket, PeerKey | None] = {}  # decode: connections by sending peer
         self._conns_by_host: dict[str, int] = {}  # decode: open connections (proven or not) per remote host
         # A header lists at most one run per page; msgpack needs < 32 bytes per run.
@@ -176,12 +123,13 @@ class TcpBackend(QueuedBackend):
     def remove_peer(self, key: PeerKey) -> None:
         with self._lock:
             self._peers.pop(key, None)
-            self._stagers.pop(key, None)
-            socks = [self._socks.pop(key)] if key in self._socks else []
+            for stream in range(self._streams):
+                self._stagers.pop((key, stream), None)
+            socks = [s for s in (self._socks.pop((key, i), None) for i in range(self._streams)) if s is not None]
             socks += [s for s, k in self._accepted.items() if k == key]
         super().remove_peer(key)
         for sock in socks:
-            _shutdown(sock)
+            shutdown(sock)
 
     def close(self) -> None:
         with self._lock:
@@ -189,53 +137,89 @@ class TcpBackend(QueuedBackend):
             socks = [*self._socks.values(), *self._accepted]
             self._socks.clear()
         for sock in socks:
-            _shutdown(sock)
+            shutdown(sock)
         if self._listener is not None:
-            _shutdown(self._listener)
+            shutdown(self._listener)
         super().close()
 
     # ---- prefill: one worker thread per peer --------------------------------------------------------------------
     def _move(self, job: TransferJob) -> None:
-        sock = self._connection(job.peer)
+        stripes = self._stripes(job)
+        if len(stripes) == 1:
+            self._move_stripe(job, 0)
+            return
+        errors: list[Exception | None] = [None] * len(stripes)
+
+        def move(stream: int) -> None:
+            try:
+                self._move_stripe(stripes[stream], stream)
+            except Exception as exc:  # re-raised on the worker thread below, after every stripe stopped
+                errors[stream] = exc
+
+        threads = [threading.Thread(target=move, args=(k,), daemon=True, name=f"kv-tcp-stripe{k}")
+                   for k in range(1, len(stripes))]
+        for thread in threads:
+            thread.start()
+        move(0)
+        # No deadline of its own: a stripe blocks only in its socket, and a dead or removed peer's sockets are shut
+        # down (remove_peer/close), which ends it. Waiting for all keeps "no write after on_job_done".
+        for thread in threads:
+            thread.join()
+        failed = [exc for exc in errors if exc is not None]
+        if failed:
+            raise failed[0]
+
+    def _stripes(self, job: TransferJob) -> list[TransferJob]:
+        """``job`` cut into stripes of about ``stripe_bytes`` or more (whole pages), at most one per stream."""
+        num_heads = self.args.kv_heads if job.heads is None else job.heads.num_heads
+        a = self.args
+        page_bytes = len(self._buffers) * a.page_size * num_heads * a.head_dim * self._buffers[0].element_size()
+        parts = min(self._streams, job.num_pages, job.num_pages * page_bytes // self._stripe_bytes)
+        if parts <= 1:
+            return [job]
+        return [dataclasses.replace(job, runs=runs) for runs in split_runs(job.runs, parts)]
+
+    def _move_stripe(self, job: TransferJob, stream: int) -> None:
+        sock = self._connection(job.peer, stream)
         try:
-            self._move_on(sock, job)
+            self._move_on(sock, job, stream)
         except (OSError, ConnectionError, msgspec.DecodeError, TransferError) as exc:
             # The stream is in an unknown state (half a payload, a stale ack, a peer that closed it): drop the
             # connection so the peer's next job opens a fresh one instead of failing on a dead socket forever.
             with self._lock:
-                if self._socks.get(job.peer) is sock:
-                    del self._socks[job.peer]
-            _shutdown(sock)
+                if self._socks.get((job.peer, stream)) is sock:
+                    del self._socks[(job.peer, stream)]
+            shutdown(sock)
             if isinstance(exc, TransferError):
                 raise
             raise TransferError(f"connection to {job.peer.instance_id} lost ({exc}); reconnecting") from exc
 
-    def _move_on(self, sock: socket.socket, job: TransferJob) -> None:
+    def _move_on(self, sock: socket.socket, job: TransferJob, stream: int) -> None:
         heads = None if job.heads is None else (job.heads.src_head, job.heads.dst_head, job.heads.num_heads)
         dst_runs = [(r.dst_page, r.num_pages) for r in job.runs]
-        stager = self._stager(job.peer)
+        stager = self._stager(job.peer, stream)
         if stager is None:
             views, nbytes = self._source_views(job.runs, job.heads)
-            _send_frame(sock, ChunkHeader(job.room, job.chunk_id, dst_runs, heads, nbytes))
-            _send_views(sock, views)
+            send_frame(sock, ChunkHeader(job.room, job.chunk_id, dst_runs, heads, nbytes))
+            send_views(sock, views)
         else:
             src_heads = None if job.heads is None else (job.heads.src_head, job.heads.num_heads)
             num_heads = self.args.kv_heads if job.heads is None else job.heads.num_heads
             segment = stager.segment_pages(num_heads)
-            _send_frame(sock, ChunkHeader(job.room, job.chunk_id, dst_runs, heads,
+            send_frame(sock, ChunkHeader(job.room, job.chunk_id, dst_runs, heads,
                                           job.num_pages * stager.page_bytes(num_heads), segment_pages=segment))
             stager.send(expand_pages([(r.src_page, r.num_pages) for r in job.runs]), src_heads, segment,
-                        lambda view: _send_views(sock, [view]))
-        ack = _recv_frame(sock)
+                        lambda view: send_views(sock, [view]))
+        ack = recv_frame(sock)
         if not isinstance(ack, ChunkAck) or (ack.room, ack.chunk_id) != (job.room, job.chunk_id):
             raise TransferError(f"unexpected reply {ack!r} to room {job.room} chunk {job.chunk_id}")
         if ack.error:
             raise TransferError(f"decode rejected room {job.room} chunk {job.chunk_id}: {ack.error}")
 
-    def _stager(self, key: PeerKey) -> PageStager | None:
-        """The peer's staging pipeline when its jobs travel staged (either side on a GPU, or forced), else None."""
+    def _stager(self, key: PeerKey, stream: int) -> PageStager | None:
+        """The stream's staging pipeline when the peer's jobs travel staged (either side on a GPU, or forced)."""
         with self._lock:
-            stager, peer = self._stagers.get(key), self._peers.get(key)
+            stager, peer = self._stagers.get((key, stream)), self._peers.get(key)
         if stager is not None:
             return stager
         peer_on_device = peer is not None and peer.endpoint.get("device", "cpu") != "cpu"
@@ -244,33 +228,33 @@ class TcpBackend(QueuedBackend):
         stager = PageStager(self.args, self._segment_bytes)
         with self._lock:
             if key in self._peers:
-                self._stagers[key] = stager
+                self._stagers[(key, stream)] = stager
         return stager
 
-    def _connection(self, key: PeerKey) -> socket.socket:
+    def _connection(self, key: PeerKey, stream: int) -> socket.socket:
         with self._lock:
-            sock, peer = self._socks.get(key), self._peers.get(key)
+            sock, peer = self._socks.get((key, stream)), self._peers.get(key)
         if sock is not None:
-            if not _closed_by_peer(sock):
+            if not closed_by_peer(sock):
                 return sock
             with self._lock:  # the peer closed it between jobs (it restarted, dropped us, or a reset): reopen
-                if self._socks.get(key) is sock:
-                    del self._socks[key]
-            _shutdown(sock)
+                if self._socks.get((key, stream)) is sock:
+                    del self._socks[(key, stream)]
+            shutdown(sock)
         if peer is None or "port" not in peer.endpoint:
             raise TransferError("peer has no tcp endpoint")
         sock = socket.create_connection((peer.endpoint["host"], int(peer.endpoint["port"])), timeout=10)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = _recv_exact(sock, NONCE_BYTES)
+        nonce = recv_exact(sock, NONCE_BYTES)
         sock.settimeout(None)
-        _send_frame(sock, DataHello(self.local.instance_id, self.local.epoch,
+        send_frame(sock, DataHello(self.local.instance_id, self.local.epoch,
                                     data_proof(self.config.cluster_token, nonce, self.local.instance_id,
                                                self.local.epoch)))
         with self._lock:
             if self._closed or key not in self._peers:
-                _shutdown(sock)
+                shutdown(sock)
                 raise TransferError("peer removed")
-            self._socks[key] = sock
+            self._socks[(key, stream)] = sock
         return sock
 
     def _source_views(self, runs: tuple[PageRun, ...], heads: HeadSlice | None) -> tuple[list[memoryview], int]:
@@ -303,7 +287,7 @@ class TcpBackend(QueuedBackend):
                     self.refused_connections += 1
             if not admit:
                 log.warning("kv tcp: refused a data connection from %s (connection limit)", host)
-                _shutdown(sock)
+                shutdown(sock)
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(sock, host), name="kv-tcp-recv", daemon=True).start()
@@ -313,7 +297,7 @@ class TcpBackend(QueuedBackend):
         nonce = secrets.token_bytes(NONCE_BYTES)
         sock.settimeout(HELLO_TIMEOUT_S)
         sock.sendall(nonce)
-        hello = _recv_frame(sock, MAX_HELLO_BYTES)
+        hello = recv_frame(sock, MAX_HELLO_BYTES)
         sock.settimeout(None)
         if not isinstance(hello, DataHello):
             raise TransferError(f"expected DataHello, got {type(hello).__name__}")
@@ -330,11 +314,11 @@ class TcpBackend(QueuedBackend):
                     raise TransferError(f"data connection from {key.instance_id} which passed no handshake")
                 self._accepted[sock] = key
             while True:
-                header = _recv_frame(sock, self.max_frame_bytes)
+                header = recv_frame(sock, self.max_frame_bytes)
                 if not isinstance(header, ChunkHeader):
                     raise TransferError(f"expected ChunkHeader, got {type(header).__name__}")
                 error = self._receive_chunk(sock, header)
-                _send_frame(sock, ChunkAck(header.room, header.chunk_id, error))
+                send_frame(sock, ChunkAck(header.room, header.chunk_id, error))
         except (OSError, ConnectionError, TransferError, msgspec.DecodeError) as exc:
             log.debug("kv tcp: data connection closed: %s", exc)
         finally:
@@ -343,7 +327,7 @@ class TcpBackend(QueuedBackend):
                 self._conns_by_host[host] -= 1
                 if not self._conns_by_host[host]:
                     del self._conns_by_host[host]
-            _shutdown(sock)
+            shutdown(sock)
 
     def _receive_chunk(self, sock: socket.socket, header: ChunkHeader) -> str:
         """Land one chunk's payload in the destination pages; "" or why it was refused (payload then discarded)."""
@@ -372,21 +356,21 @@ class TcpBackend(QueuedBackend):
                 problem = (f"segments of {segment_bytes} bytes exceed this rank's {stager.capacity}-byte staging "
                            "buffers (the sender's tcp stage_bytes must not exceed the receiver's)")
             if problem:
-                stager.discard(header.nbytes, lambda view: _recv_views(sock, [view]))
+                stager.discard(header.nbytes, lambda view: recv_views(sock, [view]))
                 return problem
             dst_heads = None if heads is None else (heads.dst_head, heads.num_heads)
             stager.receive(expand_pages(header.dst_runs), dst_heads, header.segment_pages,
-                           lambda view: _recv_views(sock, [view]))
+                           lambda view: recv_views(sock, [view]))
             return ""
         if problem:
-            _discard(sock, header.nbytes)
+            discard(sock, header.nbytes)
             return problem
         if heads is None:
-            _recv_views(sock, [view[p * item:(p + n) * item] for view in self._views for p, n in header.dst_runs])
+            recv_views(sock, [view[p * item:(p + n) * item] for view in self._views for p, n in header.dst_runs])
             return ""
         temps = [torch.empty((n * ps, heads.num_heads, a.head_dim), dtype=a.dtype)
                  for _ in self._buffers for _, n in header.dst_runs]
-        _recv_views(sock, [_bytes_of(t) for t in temps])
+        recv_views(sock, [_bytes_of(t) for t in temps])
         it = iter(temps)
         for buf in self._buffers:
             for p, n in header.dst_runs:
@@ -394,26 +378,10 @@ class TcpBackend(QueuedBackend):
         return ""
 
 
-def _closed_by_peer(sock: socket.socket) -> bool:
-    """Whether an idle prefill-side connection is dead. The decode side sends only acks, so between jobs any
-    readable state (EOF, a reset, stray bytes) means the stream cannot carry another job."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable)
-    except (OSError, ValueError):
-        return True
-
-
-def _discard(sock: socket.socket, nbytes: int) -> None:
-    """Read and drop ``nbytes`` through one bounded buffer."""
-    buf = memoryview(bytearray(min(nbytes, DISCARD_BYTES)))
-    while nbytes > 0:
-        step = min(nbytes, len(buf))
-        _recv_views(sock, [buf[:step]])
-        nbytes -= step
-
-
-def _shutdown(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):  # already closed by the peer
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
+def _int_option(config: KVTransferConfig, name: str, default: int, low: int, high: int | None) -> int:
+    raw = config.backend_options.get(name, str(default))
+    value = int(raw) if raw.strip().lstrip("-").isdigit() else None
+    if value is None or value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ValueError(f"tcp backend option {name} must be an integer {bound}, got {raw!r}")
+    return value

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 NUM_PAGES = 64 * 5 + 16
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 SMALL_SEGMENTS = {"backend_options": {"stage_bytes": str(3 * 4 * PAGE_SIZE * 2 * 8 * 2)}}  # 3 pages a segment
+STRIPED_SEGMENTS = {"backend_options": {**SMALL_SEGMENTS["backend_options"], "streams": "3", "stripe_bytes": "1"}}
 
 
 def _pages(buf: torch.Tensor, page: int) -> torch.Tensor:
@@ -82,6 +83,10 @@ def test_shm_cuda_ipc_across_gpus_byte_exact() -> None:
 
 def test_tcp_staged_same_gpu_byte_exact() -> None:
     _transfer("tcp", "cuda:0", "cuda:0", SMALL_SEGMENTS)
+
+
+def test_tcp_staged_striped_same_gpu_byte_exact() -> None:
+    _transfer("tcp", "cuda:0", "cuda:0", STRIPED_SEGMENTS)  # every job of >= 2 pages on up to 3 streams' stagers
 
 
 def test_tcp_staged_gpu_to_cpu_and_back_byte_exact() -> None:

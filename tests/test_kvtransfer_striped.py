@@ -1,0 +1,252 @@
+"""``tcp`` striping: a large job is cut into stripes of consecutive pages, each on its own connection and thread.
+
+``stripe_bytes`` is made tiny so the tests' small jobs stripe (the default only stripes jobs of >= 8 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import pytest
+import torch
+
+from common.config import ServerArgs, add_server_args, server_args_from_cli
+from common.errors import ConfigError
+from kvtransfer.backends.base import TransferJob
+from kvtransfer.backends.staging import expand_pages
+from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.manager import KVManager
+from kvtransfer.node import kv_transfer_config
+from kvtransfer.pages import HeadSlice, PageRun, split_runs
+from kvtransfer.poll import KVPoll
+from kvtransfer.receiver import DecodeRooms
+from kvtransfer.sender import KVSender, PrefillRooms
+from kvtransfer.testing import (
+    DECODE_SEED,
+    PAGE_SIZE,
+    PREFILL_SEED,
+    TOKEN,
+    Child,
+    RoleSpec,
+    kv_config,
+    make_args,
+    plan_rooms,
+    start_receivers,
+    wait_final,
+)
+from tests.test_kvtransfer_backends_extra import Pair
+
+PAGE_BYTES = 4 * PAGE_SIZE * 2 * 8 * 2  # 4 buffers (2 layers, K and V), 2 heads x 8 dims, bf16
+STRIPED = {"backend_options": {"streams": "3", "stripe_bytes": str(2 * PAGE_BYTES)}}
+EVERY_JOB = {"backend_options": {"streams": "3", "stripe_bytes": "1"}}  # every job of >= 2 pages stripes
+STRIPED_STAGED = {"backend_options": {"streams": "2", "stripe_bytes": "1", "stage": "always",
+                                      "stage_bytes": str(2 * PAGE_BYTES)}}
+NUM_PAGES = 64 * 5 + 16
+
+
+def _pages(buf: torch.Tensor, page: int) -> torch.Tensor:
+    return buf[page * PAGE_SIZE:(page + 1) * PAGE_SIZE]
+
+
+def _all(args) -> tuple[torch.Tensor, ...]:
+    return (*args.k_buffers, *args.v_buffers)
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left():
+    before = set(threading.enumerate())
+    yield
+    end = time.monotonic() + 5
+    while time.monotonic() < end and set(threading.enumerate()) - before:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - before, f"threads left: {set(threading.enumerate()) - before}"
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 6, 7])
+def test_split_runs_keeps_every_page_in_order_in_near_equal_stripes(parts: int) -> None:
+    runs = [PageRun(7, 20, 3), PageRun(3, 40, 1), PageRun(40, 2, 3)]
+    stripes = split_runs(runs, parts)
+    assert len(stripes) == parts
+    sizes = [sum(r.num_pages for r in s) for s in stripes]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    flat = [r for s in stripes for r in s]
+    assert expand_pages([(r.src_page, r.num_pages) for r in flat]) == [7, 8, 9, 3, 40, 41, 42]
+    assert expand_pages([(r.dst_page, r.num_pages) for r in flat]) == [20, 21, 22, 40, 2, 3, 4]
+    assert all(r.num_pages > 0 for r in flat)
+    with pytest.raises(ValueError, match="8 stripes"):
+        split_runs(runs, 8)
+    assert split_runs([], 1) == [()]
+
+
+def test_only_jobs_of_two_stripes_stripe_and_every_stream_gets_its_own_connection() -> None:
+    src, dst = make_args(1, 48), make_args(2, 48)
+    before = [b.clone() for b in _all(dst)]
+    pair = Pair("tcp", src, dst, **STRIPED)
+    try:
+        backend = pair.prefill
+        one_page = pair.job(1, 0, [5], [30])
+        three = pair.job(1, 1, [6, 7, 8], [31, 32, 33])
+        big = pair.job(1, 2, list(range(10, 20)), list(range(1, 11)))
+        assert [len(backend._stripes(j)) for j in (one_page, three, big)] == [1, 1, 3]  # type: ignore[attr-defined]
+        for job in (one_page, three, big):
+            pair.prefill.submit(job)
+        assert pair.events.wait(3) == [(one_page, None), (three, None), (big, None)]
+        assert len(pair.decode._accepted) == 3  # type: ignore[attr-defined]
+        moved = dict(zip([5, 6, 7, 8, *range(10, 20)], [30, 31, 32, 33, *range(1, 11)], strict=True))
+        for s, d, old in zip(_all(src), _all(dst), before, strict=True):
+            for sp, dp in moved.items():
+                assert torch.equal(_pages(d, dp), _pages(s, sp))
+            for p in set(range(dst.num_pages)) - set(moved.values()):
+                assert torch.equal(_pages(d, p), _pages(old, p))
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("overrides", [EVERY_JOB, STRIPED_STAGED], ids=["striped", "striped-staged"])
+def test_64_interleaved_rooms_land_byte_exact_on_several_streams(overrides: dict) -> None:
+    plans = plan_rooms(64, NUM_PAGES, NUM_PAGES, pages_per_room=5, seed=7)
+    child = Child(RoleSpec("prefill", "tcp", plans, num_pages=NUM_PAGES, config_overrides=overrides, linger_s=5))
+    args = make_args(DECODE_SEED, NUM_PAGES)
+    mgr = KVManager(args, kv_config("tcp", **overrides), DecodeRooms)
+    try:
+        before = [b.clone() for b in _all(args)]
+        receivers = start_receivers(mgr, plans, child.bootstrap_addr)
+        result = wait_final(receivers, 30)
+        assert all(state == KVPoll.Success for state, _ in result.values()), result
+        prefill_result, quiesced = child.result()
+        assert all(state == KVPoll.Success for state, _ in prefill_result.values()), prefill_result
+        assert quiesced
+        assert len(mgr.backend._accepted) >= 2  # type: ignore[attr-defined]
+        src = make_args(PREFILL_SEED, NUM_PAGES)
+        written = {d for plan in plans for d in plan.dst_pages}
+        for s, d, old in zip(_all(src), _all(args), before, strict=True):
+            for plan in plans:
+                assert receivers[plan.room].metadata() == plan.metadata()
+                for sp, dp in zip(plan.src_pages, plan.dst_pages, strict=True):
+                    assert torch.equal(_pages(d, dp), _pages(s, sp)), (plan.room, sp, dp)
+            for page in set(range(args.num_pages)) - written:
+                assert torch.equal(_pages(d, page), _pages(old, page)), f"page {page} was touched"
+        for receiver in receivers.values():
+            receiver.clear()
+    finally:
+        mgr.close()
+        child.kill()
+
+
+def test_striped_head_slices_land_and_jobs_complete_in_submission_order() -> None:
+    src = make_args(1, 48, heads=4, total_heads=4)  # prefill tp=1 holds heads 0..3
+    dst = make_args(2, 48, heads=2, total_heads=4)  # decode tp rank 1 of 2 holds heads 2..3
+    before = [b.clone() for b in _all(dst)]
+    pair = Pair("tcp", src, dst, backend_options={"streams": "4", "stripe_bytes": "1"})
+    try:
+        sliced = pair.job(3, 0, [5, 6, 7, 20, 21], [30, 31, 32, 9, 10], HeadSlice(2, 0, 2))
+        assert len(pair.prefill._stripes(sliced)) == 4  # type: ignore[attr-defined]
+        empty = TransferJob(3, 1, pair.d_key, ())
+        for job in (sliced, empty):
+            pair.prefill.submit(job)
+        assert pair.events.wait(2) == [(sliced, None), (empty, None)]
+        for s, d, old in zip(_all(src), _all(dst), before, strict=True):
+            for sp, dp in ((5, 30), (6, 31), (7, 32), (20, 9), (21, 10)):
+                assert torch.equal(_pages(d, dp), _pages(s, sp)[:, 2:4])
+            for p in set(range(dst.num_pages)) - {30, 31, 32, 9, 10}:
+                assert torch.equal(_pages(d, p), _pages(old, p))
+    finally:
+        pair.close()
+
+
+def test_a_lost_stripe_fails_its_job_after_the_others_land_and_the_next_job_reopens_that_stream() -> None:
+    src, dst = make_args(1, 48), make_args(2, 48)
+    pair = Pair("tcp", src, dst, **STRIPED)
+    receive_chunk = pair.decode._receive_chunk  # type: ignore[attr-defined]
+
+    def drop_third_stripe_of_room_2(sock, header):
+        if header.room == 2 and header.dst_runs[0][0] == 26:  # pages 20..28 stripe as 20-22, 23-25, 26-28
+            raise OSError("injected: the third stream's connection is reset mid-job")
+        return receive_chunk(sock, header)
+
+    pair.decode._receive_chunk = drop_third_stripe_of_room_2  # type: ignore[attr-defined]
+    try:
+        second = pair.job(2, 0, list(range(10, 19)), list(range(20, 29)))
+        pair.prefill.submit(second)
+        done = pair.events.wait(1)
+        assert done[0][0] is second and "lost" in (done[0][1] or ""), done
+        for s, d in zip(_all(src), _all(dst), strict=True):  # the other two stripes landed before the report
+            for p in range(10, 16):
+                assert torch.equal(_pages(d, p + 10), _pages(s, p))
+        third = pair.job(3, 0, list(range(30, 39)), list(range(30, 39)))
+        pair.prefill.submit(third)
+        assert pair.events.wait(2)[1] == (third, None)
+        for s, d in zip(_all(src), _all(dst), strict=True):
+            for p in range(30, 39):
+                assert torch.equal(_pages(d, p), _pages(s, p))
+    finally:
+        pair.close()
+
+
+@pytest.mark.slow
+def test_receiver_killed_mid_striped_transfer_fails_sender_within_deadline() -> None:
+    plans = plan_rooms(4, 64, 64, pages_per_room=6, seed=1)
+    server = BootstrapServer(TOKEN)
+    port = server.start()
+    config = kv_config("tcp", **STRIPED)
+    mgr = KVManager(make_args(PREFILL_SEED, 64), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
+    child = Child(RoleSpec("decode", "tcp", plans, num_pages=64, bootstrap_addr=f"127.0.0.1:{port}",
+                           config_overrides=STRIPED))
+    try:
+        senders = {p.room: KVSender(mgr, p.room) for p in plans}
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not all(s.poll() == KVPoll.WaitingForInput for s in senders.values()):
+            time.sleep(0.01)
+        for plan in plans:
+            senders[plan.room].init(len(plan.src_pages), plan.slot)
+            senders[plan.room].send(plan.src_pages[:plan.chunks[0]])
+        child.kill()
+        for plan in plans:
+            senders[plan.room].send(plan.src_pages[plan.chunks[0]:], last=True, metadata=plan.metadata())
+        end = time.monotonic() + config.peer_dead_after_s + 3
+        while time.monotonic() < end and not all(s.poll() == KVPoll.Failed for s in senders.values()):
+            time.sleep(0.01)
+        assert all(s.poll() == KVPoll.Failed for s in senders.values())
+        assert all("decode/dp0/tp0" in s.failure() for s in senders.values())
+        for sender in senders.values():
+            sender.clear()
+    finally:
+        child.kill()
+        mgr.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"streams": "0"}, "streams must be an integer between 1 and 8, got '0'"),
+    ({"streams": "9"}, "between 1 and 8"),
+    ({"streams": "two"}, "got 'two'"),
+    ({"stripe_bytes": "0"}, "stripe_bytes must be an integer >= 1"),
+    ({"stage_bytes": "16M"}, "stage_bytes must be an integer >= 1, got .16M."),
+])
+def test_bad_stripe_settings_are_refused_naming_the_setting(options: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Pair("tcp", make_args(1, 8), make_args(2, 8), backend_options=options)
+
+
+def test_kv_transfer_options_come_from_the_cli_and_unknown_ones_are_refused() -> None:
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    ns = parser.parse_args(["--kv-transfer-option", "streams=4", "--kv-transfer-option", "stripe_bytes=65536"])
+    args = server_args_from_cli(ns)
+    assert args.kv_transfer_options == {"streams": "4", "stripe_bytes": "65536"}
+    config = kv_transfer_config(args, {"architecture": "TinyLlama"})
+    assert dict(config.backend_options) == {"streams": "4", "stripe_bytes": "65536"}
+    mooncake = ServerArgs(kv_transfer_backend="mooncake", kv_transfer_option=("mooncake_protocol=rdma",))
+    assert mooncake.kv_transfer_options == {"mooncake_protocol": "rdma"}
+    with pytest.raises(ConfigError, match="'streams' is not a setting of the nixl KV transfer backend; it takes none"):
+        ServerArgs(kv_transfer_backend="nixl", kv_transfer_option=("streams=2",))
+    with pytest.raises(ConfigError, match="it takes stage, stage_bytes, streams, stripe_bytes"):
+        ServerArgs(kv_transfer_option=("stream=2",))
+    with pytest.raises(ConfigError, match="must be KEY=VALUE, got 'streams'"):
+        ServerArgs(kv_transfer_option=("streams",))
+    with pytest.raises(ConfigError, match="given twice"):
+        ServerArgs(kv_transfer_option=("streams=2", "streams=3"))
+    with pytest.raises(ValueError, match=r"\['ucx_tls'\] are not settings of the tcp backend"):
+        kv_config("tcp", backend_options={"ucx_tls": "tcp"})
