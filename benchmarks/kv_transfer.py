@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from common.config import KV_TRANSFER_OPTIONS
+from common.kv_options import KV_TRANSFER_OPTIONS
 from kvtransfer.args import KVArgs, KVTransferConfig
 from kvtransfer.registry import BACKENDS
 

@@ -9,21 +9,11 @@ from typing import Literal
 
 from common import env
 from common.errors import ConfigError
+from common.kv_options import parse_options
 from common.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
 KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "mooncake", "shm", "fake")
-# The settings each backend reads from ``--kv-transfer-option KEY=VALUE`` (its module docstring says what they do);
-# a key the chosen backend does not read is refused at start-up instead of silently ignored.
-KV_TRANSFER_OPTIONS: dict[str, tuple[str, ...]] = {
-    "tcp": ("stage", "stage_bytes", "streams", "stripe_bytes"),
-    "nccl": ("pack_bytes",),
-    "ucx": ("ucx_tls", "ucx_progress_mode"),
-    "nixl": (),
-    "mooncake": ("mooncake_protocol", "mooncake_device"),
-    "shm": (),
-    "fake": (),
-}
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 DEVICES = ("cpu", "cuda")
@@ -48,7 +38,7 @@ class ServerArgs:
     disaggregation_mode: DisaggregationMode = "null"
     disaggregation_bootstrap_port: int = 8998
     kv_transfer_backend: str = "tcp"
-    kv_transfer_option: tuple[str, ...] = ()  # KEY=VALUE settings of the backend (KV_TRANSFER_OPTIONS)
+    kv_transfer_option: tuple[str, ...] = ()  # KEY=VALUE settings of the backend (common/kv_options.py)
     dtype: str = "float32"
     device: str = "cpu"
     base_gpu_id: int = 0  # rank (dp d, tp t) uses cuda:(base_gpu_id + d * tp_size + t); see common.device
@@ -108,7 +98,7 @@ class ServerArgs:
             raise ConfigError(
                 f"--kv-transfer-backend must be one of {', '.join(KV_TRANSFER_BACKENDS)}, got {self.kv_transfer_backend!r}"
             )
-        parse_kv_transfer_options(self.kv_transfer_backend, self.kv_transfer_option, "--kv-transfer-option")
+        parse_options(self.kv_transfer_backend, self.kv_transfer_option)
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
@@ -195,7 +185,7 @@ class ServerArgs:
 
     @property
     def kv_transfer_options(self) -> dict[str, str]:
-        return parse_kv_transfer_options(self.kv_transfer_backend, self.kv_transfer_option, "--kv-transfer-option")
+        return parse_options(self.kv_transfer_backend, self.kv_transfer_option)
 
     @property
     def is_disaggregated(self) -> bool:
@@ -362,22 +352,3 @@ def server_args_from_cli(ns: argparse.Namespace) -> ServerArgs:
     if "kv_transfer_option" in values:
         values["kv_transfer_option"] = tuple(values["kv_transfer_option"])
     return ServerArgs(**values)
-
-
-def parse_kv_transfer_options(backend: str, items: tuple[str, ...] | list[str], flag: str) -> dict[str, str]:
-    """``KEY=VALUE`` items as a dict; a malformed item, a repeated key or a key ``backend`` does not read raises
-    ConfigError naming the keys it does read."""
-    known = KV_TRANSFER_OPTIONS.get(backend, ())
-    options: dict[str, str] = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        key = key.strip()
-        if not eq or not key:
-            raise ConfigError(f"{flag} must be KEY=VALUE, got {item!r}")
-        if key not in known:
-            takes = f"it takes {', '.join(known)}" if known else "it takes none"
-            raise ConfigError(f"{flag} {key!r} is not a setting of the {backend} KV transfer backend; {takes}")
-        if key in options:
-            raise ConfigError(f"{flag} {key!r} given twice")
-        options[key] = value.strip()
-    return options

@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from common import env
-from common.config import KV_TRANSFER_OPTIONS
+from common.kv_options import check_options
 
 if TYPE_CHECKING:
     from common.mem.kv_pool import MHATokenToKVPool
@@ -151,10 +151,7 @@ class KVTransferConfig:
                 raise ValueError(f"KVTransferConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.heartbeat_misses < 1:
             raise ValueError(f"KVTransferConfig.heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
-        unknown = sorted(set(self.backend_options) - set(KV_TRANSFER_OPTIONS.get(self.backend, ())))
-        if unknown:
-            raise ValueError(f"KVTransferConfig.backend_options {unknown} are not settings of the {self.backend} "
-                             f"backend; it takes {list(KV_TRANSFER_OPTIONS.get(self.backend, ()))}")
+        check_options(self.backend, self.backend_options, "KVTransferConfig.backend_options")
 
     @property
     def advertised_host(self) -> str:

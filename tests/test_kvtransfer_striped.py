@@ -14,14 +14,16 @@ import torch
 
 from common.config import ServerArgs, add_server_args, server_args_from_cli
 from common.errors import ConfigError
+from common.kv_options import KV_TRANSFER_OPTIONS, int_option
 from kvtransfer.backends.base import TransferJob
-from kvtransfer.backends.staging import expand_pages
+from kvtransfer.backends.staging import DEFAULT_SEGMENT_BYTES, expand_pages
 from kvtransfer.bootstrap import BootstrapServer
 from kvtransfer.manager import KVManager
 from kvtransfer.node import kv_transfer_config
 from kvtransfer.pages import HeadSlice, PageRun, split_runs
 from kvtransfer.poll import KVPoll
 from kvtransfer.receiver import DecodeRooms
+from kvtransfer.registry import BACKENDS
 from kvtransfer.sender import KVSender, PrefillRooms
 from kvtransfer.testing import (
     DECODE_SEED,
@@ -224,10 +226,19 @@ def test_receiver_killed_mid_striped_transfer_fails_sender_within_deadline() -> 
     ({"streams": "two"}, "got 'two'"),
     ({"stripe_bytes": "0"}, "stripe_bytes must be an integer >= 1"),
     ({"stage_bytes": "16M"}, "stage_bytes must be an integer >= 1, got .16M."),
+    ({"stage": "sometimes"}, "stage must be one of auto, always, got 'sometimes'"),
 ])
 def test_bad_stripe_settings_are_refused_naming_the_setting(options: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Pair("tcp", make_args(1, 8), make_args(2, 8), backend_options=options)
+
+
+def test_option_defaults_are_the_table_s_and_the_stager_s() -> None:
+    defaults = {k: o.default for k, o in KV_TRANSFER_OPTIONS["tcp"].items()}
+    assert defaults == {"stage": "auto", "stage_bytes": str(DEFAULT_SEGMENT_BYTES), "streams": "2",
+                        "stripe_bytes": str(4 << 20)}
+    assert int_option("tcp", {}, "streams") == 2 and int_option("tcp", {"streams": "5"}, "streams") == 5
+    assert set(KV_TRANSFER_OPTIONS) == set(BACKENDS)
 
 
 def test_kv_transfer_options_come_from_the_cli_and_unknown_ones_are_refused() -> None:
@@ -248,5 +259,9 @@ def test_kv_transfer_options_come_from_the_cli_and_unknown_ones_are_refused() ->
         ServerArgs(kv_transfer_option=("streams",))
     with pytest.raises(ConfigError, match="given twice"):
         ServerArgs(kv_transfer_option=("streams=2", "streams=3"))
-    with pytest.raises(ValueError, match=r"\['ucx_tls'\] are not settings of the tcp backend"):
+    with pytest.raises(ConfigError, match="backend_options 'ucx_tls' is not a setting of the tcp KV transfer"):
         kv_config("tcp", backend_options={"ucx_tls": "tcp"})
+    with pytest.raises(ConfigError, match="--kv-transfer-option streams must be an integer between 1 and 8, got 'x'"):
+        ServerArgs(kv_transfer_option=("streams=x",))  # refused with the flags, before any model loads
+    with pytest.raises(ConfigError, match="mooncake_protocol must be one of tcp, rdma, got 'ib'"):
+        ServerArgs(kv_transfer_backend="mooncake", kv_transfer_option=("mooncake_protocol=ib",))

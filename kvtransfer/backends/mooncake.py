@@ -9,7 +9,7 @@ the target's memory, or failed, or its own deadline passed (``MC_TRANSFER_TIMEOU
 ``transfer_timeout_s`` unless the operator set it, plus one second per GiB), so no confirmation from decode is
 needed and every wait is bounded. The target engine refuses a segment outside its registered buffers.
 
-Transport: ``backend_options["mooncake_protocol"]``, default "tcp" (any host); "rdma" on InfiniBand/RoCE with
+Transport: ``--kv-transfer-option mooncake_protocol=...``, default "tcp" (any host); "rdma" on InfiniBand/RoCE with
 ``mooncake_device`` naming the NICs. Wheel: ``mooncake-transfer-engine-non-cuda`` (extra ``mooncake``; the CUDA
 wheel links the CUDA 12 driver and runtime), which needs Debian's ``libibverbs1``. KV buffers: host memory only
 (GPU memory needs the CUDA wheel and GPUDirect RDMA, not exercised here: refused at start-up).
@@ -29,6 +29,7 @@ import threading
 
 import numpy as np
 
+from common.kv_options import option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import memory_kind
@@ -65,9 +66,9 @@ class MooncakeBackend(QueuedBackend):
         os.environ.setdefault("MC_TRANSFER_TIMEOUT",
                               str(max(MIN_ENGINE_TIMEOUT_S, math.ceil(config.transfer_timeout_s))))
         self._engine = TransferEngine()
-        protocol = opts.get("mooncake_protocol", "tcp")
+        protocol = option("mooncake", opts, "mooncake_protocol")
         if self._engine.initialize(config.advertised_host, "P2PHANDSHAKE", protocol,
-                                   opts.get("mooncake_device", "")) != 0:
+                                   option("mooncake", opts, "mooncake_device")) != 0:
             raise RuntimeError(f"mooncake: the transfer engine did not start on {config.advertised_host} over "
                                f"{protocol!r} (see its log above)")
         self._bases = np.array([buf.data_ptr() for buf in self._buffers], dtype=np.uint64)

@@ -26,7 +26,7 @@ Failure: any error or a wait over ``transfer_timeout_s`` breaks the pair (gloo c
 which also wakes a thread blocked on it; NCCL is aborted) and every later job to that peer fails naming it. A dead
 peer's sockets close, so blocked waits raise at once.
 
-Settings (``KVTransferConfig.backend_options``): ``pack_bytes`` (default 0: one zero-copy message per run and
+Settings (``--kv-transfer-option``): ``pack_bytes`` (default 0: one zero-copy message per run and
 layer; see ``_twosided`` for packing small runs into staging messages).
 """
 
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from common.kv_options import int_option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends import _twosided as twosided
 from kvtransfer.backends import wire
@@ -58,7 +59,6 @@ PREFILL_RANK, DECODE_RANK = 0, 1
 IDLE_WAIT = datetime.timedelta(days=30)  # a decode pair waits this long for the next header (idle is normal)
 START_POLL_S = 0.2  # decode threads notice close() within this
 STAGING_WINDOW = 64 << 20  # per job and side: staged payload bytes in flight (see _twosided's packing)
-DEFAULT_PACK_BYTES = 0  # per-run messages; packing's two copies measured slower on gloo (1.2 vs 1.5 GB/s)
 MAX_CONTROL_BYTES = 64 << 20  # a header of ~5M runs; anything larger means the stream is corrupt
 
 
@@ -95,7 +95,8 @@ class NcclBackend(QueuedBackend):
         self._threads: list[threading.Thread] = []  # every pair thread not yet known to have ended
         self._gloo_device: object | None = None
         self._connect_s = min(config.bootstrap_timeout_s, 30.0)
-        self._pack_bytes = int(config.backend_options.get("pack_bytes", DEFAULT_PACK_BYTES))
+        # default 0 (common.kv_options): per-run messages; packing's two copies measured slower on gloo (1.2 vs 1.5 GB/s)
+        self._pack_bytes = int_option("nccl", config.backend_options, "pack_bytes")
         self._store: dist.TCPStore | None = None
         if mode == "decode":
             self._store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False,

@@ -10,9 +10,10 @@ on several cores at once (one TCP stream is bound by one core's copy: on loopbac
 of one). A stripe is a whole job on the wire (its own header and ack), so the decode side needs no stripe logic; the
 job is done when every stripe is, and a failed stripe fails the job only after the others have stopped.
 
-Settings (``KVTransferConfig.backend_options``): ``stage`` ("auto": stage when either side's buffers are on a
-GPU; "always": stage CPU buffers too, the same byte path CI runs), ``stage_bytes`` (segment size, default 16 MiB),
-``streams`` (connections per decode peer, 1..8, default 2), ``stripe_bytes`` (smallest stripe, default 4 MiB).
+Settings (``--kv-transfer-option``, checked and defaulted in ``common.kv_options``): ``stage`` ("auto": stage when
+either side's buffers are on a GPU; "always": stage CPU buffers too, the same byte path CI runs), ``stage_bytes``
+(segment size, default 16 MiB), ``streams`` (connections per decode peer, 1..8, default 2), ``stripe_bytes``
+(smallest stripe, default 4 MiB).
 
 Connections per (prefill rank, decode peer, stream), opened lazily by the prefill side's per-peer worker. Stream::
 
@@ -43,9 +44,10 @@ import threading
 import msgspec
 import torch
 
+from common.kv_options import int_option, option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
-from kvtransfer.backends.staging import DEFAULT_SEGMENT_BYTES, PageStager, expand_pages
+from kvtransfer.backends.staging import PageStager, expand_pages
 from kvtransfer.backends.streamio import (
     closed_by_peer,
     discard,
@@ -65,9 +67,6 @@ log = logging.getLogger(__name__)
 NONCE_BYTES = 16
 MAX_HELLO_BYTES = 1024
 HELLO_TIMEOUT_S = 5.0
-MAX_STREAMS = 8
-DEFAULT_STREAMS = 2
-DEFAULT_STRIPE_BYTES = 4 << 20
 MAX_CONNS_PER_HOST = 32  # e.g. 8 prefill ranks on one host x 2 streams each, twice over
 MAX_CONNS = 128
 
@@ -85,13 +84,11 @@ class TcpBackend(QueuedBackend):
         self._on_device = self._buffers[0].device.type != "cpu"
         # layer-major: K0, V0, K1, V1, ... (host buffers only: device buffers always travel staged)
         self._views = [] if self._on_device else [_bytes_of(buf) for buf in self._buffers]
-        stage = config.backend_options.get("stage", "auto")
-        if stage not in ("auto", "always"):
-            raise ValueError(f"tcp backend option stage must be 'auto' or 'always', got {stage!r}")
-        self._stage_always = stage == "always"
-        self._segment_bytes = _int_option(config, "stage_bytes", DEFAULT_SEGMENT_BYTES, 1, None)
-        self._streams = _int_option(config, "streams", DEFAULT_STREAMS, 1, MAX_STREAMS)
-        self._stripe_bytes = _int_option(config, "stripe_bytes", DEFAULT_STRIPE_BYTES, 1, None)
+        opts = config.backend_options
+        self._stage_always = option("tcp", opts, "stage") == "always"
+        self._segment_bytes = int_option("tcp", opts, "stage_bytes")
+        self._streams = int_option("tcp", opts, "streams")
+        self._stripe_bytes = int_option("tcp", opts, "stripe_bytes")
         self._stagers: dict[tuple[PeerKey, int], PageStager] = {}  # prefill: per (peer, stream): one thread each
         self._recv_stager = threading.local()  # decode: one per connection thread
         self._lock = threading.Lock()
@@ -376,12 +373,3 @@ class TcpBackend(QueuedBackend):
             for p, n in header.dst_runs:
                 buf[p * ps:(p + n) * ps, heads.dst_head:heads.dst_head + heads.num_heads].copy_(next(it))
         return ""
-
-
-def _int_option(config: KVTransferConfig, name: str, default: int, low: int, high: int | None) -> int:
-    raw = config.backend_options.get(name, str(default))
-    value = int(raw) if raw.strip().lstrip("-").isdigit() else None
-    if value is None or value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f">= {low}"
-        raise ValueError(f"tcp backend option {name} must be an integer {bound}, got {raw!r}")
-    return value

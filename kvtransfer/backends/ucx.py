@@ -30,7 +30,7 @@ copy made here. At start-up the backend checks that the process's UCX context ha
 refuses with an error naming the missing support. The forward that wrote the pages (default stream) is
 synchronized before the PUTs read them.
 
-Settings (``KVTransferConfig.backend_options``): ``ucx_tls`` (default "all": UCX picks per peer and memory type,
+Settings (``--kv-transfer-option``, defaults in ``common.kv_options``): ``ucx_tls`` (default "all": UCX picks per peer and memory type,
 InfiniBand and CUDA transports included, as NIXL leaves it; the user's ``UCX_TLS`` wins), ``ucx_progress_mode`` (default "blocking"). Both are per process:
 the first UCX backend of a process fixes them.
 """
@@ -55,6 +55,7 @@ import torch
 import ucxx
 from ucxx.exceptions import UCXError
 
+from common.kv_options import option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends import ucp_rma as ucp
 from kvtransfer.backends import wire
@@ -65,10 +66,6 @@ from kvtransfer.backends.workers import QueuedBackend, TransferError
 
 log = logging.getLogger(__name__)
 
-# UCX's own default. "sm,tcp" (the default before) left out cma single-copy puts on one host (0.5-0.9x raw NIXL on a
-# quiet 2-core VM, vs 1.06-1.13x with "all") and every RDMA transport on a cluster.
-DEFAULT_TLS = "all"
-DEFAULT_PROGRESS = "blocking"
 CALL_TIMEOUT_S = 10.0  # loop-thread housekeeping calls (listen, abort, shutdown, a cancelled flush)
 SPIN_POLLS = 2000  # flush polls before backing off to short sleeps (a TCP transfer would hold a core otherwise)
 BACKOFF_S = 0.0002
@@ -166,8 +163,8 @@ class UcxBackend(QueuedBackend):
         opts = config.backend_options
         self._device = args.k_buffers[0].device
         self._cuda = self._device.type == "cuda"
-        self._loop = _Runtime.acquire(opts.get("ucx_tls", DEFAULT_TLS),
-                                      opts.get("ucx_progress_mode", DEFAULT_PROGRESS), self._device)
+        self._loop = _Runtime.acquire(option("ucx", opts, "ucx_tls"), option("ucx", opts, "ucx_progress_mode"),
+                                      self._device)
         self._lock = threading.Lock()
         self._closed = False
         self._targets: dict[PeerKey, _Target] = {}  # prefill: known decode peers

@@ -1,0 +1,96 @@
+"""The settings of each KV transfer backend (``--kv-transfer-option KEY=VALUE``): names, defaults and checks.
+
+One table, read twice: by the node's config (``ServerArgs``), so a bad key or value stops the node before any model
+loads, and by the backends (``option``/``int_option``), which take their defaults from it. A backend's module
+docstring says what its settings do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from common.errors import ConfigError
+
+Check = Callable[[str], str | None]  # why the value is refused, or None
+
+
+def _integer(low: int, high: int | None = None) -> Check:
+    def check(value: str) -> str | None:
+        number = int(value) if value.strip().lstrip("-").isdigit() else None
+        if number is None or number < low or (high is not None and number > high):
+            return f"an integer between {low} and {high}" if high is not None else f"an integer >= {low}"
+        return None
+    return check
+
+
+def _one_of(*choices: str) -> Check:
+    return lambda value: None if value in choices else f"one of {', '.join(choices)}"
+
+
+def _text(value: str) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Option:
+    default: str
+    check: Check = _text
+
+
+KV_TRANSFER_OPTIONS: dict[str, dict[str, Option]] = {
+    "tcp": {
+        "stage": Option("auto", _one_of("auto", "always")),
+        "stage_bytes": Option(str(16 << 20), _integer(1)),
+        "streams": Option("2", _integer(1, 8)),
+        "stripe_bytes": Option(str(4 << 20), _integer(1)),
+    },
+    "nccl": {"pack_bytes": Option("0", _integer(0))},
+    "ucx": {
+        # UCX's own default. "sm,tcp" (the default before) left out cma single-copy puts on one host (0.5-0.9x raw
+        # NIXL on a quiet 2-core VM, vs 1.06-1.13x with "all") and every RDMA transport on a cluster.
+        "ucx_tls": Option("all"),
+        "ucx_progress_mode": Option("blocking", _one_of("blocking", "polling", "thread", "thread-polling")),
+    },
+    "nixl": {},
+    "mooncake": {"mooncake_protocol": Option("tcp", _one_of("tcp", "rdma")), "mooncake_device": Option("")},
+    "shm": {},
+    "fake": {},
+}
+
+
+def check_options(backend: str, options: Mapping[str, str], flag: str = "--kv-transfer-option") -> None:
+    """Every key is a setting of ``backend`` and every value passes its check; else ConfigError saying what to fix."""
+    known = KV_TRANSFER_OPTIONS.get(backend, {})
+    for key, value in options.items():
+        if key not in known:
+            takes = f"it takes {', '.join(known)}" if known else "it takes none"
+            raise ConfigError(f"{flag} {key!r} is not a setting of the {backend} KV transfer backend; {takes}")
+        why = known[key].check(value)
+        if why is not None:
+            raise ConfigError(f"{flag} {key} must be {why}, got {value!r}")
+
+
+def parse_options(backend: str, items: Iterable[str], flag: str = "--kv-transfer-option") -> dict[str, str]:
+    """``KEY=VALUE`` items as a checked dict; a malformed item or a repeated key raises ConfigError too."""
+    options: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ConfigError(f"{flag} must be KEY=VALUE, got {item!r}")
+        if key in options:
+            raise ConfigError(f"{flag} {key!r} given twice")
+        options[key] = value.strip()
+    check_options(backend, options, flag)
+    return options
+
+
+def option(backend: str, options: Mapping[str, str], key: str) -> str:
+    """``key``'s value for ``backend``: the given one (checked) or the table's default."""
+    check_options(backend, {key: options[key]} if key in options else {}, f"{backend} backend option")
+    return options.get(key, KV_TRANSFER_OPTIONS[backend][key].default)
+
+
+def int_option(backend: str, options: Mapping[str, str], key: str) -> int:
+    return int(option(backend, options, key))
