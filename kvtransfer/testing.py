@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -309,3 +310,46 @@ class Child:
         if self.proc.is_alive():
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
+
+
+def transfer_interleaved_rooms(backend: str, config_overrides: dict[str, object] | None = None, *, seed: int,
+                               num_pages: int = 64 * 5 + 16, prefill_device: str = "cpu", decode_device: str = "cpu",
+                               check: Callable[[object], None] | None = None) -> None:
+    """64 interleaved chunked rooms, prefill in a child process on ``prefill_device``, decode here: every room
+    succeeds on both sides and quiesces, its metadata arrives, every destination page is byte-exact and no other page
+    is touched. ``check(decode_manager)`` runs before the decode manager closes."""
+    from kvtransfer.manager import KVManager
+    from kvtransfer.receiver import DecodeRooms
+
+    overrides = config_overrides or {}
+    plans = plan_rooms(64, num_pages, num_pages, pages_per_room=5, seed=seed)
+    child = Child(RoleSpec("prefill", backend, plans, num_pages=num_pages, config_overrides=overrides,
+                           args_overrides={"device": prefill_device}, linger_s=5))
+    args = make_args(DECODE_SEED, num_pages, device=decode_device)
+    mgr = KVManager(args, kv_config(backend, **overrides), DecodeRooms)
+    try:
+        before = [b.cpu() for b in (*args.k_buffers, *args.v_buffers)]
+        receivers = start_receivers(mgr, plans, child.bootstrap_addr)
+        result = wait_final(receivers, 60)
+        assert all(state == KVPoll.Success for state, _ in result.values()), result
+        prefill_result, quiesced = child.result()
+        assert all(state == KVPoll.Success for state, _ in prefill_result.values()) and quiesced, prefill_result
+        src = make_args(PREFILL_SEED, num_pages)
+        ps = args.page_size
+        written = {d for plan in plans for d in plan.dst_pages}
+        for s, d, old in zip((*src.k_buffers, *src.v_buffers), (*args.k_buffers, *args.v_buffers), before,
+                             strict=True):
+            d = d.cpu()
+            for plan in plans:
+                assert receivers[plan.room].metadata() == plan.metadata()
+                for sp, dp in zip(plan.src_pages, plan.dst_pages, strict=True):
+                    assert torch.equal(d[dp * ps:(dp + 1) * ps], s[sp * ps:(sp + 1) * ps]), (plan.room, sp, dp)
+            for page in set(range(args.num_pages)) - written:
+                assert torch.equal(d[page * ps:(page + 1) * ps], old[page * ps:(page + 1) * ps]), f"page {page}"
+        if check is not None:
+            check(mgr)
+        for receiver in receivers.values():
+            receiver.clear()
+    finally:
+        mgr.close()
+        child.kill()

@@ -5,6 +5,7 @@ return every page to the allocator)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The only place a fixed cluster secret exists: the test session and the processes it starts inherit it.
 TEST_CLUSTER_TOKEN = "pdcluster-test-secret-not-for-deployment"
 os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", TEST_CLUSTER_TOKEN)
+
+
+@pytest.fixture
+def no_threads_left() -> Iterator[None]:
+    """Every thread a test started has ended within 5 s of its end (transfer workers, stripes, readers)."""
+    before = set(threading.enumerate())
+    yield
+    end = time.monotonic() + 5
+    while time.monotonic() < end and set(threading.enumerate()) - before:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - before, f"threads left: {set(threading.enumerate()) - before}"
 
 
 @pytest.fixture

@@ -54,12 +54,19 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("backend", KILL_BACKENDS)
 def test_receiver_killed_mid_transfer_fails_sender_within_deadline(backend: str) -> None:
+    receiver_killed_mid_transfer(backend)
+
+
+def receiver_killed_mid_transfer(backend: str, **overrides: object) -> None:
+    """Decode (a child) is SIGKILLed after the first chunks: every prefill room fails naming the peer within the
+    heartbeat deadline, and quiesces. ``overrides``: the transfer config of both sides (e.g. backend options)."""
     plans = plan_rooms(4, NUM_PAGES, NUM_PAGES, pages_per_room=6, seed=1)
-    config = kv_config(backend)
+    config = kv_config(backend, **overrides)
     server = BootstrapServer(config.cluster_token)
     port = server.start()
     mgr = KVManager(make_args(PREFILL_SEED, NUM_PAGES), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
-    child = Child(RoleSpec("decode", backend, plans, num_pages=NUM_PAGES, bootstrap_addr=f"127.0.0.1:{port}"))
+    child = Child(RoleSpec("decode", backend, plans, num_pages=NUM_PAGES, bootstrap_addr=f"127.0.0.1:{port}",
+                           config_overrides=overrides))
     try:
         senders = {p.room: KVSender(mgr, p.room) for p in plans}
         _wait(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders.values()), 10)

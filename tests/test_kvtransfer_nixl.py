@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import threading
-import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,17 +20,8 @@ from kvtransfer.testing import PAGE_SIZE, backend_param, kv_config, make_args
 from tests.test_kvtransfer_backends_extra import Events, Pair
 
 NUM_PAGES = 48
+pytestmark = pytest.mark.usefixtures("no_threads_left")
 ONE_SIDED = ["nixl", "ucx", backend_param("mooncake")]
-
-
-@pytest.fixture(autouse=True)
-def no_threads_left() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    end = time.monotonic() + 5
-    while time.monotonic() < end and set(threading.enumerate()) - before:
-        time.sleep(0.05)
-    assert not set(threading.enumerate()) - before, f"threads left: {set(threading.enumerate()) - before}"
 
 
 def _pages(buf: torch.Tensor, page: int) -> torch.Tensor:

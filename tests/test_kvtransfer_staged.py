@@ -5,32 +5,19 @@ Segments are made tiny (2 pages) so every chunk crosses several segments and bot
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from kvtransfer.backends.base import PeerInfo, TransferJob
 from kvtransfer.backends.staging import PageStager, expand_pages
-from kvtransfer.bootstrap import BootstrapServer
-from kvtransfer.manager import KVManager
 from kvtransfer.pages import HeadSlice
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import KVSender, PrefillRooms
 from kvtransfer.testing import (
-    DECODE_SEED,
     PAGE_SIZE,
-    PREFILL_SEED,
-    TOKEN,
-    Child,
-    RoleSpec,
     kv_config,
     make_args,
-    plan_rooms,
-    start_receivers,
-    wait_final,
+    transfer_interleaved_rooms,
 )
+from tests import test_kvtransfer_faults as faults
 from tests.test_kvtransfer_backends_extra import Pair
 
 SEGMENT = 2 * 4 * PAGE_SIZE * 2 * 8 * 2  # two pages of 4 buffers (2 layers, K and V), 2 heads x 8 dims, bf16
@@ -79,41 +66,23 @@ def test_stager_round_trip_matches_page_copies_across_segments() -> None:
 
 
 def test_64_interleaved_rooms_land_byte_exact_through_staging() -> None:
-    plans = plan_rooms(64, NUM_PAGES, NUM_PAGES, pages_per_room=5, seed=5)
-    child = Child(RoleSpec("prefill", "tcp", plans, num_pages=NUM_PAGES, config_overrides=STAGED, linger_s=5))
-    args = make_args(DECODE_SEED, NUM_PAGES)
-    mgr = KVManager(args, kv_config("tcp", **STAGED), DecodeRooms)
-    try:
-        before = [b.clone() for b in _all(args)]
-        receivers = start_receivers(mgr, plans, child.bootstrap_addr)
-        result = wait_final(receivers, 30)
-        assert all(state == KVPoll.Success for state, _ in result.values()), result
-        prefill_result, quiesced = child.result()
-        assert all(state == KVPoll.Success for state, _ in prefill_result.values()), prefill_result
-        assert quiesced
-        src = make_args(PREFILL_SEED, NUM_PAGES)
-        written = {d for plan in plans for d in plan.dst_pages}
-        for s, d, old in zip(_all(src), _all(args), before, strict=True):
-            for plan in plans:
-                assert receivers[plan.room].metadata() == plan.metadata()
-                for sp, dp in zip(plan.src_pages, plan.dst_pages, strict=True):
-                    assert torch.equal(_pages(d, dp), _pages(s, sp)), (plan.room, sp, dp)
-            for page in set(range(args.num_pages)) - written:
-                assert torch.equal(_pages(d, page), _pages(old, page)), f"page {page} was touched"
-        for receiver in receivers.values():
-            receiver.clear()
-    finally:
-        mgr.close()
-        child.kill()
+    transfer_interleaved_rooms("tcp", STAGED, seed=5, num_pages=NUM_PAGES)
 
 
 def test_staged_head_slices_and_job_order() -> None:
+    head_slices_land_and_jobs_complete_in_order(STAGED)
+
+
+def head_slices_land_and_jobs_complete_in_order(config: dict, stripes: int = 1) -> None:
+    """A head-sliced job (prefill tp 1 -> decode tp rank 1 of 2) then an empty one: both complete in order, the
+    sliced heads land byte-exact, nothing else is touched. ``stripes``: how many stripes the sliced job is cut into."""
     src = make_args(1, 48, heads=4, total_heads=4)  # prefill tp=1 holds heads 0..3
     dst = make_args(2, 48, heads=2, total_heads=4)  # decode tp rank 1 of 2 holds heads 2..3
     before = [b.clone() for b in _all(dst)]
-    pair = Pair("tcp", src, dst, **STAGED)
+    pair = Pair("tcp", src, dst, **config)
     try:
         sliced = pair.job(3, 0, [5, 6, 7, 20, 21], [30, 31, 32, 9, 10], HeadSlice(2, 0, 2))
+        assert len(pair.prefill._stripes(sliced)) == stripes  # type: ignore[attr-defined]
         empty = TransferJob(3, 1, pair.d_key, ())
         for job in (sliced, empty):
             pair.prefill.submit(job)
@@ -159,30 +128,4 @@ def test_staged_refusals_write_nothing_and_name_the_cause() -> None:
 
 @pytest.mark.slow
 def test_receiver_killed_mid_staged_transfer_fails_sender_within_deadline() -> None:
-    plans = plan_rooms(4, 64, 64, pages_per_room=6, seed=1)
-    server = BootstrapServer(TOKEN)
-    port = server.start()
-    config = kv_config("tcp", **STAGED)
-    mgr = KVManager(make_args(PREFILL_SEED, 64), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
-    child = Child(RoleSpec("decode", "tcp", plans, num_pages=64, bootstrap_addr=f"127.0.0.1:{port}",
-                           config_overrides=STAGED))
-    try:
-        senders = {p.room: KVSender(mgr, p.room) for p in plans}
-        end = time.monotonic() + 10
-        while time.monotonic() < end and not all(s.poll() == KVPoll.WaitingForInput for s in senders.values()):
-            time.sleep(0.01)
-        for plan in plans:
-            senders[plan.room].init(len(plan.src_pages), plan.slot)
-            senders[plan.room].send(plan.src_pages[:plan.chunks[0]])
-        child.kill()
-        for plan in plans:
-            senders[plan.room].send(plan.src_pages[plan.chunks[0]:], last=True, metadata=plan.metadata())
-        end = time.monotonic() + config.peer_dead_after_s + 3
-        while time.monotonic() < end and not all(s.poll() == KVPoll.Failed for s in senders.values()):
-            time.sleep(0.01)
-        assert all(s.poll() == KVPoll.Failed for s in senders.values())
-        assert all("decode/dp0/tp0" in s.failure() for s in senders.values())
-    finally:
-        child.kill()
-        mgr.close()
-        server.stop()
+    faults.receiver_killed_mid_transfer("tcp", **STAGED)

@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import threading
-import time
 
 import pytest
 import torch
@@ -15,29 +13,18 @@ import torch
 from common.config import ServerArgs, add_server_args, server_args_from_cli
 from common.errors import ConfigError
 from common.kv_options import KV_TRANSFER_OPTIONS, int_option
-from kvtransfer.backends.base import TransferJob
 from kvtransfer.backends.staging import DEFAULT_SEGMENT_BYTES, expand_pages
-from kvtransfer.bootstrap import BootstrapServer
-from kvtransfer.manager import KVManager
 from kvtransfer.node import kv_transfer_config
-from kvtransfer.pages import HeadSlice, PageRun, split_runs
-from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
+from kvtransfer.pages import PageRun, split_runs
 from kvtransfer.registry import BACKENDS
-from kvtransfer.sender import KVSender, PrefillRooms
 from kvtransfer.testing import (
-    DECODE_SEED,
     PAGE_SIZE,
-    PREFILL_SEED,
-    TOKEN,
-    Child,
-    RoleSpec,
     kv_config,
     make_args,
-    plan_rooms,
-    start_receivers,
-    wait_final,
+    transfer_interleaved_rooms,
 )
+from tests import test_kvtransfer_faults as faults
+from tests import test_kvtransfer_staged as staged
 from tests.test_kvtransfer_backends_extra import Pair
 
 PAGE_BYTES = 4 * PAGE_SIZE * 2 * 8 * 2  # 4 buffers (2 layers, K and V), 2 heads x 8 dims, bf16
@@ -46,6 +33,7 @@ EVERY_JOB = {"backend_options": {"streams": "3", "stripe_bytes": "1"}}  # every 
 STRIPED_STAGED = {"backend_options": {"streams": "2", "stripe_bytes": "1", "stage": "always",
                                       "stage_bytes": str(2 * PAGE_BYTES)}}
 NUM_PAGES = 64 * 5 + 16
+pytestmark = pytest.mark.usefixtures("no_threads_left")
 
 
 def _pages(buf: torch.Tensor, page: int) -> torch.Tensor:
@@ -54,16 +42,6 @@ def _pages(buf: torch.Tensor, page: int) -> torch.Tensor:
 
 def _all(args) -> tuple[torch.Tensor, ...]:
     return (*args.k_buffers, *args.v_buffers)
-
-
-@pytest.fixture(autouse=True)
-def no_thread_left():
-    before = set(threading.enumerate())
-    yield
-    end = time.monotonic() + 5
-    while time.monotonic() < end and set(threading.enumerate()) - before:
-        time.sleep(0.05)
-    assert not set(threading.enumerate()) - before, f"threads left: {set(threading.enumerate()) - before}"
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 6, 7])
@@ -108,54 +86,15 @@ def test_only_jobs_of_two_stripes_stripe_and_every_stream_gets_its_own_connectio
 
 @pytest.mark.parametrize("overrides", [EVERY_JOB, STRIPED_STAGED], ids=["striped", "striped-staged"])
 def test_64_interleaved_rooms_land_byte_exact_on_several_streams(overrides: dict) -> None:
-    plans = plan_rooms(64, NUM_PAGES, NUM_PAGES, pages_per_room=5, seed=7)
-    child = Child(RoleSpec("prefill", "tcp", plans, num_pages=NUM_PAGES, config_overrides=overrides, linger_s=5))
-    args = make_args(DECODE_SEED, NUM_PAGES)
-    mgr = KVManager(args, kv_config("tcp", **overrides), DecodeRooms)
-    try:
-        before = [b.clone() for b in _all(args)]
-        receivers = start_receivers(mgr, plans, child.bootstrap_addr)
-        result = wait_final(receivers, 30)
-        assert all(state == KVPoll.Success for state, _ in result.values()), result
-        prefill_result, quiesced = child.result()
-        assert all(state == KVPoll.Success for state, _ in prefill_result.values()), prefill_result
-        assert quiesced
-        assert len(mgr.backend._accepted) >= 2  # type: ignore[attr-defined]
-        src = make_args(PREFILL_SEED, NUM_PAGES)
-        written = {d for plan in plans for d in plan.dst_pages}
-        for s, d, old in zip(_all(src), _all(args), before, strict=True):
-            for plan in plans:
-                assert receivers[plan.room].metadata() == plan.metadata()
-                for sp, dp in zip(plan.src_pages, plan.dst_pages, strict=True):
-                    assert torch.equal(_pages(d, dp), _pages(s, sp)), (plan.room, sp, dp)
-            for page in set(range(args.num_pages)) - written:
-                assert torch.equal(_pages(d, page), _pages(old, page)), f"page {page} was touched"
-        for receiver in receivers.values():
-            receiver.clear()
-    finally:
-        mgr.close()
-        child.kill()
+    def several_connections(decode_mgr) -> None:
+        assert len(decode_mgr.backend._accepted) >= 2
+
+    transfer_interleaved_rooms("tcp", overrides, seed=7, num_pages=NUM_PAGES, check=several_connections)
 
 
 def test_striped_head_slices_land_and_jobs_complete_in_submission_order() -> None:
-    src = make_args(1, 48, heads=4, total_heads=4)  # prefill tp=1 holds heads 0..3
-    dst = make_args(2, 48, heads=2, total_heads=4)  # decode tp rank 1 of 2 holds heads 2..3
-    before = [b.clone() for b in _all(dst)]
-    pair = Pair("tcp", src, dst, backend_options={"streams": "4", "stripe_bytes": "1"})
-    try:
-        sliced = pair.job(3, 0, [5, 6, 7, 20, 21], [30, 31, 32, 9, 10], HeadSlice(2, 0, 2))
-        assert len(pair.prefill._stripes(sliced)) == 4  # type: ignore[attr-defined]
-        empty = TransferJob(3, 1, pair.d_key, ())
-        for job in (sliced, empty):
-            pair.prefill.submit(job)
-        assert pair.events.wait(2) == [(sliced, None), (empty, None)]
-        for s, d, old in zip(_all(src), _all(dst), before, strict=True):
-            for sp, dp in ((5, 30), (6, 31), (7, 32), (20, 9), (21, 10)):
-                assert torch.equal(_pages(d, dp), _pages(s, sp)[:, 2:4])
-            for p in set(range(dst.num_pages)) - {30, 31, 32, 9, 10}:
-                assert torch.equal(_pages(d, p), _pages(old, p))
-    finally:
-        pair.close()
+    staged.head_slices_land_and_jobs_complete_in_order({"backend_options": {"streams": "4", "stripe_bytes": "1"}},
+                                                       stripes=4)
 
 
 def test_a_lost_stripe_fails_its_job_after_the_others_land_and_the_next_job_reopens_that_stream() -> None:
@@ -189,35 +128,7 @@ def test_a_lost_stripe_fails_its_job_after_the_others_land_and_the_next_job_reop
 
 @pytest.mark.slow
 def test_receiver_killed_mid_striped_transfer_fails_sender_within_deadline() -> None:
-    plans = plan_rooms(4, 64, 64, pages_per_room=6, seed=1)
-    server = BootstrapServer(TOKEN)
-    port = server.start()
-    config = kv_config("tcp", **STRIPED)
-    mgr = KVManager(make_args(PREFILL_SEED, 64), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
-    child = Child(RoleSpec("decode", "tcp", plans, num_pages=64, bootstrap_addr=f"127.0.0.1:{port}",
-                           config_overrides=STRIPED))
-    try:
-        senders = {p.room: KVSender(mgr, p.room) for p in plans}
-        end = time.monotonic() + 10
-        while time.monotonic() < end and not all(s.poll() == KVPoll.WaitingForInput for s in senders.values()):
-            time.sleep(0.01)
-        for plan in plans:
-            senders[plan.room].init(len(plan.src_pages), plan.slot)
-            senders[plan.room].send(plan.src_pages[:plan.chunks[0]])
-        child.kill()
-        for plan in plans:
-            senders[plan.room].send(plan.src_pages[plan.chunks[0]:], last=True, metadata=plan.metadata())
-        end = time.monotonic() + config.peer_dead_after_s + 3
-        while time.monotonic() < end and not all(s.poll() == KVPoll.Failed for s in senders.values()):
-            time.sleep(0.01)
-        assert all(s.poll() == KVPoll.Failed for s in senders.values())
-        assert all("decode/dp0/tp0" in s.failure() for s in senders.values())
-        for sender in senders.values():
-            sender.clear()
-    finally:
-        child.kill()
-        mgr.close()
-        server.stop()
+    faults.receiver_killed_mid_transfer("tcp", **STRIPED)
 
 
 @pytest.mark.parametrize("options, message", [

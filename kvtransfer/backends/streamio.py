@@ -40,20 +40,9 @@ def recv_frame(sock: socket.socket, max_bytes: int = 1 << 20) -> AnyDataMessage:
 
 
 def send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    i, off = 0, 0
+    i, off = _advance(views, 0, 0, 0)
     while i < len(views):
-        batch = views[i:i + IOV_BATCH]
-        if off:
-            batch[0] = batch[0][off:]
-        sent = sock.sendmsg(batch)
-        while sent and i < len(views):
-            rest = len(views[i]) - off
-            if sent >= rest:
-                sent, i, off = sent - rest, i + 1, 0
-            else:
-                off, sent = off + sent, 0
-        while i < len(views) and len(views[i]) == 0:
-            i += 1
+        i, off = _advance(views, i, off, sock.sendmsg(_batch(views, i, off)))
 
 
 def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -61,26 +50,33 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     is in, not whenever a segment lands, so a 512 MiB payload takes ~64 calls instead of ~1,400, and the Python
     between calls (and its GIL hand-offs to the process's other threads) stops paying per segment. A short return
     (a signal, the peer closing, a shutdown from another thread) is accounted for like any other."""
-    i, off = 0, 0
-    while i < len(views) and len(views[i]) == 0:
-        i += 1
+    i, off = _advance(views, 0, 0, 0)
     while i < len(views):
-        batch = views[i:i + IOV_BATCH]
-        if off:
-            batch[0] = batch[0][off:]
-        got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+        got = sock.recvmsg_into(_batch(views, i, off), 0, socket.MSG_WAITALL)[0]
         if got == 0:
             raise ConnectionError("connection closed by peer")
-        while got and i < len(views):
-            rest = len(views[i]) - off
-            if got >= rest:
-                got, i, off = got - rest, i + 1, 0
-            else:
-                off, got = off + got, 0
-        while i < len(views) and len(views[i]) == 0:
-            i += 1
+        i, off = _advance(views, i, off, got)
 
 
+def _batch(views: list[memoryview], i: int, off: int) -> list[memoryview]:
+    """Up to IOV_BATCH views from byte ``off`` of view ``i`` on."""
+    batch = views[i:i + IOV_BATCH]
+    if off:
+        batch[0] = batch[0][off:]
+    return batch
+
+
+def _advance(views: list[memoryview], i: int, off: int, moved: int) -> tuple[int, int]:
+    """The position (view, byte offset in it) ``moved`` bytes past (``i``, ``off``), skipping empty views."""
+    while moved and i < len(views):
+        rest = len(views[i]) - off
+        if moved >= rest:
+            moved, i, off = moved - rest, i + 1, 0
+        else:
+            off, moved = off + moved, 0
+    while i < len(views) and len(views[i]) == 0:
+        i += 1
+    return i, off
 
 
 def closed_by_peer(sock: socket.socket) -> bool:

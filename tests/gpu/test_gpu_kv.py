@@ -19,13 +19,13 @@ from kvtransfer.receiver import DecodeRooms
 from kvtransfer.testing import (
     DECODE_SEED,
     PAGE_SIZE,
-    PREFILL_SEED,
     Child,
     RoleSpec,
     kv_config,
     make_args,
     plan_rooms,
     start_receivers,
+    transfer_interleaved_rooms,
     wait_final,
 )
 
@@ -42,34 +42,8 @@ def _pages(buf: torch.Tensor, page: int) -> torch.Tensor:
 
 def _transfer(backend: str, prefill_device: str, decode_device: str, config: dict | None = None) -> None:
     """64 interleaved chunked rooms, prefill in a child process on ``prefill_device``, decode here."""
-    config = config or {}
-    plans = plan_rooms(64, NUM_PAGES, NUM_PAGES, pages_per_room=5, seed=3)
-    child = Child(RoleSpec("prefill", backend, plans, num_pages=NUM_PAGES, config_overrides=config,
-                           args_overrides={"device": prefill_device}, linger_s=5))
-    args = make_args(DECODE_SEED, NUM_PAGES, device=decode_device)
-    mgr = KVManager(args, kv_config(backend, **config), DecodeRooms)
-    try:
-        before = [b.cpu() for b in (*args.k_buffers, *args.v_buffers)]
-        receivers = start_receivers(mgr, plans, child.bootstrap_addr)
-        result = wait_final(receivers, 60)
-        assert all(state == KVPoll.Success for state, _ in result.values()), result
-        prefill_result, quiesced = child.result()
-        assert all(state == KVPoll.Success for state, _ in prefill_result.values()) and quiesced, prefill_result
-        src = make_args(PREFILL_SEED, NUM_PAGES)
-        written = {d for plan in plans for d in plan.dst_pages}
-        for s, d, old in zip((*src.k_buffers, *src.v_buffers), (*args.k_buffers, *args.v_buffers), before,
-                             strict=True):
-            d = d.cpu()
-            for plan in plans:
-                for sp, dp in zip(plan.src_pages, plan.dst_pages, strict=True):
-                    assert torch.equal(_pages(d, dp), _pages(s, sp)), (plan.room, sp, dp)
-            for page in set(range(args.num_pages)) - written:
-                assert torch.equal(_pages(d, page), _pages(old, page)), f"page {page} was touched"
-        for receiver in receivers.values():
-            receiver.clear()
-    finally:
-        mgr.close()
-        child.kill()
+    transfer_interleaved_rooms(backend, config, seed=3, num_pages=NUM_PAGES, prefill_device=prefill_device,
+                               decode_device=decode_device)
 
 
 def test_shm_cuda_ipc_same_gpu_byte_exact() -> None:
