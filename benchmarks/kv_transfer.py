@@ -16,9 +16,10 @@ or ``ucx`` backend, raw NIXL too: two agents in two processes, one ``initialize_
 (every layer, K and V) + ``transfer`` + ``check_xfer_state`` until DONE per rep (the handle is built inside the timed
 region, as a new request's page table needs; UCX transports from ``UCX_TLS``); with the ``mooncake`` backend, raw
 Mooncake too: two ``TransferEngine``s (P2P handshake, TCP protocol) in two processes, one
-``batch_transfer_sync_write`` of the same page runs per rep (in batches of 2048 segments, the engine's limit). Targets: tcp >= 1.0x raw TCP (tcp stripes a job over 2
-connections by default; ``--option streams=1`` measures it on one), shm >= 0.85x memcpy,
-nixl >= 0.9x raw NIXL, ucx >= 1.0x raw NIXL (same ``UCX_TLS``), mooncake >= 0.9x raw Mooncake.
+``batch_transfer_sync_write`` of the same page runs per rep (in batches of 2048 segments, the engine's limit).
+Targets: tcp >= 1.0x raw TCP (tcp stripes a job over 2 connections by default; ``--option streams=1`` measures it
+on one), shm >= 0.85x memcpy, nixl >= 0.9x raw NIXL, ucx >= 1.0x raw NIXL (same ``UCX_TLS``), mooncake >= 0.9x raw
+Mooncake.
 
 ``--device cuda``: both pools on ``cuda:0`` (two processes on one GPU; default backends shm and tcp). Baselines in
 the same run: an in-process device-to-device copy of the same number of bytes (one contiguous ``copy_``,

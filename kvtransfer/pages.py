@@ -67,7 +67,8 @@ def split_runs(runs: Sequence[PageRun], parts: int) -> list[tuple[PageRun, ...]]
         while size:
             run = run or next(it)
             take = min(size, run.num_pages)
-            stripe.append(PageRun(run.src_page, run.dst_page, take))
+            if take:
+                stripe.append(PageRun(run.src_page, run.dst_page, take))
             size -= take
             rest = run.num_pages - take
             run = PageRun(run.src_page + take, run.dst_page + take, rest) if rest else None

@@ -58,6 +58,7 @@ def test_split_runs_keeps_every_page_in_order_in_near_equal_stripes(parts: int) 
     with pytest.raises(ValueError, match="8 stripes"):
         split_runs(runs, 8)
     assert split_runs([], 1) == [()]
+    assert split_runs([PageRun(1, 1, 0), PageRun(5, 6, 3)], 2) == [(PageRun(5, 6, 2),), (PageRun(7, 8, 1),)]
 
 
 def test_only_jobs_of_two_stripes_stripe_and_every_stream_gets_its_own_connection() -> None:

@@ -169,12 +169,15 @@ class TcpBackend(QueuedBackend):
     def _stripes(self, job: TransferJob) -> list[TransferJob]:
         """``job`` cut into stripes of about ``stripe_bytes`` or more (whole pages), at most one per stream."""
         num_heads = self.args.kv_heads if job.heads is None else job.heads.num_heads
-        a = self.args
-        page_bytes = len(self._buffers) * a.page_size * num_heads * a.head_dim * self._buffers[0].element_size()
-        parts = min(self._streams, job.num_pages, job.num_pages * page_bytes // self._stripe_bytes)
+        parts = min(self._streams, job.num_pages, job.num_pages * self._page_bytes(num_heads) // self._stripe_bytes)
         if parts <= 1:
             return [job]
         return [dataclasses.replace(job, runs=runs) for runs in split_runs(job.runs, parts)]
+
+    def _page_bytes(self, num_heads: int) -> int:
+        """Payload bytes of one page over every layer's K and V, ``num_heads`` heads per slot."""
+        a = self.args
+        return len(self._buffers) * a.page_size * num_heads * a.head_dim * self._buffers[0].element_size()
 
     def _move_stripe(self, job: TransferJob, stream: int) -> None:
         sock = self._connection(job.peer, stream)
@@ -204,7 +207,7 @@ class TcpBackend(QueuedBackend):
             num_heads = self.args.kv_heads if job.heads is None else job.heads.num_heads
             segment = stager.segment_pages(num_heads)
             send_frame(sock, ChunkHeader(job.room, job.chunk_id, dst_runs, heads,
-                                          job.num_pages * stager.page_bytes(num_heads), segment_pages=segment))
+                                         job.num_pages * stager.page_bytes(num_heads), segment_pages=segment))
             stager.send(expand_pages([(r.src_page, r.num_pages) for r in job.runs]), src_heads, segment,
                         lambda view: send_views(sock, [view]))
         ack = recv_frame(sock)
@@ -335,8 +338,7 @@ class TcpBackend(QueuedBackend):
                                       and heads.dst_head + heads.num_heads <= a.kv_heads):
             bad.append((-1, heads.dst_head))
         num_heads = a.kv_heads if heads is None else heads.num_heads
-        nbytes = sum(n for _, n in header.dst_runs) * len(self._buffers) * ps * num_heads * a.head_dim \
-            * self._buffers[0].element_size()
+        nbytes = sum(n for _, n in header.dst_runs) * self._page_bytes(num_heads)
         if not 0 <= header.nbytes <= 2 * a.num_layers * a.num_pages * item:
             raise TransferError(f"chunk of {header.nbytes} bytes exceeds this rank's whole KV pool")
         problem = ""
