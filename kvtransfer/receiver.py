@@ -54,6 +54,11 @@ log = logging.getLogger(__name__)
 
 HELLO_RESEND_S = 1.0
 LOOKUP_RETRY_S = 0.2
+# A peer silent this many heartbeat intervals may have restarted on the same address (a new epoch registered at its
+# bootstrap) or stalled: a new room binds to it only once a lookup made since then still names that start. Until
+# then (a lookup that fails does not count) the room waits, for the new start's registration, the peer's heartbeats
+# or its death (whose rank entries are dropped, so the room looks the rank up from scratch), within its deadline.
+SUSPECT_HEARTBEATS = 2
 
 
 @dataclass
@@ -100,6 +105,7 @@ class DecodeRooms:
         self.rooms: dict[int, RecvRoom] = {}
         self.topology: dict[str, tuple[int, int]] = {}  # bootstrap addr -> (dp_size, tp_size)
         self.ranks: dict[tuple[str, int, int], RankEntry] = {}  # (addr, dp, tp) -> entry
+        self.looked_up: dict[tuple[str, int, int], float] = {}  # (addr, dp, tp) -> when a lookup last found it
         self.lookups: dict[tuple[str, int, int], float] = {}  # in flight (inf) or retry-after time
         self.connecting: dict[str, Connecting] = {}  # instance_id -> handshake in progress
         self.refused: dict[str, str] = {}  # instance_id@epoch -> why the prefill refused us
@@ -357,6 +363,13 @@ class DecodeRooms:
                     return
                 peer = self.mgr.peers.get(entry.instance_id)
                 if peer is not None and peer.key.epoch >= entry.epoch:
+                    rank = (addr, rec.dp_rank, source.tp_rank)
+                    silent_since = peer.last_seen + SUSPECT_HEARTBEATS * self.mgr.config.heartbeat_interval_s
+                    if now > silent_since and self.looked_up.get(rank, 0.0) < silent_since:
+                        rec.waiting_for = f"a fresh lookup of prefill rank {entry.instance_id}, silent for " \
+                                          f"{now - peer.last_seen:.1f}s"
+                        self._lookup(*rank, now)
+                        continue
                     source.key = peer.key
                     continue
                 rec.waiting_for = f"the handshake with prefill rank {entry.instance_id}"
@@ -397,7 +410,7 @@ class DecodeRooms:
         with self.mgr.lock:
             self.lookups[key] = now + LOOKUP_RETRY_S
             if isinstance(result, RankEntry):
-                self.ranks[key] = result
+                self.ranks[key], self.looked_up[key] = result, now
             elif isinstance(result, tuple):
                 self.topology[key[0]] = result
             elif isinstance(result, BootstrapError) and result.code not in (

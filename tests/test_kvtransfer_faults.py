@@ -255,6 +255,32 @@ def test_restarted_prefill_on_same_address_gets_new_epoch_and_old_epoch_is_dropp
         mgr.close()
 
 
+def test_a_room_after_a_restart_quicker_than_the_death_deadline_binds_the_new_epoch() -> None:
+    """The old start is not yet declared dead (10 s deadline here) when the restarted prefill is back on the same
+    address: a new room must not bind to the silent old epoch (and fail when it is declared dead), but look the rank
+    up again and hand-shake with the new one."""
+    bootstrap_port, control_port = _free_port(), _free_port()
+    first, second = plan_rooms(2, NUM_PAGES, NUM_PAGES, pages_per_room=4, seed=11)
+    spec = {"num_pages": NUM_PAGES, "bootstrap_port": bootstrap_port, "config_overrides": {"control_port": control_port}}
+    old = Child(RoleSpec("prefill", "tcp", [first], **spec))
+    mgr = _decode("tcp", heartbeat_misses=50)
+    try:
+        assert wait_final(start_receivers(mgr, [first], old.bootstrap_addr), 10)[first.room][0] == KVPoll.Success
+        old.kill()
+        new = Child(RoleSpec("prefill", "tcp", [second], **spec))
+        try:
+            started = time.monotonic()
+            result = wait_final(start_receivers(mgr, [second], new.bootstrap_addr), 8)
+            assert result[second.room][0] == KVPoll.Success, result
+            assert time.monotonic() - started < mgr.config.peer_dead_after_s
+            assert [p.key.epoch for p in mgr.peers.values()] == [new.epoch]
+        finally:
+            new.kill()
+    finally:
+        old.kill()
+        mgr.close()
+
+
 @pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_incompatible_layout_and_missing_token_are_refused_with_clear_errors(backend: str) -> None:
     plans = plan_rooms(2, NUM_PAGES, NUM_PAGES, pages_per_room=2, seed=8)
