@@ -10,7 +10,7 @@ from typing import Literal
 from common import env
 from common.errors import ConfigError
 from common.kv_options import parse_options
-from common.tls import TlsFiles
+from common.wire.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
 KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "mooncake", "shm", "fake")
@@ -29,10 +29,10 @@ class ServerArgs:
     advertise_host: str | None = None  # what peers and the router are told; None = --host
     port: int = 30000
     metrics_port: int | None = None
-    # SGLang's HTTP worker surface (common/server/sglang_http.py): /generate, /health, /get_server_info, ... so the
+    # SGLang's HTTP worker surface (common/node/sglang_http.py): /generate, /health, /get_server_info, ... so the
     # node serves behind sglang-router; None: off.
     sglang_http_port: int | None = None
-    # The Mux socket (common/mux_socket.py): Worker.Mux's stream on plain TCP (TLS with the gRPC port's), offered to
+    # The Mux socket (common/wire/mux_socket.py): Worker.Mux's stream on plain TCP (TLS with the gRPC port's), offered to
     # routers on the gRPC Mux stream; 0: any free port on --host; -1: off (request legs stay on gRPC).
     mux_port: int = 0
     disaggregation_mode: DisaggregationMode = "null"
@@ -41,7 +41,7 @@ class ServerArgs:
     kv_transfer_option: tuple[str, ...] = ()  # KEY=VALUE settings of the backend (common/kv_options.py)
     dtype: str = "float32"
     device: str = "cpu"
-    base_gpu_id: int = 0  # rank (dp d, tp t) uses cuda:(base_gpu_id + d * tp_size + t); see common.device
+    base_gpu_id: int = 0  # rank (dp d, tp t) uses cuda:(base_gpu_id + d * tp_size + t); see common.engine.device
     seed: int = 0
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere (see resolved_attention_backend)
     # Memory.
@@ -63,7 +63,7 @@ class ServerArgs:
     num_reserved_decode_tokens: int = 128
     decode_log_interval: int = 40
     torch_num_threads: int | None = None
-    # Compiled decode steps (common.graph_runner): decode batches are padded to the next captured/compiled batch size.
+    # Compiled decode steps (common.engine.graph_runner): decode batches are padded to the next captured/compiled batch size.
     enable_torch_compile: bool = False  # torch.compile the decode forward per batch-size bucket (any device)
     torch_compile_max_bs: int = 32  # largest compiled decode batch; larger batches run eager
     cuda_graph_max_bs: int | None = None  # largest captured decode batch; None: min(160, --max-running-requests)
@@ -85,7 +85,7 @@ class ServerArgs:
     watchdog_timeout: float = 300.0  # liveness fails when a scheduler rank has not stepped for this long
     log_level: str = "info"
     log_requests: bool = False  # one log line per request on arrival and on finish (rid, room, outcome)
-    # The Worker gRPC listener (common/tls.py): TLS with tls_cert/tls_key; with tls_ca, only callers presenting a
+    # The Worker gRPC listener (common/wire/tls.py): TLS with tls_cert/tls_key; with tls_ca, only callers presenting a
     # certificate signed by it (the router) are served.
     tls_cert: str | None = None
     tls_key: str | None = None

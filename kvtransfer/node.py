@@ -17,7 +17,7 @@ from kvtransfer.sender import PrefillRooms
 
 if TYPE_CHECKING:
     from common.config import ServerArgs
-    from common.model_runner import ModelRunner
+    from common.engine.model_runner import ModelRunner
 
 METADATA_SLOTS_PER_REQUEST_SLOT = 2
 ROOMS: dict[Mode, type[Rooms]] = {"prefill": PrefillRooms, "decode": DecodeRooms}

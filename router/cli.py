@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from common import env, event_loop
 from common.errors import ConfigError
 from common.gc_freeze import freeze_startup_heap
-from common.tls import TlsFiles
+from common.wire.tls import TlsFiles
 from router.config import MUX_TRANSPORTS, POLICIES, RouterConfig, WorkerSpec
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from common import env
 from common.errors import ConfigError
-from common.tls import TlsFiles
+from common.wire.tls import TlsFiles
 
 Role = Literal["prefill", "decode", "colocated"]
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -91,14 +91,14 @@ class RouterConfig:
     # connections); each replica is stateless apart from its /v1/requests/{id}/timing store.
     reuse_port: bool = False
     event_loop: str = "auto"  # common/event_loop.py: uvloop when installed, or "uvloop" / "asyncio"
-    # Request legs: "socket" uses a node's Mux socket when its Mux stream offers one (common/mux_socket.py), "grpc"
+    # Request legs: "socket" uses a node's Mux socket when its Mux stream offers one (common/wire/mux_socket.py), "grpc"
     # keeps them on the gRPC Mux stream.
     mux_transport: str = "socket"
     # Admin RPCs and internal HTTP views need this bearer token (router/admin.py); "" refuses them all.
     admin_token: str = field(default_factory=env.admin_token, repr=False)
     # Generation and model calls need this bearer key (router/client_auth.py); "" leaves them open.
     api_key: str = field(default_factory=env.api_key, repr=False)
-    # TLS (common/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels to
+    # TLS (common/wire/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels to
     # nodes verify each node's certificate against it and present tls.cert/tls.key (mutual TLS).
     tls: TlsFiles = field(default_factory=TlsFiles)
     tls_server_name: str | None = None  # the name node certificates carry; None: the host the router dials
