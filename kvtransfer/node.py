@@ -10,9 +10,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
-from kvtransfer.manager import KVManager
+from kvtransfer.manager import KVManager, Rooms
 from kvtransfer.receiver import DecodeRooms
-from kvtransfer.rooms import Rooms
 from kvtransfer.sender import PrefillRooms
 
 if TYPE_CHECKING:
