@@ -37,7 +37,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import env
 from common.app.supervisor import Child, RestartPolicy, Supervisor
-from common.config import KV_TRANSFER_BACKENDS
+from common.config import ServerArgs
+from common.flags import add_flags, config_values, flag_argv
 from common.ports import pick_free_port
 from common.text.tokenizer import resolve_model_path
 from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
@@ -45,51 +46,34 @@ from common.wire.tls import TlsFiles
 
 READY_TIMEOUT_S = 300.0
 SUPERVISE_INTERVAL_S = 0.5
-NODE_FLAGS = ("page_size", "dp_size", "chunked_prefill_size", "max_total_tokens", "max_running_requests",
-              "dtype", "torch_num_threads", "device", "torch_compile_max_bs", "cuda_graph_max_bs")
-NODE_SWITCHES = ("disable_overlap_schedule", "enable_overlap_schedule", "enable_torch_compile", "disable_cuda_graph")
 DEFAULT_BACKEND = {"cpu": "tcp", "cuda": "shm"}
 CUDA_MEM_FRACTION = 0.85
 
 
+# Node flags ``up`` sets per node, or cluster-wide through flags of its own (ports, modes, placement, TLS): every
+# other flag of ``ServerArgs`` is a pass-through, declared once there and forwarded to every node as given.
+UP_SETS_PER_NODE = ("host", "advertise_host", "port", "metrics_port", "sglang_http_port", "mux_port",
+                    "disaggregation_mode", "disaggregation_bootstrap_port", "base_gpu_id", "dist_init_addr", "nnodes",
+                    "node_rank", "tls_cert", "tls_key", "tls_ca")
+# Pass-through flags ``up`` also reads: it forwards what it derives from them (resolved model path, the backend's
+# per-device default, each role's tp, each GPU node's memory share, one torch thread per CPU rank by default).
+UP_DERIVES = ("model_path", "kv_transfer_backend", "tp_size", "mem_fraction_static", "torch_num_threads")
+
+
 def add_up_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-path", default=None, help="local HF model folder (default: the embedded model)")
     p.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--colocated", type=int, default=0, help="number of colocated (mode null) nodes")
-    p.add_argument("--kv-transfer-backend", default=None, choices=KV_TRANSFER_BACKENDS,
-                   help="default: tcp on cpu, shm (CUDA IPC, same host) on cuda")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every node runs its model")
     p.add_argument("--num-gpus", type=int, default=None, help="cuda: GPUs to place nodes on (default: all visible)")
-    p.add_argument("--mem-fraction-static", type=float, default=None,
-                   help=f"cuda: GPU memory fraction of a node that has its GPU alone (default {CUDA_MEM_FRACTION}); "
-                        "split between nodes sharing a GPU")
-    p.add_argument("--page-size", type=int, default=None)
-    p.add_argument("--dp-size", type=_positive, default=None)
-    p.add_argument("--tp-size", type=_positive, default=None,
-                   help="tensor parallel ranks per DP replica of every node (default 1)")
     p.add_argument("--prefill-tp-size", type=_positive, default=None, help="prefill nodes' tp (default --tp-size)")
     p.add_argument("--decode-tp-size", type=_positive, default=None, help="decode nodes' tp (default --tp-size)")
-    p.add_argument("--chunked-prefill-size", type=int, default=None)
-    p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--max-running-requests", type=int, default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--torch-num-threads", type=int, default=None)
-    p.add_argument("--disable-overlap-schedule", action="store_true", help="every node: the normal loop")
-    p.add_argument("--enable-overlap-schedule", action="store_true",
-                   help="every node: overlap even where its torch threads take every core")
-    p.add_argument("--enable-torch-compile", action="store_true", help="every decode-capable node: compiled steps")
-    p.add_argument("--torch-compile-max-bs", type=int, default=None)
-    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
-    p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--prefill-policy", default=None,
                    help="the router's prefill worker policy (round_robin, random, power_of_two, cache_aware; default: "
                         "the router's, cache_aware)")
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
     p.add_argument("--metrics", action="store_true", help="give every node a Prometheus /metrics port")
-    p.add_argument("--log-requests", action="store_true", help="nodes log each request's arrival and outcome")
     s = p.add_argument_group("client security")
     s.add_argument("--api-key", default=None,
                    help="the router's client API key (handed to it through its environment, not its command line; "
@@ -105,6 +89,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "up on the router stops the cluster")
     p.add_argument("--demo", action="store_true", help="once ready, send example requests through the OpenAI API")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
+    add_flags(p, ServerArgs, exclude=UP_SETS_PER_NODE, only_given=True, group_prefix="every node: ")
 
 
 def _positive(text: str) -> int:
@@ -117,7 +102,7 @@ def _positive(text: str) -> int:
 def node_tp_size(ns: argparse.Namespace, role: str) -> int:
     """A node's tp: its role's ``--<role>-tp-size``, else ``--tp-size``, else 1 (colocated nodes: ``--tp-size``)."""
     own = getattr(ns, f"{role}_tp_size", None)
-    return own if own is not None else (ns.tp_size if ns.tp_size is not None else 1)
+    return own if own is not None else getattr(ns, "tp_size", ServerArgs.tp_size)
 
 
 def cluster_env() -> dict[str, str]:
@@ -181,23 +166,26 @@ def _visible_gpus() -> int:
 class LocalCluster:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
-        self.model_path = str(resolve_model_path(ns.model_path))
+        self.node_given = config_values(ServerArgs, ns)  # the node flags given to up, forwarded to every node
+        ServerArgs(**self.node_given)  # the nodes' own checks, before anything starts
+        self.device = self.node_given.get("device", ServerArgs.device)
+        self.model_path = str(resolve_model_path(self.node_given.get("model_path")))
         self.log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="pdcluster-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
-        self.backend = ns.kv_transfer_backend or DEFAULT_BACKEND[ns.device]
+        self.backend = self.node_given.get("kv_transfer_backend") or DEFAULT_BACKEND[self.device]
         self.node_names = [f"{role}-{i}" for role, count in
                            (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated))
                            for i in range(count)]
         self.tp_size = {name: node_tp_size(ns, name.rsplit("-", 1)[0]) for name in self.node_names}
         self.placement: dict[str, NodePlacement] = {}
-        if ns.device == "cuda":
+        if self.device == "cuda":
             gpus = ns.num_gpus if ns.num_gpus is not None else _visible_gpus()
             if gpus < 1:
                 raise RuntimeError("--device cuda but no GPU is visible; use --device cpu")
-            frac = ns.mem_fraction_static or CUDA_MEM_FRACTION
-            self.placement = {p.name: p for p in
-                              place_nodes(self.node_names, ns.dp_size or 1, gpus, frac, self.tp_size)}
+            frac = self.node_given.get("mem_fraction_static") or CUDA_MEM_FRACTION
+            self.placement = {p.name: p for p in place_nodes(self.node_names, self.node_given.get("dp_size", 1),
+                                                              gpus, frac, self.tp_size)}
             if self.backend == "nccl" and any(p.shares_with for p in self.placement.values()):
                 raise RuntimeError("--kv-transfer-backend nccl cannot pair two nodes on one GPU (NCCL refuses "
                                    "duplicate GPUs); use shm or tcp, or give each node its own GPU")
@@ -230,17 +218,14 @@ class LocalCluster:
         return child
 
     def _node_flags(self) -> list[str]:
+        given = self.node_given
+        forwarded = {k: v for k, v in given.items() if k not in UP_DERIVES}
+        if self.device == "cpu" and given.get("mem_fraction_static") is not None:
+            forwarded["mem_fraction_static"] = given["mem_fraction_static"]  # GPU nodes get their placement's share
+        # per rank: dp x tp ranks per node share the host's cores
+        forwarded["torch_num_threads"] = given.get("torch_num_threads") or 1
         flags = ["--model-path", self.model_path, "--host", "127.0.0.1", "--kv-transfer-backend", self.backend]
-        for name in NODE_FLAGS:
-            value = getattr(self.ns, name)
-            if value is not None:
-                flags += [f"--{name.replace('_', '-')}", str(value)]
-        flags += [f"--{name.replace('_', '-')}" for name in NODE_SWITCHES if getattr(self.ns, name)]
-        if self.ns.torch_num_threads is None:  # per rank: dp x tp ranks per node share the host's cores
-            flags += ["--torch-num-threads", "1"]
-        if self.ns.log_requests:
-            flags.append("--log-requests")
-        return flags + self.tls_flags("node")
+        return flags + flag_argv(ServerArgs, forwarded) + self.tls_flags("node")
 
     def node_args(self, name: str, port: int, bootstrap: int, metrics: int | None = None) -> list[str]:
         """``pdcluster serve`` arguments of node ``name`` (``<role>-<i>``; role ``null``: colocated)."""
@@ -381,7 +366,7 @@ def run_up(ns: argparse.Namespace) -> int:
     try:
         tp = ", ".join(f"{role} tp {node_tp_size(ns, role)}" for role, count in
                        (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated)) if count)
-        print(f"starting: {ns.prefill} prefill + {ns.decode} decode node(s) on {ns.device} ({tp}), model "
+        print(f"starting: {ns.prefill} prefill + {ns.decode} decode node(s) on {cluster.device} ({tp}), model "
               f"{cluster.model_path}, KV over {cluster.backend}; logs in {cluster.log_dir}", flush=True)
         for line in placement_lines(cluster.placement):
             print(line, flush=True)
