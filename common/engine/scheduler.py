@@ -51,7 +51,7 @@ from common.engine.scheduler_metrics import (
 )
 from common.engine.scheduler_output import OutputCollector
 from common.engine.scheduler_role import ColocatedRole, SchedulerRole
-from common.errors import CapacityError, ErrorCode, InvalidRequestError
+from common.errors import CapacityError, ErrorCode, InvalidRequestError, internal_error_message
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 
@@ -71,6 +71,7 @@ class Scheduler:
         send_outputs: Callable[[list[Any]], None],
         dp_rank: int = 0,
         tp: TPGroup | None = None,
+        role: SchedulerRole | None = None,
     ) -> None:
         self.args = args
         self.dp_rank = dp_rank
@@ -81,7 +82,7 @@ class Scheduler:
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
         self.page_size = args.page_size
-        if args.disable_radix_cache:
+        if not args.use_radix_cache:
             self.tree_cache: Any = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
         else:
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
@@ -102,7 +103,8 @@ class Scheduler:
         self.num_retracted = 0
         self.request_log_level = logging.INFO if args.log_requests else logging.DEBUG
         self.decode_log = DecodeLogInterval(args.decode_log_interval)
-        self.role: SchedulerRole = ColocatedRole(self)  # a prefill or decode node installs itself
+        self.role: SchedulerRole = role or ColocatedRole()
+        self.role.bind(self)
 
     # -- construction helpers --------------------------------------------------------------------------------------
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -113,10 +115,33 @@ class Scheduler:
         return self.runner.max_total_num_tokens
 
     def close(self) -> None:
-        """Stop the forward thread (after its batch); nothing else is held outside this process in colocated mode."""
+        """Stop the forward thread (after its batch), then release what the role holds (its KV manager)."""
         if self.forward_thread is not None:
             self.forward_thread.shutdown(wait=True)
             self.forward_thread = None
+        self.role.close()
+
+    # -- the ``Engine`` interface of the roles (``scheduler_role.Engine``) ---------------------------------------------
+    def reject(self, rid: str, message: str, code: ErrorCode) -> None:
+        self.out.error(rid, message, code)
+
+    def send_now(self, outputs: list[Any]) -> None:
+        self.out.send_now(outputs)
+
+    def find_req(self, rid: str) -> Req | None:
+        return self.reqs_by_rid.get(rid)
+
+    def enqueue(self, reqs: list[Req]) -> None:
+        self.waiting_queue.extend(reqs)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting_queue)
+
+    def prefilling_reqs(self) -> list[Req]:
+        return [*self.waiting_queue, *([self.chunked_req] if self.chunked_req is not None else [])]
+
+    def running_reqs(self) -> list[Req]:
+        return self.running_batch.reqs
 
     # -- input -----------------------------------------------------------------------------------------------------
     def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
@@ -503,9 +528,9 @@ class Scheduler:
         return batch is not None or prev is not None
 
     def is_idle(self) -> bool:
-        """The engine's own state is idle (a role adds its queues)."""
+        """Nothing queued, running or in flight, in the engine or in the role's queues."""
         return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and (
-            self.last_batch is None) and self.in_flight is None
+            self.last_batch is None) and self.in_flight is None and self.role.is_idle()
 
     # -- observability ---------------------------------------------------------------------------------------------
     def token_usage(self) -> float:
@@ -575,10 +600,6 @@ def _reads_output_history(req: Req) -> bool:
     """Its next draw depends on every output token so far (penalties), not only on the last one."""
     sp = req.sampling_params
     return sp.has_penalty or bool(sp.min_new_tokens)
-
-
-def internal_error_message(exc: Exception) -> str:
-    return f"internal error while handling the request ({type(exc).__name__}: {exc}); the server keeps serving"
 
 
 def finish_reason_name(req: Req) -> str | None:
