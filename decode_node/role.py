@@ -18,7 +18,6 @@ import logging
 import time
 
 from common.config import ServerArgs
-from common.engine.mem.pages import bytes_per_page
 from common.engine.req import Req
 from common.engine.sampling.stop import check_finished
 from common.engine.scheduler_metrics import DisaggQueueCounts
@@ -28,8 +27,7 @@ from common.faults import inject
 from common.io_struct import GenerateReqInput, QueueLoad
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
-from kvtransfer.node import make_kv_manager
-from kvtransfer.poll import GroupPolls
+from kvtransfer.node import rank_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +38,11 @@ class DecodeRole(LoopHooks):
 
     def bind(self, engine: Engine) -> None:
         self.engine = engine
-        tp = engine.tp
-        self.kv_manager = make_kv_manager(self.args, engine.runner, "decode", engine.dp_rank, tp_rank=tp.tp_rank,
-                                          tp_size=tp.tp_size)
-        self.polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
+        self.kv = rank_transfer(self.args, engine.runner, "decode", engine.dp_rank, engine.tp)
+        self.kv_manager, self.polls, self.bytes_per_page = self.kv.manager, self.kv.polls, self.kv.bytes_per_page
         self.prealloc_queue = DecodePreallocQueue(engine, self.kv_manager, self.args.num_reserved_decode_tokens,
                                                   self.polls)
         self.transfer_queue = DecodeTransferQueue(self.polls)
-        pool = engine.runner.kv_pool
-        self.bytes_per_page = bytes_per_page(pool) * engine.runner.model_config.num_kv_heads // pool.num_kv_heads
 
     def is_idle(self) -> bool:
         return not self.prealloc_queue.queue and not self.transfer_queue.queue

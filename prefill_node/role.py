@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from common.config import ServerArgs
-from common.engine.mem.pages import bytes_per_page, num_pages, req_pages
+from common.engine.mem.pages import num_pages, req_pages
 from common.engine.req import Req
 from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine
@@ -28,8 +28,8 @@ from common.errors import KV_PEER_FAULT, ErrorCode, internal_error_message
 from common.faults import inject
 from common.io_struct import GenerateReqInput, PrefillDone, QueueLoad, Timing
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
-from kvtransfer.node import make_kv_manager
-from kvtransfer.poll import GroupPolls, KVPoll
+from kvtransfer.node import rank_transfer
+from kvtransfer.poll import KVPoll
 from prefill_node.bootstrap_queue import PrefillBootstrapQueue
 from prefill_node.inflight_queue import PrefillInflightQueue
 
@@ -44,14 +44,10 @@ class PrefillRole:
 
     def bind(self, engine: Engine) -> None:
         self.engine = engine
-        tp = engine.tp
-        self.kv_manager = make_kv_manager(self.args, engine.runner, "prefill", engine.dp_rank, tp_rank=tp.tp_rank,
-                                          tp_size=tp.tp_size)
-        self.polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
+        self.kv = rank_transfer(self.args, engine.runner, "prefill", engine.dp_rank, engine.tp)
+        self.kv_manager, self.polls, self.bytes_per_page = self.kv.manager, self.kv.polls, self.kv.bytes_per_page
         self.bootstrap_queue = PrefillBootstrapQueue(engine, self.kv_manager, self.polls)
         self.inflight_queue = PrefillInflightQueue(self.polls)
-        pool = engine.runner.kv_pool
-        self.bytes_per_page = bytes_per_page(pool) * engine.runner.model_config.num_kv_heads // pool.num_kv_heads
 
     def is_idle(self) -> bool:
         return not self.bootstrap_queue.queue and not self.inflight_queue.queue
