@@ -85,9 +85,9 @@ def test_device_flags_ports_replicas_and_grace_per_role(overlay: str) -> None:
             sidecar = _parse(t.spec["containers"][1], docs)
             assert sidecar.router == f"127.0.0.1:{p.grpc}"
             # SIGTERM after the preStop; the drain and its abort RPCs end before the kubelet's SIGKILL.
-            assert ns.drain_timeout == float(spec.router_flags()["drain-timeout"]) > 0
+            assert ns.drain_timeout_s == float(spec.router_flags()["drain-timeout"]) > 0
             assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_S)]
-            assert t.spec["terminationGracePeriodSeconds"] >= PRESTOP_S + ns.drain_timeout + 5, t.owner
+            assert t.spec["terminationGracePeriodSeconds"] >= PRESTOP_S + ns.drain_timeout_s + 5, t.owner
             continue
         assert (ns.device, ns.base_gpu_id) == (spec.device, int(spec.shared["base-gpu-id"])), t.owner
         assert ns.watchdog_timeout == float(spec.shared["watchdog-timeout"])
