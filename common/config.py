@@ -32,6 +32,8 @@ class ServerArgs:
     # SGLang's HTTP worker surface (common/server/sglang_http.py): /generate, /health, /get_server_info, ... so the
     # node serves behind sglang-router; None: off.
     sglang_http_port: int | None = None
+    # SGLang's worker --api-key: the SGLang HTTP port's bearer key ("": PDCLUSTER_API_KEY[_FILE], else open).
+    api_key: str = dataclasses.field(default="", repr=False)
     # The Mux socket (common/mux_socket.py): Worker.Mux's stream on plain TCP (TLS with the gRPC port's), offered to
     # routers on the gRPC Mux stream; 0: any free port on --host; -1: off (request legs stay on gRPC).
     mux_port: int = 0
@@ -257,6 +259,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-http-port", type=int, default=d.sglang_http_port,
                    help="serve SGLang's HTTP worker API (/generate with bootstrap_host/port/room, /health, "
                         "/get_server_info, ...) on this port, so sglang-router can route to this node; off by default")
+    g.add_argument("--api-key", default="",
+                   help="SGLang's worker --api-key: --sglang-http-port requires 'Authorization: Bearer <key>' except "
+                        "on /health* (sglang-router --api-key sends it; visible in ps: prefer --api-key-file or "
+                        "PDCLUSTER_API_KEY[_FILE], the default)")
+    g.add_argument("--api-key-file", default=None, help="file whose first line is --api-key")
     g.add_argument("--mux-port", type=int, default=d.mux_port,
                    help="port of the Mux socket: the router's request legs on plain TCP (TLS when the gRPC port has "
                         "it) instead of gRPC frames; 0: any free port (offered to the router over gRPC); -1: off")
@@ -349,6 +356,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def server_args_from_cli(ns: argparse.Namespace) -> ServerArgs:
     names = {f.name for f in dataclasses.fields(ServerArgs)}
     values = {k: v for k, v in vars(ns).items() if k in names}
+    key_file = getattr(ns, "api_key_file", None)
+    if key_file is not None:
+        if values.get("api_key"):
+            raise ConfigError("give --api-key or --api-key-file, not both")
+        values["api_key"] = env.read_secret_file(key_file, "--api-key-file")
     if "kv_transfer_option" in values:
         values["kv_transfer_option"] = tuple(values["kv_transfer_option"])
     return ServerArgs(**values)

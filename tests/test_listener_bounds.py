@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from common.mux_socket import MAX_FRAME_BYTES, connect
+from common.server import http_probe
 from common.server.conn_budget import HELLO_FRAME_BYTES, PRE_AUTH_PER_PEER, ConnectionBudget
 from common.server.mux_socket_server import MuxSocketServer
 from common.testing.mock_worker import MockConfig, MockWorker
@@ -80,6 +81,7 @@ async def test_mux_socket_refuses_connections_over_the_per_peer_bound_and_big_pr
 
 _SERVE = """
 import asyncio, sys
+from common.server import http_probe
 from common.server.mux_socket_server import MuxSocketServer
 from common.testing.mock_worker import MockConfig, MockWorker
 
@@ -143,3 +145,35 @@ def test_a_pre_hello_flood_leaves_the_serving_process_memory_bounded_and_back() 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def test_metrics_port_bounds_connections_per_peer_and_drops_silent_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_probe._QuietHandler, "timeout", 3.0)
+    server = http_probe.start_probe_server(0, "127.0.0.1", lambda: None)
+    port = server.server_address[1]
+    held: list[socket.socket] = []
+    try:
+        for _ in range(PRE_AUTH_PER_PEER + 3):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        for _ in range(100):  # the accept loop takes them one by one
+            if server.budget.count + server.budget.refused >= len(held):
+                break
+            time.sleep(0.02)
+        assert server.budget.count == PRE_AUTH_PER_PEER and server.budget.refused == 3
+        assert [s.recv(1) for s in held[PRE_AUTH_PER_PEER:]] == [b""] * 3  # refused at once
+        t0 = time.monotonic()
+        assert [s.recv(1) for s in held[:PRE_AUTH_PER_PEER]] == [b""] * PRE_AUTH_PER_PEER  # silent: dropped
+        assert time.monotonic() - t0 < 6
+        for _ in range(50):
+            if server.budget.count == 0:
+                break
+            time.sleep(0.05)
+        assert server.budget.count == 0
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:  # the port serves again
+            s.sendall(b"GET /liveness HTTP/1.0\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.0 200")
+    finally:
+        for s in held:
+            s.close()
+        server.shutdown()
+        server.server_close()
