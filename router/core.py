@@ -25,6 +25,7 @@ import grpc
 
 from common.errors import CapacityError, InvalidRequestError
 from pdcluster.v1 import worker_pb2
+from router.admission import Admission
 from router.candidates import Candidates
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
@@ -106,6 +107,7 @@ class RouterCore:
         self.aborter = Aborter(cfg.rpc_timeout_s, metrics)
         self.timings = TimingStore(cfg.timing_keep, cfg.timing_ttl_s)
         self.active: set[str] = set()
+        self.admission = Admission(cfg.max_inflight_requests)
 
     def forget_worker(self, address: str) -> None:
         for p in (self.prefill_policy, self.decode_policy, self.colocated_policy):
@@ -118,14 +120,11 @@ class RouterCore:
             raise InvalidRequestError(
                 f"request_id {req.rid!r} is already in flight; request ids must be unique"
             )
-        limit = self.cfg.max_inflight_requests
-        if limit and len(self.active) >= limit:
+        try:
+            self.admission.check(len(self.active), with_tokenizing=False)  # tokenized already: ahead of those
+        except OverloadedError:
             self.metrics.requests.labels(req.api, "overloaded").inc()
-            raise OverloadedError(
-                f"the router has {len(self.active)} requests in flight, its limit (--max-inflight-requests); "
-                f"retry in {OVERLOAD_RETRY_AFTER_S:.0f} s",
-                OVERLOAD_RETRY_AFTER_S,
-            )
+            raise
         self.active.add(req.rid)
         self.metrics.inflight.inc()
         outcome = "cancelled"
@@ -147,6 +146,7 @@ class RouterCore:
             raise
         finally:
             self.active.discard(req.rid)
+            self.admission.rate.completed()
             self.metrics.inflight.dec()
             self.metrics.requests.labels(req.api, outcome).inc()
 

@@ -51,7 +51,7 @@ class _Recorder:
 
     async def run_request(self, msg: GenerateReqInput, rank: int, context: Any) -> AsyncIterator[Any]:
         self.requests.append(msg)
-        raise front._Overloaded("recorded")
+        raise front._Overloaded("recorded", 1.0)
         yield  # pragma: no cover  (an async generator)
 
 
