@@ -19,6 +19,8 @@ Workers tell their view through ``Worker.state_changed`` and ``Worker.free_chang
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
 import math
 from collections.abc import Iterable
@@ -101,6 +103,20 @@ class RoleView:
         self.capacity = CapacityIndex()
         self._ready: Candidates | None = None  # None: a worker changed state since the last build
         self._timed: list[Worker] = []
+        self._room: asyncio.Future[None] | None = None  # set at the next change of a worker's free pages
+
+    def room_changed(self) -> None:
+        if self._room is not None:
+            if not self._room.done():
+                self._room.set_result(None)
+            self._room = None
+
+    async def wait_room_change(self, timeout: float) -> None:
+        """Until a worker's free pages change (a load report, a lease's release), at most ``timeout`` seconds."""
+        if self._room is None:
+            self._room = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._room), timeout)
 
     def add(self, w: Worker) -> None:
         self.workers.append(w)

@@ -85,6 +85,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cb-open-seconds", type=float, default=d.cb_open_s)
     p.add_argument("--health-interval", type=float, default=d.health_interval_s)
     p.add_argument("--load-interval", type=float, default=d.load_interval_s)
+    p.add_argument("--admission-wait", type=float, default=d.admission_wait_s,
+                   help="seconds a request waits for a decode worker to report room for it (never sent to one whose "
+                        "last report says it cannot admit); then 429")
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold)
     p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold)
     p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
@@ -152,6 +155,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         max_migrations=ns.max_migrations,
         retry_backoff_s=ns.retry_backoff,
         request_timeout_s=ns.request_timeout,
+        admission_wait_s=ns.admission_wait,
         drain_timeout_s=ns.drain_timeout,
         cb_failure_threshold=ns.cb_failure_threshold,
         cb_open_s=ns.cb_open_seconds,

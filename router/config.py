@@ -60,6 +60,9 @@ class RouterConfig:
     retry_backoff_s: float = 0.05  # first backoff; doubles each retry, with jitter
     retry_backoff_max_s: float = 1.0
     request_timeout_s: float = 300.0  # whole-request deadline when the client sets none
+    # How long a request is held while no decode worker's last report has room for it (router/core.py _plan);
+    # then 429. Never past the request's deadline.
+    admission_wait_s: float = 30.0
     drain_timeout_s: float = 30.0  # SIGTERM: how long requests in flight may go on before both legs are aborted
     cb_failure_threshold: int = 5  # consecutive failures that open a worker's circuit
     cb_open_s: float = 10.0  # open -> half-open after this long
@@ -120,6 +123,8 @@ class RouterConfig:
             raise ConfigError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.request_timeout_s <= 0:
             raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if self.admission_wait_s < 0:
+            raise ConfigError(f"--admission-wait must be >= 0, got {self.admission_wait_s}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if self.max_inflight_requests < 0:

@@ -196,6 +196,7 @@ class Worker:
         """Free KV pages (or the page size) changed: the role's capacity bound re-reads this worker."""
         if self.view is not None:
             self.view.capacity.touch(self)
+            self.view.room_changed()
 
     # -- membership ---------------------------------------------------------------------------------------------
     def admit(self) -> None:
@@ -358,6 +359,9 @@ class Registry:
         same list is handed out until a worker of the role changes); O(1) plus O(workers with a non-closed circuit).
         """
         return self._views[role].routable()
+
+    async def wait_room_change(self, role: Role, timeout: float) -> None:
+        await self._views[role].wait_room_change(timeout)
 
     def min_free_tokens(self, role: Role) -> float:
         """A lower bound of the KV tokens any worker of ``role`` can take now (inf: no worker reported yet)."""
