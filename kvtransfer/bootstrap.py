@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from common import env
-from common.worker_auth import ChallengeRefused, answer_challenge
+from common.wire.worker_auth import ChallengeRefused, answer_challenge
 from pdcluster.v1 import bootstrap_pb2 as pb
 from pdcluster.v1 import bootstrap_pb2_grpc as pb_grpc
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from aiohttp import web
 
-from common.security import bearer_ok as bearer_ok  # re-exported: router modules import it from here
+from common.wire.security import bearer_ok as bearer_ok  # re-exported: router modules import it from here
 
 ADMIN_RPCS = frozenset({"RegisterWorker", "DeregisterWorker", "ListWorkers"})
 ADMIN_PATHS = ("/v1/workers", "/metrics")

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from common.mux_socket import MAX_FRAME_BYTES, connect
-from common.server import http_probe
-from common.server.conn_budget import HELLO_FRAME_BYTES, PRE_AUTH_PER_PEER, ConnectionBudget
-from common.server.mux_socket_server import MuxSocketServer
+from common.node import http_probe
+from common.node.conn_budget import HELLO_FRAME_BYTES, PRE_AUTH_PER_PEER, ConnectionBudget
+from common.node.mux_socket_server import MuxSocketServer
 from common.testing.mock_worker import MockConfig, MockWorker
+from common.wire.mux_socket import MAX_FRAME_BYTES, connect
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,8 +81,8 @@ async def test_mux_socket_refuses_connections_over_the_per_peer_bound_and_big_pr
 
 _SERVE = """
 import asyncio, sys
-from common.server import http_probe
-from common.server.mux_socket_server import MuxSocketServer
+from common.node import http_probe
+from common.node.mux_socket_server import MuxSocketServer
 from common.testing.mock_worker import MockConfig, MockWorker
 
 async def main():

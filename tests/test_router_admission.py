@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from common.testing.router_fleet import eventually, fleet
+from router.testing import eventually, fleet
 
 
 def _decodes_sent(f) -> int:  # type: ignore[no-untyped-def]

@@ -15,11 +15,11 @@ import aiohttp
 import pytest
 
 from common.config import ServerArgs
+from common.engine.model.config import ModelConfig
 from common.io_struct import GenerateReqInput
-from common.model.config import ModelConfig
-from common.server import front, http_guard
-from common.server.conn_budget import PRE_AUTH_PER_PEER
-from common.server.sglang_http import SglangHttpServer
+from common.node import front, http_guard
+from common.node.conn_budget import PRE_AUTH_PER_PEER
+from common.node.sglang_http import SglangHttpServer
 from kvtransfer.bootstrap import BootstrapClient, BootstrapServer, RankEntry
 
 KEY = "sglang-worker-key-for-tests"
