@@ -55,10 +55,16 @@ class _Recorder:
         yield  # pragma: no cover  (an async generator)
 
 
-async def _serve(model_path: Path, mode: str, api_key: str, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("PDCLUSTER_API_KEY", raising=False)
+async def _serve(model_path: Path, mode: str, api_key: str, monkeypatch: pytest.MonkeyPatch,
+                 key_file: Path | None = None):
+    """``api_key``: through the environment (PDCLUSTER_API_KEY); ``key_file``: through --api-key-file."""
     monkeypatch.delenv("PDCLUSTER_API_KEY_FILE", raising=False)
-    args = ServerArgs(host="127.0.0.1", disaggregation_mode=mode, sglang_http_port=0, api_key=api_key)
+    if api_key:
+        monkeypatch.setenv("PDCLUSTER_API_KEY", api_key)
+    else:
+        monkeypatch.delenv("PDCLUSTER_API_KEY", raising=False)
+    args = ServerArgs(host="127.0.0.1", disaggregation_mode=mode, sglang_http_port=0,
+                      api_key_file=str(key_file) if key_file is not None else None)
     rec = _Recorder(args, model_path)
     server = SglangHttpServer(args, rec)  # type: ignore[arg-type]
     await server.start()
@@ -70,8 +76,9 @@ def _auth(key: str) -> dict[str, str]:
 
 
 async def test_the_api_key_guards_every_path_but_health_and_server_info_names_no_local_path(
-        model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    server, rec = await _serve(model_path, "null", KEY, monkeypatch)
+        model_path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "key").write_text(KEY + "\n")
+    server, rec = await _serve(model_path, "null", "", monkeypatch, key_file=tmp_path / "key")
     base = f"http://127.0.0.1:{server.port}"
     body = {"text": "hello", "sampling_params": {"max_new_tokens": 2}}
     try:
