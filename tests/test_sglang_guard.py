@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 
 from common.config import ServerArgs
 from common.engine.model.config import ModelConfig
+from common.engine.sampling.params import SamplingParams
 from common.io_struct import GenerateReqInput
 from common.node import front, http_guard
 from common.node.conn_budget import PRE_AUTH_PER_PEER
@@ -172,3 +174,43 @@ async def test_a_bootstrap_host_that_does_not_prove_the_cluster_secret_is_refuse
         await server.stop()
         foreign.stop()
         ours.stop()
+
+
+class _SilentRanks(_Ranks):
+    """Ranks that accept a request and never answer it (its deadline ends it)."""
+
+    def __init__(self) -> None:
+        self.waiters: dict[str, Any] = {}
+        self.sent: list[Any] = []
+
+    def register(self, rid: str, rank: int, put: Any) -> None:
+        self.waiters[rid] = put
+
+    def unregister(self, rid: str) -> None:
+        self.waiters.pop(rid, None)
+
+    def send(self, rank: int, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+class _Deadline:
+    """A gRPC context whose client deadline is ``seconds`` from now."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def time_remaining(self) -> float:
+        return max(self.at - time.monotonic(), 0.0)
+
+    def cancelled(self) -> bool:
+        return False
+
+
+async def test_a_deadline_error_names_the_deadline_the_request_had_not_the_time_left_at_the_end() -> None:
+    ranks = _SilentRanks()
+    servicer = front.WorkerServicer(ServerArgs(), "unused", None, ranks)  # type: ignore[arg-type]
+    msg = GenerateReqInput(rid="slow", input_ids=[1, 2, 3], sampling_params=SamplingParams())
+    with pytest.raises(front._Deadline, match=r"did not finish within 0\.3 s"):
+        async for _ in servicer.run_request(msg, 0, _Deadline(0.3)):
+            pass
+    assert [type(m).__name__ for m in ranks.sent] == ["GenerateReqInput", "AbortReq"] and not ranks.waiters

@@ -91,7 +91,8 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
                 f"--max-queued-requests); retry in {wait:.1f} s or on another node", wait)
         self.ranks.register(msg.rid, rank, queue.put_nowait)
         self.in_flight[rank] += 1
-        deadline = asyncio.get_running_loop().time() + self.timeout(context)
+        budget = self.timeout(context)  # NOTE: read once: the context's remaining time shrinks as it runs
+        deadline = asyncio.get_running_loop().time() + budget
         finished = False
         expired = False
         try:
@@ -102,7 +103,7 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
                     out = await asyncio.wait_for(queue.get(), max(left, 0.0))
                 except TimeoutError:
                     expired = True
-                    raise _Deadline(f"request {msg.rid} did not finish within {self.timeout(context):.0f} s") from None
+                    raise _Deadline(f"request {msg.rid} did not finish within {budget:.3g} s") from None
                 finished = getattr(out, "finish_reason", None) is not None or not isinstance(out, TokenOut)
                 if finished:
                     observe_final(out)
