@@ -11,12 +11,13 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from common.node import http_probe
+from common.node import http_probe, ipc
 from common.node.conn_budget import HELLO_FRAME_BYTES, PRE_AUTH_PER_PEER, ConnectionBudget
 from common.node.mux_socket_server import MuxSocketServer
 from common.testing.mock_worker import MockConfig, MockWorker
@@ -81,7 +82,7 @@ async def test_mux_socket_refuses_connections_over_the_per_peer_bound_and_big_pr
 
 _SERVE = """
 import asyncio, sys
-from common.node import http_probe
+from common.node import http_probe, ipc
 from common.node.mux_socket_server import MuxSocketServer
 from common.testing.mock_worker import MockConfig, MockWorker
 
@@ -177,3 +178,16 @@ def test_metrics_port_bounds_connections_per_peer_and_drops_silent_ones(monkeypa
             s.close()
         server.shutdown()
         server.server_close()
+
+
+def test_a_new_front_sweeps_the_ipc_files_a_killed_front_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = [tmp_path / f"pdcluster-{dead.pid}-0123abcd.out", tmp_path / f"pdcluster-{dead.pid}-0123abcd-rank0.in"]
+    live = [tmp_path / f"pdcluster-{os.getpid()}-4567beef.out", tmp_path / "pdcluster-unrelated.txt"]
+    for p in left + live:
+        p.write_bytes(b"")
+    addrs = ipc.IpcAddrs.new()  # what a starting front does
+    assert addrs.base.startswith(str(tmp_path))
+    assert [p.exists() for p in left + live] == [False, False, True, True]
