@@ -102,7 +102,7 @@ class ServerArgs:
     max_total_tokens: int | None = flag(None, "KV cache size in tokens per DP rank (default: from "
                                         "--mem-fraction-static)", group=MEMORY)
     mem_fraction_static: float | None = flag(
-        None, "when --max-total-tokens is unset. cpu: fraction of available host RAM for the KV cache (default "
+        None, "when --max-total-tokens is unset. cpu: fraction of the host's total RAM for the KV cache, capped by what is available (default "
         f"{DEFAULT_MEM_FRACTION['cpu']}); cuda: fraction of the GPU's total memory for this rank's weights + KV "
         f"cache, the KV cache taking what the weights leave (default {DEFAULT_MEM_FRACTION['cuda']}; nodes sharing "
         "a GPU split it)", group=MEMORY, check=in_range(0.0, 0.95))
