@@ -104,6 +104,7 @@ class RoleView:
         self._ready: Candidates | None = None  # None: a worker changed state since the last build
         self._timed: list[Worker] = []
         self._room: asyncio.Future[None] | None = None  # set at the next change of a worker's free pages
+        self._requests: int | None = None  # requests the ready workers hold at most (None: one reports no bound)
 
     def room_changed(self) -> None:
         if self._room is not None:
@@ -143,12 +144,20 @@ class RoleView:
             return Candidates(sorted([*ready, *extra], key=_seq))
         return ready or Candidates(self._timed)
 
+    def request_capacity(self) -> int | None:
+        """Requests the role's ready workers hold at most by their own limits (None: a worker reports none)."""
+        if self._ready is None:
+            self._build()
+        return self._requests
+
     def _build(self) -> Candidates:
         ready, timed = Candidates(), []
         for w in self.workers:
             if w.usable_but_for_circuit:
                 (ready if w.breaker.closed else timed).append(w)
         self._ready, self._timed = ready, timed
+        limits = [w.dp_size * w.info.max_requests_per_rank for w in ready if w.info is not None]
+        self._requests = sum(limits) if len(limits) == len(ready) and all(limits) else None
         return ready
 
 

@@ -107,7 +107,7 @@ class RouterCore:
         self.aborter = Aborter(cfg.rpc_timeout_s, metrics)
         self.timings = TimingStore(cfg.timing_keep, cfg.timing_ttl_s)
         self.active: set[str] = set()
-        self.admission = Admission(cfg.max_inflight_requests)
+        self.admission = Admission(cfg.max_inflight_requests, registry.request_capacity)
 
     def forget_worker(self, address: str) -> None:
         for p in (self.prefill_policy, self.decode_policy, self.colocated_policy):

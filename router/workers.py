@@ -360,6 +360,17 @@ class Registry:
         """
         return self._views[role].routable()
 
+    def request_capacity(self) -> int | None:
+        """Requests the ready workers hold at most by their own limits (``ServerInfo.max_requests_per_rank``): a PD
+        pair's is the smaller bounded role's. None: unbounded (a role whose workers report no limit bounds nothing)."""
+        views = self._views  # NOTE: O(1) per request: each view caches its sum until a worker changes
+        pd: int | None = 0
+        if views["prefill"].workers and views["decode"].workers:
+            caps = [c for c in (views[r].request_capacity() for r in ("prefill", "decode")) if c is not None]
+            pd = min(caps) if caps else None
+        colocated = views["colocated"].request_capacity() if views["colocated"].workers else 0
+        return None if pd is None or colocated is None else pd + colocated
+
     async def wait_room_change(self, role: Role, timeout: float) -> None:
         await self._views[role].wait_room_change(timeout)
 

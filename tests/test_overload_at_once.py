@@ -11,12 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
 from common.drain_rate import DrainRate
 from router.admission import Admission
 from router.errors import OverloadedError
-from router.testing import fleet
+from router.testing import eventually, fleet
 
 CORPUS = (Path(__file__).resolve().parents[1] / "common" / "model_gen" / "corpus.txt").read_text().split()
 SERVICE_S = 5.0  # a mock prefill's time to first token: the admitted requests hold their slots through the burst
@@ -84,3 +85,20 @@ async def test_a_burst_beyond_the_limit_gets_its_429s_at_once_not_after_the_queu
     # Refused behind the burst's tokenization, the median 429 waited 8-11 s here (the queue ahead of it); refused
     # at the door, 0.2-1.5 s on a loaded 2-core machine (240 connections through one event loop, client included).
     assert median < REFUSED_WITHIN_S, f"the median 429 took {median * 1000:.0f} ms"
+
+
+async def test_the_router_refuses_at_once_what_its_workers_limits_would_refuse() -> None:
+    """The router's bound and the nodes' agree: with decode workers that hold 2 requests per rank, the third
+    concurrent request is a 429 from the router, never sent to a node to be refused there."""
+    async with fleet(prefill=1, decode=[{"max_requests_per_rank": 2}], common={"service_time": 2.0},
+                     max_inflight_requests=100) as f:
+        client = f.openai()
+        first = [asyncio.ensure_future(client.completions.create(model="mock-model", prompt=f"p{i}", max_tokens=2))
+                 for i in range(2)]
+        await eventually(lambda: len(f.decode[0].received("decode")) == 2, timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as e:
+            await client.completions.create(model="mock-model", prompt="third", max_tokens=2)
+        assert time.monotonic() - t0 < 1.0 and "--max-queued-requests" in str(e.value)
+        assert len(f.decode[0].received("decode")) == 2 and len(f.prefill[0].received("prefill")) == 2
+        assert [r.usage.completion_tokens for r in await asyncio.gather(*first)] == [2, 2]

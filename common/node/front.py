@@ -208,6 +208,7 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
             vocab_size=cfg.vocab_size,
             kv_transfer_backend=self.args.kv_transfer_backend if self.args.is_disaggregated else "",
             max_total_tokens=self.ranks.max_total_tokens,
+            max_requests_per_rank=self.max_in_flight,
         )
 
 
