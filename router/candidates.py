@@ -157,7 +157,8 @@ class RoleView:
                 (ready if w.breaker.closed else timed).append(w)
         self._ready, self._timed = ready, timed
         limits = [w.dp_size * w.info.max_requests_per_rank for w in ready if w.info is not None]
-        self._requests = sum(limits) if len(limits) == len(ready) and all(limits) else None
+        # No ready worker bounds nothing here: routing then says why none can serve (503), not a 429.
+        self._requests = sum(limits) if ready and len(limits) == len(ready) and all(limits) else None
         return ready
 
 
