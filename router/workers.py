@@ -364,12 +364,14 @@ class Registry:
         """Requests the ready workers hold at most by their own limits (``ServerInfo.max_requests_per_rank``): a PD
         pair's is the smaller bounded role's. None: unbounded (a role whose workers report no limit bounds nothing)."""
         views = self._views  # NOTE: O(1) per request: each view caches its sum until a worker changes
-        pd: int | None = 0
+        groups: list[int | None] = []  # what each kind of serving (PD pairs, colocated workers) holds at most
         if views["prefill"].workers and views["decode"].workers:
             caps = [c for c in (views[r].request_capacity() for r in ("prefill", "decode")) if c is not None]
-            pd = min(caps) if caps else None
-        colocated = views["colocated"].request_capacity() if views["colocated"].workers else 0
-        return None if pd is None or colocated is None else pd + colocated
+            groups.append(min(caps) if caps else None)
+        if views["colocated"].workers:
+            groups.append(views["colocated"].request_capacity())
+        # No serving group, or one without a bound: nothing to refuse here (routing says why none can serve).
+        return None if not groups or None in groups else sum(groups)  # type: ignore[arg-type]
 
     async def wait_room_change(self, role: Role, timeout: float) -> None:
         await self._views[role].wait_room_change(timeout)
