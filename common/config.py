@@ -55,6 +55,10 @@ class ServerArgs:
         None, "serve SGLang's HTTP worker API (/generate with bootstrap_host/port/room, /health, /get_server_info, "
         "...) on this port, so sglang-router can route to this node; off by default", group=SERVER,
         check=tcp_port())
+    api_key_file: str | None = flag(
+        None, "--sglang-http-port: file whose first line is its API key (SGLang's worker --api-key: every path but "
+        "/health* needs 'Authorization: Bearer <key>'; sglang-router --api-key sends it); default "
+        "PDCLUSTER_API_KEY[_FILE], else the port is open", group=SERVER)
     # The Mux socket (common/wire/mux_socket.py): Worker.Mux's stream on plain TCP (TLS with the gRPC port's).
     mux_port: int = flag(0, "port of the Mux socket: the router's request legs on plain TCP (TLS when the gRPC port "
                          "has it) instead of gRPC frames; 0: any free port (offered to the router over gRPC); -1: off",
@@ -98,7 +102,7 @@ class ServerArgs:
     max_total_tokens: int | None = flag(None, "KV cache size in tokens per DP rank (default: from "
                                         "--mem-fraction-static)", group=MEMORY)
     mem_fraction_static: float | None = flag(
-        None, "when --max-total-tokens is unset. cpu: fraction of available host RAM for the KV cache (default "
+        None, "when --max-total-tokens is unset. cpu: fraction of the host's total RAM for the KV cache, capped by what is available (default "
         f"{DEFAULT_MEM_FRACTION['cpu']}); cuda: fraction of the GPU's total memory for this rank's weights + KV "
         f"cache, the KV cache taking what the weights leave (default {DEFAULT_MEM_FRACTION['cuda']}; nodes sharing "
         "a GPU split it)", group=MEMORY, check=in_range(0.0, 0.95))

@@ -23,11 +23,21 @@ from dataclasses import dataclass
 import grpc
 
 from common import env
+from common.wire.worker_auth import ChallengeRefused, answer_challenge
 from pdcluster.v1 import bootstrap_pb2 as pb
 from pdcluster.v1 import bootstrap_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+# The port is open before any proof (lookups need none): its messages are a few hundred bytes, a connection must
+# finish its HTTP/2 handshake within 5 s and is closed after a minute idle, and concurrent calls are capped.
+SERVER_OPTIONS = (
+    ("grpc.max_receive_message_length", 16 << 10),
+    ("grpc.server_handshake_timeout_ms", 5_000),
+    ("grpc.max_connection_idle_ms", 60_000),
+    ("grpc.max_concurrent_streams", 16),
+)
+MAX_CONCURRENT_RPCS = 256
 PROOF_MAX_AGE_S = 60.0  # a registration signed longer ago (or further ahead, clock skew) is refused
 
 
@@ -102,6 +112,7 @@ class _Servicer(pb_grpc.BootstrapServicer):
         self.table = table
         self._secret = secret
         self.refused = 0  # registrations without a valid proof
+        self.own_port = 0  # the port this service is bound to (0: unknown, membership challenges go unanswered)
 
     async def RegisterRank(self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext):
         age_s = abs(time.time() - request.issued_at_ms / 1000)
@@ -127,7 +138,13 @@ class _Servicer(pb_grpc.BootstrapServicer):
             dp_size, tp_size = self.table.topology()
         except BootstrapError as exc:
             await context.abort(exc.code, str(exc))
-        return pb.Topology(dp_size=dp_size, tp_size=tp_size)
+        reply = pb.Topology(dp_size=dp_size, tp_size=tp_size)
+        if request.nonce:
+            try:
+                reply.membership_proof = answer_challenge(request.nonce, request.address, self.own_port, self._secret)
+            except ChallengeRefused as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return reply
 
     async def GetRank(self, request: pb.GetRankRequest, context: grpc.aio.ServicerContext):
         try:
@@ -158,9 +175,10 @@ class BootstrapServer:
         bound: list[int] = []
 
         async def serve() -> None:
-            self._server = grpc.aio.server()
+            self._server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
             self.add_to_server(self._server)
             bound.append(self._server.add_insecure_port(f"{host}:{port}"))
+            self.servicer.own_port = bound[0]
             await self._server.start()
             self._stop = asyncio.Event()
             ready.set()

@@ -13,17 +13,12 @@ from collections.abc import Awaitable, Callable
 import grpc
 from aiohttp import web
 
-from common.wire.security import same_secret
+from common.wire.security import bearer_ok as bearer_ok  # re-exported: router modules import it from here
 
 ADMIN_RPCS = frozenset({"RegisterWorker", "DeregisterWorker", "ListWorkers"})
 ADMIN_PATHS = ("/v1/workers", "/metrics")
 ADMIN_PREFIXES = ("/v1/requests/",)
 REFUSED = "admin credential required: send 'authorization: Bearer <admin token>' (--admin-token or the cluster secret)"
-
-
-def bearer_ok(header: str | None, token: str) -> bool:
-    scheme, _, value = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and same_secret(value.strip(), token)
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:

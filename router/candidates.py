@@ -19,6 +19,8 @@ Workers tell their view through ``Worker.state_changed`` and ``Worker.free_chang
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
 import math
 from collections.abc import Iterable
@@ -101,6 +103,21 @@ class RoleView:
         self.capacity = CapacityIndex()
         self._ready: Candidates | None = None  # None: a worker changed state since the last build
         self._timed: list[Worker] = []
+        self._room: asyncio.Future[None] | None = None  # set at the next change of a worker's free pages
+        self._requests: int | None = None  # requests the ready workers hold at most (None: one reports no bound)
+
+    def room_changed(self) -> None:
+        if self._room is not None:
+            if not self._room.done():
+                self._room.set_result(None)
+            self._room = None
+
+    async def wait_room_change(self, timeout: float) -> None:
+        """Until a worker's free pages change (a load report, a lease's release), at most ``timeout`` seconds."""
+        if self._room is None:
+            self._room = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._room), timeout)
 
     def add(self, w: Worker) -> None:
         self.workers.append(w)
@@ -127,12 +144,21 @@ class RoleView:
             return Candidates(sorted([*ready, *extra], key=_seq))
         return ready or Candidates(self._timed)
 
+    def request_capacity(self) -> int | None:
+        """Requests the role's ready workers hold at most by their own limits (None: a worker reports none)."""
+        if self._ready is None:
+            self._build()
+        return self._requests
+
     def _build(self) -> Candidates:
         ready, timed = Candidates(), []
         for w in self.workers:
             if w.usable_but_for_circuit:
                 (ready if w.breaker.closed else timed).append(w)
         self._ready, self._timed = ready, timed
+        limits = [w.dp_size * w.info.max_requests_per_rank for w in ready if w.info is not None]
+        # No ready worker bounds nothing here: routing then says why none can serve (503), not a 429.
+        self._requests = sum(limits) if ready and len(limits) == len(ready) and all(limits) else None
         return ready
 
 

@@ -82,6 +82,10 @@ class RouterConfig:
     retry_backoff_max_s: float = 1.0
     request_timeout_s: float = flag(300.0, "deadline of a request without a client deadline, seconds",
                                     group=FAILURES, name="request-timeout", check=above(0))
+    # router/core.py _plan: a request is held while no decode worker's last report has room for it.
+    admission_wait_s: float = flag(30.0, "seconds a request waits for a decode worker to report room for it (never "
+                                   "sent to one whose last report says it cannot admit); then 429, never past its "
+                                   "deadline", group=FAILURES, name="admission-wait", check=at_least(0))
     drain_timeout_s: float = flag(30.0, "SIGTERM: seconds requests in flight may go on (new ones get 503 / "
                                   "UNAVAILABLE) before the rest are aborted; a second SIGTERM cuts it short",
                                   group=FAILURES, name="drain-timeout", check=at_least(0))

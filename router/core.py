@@ -25,6 +25,7 @@ import grpc
 
 from common.errors import CapacityError, InvalidRequestError
 from pdcluster.v1 import worker_pb2
+from router.admission import Admission
 from router.candidates import Candidates
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
@@ -106,6 +107,7 @@ class RouterCore:
         self.aborter = Aborter(cfg.rpc_timeout_s, metrics)
         self.timings = TimingStore(cfg.timing_keep, cfg.timing_ttl_s)
         self.active: set[str] = set()
+        self.admission = Admission(cfg.max_inflight_requests, registry.request_capacity)
 
     def forget_worker(self, address: str) -> None:
         for p in (self.prefill_policy, self.decode_policy, self.colocated_policy):
@@ -118,14 +120,11 @@ class RouterCore:
             raise InvalidRequestError(
                 f"request_id {req.rid!r} is already in flight; request ids must be unique"
             )
-        limit = self.cfg.max_inflight_requests
-        if limit and len(self.active) >= limit:
+        try:
+            self.admission.check(len(self.active), with_tokenizing=False)  # tokenized already: ahead of those
+        except OverloadedError:
             self.metrics.requests.labels(req.api, "overloaded").inc()
-            raise OverloadedError(
-                f"the router has {len(self.active)} requests in flight, its limit (--max-inflight-requests); "
-                f"retry in {OVERLOAD_RETRY_AFTER_S:.0f} s",
-                OVERLOAD_RETRY_AFTER_S,
-            )
+            raise
         self.active.add(req.rid)
         self.metrics.inflight.inc()
         outcome = "cancelled"
@@ -147,6 +146,7 @@ class RouterCore:
             raise
         finally:
             self.active.discard(req.rid)
+            self.admission.rate.completed()
             self.metrics.inflight.dec()
             self.metrics.requests.labels(req.api, outcome).inc()
 
@@ -159,7 +159,7 @@ class RouterCore:
         pr = Progress(OutputState(req, self.inputs.tok, self.metrics))
         while True:
             node_req = node_request(req, pr.out.ids, req.rid if pr.attempt == 0 else f"{req.rid}#{pr.attempt}")
-            plan = self._route(req, pr.failed, len(node_req.input_ids))
+            plan = await self._plan(req, pr.failed, len(node_req.input_ids))
             produced_before = len(pr.out.ids)
             try:
                 async for ev in self._run(req, node_req, plan, pr):
@@ -322,6 +322,23 @@ class RouterCore:
             ) from None
 
     # -- routing ---------------------------------------------------------------------------------------------
+    async def _plan(self, req: GenRequest, failed: set[str], prompt_len: int) -> Plan:
+        """``_route``, holding the request while every routable decode worker's last report says it cannot admit
+        it: until a report or a lease's release changes that, at most ``--admission-wait`` seconds and never past
+        the request's deadline (then 429 / DEADLINE_EXCEEDED). Held requests are bounded by the in-flight limit."""
+        give_up = min(req.deadline, time.monotonic() + self.cfg.admission_wait_s)
+        while True:
+            try:
+                return self._route(req, failed, prompt_len)
+            except _NoRoom as e:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    if time.monotonic() >= req.deadline:
+                        raise DeadlineError(f"request deadline exceeded while {e}") from None
+                    raise OverloadedError(f"{e} within {self.cfg.admission_wait_s:g} s (--admission-wait); retry "
+                                          "later", self.admission.rate.wait_s(1)) from None
+                await self.registry.wait_room_change("decode", left)
+
     def _route(self, req: GenRequest, failed: set[str], prompt_len: int) -> Plan:
         """``prompt_len``: the node's prompt (after a migration, the client's prompt plus the tokens so far)."""
         hint = RouteHint(req.input_ids, len(req.input_ids) + req.max_new_tokens)
@@ -347,21 +364,28 @@ class RouterCore:
                                internal=self._why_unavailable(prefills, decodes, detail=True))
 
     def _candidates(self, role: Role, failed: set[str], tokens: int) -> Sequence[Worker]:
-        """Routable workers of ``role``: not yet failed for this request if possible, that can hold it if possible.
+        """Routable workers of ``role`` that can hold the request (decode: only those; ``_NoRoom`` when none can),
+        not yet failed for this request if possible.
 
         O(1) in the number of workers while none failed this request and the role's smallest free KV fits it (the
         registry keeps both views current); the per-worker filters run only when they can remove someone."""
         ws: Sequence[Worker] = self.registry.routable(role)
-        if len(ws) > 1 and failed:
-            ws = Candidates(w for w in ws if w.address not in failed) or ws
         # NOTE: free >= pages_for(tokens) <=> free * page_size >= tokens, so min_free_tokens >= tokens: all fit.
-        if len(ws) > 1 and self.registry.min_free_tokens(role) < tokens:
+        # A decode worker whose last report cannot admit the request is never sent it, even when it is the only one
+        # or the only one that has not failed this request.
+        strict = role == "decode"
+        if (len(ws) > 1 or strict) and ws and self.registry.min_free_tokens(role) < tokens:
             fit = Candidates()
             for w in ws:
                 free = w.free_pages()
                 if free is None or free >= w.pages_for(tokens):
                     fit.append(w)
+            if strict and not fit:
+                raise _NoRoom(f"no decode worker reported room for the request's {tokens} prompt tokens "
+                              f"({len(ws)} routable)")
             ws = fit or ws
+        if len(ws) > 1 and failed:
+            ws = Candidates(w for w in ws if w.address not in failed) or ws
         return ws
 
     def _choose(
@@ -394,6 +418,10 @@ class RouterCore:
             parts = [describe(r) for r, got in (("prefill", prefills), ("decode", decodes)) if not got]
             return "; ".join(parts)
         return describe("colocated")
+
+
+class _NoRoom(Exception):
+    """Every routable decode worker's last report says it cannot admit the request now."""
 
 
 def _prefill_resp(leg: PdAttempt | ColocatedAttempt | None) -> worker_pb2.PrefillResponse | None:

@@ -90,7 +90,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             kw["messages"] = [{"role": m.role, "content": m.content} for m in request.messages.messages]
         remaining = context.time_remaining()
         try:
-            req = await self.service.inputs.build(ClientRequest(
+            req = await self.service.build(ClientRequest(
                 rid=request.request_id or f"{self._rid_prefix}{next(self._rid_seq)}",
                 api="grpc",
                 sampling=sampling_from_proto(request),

@@ -128,7 +128,7 @@ class HttpGateway:
                 kw = oai.completion_inputs(parsed, svc.cfg.max_n)
             prefix = "chatcmpl-" if api == "chat" else "cmpl-"
             rid = request.headers.get("X-Request-ID") or parsed.request_id or prefix + uuid.uuid4().hex[:24]
-            req = await svc.inputs.build(ClientRequest(rid=rid, api=api, **kw))
+            req = await svc.build(ClientRequest(rid=rid, api=api, **kw))
         except PdclusterError as e:
             return error_response(e)
         headers = {"X-Request-ID": rid}

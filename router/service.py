@@ -12,10 +12,11 @@ from common.text.tokenizer import load_tokenizer, resolve_model_path
 from router.config import Role, RouterConfig, WorkerSpec
 from router.core import RouterCore
 from router.drain import Drain
+from router.errors import OverloadedError
 from router.inputs import InputProcessor, Tokenizer, config_context_len
 from router.metrics import RouterMetrics
 from router.monitor import Monitor
-from router.request import Delta, Final, GenRequest
+from router.request import ClientRequest, Delta, Final, GenRequest
 from router.tokenize_pool import TokenizePool
 from router.workers import Registry
 
@@ -56,6 +57,16 @@ class RouterService:
         await self.registry.close()
         if self.inputs.pool is not None:
             await self.inputs.pool.close()
+
+    async def build(self, client: ClientRequest) -> GenRequest:
+        """``client`` tokenized and checked, unless the router is full: then refused at once, before tokenizing
+        (router/admission.py)."""
+        try:
+            with self.core.admission.tokenizing_one(len(self.core.active)):
+                return await self.inputs.build(client)
+        except OverloadedError:
+            self.metrics.requests.labels(client.api, "overloaded").inc()
+            raise
 
     def generate(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
         """Deltas (streaming requests only), then exactly one Final; or raises a typed error. Refused while the

@@ -196,6 +196,7 @@ class Worker:
         """Free KV pages (or the page size) changed: the role's capacity bound re-reads this worker."""
         if self.view is not None:
             self.view.capacity.touch(self)
+            self.view.room_changed()
 
     # -- membership ---------------------------------------------------------------------------------------------
     def admit(self) -> None:
@@ -358,6 +359,22 @@ class Registry:
         same list is handed out until a worker of the role changes); O(1) plus O(workers with a non-closed circuit).
         """
         return self._views[role].routable()
+
+    def request_capacity(self) -> int | None:
+        """Requests the ready workers hold at most by their own limits (``ServerInfo.max_requests_per_rank``): a PD
+        pair's is the smaller bounded role's. None: unbounded (a role whose workers report no limit bounds nothing)."""
+        views = self._views  # NOTE: O(1) per request: each view caches its sum until a worker changes
+        groups: list[int | None] = []  # what each kind of serving (PD pairs, colocated workers) holds at most
+        if views["prefill"].workers and views["decode"].workers:
+            caps = [c for c in (views[r].request_capacity() for r in ("prefill", "decode")) if c is not None]
+            groups.append(min(caps) if caps else None)
+        if views["colocated"].workers:
+            groups.append(views["colocated"].request_capacity())
+        # No serving group, or one without a bound: nothing to refuse here (routing says why none can serve).
+        return None if not groups or None in groups else sum(groups)  # type: ignore[arg-type]
+
+    async def wait_room_change(self, role: Role, timeout: float) -> None:
+        await self._views[role].wait_room_change(timeout)
 
     def min_free_tokens(self, role: Role) -> float:
         """A lower bound of the KV tokens any worker of ``role`` can take now (inf: no worker reported yet)."""

@@ -4,6 +4,7 @@ and the KV budget formula (``torch.cuda`` calls replaced by fakes)."""
 from __future__ import annotations
 
 import argparse
+import types
 
 import pytest
 import torch
@@ -55,6 +56,25 @@ def test_cuda_kv_budget_is_own_fraction_minus_own_weights(monkeypatch: pytest.Mo
     with pytest.raises(ConfigError, match="no GPU memory left"):
         kv_cache_bytes(ServerArgs(device="cuda", mem_fraction_static=0.03), dev)
     assert device_mod.MAX_KV_TOKENS > 0
+
+
+def test_cpu_kv_budget_is_a_fraction_of_total_ram_whatever_is_free_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted node gets the pool it had (issue 34 saw 16,322 -> 9,774 -> 13,098 pages across restarts)."""
+    gib = 2**30
+    cpu, args = torch.device("cpu"), ServerArgs(mem_fraction_static=0.1)
+    sizes = []
+    for available in (20 * gib, 11 * gib, 15 * gib):  # what other processes left free at each start
+        monkeypatch.setattr(device_mod.psutil, "virtual_memory",
+                            lambda a=available: psutil_svmem(total=24 * gib, available=a))
+        sizes.append(kv_cache_bytes(args, cpu))
+    assert sizes == [int(2.4 * gib)] * 3
+    # Only when the host is short does the pool shrink, leaving 10 % of RAM to the rest.
+    monkeypatch.setattr(device_mod.psutil, "virtual_memory", lambda: psutil_svmem(total=24 * gib, available=4 * gib))
+    assert kv_cache_bytes(args, cpu) == int(4 * gib - 2.4 * gib)
+
+
+def psutil_svmem(total: int, available: int) -> object:
+    return types.SimpleNamespace(total=total, available=available)
 
 
 def test_up_gives_each_node_its_own_gpus_when_there_are_enough() -> None:

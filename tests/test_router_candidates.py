@@ -123,7 +123,8 @@ async def test_candidates_filter_kv_by_prompt_length_and_failed_workers() -> Non
     assert core._candidates("decode", set(), 40) == [a, b, c]  # 10 pages hold 40 tokens
     assert core._candidates("decode", set(), 41) == [a, c]  # one token more: b cannot hold it
     assert core._candidates("decode", {a.address}, 41) == [c]
-    assert core._candidates("decode", {a.address, c.address}, 41) == [b]  # none fits: the filter yields
+    # The only one not failed cannot hold it: a failed one that can is tried again (b's report says no room).
+    assert core._candidates("decode", {a.address, c.address}, 41) == [a, c]
     lease = Lease(c, c.ranks[0], tokens=400, pages=95)  # c has 5 left until its next report
     assert core._candidates("decode", set(), 41) == [a]
     c.set_load(worker_pb2.GetLoadResponse(page_size=PAGE, ranks=[_report(100)]))  # the report includes them

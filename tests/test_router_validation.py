@@ -31,6 +31,8 @@ HTTP_CASES: list[tuple[str, Any, str]] = [
     ("/v1/completions", {"model": "mock-model", "prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"model": "mock-model", "prompt": [1, 2, 999999]}, "input_ids[2]"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "stop": [""]}, "stop"),
+    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "stop_token_ids": [5] * 2000},
+     "stop_token_ids accepts at most"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "top_k": 0}, "top_k"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "echo": True}, "echo"),
     ("/v1/chat/completions", {"model": "mock-model", "messages": []}, "messages"),

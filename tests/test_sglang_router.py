@@ -25,6 +25,7 @@ from tests.node_helpers import Node, free_port, start_node
 pytestmark = pytest.mark.slow
 
 START_TIMEOUT_S = 90.0
+WORKER_KEY = "sglang-worker-api-key-of-the-test"  # nodes' --api-key-file; sglang-router --api-key sends it
 PROMPTS = ["The quick brown fox", "Disaggregated serving moves KV caches " * 12, "a"]
 
 
@@ -92,8 +93,11 @@ def stack(model_path) -> Iterator[Stack]:
     if not _sglang_router_available():
         pytest.skip("sglang-router is not installed (pip install sglang-router==0.3.2)")
     p_http, d_http = free_port(), free_port()
+    key_file = Path(tempfile.mkstemp(prefix="pdcluster-sglang-key-")[1])
+    key_file.write_text(WORKER_KEY + "\n")
     # the nodes start side by side, then the two routers (sglang-router registers only healthy workers)
-    nodes = [start_node(mode, model_path, extra=["--sglang-http-port", str(port), "--log-requests"], wait=False)
+    nodes = [start_node(mode, model_path, extra=["--sglang-http-port", str(port), "--log-requests",
+                                                          "--api-key-file", str(key_file)], wait=False)
              for mode, port in (("prefill", p_http), ("decode", d_http))]
     prefill, decode = nodes
     servers: list[Server] = []
@@ -105,7 +109,8 @@ def stack(model_path) -> Iterator[Stack]:
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
              "--pd-disaggregation", "--prefill", f"http://127.0.0.1:{p_http}", str(prefill.bootstrap_port),
              "--decode", f"http://127.0.0.1:{d_http}", "--policy", "round_robin", "--model-path", str(model_path),
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--disable-retries"], port))
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--disable-retries",
+             "--api-key", WORKER_KEY], port))
         port = free_port()
         servers.append(_spawn(
             [sys.executable, "-m", "common.app.cli", "router", "--model-path", str(model_path), "--host", "127.0.0.1",
@@ -122,10 +127,12 @@ def stack(model_path) -> Iterator[Stack]:
             server.stop()
         prefill.stop()
         decode.stop()
+        key_file.unlink()
 
 
-def post(url: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post(url: str, body: dict[str, Any], timeout: float = 60, key: str | None = WORKER_KEY) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
@@ -140,7 +147,8 @@ def post(url: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, Any]
 
 
 def get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {WORKER_KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read() or b"null") if resp.status == 200 else None
 
 
@@ -215,7 +223,8 @@ def test_client_disconnect_frees_both_nodes(stack: Stack, stream: bool) -> None:
     body = {"text": "hello", "rid": rid, "stream": stream,
             "sampling_params": {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": True}}
     conn = http.client.HTTPConnection("127.0.0.1", stack.sglang.port, timeout=60)
-    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json",
+                                                       "Authorization": f"Bearer {WORKER_KEY}"})  # sglang-router checks it too
     if stream:
         resp = conn.getresponse()
         assert resp.status == 200
@@ -261,6 +270,11 @@ def test_worker_api_probes_and_bad_input(stack: Stack) -> None:
     for base, body in bad:
         status, err = post(base + "/generate", body)
         assert status == 400 and err["error"]["message"], (body, err)
+    for base in (p, d):  # the port's key (sglang-router sent it on every call above)
+        for key in (None, "a-guess"):
+            status, err = post(base + "/generate", {"text": "x", "bootstrap_room": 7}, key=key)
+            assert status == 401 and "--api-key" in err["error"]["message"], err
+        assert get(base + "/get_server_info")["model_path"] == stack.model  # the folder's name, not its path
     status, err = post(stack.sglang.url + "/generate", {"text": "x", "sampling_params": {"temperature": -1}})
     assert status == 400 and "temperature" in json.dumps(err), err  # through the router: the prefill's 400
     stack.prefill.wait_pools_free()

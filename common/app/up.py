@@ -54,7 +54,8 @@ CUDA_MEM_FRACTION = 0.85
 # other flag of ``ServerArgs`` is a pass-through, declared once there and forwarded to every node as given.
 UP_SETS_PER_NODE = ("host", "advertise_host", "port", "metrics_port", "sglang_http_port", "mux_port",
                     "disaggregation_mode", "disaggregation_bootstrap_port", "base_gpu_id", "dist_init_addr", "nnodes",
-                    "node_rank", "tls_cert", "tls_key", "tls_ca")
+                    "node_rank", "tls_cert", "tls_key", "tls_ca",
+                    "api_key_file")  # up's own --api-key-file reaches every process as PDCLUSTER_API_KEY
 # Pass-through flags ``up`` also reads: it forwards what it derives from them (resolved model path, the backend's
 # per-device default, each role's tp, each GPU node's memory share, one torch thread per CPU rank by default).
 UP_DERIVES = ("model_path", "kv_transfer_backend", "tp_size", "mem_fraction_static", "torch_num_threads")

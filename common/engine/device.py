@@ -7,6 +7,7 @@ GPU placement of one node (SGLang's ``--base-gpu-id``): rank (dp ``d``, tp ``t``
 
 from __future__ import annotations
 
+import logging
 import os
 
 import psutil
@@ -15,10 +16,13 @@ import torch
 from common.config import ServerArgs
 from common.errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 MAX_KV_TOKENS = 4 * 1024 * 1024
 # Device memory kept free beyond the static budget: activations, the sampler's [bs, vocab] temporaries and the
 # CUDA allocator's fragmentation (SGLang keeps a similar margin out of --mem-fraction-static's complement).
 CUDA_RESERVE_BYTES = 1 << 30
+CPU_RESERVE_FRACTION = 0.1  # of the host's RAM, left to everything else when the KV budget is capped
 
 
 def gpu_id(args: ServerArgs, dp_rank: int, tp_rank: int = 0) -> int:
@@ -58,14 +62,25 @@ def bind_rank_device(args: ServerArgs, dp_rank: int, tp_rank: int = 0) -> torch.
 def kv_cache_bytes(args: ServerArgs, device: torch.device) -> int:
     """Bytes the KV cache of a rank may take when ``--max-total-tokens`` is unset. Call after loading the weights.
 
-    CPU: ``--mem-fraction-static`` of the host's available RAM. CUDA: this process's weights + KV cache take
+    CPU: ``--mem-fraction-static`` of the host's total RAM, so a restarted node gets the pool it had whatever the
+    memory happens to be free at that moment; capped (with a warning) by the RAM available less
+    ``CPU_RESERVE_FRACTION`` of the total, when that is less. CUDA: this process's weights + KV cache take
     ``--mem-fraction-static`` of the device's total memory, so the KV cache gets that budget minus what the process
     already holds (the weights), capped by the device's free memory less ``CUDA_RESERVE_BYTES``. Each process
     counts only its own memory, so nodes sharing a GPU each get their fraction whatever their start order.
     """
     frac = args.mem_fraction
     if device.type != "cuda":
-        return int(psutil.virtual_memory().available * frac)
+        mem = psutil.virtual_memory()
+        want = int(mem.total * frac)
+        room = int(mem.available - mem.total * CPU_RESERVE_FRACTION)
+        if room < want:
+            logger.warning("KV cache: --mem-fraction-static %g of %.1f GiB of RAM is %.2f GiB, but only %.2f GiB is "
+                           "available (keeping %d%% free): the pool is smaller than on an idle host; set "
+                           "--max-total-tokens for a fixed size", frac, mem.total / 2**30, want / 2**30,
+                           max(room, 0) / 2**30, int(CPU_RESERVE_FRACTION * 100))
+            want = max(room, 0)
+        return want
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
     budget = int(total * frac) - held

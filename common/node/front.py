@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from common.config import ServerArgs
+from common.drain_rate import DrainRate
 from common.engine.model.config import ModelConfig
 from common.errors import FAULT_METADATA_KEY, ErrorCode, InvalidRequestError
 from common.io_struct import AbortReq, GenerateReqInput, TokenOut
@@ -30,7 +31,6 @@ from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-OVERLOAD_RETRY_AFTER_S = 1.0  # the retry hint of RESOURCE_EXHAUSTED (trailing metadata ``retry-after-ms``)
 
 DEADLINE_SLACK_S = 0.1  # a cancel this close to the call's deadline counts as the deadline (``abort_code``)
 STATUS = {code: grpc.StatusCode[code.value] for code in ErrorCode}  # total: every node code has its status
@@ -45,6 +45,7 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
         self.draining = False
         self.in_flight = [0] * args.dp_size  # requests each rank holds (running or queued), counted at the front
         self.max_in_flight = args.max_running_requests + args.max_queued_requests
+        self.drained = [DrainRate() for _ in range(args.dp_size)]  # each rank's completions: the retry hint
         self.grpc_port = args.port  # the bound Worker port (the server sets it after binding port 0)
 
     # -- helpers shared by the roles -------------------------------------------------------------------------------
@@ -84,13 +85,14 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
         if msg.rid in self.ranks.waiters:
             raise InvalidRequestError(f"request id {msg.rid!r} is already in flight on this node")
         if self.in_flight[rank] >= self.max_in_flight:
+            wait = self.drained[rank].wait_s(self.in_flight[rank] - self.max_in_flight + 1)
             raise _Overloaded(
                 f"DP rank {rank} holds {self.in_flight[rank]} requests, its limit (--max-running-requests + "
-                f"--max-queued-requests); retry in {OVERLOAD_RETRY_AFTER_S:.0f} s or on another node"
-            )
+                f"--max-queued-requests); retry in {wait:.1f} s or on another node", wait)
         self.ranks.register(msg.rid, rank, queue.put_nowait)
         self.in_flight[rank] += 1
-        deadline = asyncio.get_running_loop().time() + self.timeout(context)
+        budget = self.timeout(context)  # NOTE: read once: the context's remaining time shrinks as it runs
+        deadline = asyncio.get_running_loop().time() + budget
         finished = False
         expired = False
         try:
@@ -101,7 +103,7 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
                     out = await asyncio.wait_for(queue.get(), max(left, 0.0))
                 except TimeoutError:
                     expired = True
-                    raise _Deadline(f"request {msg.rid} did not finish within {self.timeout(context):.0f} s") from None
+                    raise _Deadline(f"request {msg.rid} did not finish within {budget:.3g} s") from None
                 finished = getattr(out, "finish_reason", None) is not None or not isinstance(out, TokenOut)
                 if finished:
                     observe_final(out)
@@ -113,6 +115,7 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
                 self.ranks.send(rank, AbortReq(rid=msg.rid, reason=why, code=code))
             self.ranks.unregister(msg.rid)
             self.in_flight[rank] -= 1
+            self.drained[rank].completed()
 
     async def guarded(self, context: grpc.aio.ServicerContext, agen: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Map typed errors raised while serving to gRPC status codes."""
@@ -126,7 +129,7 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
         except _Deadline as e:
             await self.fail(context, ErrorCode.DEADLINE_EXCEEDED, str(e))
         except _Overloaded as e:
-            context.set_trailing_metadata((("retry-after-ms", str(int(OVERLOAD_RETRY_AFTER_S * 1000))),))
+            context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
             await self.fail(context, ErrorCode.RESOURCE_EXHAUSTED, str(e))
 
     async def stream_tokens(
@@ -205,6 +208,7 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
             vocab_size=cfg.vocab_size,
             kv_transfer_backend=self.args.kv_transfer_backend if self.args.is_disaggregated else "",
             max_total_tokens=self.ranks.max_total_tokens,
+            max_requests_per_rank=self.max_in_flight,
         )
 
 
@@ -241,4 +245,6 @@ class _Deadline(Exception):
 
 
 class _Overloaded(Exception):
-    pass
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # from the rank's queue and its recent completion rate

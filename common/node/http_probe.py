@@ -4,6 +4,10 @@
 ``--watchdog-timeout`` seconds, 503 otherwise (a rank stuck inside a step, or dead). It stays 200 while the node
 drains: readiness (gRPC health) is what turns off then. The server runs in daemon threads; the check only reads
 the ``RankClient``'s heartbeat times, so a busy event loop cannot make it hang.
+
+The port has no credential: every connection counts against a ``ConnectionBudget`` (per peer host and in all; over
+it, closed at once) until it ends, and each socket read or write has ``HELLO_DEADLINE_S`` (a silent or trickling
+client loses its thread instead of holding it).
 """
 
 from __future__ import annotations
@@ -17,14 +21,33 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
+from common.node.conn_budget import HELLO_DEADLINE_S, ConnectionBudget, peer_host
+
 LivenessCheck = Callable[[], str | None]  # None: live; otherwise why not
 
 
 class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    block_on_close = False
+    request_queue_size = 128  # the listen backlog (socketserver: 5): a burst of connects is not held in SYN retries
+    budget = ConnectionBudget("the metrics port (--metrics-port)")  # replaced per server in start_probe_server
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self.budget.admit(peer_host(client_address))
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that went silent (timed out) or away: nothing to report per connection
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.budget.release(peer_host(client_address))
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = HELLO_DEADLINE_S
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
@@ -62,5 +85,6 @@ def probe_app(liveness: LivenessCheck) -> Callable[..., Iterable[bytes]]:
 def start_probe_server(port: int, host: str, liveness: LivenessCheck) -> WSGIServer:
     """Serve ``/metrics`` and ``/liveness`` on ``host:port`` from a daemon thread; ``shutdown()`` stops it."""
     server = make_server(host, port, probe_app(liveness), _ThreadingWSGIServer, handler_class=_QuietHandler)
+    server.budget = ConnectionBudget("the metrics port (--metrics-port)")
     threading.Thread(target=server.serve_forever, name="pdcluster-probe-http", daemon=True).start()
     return server

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -33,14 +34,45 @@ def decode_outputs(frame: bytes) -> list[SchedulerOutput]:
     return _out_decoder.decode(frame)
 
 
+_PREFIX = "pdcluster-"
+_STALE = re.compile(rf"{_PREFIX}(\d+)-[0-9a-f]{{8}}(-rank\d+\.in|\.out)$")
+
+
+def sweep_stale(folder: str) -> int:
+    """Remove the IPC files of fronts whose process is gone (named by its pid); returns how many. A live pid's
+    files stay, whatever process holds that pid now."""
+    removed = 0
+    with os.scandir(folder) as entries:
+        for e in entries:
+            m = _STALE.match(e.name)
+            if m is None or _pid_alive(int(m.group(1))):
+                continue
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                os.unlink(e.path)
+                removed += 1
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @dataclass(frozen=True)
 class IpcAddrs:
     base: str
 
     @classmethod
     def new(cls) -> IpcAddrs:
-        base = os.path.join(tempfile.gettempdir(), f"pdcluster-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        return cls(base)
+        """Fresh paths in the temp folder; the files a killed front left there (SIGKILL skips ``cleanup``) go."""
+        tmp = tempfile.gettempdir()
+        sweep_stale(tmp)
+        return cls(os.path.join(tmp, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"))
 
     def rank_in(self, dp_rank: int) -> str:
         return f"ipc://{self.base}-rank{dp_rank}.in"

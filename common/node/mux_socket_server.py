@@ -2,7 +2,8 @@
 cluster credential becomes one ``MuxSession``, exactly as a ``Worker.Mux`` gRPC stream would.
 
 Invariants: a connection serves no request before its hello was accepted, and is dropped when no hello arrives
-within ``HELLO_TIMEOUT_S``; a connection that ends (either side, or ``stop``) cancels every handler running on it,
+within ``HELLO_TIMEOUT_S``; before the hello, a frame is at most ``HELLO_FRAME_BYTES`` and the connection counts
+against the listener's ``ConnectionBudget`` (per peer host and in all; over it, closed at once); a connection that ends (either side, or ``stop``) cancels every handler running on it,
 as the gRPC stream's end does.
 """
 
@@ -15,8 +16,9 @@ from typing import Any
 
 import grpc
 
+from common.node.conn_budget import HELLO_FRAME_BYTES, ConnectionBudget, peer_host
 from common.node.worker_mux import MuxSession
-from common.wire.mux_socket import HELLO_TIMEOUT_S, FrameConnection
+from common.wire.mux_socket import HELLO_TIMEOUT_S, MAX_FRAME_BYTES, FrameConnection
 from common.wire.security import same_secret
 from common.wire.worker_auth import METADATA_KEY, REFUSED
 from pdcluster.v1 import worker_pb2
@@ -52,8 +54,24 @@ class _Accepted:
         self.server = server
         self.conn = FrameConnection()
         self.conn.on_frame, self.conn.on_lost = self._hello, self._lost_before_hello
+        self.conn.on_made = self._made
+        self.conn.max_frame_bytes = HELLO_FRAME_BYTES
+        self.host: str | None = None  # set while this connection holds a slot of the server's budget
         self.session: MuxSession | None = None
         self.timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._no_hello)
+
+    def _made(self) -> None:
+        assert self.conn.transport is not None
+        host = peer_host(self.conn.transport.get_extra_info("peername"))
+        if self.server.budget.admit(host):
+            self.host = host
+        else:
+            self.conn.close()
+
+    def _release(self) -> None:
+        if self.host is not None:
+            self.server.budget.release(self.host)
+            self.host = None
 
     def _no_hello(self) -> None:
         if self.session is None:
@@ -62,6 +80,7 @@ class _Accepted:
 
     def _lost_before_hello(self, _exc: BaseException | None) -> None:
         self.timer.cancel()
+        self._release()
         self.server.connections.discard(self)
 
     def _hello(self, frame: worker_pb2.MuxFrame) -> None:
@@ -79,6 +98,8 @@ class _Accepted:
             if self.conn.transport is not None:
                 self.conn.transport.close()  # after the refusal is flushed
             return
+        self._release()
+        self.conn.max_frame_bytes = MAX_FRAME_BYTES
         if self.server.on_hello is not None:
             self.server.on_hello(presented)
         self.session = MuxSession(self.server.servicer, SocketStreamContext(self.conn, presented))
@@ -106,6 +127,7 @@ class MuxSocketServer:
         self.ssl_context = ssl_context
         self.on_hello = on_hello
         self.connections: set[_Accepted] = set()
+        self.budget = ConnectionBudget("the Mux socket (--mux-port)")
         self.finishing: set[asyncio.Future[None]] = set()
         self.port = 0
         self._server: asyncio.Server | None = None

@@ -33,10 +33,12 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
+from common import env
 from common.config import ServerArgs
 from common.errors import ErrorCode, InvalidRequestError
 from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from common.node import front
+from common.node.http_guard import HttpGuard
 from common.node.sglang_openai import chat_to_generate, completion_to_generate
 from common.node.sglang_protocol import (
     SglangRequest,
@@ -45,6 +47,7 @@ from common.node.sglang_protocol import (
 )
 from common.node.sglang_response import HttpError, SglangResponse, error_response
 from common.text.tokenizer import load_tokenizer
+from common.wire.worker_auth import new_nonce, proof_matches
 from pdcluster.v1 import bootstrap_pb2, bootstrap_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ MAX_BODY_BYTES = 64 << 20
 BODY_READ_TIMEOUT_S = 30.0
 TOPOLOGY_TTL_S = 30.0  # a prefill node's dp_size is re-read this often (a restarted node may change it)
 TOPOLOGY_TIMEOUT_S = 5.0
+TOPOLOGY_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 16 << 10),)  # a Topology is a few bytes
 TOKENIZE_INLINE_CHARS = 4096  # longer texts are tokenized on a thread, off the event loop
 _RID_PREFIX = {"generate": "", "completions": "cmpl-", "chat": "chatcmpl-"}
 HTTP_STATUS = {
@@ -92,7 +96,9 @@ class SglangHttpServer:
         self._topology: dict[str, tuple[int, float]] = {}  # prefill bootstrap addr -> (dp_size, read at)
         self._runner: web.AppRunner | None = None
         self.port = 0
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.guard = HttpGuard(env.read_secret_file(args.api_key_file, "--api-key-file") if args.api_key_file
+                               else env.api_key())
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.guard.middleware])
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -109,10 +115,14 @@ class SglangHttpServer:
         logging.getLogger("aiohttp.server").addFilter(_GrpcProbeFilter())
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
+        assert self._runner.server is not None
+        self.guard.attach(self._runner.server)
         site = web.TCPSite(self._runner, self.args.host, self.args.sglang_http_port)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        logger.info("SGLang HTTP worker API on %s:%d", self.args.host, self.port)
+        logger.info("SGLang HTTP worker API on %s:%d (%s)", self.args.host, self.port,
+                    "API key required" if self.guard.api_key else "open: no --api-key; anyone who reaches the port "
+                    "can generate")
         return self.port
 
     async def stop(self) -> None:
@@ -144,7 +154,7 @@ class SglangHttpServer:
     async def server_info(self, request: web.Request) -> web.Response:
         a, cfg = self.args, self.servicer.model_config
         return _json({
-            "model_path": self.model_path, "tokenizer_path": self.model_path, "served_model_name": self.model_name,
+            "model_path": self.model_name, "tokenizer_path": self.model_name, "served_model_name": self.model_name,
             "disaggregation_mode": a.disaggregation_mode, "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port,
             "disaggregation_transfer_backend": a.kv_transfer_backend, "tp_size": a.tp_size, "dp_size": a.dp_size,
             "page_size": a.page_size, "context_length": cfg.context_len, "host": a.advertised_host,
@@ -158,7 +168,7 @@ class SglangHttpServer:
         except (OSError, ValueError):
             hf = {}
         return _json({
-            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+            "model_path": self.model_name, "tokenizer_path": self.model_name, "is_generation": True,
             "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
             "has_audio_understanding": False, "model_type": hf.get("model_type"),
             "architectures": hf.get("architectures"),
@@ -166,7 +176,7 @@ class SglangHttpServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return _json({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "pdcluster", "root": self.model_path,
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "pdcluster", "root": self.model_name,
             "max_model_len": self.servicer.model_config.context_len,
         }]})
 
@@ -272,24 +282,30 @@ class SglangHttpServer:
             raise InvalidRequestError("bootstrap_host is required on a decode node: the prefill node's host")
         port = req.bootstrap_port if req.bootstrap_port is not None else self.args.disaggregation_bootstrap_port
         msg.bootstrap_addr = f"{req.bootstrap_host}:{port}"
-        msg.prefill_dp_rank = (req.prefill_dp_rank if req.prefill_dp_rank is not None
-                               else room % await self._prefill_dp_size(msg.bootstrap_addr))
+        prefill_dp = await self._prefill_dp_size(msg.bootstrap_addr)  # NOTE: first: it proves the address
+        msg.prefill_dp_rank = req.prefill_dp_rank if req.prefill_dp_rank is not None else room % prefill_dp
         return msg, self.servicer.check_rank(req.dp_rank, "dp_rank")
 
     async def _prefill_dp_size(self, addr: str) -> int:
+        """The DP size of the prefill node at ``addr`` (a client named it), once that node proved the cluster secret
+        (``GetTopology`` with a challenge); a node that does not is refused before any slot or KV Hello."""
         now = time.monotonic()
         cached = self._topology.get(addr)
         if cached is not None and now - cached[1] < TOPOLOGY_TTL_S:
             return cached[0]
-
+        nonce = new_nonce()
         try:
-            async with grpc.aio.insecure_channel(addr) as channel:
+            async with grpc.aio.insecure_channel(addr, options=TOPOLOGY_CHANNEL_OPTIONS) as channel:
                 reply = await bootstrap_pb2_grpc.BootstrapStub(channel).GetTopology(
-                    bootstrap_pb2.GetTopologyRequest(), timeout=TOPOLOGY_TIMEOUT_S
+                    bootstrap_pb2.GetTopologyRequest(nonce=nonce, address=addr), timeout=TOPOLOGY_TIMEOUT_S
                 )
         except grpc.aio.AioRpcError as e:
             raise HttpError(503, f"cannot read the prefill node's topology from its bootstrap service {addr}: "
                                  f"{e.details() or e.code().name}") from None
+        if not proof_matches(reply.membership_proof, nonce, addr):
+            logger.warning("SGLang HTTP: refused bootstrap address %s: it did not prove the cluster secret", addr)
+            raise HttpError(403, f"bootstrap_host:bootstrap_port {addr} is not a prefill node of this cluster (it did "
+                                 "not prove PDCLUSTER_CLUSTER_TOKEN); name a prefill node's host and bootstrap port")
         dp_size = reply.dp_size
         self._topology[addr] = (dp_size, now)
         return dp_size

@@ -69,6 +69,7 @@ class MockConfig:
     total_kv_pages: int = 4096
     free_kv_pages: int | None = None  # report this many free pages on every rank (None: total - in use)
     admissible_tokens: int | None = None  # decode: report this admission budget on every rank (None: unset)
+    max_requests_per_rank: int = 0  # ServerInfo's request limit per DP rank (0: none reported; not enforced)
     model_name: str = "mock-model"
     report_bootstrap_port: bool = True
     pair_timeout: float = 5.0
@@ -489,6 +490,7 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
             vocab_size=cfg.vocab_size,
             kv_transfer_backend="fake",
             max_total_tokens=cfg.total_kv_pages * cfg.page_size,
+            max_requests_per_rank=cfg.max_requests_per_rank,
         )
 
     async def ProveMembership(

@@ -7,7 +7,7 @@ the socket (its initial metadata) and the fallback when the socket cannot be rea
 
 Invariants: a connection delivers frames in order, each exactly once, until it is lost; ``on_lost`` is called
 exactly once; a frame over ``MAX_FRAME_BYTES`` or one that does not parse loses the connection (the peer is not
-speaking this protocol). A node serves requests on a connection only after its hello carried the credential.
+speaking this protocol; a node lowers the bound to a few KB until the hello). A node serves requests on a connection only after its hello carried the credential.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ class FrameConnection(asyncio.Protocol):
     def __init__(self) -> None:
         self.on_frame: Callable[[worker_pb2.MuxFrame], None] = lambda _f: None
         self.on_lost: Callable[[BaseException | None], None] = lambda _e: None
+        self.on_made: Callable[[], None] = lambda: None  # after the transport and peer are known
+        self.max_frame_bytes = MAX_FRAME_BYTES  # a node lowers it until the hello is accepted
         self.transport: asyncio.Transport | None = None
         self.peer = ""
         self.lost = False
@@ -69,6 +71,7 @@ class FrameConnection(asyncio.Protocol):
         tune_socket(transport.get_extra_info("socket"))
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.on_made()
         if self._made is not None and not self._made.done():
             self._made.set_result(None)
 
@@ -84,8 +87,8 @@ class FrameConnection(asyncio.Protocol):
         try:
             while end - start >= 4:
                 (n,) = _HEADER.unpack_from(data, start)
-                if n > MAX_FRAME_BYTES:
-                    raise FrameError(f"a Mux frame of {n} bytes (at most {MAX_FRAME_BYTES})")
+                if n > self.max_frame_bytes:
+                    raise FrameError(f"a Mux frame of {n} bytes (at most {self.max_frame_bytes})")
                 if end - start - 4 < n:
                     self._need = 4 + n
                     break
@@ -147,6 +150,7 @@ class FrameConnection(asyncio.Protocol):
         if self.lost:
             return
         self.lost = True
+        self._buf = bytearray()  # a partial frame is not kept alive by whoever still holds this connection
         if self.transport is not None and not self.transport.is_closing():
             self.transport.abort()
         if self._paused is not None and not self._paused.done():

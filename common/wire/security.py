@@ -36,3 +36,9 @@ def same_secret(presented: str | bytes, expected: str | bytes) -> bool:
     a = presented.encode() if isinstance(presented, str) else presented
     b = expected.encode() if isinstance(expected, str) else expected
     return bool(b) and hmac.compare_digest(a, b)
+
+
+def bearer_ok(header: str | None, token: str) -> bool:
+    """``header`` is ``Bearer <token>`` (an HTTP Authorization header or its gRPC metadata twin)."""
+    scheme, _, value = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and same_secret(value.strip(), token)

@@ -15,6 +15,7 @@ from common.errors import InvalidRequestError
 # At or below this temperature a request is decoded greedily (dividing logits by it would overflow fp32).
 SAMPLING_EPS = 1e-6
 MAX_STOP_STRINGS = 32
+MAX_STOP_TOKEN_IDS = 1024  # each is checked per output token; a vocabulary's worth of them is never needed
 # A stop string's UTF-8 length bounds how many trailing tokens the stop check decodes (see stop.py).
 MAX_STOP_STRING_BYTES = 256
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -96,6 +97,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 _fail(
                     f"stop strings must be at most {MAX_STOP_STRING_BYTES} bytes in UTF-8, got {s[:32]!r}..."
                 )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail(f"stop_token_ids accepts at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         bound = "vocab_size" if vocab_size is None else f"vocab_size={vocab_size}"
         for t in self.stop_token_ids:
             _require_int("stop_token_ids", t)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdcluster/v1/bootstrap.proto\x12\x0cpdcluster.v1\"\xb8\x01\n\x13RegisterRankRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x14\n\x0c\x63ontrol_addr\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x14\n\x0cissued_at_ms\x18\x08 \x01(\x04\x12\r\n\x05proof\x18\t \x01(\x0c\"<\n\x14RegisterRankResponse\x12\x12\n\nregistered\x18\x01 \x01(\r\x12\x10\n\x08\x65xpected\x18\x02 \x01(\r\"\x14\n\x12GetTopologyRequest\",\n\x08Topology\x12\x0f\n\x07\x64p_size\x18\x01 \x01(\r\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\"2\n\x0eGetRankRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"D\n\x08RankInfo\x12\x14\n\x0c\x63ontrol_addr\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x32\xec\x01\n\tBootstrap\x12U\n\x0cRegisterRank\x12!.pdcluster.v1.RegisterRankRequest\x1a\".pdcluster.v1.RegisterRankResponse\x12G\n\x0bGetTopology\x12 .pdcluster.v1.GetTopologyRequest\x1a\x16.pdcluster.v1.Topology\x12?\n\x07GetRank\x12\x1c.pdcluster.v1.GetRankRequest\x1a\x16.pdcluster.v1.RankInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdcluster/v1/bootstrap.proto\x12\x0cpdcluster.v1\"\xb8\x01\n\x13RegisterRankRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x14\n\x0c\x63ontrol_addr\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x14\n\x0cissued_at_ms\x18\x08 \x01(\x04\x12\r\n\x05proof\x18\t \x01(\x0c\"<\n\x14RegisterRankResponse\x12\x12\n\nregistered\x18\x01 \x01(\r\x12\x10\n\x08\x65xpected\x18\x02 \x01(\r\"4\n\x12GetTopologyRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"F\n\x08Topology\x12\x0f\n\x07\x64p_size\x18\x01 \x01(\r\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x18\n\x10membership_proof\x18\x03 \x01(\x0c\"2\n\x0eGetRankRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"D\n\x08RankInfo\x12\x14\n\x0c\x63ontrol_addr\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x32\xec\x01\n\tBootstrap\x12U\n\x0cRegisterRank\x12!.pdcluster.v1.RegisterRankRequest\x1a\".pdcluster.v1.RegisterRankResponse\x12G\n\x0bGetTopology\x12 .pdcluster.v1.GetTopologyRequest\x1a\x16.pdcluster.v1.Topology\x12?\n\x07GetRank\x12\x1c.pdcluster.v1.GetRankRequest\x1a\x16.pdcluster.v1.RankInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRANKRESPONSE']._serialized_start=233
   _globals['_REGISTERRANKRESPONSE']._serialized_end=293
   _globals['_GETTOPOLOGYREQUEST']._serialized_start=295
-  _globals['_GETTOPOLOGYREQUEST']._serialized_end=315
-  _globals['_TOPOLOGY']._serialized_start=317
-  _globals['_TOPOLOGY']._serialized_end=361
-  _globals['_GETRANKREQUEST']._serialized_start=363
-  _globals['_GETRANKREQUEST']._serialized_end=413
-  _globals['_RANKINFO']._serialized_start=415
-  _globals['_RANKINFO']._serialized_end=483
-  _globals['_BOOTSTRAP']._serialized_start=486
-  _globals['_BOOTSTRAP']._serialized_end=722
+  _globals['_GETTOPOLOGYREQUEST']._serialized_end=347
+  _globals['_TOPOLOGY']._serialized_start=349
+  _globals['_TOPOLOGY']._serialized_end=419
+  _globals['_GETRANKREQUEST']._serialized_start=421
+  _globals['_GETRANKREQUEST']._serialized_end=471
+  _globals['_RANKINFO']._serialized_start=473
+  _globals['_RANKINFO']._serialized_end=541
+  _globals['_BOOTSTRAP']._serialized_start=544
+  _globals['_BOOTSTRAP']._serialized_end=780
 # @@protoc_insertion_point(module_scope)

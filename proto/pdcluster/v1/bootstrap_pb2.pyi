@@ -35,16 +35,22 @@ class RegisterRankResponse(_message.Message):
     def __init__(self, registered: _Optional[int] = ..., expected: _Optional[int] = ...) -> None: ...
 
 class GetTopologyRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("nonce", "address")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    address: str
+    def __init__(self, nonce: _Optional[bytes] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("dp_size", "tp_size")
+    __slots__ = ("dp_size", "tp_size", "membership_proof")
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_PROOF_FIELD_NUMBER: _ClassVar[int]
     dp_size: int
     tp_size: int
-    def __init__(self, dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    membership_proof: bytes
+    def __init__(self, dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., membership_proof: _Optional[bytes] = ...) -> None: ...
 
 class GetRankRequest(_message.Message):
     __slots__ = ("dp_rank", "tp_rank")

@@ -64,7 +64,9 @@ class BootstrapServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTopology(self, request, context):
-        """The prefill node's parallel layout. UNAVAILABLE until every dp_size * tp_size rank has registered.
+        """The prefill node's parallel layout. UNAVAILABLE until every dp_size * tp_size rank has registered. With a
+        `nonce`, the answer also proves that this node holds the cluster secret (a decode node checks that before it
+        takes a slot for, or sends a Hello to, a bootstrap address a client named).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
