@@ -16,6 +16,7 @@ DisaggregationMode = Literal["null", "prefill", "decode"]
 KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "mooncake", "shm", "fake")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.schedule_order)
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")
@@ -60,6 +61,11 @@ class ServerArgs:
     disable_overlap_schedule: bool = False  # run forwards inline instead of overlapped on a forward thread
     enable_overlap_schedule: bool = False  # overlap on CPU even where the ranks' torch threads fill every core
     schedule_conservativeness: float = 1.0
+    # Waiting-queue order (common.schedule_order): SGLang's policies and priority scheduling.
+    schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False  # requests may carry a priority; the queues order by it first
+    schedule_low_priority_values_first: bool = False  # default: a larger value is more urgent
+    priority_scheduling_preemption_threshold: int = 10  # a waiting request preempts a running one beyond this gap
     num_reserved_decode_tokens: int = 128
     decode_log_interval: int = 40
     torch_num_threads: int | None = None
@@ -168,6 +174,12 @@ class ServerArgs:
                               "(the compiled decode step has no collectives)")
         if self.schedule_conservativeness <= 0:
             raise ConfigError("--schedule-conservativeness must be > 0")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ConfigError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                              f"got {self.schedule_policy!r}")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ConfigError("--priority-scheduling-preemption-threshold must be >= 0, got "
+                              f"{self.priority_scheduling_preemption_threshold}")
         self.tls  # noqa: B018  (TlsFiles checks which --tls-* flags go together; the files at start-up)
         if self.is_disaggregated and self.advertised_host in UNSPECIFIED_HOSTS:
             raise ConfigError(
@@ -320,6 +332,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "overlaps only when they leave one free: the scheduler thread needs a core of its own)")
     g.add_argument("--schedule-conservativeness", type=float, default=d.schedule_conservativeness,
                    help="> 1 reserves more KV for future tokens (fewer retractions)")
+    g.add_argument("--schedule-policy", default=d.schedule_policy, choices=SCHEDULE_POLICIES,
+                   help="order of the waiting queue: fcfs, lpm (longest cached prefix first; fcfs beyond 128 "
+                        "waiting), dfs-weight (radix subtrees by waiting weight), lof (longest output first), random")
+    g.add_argument("--enable-priority-scheduling", action="store_true",
+                   help="requests may carry a priority; every queue orders by it first, and a waiting request "
+                        "preempts running ones it beats by more than --priority-scheduling-preemption-threshold")
+    g.add_argument("--schedule-low-priority-values-first", action="store_true",
+                   help="with --enable-priority-scheduling: a smaller priority value is more urgent (default larger)")
+    g.add_argument("--priority-scheduling-preemption-threshold", type=int,
+                   default=d.priority_scheduling_preemption_threshold,
+                   help="a waiting request preempts a running one only when its priority beats it by more than this")
     g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
                    help="log a Decode batch line every N forward passes")
     g.add_argument("--torch-num-threads", type=int, default=d.torch_num_threads,

@@ -65,6 +65,7 @@ class Req:
         eos_token_ids: frozenset[int] = frozenset(),
         bootstrap_room: int | None = None,
         prior_output_len: int = 0,
+        priority: int = 0,
     ) -> None:
         self.rid = rid
         self.origin_input_ids: list[int] = list(input_ids)
@@ -77,6 +78,7 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.eos_token_ids = eos_token_ids
         self.bootstrap_room = bootstrap_room
+        self.priority = priority  # with priority scheduling (common.schedule_order); 0 and unused without
 
         # Memory: the request slot and the prefix matched in the radix cache.
         self.req_pool_idx: int | None = None
@@ -90,6 +92,9 @@ class Req:
         self.extend_input_len = 0
         self.is_chunked = 0  # > 0 while a chunked prefill of this request is in progress
         self.is_retracted = False  # retracted and not re-admitted yet: an in-flight token of it is dropped
+        # Sits out this round's prefill batch (set by ``SchedulePolicy.prepare`` before every admission round): in-batch
+        # prefix caching (another request computes the uncached prefix it shares) or just preempted.
+        self.sits_out = False
         self.future_slot: int | None = None  # overlap schedule: the ring slot of its launched, unappended token
         self.to_abort: str | None = None  # set by an abort while the request sits in a batch
         self.sent_len = 0  # output tokens already streamed out

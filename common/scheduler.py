@@ -44,6 +44,7 @@ from common.req import FinishReason, Req
 from common.sampling.sampler import SamplingBatchInfo
 from common.sampling.stop import check_finished
 from common.schedule_batch import ModelWorkerBatch, ScheduleBatch
+from common.schedule_order import SchedulePolicy
 from common.schedule_policy import AddReqResult, PrefillAdder
 from common.scheduler_metrics import (
     DecodeLogInterval,
@@ -87,6 +88,7 @@ class Scheduler:
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
         self.out = OutputCollector(send_outputs)
         self.waiting_queue: list[Req] = []
+        self.policy = SchedulePolicy(args, self.tree_cache, self.allocator, self.req_to_token_pool)
         self.running_batch = self.new_batch([])
         self.chunked_req: Req | None = None
         self.last_batch: ScheduleBatch | None = None
@@ -139,6 +141,7 @@ class Scheduler:
         """Raise a typed error saying what to fix if the request can never be served here."""
         sp = msg.sampling_params
         sp.verify(self.model_config.vocab_size)
+        self.policy.resolve_priority(msg.priority)
         n = len(msg.input_ids)
         if n == 0:
             raise InvalidRequestError("input_ids is empty; send at least one prompt token")
@@ -182,6 +185,7 @@ class Scheduler:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             bootstrap_room=msg.bootstrap_room,
             prior_output_len=msg.prior_output_len,
+            priority=self.policy.resolve_priority(msg.priority),
         )
         req.times.queue_enter = time.monotonic()
         self.reqs_by_rid[req.rid] = req
@@ -275,6 +279,7 @@ class Scheduler:
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if self.running_batch.is_empty():
             self.running_batch.batch_is_full = False  # nothing holds memory for decode; always try the queue
+        self.policy.prepare(self.waiting_queue, self.running_batch, self.new_token_ratio)
         if (self.running_batch.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
             return None
         running_bs = len(self.running_batch.reqs)
