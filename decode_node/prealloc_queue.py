@@ -1,6 +1,6 @@
 """``DecodePreallocQueue``: requests waiting for their prefill peer to be resolved and for KV memory here.
 
-Admission budget (tokens), in arrival order, retracted requests first (they wait in the scheduler's queue and
+Admission budget (tokens), in arrival order (most urgent first with priority scheduling), retracted requests first (they wait in the scheduler's queue and
 block new admissions until they are back)::
 
     free slots - num_reserved_decode_tokens * (running + transferring + admitted this round)
@@ -82,6 +82,8 @@ class DecodePreallocQueue:
         failed: list[Req] = []
         keep: list[Req] = []
         blocked = bool(s.waiting_queue)  # retracted requests come back first
+        if s.policy.priority_on:
+            self.queue.sort(key=s.policy.urgency)  # stable: arrival order within a priority
         for req in self.queue:
             state = self.polls.poll(req.disagg_kv)  # every TP rank resolved its prefill sources
             if state == KVPoll.Failed:

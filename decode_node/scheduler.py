@@ -52,7 +52,8 @@ class DecodeScheduler(LoopHooks):
         self.polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
         self.prealloc_queue = DecodePreallocQueue(self.sched, self.kv_manager, args.num_reserved_decode_tokens,
                                                   self.polls)
-        self.transfer_queue = DecodeTransferQueue(self.polls)
+        self.transfer_queue = DecodeTransferQueue(
+            self.polls, self.sched.policy.urgency if self.sched.policy.priority_on else None)
         pool = self.sched.runner.kv_pool
         self.bytes_per_page = bytes_per_page(pool) * self.sched.model_config.num_kv_heads // pool.num_kv_heads
         self.sched.role = self

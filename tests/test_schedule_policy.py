@@ -68,7 +68,7 @@ def test_lpm_orders_by_cached_prefix_without_touching_the_tree() -> None:
     shared = list(range(100, 140))
     cache_tokens(policy, shared)
     nodes_before = len(policy.tree_cache._nodes())
-    queue = [req("none", [7] * 41), req("p8", shared[:8] + [9] * 33), req("p40", shared + [5]),
+    queue = [req("none", [7] * 41), req("p8", shared[:8] + [9] * 33), req("p40", [*shared, 5]),
              req("p20", shared[:20] + [8] * 21)]
     policy.calc_priority(queue)
     assert rids(queue) == ["p40", "p20", "p8", "none"]
@@ -80,7 +80,7 @@ def test_lpm_falls_back_to_fcfs_on_a_long_queue() -> None:
     policy = make_policy("lpm")
     shared = list(range(100, 140))
     cache_tokens(policy, shared)
-    queue = [req(f"r{i}", [i + 1000] * 41) for i in range(LPM_FALLBACK_QUEUE_LEN)] + [req("hit", shared + [1])]
+    queue = [req(f"r{i}", [i + 1000] * 41) for i in range(LPM_FALLBACK_QUEUE_LEN)] + [req("hit", [*shared, 1])]
     policy.calc_priority(queue)
     assert queue[-1].rid == "hit"  # 129 waiting: fcfs
     queue.pop(0)
@@ -96,7 +96,7 @@ def test_dfs_weight_schedules_heavier_subtrees_first() -> None:
     cache_tokens(policy, c + c)
     # Under a: b-branch 1 request, c-branch 2; a itself 1 (diverges right after a). Under root/c: 2. Uncached: 1.
     queue = [req("ab", a + b + [50, 51]), req("ac1", a + c + [60, 61]), req("cc1", c + c + [1, 1]),
-             req("a", a + [70, 71, 72, 73, 74]), req("ac2", a + c + [62, 63]), req("cc2", c + c + [2, 2]),
+             req("a", [*a, 70, 71, 72, 73, 74]), req("ac2", a + c + [62, 63]), req("cc2", c + c + [2, 2]),
              req("x", [99] * 9)]
     policy.calc_priority(queue)
     # a's subtree weighs 4 (> c's 2): its heavier branch (ac, 2) first, then ab, then a's own; then cc; root's last.
@@ -126,7 +126,7 @@ def test_cache_aware_policy_without_radix_cache_is_fcfs() -> None:
 def test_in_batch_followers_of_an_uncached_prefix_sit_out() -> None:
     policy = make_policy("lpm")
     shared = list(range(200, 264))
-    queue = [req("lead", shared + [1, 2]), req("other", list(range(300, 340))), req("f1", shared + [3]),
+    queue = [req("lead", [*shared, 1, 2]), req("other", list(range(300, 340))), req("f1", [*shared, 3]),
              req("f2", shared[:40] + [4] * 10), req("short", shared[:20])]
     policy.calc_priority(queue)
     assert {r.rid for r in queue if r.sits_out} == {"f1", "f2"}
