@@ -539,6 +539,9 @@ class Scheduler:
             total_req_slots=self.req_to_token_pool.size,
             token_usage=self.token_usage(),
             evictable_tokens=evictable,
+            queue_by_priority={"waiting": self.policy.queue_by_priority(self.waiting_queue),
+                               "running": self.policy.queue_by_priority(self.running_batch.reqs)},
+            preemptions=self.policy.num_preempted,
         )
 
     def num_used_tokens(self) -> int:

@@ -81,6 +81,9 @@ class DecodeScheduler(LoopHooks):
 
     def fill_load(self, load: QueueLoad) -> None:
         load.prealloc, load.transfer = len(self.prealloc_queue), len(self.transfer_queue)
+        by_priority = self.sched.policy.queue_by_priority
+        load.queue_by_priority.update(prealloc=by_priority(self.prealloc_queue.queue),
+                                      transfer=by_priority(self.transfer_queue.queue))
         load.admissible_tokens = self.prealloc_queue.admissible_tokens(len(self.transfer_queue))
 
     def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:

@@ -87,6 +87,7 @@ class PrefillScheduler:
 
     def fill_load(self, load: QueueLoad) -> None:
         load.bootstrap, load.inflight = len(self.bootstrap_queue), len(self.inflight_queue)
+        load.queue_by_priority["bootstrap"] = self.sched.policy.queue_by_priority(self.bootstrap_queue.queue)
 
     def queue_counts(self) -> DisaggQueueCounts:
         return DisaggQueueCounts(bootstrap=len(self.bootstrap_queue), inflight=len(self.inflight_queue))
