@@ -268,6 +268,8 @@ def test_high_priority_preempts_a_running_low_one_with_identical_outputs(llama, 
         assert d.done == ["high", "low"], "the urgent request did not run first"
         assert not d.errors
         assert d.outs == alone.outs
+        load = d.scheduler.get_load()
+        assert load.preemptions == 1 and load.queue_by_priority["waiting"] == {}
     finally:
         d.close()
 
@@ -304,3 +306,31 @@ def test_peek_prefix_matches_match_prefix() -> None:
         assert n == len(policy.tree_cache.match_prefix(key).device_indices)
     assert torch.equal(policy.tree_cache.match_prefix(ids).device_indices[:4],
                        policy.tree_cache.match_prefix(ids[:4]).device_indices)
+
+
+def test_queue_lengths_per_priority_class_and_preemptions_reach_prometheus() -> None:
+    import prometheus_client
+
+    from common.io_struct import QueueLoad
+    from common.server.metrics import observe_load
+
+    def sample(name: str, **labels: str) -> float | None:
+        return prometheus_client.REGISTRY.get_sample_value(name, labels)
+
+    def load(by_priority: dict[str, dict[str, int]], preemptions: int) -> QueueLoad:
+        return QueueLoad(dp_rank=7, running=0, waiting=3, free_kv_pages=1, total_kv_pages=1, free_req_slots=1,
+                         total_req_slots=1, token_usage=0.0, queue_by_priority=by_priority, preemptions=preemptions)
+
+    policy = make_policy(enable_priority_scheduling=True)
+    queue = [req("a", [1] * 5, priority=5), req("b", [1] * 5, priority=5),
+             req("c", [1] * 5, priority=policy.resolve_priority(None))]
+    by_priority = policy.queue_by_priority(queue)
+    assert by_priority == {"5": 2, "none": 1}
+    observe_load([load({"waiting": by_priority}, 2)])
+    queue_gauge, preempted = "pdcluster_node_queue_requests_by_priority", "pdcluster_node_priority_preemptions_total"
+    assert sample(queue_gauge, queue="waiting", priority="5", dp_rank="7") == 2
+    assert sample(queue_gauge, queue="waiting", priority="none", dp_rank="7") == 1
+    assert sample(preempted, dp_rank="7") == 2
+    observe_load([load({"waiting": {"none": 1}}, 3)])
+    assert sample(queue_gauge, queue="waiting", priority="5", dp_rank="7") == 0  # an emptied class goes to 0
+    assert sample(preempted, dp_rank="7") == 3
