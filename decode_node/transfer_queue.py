@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.req import Req
+from common.engine.req import Req
 from kvtransfer.poll import GroupPolls, KVPoll
 
 

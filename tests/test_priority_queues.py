@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from common.config import ServerArgs
-from common.req import Req
-from common.sampling.params import SamplingParams
-from common.schedule_order import SchedulePolicy
+from common.engine.req import Req
+from common.engine.sampling.params import SamplingParams
+from common.engine.schedule_order import SchedulePolicy
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
 from kvtransfer.poll import KVPoll

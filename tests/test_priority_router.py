@@ -6,8 +6,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from common.testing.router_fleet import fleet
 from pdcluster.v1 import common_pb2, router_pb2
+from router.testing import fleet
 
 
 async def test_priority_reaches_both_legs_from_openai_and_grpc() -> None:

@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from common.config import ServerArgs
+from common.engine.mem.allocator import TokenToKVPoolAllocator
+from common.engine.mem.radix_cache import RadixCache
+from common.engine.mem.req_to_token_pool import ReqToTokenPool
+from common.engine.req import Req
+from common.engine.sampling.params import SamplingParams
+from common.engine.schedule_order import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
+from common.engine.scheduler import Scheduler
 from common.errors import ConfigError, InvalidRequestError
 from common.io_struct import GenerateReqInput, TokenOut
-from common.mem.allocator import TokenToKVPoolAllocator
-from common.mem.radix_cache import RadixCache
-from common.mem.req_to_token_pool import ReqToTokenPool
-from common.req import Req
-from common.sampling.params import SamplingParams
-from common.schedule_order import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
-from common.scheduler import Scheduler
-from common.tokenizer import load_tokenizer
+from common.text.tokenizer import load_tokenizer
 from tests.conftest import assert_pools_released
 from tests.model_fixtures import make_tiny_model
 
@@ -312,7 +312,7 @@ def test_queue_lengths_per_priority_class_and_preemptions_reach_prometheus() -> 
     import prometheus_client
 
     from common.io_struct import QueueLoad
-    from common.server.metrics import observe_load
+    from common.node.metrics import observe_load
 
     def sample(name: str, **labels: str) -> float | None:
         return prometheus_client.REGISTRY.get_sample_value(name, labels)
