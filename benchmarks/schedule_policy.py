@@ -6,7 +6,7 @@ Two workloads, each against its baseline measured in the same run:
                   all submitted at once to a KV cache smaller than the system prompts together. ``fcfs`` vs ``lpm``:
                   prompt tokens served from the radix cache, TTFT p50 (scheduler arrival -> first token), wall time.
   priorities      --batch low-priority requests submitted at once, then --interactive short high-priority requests
-                  one every --gap-s while the batch runs. With --enable-priority-scheduling (priority 0 vs 10) vs
+                  one every --gap-s while the batch runs. With --enable-priority-scheduling (priority 0 vs 100) vs
                   without (the same requests, no priority): TTFT p99 per class and output tokens/s of the whole run.
 
     .venv/bin/python -m benchmarks.schedule_policy                        # defaults: 8 x 64; 256 batch + 16 interactive
@@ -81,7 +81,7 @@ def mixed(model: str, ns: argparse.Namespace, priorities: bool) -> dict[str, Any
         runner.start()
         time.sleep(ns.gap_s)
         for p in inter:
-            r = e.generate(input_ids=p, sampling_params=hi_sp, timeout=3600, priority=10 if priorities else None)
+            r = e.generate(input_ids=p, sampling_params=hi_sp, timeout=3600, priority=100 if priorities else None)
             hi_ttft.append(r.timing.ttft)
             time.sleep(ns.gap_s)
         runner.join()

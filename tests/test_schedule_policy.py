@@ -42,10 +42,8 @@ def cache_tokens(policy: SchedulePolicy, ids: list[int]) -> None:
     policy.tree_cache.insert(ids, slots)
 
 
-def req(rid: str, ids: list[int], max_new: int = 8, priority: int = 0, t: float = 0.0) -> Req:
-    r = Req(rid, ids, SamplingParams(max_new_tokens=max_new), priority=priority)
-    r.times.queue_enter = t
-    return r
+def req(rid: str, ids: list[int], max_new: int = 8, priority: int = 0) -> Req:
+    return Req(rid, ids, SamplingParams(max_new_tokens=max_new), priority=priority)
 
 
 def rids(reqs: list[Req]) -> list[str]:
@@ -54,9 +52,10 @@ def rids(reqs: list[Req]) -> list[str]:
 
 # -- orders on a constructed queue and tree --------------------------------------------------------------------------
 def test_fcfs_keeps_arrival_order_and_priority_goes_first() -> None:
-    queue = [req("a", [1] * 9, t=1), req("b", [2] * 9, t=2, priority=5), req("c", [3] * 9, t=3, priority=5)]
+    queue = [req("a", [1] * 9), req("b", [2] * 9, priority=5), req("c", [3] * 9, priority=5)]
+    queue.reverse()  # the queue's current order is not arrival order (e.g. retracted requests re-entered ahead)
     make_policy("fcfs").calc_priority(queue)
-    assert rids(queue) == ["a", "b", "c"]
+    assert rids(queue) == ["c", "b", "a"]  # fcfs without priorities keeps the queue as it is (SGLang's)
     make_policy("fcfs", enable_priority_scheduling=True).calc_priority(queue)
     assert rids(queue) == ["b", "c", "a"]  # larger first, then arrival
     make_policy("fcfs", enable_priority_scheduling=True, schedule_low_priority_values_first=True).calc_priority(queue)

@@ -13,6 +13,7 @@ Token bookkeeping (``fill_ids`` is what the next extend computes up to)::
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,9 @@ from common.errors import ErrorCode
 
 if TYPE_CHECKING:
     from common.engine.sampling.params import SamplingParams
+
+
+_arrivals = itertools.count()  # arrival order without a clock: TP ranks build the same requests in the same order
 
 
 class FinishReason(enum.Enum):
@@ -79,6 +83,7 @@ class Req:
         self.eos_token_ids = eos_token_ids
         self.bootstrap_room = bootstrap_room
         self.priority = priority  # with priority scheduling (common.engine.schedule_order); 0 and unused without
+        self.arrival_seq = next(_arrivals)  # strictly increasing: ties in queue orders break by arrival
 
         # Memory: the request slot and the prefix matched in the radix cache.
         self.req_pool_idx: int | None = None

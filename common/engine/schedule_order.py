@@ -104,7 +104,7 @@ class SchedulePolicy:
             policy = "fcfs"
         if policy == "fcfs":
             if self.priority_on:
-                waiting.sort(key=lambda r: (self.urgency(r), r.times.queue_enter))
+                waiting.sort(key=lambda r: (self.urgency(r), r.arrival_seq))
         elif policy in CACHE_AWARE:
             matched = self.match_prefixes(waiting)
             if policy == "lpm":
@@ -172,7 +172,7 @@ class SchedulePolicy:
             return []
         head = min(waiting, key=self.urgency)
         victims = sorted((r for r in running_batch.reqs if not r.finished() and self.beats(head, r)),
-                         key=lambda r: (-self.urgency(r), -r.times.queue_enter))
+                         key=lambda r: (-self.urgency(r), -r.arrival_seq))
         if not victims:
             return []
         args, page = self.args, self.allocator.page_size
