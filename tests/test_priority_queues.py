@@ -11,7 +11,7 @@ import pytest
 from common.config import ServerArgs
 from common.engine.req import Req
 from common.engine.sampling.params import SamplingParams
-from common.engine.schedule_order import SchedulePolicy
+from common.engine.schedule_order import PriorityRules
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
 from kvtransfer.poll import KVPoll
@@ -21,16 +21,16 @@ def reqs(priorities: list[int]) -> list[Req]:
     return [Req(f"r{i}", [1, 2, 3], SamplingParams(), priority=p) for i, p in enumerate(priorities)]
 
 
-def policy(on: bool) -> SchedulePolicy:
-    return SchedulePolicy(ServerArgs(enable_priority_scheduling=on), None, None, None)
+def order(on: bool) -> Any:
+    return PriorityRules(ServerArgs(enable_priority_scheduling=on)).order_key()
 
 
 @pytest.mark.parametrize("on", [True, False])
 def test_prealloc_queue_admits_most_urgent_first(on: bool) -> None:
-    sched: Any = SimpleNamespace(policy=policy(on), waiting_queue=[], running_batch=SimpleNamespace(reqs=[]))
+    engine: Any = SimpleNamespace(num_waiting=lambda: 0)
     polls: Any = SimpleNamespace(poll=lambda kv: KVPoll.Bootstrapping)  # nobody admissible: the order shows
     kv_manager: Any = SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4))
-    q = DecodePreallocQueue(sched, kv_manager, 16, polls)
+    q = DecodePreallocQueue(engine, kv_manager, 16, polls, order(on))
     q.queue = reqs([0, 5, 1, 5])
     q.pop_preallocated(0)
     assert [r.rid for r in q.queue] == (["r1", "r3", "r2", "r0"] if on else ["r0", "r1", "r2", "r3"])
@@ -38,8 +38,7 @@ def test_prealloc_queue_admits_most_urgent_first(on: bool) -> None:
 
 @pytest.mark.parametrize("on", [True, False])
 def test_transfer_queue_orders_by_priority(on: bool) -> None:
-    p = policy(on)
-    q = DecodeTransferQueue(SimpleNamespace(), p.urgency if p.priority_on else None)  # type: ignore[arg-type]
+    q = DecodeTransferQueue(SimpleNamespace(), order(on))  # type: ignore[arg-type]
     q.extend(reqs([0, 5]))
     q.extend(reqs([0, 3, 9]))
     assert [(r.rid, r.priority) for r in q.queue] == (

@@ -29,6 +29,7 @@ import logging
 import random
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from common.engine.mem.radix_cache import RadixCache, TreeNode
@@ -48,23 +49,14 @@ LPM_FALLBACK_QUEUE_LEN = 128  # lpm orders fcfs beyond this many waiting request
 CACHE_AWARE = ("lpm", "dfs-weight")
 
 
-class SchedulePolicy:
-    def __init__(self, args: ServerArgs, tree_cache: Any, allocator: Any, req_to_token_pool: Any) -> None:
-        self.args = args
-        self.tree_cache = tree_cache
-        self.allocator = allocator
-        self.req_to_token_pool = req_to_token_pool
-        has_tree = isinstance(tree_cache, RadixCache) and not tree_cache.disable
-        # Without a radix tree there is no prefix to match: cache-aware policies order fcfs (as SGLang).
-        self.policy = args.schedule_policy if has_tree or args.schedule_policy not in CACHE_AWARE else "fcfs"
+class PriorityRules:
+    """Priority scheduling's rules, shared by the scheduler and the roles' queues (prealloc, transfer, bootstrap)."""
+
+    def __init__(self, args: ServerArgs) -> None:
         self.priority_on = args.enable_priority_scheduling
         self.sign = 1 if args.schedule_low_priority_values_first else -1
         self.threshold = args.priority_scheduling_preemption_threshold
-        self.rng = random.Random(args.seed)
-        self.leaders: dict[tuple[int, ...], Req] = {}  # in-batch prefix caching: who computes each shared head
-        self.num_preempted = 0
 
-    # -- priorities ------------------------------------------------------------------------------------------------
     def resolve_priority(self, priority: int | None) -> int:
         """The priority a new request runs with; raises if it carries one this node does not schedule by."""
         if priority is not None and not self.priority_on:
@@ -83,6 +75,34 @@ class SchedulePolicy:
 
     def beats(self, waiting: Req, running: Req) -> bool:
         return (self.urgency(running) - self.urgency(waiting)) > self.threshold
+
+    def order_key(self) -> Callable[[Req], int] | None:
+        """A queue's sort key under priority scheduling (None without it: arrival order)."""
+        return self.urgency if self.priority_on else None
+
+    def queue_by_priority(self, reqs: list[Req]) -> dict[str, int]:
+        """Requests per priority class (the priority value; 'none' for those sent without one)."""
+        counts: dict[str, int] = defaultdict(int)
+        default = self.resolve_priority(None)
+        for req in reqs:
+            counts["none" if not self.priority_on or req.priority == default else str(req.priority)] += 1
+        return dict(counts)
+
+
+
+class SchedulePolicy(PriorityRules):
+    def __init__(self, args: ServerArgs, tree_cache: Any, allocator: Any, req_to_token_pool: Any) -> None:
+        super().__init__(args)
+        self.args = args
+        self.tree_cache = tree_cache
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        has_tree = isinstance(tree_cache, RadixCache) and not tree_cache.disable
+        # Without a radix tree there is no prefix to match: cache-aware policies order fcfs (as SGLang).
+        self.policy = args.schedule_policy if has_tree or args.schedule_policy not in CACHE_AWARE else "fcfs"
+        self.rng = random.Random(args.seed)
+        self.leaders: dict[tuple[int, ...], Req] = {}  # in-batch prefix caching: who computes each shared head
+        self.num_preempted = 0
 
     # -- the round -------------------------------------------------------------------------------------------------
     def prepare(self, waiting: list[Req], running_batch: ScheduleBatch, new_token_ratio: float) -> None:
@@ -205,14 +225,6 @@ class SchedulePolicy:
                     head.priority, len(chosen), ", ".join(f"rid={v.rid} priority {v.priority}" for v in chosen))
         waiting.extend(chosen)
         return chosen
-
-    def queue_by_priority(self, reqs: list[Req]) -> dict[str, int]:
-        """Requests per priority class (the priority value; 'none' for those sent without one)."""
-        counts: dict[str, int] = defaultdict(int)
-        default = self.resolve_priority(None)
-        for req in reqs:
-            counts["none" if not self.priority_on or req.priority == default else str(req.priority)] += 1
-        return dict(counts)
 
 
 def _computing(leader: Req) -> bool:
