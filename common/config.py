@@ -17,6 +17,7 @@ DisaggregationMode = Literal["null", "prefill", "decode"]
 KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "mooncake", "shm", "fake")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_order)
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")
@@ -125,6 +126,18 @@ class ServerArgs:
                                          "scheduler thread needs a core of its own)", group=MEMORY)
     schedule_conservativeness: float = flag(1.0, "> 1 reserves more KV for future tokens (fewer retractions)",
                                             group=MEMORY, check=above(0))
+    # Waiting-queue order and priority scheduling (common.engine.schedule_order; docs/scheduling.md).
+    schedule_policy: str = flag("fcfs", "order of the waiting queue: fcfs, lpm (longest cached prefix first; fcfs "
+                                "beyond 128 waiting), dfs-weight (radix subtrees by waiting weight), lof (longest "
+                                "output first), random", group=MEMORY, choices=SCHEDULE_POLICIES)
+    enable_priority_scheduling: bool = flag(False, "requests may carry a priority; every queue orders by it first, "
+                                            "and a waiting request preempts running ones it beats by more than "
+                                            "--priority-scheduling-preemption-threshold", group=MEMORY)
+    schedule_low_priority_values_first: bool = flag(False, "with --enable-priority-scheduling: a smaller priority "
+                                                    "value is more urgent (default: a larger one)", group=MEMORY)
+    priority_scheduling_preemption_threshold: int = flag(10, "a waiting request preempts a running one only when its "
+                                                         "priority beats it by more than this", group=MEMORY,
+                                                         check=at_least(0))
     decode_log_interval: int = flag(40, "log a Decode batch line every N forward passes", group=MEMORY,
                                     check=at_least(1))
     torch_num_threads: int | None = flag(None, "torch threads per scheduler rank (default: cores / dp-size)",

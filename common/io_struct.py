@@ -25,6 +25,8 @@ class GenerateReqInput(msgspec.Struct, tag=True, kw_only=True):
     prefill_dp_rank: int | None = None
     # Request migration: the last ``prior_output_len`` input ids are outputs of an interrupted earlier attempt.
     prior_output_len: int = 0
+    # Priority scheduling (--enable-priority-scheduling; common.engine.schedule_order): None is the least urgent.
+    priority: int | None = None
 
 
 class AbortReq(msgspec.Struct, tag=True, kw_only=True):
@@ -88,6 +90,9 @@ class QueueLoad(msgspec.Struct, kw_only=True):
     token_usage: float
     evictable_tokens: int = 0
     admissible_tokens: int | None = None  # decode nodes: see RankLoad.admissible_tokens
+    # Requests per queue name and priority class (the priority value, "none": sent without one).
+    queue_by_priority: dict[str, dict[str, int]] = {}
+    preemptions: int = 0  # running requests retracted by priority preemption since start
 
 
 class LoadOut(msgspec.Struct, tag=True, kw_only=True):

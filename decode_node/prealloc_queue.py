@@ -1,6 +1,6 @@
 """``DecodePreallocQueue``: requests waiting for their prefill peer to be resolved and for KV memory here.
 
-Admission budget (tokens), in arrival order, retracted requests first (they wait in the scheduler's queue and
+Admission budget (tokens), in arrival order (most urgent first with priority scheduling), retracted requests first (they wait in the scheduler's queue and
 block new admissions until they are back)::
 
     free slots - num_reserved_decode_tokens * (running + transferring + admitted this round)
@@ -10,6 +10,7 @@ block new admissions until they are back)::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -25,8 +26,9 @@ from kvtransfer.receiver import KVReceiver
 
 class DecodePreallocQueue:
     def __init__(self, engine: Engine, kv_manager: KVManager, num_reserved_decode_tokens: int,
-                 polls: GroupPolls) -> None:
+                 polls: GroupPolls, order: Callable[[Req], int] | None = None) -> None:
         self.engine = engine
+        self.order = order  # priority scheduling: the most urgent request is the head
         self.polls = polls
         self.kv_manager = kv_manager
         self.reserved = num_reserved_decode_tokens
@@ -82,6 +84,8 @@ class DecodePreallocQueue:
         failed: list[Req] = []
         keep: list[Req] = []
         blocked = s.num_waiting() > 0  # retracted requests come back first
+        if self.order is not None:
+            self.queue.sort(key=self.order)  # stable: arrival order within a priority
         for req in self.queue:
             state = self.polls.poll(req.disagg_kv)  # every TP rank resolved its prefill sources
             if state == KVPoll.Failed:

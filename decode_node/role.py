@@ -20,6 +20,7 @@ import time
 from common.config import ServerArgs
 from common.engine.req import Req
 from common.engine.sampling.stop import check_finished
+from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine, LoopHooks
 from common.errors import KV_PEER_FAULT, ErrorCode
@@ -40,9 +41,10 @@ class DecodeRole(LoopHooks):
         self.engine = engine
         self.kv = rank_transfer(self.args, engine.runner, "decode", engine.dp_rank, engine.tp)
         self.kv_manager, self.polls, self.bytes_per_page = self.kv.manager, self.kv.polls, self.kv.bytes_per_page
+        self.priority = PriorityRules(self.args)
         self.prealloc_queue = DecodePreallocQueue(engine, self.kv_manager, self.args.num_reserved_decode_tokens,
-                                                  self.polls)
-        self.transfer_queue = DecodeTransferQueue(self.polls)
+                                                  self.polls, self.priority.order_key())
+        self.transfer_queue = DecodeTransferQueue(self.polls, self.priority.order_key())
 
     def is_idle(self) -> bool:
         return not self.prealloc_queue.queue and not self.transfer_queue.queue
@@ -59,6 +61,9 @@ class DecodeRole(LoopHooks):
 
     def fill_load(self, load: QueueLoad) -> None:
         load.prealloc, load.transfer = len(self.prealloc_queue), len(self.transfer_queue)
+        by_priority = self.priority.queue_by_priority
+        load.queue_by_priority.update(prealloc=by_priority(self.prealloc_queue.queue),
+                                      transfer=by_priority(self.transfer_queue.queue))
         load.admissible_tokens = self.prealloc_queue.admissible_tokens(len(self.transfer_queue))
 
     def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:

@@ -7,13 +7,16 @@ the TP group's (``GroupPolls``): a request joins the running batch only when eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from common.engine.req import Req
 from kvtransfer.poll import GroupPolls, KVPoll
 
 
 class DecodeTransferQueue:
-    def __init__(self, polls: GroupPolls) -> None:
+    def __init__(self, polls: GroupPolls, order: Callable[[Req], int] | None = None) -> None:
         self.polls = polls
+        self.order = order  # priority scheduling: requests join the running batch most urgent first
         self.queue: list[Req] = []
 
     def __len__(self) -> int:
@@ -21,6 +24,8 @@ class DecodeTransferQueue:
 
     def extend(self, reqs: list[Req]) -> None:
         self.queue.extend(reqs)
+        if self.order is not None:
+            self.queue.sort(key=self.order)
 
     def pop_transferred(self) -> tuple[list[Req], list[Req]]:
         """(requests whose KV arrived, requests that failed and are quiesced)."""

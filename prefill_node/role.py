@@ -22,6 +22,7 @@ from typing import Any
 from common.config import ServerArgs
 from common.engine.mem.pages import num_pages, req_pages
 from common.engine.req import Req
+from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine
 from common.errors import KV_PEER_FAULT, ErrorCode, internal_error_message
@@ -48,6 +49,7 @@ class PrefillRole:
         self.kv_manager, self.polls, self.bytes_per_page = self.kv.manager, self.kv.polls, self.kv.bytes_per_page
         self.bootstrap_queue = PrefillBootstrapQueue(engine, self.kv_manager, self.polls)
         self.inflight_queue = PrefillInflightQueue(self.polls)
+        self.priority = PriorityRules(self.args)
 
     def is_idle(self) -> bool:
         return not self.bootstrap_queue.queue and not self.inflight_queue.queue
@@ -71,6 +73,7 @@ class PrefillRole:
 
     def fill_load(self, load: QueueLoad) -> None:
         load.bootstrap, load.inflight = len(self.bootstrap_queue), len(self.inflight_queue)
+        load.queue_by_priority["bootstrap"] = self.priority.queue_by_priority(self.bootstrap_queue.queue)
 
     def queue_counts(self) -> DisaggQueueCounts:
         return DisaggQueueCounts(bootstrap=len(self.bootstrap_queue), inflight=len(self.inflight_queue))

@@ -98,6 +98,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 stream=request.stream,
                 return_logprob=request.return_logprob,
                 top_logprobs_num=request.top_logprobs_num,
+                priority=request.priority if request.HasField("priority") else None,
                 timeout_s=remaining,
                 max_tokens_field="sampling_params.max_new_tokens",
                 **kw,

@@ -46,6 +46,7 @@ def check_request_id(rid: str) -> None:
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOP_LOGPROBS = 20
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # priority travels as a protobuf int32
 
 
 def config_context_len(model_path: Path) -> int | None:
@@ -139,6 +140,8 @@ class InputProcessor:
         except TypeError as e:
             raise InvalidRequestError(f"sampling parameters: {e}") from e
         sp.verify(self.tok.vocab_size)
+        if c.priority is not None and (isinstance(c.priority, bool) or not INT32_MIN <= c.priority <= INT32_MAX):
+            raise InvalidRequestError(f"priority must be an integer in [{INT32_MIN}, {INT32_MAX}], got {c.priority!r}")
 
         return GenRequest(
             rid=c.rid,
@@ -152,6 +155,7 @@ class InputProcessor:
             return_logprob=c.return_logprob or c.top_logprobs_num > 0,
             top_logprobs_num=c.top_logprobs_num,
             tokenize_s=tokenize_s,
+            priority=c.priority,
         )
 
     async def _tokenize(

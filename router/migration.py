@@ -29,6 +29,7 @@ def node_request(req: GenRequest, produced: list[int], rid: str) -> worker_pb2.G
         return_logprob=req.return_logprob,
         top_logprobs_num=req.top_logprobs_num,
         prior_output_len=len(produced),
+        priority=req.priority,
     )
 
 

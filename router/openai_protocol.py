@@ -39,6 +39,7 @@ class _Common(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     request_id: str | None = None  # extension: the id to use (default: generated)
+    priority: int | None = None  # extension (SGLang's): priority scheduling on the nodes
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -150,6 +151,7 @@ def completion_inputs(r: CompletionRequest, max_n: int) -> dict[str, Any]:
         "stream": r.stream,
         "return_logprob": lp is not None,
         "top_logprobs_num": lp or 0,
+        "priority": r.priority,
         "max_tokens_field": "max_tokens",
         "default_max_tokens": 16,
     }
@@ -180,6 +182,7 @@ def chat_inputs(r: ChatRequest, max_n: int) -> dict[str, Any]:
         "stream": r.stream,
         "return_logprob": r.logprobs,
         "top_logprobs_num": r.top_logprobs or 0,
+        "priority": r.priority,
         "max_tokens_field": field,
     }
 

@@ -28,6 +28,7 @@ class ClientRequest:
     timeout_s: float | None = None  # the client's own deadline, if it sent one
     max_tokens_field: str = "max_tokens"  # the API's name for max_new_tokens, in error messages
     default_max_tokens: int | None = None  # None: "up to the context" (chat)
+    priority: int | None = None  # priority scheduling on the nodes (None: the least urgent)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class GenRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     tokenize_s: float = 0.0
+    priority: int | None = None  # forwarded to both legs
 
     @property
     def max_new_tokens(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -22,17 +23,22 @@ logger = logging.getLogger(__name__)
 
 class RequestIntake:
     def __init__(self, model_config: ModelConfig, max_total_num_tokens: int, out: OutputCollector,
-                 reqs_by_rid: dict[str, Req], request_log_level: int) -> None:
+                 reqs_by_rid: dict[str, Req], request_log_level: int,
+                 resolve_priority: Callable[[int | None], int]) -> None:
         self.model_config = model_config
         self.max_total_num_tokens = max_total_num_tokens
         self.out = out
         self.reqs_by_rid = reqs_by_rid  # the scheduler's: a request is in flight from here to its finish
         self.request_log_level = request_log_level
+        # The priority a request runs with; raises InvalidRequestError for one this node does not schedule by
+        # (``SchedulePolicy.resolve_priority``).
+        self.resolve_priority = resolve_priority
 
     def validate(self, msg: GenerateReqInput) -> None:
         """Raise a typed error saying what to fix if the request can never be served here."""
         sp = msg.sampling_params
         sp.verify(self.model_config.vocab_size)
+        self.resolve_priority(msg.priority)
         n = len(msg.input_ids)
         if n == 0:
             raise InvalidRequestError("input_ids is empty; send at least one prompt token")
@@ -76,6 +82,7 @@ class RequestIntake:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             bootstrap_room=msg.bootstrap_room,
             prior_output_len=msg.prior_output_len,
+            priority=self.resolve_priority(msg.priority),
         )
         req.times.queue_enter = time.monotonic()
         self.reqs_by_rid[req.rid] = req

@@ -13,6 +13,7 @@ Token bookkeeping (``fill_ids`` is what the next extend computes up to)::
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,9 @@ from common.errors import ErrorCode
 
 if TYPE_CHECKING:
     from common.engine.sampling.params import SamplingParams
+
+
+_arrivals = itertools.count()  # arrival order without a clock: TP ranks build the same requests in the same order
 
 
 class FinishReason(enum.Enum):
@@ -65,6 +69,7 @@ class Req:
         eos_token_ids: frozenset[int] = frozenset(),
         bootstrap_room: int | None = None,
         prior_output_len: int = 0,
+        priority: int = 0,
     ) -> None:
         self.rid = rid
         self.origin_input_ids: list[int] = list(input_ids)
@@ -77,6 +82,8 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.eos_token_ids = eos_token_ids
         self.bootstrap_room = bootstrap_room
+        self.priority = priority  # with priority scheduling (common.engine.schedule_order); 0 and unused without
+        self.arrival_seq = next(_arrivals)  # strictly increasing: ties in queue orders break by arrival
 
         # Memory: the request slot and the prefix matched in the radix cache.
         self.req_pool_idx: int | None = None
@@ -90,6 +97,9 @@ class Req:
         self.extend_input_len = 0
         self.is_chunked = 0  # > 0 while a chunked prefill of this request is in progress
         self.is_retracted = False  # retracted and not re-admitted yet: an in-flight token of it is dropped
+        # Sits out this round's prefill batch (set by ``SchedulePolicy.prepare`` before every admission round): in-batch
+        # prefix caching (another request computes the uncached prefix it shares) or just preempted.
+        self.sits_out = False
         self.future_slot: int | None = None  # overlap schedule: the ring slot of its launched, unappended token
         self.to_abort: str | None = None  # set by an abort while the request sits in a batch
         self.sent_len = 0  # output tokens already streamed out

@@ -95,6 +95,8 @@ class PrefillAdder:
         return min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
 
     def add_one_req(self, req: Req) -> AddReqResult:
+        if req.sits_out:  # the schedule policy keeps it out of this round (common.engine.schedule_order)
+            return self.budget_state()
         total_tokens = req.extend_input_len + self._max_new(req)
         input_tokens = ceil_to(req.extend_input_len, self.page_size)
         if total_tokens >= self.rem_total_tokens:

@@ -41,6 +41,7 @@ from common.engine.req import FinishReason, Req
 from common.engine.sampling.sampler import SamplingBatchInfo
 from common.engine.sampling.stop import check_finished
 from common.engine.schedule_batch import ModelWorkerBatch, ScheduleBatch
+from common.engine.schedule_order import SchedulePolicy
 from common.engine.schedule_policy import AddReqResult, PrefillAdder
 from common.engine.scheduler_metrics import (
     DecodeLogInterval,
@@ -88,6 +89,7 @@ class Scheduler:
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
         self.out = OutputCollector(send_outputs)
         self.waiting_queue: list[Req] = []
+        self.policy = SchedulePolicy(args, self.tree_cache, self.allocator, self.req_to_token_pool)
         self.running_batch = self.new_batch([])
         self.chunked_req: Req | None = None
         self.last_batch: ScheduleBatch | None = None
@@ -103,7 +105,7 @@ class Scheduler:
         self.num_retracted = 0
         self.request_log_level = logging.INFO if args.log_requests else logging.DEBUG
         self.intake = RequestIntake(self.model_config, self.runner.max_total_num_tokens, self.out, self.reqs_by_rid,
-                                    self.request_log_level)
+                                    self.request_log_level, self.policy.resolve_priority)
         self.decode_log = DecodeLogInterval(args.decode_log_interval)
         self.role: SchedulerRole = role or ColocatedRole()
         self.role.bind(self)
@@ -245,6 +247,7 @@ class Scheduler:
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if self.running_batch.is_empty():
             self.running_batch.batch_is_full = False  # nothing holds memory for decode; always try the queue
+        self.policy.prepare(self.waiting_queue, self.running_batch, self.new_token_ratio)
         if (self.running_batch.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
             return None
         running_bs = len(self.running_batch.reqs)
@@ -504,6 +507,9 @@ class Scheduler:
             total_req_slots=self.req_to_token_pool.size,
             token_usage=self.token_usage(),
             evictable_tokens=evictable,
+            queue_by_priority={"waiting": self.policy.queue_by_priority(self.waiting_queue),
+                               "running": self.policy.queue_by_priority(self.running_batch.reqs)},
+            preemptions=self.policy.num_preempted,
         )
 
     def num_used_tokens(self) -> int:

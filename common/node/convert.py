@@ -55,6 +55,7 @@ def request_from_proto(req: worker_pb2.GenerateRequest) -> GenerateReqInput:
         return_logprob=req.return_logprob or req.top_logprobs_num > 0,
         top_logprobs_num=req.top_logprobs_num,
         prior_output_len=req.prior_output_len,
+        priority=req.priority if req.HasField("priority") else None,
     )
 
 

@@ -23,6 +23,11 @@ BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(1, 12))
 QUEUES = ("waiting", "running", "bootstrap", "inflight", "prealloc", "transfer")
 
 QUEUE_LEN = Gauge("pdcluster_node_queue_requests", "Requests per queue and DP rank", ["queue", "dp_rank"])
+QUEUE_BY_PRIORITY = Gauge("pdcluster_node_queue_requests_by_priority",
+                          "Requests per queue, priority class ('none': sent without a priority) and DP rank",
+                          ["queue", "priority", "dp_rank"])
+PREEMPTIONS = Counter("pdcluster_node_priority_preemptions_total",
+                      "Running requests retracted for a more urgent waiting one (priority scheduling)", ["dp_rank"])
 TOKEN_USAGE = Gauge("pdcluster_node_token_usage_ratio", "Fraction of KV slots in use", ["dp_rank"])
 FREE_PAGES = Gauge("pdcluster_node_free_kv_pages", "Free KV pages", ["dp_rank"])
 TTFT = Histogram("pdcluster_node_ttft_seconds", "Arrival to first token on this node", buckets=LATENCY_BUCKETS)
@@ -82,9 +87,29 @@ def observe_final(out: Any) -> None:
                 TRANSFER_BANDWIDTH.observe(t.transfer_bytes / t.transfer)
 
 
+_priority_labels: dict[str, set[tuple[str, str]]] = {}  # per DP rank: the (queue, priority) gauges set so far
+_preemptions_seen: dict[str, int] = {}  # per DP rank: the rank's cumulative count at its last report
+
+
+def observe_priorities(q: QueueLoad) -> None:
+    """Per-priority queue gauges (a class that emptied goes to 0) and the preemption counter (from the rank's
+    cumulative count; a restarted rank starts again from 0)."""
+    rank = str(q.dp_rank)
+    now = {(queue, prio): n for queue, by_prio in q.queue_by_priority.items() for prio, n in by_prio.items()}
+    for queue, prio in _priority_labels.get(rank, set()) - now.keys():
+        QUEUE_BY_PRIORITY.labels(queue=queue, priority=prio, dp_rank=rank).set(0)
+    for (queue, prio), n in now.items():
+        QUEUE_BY_PRIORITY.labels(queue=queue, priority=prio, dp_rank=rank).set(n)
+    _priority_labels[rank] = _priority_labels.get(rank, set()) | now.keys()
+    seen = _preemptions_seen.get(rank, 0)
+    PREEMPTIONS.labels(dp_rank=rank).inc(q.preemptions - seen if q.preemptions >= seen else q.preemptions)
+    _preemptions_seen[rank] = q.preemptions
+
+
 def observe_load(loads: list[QueueLoad]) -> None:
     for q in loads:
         rank = str(q.dp_rank)
+        observe_priorities(q)
         for name in QUEUES:
             QUEUE_LEN.labels(queue=name, dp_rank=rank).set(getattr(q, name))
         TOKEN_USAGE.labels(dp_rank=rank).set(q.token_usage)

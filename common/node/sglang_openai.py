@@ -17,7 +17,7 @@ _SAMPLING = {
     "no_stop_trim": "no_stop_trim", "n": "n", "regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf",
 }
 _PASSED = ("stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
-           "data_parallel_rank", "disagg_prefill_dp_rank", "lora_path", "return_hidden_states")
+           "data_parallel_rank", "disagg_prefill_dp_rank", "lora_path", "return_hidden_states", "priority")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
 
 

@@ -58,6 +58,7 @@ class SglangRequest:
     bootstrap_room: int | None
     dp_rank: int | None  # routed_dp_rank / data_parallel_rank: this node's DP rank
     prefill_dp_rank: int | None  # disagg_prefill_dp_rank: decode nodes, the prefill DP rank holding the KV
+    priority: int | None = None  # priority scheduling (a node without it refuses the request)
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
@@ -166,6 +167,7 @@ def parse_generate(obj: dict[str, Any]) -> SglangRequest:
         bootstrap_port=_int_or_none(obj, "bootstrap_port", 1, 65536),
         bootstrap_room=_int_or_none(obj, "bootstrap_room"), dp_rank=dp_rank,
         prefill_dp_rank=_int_or_none(obj, "disagg_prefill_dp_rank", 0, 1 << 16),
+        priority=_int_or_none(obj, "priority", -(1 << 63), 1 << 63),
     )
 
 

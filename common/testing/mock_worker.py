@@ -205,6 +205,7 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
                 "max_new_tokens": req.sampling_params.max_new_tokens,
                 "min_new_tokens": req.sampling_params.min_new_tokens,
                 "prior_output_len": req.prior_output_len,
+                "priority": req.priority if req.HasField("priority") else None,
                 **extra,
             }
         )

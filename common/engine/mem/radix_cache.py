@@ -159,6 +159,21 @@ class RadixCache(BasePrefixCache):
             key = key[n:]
         return MatchResult(torch.cat(values) if values else self._empty(), node)
 
+    def peek_prefix(self, key: list[int]) -> tuple[int, TreeNode]:
+        """Length of the cached (page-aligned) prefix of ``key`` and the deepest node wholly inside it.
+
+        Read-only: no split, no LRU touch, no lock; what a scheduling policy asks of every waiting request.
+        """
+        key = key[: self._aligned(len(key))]
+        node, matched = self.root_node, 0
+        while not self.disable and key and (child := node.children.get(self._child_key(key))) is not None:
+            n = self._key_match(child.key, key)
+            matched += n
+            if n < len(child.key):
+                break
+            node, key = child, key[n:]
+        return matched, node
+
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         if self.disable:
             return 0

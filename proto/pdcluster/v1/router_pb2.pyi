@@ -40,7 +40,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouterGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "input_ids", "messages", "sampling_params", "stream", "return_logprob", "top_logprobs_num", "model")
+    __slots__ = ("request_id", "text", "input_ids", "messages", "sampling_params", "stream", "return_logprob", "top_logprobs_num", "model", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class RouterGenerateRequest(_message.Message):
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_NUM_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     input_ids: TokenIds
@@ -59,7 +60,8 @@ class RouterGenerateRequest(_message.Message):
     return_logprob: bool
     top_logprobs_num: int
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class RouterGenerateResponse(_message.Message):
     __slots__ = ("chunk", "complete")

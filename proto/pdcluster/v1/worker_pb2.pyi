@@ -97,7 +97,7 @@ class MuxFragment(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("rid", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num", "dp_rank", "prior_output_len")
+    __slots__ = ("rid", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num", "dp_rank", "prior_output_len", "priority")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_NUM_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     PRIOR_OUTPUT_LEN_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -112,7 +113,8 @@ class GenerateRequest(_message.Message):
     top_logprobs_num: int
     dp_rank: int
     prior_output_len: int
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., dp_rank: _Optional[int] = ..., prior_output_len: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., dp_rank: _Optional[int] = ..., prior_output_len: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "bootstrap_room", "prefill_dp_rank")
