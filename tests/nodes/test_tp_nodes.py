@@ -22,7 +22,7 @@ import pytest
 
 from pdcluster.v1 import worker_pb2
 from tests.node_helpers import free_port, rank_pids, start_node
-from tests.test_nodes import FAST_DEADLINES, greedy_request, reference, run_pd, tokens_of
+from tests.nodes.test_nodes import FAST_DEADLINES, greedy_request, reference, run_pd, tokens_of
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from deploy.manifests import (
 from deploy.spec import NODE_ROLES, load_spec
 
 CLUSTER_SECRET = "pdcluster-cluster-secret"
-DOCKERFILE = Path(__file__).resolve().parents[1] / "Dockerfile"
+DOCKERFILE = Path(__file__).resolve().parents[2] / "Dockerfile"
 ROLE_LABEL = "pdcluster.io/role"
 RDMA_RESOURCE = "rdma/rdma_shared_device_a"
 KV_PORTS = range(32768, 65536)  # ephemeral ports of the KV control (ZeroMQ) and data listeners

@@ -1,6 +1,6 @@
 """The Ray deployer's GPU defaults and its liveness supervision, without a cluster: GPUs per rank come from the spec
 (and a cuda profile with 0 is refused), and the restart decision over a mocked probe (consecutive failures, then a
-grace period while the restarted node loads). The restart on a real Ray cluster: tests/test_deploy_ray.py."""
+grace period while the restarted node loads). The restart on a real Ray cluster: tests/deploy/test_deploy_ray.py."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from kvtransfer.backends.base import PeerInfo, PeerKey, TransferJob
 from kvtransfer.pages import HeadSlice, PageRun
 from kvtransfer.registry import backend_class
 from kvtransfer.testing import PAGE_SIZE, backend_param, kv_config, make_args
-from tests.test_kvtransfer_backends_extra import Events, Pair
+from tests.kvtransfer.test_kvtransfer_backends_extra import Events, Pair
 
 NUM_PAGES = 48
 pytestmark = pytest.mark.usefixtures("no_threads_left")

@@ -12,7 +12,7 @@ from kvtransfer.backends.devices import device_identity, memory_kind
 from kvtransfer.pages import PageRun
 from kvtransfer.registry import backend_class
 from kvtransfer.testing import kv_config, make_args
-from tests.test_kvtransfer_backends_extra import Events
+from tests.kvtransfer.test_kvtransfer_backends_extra import Events
 
 
 def _job(peer: PeerKey) -> TransferJob:

@@ -2,7 +2,7 @@
 
 Each case spawns ``tp`` rank processes (``tests/tp_helpers.run_ranks``: one gloo group on a free 127.0.0.1 port). Every rank
 builds a ``ModelRunner`` (its shard, its KV pool sized by the group's MIN), then runs a batched prefill and several
-decode steps through ``PagedHarness`` (hand-built ``ForwardBatch``es, as tests/test_models.py does) and sends its
+decode steps through ``PagedHarness`` (hand-built ``ForwardBatch``es, as tests/engine/test_models.py does) and sends its
 logits, parameter shapes and the weights it read whole back to the parent. The parent checks rank 0's logits
 against HF (fp32) and that every rank's logits are bitwise identical.
 

@@ -18,8 +18,8 @@ from common.scheduler_metrics import (
     format_decode_line,
     format_prefill_line,
 )
+from tests.engine.test_engine import overlap_flags
 from tests.model_fixtures import make_tiny_model
-from tests.test_engine import overlap_flags
 
 INT = r"(\d+)"
 FLOAT = r"(\d+\.\d{2})"

@@ -21,7 +21,7 @@ import pytest
 
 from tests.triton_interpreted_cases import CASES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHILD_TIMEOUT_S = 240
 
 

@@ -30,7 +30,7 @@ from kvtransfer.testing import (
     start_receivers,
     wait_final,
 )
-from tests import test_kvtransfer_faults as faults
+from tests.kvtransfer import test_kvtransfer_faults as faults
 
 BACKENDS = ["nccl", "ucx"]
 TWO_SIDED = ["nccl"]

@@ -238,7 +238,7 @@ def test_grpc_stream_carries_top_logprobs(cluster) -> None:
 
 def test_dashboard_names_only_exported_series(cluster) -> None:
     """After the traffic above, every series, label and function of the Grafana dashboard's PromQL exists in the
-    scrapes of the router and of every node (tests/test_dashboard.py checks the dashboard offline)."""
+    scrapes of the router and of every node (tests/deploy/test_dashboard.py checks the dashboard offline)."""
     from deploy.dashboard import TARGET_LABELS, dashboard, expressions
     from deploy.promql import exported_series, unknown_names
 

@@ -18,9 +18,9 @@ from deploy import manifests
 from deploy.k8s_spec import GPU_RESOURCE, object_name
 from deploy.manifests import OVERLAYS, pod_templates, render
 from deploy.spec import NODE_ROLES, PRESTOP_S, ROLES, Resources, load_spec, quantity_bytes
-from tests.test_deploy_k8s import _parse
+from tests.deploy.test_deploy_k8s import _parse
 
-DOCKERFILE = Path(__file__).resolve().parents[1] / "Dockerfile"
+DOCKERFILE = Path(__file__).resolve().parents[2] / "Dockerfile"
 
 
 @functools.cache

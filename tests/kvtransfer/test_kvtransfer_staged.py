@@ -17,8 +17,8 @@ from kvtransfer.testing import (
     make_args,
     transfer_interleaved_rooms,
 )
-from tests import test_kvtransfer_faults as faults
-from tests.test_kvtransfer_backends_extra import Pair
+from tests.kvtransfer import test_kvtransfer_faults as faults
+from tests.kvtransfer.test_kvtransfer_backends_extra import Pair
 
 SEGMENT = 2 * 4 * PAGE_SIZE * 2 * 8 * 2  # two pages of 4 buffers (2 layers, K and V), 2 heads x 8 dims, bf16
 STAGED = {"backend_options": {"stage": "always", "stage_bytes": str(SEGMENT)}}

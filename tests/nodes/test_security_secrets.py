@@ -15,7 +15,7 @@ from common.security import require_cluster_token
 from common.up import cluster_env
 from kvtransfer.args import KVTransferConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_no_default_token(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer
 from tests.node_helpers import Node, start_node
-from tests.test_nodes import FAST_DEADLINES, run_pd
+from tests.nodes.test_nodes import FAST_DEADLINES, run_pd
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common.engine import Engine, GenerateOutput
-from tests.test_engine import greedy, make_prompts, overlap_flags
+from tests.engine.test_engine import greedy, make_prompts, overlap_flags
 
 
 def record_intervals(engine: Engine) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:

@@ -23,9 +23,9 @@ from kvtransfer.testing import (
     make_args,
     transfer_interleaved_rooms,
 )
-from tests import test_kvtransfer_faults as faults
-from tests import test_kvtransfer_staged as staged
-from tests.test_kvtransfer_backends_extra import Pair
+from tests.kvtransfer import test_kvtransfer_faults as faults
+from tests.kvtransfer import test_kvtransfer_staged as staged
+from tests.kvtransfer.test_kvtransfer_backends_extra import Pair
 
 PAGE_BYTES = 4 * PAGE_SIZE * 2 * 8 * 2  # 4 buffers (2 layers, K and V), 2 heads x 8 dims, bf16
 STRIPED = {"backend_options": {"streams": "3", "stripe_bytes": str(2 * PAGE_BYTES)}}

@@ -19,7 +19,7 @@ from kvtransfer.node import make_kv_manager
 from kvtransfer.receiver import DecodeRooms, KVReceiver
 from kvtransfer.sender import KVSender
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def imported_modules(path: Path) -> set[str]:

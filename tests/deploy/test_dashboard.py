@@ -1,6 +1,6 @@
 """The Grafana dashboard, offline: the monitoring component ships it as a ConfigMap Grafana's sidecar loads, the JSON
 is a well-formed dashboard, and every PromQL expression names only series, labels and functions that exist (here
-against the metric registries of the code; tests/test_cluster_e2e.py checks it against a running cluster's scrape)."""
+against the metric registries of the code; tests/cluster/test_cluster_e2e.py checks it against a running cluster's scrape)."""
 
 from __future__ import annotations
 

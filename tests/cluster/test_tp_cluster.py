@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.cluster.test_cluster_e2e import reference_ids, start_up, stop_up, wait_nodes_idle
 from tests.node_helpers import rank_pids
-from tests.test_cluster_e2e import reference_ids, start_up, stop_up, wait_nodes_idle
 
 pytestmark = pytest.mark.slow
 

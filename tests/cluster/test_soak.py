@@ -22,7 +22,7 @@ def test_short_soak_loses_nothing_and_recovers_from_each_fault(model_path, tmp_p
     cmd = [sys.executable, "-m", "benchmarks.soak", "--duration", "30", "--concurrency", "8", "--burst", "100",
            "--stall-s", "5", "--warmup-s", "10", "--long-len", "400", "--tail-s", "10",
            "--model-path", str(model_path), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=Path(__file__).parents[1])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=Path(__file__).parents[2])
     assert Path(f"{out}.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(Path(f"{out}.json").read_text())
     checks = report["checks"]

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from common.distributed import TPGroup
+from tests.engine.test_engine import LENGTHS, MATRIX, greedy, hf_greedy, make_prompts, overlap_flags
 from tests.model_fixtures import make_tiny_model
-from tests.test_engine import LENGTHS, MATRIX, greedy, hf_greedy, make_prompts, overlap_flags
 from tests.tp_helpers import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns rank processes
