@@ -19,9 +19,10 @@ import grpc
 import pytest
 from openai import OpenAI
 
+from common.ports import pick_free_port
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import Node, free_port, start_node
+from tests.node_helpers import Node, start_node
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ class Cluster:
 
 
 def _metric_ports() -> tuple[int, int]:
-    return free_port(), free_port()
+    return pick_free_port(), pick_free_port()
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         p.wait_ready()
         d.wait_ready()
-        http_port, grpc_port = free_port(), free_port()
+        http_port, grpc_port = pick_free_port(), pick_free_port()
         router = subprocess.Popen(
             [sys.executable, "-m", "common.cli", "router", "--model-path", str(model), "--http-port",
              str(http_port), "--grpc-port", str(grpc_port), "--prefill", f"127.0.0.1:{p.port}:{p.bootstrap_port}",

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.node_helpers import Node, free_port, start_node
+from common.ports import pick_free_port
+from tests.node_helpers import Node, start_node
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,7 @@ class Stack:
 def stack(model_path) -> Iterator[Stack]:
     if not _sglang_router_available():
         pytest.skip("sglang-router is not installed (pip install sglang-router==0.3.2)")
-    p_http, d_http = free_port(), free_port()
+    p_http, d_http = pick_free_port(), pick_free_port()
     # the nodes start side by side, then the two routers (sglang-router registers only healthy workers)
     nodes = [start_node(mode, model_path, extra=["--sglang-http-port", str(port), "--log-requests"], wait=False)
              for mode, port in (("prefill", p_http), ("decode", d_http))]
@@ -100,16 +101,16 @@ def stack(model_path) -> Iterator[Stack]:
     try:
         for node in nodes:
             node.wait_ready()
-        port = free_port()
+        port = pick_free_port()
         servers.append(_spawn(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
              "--pd-disaggregation", "--prefill", f"http://127.0.0.1:{p_http}", str(prefill.bootstrap_port),
              "--decode", f"http://127.0.0.1:{d_http}", "--policy", "round_robin", "--model-path", str(model_path),
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--disable-retries"], port))
-        port = free_port()
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(pick_free_port()), "--disable-retries"], port))
+        port = pick_free_port()
         servers.append(_spawn(
             [sys.executable, "-m", "common.cli", "router", "--model-path", str(model_path), "--host", "127.0.0.1",
-             "--grpc-port", str(free_port()), "--http-port", str(port),
+             "--grpc-port", str(pick_free_port()), "--http-port", str(port),
              "--prefill", f"{prefill.addr}:{prefill.bootstrap_port}", "--decode", decode.addr], port))
         _wait_ready(servers[0], "/readiness", b'"ready"')
         _wait_ready(servers[1], "/health", b'"ok"')

@@ -4,6 +4,7 @@ Router on the router and the Worker on each node, with health), and SIGINT stops
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -37,6 +38,7 @@ def test_up_demo_prints_endpoints_answers_and_stops_on_sigint(tmp_path: Path) ->
            "--max-total-tokens", "4096"]
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    children: dict[str, tuple[int, str]] = {}
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while (ready := READY.search(text := out_path.read_text())) is None:
@@ -84,3 +86,6 @@ def test_up_demo_prints_endpoints_answers_and_stops_on_sigint(tmp_path: Path) ->
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for pid, _ in children.values():  # a child that outlived a failed stop
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)

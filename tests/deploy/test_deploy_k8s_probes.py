@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
+from common.ports import pick_free_port
 from common.worker_auth import worker_channel
 from deploy import manifests
 from deploy.k8s_discovery import pod_workers
 from deploy.process import grpc_serving
 from deploy.registrar import RouterRegistrar
 from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
@@ -36,7 +36,7 @@ PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 class Pod:
     def __init__(self, role: str, container: dict[str, Any], docs: list[dict[str, Any]], model: Path) -> None:
         self.role = role
-        self.portmap = {p: free_port() for p in manifests.declared_ports(container).values()}
+        self.portmap = {p: pick_free_port() for p in manifests.declared_ports(container).values()}
         self.container = container
         env = manifests.container_env(container, manifests.config_data(docs), {"status.podIP": "127.0.0.1"})
         argv = manifests.expand(container["args"], env)

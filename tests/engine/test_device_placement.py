@@ -149,14 +149,14 @@ def test_up_passes_per_role_tp_to_the_node_command_lines(tmp_path) -> None:
 def test_up_reports_the_start_up_error_of_a_node(tmp_path) -> None:
     import time
 
-    from common.up import _free_port
+    from common.ports import pick_free_port
     from tests.model_fixtures import make_tiny_model
 
     cluster = LocalCluster(_up_ns("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path),
                                   "--decode-tp-size", "2"))
-    port = _free_port()
+    port = pick_free_port()
     # A flag set the node refuses at start-up (a multi-host group without its rendezvous address).
-    args = [*cluster.node_args("decode-0", port, _free_port()), "--nnodes", "2"]
+    args = [*cluster.node_args("decode-0", port, pick_free_port()), "--nnodes", "2"]
     child = cluster._spawn("decode-0", args, port)
     try:
         with pytest.raises(RuntimeError, match=r"(?s)decode-0 exited with code [1-9].*--dist-init-addr"):

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from common.ports import pick_free_port
 from kvtransfer.args import KVArgs
 from kvtransfer.backends.base import KVBackend, PeerInfo, PeerKey, TransferJob
 from kvtransfer.pages import HeadSlice, PageRun, coalesce_runs
@@ -192,8 +193,8 @@ def test_remove_peer_and_close_fail_outstanding_jobs_once(backend: str) -> None:
 def test_restarted_prefill_on_same_address_moves_pages_again(name: str) -> None:
     """A prefill killed and restarted on its address (new epoch) gets a fresh data connection / group."""
     first, second = plan_rooms(2, faults.NUM_PAGES, faults.NUM_PAGES, pages_per_room=4, seed=9)
-    fixed = {"bootstrap_port": faults._free_port()}
-    control = {"control_port": faults._free_port()}
+    fixed = {"bootstrap_port": pick_free_port()}
+    control = {"control_port": pick_free_port()}
     old = Child(RoleSpec("prefill", name, [first], num_pages=faults.NUM_PAGES, config_overrides=control, **fixed))
     mgr = faults._decode(name)
     try:

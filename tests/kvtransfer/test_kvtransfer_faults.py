@@ -48,9 +48,6 @@ def _wait(predicate, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
-def _free_port() -> int:
-    return pick_free_port()
-
 
 @pytest.mark.parametrize("backend", KILL_BACKENDS)
 def test_receiver_killed_mid_transfer_fails_sender_within_deadline(backend: str) -> None:
@@ -192,7 +189,7 @@ def test_abort_from_prefill_reaches_decode(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", FAULT_BACKENDS)
 def test_restarted_prefill_on_same_address_gets_new_epoch_and_old_epoch_is_dropped(backend: str) -> None:
-    bootstrap_port, control_port = _free_port(), _free_port()
+    bootstrap_port, control_port = pick_free_port(), pick_free_port()
     first, second, idle = plan_rooms(3, NUM_PAGES, NUM_PAGES, pages_per_room=4, seed=7)
     fixed = {"control_port": control_port}
     old = Child(
@@ -259,7 +256,7 @@ def test_a_room_after_a_restart_quicker_than_the_death_deadline_binds_the_new_ep
     """The old start is not yet declared dead (10 s deadline here) when the restarted prefill is back on the same
     address: a new room must not bind to the silent old epoch (and fail when it is declared dead), but look the rank
     up again and hand-shake with the new one."""
-    bootstrap_port, control_port = _free_port(), _free_port()
+    bootstrap_port, control_port = pick_free_port(), pick_free_port()
     first, second = plan_rooms(2, NUM_PAGES, NUM_PAGES, pages_per_room=4, seed=11)
     spec = {"num_pages": NUM_PAGES, "bootstrap_port": bootstrap_port, "config_overrides": {"control_port": control_port}}
     old = Child(RoleSpec("prefill", "tcp", [first], **spec))

@@ -16,9 +16,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.errors import ConfigError
+from common.ports import pick_free_port
 from common.server.http_probe import node_liveness
 from tests.model_fixtures import make_tiny_model
-from tests.node_helpers import Node, free_port, rank_pids, start_node
+from tests.node_helpers import Node, rank_pids, start_node
 
 WATCHDOG_S = 2.0
 
@@ -43,7 +44,7 @@ def _wait_status(port: int, want: int, timeout: float) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[tuple[Node, int]]:
-    metrics_port = free_port()
+    metrics_port = pick_free_port()
     n = start_node("null", make_tiny_model("llama"),
                    extra=["--metrics-port", str(metrics_port), "--watchdog-timeout", str(WATCHDOG_S)])
     try:

@@ -20,8 +20,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.ports import pick_free_port
 from pdcluster.v1 import worker_pb2
-from tests.node_helpers import free_port, rank_pids, start_node
+from tests.node_helpers import rank_pids, start_node
 from tests.nodes.test_nodes import FAST_DEADLINES, greedy_request, reference, run_pd, tokens_of
 
 pytestmark = pytest.mark.slow
@@ -134,7 +135,7 @@ def test_killed_tp_rank_fails_its_node_and_frees_the_peer(model_path) -> None:
 def test_tp_group_spanning_two_hosts_matches_tp1(model_path, colocated) -> None:
     """``--nnodes 2``: node 0 (the Worker service) and node 1 (ranks only) each run one TP rank of one group,
     meeting at ``--dist-init-addr`` (two processes on this host stand for two hosts)."""
-    rendezvous = f"127.0.0.1:{free_port()}"
+    rendezvous = f"127.0.0.1:{pick_free_port()}"
     multi = [*tp_args(2), "--nnodes", "2", "--dist-init-addr", rendezvous]
     leader = start_node("null", model_path, extra=[*multi, "--node-rank", "0"], wait=False)
     log = Path(tempfile.mkstemp(prefix="pdcluster-node1-", suffix=".log")[1])
