@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-gpu gpu-wheels lint install proto clean
+.PHONY: up test test-gpu gpu-wheels lint install proto docs clean
 
 # GPU machines have torch but no package index and no .venv (../shared/GPU.md): `make gpu-wheels` (here) fetches
 # the few packages they lack, pinned to this venv's versions, into $(WHL); `make test-gpu` (there) installs them
@@ -47,6 +47,7 @@ TEST_WORKERS ?= 4
 
 test: $(STAMP)
 	$(BIN)/python proto/gen.py --check
+	$(BIN)/python -m common.app.flag_docs --check
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
 
@@ -71,6 +72,9 @@ lint: $(STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python proto/gen.py
+
+docs: $(STAMP)
+	$(BIN)/python -m common.app.flag_docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

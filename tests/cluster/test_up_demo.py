@@ -33,7 +33,7 @@ CHILD = re.compile(r"^  (\S+)\s+pid (\d+)\s+grpc (\S+)", re.M)
 def test_up_demo_prints_endpoints_answers_and_stops_on_sigint(tmp_path: Path) -> None:
     http_port, grpc_port = pick_free_port(), pick_free_port()
     out_path = tmp_path / "up.out"
-    cmd = [sys.executable, "-m", "common.cli", "up", "--demo", "--model-path", str(make_tiny_model("llama")),
+    cmd = [sys.executable, "-m", "common.app.cli", "up", "--demo", "--model-path", str(make_tiny_model("llama")),
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "logs"),
            "--max-total-tokens", "4096"]
     with open(out_path, "wb") as out:

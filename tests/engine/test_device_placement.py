@@ -8,12 +8,12 @@ import argparse
 import pytest
 import torch
 
-import common.device as device_mod
-from common.cli import build_parser
+import common.engine.device as device_mod
+from common.app.cli import build_parser
+from common.app.up import LocalCluster, place_nodes, placement_lines
 from common.config import ServerArgs
-from common.device import CUDA_RESERVE_BYTES, gpu_id, kv_cache_bytes, rank_device
+from common.engine.device import CUDA_RESERVE_BYTES, gpu_id, kv_cache_bytes, rank_device
 from common.errors import ConfigError
-from common.up import LocalCluster, place_nodes, placement_lines
 
 
 def test_rank_gpu_formula() -> None:

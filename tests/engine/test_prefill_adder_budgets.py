@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.req import Req
-from common.sampling.params import SamplingParams
-from common.schedule_policy import AddReqResult, PrefillAdder
+from common.engine.req import Req
+from common.engine.sampling.params import SamplingParams
+from common.engine.schedule_policy import AddReqResult, PrefillAdder
 
 BIG = 1 << 20
 CONTINUE, NO_TOKEN, OTHER = AddReqResult.CONTINUE, AddReqResult.NO_TOKEN, AddReqResult.OTHER

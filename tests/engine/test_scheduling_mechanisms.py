@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from common.config import ServerArgs
-from common.forward_batch import ForwardMode
+from common.engine.forward_batch import ForwardMode
+from common.engine.sampling.params import SamplingParams
+from common.engine.scheduler import Scheduler
 from common.io_struct import GenerateReqInput
-from common.sampling.params import SamplingParams
-from common.scheduler import Scheduler
-from common.tokenizer import load_tokenizer
+from common.text.tokenizer import load_tokenizer
 from tests.model_fixtures import make_tiny_model
 
 MAX_STEPS = 2000  # every loop below is bounded by it

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from common.config import ServerArgs
+from common.engine.sampling.params import SamplingParams
 from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
-from common.sampling.params import SamplingParams
-from common.tokenizer import load_tokenizer
+from common.text.tokenizer import load_tokenizer
 from tests.model_fixtures import make_tiny_model
 
 CHUNK = 16

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from common.config import ServerArgs
-from common.req import Req
-from common.sampling.params import SamplingParams
-from common.scheduler import Scheduler
-from common.tokenizer import load_tokenizer
+from common.engine.req import Req
+from common.engine.sampling.params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.text.tokenizer import load_tokenizer
 from decode_node.prealloc_queue import DecodePreallocQueue
 from kvtransfer.poll import KVPoll
 from tests.model_fixtures import make_tiny_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from common.testing.router_fleet import fleet
+from router.testing import fleet
 from tests.grpc_helpers import reflected_services
 
 
