@@ -192,8 +192,15 @@ def test_metrics_exist_and_move_with_traffic(cluster: Cluster) -> None:
         stream = client.completions.create(model=model, prompt=list(range(200 + i, 260)), max_tokens=5, stream=True,
                                            extra_body={"ignore_eos": True})
         assert sum(1 for _ in stream) >= 2
-    time.sleep(1.5)  # node queue gauges come from periodic load reports
-    after = {"router": scrape(cluster.http + "/metrics")} | {n: scrape(u) for n, u in cluster.metrics.items()}
+    deadline = time.monotonic() + 30  # node queue gauges come from periodic load reports
+    while True:
+        after = {"router": scrape(cluster.http + "/metrics")} | {n: scrape(u) for n, u in cluster.metrics.items()}
+        moved = all(total(after[node], name) > total(before[node], name)
+                    for node, names in NODE_MOVING.items() for name in names) and all(
+            any(k.startswith(name) for k in after[node]) for node in NODE_MOVING for name in NODE_PRESENT)
+        if moved or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     for name in ROUTER_MOVING:
         assert total(after["router"], name) > total(before["router"], name), name
     for name in ROUTER_PRESENT:

@@ -134,7 +134,11 @@ def test_draining_node_fails_readiness_but_stays_live(pods: dict[str, Pod]) -> N
         request=worker_pb2.GenerateRequest(rid="drain-probe", input_ids=[5, 6, 7],
                                            sampling_params=common_pb2.SamplingParams(max_new_tokens=2)),
         bootstrap_room=1, bootstrap_addr="127.0.0.1:1"), timeout=60)
-    time.sleep(1.0)  # the request reaches the node
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    deadline = time.monotonic() + 30
+    while not any(r.prealloc for r in stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5).ranks):
+        assert time.monotonic() < deadline, "the request never reached the decode node's prealloc queue"
+        time.sleep(0.05)
     decode.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
     while decode.probe("readinessProbe"):
