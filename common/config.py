@@ -203,6 +203,12 @@ class ServerArgs:
         return parse_options(self.kv_transfer_backend, self.kv_transfer_option)
 
     @property
+    def use_radix_cache(self) -> bool:
+        """Prefix sharing: on unless --disable-radix-cache, and never on a decode node (every request's KV arrives
+        whole from its prefill node; a retracted request is recomputed locally)."""
+        return not self.disable_radix_cache and self.disaggregation_mode != "decode"
+
+    @property
     def is_disaggregated(self) -> bool:
         return self.disaggregation_mode != "null"
 

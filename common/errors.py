@@ -43,3 +43,8 @@ class ConfigError(PdclusterError, ValueError):
 # breaker, not the node's that only reported it.
 FAULT_METADATA_KEY = "pdcluster-fault"
 KV_PEER_FAULT = "kv-peer"
+
+
+def internal_error_message(exc: Exception) -> str:
+    """What a request failed by an unexpected error of this process is told (the process keeps serving)."""
+    return f"internal error while handling the request ({type(exc).__name__}: {exc}); the server keeps serving"

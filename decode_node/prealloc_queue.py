@@ -15,7 +15,7 @@ import torch
 
 from common.engine.mem.pages import req_pages
 from common.engine.req import Req
-from common.engine.scheduler import Scheduler
+from common.engine.scheduler_role import Engine
 from common.errors import ErrorCode
 from common.io_struct import GenerateReqInput
 from kvtransfer.manager import KVManager
@@ -24,9 +24,9 @@ from kvtransfer.receiver import KVReceiver
 
 
 class DecodePreallocQueue:
-    def __init__(self, scheduler: Scheduler, kv_manager: KVManager, num_reserved_decode_tokens: int,
+    def __init__(self, engine: Engine, kv_manager: KVManager, num_reserved_decode_tokens: int,
                  polls: GroupPolls) -> None:
-        self.scheduler = scheduler
+        self.engine = engine
         self.polls = polls
         self.kv_manager = kv_manager
         self.reserved = num_reserved_decode_tokens
@@ -38,13 +38,13 @@ class DecodePreallocQueue:
 
     def add(self, msg: GenerateReqInput) -> Req | None:
         if msg.bootstrap_room is None:
-            self.scheduler.out.error(msg.rid, "bootstrap_room is required on a decode node", ErrorCode.INVALID_ARGUMENT)
+            self.engine.reject(msg.rid, "bootstrap_room is required on a decode node", ErrorCode.INVALID_ARGUMENT)
             return None
         if not msg.bootstrap_addr:
-            self.scheduler.out.error(msg.rid, "bootstrap_addr (the prefill node's host:port) is required on a "
+            self.engine.reject(msg.rid, "bootstrap_addr (the prefill node's host:port) is required on a "
                                      "decode node", ErrorCode.INVALID_ARGUMENT)
             return None
-        req = self.scheduler.build_req(msg)
+        req = self.engine.build_req(msg)
         if req is None:
             return None
         req.bootstrap_addr = msg.bootstrap_addr
@@ -61,27 +61,27 @@ class DecodePreallocQueue:
         return False
 
     def allocatable_tokens(self, num_active: int) -> int:
-        s = self.scheduler
-        running = s.running_batch.reqs
+        s = self.engine
+        running = s.running_reqs()
         longest = max((r.sampling_params.max_new_tokens - len(r.output_ids) for r in running), default=0)
         return s.allocator.available_size() - self.reserved * num_active - longest
 
     def admissible_tokens(self, num_transferring: int) -> int:
         """Prompt tokens one more request could bring now under ``pop_preallocated``'s rule, behind the queue."""
-        s = self.scheduler
-        if s.waiting_queue or not self.free_metadata_slots or s.req_to_token_pool.available_size() <= len(self.queue):
+        s = self.engine
+        if s.num_waiting() or not self.free_metadata_slots or s.req_to_token_pool.available_size() <= len(self.queue):
             return 0
-        active = len(s.running_batch.reqs) + num_transferring + len(self.queue) + 1
+        active = len(s.running_reqs()) + num_transferring + len(self.queue) + 1
         ahead = sum(len(r.origin_input_ids) + s.page_size for r in self.queue)
         return max(0, self.allocatable_tokens(active) - ahead - s.page_size)
 
     def pop_preallocated(self, num_transferring: int) -> tuple[list[Req], list[Req]]:
         """Requests that got their slot and pages (destination indices sent), and those that failed to resolve."""
-        s = self.scheduler
+        s = self.engine
         admitted: list[Req] = []
         failed: list[Req] = []
         keep: list[Req] = []
-        blocked = bool(s.waiting_queue)  # retracted requests come back first
+        blocked = s.num_waiting() > 0  # retracted requests come back first
         for req in self.queue:
             state = self.polls.poll(req.disagg_kv)  # every TP rank resolved its prefill sources
             if state == KVPoll.Failed:
@@ -90,7 +90,7 @@ class DecodePreallocQueue:
             if blocked or state < KVPoll.WaitingForInput:
                 keep.append(req)
                 continue
-            active = len(s.running_batch.reqs) + num_transferring + len(admitted) + 1
+            active = len(s.running_reqs()) + num_transferring + len(admitted) + 1
             need = len(req.origin_input_ids) + s.page_size
             if need > self.allocatable_tokens(active) or not self._allocate(req):
                 blocked = True  # in order: nobody overtakes the head of the queue
@@ -101,7 +101,7 @@ class DecodePreallocQueue:
         return admitted, failed
 
     def _allocate(self, req: Req) -> bool:
-        s = self.scheduler
+        s = self.engine
         if not self.free_metadata_slots:
             return False
         slots = s.req_to_token_pool.alloc(1)

@@ -1,5 +1,5 @@
-"""The glue both serving roles share to reach the KV transfer layer: the manager factory over a model runner's
-pool, the transfer config from the server args, and the gRPC status of a failed transfer.
+"""The glue both serving roles share to reach the KV transfer layer: a rank's transfer endpoint (manager, TP group
+polls, wire bytes per page) over a model runner's pool, and the transfer config from the server args.
 
 The pool of a TP rank holds only that rank's KV heads, so the model's total comes from the model config.
 """
@@ -7,15 +7,19 @@ The pool of a TP rank holds only that rank's KV heads, so the model's total come
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.engine.mem.pages import bytes_per_page
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.manager import KVManager, Rooms
+from kvtransfer.poll import GroupPolls
 from kvtransfer.receiver import DecodeRooms
 from kvtransfer.sender import PrefillRooms
 
 if TYPE_CHECKING:
     from common.config import ServerArgs
+    from common.engine.distributed import TPGroup
     from common.engine.model_runner import ModelRunner
 
 METADATA_SLOTS_PER_REQUEST_SLOT = 2
@@ -48,6 +52,25 @@ def make_kv_manager(args: ServerArgs, runner: ModelRunner, mode: Mode, dp_rank: 
     )
     config = kv_transfer_config(args, runner.model_config.fingerprint())
     return KVManager(kv_args, config, ROOMS[mode], bootstrap_addr=bootstrap_addr(args, mode), dp_size=args.dp_size)
+
+
+@dataclass
+class RankTransfer:
+    """What a prefill or decode rank holds of the KV transfer layer."""
+
+    manager: KVManager
+    polls: GroupPolls  # the MIN of KVPoll over the rank's TP group
+    bytes_per_page: int  # bytes of one page of the model's KV (all KV heads, every layer) on the wire
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def rank_transfer(args: ServerArgs, runner: ModelRunner, mode: Mode, dp_rank: int, tp: TPGroup) -> RankTransfer:
+    manager = make_kv_manager(args, runner, mode, dp_rank, tp_rank=tp.tp_rank, tp_size=tp.tp_size)
+    pool = runner.kv_pool
+    return RankTransfer(manager, GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size),
+                        bytes_per_page(pool) * runner.model_config.num_kv_heads // pool.num_kv_heads)
 
 
 def bootstrap_addr(args: ServerArgs, mode: Mode) -> str | None:

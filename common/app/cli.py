@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
-from collections.abc import Callable
 
 from common.config import add_server_args, server_args_from_cli
 from common.env import log_level
 from common.errors import PdclusterError
+from common.refs import load_ref
 
 # name -> (module:function that adds the subcommand's flags, module:function that runs it)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -23,11 +22,6 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("benchmarks.bench:add_bench_args", "benchmarks.bench:run_bench", "load-test the router (OpenAI or gRPC)"),
     "serve": ("common.config:add_server_args", "common.app.cli:run_serve", "run one node (colocated, prefill or decode)"),
 }
-
-
-def _load(ref: str) -> Callable[..., object]:
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def add_make_model_args(p: argparse.ArgumentParser) -> None:
@@ -100,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_ref, run_ref, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)
-        _load(add_ref)(p)
+        load_ref(add_ref)(p)
         p.set_defaults(_run=run_ref)
     return parser
 
@@ -109,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
     try:
-        return int(_load(ns._run)(ns) or 0)  # type: ignore[arg-type]
+        return int(load_ref(ns._run)(ns) or 0)  # type: ignore[arg-type]
     except PdclusterError as e:
         print(f"pdcluster {ns.command}: error: {e}", file=sys.stderr)
         return 2

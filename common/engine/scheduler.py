@@ -28,10 +28,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import msgspec
 import torch
 
 from common.config import ServerArgs
+from common.engine.admission import RequestIntake
 from common.engine.distributed import TPGroup
 from common.engine.mem.chunk_cache import ChunkCache
 from common.engine.mem.radix_cache import RadixCache
@@ -51,7 +51,7 @@ from common.engine.scheduler_metrics import (
 )
 from common.engine.scheduler_output import OutputCollector
 from common.engine.scheduler_role import ColocatedRole, SchedulerRole
-from common.errors import CapacityError, ErrorCode, InvalidRequestError
+from common.errors import ErrorCode, internal_error_message
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 
@@ -71,6 +71,7 @@ class Scheduler:
         send_outputs: Callable[[list[Any]], None],
         dp_rank: int = 0,
         tp: TPGroup | None = None,
+        role: SchedulerRole | None = None,
     ) -> None:
         self.args = args
         self.dp_rank = dp_rank
@@ -81,7 +82,7 @@ class Scheduler:
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
         self.page_size = args.page_size
-        if args.disable_radix_cache:
+        if not args.use_radix_cache:
             self.tree_cache: Any = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
         else:
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
@@ -101,8 +102,11 @@ class Scheduler:
         self.forward_ct = 0
         self.num_retracted = 0
         self.request_log_level = logging.INFO if args.log_requests else logging.DEBUG
+        self.intake = RequestIntake(self.model_config, self.runner.max_total_num_tokens, self.out, self.reqs_by_rid,
+                                    self.request_log_level)
         self.decode_log = DecodeLogInterval(args.decode_log_interval)
-        self.role: SchedulerRole = ColocatedRole(self)  # a prefill or decode node installs itself
+        self.role: SchedulerRole = role or ColocatedRole()
+        self.role.bind(self)
 
     # -- construction helpers --------------------------------------------------------------------------------------
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -113,10 +117,33 @@ class Scheduler:
         return self.runner.max_total_num_tokens
 
     def close(self) -> None:
-        """Stop the forward thread (after its batch); nothing else is held outside this process in colocated mode."""
+        """Stop the forward thread (after its batch), then release what the role holds (its KV manager)."""
         if self.forward_thread is not None:
             self.forward_thread.shutdown(wait=True)
             self.forward_thread = None
+        self.role.close()
+
+    # -- the ``Engine`` interface of the roles (``scheduler_role.Engine``) ---------------------------------------------
+    def reject(self, rid: str, message: str, code: ErrorCode) -> None:
+        self.out.error(rid, message, code)
+
+    def send_now(self, outputs: list[Any]) -> None:
+        self.out.send_now(outputs)
+
+    def find_req(self, rid: str) -> Req | None:
+        return self.reqs_by_rid.get(rid)
+
+    def enqueue(self, reqs: list[Req]) -> None:
+        self.waiting_queue.extend(reqs)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting_queue)
+
+    def prefilling_reqs(self) -> list[Req]:
+        return [*self.waiting_queue, *([self.chunked_req] if self.chunked_req is not None else [])]
+
+    def running_reqs(self) -> list[Req]:
+        return self.running_batch.reqs
 
     # -- input -----------------------------------------------------------------------------------------------------
     def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
@@ -126,7 +153,7 @@ class Scheduler:
                 try:
                     self.role.admit(msg)
                 except Exception as e:  # one bad request fails alone; nothing of it was queued
-                    self.fail_input(msg.rid, e)
+                    self.intake.fail_input(msg.rid, e)
             elif isinstance(msg, AbortReq):
                 self.role.abort(msg.rid, msg.reason, msg.code)
             elif isinstance(msg, LoadReq):
@@ -134,66 +161,9 @@ class Scheduler:
                 self.role.fill_load(load)
                 self.out.send_now([LoadOut(load=load)])
 
-    # -- admission -------------------------------------------------------------------------------------------------
-    def validate(self, msg: GenerateReqInput) -> None:
-        """Raise a typed error saying what to fix if the request can never be served here."""
-        sp = msg.sampling_params
-        sp.verify(self.model_config.vocab_size)
-        n = len(msg.input_ids)
-        if n == 0:
-            raise InvalidRequestError("input_ids is empty; send at least one prompt token")
-        if not 0 <= msg.prior_output_len < n:
-            raise InvalidRequestError(
-                f"prior_output_len must be in [0, {n}) (it leaves at least one prompt token), got {msg.prior_output_len}"
-            )
-        if any(not 0 <= t < self.model_config.vocab_size for t in msg.input_ids):
-            raise InvalidRequestError(f"input_ids contains ids outside the vocabulary [0, {self.model_config.vocab_size})")
-        if n >= self.model_config.context_len:
-            raise CapacityError(
-                f"prompt has {n} tokens but the model context is {self.model_config.context_len}; shorten the prompt"
-            )
-        max_new = min(sp.max_new_tokens, self.model_config.context_len - n)  # clamped to the context below
-        if n + max_new > self.runner.max_total_num_tokens:
-            raise CapacityError(
-                f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the KV cache capacity of "
-                f"{self.runner.max_total_num_tokens} tokens; lower max_new_tokens or raise --max-total-tokens"
-            )
-
+    # -- admission (``common.engine.admission``) ---------------------------------------------------------------------
     def build_req(self, msg: GenerateReqInput) -> Req | None:
-        if msg.rid in self.reqs_by_rid:
-            self.out.error(msg.rid, f"request id {msg.rid!r} is already in flight", ErrorCode.INVALID_ARGUMENT)
-            return None
-        inject("input", msg.rid)
-        try:
-            self.validate(msg)
-        except (InvalidRequestError, CapacityError) as e:
-            self.out.error(msg.rid, str(e), ErrorCode.INVALID_ARGUMENT)
-            return None
-        sp = msg.sampling_params
-        room = self.model_config.context_len - len(msg.input_ids)
-        if sp.max_new_tokens > room:
-            sp = msgspec.structs.replace(sp, max_new_tokens=room)
-        req = Req(
-            msg.rid,
-            msg.input_ids,
-            sp,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            eos_token_ids=frozenset(self.model_config.eos_token_ids),
-            bootstrap_room=msg.bootstrap_room,
-            prior_output_len=msg.prior_output_len,
-        )
-        req.times.queue_enter = time.monotonic()
-        self.reqs_by_rid[req.rid] = req
-        logger.log(self.request_log_level, "rid=%s room=%s: received, %d prompt tokens, max_new_tokens=%d",
-                   req.rid, req.bootstrap_room, len(req.origin_input_ids), sp.max_new_tokens)
-        return req
-
-    def fail_input(self, rid: str, exc: Exception) -> None:
-        """An unexpected error while taking a request in: it fails with INTERNAL; it holds no pages yet."""
-        logger.exception("rid=%s: internal error handling the request", rid, exc_info=exc)
-        self.reqs_by_rid.pop(rid, None)
-        self.out.error(rid, internal_error_message(exc), ErrorCode.INTERNAL)
+        return self.intake.build_req(msg)
 
     def fail_req(self, req: Req, exc: Exception) -> None:
         """An unexpected error while handling one request's result: it finishes with INTERNAL and its KV and slot
@@ -503,9 +473,9 @@ class Scheduler:
         return batch is not None or prev is not None
 
     def is_idle(self) -> bool:
-        """The engine's own state is idle (a role adds its queues)."""
+        """Nothing queued, running or in flight, in the engine or in the role's queues."""
         return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and (
-            self.last_batch is None) and self.in_flight is None
+            self.last_batch is None) and self.in_flight is None and self.role.is_idle()
 
     # -- observability ---------------------------------------------------------------------------------------------
     def token_usage(self) -> float:
@@ -575,10 +545,6 @@ def _reads_output_history(req: Req) -> bool:
     """Its next draw depends on every output token so far (penalties), not only on the last one."""
     sp = req.sampling_params
     return sp.has_penalty or bool(sp.min_new_tokens)
-
-
-def internal_error_message(exc: Exception) -> str:
-    return f"internal error while handling the request ({type(exc).__name__}: {exc}); the server keeps serving"
 
 
 def finish_reason_name(req: Req) -> str | None:

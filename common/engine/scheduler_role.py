@@ -11,6 +11,10 @@ The loop (``common.engine.scheduler``) and where it asks the role::
                                                   prompt done   -> role.on_prefill_done(req)
            finish_req                             role.keep_pages_on_finish(req), role.on_finish(req)
 
+The role is handed to the scheduler (``Scheduler(args, ..., role=PrefillRole(args))``), which calls
+``role.bind(engine)`` once it has built its pools: the role then builds what it needs of them (KV manager, queues)
+and from then on calls only the ``Engine`` interface below, never the scheduler's other attributes.
+
 The colocated engine is the role with empty hooks (``ColocatedRole``, on ``LoopHooks``); the prefill node's role sends KV pages and
 keeps a finished request's pages until its transfer is done; the decode node's role feeds transferred requests
 into the running batch from ``poll``. A role never replays the loop: it holds its queues and these hooks only.
@@ -18,18 +22,99 @@ into the running batch from ``poll``. A role never replays the loop: it holds it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from common.config import ServerArgs
+from common.engine.distributed import TPGroup
+from common.engine.mem.allocator import TokenToKVPoolAllocator
+from common.engine.mem.req_to_token_pool import ReqToTokenPool
+from common.engine.model_runner import ModelRunner
 from common.engine.req import Req
 from common.engine.scheduler_metrics import NO_DISAGG_QUEUES, DisaggQueueCounts
 from common.errors import ErrorCode
 from common.io_struct import GenerateReqInput, QueueLoad
 
-if TYPE_CHECKING:
-    from common.engine.scheduler import Scheduler
+
+class Engine(Protocol):
+    """What a role may use of the scheduler that holds it: its collaborators (references fixed at construction)
+    and the request operations below. ``common.engine.scheduler.Scheduler`` implements it."""
+
+    args: ServerArgs
+    dp_rank: int
+    tp: TPGroup
+    tokenizer: Any
+    runner: ModelRunner  # its KV pool is what a role's KV manager registers
+    page_size: int
+    req_to_token_pool: ReqToTokenPool
+    allocator: TokenToKVPoolAllocator
+
+    def build_req(self, msg: GenerateReqInput) -> Req | None:
+        """A validated ``Req``, or None after the request was answered with an error."""
+        ...
+
+    def reject(self, rid: str, message: str, code: ErrorCode) -> None:
+        """Answer a request that is not taken in with an error."""
+        ...
+
+    def send_now(self, outputs: list[Any]) -> None:
+        """Send outputs to the front at once (a role's own reports)."""
+        ...
+
+    def find_req(self, rid: str) -> Req | None:
+        """The request in flight on this rank under ``rid``."""
+        ...
+
+    def enqueue(self, reqs: list[Req]) -> None:
+        """Requests join the back of the waiting queue (they are prefilled in turn)."""
+        ...
+
+    def take_waiting(self, leaves: Callable[[Req], bool]) -> list[Req]:
+        """Remove and return the waiting requests for which ``leaves`` is true, in queue order."""
+        ...
+
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue (on a decode node: retracted ones, which go before new admissions)."""
+        ...
+
+    def prefilling_reqs(self) -> list[Req]:
+        """Requests whose prompt is not computed yet: the waiting queue, then the chunked request."""
+        ...
+
+    def running_reqs(self) -> list[Req]:
+        """Requests of the running (decode) batch."""
+        ...
+
+    def abort_request(self, rid: str, reason: str) -> None:
+        """A waiting request leaves at once; one in a batch finishes as ABORT at its next result."""
+        ...
+
+    def add_prebuilt(self, reqs: list[Req], take_first_token: Callable[[Req], None]) -> None:
+        """Requests whose prompt KV and first token were computed elsewhere join the running batch."""
+        ...
+
+    def finish_req(self, req: Req, release: bool = True) -> None:
+        """The one finish path: release (or cache) the request's KV and report its outcome."""
+        ...
+
+    def log_request_end(self, req: Req, outcome: str) -> None:
+        ...
 
 
 class SchedulerRole(Protocol):
+    def bind(self, engine: Engine) -> None:
+        """Called once by the scheduler that holds the role, after its pools exist: build what the role needs of
+        them (KV manager, queues)."""
+        ...
+
+    def is_idle(self) -> bool:
+        """No request in the role's own queues."""
+        ...
+
+    def close(self) -> None:
+        """Release what ``bind`` built (KV manager, sockets); the scheduler calls it from its own ``close``."""
+        ...
+
     def admit(self, msg: GenerateReqInput) -> None:
         """Take a new request in: validate it (``Scheduler.build_req``) and put it where it waits first."""
         ...
@@ -118,16 +203,27 @@ class LoopHooks:
 class ColocatedRole(LoopHooks):
     """The colocated engine: requests wait in the scheduler's waiting queue; every loop hook is empty."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, args: ServerArgs | None = None) -> None:
+        self.engine: Engine | None = None
+
+    def bind(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def is_idle(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Nothing of its own."""
 
     def admit(self, msg: GenerateReqInput) -> None:
-        req = self.scheduler.build_req(msg)
+        assert self.engine is not None
+        req = self.engine.build_req(msg)
         if req is not None:
-            self.scheduler.waiting_queue.append(req)
+            self.engine.enqueue([req])
 
     def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
-        self.scheduler.abort_request(rid, reason)
+        assert self.engine is not None
+        self.engine.abort_request(rid, reason)
 
     def fill_load(self, load: QueueLoad) -> None:
         """No queues beyond the waiting queue."""

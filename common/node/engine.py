@@ -127,8 +127,7 @@ class Engine:
         spawn = multiprocessing.get_context("spawn")
         for tp_rank in range(1, args.tp_size):
             proc = spawn.Process(target=run_scheduler_process, name=f"pdcluster-engine-tp{tp_rank}", daemon=True,
-                                 args=(args, self.model_path, 0, None, "common.engine.scheduler:Scheduler", os.getpid(),
-                                       tp_rank))
+                                 args=(args, self.model_path, 0, None, os.getpid(), tp_rank))
             proc.start()
             self._followers.append(proc)
         try:

@@ -44,10 +44,9 @@ class RankError(Exception):
 
 
 class RankClient:
-    def __init__(self, args: ServerArgs, model_path: str, scheduler_ref: str) -> None:
+    def __init__(self, args: ServerArgs, model_path: str) -> None:
         self.args = args
         self.model_path = model_path
-        self.scheduler_ref = scheduler_ref
         self.addrs = IpcAddrs.new()
         self.ctx = zmq.asyncio.Context()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -96,7 +95,7 @@ class RankClient:
         for dp_rank, tp_rank in self.ranks:
             proc = spawn.Process(
                 target=run_scheduler_process,
-                args=(self.args, self.model_path, dp_rank, self.addrs, self.scheduler_ref, os.getpid(), tp_rank),
+                args=(self.args, self.model_path, dp_rank, self.addrs, os.getpid(), tp_rank),
                 name=f"pdcluster-scheduler-dp{dp_rank}-tp{tp_rank}",
                 daemon=True,
             )

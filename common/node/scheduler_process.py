@@ -1,8 +1,5 @@
-"""Entry point of one scheduler rank process: build the role's scheduler, then run its loop over ZMQ IPC.
-
-The role object (``Scheduler`` for colocated mode, the prefill/decode node schedulers otherwise) is named by a
-``module:Class`` string so this module imports no role package. It must offer ``step(msgs) -> bool``,
-``is_idle() -> bool`` and ``close()``; it is built as ``Cls(args, model_path, tokenizer, send_outputs, dp_rank, tp)``.
+"""Entry point of one scheduler rank process: build the ``Scheduler`` with its mode's role (``common.node.roles``),
+then run its loop over ZMQ IPC.
 
 TP (``--tp-size`` > 1): only TP rank 0 (the leader) reads the front's inputs; every step it broadcasts them to its
 group, so all ranks step in lockstep on the same messages (an idle leader broadcasts an empty list every
@@ -14,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import logging
 import os
 import signal
@@ -27,9 +23,11 @@ import zmq
 from common.config import ServerArgs
 from common.engine.device import bind_rank_device, cpu_threads_per_rank
 from common.engine.distributed import TPGroup, broadcast_inputs, init_tp_group
+from common.engine.scheduler import Scheduler
 from common.gc_freeze import freeze_startup_heap
 from common.io_struct import RankHeartbeat, RankReady, SchedulerInput, ShutdownReq
 from common.node.ipc import IpcAddrs, decode_input, encode
+from common.node.roles import make_role
 from common.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -44,14 +42,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _load_class(ref: str) -> Any:
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def run_scheduler_process(
-    args: ServerArgs, model_path: str, dp_rank: int, addrs: IpcAddrs | None, scheduler_ref: str, parent_pid: int,
-    tp_rank: int = 0,
+    args: ServerArgs, model_path: str, dp_rank: int, addrs: IpcAddrs | None, parent_pid: int, tp_rank: int = 0,
 ) -> None:
     """Run one rank until ShutdownReq. ``addrs`` None: a TP follower of an in-process ``Engine`` leader, which
     reports nothing (the engine watches its exit code)."""
@@ -88,8 +80,8 @@ def run_scheduler_process(
             tp = init_tp_group(dist_init_addr=args.dist_init_addr, dp_rank=dp_rank, tp_rank=tp_rank,
                                tp_size=args.tp_size, device=device, timeout_s=args.tp_timeout_s)
         tokenizer = load_tokenizer(model_path)
-        scheduler = _load_class(scheduler_ref)(args, model_path, tokenizer, send_outputs if leader else drop_outputs,
-                                               dp_rank, tp)
+        scheduler = Scheduler(args, model_path, tokenizer, send_outputs if leader else drop_outputs, dp_rank, tp,
+                              role=make_role(args))
     except Exception as e:
         logger.exception("scheduler rank dp=%d tp=%d failed to start", dp_rank, tp_rank)
         send_outputs([RankReady(dp_rank=dp_rank, tp_rank=tp_rank, error=f"{type(e).__name__}: {e}")])

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -27,36 +25,14 @@ from common.node.http_probe import node_liveness, start_probe_server
 from common.node.metrics import poll_load_forever
 from common.node.mux_socket_server import MuxSocketServer
 from common.node.ranks import RankClient
+from common.node.roles import ROLES
+from common.refs import load_ref
 from common.text.tokenizer import resolve_model_path
 from common.wire.security import require_cluster_token
 from common.wire.worker_auth import WorkerAuthInterceptor, worker_credential
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RoleSpec:
-    """What a node role plugs into the shared front: its scheduler class and servicer class."""
-
-    scheduler_ref: str  # "module:Class" built inside each rank process
-    servicer_ref: str  # "module:Class", a WorkerServicer subclass
-    extra_services: str | None = None  # "module:function(server, args, servicer) -> awaitable cleanup", optional
-
-
-ROLES: dict[str, RoleSpec] = {
-    "null": RoleSpec("common.engine.scheduler:Scheduler", "common.node.front:WorkerServicer"),
-    "prefill": RoleSpec(
-        "prefill_node.scheduler:PrefillScheduler", "prefill_node.servicer:PrefillServicer",
-        "prefill_node.servicer:add_bootstrap_service",
-    ),
-    "decode": RoleSpec("decode_node.scheduler:DecodeScheduler", "decode_node.servicer:DecodeServicer"),
-}
-
-
-def _load(ref: str) -> Any:
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 NODE_SERVER_OPTIONS = (
@@ -78,7 +54,7 @@ class NodeServer:
         self.role = ROLES[args.disaggregation_mode]
         self.model_path = str(resolve_model_path(args.model_path))
         self.args = args.replace(model_path=self.model_path)
-        self.ranks = RankClient(self.args, self.model_path, self.role.scheduler_ref)
+        self.ranks = RankClient(self.args, self.model_path)
         self.ranks.spawn()
         try:
             self.model_config = ModelConfig.from_path(self.model_path)
@@ -98,10 +74,10 @@ class NodeServer:
 
     async def start(self) -> None:
         self.server = grpc.aio.server(options=NODE_SERVER_OPTIONS, interceptors=[WorkerAuthInterceptor()])
-        servicer_cls = _load(self.role.servicer_ref)
+        servicer_cls = load_ref(self.role.servicer_ref)
         self.servicer = servicer_cls(self.args, self.model_path, self.model_config, self.ranks)
         if self.role.extra_services:
-            cleanup = await _load(self.role.extra_services)(self.args, self.servicer)
+            cleanup = await load_ref(self.role.extra_services)(self.args, self.servicer)
             if cleanup is not None:
                 self._cleanups.append(cleanup)
         await self.ranks.start()
@@ -185,7 +161,7 @@ async def serve_tp_host(args: ServerArgs) -> int:
     """
     require_cluster_token(args.disaggregation_mode)
     model_path = str(resolve_model_path(args.model_path))
-    ranks = RankClient(args.replace(model_path=model_path), model_path, ROLES[args.disaggregation_mode].scheduler_ref)
+    ranks = RankClient(args.replace(model_path=model_path), model_path)
     try:
         await ranks.start()
     except BaseException:

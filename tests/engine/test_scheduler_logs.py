@@ -145,11 +145,12 @@ def test_pd_roles_report_their_queues(llama, caplog, monkeypatch) -> None:
 
     from common.config import ServerArgs
     from common.engine.sampling.params import SamplingParams
+    from common.engine.scheduler import Scheduler
     from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
     from common.text.tokenizer import load_tokenizer
-    from decode_node.scheduler import DecodeScheduler
+    from decode_node.role import DecodeRole
     from kvtransfer.bootstrap import BootstrapServer
-    from prefill_node.scheduler import PrefillScheduler
+    from prefill_node.role import PrefillRole
 
     monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "test-cluster-token")
     caplog.set_level(logging.INFO, logger="common.engine.scheduler")
@@ -160,8 +161,9 @@ def test_pd_roles_report_their_queues(llama, caplog, monkeypatch) -> None:
     tokenizer = load_tokenizer(str(llama))
     prefill_out: list[object] = []
     decode_out: list[object] = []
-    prefill = PrefillScheduler(base.replace(disaggregation_mode="prefill"), str(llama), tokenizer, prefill_out.extend)
-    decode = DecodeScheduler(base.replace(disaggregation_mode="decode"), str(llama), tokenizer, decode_out.extend)
+    pargs, dargs = base.replace(disaggregation_mode="prefill"), base.replace(disaggregation_mode="decode")
+    prefill = Scheduler(pargs, str(llama), tokenizer, prefill_out.extend, role=PrefillRole(pargs))
+    decode = Scheduler(dargs, str(llama), tokenizer, decode_out.extend, role=DecodeRole(dargs))
     try:
         n, new = 3, 9
         prompts = [list(range(10 + 100 * i, 30 + 100 * i)) for i in range(n)]
@@ -209,7 +211,7 @@ def test_pd_roles_report_their_queues(llama, caplog, monkeypatch) -> None:
         assert sum(r["new_seq"] or 0 for r in prefill_lines) == n - 1
         assert sum(r["new_token"] or 0 for r in prefill_lines) == len(prompts[1]) + len(prompts[2])
         assert decode_lines and all(r["prealloc"] is not None and r["throughput"] for r in decode_lines)
-        for sched in (prefill.sched, decode.sched):
+        for sched in (prefill, decode):
             assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
             sched.tree_cache.evict(sched.allocator.size)
             assert sched.allocator.available_size() == sched.allocator.size

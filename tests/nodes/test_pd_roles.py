@@ -34,9 +34,9 @@ def run(step: Callable[[list[Any]], Any], idle: Callable[[], bool], timeout: flo
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
 def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(overlap, monkeypatch) -> None:
-    from decode_node.scheduler import DecodeScheduler
+    from decode_node.role import DecodeRole
     from kvtransfer.bootstrap import BootstrapServer
-    from prefill_node.scheduler import PrefillScheduler
+    from prefill_node.role import PrefillRole
 
     monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "test-cluster-token")
     monkeypatch.setattr(faults, "_FAULTS", {"token": frozenset({"fault"})})
@@ -63,8 +63,9 @@ def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(overl
 
     prefill_out: list[Any] = []
     decode_out: list[Any] = []
-    prefill = PrefillScheduler(base.replace(disaggregation_mode="prefill"), model, tokenizer, prefill_out.extend)
-    decode = DecodeScheduler(base.replace(disaggregation_mode="decode"), model, tokenizer, decode_out.extend)
+    pargs, dargs = base.replace(disaggregation_mode="prefill"), base.replace(disaggregation_mode="decode")
+    prefill = Scheduler(pargs, model, tokenizer, prefill_out.extend, role=PrefillRole(pargs))
+    decode = Scheduler(dargs, model, tokenizer, decode_out.extend, role=DecodeRole(dargs))
     try:
         extra = {"fault": list(range(20, 32)), "abort": list(range(20, 110))}  # "abort": six chunks
         msgs = [GenerateReqInput(rid=r, input_ids=p, sampling_params=greedy(8), bootstrap_room=1000 + i,
@@ -76,7 +77,7 @@ def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(overl
         aborted_mid_chunk = False
         while not (prefill.is_idle() and decode.is_idle()):
             assert time.monotonic() < deadline, "the PD pair did not finish in 120 s"
-            chunked = prefill.sched.chunked_req
+            chunked = prefill.chunked_req
             abort = [] if aborted_mid_chunk or chunked is None or chunked.rid != "abort" else [
                 AbortReq(rid="abort", reason="client went away")]
             aborted_mid_chunk |= bool(abort)
@@ -98,7 +99,7 @@ def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(overl
         assert done["abort"].error_code == finished["abort"].error_code == ErrorCode.CANCELLED
         assert done["fault"].error_code == finished["fault"].error_code == ErrorCode.INTERNAL
         assert "injected token fault" in (done["fault"].error or "")
-        for sched in (prefill.sched, decode.sched):
+        for sched in (prefill, decode):
             assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
             sched.tree_cache.evict(sched.allocator.size)
             assert sched.allocator.available_size() == sched.allocator.size

@@ -1,5 +1,6 @@
-"""``PrefillScheduler``: one prefill rank's role in the engine loop. Holds the engine's ``Scheduler``, the KV
-manager and its two queues; ``Scheduler.step`` runs the loop and asks the hooks below (``SchedulerRole``).
+"""``PrefillRole``: one prefill rank's role in the engine loop, handed to its ``Scheduler``. Holds the KV manager and
+its two queues; ``Scheduler.step`` runs the loop and asks the hooks below (``SchedulerRole``), and the role calls
+the scheduler back through the narrow ``Engine`` interface only.
 
 Lifecycle of a request: bootstrap -> waiting -> (chunked) prefill -> inflight -> done (PrefillDone)::
 
@@ -16,59 +17,42 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from common.config import ServerArgs
-from common.engine.distributed import TPGroup
-from common.engine.mem.pages import bytes_per_page, num_pages, req_pages
+from common.engine.mem.pages import num_pages, req_pages
 from common.engine.req import Req
-from common.engine.scheduler import Scheduler, internal_error_message
 from common.engine.scheduler_metrics import DisaggQueueCounts
-from common.errors import KV_PEER_FAULT, ErrorCode
+from common.engine.scheduler_role import Engine
+from common.errors import KV_PEER_FAULT, ErrorCode, internal_error_message
 from common.faults import inject
-from common.io_struct import GenerateReqInput, PrefillDone, QueueLoad, SchedulerInput, Timing
+from common.io_struct import GenerateReqInput, PrefillDone, QueueLoad, Timing
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
-from kvtransfer.node import make_kv_manager
-from kvtransfer.poll import GroupPolls, KVPoll
+from kvtransfer.node import rank_transfer
+from kvtransfer.poll import KVPoll
 from prefill_node.bootstrap_queue import PrefillBootstrapQueue
 from prefill_node.inflight_queue import PrefillInflightQueue
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillScheduler:
-    def __init__(
-        self, args: ServerArgs, model_path: str, tokenizer: Any, send_outputs: Callable[[list[Any]], None],
-        dp_rank: int = 0,
-        tp: TPGroup | None = None,
-    ) -> None:
+class PrefillRole:
+    def __init__(self, args: ServerArgs) -> None:
         self.args = args
-        self.sched = Scheduler(args, model_path, tokenizer, send_outputs, dp_rank, tp)
         self.page_size = args.page_size
-        tp = self.sched.tp
-        self.kv_manager = make_kv_manager(args, self.sched.runner, "prefill", dp_rank, tp_rank=tp.tp_rank,
-                                          tp_size=tp.tp_size)
-        self.polls = GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size)
-        self.bootstrap_queue = PrefillBootstrapQueue(self.sched, self.kv_manager, self.polls)
-        self.inflight_queue = PrefillInflightQueue(self.polls)
         self.leaving: dict[int, KVPoll] = {}  # id(req) -> final transfer state, while poll finishes it
-        pool = self.sched.runner.kv_pool
-        self.bytes_per_page = bytes_per_page(pool) * self.sched.model_config.num_kv_heads // pool.num_kv_heads
-        self.sched.role = self
 
-    @property
-    def max_total_num_tokens(self) -> int:
-        return self.sched.max_total_num_tokens
-
-    def step(self, msgs: list[SchedulerInput]) -> bool:
-        return self.sched.step(msgs)
+    def bind(self, engine: Engine) -> None:
+        self.engine = engine
+        self.kv = rank_transfer(self.args, engine.runner, "prefill", engine.dp_rank, engine.tp)
+        self.kv_manager, self.polls, self.bytes_per_page = self.kv.manager, self.kv.polls, self.kv.bytes_per_page
+        self.bootstrap_queue = PrefillBootstrapQueue(engine, self.kv_manager, self.polls)
+        self.inflight_queue = PrefillInflightQueue(self.polls)
 
     def is_idle(self) -> bool:
-        return self.sched.is_idle() and not self.bootstrap_queue.queue and not self.inflight_queue.queue
+        return not self.bootstrap_queue.queue and not self.inflight_queue.queue
 
     def close(self) -> None:
-        self.sched.close()
         self.kv_manager.close()
 
     # -- inputs (``SchedulerRole``) ----------------------------------------------------------------------------------
@@ -76,12 +60,12 @@ class PrefillScheduler:
         self.bootstrap_queue.add(msg)
 
     def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
-        req = self.sched.reqs_by_rid.get(rid)
+        req = self.engine.find_req(rid)
         if req is None:
             return
         req.disagg_kv.abort(reason, code)
-        if self.bootstrap_queue.remove(req) or self.sched.take_waiting(lambda r: r is req):
-            self.sched.finish_req(req, release=False)
+        if self.bootstrap_queue.remove(req) or self.engine.take_waiting(lambda r: r is req):
+            self.engine.finish_req(req, release=False)
         elif self.inflight_queue.find(rid) is None:
             req.to_abort = reason  # in a prefill batch: stops at its next chunk boundary
 
@@ -97,18 +81,16 @@ class PrefillScheduler:
 
     def kv_handles(self) -> list[Any]:
         """Every transfer handle a step may act on, in queue order (identical on every TP rank)."""
-        reqs = [*self.bootstrap_queue.queue, *self.sched.waiting_queue, *self.inflight_queue.queue]
-        if self.sched.chunked_req is not None:
-            reqs.append(self.sched.chunked_req)
+        reqs = [*self.bootstrap_queue.queue, *self.inflight_queue.queue, *self.engine.prefilling_reqs()]
         return [r.disagg_kv for r in reqs if r.disagg_kv is not None]
 
     def poll(self) -> None:
         ready, failed = self.bootstrap_queue.pop_bootstrapped()
-        self.sched.waiting_queue.extend(ready)
+        self.engine.enqueue(ready)
         # Waiting requests whose decode side failed or went away leave before using any compute.
-        failed += self.sched.take_waiting(lambda r: self.polls.poll(r.disagg_kv) == KVPoll.Failed)
+        failed += self.engine.take_waiting(lambda r: self.polls.poll(r.disagg_kv) == KVPoll.Failed)
         for req in failed:
-            self.sched.finish_req(req, release=False)
+            self.engine.finish_req(req, release=False)
         self.poll_inflight()
 
     def waits_for_forward(self) -> bool:
@@ -127,7 +109,7 @@ class PrefillScheduler:
             return
         full_pages = req.kv_committed_len // self.page_size
         if full_pages > req.kv_pages_sent:
-            pages = req_pages(self.sched.req_to_token_pool.req_to_token, req, req.kv_pages_sent,
+            pages = req_pages(self.engine.req_to_token_pool.req_to_token, req, req.kv_pages_sent,
                               full_pages * self.page_size, self.page_size)
             req.disagg_kv.send(pages)
             req.kv_pages_sent = full_pages
@@ -165,7 +147,7 @@ class PrefillScheduler:
     # -- sending ---------------------------------------------------------------------------------------------------
     def send_last_pages(self, req: Req) -> None:
         total = num_pages(len(req.origin_input_ids), self.page_size)
-        pages = req_pages(self.sched.req_to_token_pool.req_to_token, req, req.kv_pages_sent,
+        pages = req_pages(self.engine.req_to_token_pool.req_to_token, req, req.kv_pages_sent,
                           len(req.origin_input_ids), self.page_size)
         top = req.output_top_logprobs[0][:MAX_TOP_LOGPROBS] if req.output_top_logprobs else []
         metadata = MetadataRecord(
@@ -194,7 +176,7 @@ class PrefillScheduler:
                 logger.warning("rid=%s room=%s: KV transfer failed: %s", req.rid, req.bootstrap_room,
                                self.polls.failure(req.disagg_kv))
             self.leaving[id(req)] = state
-            self.sched.finish_req(req)  # releases its KV into the radix cache, unlocked
+            self.engine.finish_req(req)  # releases its KV into the radix cache, unlocked
 
     def report(self, req: Req, state: KVPoll) -> None:
         """Report the Prefill leg's outcome."""
@@ -206,10 +188,10 @@ class PrefillScheduler:
             error = req.to_abort or self.polls.failure(req.disagg_kv) or "prefill failed"
             code = ErrorCode.CANCELLED if req.to_abort else self.polls.failure_code(req.disagg_kv)
         sent_bytes = req.kv_pages_sent * self.bytes_per_page
-        self.sched.log_request_end(req, "kv sent" if state == KVPoll.Success else f"failed ({error})")
+        self.engine.log_request_end(req, "kv sent" if state == KVPoll.Success else f"failed ({error})")
         req.disagg_kv.clear()
         t = req.times
-        self.sched.out.send_now([PrefillDone(
+        self.engine.send_now([PrefillDone(
             rid=req.rid,
             prompt_tokens=len(req.origin_input_ids),
             cached_tokens=req.cached_tokens,

@@ -1,0 +1,90 @@
+"""Taking a request in on a rank: what makes it servable here (vocabulary, context, KV capacity), the ``Req`` it
+becomes (``max_new_tokens`` clamped to the context), and its registration under its rid. The scheduler and the
+roles' first queues (bootstrap, prealloc) all take requests in through ``RequestIntake.build_req``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from common.engine.model.config import ModelConfig
+from common.engine.req import Req
+from common.engine.scheduler_output import OutputCollector
+from common.errors import CapacityError, ErrorCode, InvalidRequestError, internal_error_message
+from common.faults import inject
+from common.io_struct import GenerateReqInput
+
+logger = logging.getLogger(__name__)
+
+
+class RequestIntake:
+    def __init__(self, model_config: ModelConfig, max_total_num_tokens: int, out: OutputCollector,
+                 reqs_by_rid: dict[str, Req], request_log_level: int) -> None:
+        self.model_config = model_config
+        self.max_total_num_tokens = max_total_num_tokens
+        self.out = out
+        self.reqs_by_rid = reqs_by_rid  # the scheduler's: a request is in flight from here to its finish
+        self.request_log_level = request_log_level
+
+    def validate(self, msg: GenerateReqInput) -> None:
+        """Raise a typed error saying what to fix if the request can never be served here."""
+        sp = msg.sampling_params
+        sp.verify(self.model_config.vocab_size)
+        n = len(msg.input_ids)
+        if n == 0:
+            raise InvalidRequestError("input_ids is empty; send at least one prompt token")
+        if not 0 <= msg.prior_output_len < n:
+            raise InvalidRequestError(
+                f"prior_output_len must be in [0, {n}) (it leaves at least one prompt token), got {msg.prior_output_len}"
+            )
+        if any(not 0 <= t < self.model_config.vocab_size for t in msg.input_ids):
+            raise InvalidRequestError(f"input_ids contains ids outside the vocabulary [0, {self.model_config.vocab_size})")
+        if n >= self.model_config.context_len:
+            raise CapacityError(
+                f"prompt has {n} tokens but the model context is {self.model_config.context_len}; shorten the prompt"
+            )
+        max_new = min(sp.max_new_tokens, self.model_config.context_len - n)  # clamped to the context below
+        if n + max_new > self.max_total_num_tokens:
+            raise CapacityError(
+                f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the KV cache capacity of "
+                f"{self.max_total_num_tokens} tokens; lower max_new_tokens or raise --max-total-tokens"
+            )
+
+    def build_req(self, msg: GenerateReqInput) -> Req | None:
+        if msg.rid in self.reqs_by_rid:
+            self.out.error(msg.rid, f"request id {msg.rid!r} is already in flight", ErrorCode.INVALID_ARGUMENT)
+            return None
+        inject("input", msg.rid)
+        try:
+            self.validate(msg)
+        except (InvalidRequestError, CapacityError) as e:
+            self.out.error(msg.rid, str(e), ErrorCode.INVALID_ARGUMENT)
+            return None
+        sp = msg.sampling_params
+        room = self.model_config.context_len - len(msg.input_ids)
+        if sp.max_new_tokens > room:
+            sp = msgspec.structs.replace(sp, max_new_tokens=room)
+        req = Req(
+            msg.rid,
+            msg.input_ids,
+            sp,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
+            bootstrap_room=msg.bootstrap_room,
+            prior_output_len=msg.prior_output_len,
+        )
+        req.times.queue_enter = time.monotonic()
+        self.reqs_by_rid[req.rid] = req
+        logger.log(self.request_log_level, "rid=%s room=%s: received, %d prompt tokens, max_new_tokens=%d",
+                   req.rid, req.bootstrap_room, len(req.origin_input_ids), sp.max_new_tokens)
+        return req
+
+    def fail_input(self, rid: str, exc: Exception) -> None:
+        """An unexpected error while taking a request in: it fails with INTERNAL; it holds no pages yet."""
+        logger.exception("rid=%s: internal error handling the request", rid, exc_info=exc)
+        self.reqs_by_rid.pop(rid, None)
+        self.out.error(rid, internal_error_message(exc), ErrorCode.INTERNAL)
