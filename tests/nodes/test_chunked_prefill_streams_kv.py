@@ -10,6 +10,7 @@ import torch
 
 from common.config import ServerArgs
 from common.engine.sampling.params import SamplingParams
+from common.engine.scheduler import Scheduler
 from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from common.text.tokenizer import load_tokenizer
 from tests.model_fixtures import make_tiny_model
@@ -28,9 +29,9 @@ def kv_of(sched: Any, req: Any, n: int) -> list[torch.Tensor]:
 
 
 def test_decode_holds_the_first_chunks_kv_before_the_last_chunk_runs(monkeypatch) -> None:
-    from decode_node.scheduler import DecodeScheduler
+    from decode_node.role import DecodeRole
     from kvtransfer.bootstrap import BootstrapServer
-    from prefill_node.scheduler import PrefillScheduler
+    from prefill_node.role import PrefillRole
 
     monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "test-cluster-token")
     model = str(make_tiny_model("llama"))
@@ -41,8 +42,9 @@ def test_decode_holds_the_first_chunks_kv_before_the_last_chunk_runs(monkeypatch
                       chunked_prefill_size=CHUNK, disaggregation_bootstrap_port=port, disable_overlap_schedule=True)
     prefill_out: list[Any] = []
     decode_out: list[Any] = []
-    prefill = PrefillScheduler(base.replace(disaggregation_mode="prefill"), model, tokenizer, prefill_out.extend)
-    decode = DecodeScheduler(base.replace(disaggregation_mode="decode"), model, tokenizer, decode_out.extend)
+    pargs, dargs = base.replace(disaggregation_mode="prefill"), base.replace(disaggregation_mode="decode")
+    prefill = Scheduler(pargs, model, tokenizer, prefill_out.extend, role=PrefillRole(pargs))
+    decode = Scheduler(dargs, model, tokenizer, decode_out.extend, role=DecodeRole(dargs))
     try:
         msg = GenerateReqInput(rid="long", input_ids=PROMPT, bootstrap_room=77, bootstrap_addr=f"127.0.0.1:{port}",
                                sampling_params=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
@@ -51,16 +53,16 @@ def test_decode_holds_the_first_chunks_kv_before_the_last_chunk_runs(monkeypatch
         deadline = time.monotonic() + DEADLINE_S
         # Run the prefill node until its second chunk has run: the first chunk's pages were handed to the transfer
         # when the second was scheduled; three chunks are still to come.
-        while (p_req := prefill.sched.reqs_by_rid.get("long")) is None or p_req.kv_committed_len < 2 * CHUNK:
+        while (p_req := prefill.reqs_by_rid.get("long")) is None or p_req.kv_committed_len < 2 * CHUNK:
             assert time.monotonic() < deadline, "the prefill node did not run two chunks"
             decode.step([])
             prefill.step([])
         assert p_req.kv_committed_len == 2 * CHUNK and p_req.output_ids == []
-        d_req = decode.sched.reqs_by_rid["long"]
-        expected = kv_of(prefill.sched, p_req, CHUNK)
+        d_req = decode.reqs_by_rid["long"]
+        expected = kv_of(prefill, p_req, CHUNK)
         first_chunk_deadline = time.monotonic() + FIRST_CHUNK_S
         assert all(t.abs().sum() > 0 for t in expected)  # the decode pool starts zeroed
-        while not all(torch.equal(a, b) for a, b in zip(kv_of(decode.sched, d_req, CHUNK), expected, strict=True)):
+        while not all(torch.equal(a, b) for a, b in zip(kv_of(decode, d_req, CHUNK), expected, strict=True)):
             assert time.monotonic() < first_chunk_deadline, (
                 "the decode node did not receive the first chunk's KV while the prefill node held its last chunk")
             decode.step([])
@@ -75,7 +77,7 @@ def test_decode_holds_the_first_chunks_kv_before_the_last_chunk_runs(monkeypatch
         assert len(done) == 1 and done[0].error is None
         tokens = [t for m in decode_out if isinstance(m, TokenOut) for t in m.token_ids]
         assert len(tokens) == 4
-        for sched in (prefill.sched, decode.sched):
+        for sched in (prefill, decode):
             assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
             sched.tree_cache.evict(sched.allocator.size)
             assert sched.allocator.available_size() == sched.allocator.size
