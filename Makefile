@@ -41,11 +41,15 @@ install: $(STAMP)
 up: $(STAMP)
 	$(BIN)/pdcluster up --demo
 
+# The suite mostly waits on other processes and sockets: TEST_WORKERS pytest-xdist workers, each taking whole test
+# files (--dist loadfile: a module's cluster or node fixture starts once).
+TEST_WORKERS ?= 4
+
 test: $(STAMP)
 	$(BIN)/python proto/gen.py --check
 	$(BIN)/python -m common.app.flag_docs --check
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -p no:cacheprovider --durations=25
+	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-gpu:
 	@if [ -x $(BIN)/python ]; then \

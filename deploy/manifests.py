@@ -1,5 +1,5 @@
 """Offline checks of the rendered Kubernetes manifests: render with ``kubectl kustomize``, find pod templates, resolve
-container command lines the way the kubelet does, and cross-reference objects. Used by tests/test_deploy_k8s*.py."""
+container command lines the way the kubelet does, and cross-reference objects. Used by tests/deploy/test_deploy_k8s*.py."""
 
 from __future__ import annotations
 

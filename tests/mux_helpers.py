@@ -1,4 +1,4 @@
-"""Helpers of the Mux tests (tests/test_router_mux.py, tests/test_mux_socket.py): a request, a leg read to its end,
+"""Helpers of the Mux tests (tests/router/test_router_mux.py, tests/router/test_mux_socket.py): a request, a leg read to its end,
 and a mock worker with a ``MuxLink`` to it."""
 
 from __future__ import annotations

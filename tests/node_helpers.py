@@ -33,9 +33,6 @@ def rank_pids(front_pid: int) -> list[int]:
     return pids
 
 
-def free_port() -> int:
-    return pick_free_port()
-
 
 @dataclass
 class Node:
@@ -113,7 +110,7 @@ def start_node(
     mode: str, model_path: Path | str, *, backend: str = "tcp", dp_size: int = 1, extra: list[str] | None = None,
     wait: bool = True,
 ) -> Node:
-    port, bootstrap_port = free_port(), free_port()
+    port, bootstrap_port = pick_free_port(), pick_free_port()
     log = Path(tempfile.mkstemp(prefix=f"pdcluster-{mode}-", suffix=".log")[1])
     cmd = [
         sys.executable, "-m", "common.app.cli", "serve", "--model-path", str(model_path), "--host", "127.0.0.1",

@@ -111,9 +111,6 @@ def cluster_env() -> dict[str, str]:
     return {CLUSTER_TOKEN_ENV: env.cluster_token() or generate_cluster_token()}
 
 
-def _free_port() -> int:
-    return pick_free_port()
-
 
 @dataclass(frozen=True)
 class NodePlacement:
@@ -249,8 +246,8 @@ class LocalCluster:
         nodes: list[Child] = []
         for name in self.node_names:
             role = name.rsplit("-", 1)[0]
-            port, bootstrap = _free_port(), _free_port()
-            metrics = _free_port() if self.ns.metrics else None
+            port, bootstrap = pick_free_port(), pick_free_port()
+            metrics = pick_free_port() if self.ns.metrics else None
             nodes.append(self._spawn(name, self.node_args(name, port, bootstrap, metrics), port, metrics))
             flag = {"prefill": "--prefill", "decode": "--decode", "null": "--worker"}[role]
             router += [flag, f"127.0.0.1:{port}" + (f":{bootstrap}" if role == "prefill" else "")]

@@ -165,7 +165,7 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
         self.port = (server.add_secure_port(address, tls.grpc_server_credentials()) if tls is not None
                      else server.add_insecure_port(address))
         if self.cfg.role == "prefill":
-            self.bootstrap_port = free_port()
+            self.bootstrap_port = pick_free_port()
         await server.start()
         if self.cfg.serve_mux and self.cfg.mux_socket:
             # Any credential is served (recorded in ``calls`` as "Mux-socket"), as the gRPC port is.
@@ -503,9 +503,6 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         return worker_pb2.ProveMembershipResponse(proof=proof)
 
-
-def free_port() -> int:
-    return pick_free_port()
 
 
 # -- a model folder the router can load (tokenizer + config.json) ---------------------------------------------

@@ -101,7 +101,7 @@ def test_nccl_on_one_gpu_fails_rooms_naming_shm_and_tcp() -> None:
 
 @pytest.mark.parametrize(("backend", "config"), [("shm", {}), ("tcp", SMALL_SEGMENTS), ("nixl", {})])
 def test_head_slices_of_cuda_buffers(backend: str, config: dict) -> None:
-    from tests.test_kvtransfer_backends_extra import Pair
+    from tests.kvtransfer.test_kvtransfer_backends_extra import Pair
 
     src = make_args(1, 48, heads=4, total_heads=4, device="cuda:0")
     dst = make_args(2, 48, heads=2, total_heads=4, device="cuda:0")
@@ -136,7 +136,7 @@ def model_path():
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
 def test_pd_on_one_gpu_tokens_match_colocated(model_path, backend: str) -> None:
     from tests.node_helpers import start_node
-    from tests.test_nodes import PROMPT_LENGTHS, greedy_request, reference, run_pd
+    from tests.nodes.test_nodes import PROMPT_LENGTHS, greedy_request, reference, run_pd
 
     extra = [*GPU_FLAGS, "--page-size", "16", "--chunked-prefill-size", "64"]
     colocated = start_node("null", model_path, extra=extra, wait=False)

@@ -1,0 +1,199 @@
+"""GPU placement without a GPU: the rank -> GPU formula, start-up errors, ``up --device cuda`` placement and flags,
+and the KV budget formula (``torch.cuda`` calls replaced by fakes)."""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+import pytest
+import torch
+
+import common.engine.device as device_mod
+from common.app.cli import build_parser
+from common.app.up import LocalCluster, place_nodes, placement_lines
+from common.config import ServerArgs
+from common.engine.device import CUDA_RESERVE_BYTES, gpu_id, kv_cache_bytes, rank_device
+from common.errors import ConfigError
+
+
+def test_rank_gpu_formula() -> None:
+    args = ServerArgs(device="cuda", base_gpu_id=2, dp_size=3)
+    assert [gpu_id(args, d) for d in range(3)] == [2, 3, 4]
+    assert rank_device(ServerArgs(), 0) == torch.device("cpu")
+
+
+def test_device_flags_are_validated() -> None:
+    with pytest.raises(ConfigError, match="--device must be one of cpu, cuda"):
+        ServerArgs(device="cuda:1")
+    with pytest.raises(ConfigError, match="--base-gpu-id"):
+        ServerArgs(device="cuda", base_gpu_id=-1)
+    ns = build_parser().parse_args(["serve", "--device", "cuda", "--base-gpu-id", "3"])
+    assert (ns.device, ns.base_gpu_id) == ("cuda", 3)
+    assert ServerArgs().mem_fraction == 0.1 and ServerArgs(device="cuda").mem_fraction == 0.85
+    assert ServerArgs(device="cuda", mem_fraction_static=0.4).mem_fraction == 0.4
+
+
+def test_node_asking_for_more_gpus_than_visible_is_a_start_up_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert rank_device(ServerArgs(device="cuda", base_gpu_id=1), 0) == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match=r"needs GPUs 1\.\.2 .* only 2 are visible"):
+        rank_device(ServerArgs(device="cuda", base_gpu_id=1, dp_size=2), 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        rank_device(ServerArgs(device="cuda"), 0)
+
+
+def test_cuda_kv_budget_is_own_fraction_minus_own_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 3 * gib)
+    dev = torch.device("cuda", 0)
+    assert kv_cache_bytes(ServerArgs(device="cuda", mem_fraction_static=0.5), dev) == 37 * gib
+    # Capped by what is free now (another node on the GPU holds the rest), less the reserve.
+    assert kv_cache_bytes(ServerArgs(device="cuda", mem_fraction_static=0.9), dev) == 60 * gib - CUDA_RESERVE_BYTES
+    with pytest.raises(ConfigError, match="no GPU memory left"):
+        kv_cache_bytes(ServerArgs(device="cuda", mem_fraction_static=0.03), dev)
+    assert device_mod.MAX_KV_TOKENS > 0
+
+
+def test_cpu_kv_budget_is_a_fraction_of_total_ram_whatever_is_free_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted node gets the pool it had (issue 34 saw 16,322 -> 9,774 -> 13,098 pages across restarts)."""
+    gib = 2**30
+    cpu, args = torch.device("cpu"), ServerArgs(mem_fraction_static=0.1)
+    sizes = []
+    for available in (20 * gib, 11 * gib, 15 * gib):  # what other processes left free at each start
+        monkeypatch.setattr(device_mod.psutil, "virtual_memory",
+                            lambda a=available: psutil_svmem(total=24 * gib, available=a))
+        sizes.append(kv_cache_bytes(args, cpu))
+    assert sizes == [int(2.4 * gib)] * 3
+    # Only when the host is short does the pool shrink, leaving 10 % of RAM to the rest.
+    monkeypatch.setattr(device_mod.psutil, "virtual_memory", lambda: psutil_svmem(total=24 * gib, available=4 * gib))
+    assert kv_cache_bytes(args, cpu) == int(4 * gib - 2.4 * gib)
+
+
+def psutil_svmem(total: int, available: int) -> object:
+    return types.SimpleNamespace(total=total, available=available)
+
+
+def test_up_gives_each_node_its_own_gpus_when_there_are_enough() -> None:
+    places = place_nodes(["prefill-0", "decode-0", "decode-1"], dp_size=2, num_gpus=8, mem_fraction=0.8)
+    assert [(p.base_gpu_id, p.mem_fraction_static, p.shares_with) for p in places] == [
+        (0, 0.8, ()), (2, 0.8, ()), (4, 0.8, ())]
+    lines = placement_lines({p.name: p for p in places})
+    assert lines[0] == "GPU placement: each node has its own GPU(s)"
+    assert "decode-0" in lines[2] and "cuda:2, cuda:3 (its own" in lines[2]
+
+
+def test_up_shares_gpus_and_splits_memory_when_there_are_too_few() -> None:
+    places = place_nodes(["prefill-0", "decode-0", "decode-1"], dp_size=1, num_gpus=2, mem_fraction=0.8)
+    assert [(p.base_gpu_id, p.mem_fraction_static) for p in places] == [(0, 0.4), (1, 0.8), (0, 0.4)]
+    assert places[0].shares_with == ("decode-1",) and places[1].shares_with == ()
+    one = place_nodes(["prefill-0", "decode-0"], dp_size=1, num_gpus=1, mem_fraction=0.85)
+    assert [(p.base_gpu_id, p.mem_fraction_static) for p in one] == [(0, 0.425), (0, 0.425)]
+    assert placement_lines({p.name: p for p in one})[0].startswith("GPU placement: nodes share GPUs")
+    with pytest.raises(ValueError, match="needs 4 GPUs per node"):
+        place_nodes(["prefill-0"], dp_size=4, num_gpus=2, mem_fraction=0.8)
+
+
+def _up_ns(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["up", *argv])
+
+
+def test_up_default_backend_and_node_flags_follow_the_device(tmp_path) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    model = str(make_tiny_model("llama"))
+    cpu = LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path)))
+    assert cpu.backend == "tcp" and cpu.placement == {}
+    gpu = LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path), "--device", "cuda",
+                              "--num-gpus", "1"))
+    assert gpu.backend == "shm"
+    assert gpu.placement["decode-0"].base_gpu_id == 0 and gpu.placement["decode-0"].mem_fraction_static == 0.425
+    flags = gpu._node_flags()
+    assert flags[flags.index("--device") + 1] == "cuda"
+    with pytest.raises(RuntimeError, match=r"nccl cannot pair two nodes on one GPU.*shm or tcp"):
+        LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path), "--device", "cuda",
+                            "--num-gpus", "1", "--kv-transfer-backend", "nccl"))
+
+
+def test_up_places_tp_nodes_on_dp_times_tp_consecutive_gpus() -> None:
+    tp = {"prefill-0": 2, "decode-0": 1, "decode-1": 1}
+    places = place_nodes(list(tp), dp_size=2, num_gpus=8, mem_fraction=0.8, tp_size=tp)
+    assert [(p.base_gpu_id, p.gpus, p.mem_fraction_static, p.shares_with) for p in places] == [
+        (0, 4, 0.8, ()), (4, 2, 0.8, ()), (6, 2, 0.8, ())]
+    assert "cuda:0, cuda:1, cuda:2, cuda:3 (its own" in placement_lines({p.name: p for p in places})[1]
+    # Too few GPUs: round-robin from GPU 0; a node overlapping two others on one GPU gets a third of the memory.
+    shared = place_nodes(["prefill-0", "decode-0", "decode-1", "decode-2"], dp_size=1, num_gpus=2, mem_fraction=0.9,
+                         tp_size={"prefill-0": 2})
+    assert [(p.base_gpu_id, p.gpus, p.mem_fraction_static) for p in shared] == [
+        (0, 2, 0.3), (0, 1, 0.3), (1, 1, 0.45), (0, 1, 0.3)]
+    assert shared[0].shares_with == ("decode-0", "decode-1", "decode-2") and shared[2].shares_with == ("prefill-0",)
+    with pytest.raises(ValueError, match=r"prefill-0 needs 4 GPUs per node \(--dp-size 1 x --tp-size 4\)"):
+        place_nodes(["prefill-0"], dp_size=1, num_gpus=2, mem_fraction=0.8, tp_size={"prefill-0": 4})
+
+
+def _serve_args(cluster: LocalCluster, name: str) -> ServerArgs:
+    from common.config import server_args_from_cli
+
+    argv = cluster.node_args(name, port=5000, bootstrap=5001)
+    assert argv[0] == "serve"
+    return server_args_from_cli(build_parser().parse_args(argv))  # the node's own parser and checks
+
+
+def test_up_passes_per_role_tp_to_the_node_command_lines(tmp_path) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    model = str(make_tiny_model("llama"))
+    base = ("--model-path", model, "--log-dir", str(tmp_path), "--prefill", "1", "--decode", "2")
+    both = LocalCluster(_up_ns(*base, "--tp-size", "2"))
+    assert [_serve_args(both, n).tp_size for n in both.node_names] == [2, 2, 2]
+    split = LocalCluster(_up_ns(*base, "--prefill-tp-size", "2", "--decode-tp-size", "1", "--colocated", "1",
+                                "--tp-size", "4"))
+    args = {n: _serve_args(split, n) for n in split.node_names}
+    assert {n: a.tp_size for n, a in args.items()} == {"prefill-0": 2, "decode-0": 1, "decode-1": 1, "null-0": 4}
+    assert args["prefill-0"].disaggregation_mode == "prefill" and args["null-0"].disaggregation_mode == "null"
+    # CPU: one torch thread per rank, whatever the tp (2 cores must not be oversubscribed by a node's ranks).
+    assert {a.torch_num_threads for a in args.values()} == {1} and all(a.device == "cpu" for a in args.values())
+    gpu = LocalCluster(_up_ns(*base, "--prefill-tp-size", "2", "--device", "cuda", "--num-gpus", "4"))
+    gargs = {n: _serve_args(gpu, n) for n in gpu.node_names}
+    assert {n: (a.base_gpu_id, a.tp_size, a.mem_fraction_static) for n, a in gargs.items()} == {
+        "prefill-0": (0, 2, 0.85), "decode-0": (2, 1, 0.85), "decode-1": (3, 1, 0.85)}
+    with pytest.raises(SystemExit):
+        _up_ns(*base, "--decode-tp-size", "0")
+    with pytest.raises(ValueError, match="needs 8 GPUs per node"):
+        LocalCluster(_up_ns(*base, "--tp-size", "8", "--device", "cuda", "--num-gpus", "4"))
+
+
+def test_up_reports_the_start_up_error_of_a_node(tmp_path) -> None:
+    import time
+
+    from common.ports import pick_free_port
+    from tests.model_fixtures import make_tiny_model
+
+    cluster = LocalCluster(_up_ns("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path),
+                                  "--decode-tp-size", "2"))
+    port = pick_free_port()
+    # A flag set the node refuses at start-up (a multi-host group without its rendezvous address).
+    args = [*cluster.node_args("decode-0", port, pick_free_port()), "--nnodes", "2"]
+    child = cluster._spawn("decode-0", args, port)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)decode-0 exited with code [1-9].*--dist-init-addr"):
+            cluster._wait_nodes_serving([child], time.monotonic() + 120)
+    finally:
+        cluster.stop()
+
+
+def test_up_passes_scheduling_switches_to_every_node(tmp_path) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    model = str(make_tiny_model("llama"))
+    cluster = LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path), "--enable-overlap-schedule",
+                                  "--enable-torch-compile", "--torch-compile-max-bs", "8", "--disable-cuda-graph"))
+    for name in cluster.node_names:
+        args = _serve_args(cluster, name)
+        assert args.enable_overlap_schedule and args.enable_torch_compile and args.disable_cuda_graph
+        assert args.torch_compile_max_bs == 8 and not args.disable_overlap_schedule
+    plain = _serve_args(LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path))), "decode-0")
+    assert not (plain.enable_overlap_schedule or plain.disable_overlap_schedule or plain.enable_torch_compile)

@@ -1,0 +1,218 @@
+"""The queued backends ``nccl`` (two-sided messages on gloo) and ``ucx`` (one-sided PUTs) beyond the shared suite;
+the message-plan tests (packing, refusal by the destination) are ``nccl``'s alone (``ucx`` is in
+test_kvtransfer_nixl.py's one-sided suite for those).
+
+Driven directly through the ``KVBackend`` interface with recording events (prefill and decode backend in this
+process, each on its own threads), plus the shared kill-mid-transfer faults across processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from common.ports import pick_free_port
+from kvtransfer.args import KVArgs
+from kvtransfer.backends.base import KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.pages import HeadSlice, PageRun, coalesce_runs
+from kvtransfer.poll import KVPoll
+from kvtransfer.registry import backend_class
+from kvtransfer.testing import (
+    PAGE_SIZE,
+    PREFILL_SEED,
+    Child,
+    RoleSpec,
+    kv_config,
+    make_args,
+    plan_rooms,
+    start_receivers,
+    wait_final,
+)
+from tests.kvtransfer import test_kvtransfer_faults as faults
+
+BACKENDS = ["nccl", "ucx"]
+TWO_SIDED = ["nccl"]
+NUM_PAGES = 48
+
+
+class Events:
+    """Records ``on_job_done`` calls; fails the test on a second report of one job."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.done: list[tuple[TransferJob, str | None]] = []
+        self.threads: set[str] = set()
+
+    def on_job_done(self, job: TransferJob, error: str | None) -> None:
+        with self.cond:
+            assert all(j is not job for j, _ in self.done), f"job reported twice: {job}"
+            self.done.append((job, error))
+            self.threads.add(threading.current_thread().name)
+            self.cond.notify_all()
+
+    def wait(self, n: int, timeout_s: float = 20) -> list[tuple[TransferJob, str | None]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.done) >= n, timeout_s), f"{len(self.done)}/{n} jobs done"
+            return list(self.done)
+
+
+class Pair:
+    """A prefill and a decode backend of one kind, handshaken with each other."""
+
+    def __init__(self, backend: str, src: KVArgs, dst: KVArgs, **config: object) -> None:
+        cls = backend_class(backend)
+        cfg = kv_config(backend, **config)
+        self.events, self.decode_events = Events(), Events()
+        self.p_key, self.d_key = PeerKey("prefill/dp0/tp0", time.time_ns()), PeerKey("decode/dp0/tp0", time.time_ns())
+        self.prefill: KVBackend = cls(src, cfg, "prefill", self.events, self.p_key)
+        self.decode: KVBackend = cls(dst, cfg, "decode", self.decode_events, self.d_key)
+        self.src, self.dst = src, dst
+        p_info = PeerInfo(self.p_key, src.layout({}), self.prefill.endpoint())
+        d_info = PeerInfo(self.d_key, dst.layout({}), self.decode.endpoint())
+        self.prefill.add_peer(d_info)  # the prefill side accepts the Hello first
+        self.decode.add_peer(p_info)
+
+    def job(self, room: int, chunk: int, src_pages: list[int], dst_pages: list[int],
+            heads: HeadSlice | None = None) -> TransferJob:
+        return TransferJob(room, chunk, self.d_key, tuple(coalesce_runs(src_pages, dst_pages)), heads)
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, no_threads_left: None) -> str:
+    return request.param
+
+
+def _pages(buf: torch.Tensor, page: int) -> torch.Tensor:
+    return buf[page * PAGE_SIZE:(page + 1) * PAGE_SIZE]
+
+
+# pack_bytes: one message per run / mixed (runs of >= 2 pages go direct, single pages are packed) / all packed
+@pytest.mark.parametrize("pack", ["0", "1024", "4194304"])
+@pytest.mark.parametrize("backend", TWO_SIDED)
+def test_jobs_land_in_submission_order_and_empty_jobs_complete(backend: str, pack: str) -> None:
+    pair = Pair(backend, make_args(1, NUM_PAGES), make_args(2, NUM_PAGES), backend_options={"pack_bytes": pack})
+    try:
+        jobs = [pair.job(7, i, [1 + 3 * i, 2 + 3 * i, 40 - i], [10 + 2 * i, 11 + 2 * i, 47 - i]) for i in range(8)]
+        jobs.append(TransferJob(7, 8, pair.d_key, ()))
+        for job in jobs:
+            pair.prefill.submit(job)
+        done = pair.events.wait(len(jobs))
+        assert [j for j, _ in done] == jobs and all(e is None for _, e in done), done
+        for job in jobs:
+            for run in job.runs:
+                for k in range(run.num_pages):
+                    for s, d in zip((*pair.src.k_buffers, *pair.src.v_buffers),
+                                    (*pair.dst.k_buffers, *pair.dst.v_buffers), strict=True):
+                        assert torch.equal(_pages(d, run.dst_page + k), _pages(s, run.src_page + k))
+        assert not pair.decode_events.done  # decode reports nothing; it only receives
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("pack", ["0", "4194304"])
+@pytest.mark.parametrize("backend", TWO_SIDED)
+def test_head_slice_moves_only_those_heads(backend: str, pack: str) -> None:
+    src = make_args(1, NUM_PAGES, heads=4, total_heads=4)  # prefill tp=1 holds heads 0..3
+    dst = make_args(2, NUM_PAGES, heads=2, total_heads=4)  # decode tp rank 1 of 2 holds heads 2..3
+    before = [b.clone() for b in (*dst.k_buffers, *dst.v_buffers)]
+    pair = Pair(backend, src, dst, backend_options={"pack_bytes": pack})
+    try:
+        job = pair.job(3, 0, [5, 6, 7, 20], [30, 31, 32, 9], HeadSlice(src_head=2, dst_head=0, num_heads=2))
+        pair.prefill.submit(job)
+        assert pair.events.wait(1) == [(job, None)]
+        for s, d, old in zip((*src.k_buffers, *src.v_buffers), (*dst.k_buffers, *dst.v_buffers), before,
+                             strict=True):
+            for sp, dp in ((5, 30), (6, 31), (7, 32), (20, 9)):
+                assert torch.equal(_pages(d, dp), _pages(s, sp)[:, 2:4])
+            untouched = [p for p in range(dst.num_pages) if p not in (30, 31, 32, 9)]
+            assert all(torch.equal(_pages(d, p), _pages(old, p)) for p in untouched)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("backend", TWO_SIDED)
+def test_destination_refuses_pages_outside_its_pool_and_writes_nothing(backend: str) -> None:
+    dst = make_args(2, NUM_PAGES)
+    before = [b.clone() for b in (*dst.k_buffers, *dst.v_buffers)]
+    pair = Pair(backend, make_args(1, NUM_PAGES), dst)
+    try:
+        bad = TransferJob(1, 0, pair.d_key, (PageRun(3, NUM_PAGES, 2),))  # runs past the last page
+        zero = TransferJob(2, 0, pair.d_key, (PageRun(3, 0, 1),))  # page 0 is padding, never a destination
+        pair.prefill.submit(bad)
+        pair.prefill.submit(zero)
+        done = pair.events.wait(2)
+        assert "refused" in (done[0][1] or "") and "outside pages" in (done[0][1] or ""), done
+        assert done[1][1] and "decode/dp0/tp0" in done[1][1], done  # the connection is gone; names the peer
+        assert all(torch.equal(b, o) for b, o in zip((*dst.k_buffers, *dst.v_buffers), before, strict=True))
+    finally:
+        pair.close()
+
+
+def test_cancel_room_fails_queued_jobs_and_keeps_order(backend: str) -> None:
+    pair = Pair(backend, make_args(1, NUM_PAGES), make_args(2, NUM_PAGES))
+    try:
+        jobs = [pair.job(room, i, [1 + i], [1 + i]) for i in range(40) for room in (11 if i % 2 else 12,)]
+        for job in jobs:
+            pair.prefill.submit(job)
+        pair.prefill.cancel_room(11)
+        done = pair.events.wait(len(jobs))
+        assert [j for j, _ in done] == jobs
+        assert all(err is None for job, err in done if job.room == 12), done
+        assert any(err == "cancelled" for job, err in done if job.room == 11)
+        assert "kv-" not in threading.current_thread().name and pair.events.threads  # reported off-thread
+    finally:
+        pair.close()
+
+
+def test_remove_peer_and_close_fail_outstanding_jobs_once(backend: str) -> None:
+    pair = Pair(backend, make_args(1, 200, layers=4), make_args(2, 200, layers=4))
+    try:
+        jobs = [pair.job(5, i, list(range(1, 200)), list(range(1, 200))) for i in range(6)]
+        for job in jobs:
+            pair.prefill.submit(job)
+        pair.prefill.remove_peer(pair.d_key)
+        done = pair.events.wait(len(jobs))
+        assert [j for j, _ in done] == jobs
+        assert any(err is not None for _, err in done)
+        pair.prefill.submit(pair.job(6, 0, [1], [1]))  # after removal: an error, never a hang
+        assert pair.events.wait(len(jobs) + 1)[-1][1]
+    finally:
+        pair.close()
+        pair.close()  # idempotent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BACKENDS)
+def test_restarted_prefill_on_same_address_moves_pages_again(name: str) -> None:
+    """A prefill killed and restarted on its address (new epoch) gets a fresh data connection / group."""
+    first, second = plan_rooms(2, faults.NUM_PAGES, faults.NUM_PAGES, pages_per_room=4, seed=9)
+    fixed = {"bootstrap_port": pick_free_port()}
+    control = {"control_port": pick_free_port()}
+    old = Child(RoleSpec("prefill", name, [first], num_pages=faults.NUM_PAGES, config_overrides=control, **fixed))
+    mgr = faults._decode(name)
+    try:
+        assert wait_final(start_receivers(mgr, [first], old.bootstrap_addr), 10)[first.room][0] == KVPoll.Success
+        old.kill()
+        new = Child(RoleSpec("prefill", name, [second], num_pages=faults.NUM_PAGES, config_overrides=control,
+                             **fixed))
+        try:
+            assert new.epoch > old.epoch
+            result = wait_final(start_receivers(mgr, [second], new.bootstrap_addr), 15)
+            assert result[second.room][0] == KVPoll.Success, result
+            src = make_args(PREFILL_SEED, faults.NUM_PAGES)
+            for s_buf, d_buf in zip((*src.k_buffers, *src.v_buffers), (*mgr.args.k_buffers, *mgr.args.v_buffers),
+                                    strict=True):
+                for s, d in zip(second.src_pages, second.dst_pages, strict=True):
+                    assert torch.equal(_pages(d_buf, d), _pages(s_buf, s))
+        finally:
+            new.kill()
+    finally:
+        old.kill()
+        mgr.close()

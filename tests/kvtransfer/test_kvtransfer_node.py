@@ -1,0 +1,100 @@
+"""The seam between the engine and the KV transfer layer: ``common`` never imports ``kvtransfer``; the manager
+knows no role module; ``kvtransfer.node`` builds a rank's manager from a model runner; ``common.engine.mem.pages`` does
+the page arithmetic both roles use."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common.config import ServerArgs
+from common.engine.mem.kv_pool import MHATokenToKVPool
+from common.engine.mem.pages import bytes_per_page, num_pages, req_pages
+from kvtransfer.args import KVArgs
+from kvtransfer.node import make_kv_manager
+from kvtransfer.receiver import DecodeRooms, KVReceiver
+from kvtransfer.sender import KVSender
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an ``import`` anywhere in ``path`` names (TYPE_CHECKING and function-local ones included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_common_imports_nothing_of_kvtransfer() -> None:
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p) if m.split(".")[0] == "kvtransfer")
+                 for p in (ROOT / "common").rglob("*.py")}
+    assert not {p: m for p, m in offenders.items() if m}
+
+
+@pytest.mark.parametrize("module", ["manager", "rooms", "handle"])
+def test_shared_kv_modules_import_no_role_module(module: str) -> None:
+    imported = imported_modules(ROOT / "kvtransfer" / f"{module}.py")
+    assert not imported & {"kvtransfer.sender", "kvtransfer.receiver", "kvtransfer.node"}
+
+
+def tiny_runner(pool_heads: int, model_heads: int) -> SimpleNamespace:
+    pool = MHATokenToKVPool(8, 4, torch.float32, pool_heads, 8, 2, "cpu")
+    fingerprint = {"architecture": "TinyLlama", "num_layers": 2, "num_kv_heads": model_heads, "head_dim": 8}
+    return SimpleNamespace(kv_pool=pool, model_config=SimpleNamespace(num_kv_heads=model_heads,
+                                                                      fingerprint=lambda: fingerprint))
+
+
+def test_make_kv_manager_registers_the_tp_rank_with_the_model_total_of_kv_heads() -> None:
+    args = ServerArgs(disaggregation_mode="decode", max_running_requests=4)
+    runner = tiny_runner(pool_heads=2, model_heads=6)  # rank 1 of 3 holds 2 of the model's 6 KV heads
+    mgr = make_kv_manager(args, runner, "decode", 0, tp_rank=1, tp_size=3)  # type: ignore[arg-type]
+    try:
+        assert isinstance(mgr.rooms, DecodeRooms) and mgr.mode == "decode" and mgr.bootstrap_addr is None
+        layout = mgr.layout
+        assert (layout.tp_rank, layout.tp_size, layout.total_kv_heads, layout.kv_heads) == (1, 3, 6, 2)
+        assert mgr.instance_id.startswith("decode/dp0/tp1@")
+        assert mgr.args.num_metadata_slots == 2 * 4 + 8
+        assert mgr.args.k_buffers[0].data_ptr() == runner.kv_pool.k_buffer[0].data_ptr()  # shared, not copied
+        assert dict(mgr.config.fingerprint)["serving_dtype"] == args.dtype
+    finally:
+        mgr.close()
+
+
+def test_a_handle_refuses_a_manager_of_the_other_role() -> None:
+    runner = tiny_runner(pool_heads=2, model_heads=2)
+    mgr = make_kv_manager(ServerArgs(disaggregation_mode="decode"), runner, "decode", 0)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(TypeError, match="needs a prefill KVManager"):
+            KVSender(mgr, 7)
+        receiver = KVReceiver(mgr, 8, "127.0.0.1:1")
+        receiver.abort()
+        assert receiver.failure() == "room 8: aborted by the decode scheduler"
+        assert receiver.is_quiesced()  # no source ever got a TransferInfo
+        receiver.clear()
+        assert not mgr.rooms.rooms
+    finally:
+        mgr.close()
+
+
+def test_bytes_per_page_counts_k_and_v_of_every_layer() -> None:
+    pool = MHATokenToKVPool(8, 4, torch.bfloat16, 3, 16, 5, "cpu")
+    one_page = sum(buf[4:8].nelement() * buf.element_size() for buf in (*pool.k_buffer, *pool.v_buffer))
+    assert bytes_per_page(pool) == one_page == 2 * 5 * KVArgs.from_pool(pool).item_len
+
+
+def test_page_numbers_of_a_request() -> None:
+    assert [num_pages(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
+    req_to_token = torch.zeros(2, 16, dtype=torch.int64)
+    req_to_token[1, :10] = torch.tensor([20, 21, 22, 23, 8, 9, 10, 11, 36, 37])  # pages 5, 2, 9 (aligned)
+    req = SimpleNamespace(req_pool_idx=1)
+    assert req_pages(req_to_token, req, 0, 10, 4) == [5, 2, 9]  # type: ignore[arg-type]
+    assert req_pages(req_to_token, req, 1, 10, 4) == [2, 9]  # type: ignore[arg-type]
+    assert req_pages(req_to_token, req, 1, 8, 4) == [2]  # type: ignore[arg-type]
