@@ -12,7 +12,7 @@ import aiohttp
 import grpc
 import pytest
 
-from common.testing.mock_worker import free_port
+from common.ports import pick_free_port as free_port
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer
