@@ -216,7 +216,7 @@ def graph_runner_case(arch: str) -> float:
     from common.config import ServerArgs
     from common.engine.mem.kv_pool import MHATokenToKVPool
     from common.engine.mem.req_to_token_pool import ReqToTokenPool
-    from common.node.engine import graph_runner
+    from common.engine import graph_runner
     from tests.model_fixtures import load_tiny_model
 
     class Replay:

@@ -32,7 +32,7 @@ async def test_packed_fleet_of_16_serves_concurrent_requests_across_workers() ->
 
 
 async def test_routing_decisions_cover_the_fleet_and_release_their_leases() -> None:
-    out = await measure_decisions(8, 600, window=64, kv_pages=512, prefill_policy="cache_aware",
+    out = await measure_decisions(8, 600, window=64, kv_pages=8192, prefill_policy="cache_aware",
                                   decode_policy="power_of_two")
     assert out["decisions"] == 600 and out["decisions_per_s"] > 0
     assert out["decode_workers_used"] == 4
