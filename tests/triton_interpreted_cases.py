@@ -214,9 +214,9 @@ def graph_runner_case(arch: str) -> float:
     capture on the static batch (fixed split count, padding rows on the padding row/slot), and the start-up check
     must find every bucket within 1e-5 (of the logits' scale) of eager Triton decode; the check's pages and rows are left clean."""
     from common.config import ServerArgs
+    from common.engine import graph_runner
     from common.engine.mem.kv_pool import MHATokenToKVPool
     from common.engine.mem.req_to_token_pool import ReqToTokenPool
-    from common.engine import graph_runner
     from tests.model_fixtures import load_tiny_model
 
     class Replay:
