@@ -30,6 +30,7 @@ import importlib
 import json
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -59,8 +60,9 @@ class Step:
 def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
     py = ["-m"]
     junit = str(out / "tests.xml")
-    tests = Step("tests", [*py, "pytest", "-q", "-p", "no:cacheprovider", "-rA", "tests/gpu", "--junitxml", junit,
-                           "--deselect", "tests/gpu/test_benchmark_cuda.py"], 110)
+    tests = Step("tests", [*py, "pytest", "-v", "-p", "no:cacheprovider", "-rA", "--durations=15", "tests/gpu",
+                           "--junitxml", junit, "--deselect", "tests/gpu/test_benchmark_cuda.py",
+                           *shlex.split(a.pytest_args)], 110)
     if a.dry_run:
         engine_sizes = ["--device", "cpu", "--dtype", "float32", "--model-size", "tiny", "--num-prompts", "4",
                         "--input-len", "16", "--output-len", "8", "--repeats", "1", "--threads", "1",
@@ -75,6 +77,7 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
         backends = "shm,tcp" + (",nixl" if a.modules.get("nixl") else "")
         kv_sizes = ["--device", "cuda", "--backends", backends, "--reps", "3", "--rounds", "2"]
         pd_sizes = ["--device", "cuda", "--backends", "shm,tcp"]
+    pd_sizes += ["--log-dir", str(out / "pd_logs")]
     return [
         tests,
         Step("engine", [*py, "benchmarks.engine_throughput", *engine_sizes, "--baseline-eager", "--hf-static",
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the same plumbing, no GPU needed")
     p.add_argument("--budget-s", type=float, default=420.0, help="the whole check's deadline (seconds)")
     p.add_argument("--steps", default="tests,engine,kv,pd", help="which steps, comma-separated")
+    p.add_argument("--pytest-args", default="", help="more pytest arguments for the tests step (e.g. -k EXPR)")
+    p.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS", help="a step's own deadline")
     p.add_argument("--commit", default=os.environ.get("PDCLUSTER_COMMIT") or _git_commit(), help="recorded in the summary")
     a = p.parse_args(argv)
     deadline = time.monotonic() + a.budget_s
@@ -195,6 +200,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("no CUDA device here: run with --dry-run on CPU", file=sys.stderr)
     wanted = [s for s in a.steps.split(",") if s]
     steps = [s for s in steps_for(a, out) if s.name in wanted]
+    for spec in a.timeout:
+        name, _, seconds = spec.partition("=")
+        for s in steps:
+            if s.name == name:
+                s.timeout_s = float(seconds)
     result: dict[str, Any] = {"started": started, "commit": a.commit, "dry_run": a.dry_run, "budget_s": a.budget_s,
                               "env": env_info, "steps": {}}
     for step in steps:

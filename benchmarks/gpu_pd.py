@@ -181,17 +181,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--node-flag", action="append", default=[], help="one more flag for every node (repeatable)")
+    p.add_argument("--log-dir", default=None, help="keep every cluster's logs here (default: a temporary folder)")
     p.add_argument("--json", required=True)
     a = p.parse_args(argv)
     from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 
     os.environ.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())  # up hands it to its nodes; GetLoad shows it
     with tempfile.TemporaryDirectory(prefix="pdc-gpu-pd-") as tmp:
-        work = Path(tmp)
+        work = Path(a.log_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         if a.model_path is None:
             from common.model_gen.make_model import make_model
 
-            a.model_path = str(make_model("llama", "small", work / "model", seed=0))
+            a.model_path = str(make_model("llama", "small", Path(tmp) / "model", seed=0))
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(a.model_path).vocab_size
