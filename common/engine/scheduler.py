@@ -15,6 +15,8 @@ A request therefore runs one step past its end at most (that token is dropped); 
 length is left out of the next batch. Penalties read every output token, so a batch holding a penalised request
 has its results processed before the next batch is prepared; a role that reads a batch's KV pages between steps
 (``waits_for_forward``: the prefill node) has its forward finish before the next batch is prepared.
+The KV pages that batch k-1's results free while batch k runs (which may still write them) become allocatable only
+once batch k's result is obtained (``step_overlap``).
 
 This is the one loop of every role: the prefill and decode nodes hold a ``Scheduler`` and plug their queues in
 through the hooks of ``common.engine.scheduler_role.SchedulerRole``, asked at fixed points of ``step`` (see there).
@@ -460,20 +462,54 @@ class Scheduler:
         return batch is not None
 
     def step_overlap(self) -> bool:
+        """One overlapped step. KV pages freed by a batch's results while the next batch is in flight are deferred.
+
+        Invariants (the hazard: ``common.engine.mem.allocator``, deferred frees):
+        - Pages freed while ``process_batch_result`` runs with a batch in flight (finished and failed requests)
+          become allocatable only once that batch's result is obtained
+          (``batch_result``). That batch may still write a finished request's next KV slot into them, and a
+          writer in another process (a prefill node filling pages a decode node preallocated: CUDA IPC, RDMA)
+          is not ordered after it on this rank's device stream.
+        - Hence pages are deferred only while ``in_flight`` is set: once nothing is in flight none are, and the
+          pools' free counts are whole whenever the scheduler is idle.
+        - The step's other frees (aborts and transfer failures in the role's hooks; retraction and radix
+          evictions in ``get_next_batch_to_run``) stay immediate: this rank's own next batch is ordered after the
+          in-flight one on the device stream, and pages reach another process's writer only through
+          ``role.poll`` (a decode node's preallocation), which runs after the step that obtains the in-flight
+          result. A decode node has no radix cache (``ServerArgs.use_radix_cache``), so no evicted page there can
+          hold a slot an in-flight batch writes.
+        - Request slots (``req_to_token`` rows) are freed at once: no other process writes them, and a new
+          owner's row reaches the device with a later batch, after the in-flight one.
+        """
         prev, self.in_flight = self.in_flight, None
         if prev is not None and any(_reads_output_history(r) for r in prev[0].reqs):
-            self.process_batch_result(prev[0], prev[1].result())
+            self.process_batch_result(prev[0], self.batch_result(prev[1]))
             prev = None
         elif prev is not None and self.role.waits_for_forward():
-            prev[1].result()  # NOTE: its results are still processed after the next launch
+            self.batch_result(prev[1])  # NOTE: its results are still processed after the next launch
         batch = self.get_next_batch_to_run()
         if batch is not None:
             future = self.launch(batch)
             self.in_flight = (batch.copy(), future)
         if prev is not None:
-            self.process_batch_result(prev[0], prev[1].result())
+            result = self.batch_result(prev[1])
+            if self.in_flight is None:
+                self.process_batch_result(prev[0], result)
+            else:
+                with self.allocator.defer_frees():
+                    self.process_batch_result(prev[0], result)
         self.last_batch = batch
         return batch is not None or prev is not None
+
+    def batch_result(self, future: Future[BatchResult]) -> BatchResult:
+        """A launched batch's result; the pages freed while it was in flight become allocatable.
+
+        NOTE: a ``BatchResult`` holds the sampled tokens read to the host on the forward's stream after all of
+        its kernels (``SampleOutput.to_host``, the step's one sync), so the batch's KV writes have completed.
+        """
+        result = future.result()
+        self.allocator.release_deferred()
+        return result
 
     def is_idle(self) -> bool:
         """Nothing queued, running or in flight, in the engine or in the role's queues."""

@@ -3,7 +3,14 @@
 The unit of ownership is a page; callers see token slots (``slot = page * page_size + offset``)::
 
     pages:  [ 0 (padding, never allocated) | 1 | 2 | ... | num_pages ]
-    state:  _is_free[page] is True  <=>  page is in _free_pages or in one of _released (exactly once)
+    state:  _is_free[page] is True  <=>  page is in _free_pages, one of _released or one of _deferred (exactly once)
+    allocatable (counted by num_free_pages): _free_pages and _released; _deferred pages are neither
+
+Deferred frees (``defer_frees``/``release_deferred``): under the overlap schedule a batch is still running on the
+device when the previous batch's results free pages, and it may still write a finished request's next KV slot
+into them. Another batch of this rank is ordered after it on the device stream, but a writer in another process
+(a prefill node writing KV one-sided into pages a decode node preallocated: CUDA IPC, RDMA) is not. So pages freed
+while a batch is in flight stay out of the free list until the scheduler has seen that batch complete.
 
 Invariants the callers (radix cache, scheduler) keep, which make page ownership exclusive:
 - Position alignment: a request's token at position ``i`` lives at a slot with ``slot % page_size == i % page_size``
@@ -14,7 +21,8 @@ Invariants the callers (radix cache, scheduler) keep, which make page ownership 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -35,6 +43,9 @@ class TokenToKVPoolAllocator:
         # never copies the (large) free stack.
         self._released: list[torch.Tensor] = []
         self._num_released = 0
+        self._deferring = False
+        self._deferred: list[torch.Tensor] = []
+        self._num_deferred = 0
         self._is_free = torch.ones(num_pages + 1, dtype=torch.bool, device=self.device)
         self.clear()
 
@@ -51,6 +62,11 @@ class TokenToKVPoolAllocator:
     def available_size(self) -> int:
         """Free token slots: free pages x page_size."""
         return self.num_free_pages * self.page_size
+
+    @property
+    def num_deferred_pages(self) -> int:
+        """Freed pages not allocatable yet (``defer_frees``)."""
+        return self._num_deferred
 
     # -- allocation ------------------------------------------------------------------------------------------------
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
@@ -131,23 +147,52 @@ class TokenToKVPoolAllocator:
                 f"TokenToKVPoolAllocator.free: pages not allocated (double free?): {pages[bad].tolist()}"
             )
         self._is_free[pages] = True
-        self._released.append(pages)
-        self._num_released += len(pages)
+        if self._deferring:
+            self._deferred.append(pages)
+            self._num_deferred += len(pages)
+        else:
+            self._released.append(pages)
+            self._num_released += len(pages)
+
+    # -- deferred frees --------------------------------------------------------------------------------------------
+    @contextmanager
+    def defer_frees(self) -> Iterator[None]:
+        """Pages freed inside the block are held back (not allocatable, not counted free) until ``release_deferred``.
+
+        The caller must call ``release_deferred`` once the work that may still write those pages has completed.
+        """
+        if self._deferring:
+            raise RuntimeError("TokenToKVPoolAllocator.defer_frees is not reentrant")
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    def release_deferred(self) -> None:
+        """Every held-back page becomes allocatable."""
+        if self._deferred:
+            self._released.extend(self._deferred)
+            self._num_released += self._num_deferred
+            self._deferred, self._num_deferred = [], 0
 
     # -- state -----------------------------------------------------------------------------------------------------
-    def backup_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def backup_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self._merge()
-        return self._free_pages.clone(), self._is_free.clone()
+        deferred = torch.cat([torch.empty(0, dtype=torch.int64, device=self.device), *self._deferred])
+        return self._free_pages.clone(), self._is_free.clone(), deferred
 
-    def restore_state(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self._free_pages, is_free = state
+    def restore_state(self, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        self._free_pages, is_free, deferred = state
         self._is_free = is_free.clone()
         self._released, self._num_released = [], 0
+        self._deferred, self._num_deferred = ([deferred.clone()] if len(deferred) else []), len(deferred)
 
     def clear(self) -> None:
         """Every page free again, handed out lowest id first."""
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
         self._released, self._num_released = [], 0
+        self._deferred, self._num_deferred = [], 0
         # NOTE: the padding page 0 also reads as free, so that freeing it is refused like a double free.
         self._is_free.fill_(True)
 
