@@ -98,6 +98,7 @@ class Scheduler:
         self.overlap = overlap_schedule_on(args, self.runner.device)
         self.forward_thread: ThreadPoolExecutor | None = None  # created by the first overlapped launch
         self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None  # launched, results unprocessed
+        self.awaited: Future[BatchResult] | None = None  # within step_overlap: the batch launched by the last step
         self.reqs_by_rid: dict[str, Req] = {}
         self.init_new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
@@ -316,7 +317,7 @@ class Scheduler:
         batch.filter_batch()
         if batch.is_empty():
             return
-        if not batch.check_decode_mem():
+        if not batch.check_decode_mem() and not (self.reclaim_deferred_pages() and batch.check_decode_mem()):
             retracted, self.new_token_ratio = batch.retract_decode()
             self.num_retracted += len(retracted)
             self.decode_log.retracted += len(retracted)
@@ -472,6 +473,8 @@ class Scheduler:
           is not ordered after it on this rank's device stream.
         - Hence pages are deferred only while ``in_flight`` is set: once nothing is in flight none are, and the
           pools' free counts are whole whenever the scheduler is idle.
+        - Short of KV for the next decode step, the scheduler first obtains the awaited batch's result
+          (``reclaim_deferred_pages``: one step without overlap) rather than retract for pages merely deferred.
         - The step's other frees (aborts and transfer failures in the role's hooks; retraction and radix
           evictions in ``get_next_batch_to_run``) stay immediate: this rank's own next batch is ordered after the
           in-flight one on the device stream, and pages reach another process's writer only through
@@ -482,6 +485,7 @@ class Scheduler:
           owner's row reaches the device with a later batch, after the in-flight one.
         """
         prev, self.in_flight = self.in_flight, None
+        self.awaited = None if prev is None else prev[1]
         if prev is not None and any(_reads_output_history(r) for r in prev[0].reqs):
             self.process_batch_result(prev[0], self.batch_result(prev[1]))
             prev = None
@@ -499,7 +503,16 @@ class Scheduler:
                 with self.allocator.defer_frees():
                     self.process_batch_result(prev[0], result)
         self.last_batch = batch
+        self.awaited = None
         return batch is not None or prev is not None
+
+    def reclaim_deferred_pages(self) -> bool:
+        """Under KV pressure (before retracting): wait for the batch launched by the last step, which makes the
+        pages deferred while it was in flight allocatable. Whether any were."""
+        if self.awaited is None or self.allocator.num_deferred_pages == 0:
+            return False
+        self.batch_result(self.awaited)
+        return True
 
     def batch_result(self, future: Future[BatchResult]) -> BatchResult:
         """A launched batch's result; the pages freed while it was in flight become allocatable.

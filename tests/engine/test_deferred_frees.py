@@ -16,6 +16,7 @@ import torch
 
 from common.engine.mem import TokenToKVPoolAllocator
 from common.engine.schedule_batch import ScheduleBatch
+from common.io_struct import GenerateReqInput
 from tests.engine.test_engine import greedy, make_prompts, overlap_flags
 from tests.engine.test_overlap import run_together
 
@@ -143,3 +144,49 @@ def test_pages_freed_with_a_batch_in_flight_wait_for_its_result(engine_factory, 
     assert spy.reused > 0, "no page freed with a batch in flight was reused: the test exercised nothing"
     assert not spy.violations, f"pages handed out before the batch in flight at their free completed: {spy.violations}"
     assert sched.allocator.num_deferred_pages == 0  # idle: every deferred page is back
+
+
+
+def admit_together(sched: Any, n: int) -> None:
+    """The scheduler sees the next ``n`` requests in one step (held back until all have arrived)."""
+    held: list[Any] = []
+    step = sched.step
+
+    def spy_step(msgs: list[Any]) -> bool:
+        held.extend(msgs)
+        if sum(isinstance(m, GenerateReqInput) for m in held) < n:
+            return step([])
+        sched.step = step
+        return step(held)
+
+    sched.step = spy_step
+
+
+
+def test_kv_pressure_reclaims_deferred_pages_before_retracting(engine_factory, model_path) -> None:
+    # 400 one-token pages for 8 requests admitted together: their decodes outgrow the pool while some finish.
+    engine = engine_factory(model_path, page_size=1, max_total_tokens=400, disable_radix_cache=True,
+                            **overlap_flags(True))
+    sched = engine.scheduler
+    deferred_at_retract: list[int] = []
+    reclaims: list[bool] = []
+    retract, reclaim = ScheduleBatch.retract_decode, sched.reclaim_deferred_pages
+
+    def spy_retract(batch: ScheduleBatch) -> Any:
+        deferred_at_retract.append(batch.allocator.num_deferred_pages)
+        return retract(batch)
+
+    def spy_reclaim() -> bool:
+        reclaims.append(reclaim())
+        return reclaims[-1]
+
+    sched.reclaim_deferred_pages = spy_reclaim
+    admit_together(sched, 8)
+    prompts = make_prompts(1000, [28, 56, 24, 36, 27, 51, 48, 50], seed=1)
+    lengths = [30, 48, 40, 30, 40, 30, 30, 40]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ScheduleBatch, "retract_decode", spy_retract)
+        outs = run_together(engine, prompts, [greedy(n) for n in lengths])
+    assert [len(o.output_ids) for o in outs] == lengths
+    assert not any(deferred_at_retract), f"retracted with deferred pages not reclaimed: {deferred_at_retract}"
+    assert any(reclaims), "the KV budget was meant to run short while pages were deferred"
