@@ -57,12 +57,25 @@ class Step:
     result: dict[str, Any] = field(default_factory=dict)
 
 
+PER_TEST_TIMEOUT_S = 90
+
+
+def _per_test_timeout() -> list[str]:
+    """A hung test fails on its own (pytest-timeout, where installed: the GPU machines have it) instead of taking the
+    whole step's deadline and, with it, the report of every test before it."""
+    try:
+        importlib.import_module("pytest_timeout")
+    except ImportError:
+        return []
+    return [f"--timeout={PER_TEST_TIMEOUT_S}"]
+
+
 def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
     py = ["-m"]
     junit = str(out / "tests.xml")
     tests = Step("tests", [*py, "pytest", "-v", "-p", "no:cacheprovider", "-rA", "--durations=15", "tests/gpu",
                            "--junitxml", junit, "--deselect", "tests/gpu/test_benchmark_cuda.py",
-                           *shlex.split(a.pytest_args)], 110)
+                           *_per_test_timeout(), *shlex.split(a.pytest_args)], 110)
     if a.dry_run:
         engine_sizes = ["--device", "cpu", "--dtype", "float32", "--model-size", "tiny", "--num-prompts", "4",
                         "--input-len", "16", "--output-len", "8", "--repeats", "1", "--threads", "1",
