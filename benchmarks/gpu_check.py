@@ -18,6 +18,8 @@ Steps, in order of value; each runs in a child process with its own deadline (cu
     pd      benchmarks/gpu_pd.py: pdcluster up colocated, then 1 prefill + 1 decode over shm and over tcp on the
             one GPU; c=32 streamed greedy load through the OpenAI API; texts identical to colocated; pools back;
             start-up seconds and the KV pool each node chose
+    compile (GPU only) the engine step's workload with our decode steps compiled inside the CUDA graphs
+            (--enable-torch-compile) against HF static+compiled
 
 Writes ``<step>.log`` and ``<step>.json`` per step, ``summary.json`` (everything) and ``summary.md`` (one page,
 targets marked) under ``--out``, and prints progress as it goes.
@@ -57,12 +59,25 @@ class Step:
     result: dict[str, Any] = field(default_factory=dict)
 
 
+PER_TEST_TIMEOUT_S = 90
+
+
+def _per_test_timeout() -> list[str]:
+    """A hung test fails on its own (pytest-timeout, where installed: the GPU machines have it) instead of taking the
+    whole step's deadline and, with it, the report of every test before it."""
+    try:
+        importlib.import_module("pytest_timeout")
+    except ImportError:
+        return []
+    return [f"--timeout={PER_TEST_TIMEOUT_S}"]
+
+
 def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
     py = ["-m"]
     junit = str(out / "tests.xml")
     tests = Step("tests", [*py, "pytest", "-v", "-p", "no:cacheprovider", "-rA", "--durations=15", "tests/gpu",
                            "--junitxml", junit, "--deselect", "tests/gpu/test_benchmark_cuda.py",
-                           *shlex.split(a.pytest_args)], 110)
+                           *_per_test_timeout(), *shlex.split(a.pytest_args)], 110)
     if a.dry_run:
         engine_sizes = ["--device", "cpu", "--dtype", "float32", "--model-size", "tiny", "--num-prompts", "4",
                         "--input-len", "16", "--output-len", "8", "--repeats", "1", "--threads", "1",
@@ -84,6 +99,11 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
                         "--warmup-full", "--json", str(out / "engine.json")], 180),
         Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 45),
         Step("pd", [*py, "benchmarks.gpu_pd", *pd_sizes, "--json", str(out / "pd.json")], 150),
+        # Last and GPU only (inductor's CPU compile of even the tiny model outlasts the dry run): our decode steps
+        # compiled and captured (--enable-torch-compile), the lever the first GPU run's profile points at.
+        *([] if a.dry_run else [Step("compile", [
+            *py, "benchmarks.engine_throughput", *engine_sizes, "--enable-torch-compile", "--torch-compile-max-bs",
+            "64", "--hf-static", "--warmup-full", "--json", str(out / "compile.json")], 240)]),
     ]
 
 
@@ -184,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "gpu_check"))
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the same plumbing, no GPU needed")
     p.add_argument("--budget-s", type=float, default=420.0, help="the whole check's deadline (seconds)")
-    p.add_argument("--steps", default="tests,engine,kv,pd", help="which steps, comma-separated")
+    p.add_argument("--steps", default="tests,engine,kv,pd,compile", help="which steps, comma-separated")
     p.add_argument("--pytest-args", default="", help="more pytest arguments for the tests step (e.g. -k EXPR)")
     p.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS", help="a step's own deadline")
     p.add_argument("--commit", default=os.environ.get("PDCLUSTER_COMMIT") or _git_commit(), help="recorded in the summary")

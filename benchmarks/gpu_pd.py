@@ -103,7 +103,7 @@ async def _one(session: Any, url: str, body: dict[str, Any], timeout_s: float) -
     return {"ok": True, "text": "".join(text), "ttft_s": ttft, "seconds": time.perf_counter() - t0, "chunks": chunks}
 
 
-async def drive(http_port: int, prompts: list[list[int]], output_len: int, concurrency: int,
+async def drive(http_port: int, prompts: list[list[int]], warm: list[list[int]], output_len: int, concurrency: int,
                 timeout_s: float) -> dict[str, Any]:
     import aiohttp
 
@@ -119,7 +119,9 @@ async def drive(http_port: int, prompts: list[list[int]], output_len: int, concu
             async with gate:
                 return await _one(session, f"{base}/completions", body, timeout_s)
 
-        await send(prompts[0])  # warm-up: first-use costs stay out of the figures
+        # Warm-up, as concurrent as the load: first-use costs (kernel compiles for new batch shapes, first transfers
+        # to a peer) stay out of the figures. Other prompts than the load's, so no prefix-cache hit carries over.
+        await asyncio.gather(*(send(p) for p in warm))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(send(p) for p in prompts))
         wall = time.perf_counter() - t0
@@ -136,7 +138,7 @@ async def drive(http_port: int, prompts: list[list[int]], output_len: int, concu
 
 
 def run_cluster(name: str, up_args: list[str], a: argparse.Namespace, prompts: list[list[int]],
-                work: Path) -> dict[str, Any]:
+                warm: list[list[int]], work: Path) -> dict[str, Any]:
     cluster = UpCluster([*up_args, "--model-path", a.model_path, "--device", a.device, "--dtype", a.dtype,
                          *a.node_flag],
                         work / f"{name}.log", free_port(), free_port())
@@ -150,7 +152,8 @@ def run_cluster(name: str, up_args: list[str], a: argparse.Namespace, prompts: l
         ports = {n: int(p) for n, p in CHILD_GRPC.findall(log) if n != "router"}
         out["nodes"] = {n: node_facts(work / name / f"{n}.log") for n in ports}
         out["pools_before"] = {n: pool_state(p) for n, p in ports.items()}
-        out["load"] = asyncio.run(drive(cluster.http_port, prompts, a.output_len, a.concurrency, a.request_timeout))
+        out["load"] = asyncio.run(drive(cluster.http_port, prompts, warm, a.output_len, a.concurrency,
+                                        a.request_timeout))
         deadline = time.monotonic() + POOLS_BACK_TIMEOUT_S
         while True:
             after = {n: pool_state(p) for n, p in ports.items()}
@@ -199,12 +202,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vocab = AutoConfig.from_pretrained(a.model_path).vocab_size
         rng = random.Random(0)
         prompts = [[rng.randrange(3, vocab) for _ in range(a.input_len)] for _ in range(a.num_requests)]
+        warm = [[rng.randrange(3, vocab) for _ in range(a.input_len)] for _ in range(min(a.concurrency, 8))]
         result: dict[str, Any] = {"args": vars(a), "runs": {}}
         plans = [("colocated", ["--prefill", "0", "--decode", "0", "--colocated", "1"])]
         plans += [(f"pd_{b}", ["--prefill", "1", "--decode", "1", "--kv-transfer-backend", b])
                   for b in a.backends.split(",") if b]
         for name, up_args in plans:
-            result["runs"][name] = run_cluster(name, up_args, a, prompts, work)
+            result["runs"][name] = run_cluster(name, up_args, a, prompts, warm, work)
             Path(a.json).write_text(json.dumps(result, indent=2) + "\n")  # what ran so far survives a kill
     want = result["runs"]["colocated"].get("load", {}).get("texts")
     for name, run in result["runs"].items():

@@ -109,7 +109,7 @@ def _pd(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-SECTIONS = {"tests": _tests, "engine": _engine, "kv": _kv, "pd": _pd}
+SECTIONS = {"tests": _tests, "engine": _engine, "kv": _kv, "pd": _pd, "compile": _engine}
 
 
 def summarize(result: dict[str, Any]) -> str:
