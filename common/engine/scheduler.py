@@ -467,12 +467,13 @@ class Scheduler:
 
         Invariants (the hazard: ``common.engine.mem.allocator``, deferred frees):
         - Pages freed while ``process_batch_result`` runs with a batch in flight (finished and failed requests)
-          become allocatable only once that batch's result is obtained
-          (``batch_result``). That batch may still write a finished request's next KV slot into them, and a
-          writer in another process (a prefill node filling pages a decode node preallocated: CUDA IPC, RDMA)
-          is not ordered after it on this rank's device stream.
-        - Hence pages are deferred only while ``in_flight`` is set: once nothing is in flight none are, and the
-          pools' free counts are whole whenever the scheduler is idle.
+          become allocatable only once that batch's result is obtained (``batch_result``). That batch may still
+          write a finished request's next KV slot into them, and a writer in another process (a prefill node
+          filling pages a decode node preallocated: CUDA IPC, RDMA) is not ordered after it on this rank's
+          device stream.
+        - Deferred pages exist only from that processing until the next step obtains the in-flight batch's
+          result, so only while ``in_flight`` is set: the pools' free counts are whole whenever the scheduler is
+          idle.
         - Short of KV for the next decode step, the scheduler first obtains the awaited batch's result
           (``reclaim_deferred_pages``: one step without overlap) rather than retract for pages merely deferred.
         - The step's other frees (aborts and transfer failures in the role's hooks; retraction and radix
