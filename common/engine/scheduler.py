@@ -482,6 +482,9 @@ class Scheduler:
           ``role.poll`` (a decode node's preallocation), which runs after the step that obtains the in-flight
           result. A decode node has no radix cache (``ServerArgs.use_radix_cache``), so no evicted page there can
           hold a slot an in-flight batch writes.
+        - Every role defers alike (it costs a list append). Only a decode node needs it: a prefill node's pages
+          are read, not written, by other processes, and only while it keeps them (until the transfer ends); its
+          own next forward reusing a freed page is ordered after the in-flight one.
         - Request slots (``req_to_token`` rows) are freed at once: no other process writes them, and a new
           owner's row reaches the device with a later batch, after the in-flight one.
         """
