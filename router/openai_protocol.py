@@ -39,6 +39,19 @@ class _Common(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     request_id: str | None = None  # extension: the id to use (default: generated)
+    # OpenAI fields that would change the result and are not served here: a request carrying one is a 400 naming
+    # it (``refuse_unsupported``), never a silent drop. docs/api.md lists them.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -78,7 +91,30 @@ def decode(body: bytes, cls: type[CompletionRequest] | type[ChatRequest]) -> Any
         raise InvalidRequestError(f"request body is not valid JSON: {e}") from e
 
 
+UNSUPPORTED_FIELDS = (
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+)
+
+
+def refuse_unsupported(r: _Common) -> None:
+    """A 400 naming the first field the client set that this router does not serve."""
+    for name in UNSUPPORTED_FIELDS:
+        if getattr(r, name) is not None:
+            raise InvalidRequestError(f"{name} is not supported by this server; remove it (see docs/api.md)")
+
+
 def _common_checks(r: _Common, max_n: int) -> None:
+    refuse_unsupported(r)
     if r.n < 1 or r.n > max_n:
         raise InvalidRequestError(
             f"n must be between 1 and {max_n} on this router, got {r.n}; send one request per completion"

@@ -33,6 +33,23 @@ HTTP_CASES: list[tuple[str, Any, str]] = [
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "stop": [""]}, "stop"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "top_k": 0}, "top_k"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "logit_bias": {"5": 3}}, "logit_bias"),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],
+         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        "tools",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "tool_choice": "none"},
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]},
+        "modalities",
+    ),
     ("/v1/chat/completions", {"model": "mock-model", "messages": []}, "messages"),
     (
         "/v1/chat/completions",
