@@ -17,6 +17,7 @@ KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "mooncake", "shm", "fake")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 DEVICES = ("cpu", "cuda")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")
 TP_MIN_TIMEOUT_S = 60.0  # TP rendezvous and collectives: ranks loading their shards may skew by more than a watchdog
@@ -62,6 +63,10 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     num_reserved_decode_tokens: int = 128
     decode_log_interval: int = 40
+    # Constrained decoding (common/sampling/grammar.py): json_schema / regex / ebnf requests.
+    grammar_backend: str = "xgrammar"  # "none": such requests are refused with INVALID_ARGUMENT
+    grammar_compile_timeout: float = 30.0  # a request whose grammar is not compiled by then fails
+    grammar_any_whitespace: bool = False  # JSON schemas: any whitespace between tokens (default: ", " and ": ")
     torch_num_threads: int | None = None
     # Compiled decode steps (common.graph_runner): decode batches are padded to the next captured/compiled batch size.
     enable_torch_compile: bool = False  # torch.compile the decode forward per batch-size bucket (any device)
@@ -166,6 +171,11 @@ class ServerArgs:
         if self.enable_torch_compile and self.tp_size > 1:
             raise ConfigError(f"--enable-torch-compile supports --tp-size 1 only, got --tp-size {self.tp_size} "
                               "(the compiled decode step has no collectives)")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ConfigError(f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, "
+                              f"got {self.grammar_backend!r}")
+        if self.grammar_compile_timeout <= 0:
+            raise ConfigError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         if self.schedule_conservativeness <= 0:
             raise ConfigError("--schedule-conservativeness must be > 0")
         self.tls  # noqa: B018  (TlsFiles checks which --tls-* flags go together; the files at start-up)
@@ -324,6 +334,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="log a Decode batch line every N forward passes")
     g.add_argument("--torch-num-threads", type=int, default=d.torch_num_threads,
                    help="torch threads per scheduler rank (default: cores / dp-size)")
+    g = parser.add_argument_group("constrained decoding")
+    g.add_argument("--grammar-backend", default=d.grammar_backend, choices=GRAMMAR_BACKENDS,
+                   help="engine of json_schema / regex / ebnf requests; none refuses them")
+    g.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
+                   help="seconds a request waits for its grammar to compile before it fails")
+    g.add_argument("--grammar-any-whitespace", action="store_true",
+                   help="JSON schemas allow any whitespace between tokens (default: compact ', ' and ': ' only, "
+                        "which keeps small models from looping on whitespace)")
     g = parser.add_argument_group("compiled decode steps")
     g.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the decode forward for batch sizes up to --torch-compile-max-bs (padded to "

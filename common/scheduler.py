@@ -40,7 +40,9 @@ from common.mem.chunk_cache import ChunkCache
 from common.mem.radix_cache import RadixCache
 from common.model_runner import BatchResult, ModelRunner
 from common.overlap import overlap_schedule_on
-from common.req import FinishReason, Req
+from common.req import Finished, FinishReason, Req
+from common.sampling.grammar import GrammarCompiler, dead_end_message
+from common.sampling.grammar_queue import GrammarQueue
 from common.sampling.sampler import SamplingBatchInfo
 from common.sampling.stop import check_finished
 from common.schedule_batch import ModelWorkerBatch, ScheduleBatch
@@ -103,6 +105,9 @@ class Scheduler:
         self.request_log_level = logging.INFO if args.log_requests else logging.DEBUG
         self.decode_log = DecodeLogInterval(args.decode_log_interval)
         self.role: SchedulerRole = ColocatedRole(self)  # a prefill or decode node installs itself
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar request
+        self.grammar_queue = GrammarQueue(lambda: self.grammar_compiler, self.tp, args.grammar_compile_timeout,
+                                          enabled=args.grammar_backend != "none")
 
     # -- construction helpers --------------------------------------------------------------------------------------
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -112,27 +117,64 @@ class Scheduler:
     def max_total_num_tokens(self) -> int:
         return self.runner.max_total_num_tokens
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, list(self.model_config.eos_token_ids),
+                any_whitespace=self.args.grammar_any_whitespace,
+            )
+        return self._grammar_compiler
+
     def close(self) -> None:
         """Stop the forward thread (after its batch); nothing else is held outside this process in colocated mode."""
         if self.forward_thread is not None:
             self.forward_thread.shutdown(wait=True)
             self.forward_thread = None
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
 
     # -- input -----------------------------------------------------------------------------------------------------
     def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
         """The one dispatch of every role: what a message does to the queues is the role's."""
         for msg in msgs:
             if isinstance(msg, GenerateReqInput):
-                try:
-                    self.role.admit(msg)
-                except Exception as e:  # one bad request fails alone; nothing of it was queued
-                    self.fail_input(msg.rid, e)
+                if msg.sampling_params.grammar_key is not None:
+                    self.hold_for_grammar(msg)
+                else:
+                    self.admit(msg)
             elif isinstance(msg, AbortReq):
-                self.role.abort(msg.rid, msg.reason, msg.code)
+                if self.grammar_queue.remove(msg.rid):
+                    self.out.error(msg.rid, msg.reason, msg.code)
+                else:
+                    self.role.abort(msg.rid, msg.reason, msg.code)
             elif isinstance(msg, LoadReq):
                 load = self.get_load()
                 self.role.fill_load(load)
                 self.out.send_now([LoadOut(load=load)])
+
+    def admit(self, msg: GenerateReqInput) -> None:
+        try:
+            self.role.admit(msg)
+        except Exception as e:  # one bad request fails alone; nothing of it was queued
+            self.fail_input(msg.rid, e)
+
+    def hold_for_grammar(self, msg: GenerateReqInput) -> None:
+        """A request with a grammar waits in the grammar queue until it is compiled (``admit_compiled``)."""
+        try:
+            self.validate(msg)
+        except (InvalidRequestError, CapacityError) as e:
+            self.out.error(msg.rid, str(e), ErrorCode.INVALID_ARGUMENT)
+            return
+        refused = (f"request id {msg.rid!r} is already in flight" if msg.rid in self.reqs_by_rid
+                   else self.grammar_queue.add(msg))
+        if refused is not None:
+            self.out.error(msg.rid, refused, ErrorCode.INVALID_ARGUMENT)
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar every rank has compiled go to their role; expired ones fail."""
+        for msg in self.grammar_queue.pop_ready(self.out.error):
+            self.admit(msg)
 
     # -- admission -------------------------------------------------------------------------------------------------
     def validate(self, msg: GenerateReqInput) -> None:
@@ -183,11 +225,30 @@ class Scheduler:
             bootstrap_room=msg.bootstrap_room,
             prior_output_len=msg.prior_output_len,
         )
+        if sp.grammar_key is not None:
+            try:
+                req.grammar = self.start_grammar(req)
+            except InvalidRequestError as e:
+                self.out.error(msg.rid, str(e), ErrorCode.INVALID_ARGUMENT)
+                return None
         req.times.queue_enter = time.monotonic()
         self.reqs_by_rid[req.rid] = req
         logger.log(self.request_log_level, "rid=%s room=%s: received, %d prompt tokens, max_new_tokens=%d",
                    req.rid, req.bootstrap_room, len(req.origin_input_ids), sp.max_new_tokens)
         return req
+
+    def start_grammar(self, req: Req) -> Any:
+        """The request's matcher, advanced over the outputs of its earlier attempts (a migrated request)."""
+        key = req.sampling_params.grammar_key
+        assert key is not None
+        grammar = self.grammar_compiler.matcher(key)
+        for i, token in enumerate(req.generated_ids()):
+            if not grammar.accept(token):
+                raise InvalidRequestError(
+                    f"prior output token {i} ({token}) does not follow the request's {key[0]}; the earlier "
+                    "attempt's output cannot be continued under this grammar"
+                )
+        return grammar
 
     def fail_input(self, rid: str, exc: Exception) -> None:
         """An unexpected error while taking a request in: it fails with INTERNAL; it holds no pages yet."""
@@ -419,6 +480,8 @@ class Scheduler:
     def append_token(self, req: Req, result: BatchResult, i: int) -> None:
         inject("token", req.rid)
         token = result.next_token_ids[i]
+        if not self.accept_grammar(req, token):
+            return
         req.output_ids.append(token)
         self.decode_log.tokens += 1
         if not req.times.first_token:
@@ -428,9 +491,23 @@ class Scheduler:
             if result.top_logprobs is not None:
                 req.output_top_logprobs.append(result.top_logprobs[i])
         check_finished(req, token, self.tokenizer)
+        self.finish_on_grammar(req, token)
         if req.to_abort is not None and not req.finished():
             req.abort(req.to_abort)
         self.out.stream_token(req)
+
+    def accept_grammar(self, req: Req, token: int) -> bool:
+        """Advance the request's grammar over ``token`` (before it is appended). A token the grammar refuses (only
+        drawn when no token may continue it) is dropped and the request ends as a dead end."""
+        if req.grammar is None or req.grammar.accept(token):
+            return True
+        req.abort(dead_end_message(req.grammar.kind, len(req.generated_ids())), ErrorCode.INVALID_ARGUMENT)
+        return False
+
+    def finish_on_grammar(self, req: Req, token: int) -> None:
+        """A complete grammar ends the request even where its stop token would not (``ignore_eos``)."""
+        if req.grammar is not None and not req.finished() and req.grammar.is_terminated():
+            req.finished_reason = Finished(FinishReason.STOP, matched=token)
 
     def _check_chunked(self, req: Req) -> None:
         """Between two chunks: an aborted request, or one the role stops (its transfer failed), ends here."""
@@ -474,6 +551,7 @@ class Scheduler:
         if self.is_idle():
             self.decode_log.restart()
         self.process_input_requests(msgs)
+        self.admit_compiled()
         self.role.poll()
         ran = self.step_overlap() if self.overlap else self.step_normal()
         self.out.flush()
@@ -504,7 +582,8 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         """The engine's own state is idle (a role adds its queues)."""
-        return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and (
+        return not self.waiting_queue and not self.grammar_queue and self.running_batch.is_empty() and (
+            self.chunked_req is None) and (
             self.last_batch is None) and self.in_flight is None
 
     # -- observability ---------------------------------------------------------------------------------------------
@@ -527,7 +606,7 @@ class Scheduler:
         return QueueLoad(
             dp_rank=self.dp_rank,
             running=len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
-            waiting=len(self.waiting_queue),
+            waiting=len(self.waiting_queue) + len(self.grammar_queue),
             free_kv_pages=free_kv // self.page_size,
             total_kv_pages=self.runner.max_total_num_tokens // self.page_size,
             free_req_slots=free_slots,
@@ -572,9 +651,10 @@ class Scheduler:
 
 
 def _reads_output_history(req: Req) -> bool:
-    """Its next draw depends on every output token so far (penalties), not only on the last one."""
+    """Its next draw depends on every output token so far (penalties, a grammar's matcher), not only on the last
+    one."""
     sp = req.sampling_params
-    return sp.has_penalty or bool(sp.min_new_tokens)
+    return sp.has_penalty or bool(sp.min_new_tokens) or req.grammar is not None
 
 
 def internal_error_message(exc: Exception) -> str:

@@ -131,8 +131,11 @@ class DecodeScheduler(LoopHooks):
         req.times.transfer_done = req.times.first_token = now
         req.cached_tokens = md.cached_tokens
         req.kv_transfer_bytes = -(-len(req.origin_input_ids) // self.args.page_size) * self.bytes_per_page
+        if not self.sched.accept_grammar(req, md.first_token):  # the grammar's matcher starts from P's token
+            return
         req.output_ids.append(md.first_token)
         if req.return_logprob:
             req.output_logprobs.append(md.logprob)
             req.output_top_logprobs.append(list(zip(md.top_ids, md.top_logprobs, strict=True)))
         check_finished(req, md.first_token, self.tokenizer)
+        self.sched.finish_on_grammar(req, md.first_token)

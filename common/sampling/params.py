@@ -17,6 +17,8 @@ SAMPLING_EPS = 1e-6
 MAX_STOP_STRINGS = 32
 # A stop string's UTF-8 length bounds how many trailing tokens the stop check decodes (see stop.py).
 MAX_STOP_STRING_BYTES = 256
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 65536
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -35,10 +37,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False  # ignores the model's EOS tokens only; stop_token_ids still stop
     seed: int | None = None  # reproducible per request, whatever the batch (see sampler.py)
     skip_special_tokens: bool = True
+    # Constrained decoding (common/sampling/grammar.py): at most one; every sampled token keeps the output a prefix
+    # of the language, and the request stops when the grammar is complete.
+    json_schema: str | None = None  # a JSON Schema, as JSON text; '{"type": "object"}' is JSON-object mode
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF-style EBNF with a ``root`` rule
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """``(kind, source)`` of the request's grammar, or None: the compiled-grammar cache's key."""
+        for kind in GRAMMAR_KINDS:
+            source = getattr(self, kind)
+            if source is not None:
+                return kind, source
+        return None
 
     @property
     def has_penalty(self) -> bool:
@@ -79,6 +95,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             if not -2 <= value <= 2:
                 _fail(f"{name} must be in [-2, 2] (0 is off), got {value}")
         self._verify_stop(vocab_size)
+        self._verify_grammar()
         if self.seed is not None:
             _require_int("seed", self.seed)
             if not _INT64_MIN <= self.seed <= _INT64_MAX:
@@ -101,6 +118,20 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             _require_int("stop_token_ids", t)
             if t < 0 or (vocab_size is not None and t >= vocab_size):
                 _fail(f"stop_token_ids must be token ids in [0, {bound}), got {t}")
+
+
+    def _verify_grammar(self) -> None:
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            _fail(f"at most one of json_schema, regex, ebnf may be set, got {' and '.join(given)}")
+        for kind in given:
+            source = getattr(self, kind)
+            if not isinstance(source, str):
+                _fail(f"{kind} must be a string, got {type(source).__name__}")
+            if not source:
+                _fail(f"{kind} must not be empty")
+            if len(source) > MAX_GRAMMAR_CHARS:
+                _fail(f"{kind} must be at most {MAX_GRAMMAR_CHARS} characters, got {len(source)}")
 
 
 def _fail(message: str) -> None:
