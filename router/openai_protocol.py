@@ -17,6 +17,47 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = ""
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None  # enforced either way: the grammar allows only outputs that validate
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def grammar_of(r: _Common) -> dict[str, str]:
+    """The sampling field (json_schema, regex or ebnf) a request's response_format / regex / ebnf asks for."""
+    out: dict[str, str] = {}
+    f = r.response_format
+    if f is not None:
+        if f.type == "json_object":
+            out["json_schema"] = JSON_OBJECT_SCHEMA
+        elif f.type == "json_schema":
+            if f.json_schema is None or f.json_schema.schema is None:
+                raise InvalidRequestError(
+                    'response_format.json_schema.schema is required with response_format.type "json_schema"'
+                )
+            out["json_schema"] = msgspec.json.encode(f.json_schema.schema).decode()
+        elif f.type != "text":
+            raise InvalidRequestError(
+                f'response_format.type must be "text", "json_object" or "json_schema", got {f.type!r}'
+            )
+    for name in ("regex", "ebnf"):
+        value = getattr(r, name)
+        if value is not None:
+            out[name] = value
+    if len(out) > 1:
+        raise InvalidRequestError(f"set at most one of response_format, regex, ebnf; got {', '.join(out)}")
+    return out
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: str = ""
     max_tokens: int | None = None
@@ -39,9 +80,12 @@ class _Common(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     request_id: str | None = None  # extension: the id to use (default: generated)
+    # Constrained output (docs/structured-output.md): OpenAI's response_format, and SGLang's regex / ebnf extensions.
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # OpenAI fields that would change the result and are not served here: a request carrying one is a 400 naming
     # it (``refuse_unsupported``), never a silent drop. docs/api.md lists them.
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -92,7 +136,6 @@ def decode(body: bytes, cls: type[CompletionRequest] | type[ChatRequest]) -> Any
 
 
 UNSUPPORTED_FIELDS = (
-    "response_format",
     "tools",
     "tool_choice",
     "functions",
@@ -150,6 +193,7 @@ def sampling_of(r: _Common, max_tokens: int | None) -> dict[str, Any]:
     stop = r.stop
     out["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
     out["stop_token_ids"] = tuple(r.stop_token_ids or ())
+    out.update(grammar_of(r))
     return out
 
 

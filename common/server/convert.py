@@ -19,6 +19,9 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
     values.update({name: getattr(sp, name) for name in _PLAIN_FIELDS})
     values["stop"] = tuple(sp.stop)
     values["stop_token_ids"] = tuple(sp.stop_token_ids)
+    constraint = sp.WhichOneof("constraint")
+    if constraint is not None:
+        values[constraint] = getattr(sp, constraint)
     params = msgspec.structs.replace(SamplingParams(), **values)
     params.verify()
     return params
@@ -33,6 +36,9 @@ def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
     )
     if sp.seed is not None:
         out.seed = sp.seed
+    key = sp.grammar_key
+    if key is not None:
+        setattr(out, key[0], key[1])
     return out
 
 

@@ -25,11 +25,11 @@ _SAMPLING_NAMES = {
     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-    "seed": "seed", "sampling_seed": "seed",
+    "seed": "seed", "sampling_seed": "seed", "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",
 }
 # SGLang sampling_params this node accepts only at their default (a different value would be silently ignored).
 _SAMPLING_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "n": (1, None), "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
+    "n": (1, None), "structural_tag": (None,),
     "no_stop_trim": (False, None), "spaces_between_special_tokens": (True, None), "custom_params": (None,),
     "logit_bias": (None,), "stream_interval": (None,),
 }
