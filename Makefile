@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-gpu gpu-wheels lint install proto clean
+.PHONY: up test test-gpu gpu-wheels lint install proto docs clean
 
 # GPU machines have torch but no package index and no .venv (../shared/GPU.md): `make gpu-wheels` (here) fetches
 # the few packages they lack, pinned to this venv's versions, into $(WHL); `make test-gpu` (there) installs them
@@ -43,6 +43,7 @@ up: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python proto/gen.py --check
+	$(BIN)/python -m common.app.flag_docs --check
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -p no:cacheprovider --durations=25
 
@@ -67,6 +68,9 @@ lint: $(STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python proto/gen.py
+
+docs: $(STAMP)
+	$(BIN)/python -m common.app.flag_docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -7,7 +7,7 @@ Paths (each includes writing the new token's K/V to the pool, as a layer does):
   padded SDPA);
 - ``torch-chunked`` (CPU): ``TorchAttentionBackend`` as the engine builds it (pages of ``DECODE_CHUNK_BYTES`` of
   requests at a time into reusable scratch, one SDPA per chunk);
-- ``torch-paged``: ``common.kernels.paged_decode_torch`` (blocks of pages, online softmax, no [B, Lk] copy);
+- ``torch-paged``: ``common.engine.kernels.paged_decode_torch`` (blocks of pages, online softmax, no [B, Lk] copy);
 - ``triton`` (CUDA only): ``TritonAttentionBackend`` (the paged split-K decode kernel).
 Per-forward metadata (built once for all layers) is timed apart from the per-layer call. On CPU the timed calls
 cycle over the buffers of 8 layers (the ``small`` model's), so K/V come from memory as in a decode step, not from
@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from common.forward_batch import ForwardBatch, ForwardMode
-from common.kernels.decode_attention import decode_attention_ref
-from common.kernels.paged_decode_torch import page_table, paged_decode_torch
-from common.mem.kv_pool import MHATokenToKVPool
-from common.model.attention import DECODE_CHUNK_BYTES, TorchAttentionBackend
+from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.engine.kernels.decode_attention import decode_attention_ref
+from common.engine.kernels.paged_decode_torch import page_table, paged_decode_torch
+from common.engine.mem.kv_pool import MHATokenToKVPool
+from common.engine.model.attention import DECODE_CHUNK_BYTES, TorchAttentionBackend
 
 NOMINAL_PEAK_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # HBM, SXM parts
 
@@ -114,7 +114,7 @@ def _run_case(path: str, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: 
             return paged_decode_torch(q, pool.k_buffer[i], pool.v_buffer[i], pages, fb.seq_lens, page, d**-0.5)
     else:
         if path == "triton":
-            from common.model.triton_backend import TritonAttentionBackend
+            from common.engine.model.triton_backend import TritonAttentionBackend
 
             backend: Any = TritonAttentionBackend(heads, kv_heads, d, None, device)
         else:

@@ -32,7 +32,7 @@ from benchmarks.loadgen.runner import LoadShape, run_load
 from benchmarks.loadgen.stats import summarize
 from benchmarks.loadgen.workload import WorkloadConfig, make_workload
 from benchmarks.up_runs import UpCluster, free_port, machine_info
-from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
+from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 
 CACHED_LOG = re.compile(r"Prefill batch\..*#cached-token: (\d+)")
 

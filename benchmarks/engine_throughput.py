@@ -85,7 +85,7 @@ def _weight_bytes(model_path: str, dtype: str) -> int:
 
 class _Ours:
     def __init__(self, model_path: str, engine_args: dict[str, Any]) -> None:
-        from common.engine import Engine
+        from common.node.engine import Engine
 
         self.engine = Engine(model_path=model_path, **engine_args)
 

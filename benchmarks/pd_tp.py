@@ -2,7 +2,7 @@
 prefill tp 1 -> decode tp 1, same model, same workload, same sitting, driven through the router by the
 ``pdcluster bench`` library.
 
-Each repeat starts one cluster per configuration (``python -m common.cli up --prefill 1 --decode 1
+Each repeat starts one cluster per configuration (``python -m common.app.cli up --prefill 1 --decode 1
 --prefill-tp-size T --decode-tp-size 1``), waits for its ``pdcluster ready`` line, sends a short warm-up and then
 the repeat's workload (fixed lengths, fresh prompts per repeat, identical for both configurations), and stops it
 with SIGINT. The order of the two configurations alternates per repeat so load drift on a shared machine hits

@@ -39,7 +39,7 @@ CONFIGS = ("colocated", "chunked", "pd")
 
 def _serve(cores: str, mode: str, threads: int, extra: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port, boot = free_port(), free_port()
-    cmd = ["taskset", "-c", cores, sys.executable, "-m", "common.cli", "serve", "--model-path", ARGS.model,
+    cmd = ["taskset", "-c", cores, sys.executable, "-m", "common.app.cli", "serve", "--model-path", ARGS.model,
            "--host", "127.0.0.1", "--port", str(port), "--disaggregation-mode", mode,
            "--disaggregation-bootstrap-port", str(boot), "--kv-transfer-backend", "tcp",
            "--torch-num-threads", str(threads), "--max-total-tokens", str(ARGS.max_total_tokens), *extra]
@@ -63,7 +63,7 @@ def _start(config: str, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
         procs.append(c)
         workers = ["--worker", caddr]
     http = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "common.cli", "router", "--model-path", ARGS.model,
+    router = subprocess.Popen([sys.executable, "-m", "common.app.cli", "router", "--model-path", ARGS.model,
                                "--http-port", str(http), "--grpc-port", str(free_port()), *workers],
                               stdout=open(tmp / "router.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     procs.append(router)
@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/pd_vs_colocated")
     global ARGS
     ARGS = ap.parse_args()
-    from common.tokenizer import resolve_model_path
+    from common.text.tokenizer import resolve_model_path
 
     ARGS.model = str(resolve_model_path(ARGS.model))
     slo = Slo(ARGS.slo_ttft_ms / 1000, ARGS.slo_itl_ms / 1000)

@@ -1,6 +1,6 @@
 """Does a storm of huge prompts stall the router? Small-request and ``/liveness`` latency, idle vs. during the storm.
 
-Mock workers in this process (common/testing/router_fleet.py ``fleet``, context raised so ~3.9 MB prompts fit); the
+Mock workers in this process (router/testing.py ``fleet``, context raised so ~3.9 MB prompts fit); the
 storm is ``--big`` concurrent completions of ``--big-bytes`` ASCII bytes each. Run the same script on two checkouts
 for a before/after figure; the machine's /proc/loadavg is printed with the figures.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from common.testing.router_fleet import fleet
+from router.testing import fleet
 
 WORDS = ("alpha", "beta", "gamma", "delta", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "12345")
 

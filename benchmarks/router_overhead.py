@@ -225,7 +225,7 @@ def _start_router(
     from common.ports import pick_free_port as free_port
 
     port, http_port = free_port(), free_port()
-    cmd = [*_pin(cpus), sys.executable, "-m", "common.cli", "router", "--model-path", str(model),
+    cmd = [*_pin(cpus), sys.executable, "-m", "common.app.cli", "router", "--model-path", str(model),
            "--grpc-port", str(port), "--http-port", str(http_port), "--prefill", fleet["prefill"][0],
            "--decode", fleet["decode"][0], "--replicas", str(replicas)]
     proc, line = _spawn(cmd, "router ready", env)
@@ -278,9 +278,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router_overhead.json"))
     ns = ap.parse_args()
 
-    from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
     from common.testing.mock_worker import make_model_dir
-    from common.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
+    from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 
     env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "proto")))}
     env.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())  # the mocks prove it to the router

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.router_overhead import PROMPT, _closed_loop, _cpu_s, _cpu_split, _pin, _spawn, _stop  # noqa: E402
-from common.sampling.params import SamplingParams  # noqa: E402
+from common.engine.sampling.params import SamplingParams  # noqa: E402
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from router.config import RouterConfig, WorkerSpec  # noqa: E402
 from router.core import RouterCore  # noqa: E402
@@ -167,7 +167,7 @@ async def _e2e(ns: argparse.Namespace, fleet: dict[str, list[str]], router_addr:
     workers = [worker_pb2_grpc.WorkerStub(c) for c in direct_chs]
     routers = [router_pb2_grpc.RouterStub(c) for c in router_chs]
     seq = iter(range(10**9))
-    from common.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
 
     prompt_ids = load_tokenizer(Path(ns.model)).encode(PROMPT)
 
@@ -225,7 +225,7 @@ def run_e2e(ns: argparse.Namespace, n_workers: int, env: dict[str, str]) -> dict
     try:
         fleet = json.loads(line)
         port = pick_free_port()
-        cmd = [*_pin(router_cpus), sys.executable, "-m", "common.cli", "router", "--model-path", ns.model,
+        cmd = [*_pin(router_cpus), sys.executable, "-m", "common.app.cli", "router", "--model-path", ns.model,
                "--grpc-port", str(port), "--http-port", "-1", "--prefill-policy", ns.prefill_policy,
                "--decode-policy", ns.decode_policy]
         for a in fleet["prefill"]:
@@ -270,8 +270,8 @@ def main() -> int:
         asyncio.run(serve_fleet(ns.prefill, ns.decode, 1, ns.service_time, ns.kv_pages, ns.max_new_tokens))
         return 0
 
-    from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
     from common.testing.mock_worker import make_model_dir
+    from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 
     env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
     env.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())

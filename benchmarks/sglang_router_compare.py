@@ -29,7 +29,7 @@ from benchmarks.loadgen.runner import LoadShape, run_load
 from benchmarks.loadgen.stats import RequestResult, summarize
 from benchmarks.loadgen.workload import RequestSpec, WorkloadConfig, make_workload
 from common.ports import pick_free_port
-from common.tokenizer import load_tokenizer
+from common.text.tokenizer import load_tokenizer
 
 ROUTERS = ("ours", "sglang")
 
@@ -95,14 +95,14 @@ def _start(model: str, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[s
     ports = {name: pick_free_port() for name in ("p", "pb", "ph", "d", "dh", "ours", "ours_grpc", "sgl", "prom")}
     for mode, core, grpc_port, http_port, boot in (("prefill", "0", "p", "ph", "pb"), ("decode", "1", "d", "dh", "pb")):
         procs.append(_spawn(
-            [sys.executable, "-m", "common.cli", "serve", "--model-path", model, "--host", "127.0.0.1",
+            [sys.executable, "-m", "common.app.cli", "serve", "--model-path", model, "--host", "127.0.0.1",
              "--port", str(ports[grpc_port]), "--disaggregation-mode", mode,
              "--disaggregation-bootstrap-port", str(ports[boot] if mode == "prefill" else pick_free_port()),
              "--sglang-http-port", str(ports[http_port]), "--torch-num-threads", "1", "--max-total-tokens", "8192",
              "--kv-transfer-backend", "tcp"], tmp / f"{mode}.log", core))
     for name in ("ph", "dh"):
         _wait(f"http://127.0.0.1:{ports[name]}/health_generate", b"", procs)
-    ours = _spawn([sys.executable, "-m", "common.cli", "router", "--model-path", model, "--host", "127.0.0.1",
+    ours = _spawn([sys.executable, "-m", "common.app.cli", "router", "--model-path", model, "--host", "127.0.0.1",
                    "--http-port", str(ports["ours"]), "--grpc-port", str(ports["ours_grpc"]),
                    "--prefill", f"127.0.0.1:{ports['p']}:{ports['pb']}", "--decode", f"127.0.0.1:{ports['d']}"],
                   tmp / "ours.log")
@@ -143,7 +143,7 @@ async def _phase(url: str, pid: int, fronts: list[int], model: str, tokenizer: A
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     from common.model_gen.make_model import make_model
-    from common.security import CLUSTER_TOKEN_ENV, generate_cluster_token
+    from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 
     os.environ.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())  # inherited by the nodes and our router
 

@@ -41,7 +41,7 @@ from benchmarks.loadgen.workload import RequestSpec, WorkloadConfig, make_worklo
 from benchmarks.up_runs import UpCluster, free_port, machine_info
 
 RESTART_LINE = re.compile(r"^(\S+) restarted: pid (\d+)", re.M)
-READY_STAMP = re.compile(r"^(\S+ \S+) INFO common.server.serve: node ready", re.M)
+READY_STAMP = re.compile(r"^(\S+ \S+) INFO common.node.serve: node ready", re.M)
 GRPC_LINE = re.compile(r"^\s+(\S+)\s+pid \d+\s+grpc (\S+)", re.M)
 NO_FINAL_STATUS = ("timeout", "cancelled_at_time_limit", "connection")
 TARGETS = {"rss_growth_pct": 5.0, "leaked_pages": 0, "without_final_status": 0, "service_back_s": 10.0}
@@ -166,7 +166,7 @@ def node_addresses(cluster: UpCluster) -> dict[str, str]:
 def pool_state(addresses: dict[str, str]) -> dict[str, list[dict[str, int]]]:
     import grpc
 
-    from common.worker_auth import worker_channel
+    from common.wire.worker_auth import worker_channel
     from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
     out: dict[str, list[dict[str, int]]] = {}

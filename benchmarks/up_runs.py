@@ -54,7 +54,7 @@ class UpCluster:
     children: dict[str, int] | None = None
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "common.cli", "up", *self.up_args,
+        cmd = [sys.executable, "-m", "common.app.cli", "up", *self.up_args,
                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                "--log-dir", str(self.log.parent / self.log.stem)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

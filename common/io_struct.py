@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from common.engine.sampling.params import SamplingParams
 from common.errors import ErrorCode
-from common.sampling.params import SamplingParams
 
 
 class GenerateReqInput(msgspec.Struct, tag=True, kw_only=True):

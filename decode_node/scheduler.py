@@ -18,16 +18,16 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import ServerArgs
-from common.distributed import TPGroup
+from common.engine.distributed import TPGroup
+from common.engine.mem.pages import bytes_per_page
+from common.engine.req import Req
+from common.engine.sampling.stop import check_finished
+from common.engine.scheduler import Scheduler
+from common.engine.scheduler_metrics import DisaggQueueCounts
+from common.engine.scheduler_role import LoopHooks
 from common.errors import KV_PEER_FAULT, ErrorCode
 from common.faults import inject
 from common.io_struct import GenerateReqInput, QueueLoad, SchedulerInput
-from common.mem.pages import bytes_per_page
-from common.req import Req
-from common.sampling.stop import check_finished
-from common.scheduler import Scheduler
-from common.scheduler_metrics import DisaggQueueCounts
-from common.scheduler_role import LoopHooks
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
 from kvtransfer.node import make_kv_manager

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.errors import InvalidRequestError
-from common.server.convert import request_from_proto
-from common.server.front import WorkerServicer
+from common.node.convert import request_from_proto
+from common.node.front import WorkerServicer
 from pdcluster.v1 import worker_pb2
 
 

@@ -7,7 +7,7 @@ the TP group's (``GroupPolls``): a request joins the running batch only when eve
 
 from __future__ import annotations
 
-from common.req import Req
+from common.engine.req import Req
 from kvtransfer.poll import GroupPolls, KVPoll
 
 

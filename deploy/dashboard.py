@@ -3,7 +3,7 @@
 ``grafana_dashboard: "1"`` for Grafana's dashboard sidecar).
 
 Series come from the router (``pdcluster_router_*``, router/metrics.py) and the nodes (``pdcluster_node_*``,
-common/server/metrics.py). The ServiceMonitors copy each pod's ``pdcluster.io/role`` label onto its series as
+common/node/metrics.py). The ServiceMonitors copy each pod's ``pdcluster.io/role`` label onto its series as
 ``pdcluster_io_role`` and Prometheus adds ``pod``: per-role panels group by the first, per-worker panels by the
 second (router-side per-worker series carry the worker's address as ``worker``).
 """

@@ -38,10 +38,10 @@ def grpc_serving(address: str, timeout: float = 2.0, service: str = "") -> bool:
 
 
 class ManagedProcess:
-    """``python -m common.cli <argv>``; its output goes to ``log_path``."""
+    """``python -m common.app.cli <argv>``; its output goes to ``log_path``."""
 
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.argv = [sys.executable, "-m", "common.cli", *argv]
+        self.argv = [sys.executable, "-m", "common.app.cli", *argv]
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:

@@ -1,7 +1,7 @@
 """What a scheduler rank registers for KV transfer (``KVArgs``), its serializable summary (``KVLayout``), the
 transfer config, and the compatibility check run at the first handshake between a decode and a prefill rank.
 
-Buffer layout (one K and one V tensor per layer, see ``common/mem/kv_pool.py``)::
+Buffer layout (one K and one V tensor per layer, see ``common/engine/mem/kv_pool.py``)::
 
     k_buffers[layer]: [ page 0 (pad) | page 1 | ... ]   page p = slots [p*page_size, (p+1)*page_size)
                       = bytes [p*item_len, (p+1)*item_len) of the layer's buffer
@@ -22,7 +22,7 @@ from common import env
 from common.kv_options import check_options
 
 if TYPE_CHECKING:
-    from common.mem.kv_pool import MHATokenToKVPool
+    from common.engine.mem.kv_pool import MHATokenToKVPool
 
 Mode = Literal["prefill", "decode"]
 

@@ -7,14 +7,12 @@ record's ``state`` and ``quiesced`` are read without the lock (each a single att
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from common.errors import ErrorCode
+from kvtransfer.manager import KVManager, Rooms
 from kvtransfer.poll import KVPoll
-from kvtransfer.rooms import RoomRecord, Rooms
-
-if TYPE_CHECKING:
-    from kvtransfer.manager import KVManager
+from kvtransfer.rooms import RoomRecord
 
 RoomsT = TypeVar("RoomsT", bound=Rooms)
 

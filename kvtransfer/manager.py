@@ -18,9 +18,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
+from common.errors import ErrorCode
 from kvtransfer import auth
-from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig
+from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
 from kvtransfer.backends.base import PeerInfo, PeerKey, TransferJob
 from kvtransfer.bootstrap import BootstrapClient, BootstrapError, RankEntry
 from kvtransfer.control import ControlPlane
@@ -35,7 +37,6 @@ from kvtransfer.messages import (
 )
 from kvtransfer.metadata import MetadataBuffers
 from kvtransfer.registry import backend_class
-from kvtransfer.rooms import Rooms
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,43 @@ class Peer:
 
     def describe(self) -> str:
         return f"{self.key.instance_id} (epoch {self.key.epoch})"
+
+
+class Rooms(Protocol):
+    """One role's room logic (``sender.PrefillRooms``, ``receiver.DecodeRooms``), built by ``KVManager``.
+
+    Every method takes ``mgr.lock`` itself where it touches shared state; none blocks.
+    """
+
+    mode: ClassVar[Mode]  # the role; the manager's data-plane backend is built for it
+
+    def __init__(self, mgr: KVManager) -> None: ...
+
+    # ---- scheduler thread, through the role's handle (``KVSender``/``KVReceiver``) -----------------------------
+    def abort(self, rec: Any, code: ErrorCode, reason: str) -> None:
+        """Fail ``rec`` (one of this role's records) with ``code`` here and on its peers."""
+
+    def clear(self, rec: Any) -> None:
+        """Forget ``rec`` once quiesced; an open one is failed first."""
+
+    # ---- control thread, from ``KVManager`` --------------------------------------------------------------------
+    def handshake(self, msg: Hello | HelloChallenge | HelloProof | HelloAck, frames: list[bytes]) -> None:
+        """One handshake message (not sealed with a session yet; ``frames`` carry its MAC if any)."""
+
+    def handle(self, msg: AnyMessage, peer: Peer) -> None:
+        """One message sealed by ``peer``'s session (heartbeats excluded)."""
+
+    def job_done(self, job: TransferJob, error: str | None) -> None:
+        """A data-plane job finished (``error`` None) or failed."""
+
+    def peer_lost(self, key: PeerKey, reason: str) -> None:
+        """The peer died or restarted: fail the rooms it serves (UNAVAILABLE)."""
+
+    def tick(self, now: float) -> None:
+        """The periodic sweep: deadlines, retries, forgetting old rooms."""
+
+    def close(self, reason: str) -> None:
+        """The manager closes (any thread): fail every open room (UNAVAILABLE)."""
 
 
 class KVManager:

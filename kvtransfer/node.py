@@ -10,14 +10,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
-from kvtransfer.manager import KVManager
+from kvtransfer.manager import KVManager, Rooms
 from kvtransfer.receiver import DecodeRooms
-from kvtransfer.rooms import Rooms
 from kvtransfer.sender import PrefillRooms
 
 if TYPE_CHECKING:
     from common.config import ServerArgs
-    from common.model_runner import ModelRunner
+    from common.engine.model_runner import ModelRunner
 
 METADATA_SLOTS_PER_REQUEST_SLOT = 2
 ROOMS: dict[Mode, type[Rooms]] = {"prefill": PrefillRooms, "decode": DecodeRooms}

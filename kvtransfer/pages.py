@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.model.parallel import owned_kv_heads
+from common.engine.model.parallel import owned_kv_heads
 
 
 @dataclass(frozen=True, slots=True)

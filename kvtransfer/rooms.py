@@ -1,5 +1,5 @@
-"""Per-room records shared by both sides (state, failure code and reason, deadline, quiescence) and ``Rooms``, the
-protocol of a role's room logic that ``KVManager`` drives.
+"""Per-room records shared by both sides: state, failure code and reason, deadline, quiescence. The role's room logic
+that ``KVManager`` drives (``Rooms``) is declared beside the manager.
 
 Invariants: ``state`` only moves through ``poll.advance`` (up; Failed sticky); every non-final state has a
 ``deadline`` (set on entering it, pushed out on progress); ``quiesced`` becomes True once no peer can still write
@@ -9,16 +9,11 @@ to (decode) or read from (prefill) this room's pages, and never goes back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from common.errors import ErrorCode
-from kvtransfer.args import KVTransferConfig, Mode
-from kvtransfer.backends.base import PeerKey, TransferJob
+from kvtransfer.args import KVTransferConfig
+from kvtransfer.backends.base import PeerKey
 from kvtransfer.poll import KVPoll, advance
-
-if TYPE_CHECKING:
-    from kvtransfer.manager import KVManager, Peer
-    from kvtransfer.messages import AnyMessage, Hello, HelloAck, HelloChallenge, HelloProof
 
 
 def state_timeout(config: KVTransferConfig, state: KVPoll) -> float:
@@ -79,40 +74,3 @@ class RoomRecord:
         self.unacked.discard(key)
         if self.state.is_final and not self.unacked:
             self.quiesced = True
-
-
-class Rooms(Protocol):
-    """One role's room logic (``sender.PrefillRooms``, ``receiver.DecodeRooms``), built by ``KVManager``.
-
-    Every method takes ``mgr.lock`` itself where it touches shared state; none blocks.
-    """
-
-    mode: ClassVar[Mode]  # the role; the manager's data-plane backend is built for it
-
-    def __init__(self, mgr: KVManager) -> None: ...
-
-    # ---- scheduler thread, through the role's handle (``KVSender``/``KVReceiver``) -----------------------------
-    def abort(self, rec: Any, code: ErrorCode, reason: str) -> None:
-        """Fail ``rec`` (one of this role's records) with ``code`` here and on its peers."""
-
-    def clear(self, rec: Any) -> None:
-        """Forget ``rec`` once quiesced; an open one is failed first."""
-
-    # ---- control thread, from ``KVManager`` --------------------------------------------------------------------
-    def handshake(self, msg: Hello | HelloChallenge | HelloProof | HelloAck, frames: list[bytes]) -> None:
-        """One handshake message (not sealed with a session yet; ``frames`` carry its MAC if any)."""
-
-    def handle(self, msg: AnyMessage, peer: Peer) -> None:
-        """One message sealed by ``peer``'s session (heartbeats excluded)."""
-
-    def job_done(self, job: TransferJob, error: str | None) -> None:
-        """A data-plane job finished (``error`` None) or failed."""
-
-    def peer_lost(self, key: PeerKey, reason: str) -> None:
-        """The peer died or restarted: fail the rooms it serves (UNAVAILABLE)."""
-
-    def tick(self, now: float) -> None:
-        """The periodic sweep: deadlines, retries, forgetting old rooms."""
-
-    def close(self, reason: str) -> None:
-        """The manager closes (any thread): fail every open room (UNAVAILABLE)."""

@@ -6,11 +6,11 @@ import time
 
 import msgspec
 
+from common.engine.mem.pages import num_pages
+from common.engine.req import Req
+from common.engine.scheduler import Scheduler
 from common.errors import ErrorCode
 from common.io_struct import GenerateReqInput
-from common.mem.pages import num_pages
-from common.req import Req
-from common.scheduler import Scheduler
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import GroupPolls, KVPoll
 from kvtransfer.sender import KVSender

@@ -6,7 +6,7 @@ them any more) on every TP rank of the group; only then are they released into t
 
 from __future__ import annotations
 
-from common.req import Req
+from common.engine.req import Req
 from kvtransfer.poll import GroupPolls, KVPoll
 
 

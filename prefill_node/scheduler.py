@@ -20,14 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import ServerArgs
-from common.distributed import TPGroup
+from common.engine.distributed import TPGroup
+from common.engine.mem.pages import bytes_per_page, num_pages, req_pages
+from common.engine.req import Finished, FinishReason, Req
+from common.engine.scheduler import Scheduler, internal_error_message
+from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.errors import KV_PEER_FAULT, ErrorCode
 from common.faults import inject
 from common.io_struct import GenerateReqInput, PrefillDone, QueueLoad, SchedulerInput, Timing
-from common.mem.pages import bytes_per_page, num_pages, req_pages
-from common.req import Finished, FinishReason, Req
-from common.scheduler import Scheduler, internal_error_message
-from common.scheduler_metrics import DisaggQueueCounts
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
 from kvtransfer.node import make_kv_manager
 from kvtransfer.poll import GroupPolls, KVPoll

@@ -11,8 +11,8 @@ import grpc
 from common.config import ServerArgs
 from common.errors import InvalidRequestError
 from common.io_struct import PrefillDone
-from common.server.convert import request_from_proto, timing_to_proto
-from common.server.front import WorkerServicer
+from common.node.convert import request_from_proto, timing_to_proto
+from common.node.front import WorkerServicer
 from kvtransfer.bootstrap import BootstrapServer
 from pdcluster.v1 import worker_pb2
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from aiohttp import web
 
-from common.security import same_secret
+from common.wire.security import same_secret
 
 ADMIN_RPCS = frozenset({"RegisterWorker", "DeregisterWorker", "ListWorkers"})
 ADMIN_PATHS = ("/v1/workers", "/metrics")

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING
 
 from common import env, event_loop
 from common.errors import ConfigError
+from common.flags import add_flags, config_values
 from common.gc_freeze import freeze_startup_heap
-from common.tls import TlsFiles
-from router.config import MUX_TRANSPORTS, POLICIES, RouterConfig, WorkerSpec
+from common.wire.tls import TlsFiles
+from router.config import SECURITY, RouterConfig, WorkerSpec
 
 if TYPE_CHECKING:
     from router.server import RouterServer
@@ -21,105 +22,22 @@ logger = logging.getLogger(__name__)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    d = RouterConfig()
-    p.add_argument(
-        "--model-path",
-        default=None,
-        help="local HF model folder (tokenizer, chat template, config.json); default: the embedded model",
-    )
-    p.add_argument(
-        "--served-model-name", default=None, help="model name clients use (default: the folder's name)"
-    )
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="pdcluster.v1.Router gRPC port")
-    p.add_argument("--http-port", type=int, default=d.http_port, help="OpenAI-compatible HTTP port (-1: off)")
-    p.add_argument(
-        "--prefill",
-        action="append",
-        default=[],
-        metavar="HOST:PORT[:BOOTSTRAP_PORT]",
-        help="prefill worker's gRPC address (repeatable); bootstrap port default: from GetServerInfo",
-    )
-    p.add_argument(
-        "--decode", action="append", default=[], metavar="HOST:PORT", help="decode worker (repeatable)"
-    )
-    p.add_argument(
-        "--worker",
-        action="append",
-        default=[],
-        metavar="HOST:PORT",
-        help="colocated (mode null) worker (repeatable)",
-    )
-    p.add_argument("--prefill-policy", choices=POLICIES, default=d.prefill_policy)
-    p.add_argument("--decode-policy", choices=POLICIES, default=d.decode_policy)
-    p.add_argument(
-        "--max-retries",
-        type=int,
-        default=d.max_retries,
-        help="extra attempts after attempts that failed before producing a token",
-    )
-    p.add_argument(
-        "--max-migrations",
-        type=int,
-        default=d.max_migrations,
-        help="times a request whose decode/colocated leg failed after producing tokens continues on another "
-        "worker from those tokens (0: fail it)",
-    )
-    p.add_argument(
-        "--retry-backoff", type=float, default=d.retry_backoff_s, help="first retry backoff, seconds"
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=d.request_timeout_s,
-        help="deadline of a request without a client deadline, seconds",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=d.drain_timeout_s,
-        help="SIGTERM: seconds requests in flight may go on (new ones get 503 / UNAVAILABLE) before the rest are "
-        "aborted; a second SIGTERM cuts it short",
-    )
-    p.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold)
-    p.add_argument("--cb-open-seconds", type=float, default=d.cb_open_s)
-    p.add_argument("--health-interval", type=float, default=d.health_interval_s)
-    p.add_argument("--load-interval", type=float, default=d.load_interval_s)
-    p.add_argument("--cache-threshold", type=float, default=d.cache_threshold)
-    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold)
-    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
-    p.add_argument("--prefix-tree-blocks", type=int, default=d.prefix_tree_blocks,
-                   help="cache_aware: most prefix blocks remembered per worker rank (each also bounded by its KV pool)")
-    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
-    p.add_argument(
-        "--tokenize-workers",
-        type=int,
-        default=d.tokenize_workers,
-        help="processes that tokenize prompts over --tokenize-inline-bytes off the event loop (0: all inline)",
-    )
-    p.add_argument("--tokenize-inline-bytes", type=int, default=d.tokenize_inline_bytes)
-    p.add_argument(
-        "--max-inflight-requests",
-        type=int,
-        default=d.max_inflight_requests,
-        help="requests served at once (0: unbounded); beyond it HTTP 429 / RESOURCE_EXHAUSTED with Retry-After",
-    )
-    p.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="router processes sharing the ports via SO_REUSEPORT (needs fixed, non-zero ports)",
-    )
-    p.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT (set by --replicas)")
-    p.add_argument("--event-loop", choices=event_loop.EVENT_LOOPS, default=d.event_loop,
-                   help="auto: uvloop when installed, else asyncio's loop")
-    p.add_argument("--mux-transport", choices=MUX_TRANSPORTS, default=d.mux_transport,
-                   help="request legs to a node: socket (its Mux socket when it offers one, else its gRPC Mux "
-                        "stream) or grpc (always the gRPC stream, e.g. through a proxy that passes only HTTP/2)")
+    add_flags(p, RouterConfig)
+    # Flags that build a field from several values, or act on the process rather than the config.
+    w = p.add_argument_group("workers")
+    w.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT[:BOOTSTRAP_PORT]",
+                   help="prefill worker's gRPC address (repeatable); bootstrap port default: from GetServerInfo")
+    w.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="decode worker (repeatable)")
+    w.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
+                   help="colocated (mode null) worker (repeatable)")
+    p.add_argument("--http-port", type=int, default=RouterConfig.http_port,
+                   help="OpenAI-compatible HTTP port (0: any free port; -1: off)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="router processes sharing the ports via SO_REUSEPORT (needs fixed, non-zero ports)")
     p.add_argument("--admin-token", default=None,
                    help="bearer token of the admin RPCs and /metrics, /v1/workers, timing lookups "
                         "(default: PDCLUSTER_ADMIN_TOKEN, else the cluster secret)")
-    s = p.add_argument_group("client security")
+    s = p.add_argument_group(SECURITY)
     s.add_argument("--api-key", default=None,
                    help="bearer key of generation and model calls (visible in ps: prefer --api-key-file or "
                         "PDCLUSTER_API_KEY[_FILE]); default: open")
@@ -129,8 +47,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-ca", default=None,
                    help="PEM CA bundle: mutual TLS to the nodes (their certificates must chain to it; the router "
                         "presents --tls-cert)")
-    s.add_argument("--tls-server-name", default=None,
-                   help="name the nodes' certificates carry (default: the host of each node's address)")
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
@@ -140,38 +56,12 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         + [WorkerSpec.parse(a, "colocated") for a in ns.worker]
     )
     return RouterConfig(
-        model_path=ns.model_path,
-        served_model_name=ns.served_model_name,
-        host=ns.host,
-        grpc_port=ns.grpc_port,
+        **config_values(RouterConfig, ns),
         http_port=None if ns.http_port < 0 else ns.http_port,
         workers=workers,
-        prefill_policy=ns.prefill_policy,
-        decode_policy=ns.decode_policy,
-        max_retries=ns.max_retries,
-        max_migrations=ns.max_migrations,
-        retry_backoff_s=ns.retry_backoff,
-        request_timeout_s=ns.request_timeout,
-        drain_timeout_s=ns.drain_timeout,
-        cb_failure_threshold=ns.cb_failure_threshold,
-        cb_open_s=ns.cb_open_seconds,
-        health_interval_s=ns.health_interval,
-        load_interval_s=ns.load_interval,
-        cache_threshold=ns.cache_threshold,
-        balance_abs_threshold=ns.balance_abs_threshold,
-        balance_rel_threshold=ns.balance_rel_threshold,
-        prefix_tree_blocks=ns.prefix_tree_blocks,
-        max_request_bytes=ns.max_request_bytes,
-        tokenize_workers=ns.tokenize_workers,
-        tokenize_inline_bytes=ns.tokenize_inline_bytes,
-        max_inflight_requests=ns.max_inflight_requests,
-        reuse_port=ns.reuse_port,
-        event_loop=ns.event_loop,
-        mux_transport=ns.mux_transport,
         **({"admin_token": ns.admin_token} if ns.admin_token is not None else {}),
         api_key=api_key_from_args(ns),
         tls=TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca),
-        tls_server_name=ns.tls_server_name,
     )
 
 

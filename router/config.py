@@ -7,7 +7,9 @@ from typing import Literal
 
 from common import env
 from common.errors import ConfigError
-from common.tls import TlsFiles
+from common.event_loop import EVENT_LOOPS
+from common.flags import above, at_least, check_flags, flag, tcp_port
+from common.wire.tls import TlsFiles
 
 Role = Literal["prefill", "decode", "colocated"]
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -42,66 +44,89 @@ class WorkerSpec:
         return WorkerSpec(f"{host}:{port}", role, bootstrap)
 
 
+ROUTING, FAILURES, LIMITS, PROCESS, SECURITY = "routing", "failures", "limits", "process", "client security"
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    model_path: str | None = None  # local HF folder: tokenizer, chat template, config.json
-    served_model_name: str | None = None  # default: the model folder's name
-    host: str = "127.0.0.1"
-    grpc_port: int = 30100  # 0: pick a free port (tests)
-    http_port: int | None = 30101  # None: no HTTP gateway; 0: pick a free port
+    """The router's flags, each declared once here (``common.flags``; ``router.cli`` adds the few flags that build
+    a field from several values: workers, HTTP port, keys, TLS files). Fields without ``flag()`` are set in code."""
+
+    model_path: str | None = flag(None, "local HF model folder (tokenizer, chat template, config.json); default: the "
+                                  "embedded model")
+    served_model_name: str | None = flag(None, "model name clients use (default: the folder's name)")
+    host: str = flag("127.0.0.1", "bind address of the gRPC and HTTP listeners")
+    grpc_port: int = flag(30100, "pdcluster.v1.Router gRPC port (0: any free port)", check=tcp_port())
+    http_port: int | None = 30101  # None: no HTTP gateway; 0: pick a free port (``--http-port``, -1: off)
     workers: tuple[WorkerSpec, ...] = ()
-    prefill_policy: str = "cache_aware"
-    decode_policy: str = "power_of_two"
-    # Failures.
-    max_retries: int = 3  # extra attempts after ones that failed before producing a token
-    # Times one request may move to another worker after its decode (or colocated) leg failed having produced
-    # tokens; the next attempt continues from those tokens (router/core.py).
-    max_migrations: int = 2
-    retry_backoff_s: float = 0.05  # first backoff; doubles each retry, with jitter
-    retry_backoff_max_s: float = 1.0
-    request_timeout_s: float = 300.0  # whole-request deadline when the client sets none
-    drain_timeout_s: float = 30.0  # SIGTERM: how long requests in flight may go on before both legs are aborted
-    cb_failure_threshold: int = 5  # consecutive failures that open a worker's circuit
-    cb_open_s: float = 10.0  # open -> half-open after this long
-    # Monitoring.
-    health_interval_s: float = 2.0
-    health_failure_threshold: int = 2  # consecutive failed health checks that mark a worker unhealthy
-    load_interval_s: float = 0.25  # GetLoad poll period (policies use the cached reports)
-    rpc_timeout_s: float = 2.0  # health, load, server-info and abort RPCs
-    # Policies.
-    cache_threshold: float = 0.5  # cache_aware: prefix match rate above which the match wins
-    balance_abs_threshold: int = 32  # cache_aware: load gap (in-flight requests) that forces balancing ...
-    balance_rel_threshold: float = 1.5  # ... when also max > rel * min
-    # cache_aware: blocks remembered per worker DP rank (LRU), at most; each rank's own bound is its node's KV pool
-    # in blocks (``total_kv_pages * page_size / prefix_block_tokens``). ~330 B of router memory per held block.
-    prefix_tree_blocks: int = 1 << 16
+    prefill_policy: str = flag("cache_aware", "how a prefill worker is picked", group=ROUTING, choices=POLICIES)
+    decode_policy: str = flag("power_of_two", "how a decode worker is picked", group=ROUTING, choices=POLICIES)
+    cache_threshold: float = flag(0.5, "cache_aware: prefix match rate above which the match wins", group=ROUTING)
+    balance_abs_threshold: int = flag(32, "cache_aware: load gap (in-flight requests) that forces balancing ...",
+                                      group=ROUTING)
+    balance_rel_threshold: float = flag(1.5, "... when also max > rel * min", group=ROUTING)
+    # cache_aware: each rank's own bound is its node's KV pool in blocks (``total_kv_pages * page_size /
+    # prefix_block_tokens``). ~330 B of router memory per held block.
+    prefix_tree_blocks: int = flag(1 << 16, "cache_aware: most prefix blocks remembered per worker rank (each also "
+                                   "bounded by its KV pool)", group=ROUTING, check=at_least(1))
     prefix_block_tokens: int = 16  # cache_aware: tokens per hashed block
+    # Failures.
+    max_retries: int = flag(3, "extra attempts after attempts that failed before producing a token", group=FAILURES,
+                            check=at_least(0))
+    # The next attempt continues from the tokens so far (router/core.py).
+    max_migrations: int = flag(2, "times a request whose decode/colocated leg failed after producing tokens "
+                               "continues on another worker from those tokens (0: fail it)", group=FAILURES,
+                               check=at_least(0))
+    retry_backoff_s: float = flag(0.05, "first retry backoff, seconds; doubles each retry, with jitter",
+                                  group=FAILURES, name="retry-backoff", check=at_least(0))
+    retry_backoff_max_s: float = 1.0
+    request_timeout_s: float = flag(300.0, "deadline of a request without a client deadline, seconds",
+                                    group=FAILURES, name="request-timeout", check=above(0))
+    drain_timeout_s: float = flag(30.0, "SIGTERM: seconds requests in flight may go on (new ones get 503 / "
+                                  "UNAVAILABLE) before the rest are aborted; a second SIGTERM cuts it short",
+                                  group=FAILURES, name="drain-timeout", check=at_least(0))
+    cb_failure_threshold: int = flag(5, "consecutive failures that open a worker's circuit", group=FAILURES,
+                                     check=at_least(1))
+    cb_open_s: float = flag(10.0, "seconds a worker's open circuit stays open before half-open", group=FAILURES,
+                            name="cb-open-seconds", check=above(0))
+    # Monitoring.
+    health_interval_s: float = flag(2.0, "seconds between health checks of a worker", group=FAILURES,
+                                    name="health-interval", check=above(0))
+    health_failure_threshold: int = 2  # consecutive failed health checks that mark a worker unhealthy
+    load_interval_s: float = flag(0.25, "GetLoad poll period, seconds (policies use the cached reports)",
+                                  group=FAILURES, name="load-interval", check=above(0))
+    rpc_timeout_s: float = 2.0  # health, load, server-info and abort RPCs
     # Limits.
-    max_inflight_requests: int = 4096  # requests the router serves at once (0: unbounded); more get HTTP 429
-    max_request_bytes: int = 4 << 20
+    max_inflight_requests: int = flag(4096, "requests served at once (0: unbounded); beyond it HTTP 429 / "
+                                      "RESOURCE_EXHAUSTED with Retry-After", group=LIMITS, check=at_least(0))
+    max_request_bytes: int = flag(4 << 20, "largest request body or message, bytes", group=LIMITS, check=at_least(1))
     max_n: int = 1
     # Prompts (text, or all chat message contents) over tokenize_inline_bytes UTF-8 bytes are tokenized in one of
-    # tokenize_workers processes (router/tokenize_pool.py), never on the event loop; 0 workers: all inline.
-    tokenize_workers: int = 2
-    tokenize_inline_bytes: int = 4 << 10
+    # tokenize_workers processes (router/tokenize_pool.py), never on the event loop.
+    tokenize_workers: int = flag(2, "processes that tokenize prompts over --tokenize-inline-bytes off the event loop "
+                                 "(0: all inline)", group=LIMITS, check=at_least(0))
+    tokenize_inline_bytes: int = flag(4 << 10, "prompts up to this many UTF-8 bytes are tokenized on the event loop",
+                                      group=LIMITS, check=at_least(0))
     timing_keep: int = 1024  # /v1/requests/{id}/timing: last N requests ...
     timing_ttl_s: float = 300.0  # ... for at most this long
     default_max_tokens: int = 128  # gRPC requests without max_new_tokens (clamped to the context)
     # Replicas: bind the ports with SO_REUSEPORT so several router processes share them (the kernel spreads
     # connections); each replica is stateless apart from its /v1/requests/{id}/timing store.
-    reuse_port: bool = False
-    event_loop: str = "auto"  # common/event_loop.py: uvloop when installed, or "uvloop" / "asyncio"
-    # Request legs: "socket" uses a node's Mux socket when its Mux stream offers one (common/mux_socket.py), "grpc"
-    # keeps them on the gRPC Mux stream.
-    mux_transport: str = "socket"
+    reuse_port: bool = flag(False, "bind with SO_REUSEPORT (set by --replicas)", group=PROCESS)
+    event_loop: str = flag("auto", "auto: uvloop when installed, else asyncio's loop", group=PROCESS,
+                           choices=EVENT_LOOPS)
+    mux_transport: str = flag("socket", "request legs to a node: socket (its Mux socket when it offers one, else its "
+                              "gRPC Mux stream) or grpc (always the gRPC stream, e.g. through a proxy that passes "
+                              "only HTTP/2)", group=PROCESS, choices=MUX_TRANSPORTS)
     # Admin RPCs and internal HTTP views need this bearer token (router/admin.py); "" refuses them all.
     admin_token: str = field(default_factory=env.admin_token, repr=False)
     # Generation and model calls need this bearer key (router/client_auth.py); "" leaves them open.
     api_key: str = field(default_factory=env.api_key, repr=False)
-    # TLS (common/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels to
-    # nodes verify each node's certificate against it and present tls.cert/tls.key (mutual TLS).
+    # TLS (common/wire/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels
+    # to nodes verify each node's certificate against it and present tls.cert/tls.key (mutual TLS).
     tls: TlsFiles = field(default_factory=TlsFiles)
-    tls_server_name: str | None = None  # the name node certificates carry; None: the host the router dials
+    tls_server_name: str | None = flag(None, "name the nodes' certificates carry (default: the host of each node's "
+                                       "address)", group=SECURITY)
 
     @property
     def listener_tls(self) -> TlsFiles:
@@ -110,30 +135,11 @@ class RouterConfig:
         return TlsFiles(self.tls.cert, self.tls.key)
 
     def __post_init__(self) -> None:
-        for name in ("prefill_policy", "decode_policy"):
-            if getattr(self, name) not in POLICIES:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag} must be one of {', '.join(POLICIES)}, got {getattr(self, name)!r}")
-        if self.max_retries < 0:
-            raise ConfigError(f"--max-retries must be >= 0, got {self.max_retries}")
-        if self.max_migrations < 0:
-            raise ConfigError(f"--max-migrations must be >= 0, got {self.max_migrations}")
-        if self.request_timeout_s <= 0:
-            raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
-        if self.drain_timeout_s < 0:
-            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
-        if self.max_inflight_requests < 0:
-            raise ConfigError(f"--max-inflight-requests must be >= 0, got {self.max_inflight_requests}")
-        if self.tokenize_workers < 0:
-            raise ConfigError(f"--tokenize-workers must be >= 0, got {self.tokenize_workers}")
-        if self.tokenize_inline_bytes < 0:
-            raise ConfigError(f"--tokenize-inline-bytes must be >= 0, got {self.tokenize_inline_bytes}")
-        if self.prefix_tree_blocks < 1 or self.prefix_block_tokens < 1:
-            raise ConfigError(f"--prefix-tree-blocks must be >= 1, got {self.prefix_tree_blocks}")
+        check_flags(self)  # each flag's choices and check (declared on its field)
+        if self.prefix_block_tokens < 1:
+            raise ConfigError(f"prefix_block_tokens must be >= 1, got {self.prefix_block_tokens}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
-        if self.mux_transport not in MUX_TRANSPORTS:
-            raise ConfigError(f"--mux-transport must be one of {', '.join(MUX_TRANSPORTS)}, got {self.mux_transport!r}")
         self.tls.check()
         if self.tls_server_name is not None and not self.tls.mutual:
             raise ConfigError("--tls-server-name names the nodes' certificates: it needs --tls-ca (mutual TLS)")

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.engine.sampling.params import SamplingParams
 from common.errors import CapacityError, InvalidRequestError
-from common.sampling.params import SamplingParams
 from router.request import ClientRequest, GenRequest, sampling_to_proto
 from router.tokenize_messages import ChatMessage, TokenizeJob
 from router.tokenize_pool import TokenizePool

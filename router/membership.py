@@ -1,5 +1,5 @@
 """The router's side of the membership proof: before a worker gets the cluster credential or any request, it answers
-a fresh nonce with a proof that only a holder of the cluster secret can compute (``common.worker_auth``).
+a fresh nonce with a proof that only a holder of the cluster secret can compute (``common.wire.worker_auth``).
 
 Outcomes: proven; rejected (a wrong proof, or a refusal/unknown RPC: not a pdcluster node of this cluster; or the
 router itself has no secret); unreachable (UNAVAILABLE, DEADLINE_EXCEEDED: retried by the monitor, not counted as a failure).
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from common import env
-from common.worker_auth import new_nonce, proof_matches
+from common.wire.worker_auth import new_nonce, proof_matches
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})

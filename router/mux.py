@@ -20,9 +20,9 @@ from typing import Any
 
 import grpc
 
-from common.mux_frames import MUX_METADATA_KEY, FrameWriter, Reassembler
-from common.mux_socket import SOCKET_METADATA_KEY, FrameConnection, FrameError, connect
-from common.worker_auth import credential_metadata, worker_credential
+from common.wire.mux_frames import MUX_METADATA_KEY, FrameWriter, Reassembler
+from common.wire.mux_socket import SOCKET_METADATA_KEY, FrameConnection, FrameError, connect
+from common.wire.worker_auth import credential_metadata, worker_credential
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class GrpcMuxIO:
 
 
 class SocketMuxIO:
-    """A Mux stream's frames over a Mux socket connection (``common/mux_socket.py``).
+    """A Mux stream's frames over a Mux socket connection (``common/wire/mux_socket.py``).
 
     Keepalive: a socket silent for ``KEEPALIVE_IDLE_S`` gets a ping, and fails (UNAVAILABLE, every request on it)
     when nothing arrives within ``KEEPALIVE_TIMEOUT_S`` after it: a stopped or wedged node process, whose kernel

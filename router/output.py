@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from common.detokenizer import IncrementalDetokenizer
+from common.text.detokenizer import IncrementalDetokenizer
 from pdcluster.v1 import common_pb2, worker_pb2
 from router.metrics import RouterMetrics
 from router.request import Delta, Final, GenRequest

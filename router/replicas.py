@@ -31,7 +31,7 @@ def child_argv(argv: list[str]) -> list[str]:
 
 
 def run_replicas(n: int, argv: list[str], ready_timeout_s: float = 120.0) -> int:
-    cmd = [sys.executable, "-m", "common.cli", *child_argv(argv)]
+    cmd = [sys.executable, "-m", "common.app.cli", *child_argv(argv)]
     children = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(n)]
 
     def stop(signum: int, _frame: object) -> None:

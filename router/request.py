@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.sampling.params import SamplingParams
+from common.engine.sampling.params import SamplingParams
 from pdcluster.v1 import common_pb2
 
 

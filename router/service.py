@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import InvalidRequestError
-from common.tokenizer import load_tokenizer, resolve_model_path
+from common.text.tokenizer import load_tokenizer, resolve_model_path
 from router.config import Role, RouterConfig, WorkerSpec
 from router.core import RouterCore
 from router.drain import Drain

@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 from common import env
 from common.errors import InvalidRequestError
-from common.tokenizer import load_tokenizer
+from common.text.tokenizer import load_tokenizer
 from router.tokenize_messages import HEADER_BYTES, JOB_DECODER, TokenizeJob, TokenizeResult, frame
 from router.tokenizer import Tokenizer
 

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from grpc_health.v1 import health_pb2_grpc
 
-from common.worker_auth import aio_worker_channel
+from common.wire.worker_auth import aio_worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.breaker import CircuitBreaker
 from router.candidates import Candidates, RoleView
@@ -43,7 +43,7 @@ CHANNEL_OPTIONS = (
     ("grpc.enable_retries", 0),
     # A connection that stops answering (host gone, partition: no RST) fails its Mux stream, and with it every leg
     # on it (retried or migrated elsewhere), within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of each leg's
-    # deadline. Nodes accept pings this often (common/server/serve.py NODE_SERVER_OPTIONS).
+    # deadline. Nodes accept pings this often (common/node/serve.py NODE_SERVER_OPTIONS).
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 )

@@ -65,7 +65,7 @@ def assert_pools_released(engine: Any) -> None:
 
 @pytest.fixture
 def engine_factory() -> Iterator[Callable[..., Any]]:
-    from common.engine import Engine
+    from common.node.engine import Engine
 
     engines: list[Any] = []
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from common.forward_batch import ForwardBatch, ForwardMode
-from common.mem.kv_pool import MHATokenToKVPool
-from common.model.llama import LlamaForCausalLM
-from common.model.loader import load_model
+from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.engine.mem.kv_pool import MHATokenToKVPool
+from common.engine.model.llama import LlamaForCausalLM
+from common.engine.model.loader import load_model
 
 
 @functools.cache

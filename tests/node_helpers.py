@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.ports import pick_free_port
-from common.worker_auth import worker_channel
+from common.wire.worker_auth import worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 START_TIMEOUT_S = 120.0
@@ -116,7 +116,7 @@ def start_node(
     port, bootstrap_port = free_port(), free_port()
     log = Path(tempfile.mkstemp(prefix=f"pdcluster-{mode}-", suffix=".log")[1])
     cmd = [
-        sys.executable, "-m", "common.cli", "serve", "--model-path", str(model_path), "--host", "127.0.0.1",
+        sys.executable, "-m", "common.app.cli", "serve", "--model-path", str(model_path), "--host", "127.0.0.1",
         "--port", str(port), "--disaggregation-mode", mode, "--disaggregation-bootstrap-port", str(bootstrap_port),
         "--kv-transfer-backend", backend, "--dp-size", str(dp_size), "--max-total-tokens", "4096",
         "--max-running-requests", "32", "--torch-num-threads", "1", "--drain-timeout", "2", *(extra or []),

@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.tokenizer import load_tokenizer
-from common.worker_auth import worker_channel
+from common.text.tokenizer import load_tokenizer
+from common.wire.worker_auth import worker_channel
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.node_helpers import Node, free_port
 
@@ -48,7 +48,7 @@ class Cluster:
 def start_up(model_path: Path, *extra: str) -> Cluster:
     http_port, grpc_port = free_port(), free_port()
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdcluster-up-test-{http_port}.log"
-    cmd = [sys.executable, "-m", "common.cli", "up", "--model-path", str(model_path), "--http-port", str(http_port),
+    cmd = [sys.executable, "-m", "common.app.cli", "up", "--model-path", str(model_path), "--http-port", str(http_port),
            "--grpc-port", str(grpc_port), "--max-total-tokens", "4096", "--chunked-prefill-size", "64", *extra]
     out = open(log, "w")  # noqa: SIM115 - the child writes to it for its whole life
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)

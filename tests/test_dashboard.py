@@ -18,7 +18,7 @@ from router.metrics import RouterMetrics
 
 def code_series() -> dict[str, set[str]]:
     from common.io_struct import QueueLoad
-    from common.server.metrics import observe_load  # registers the node metrics in the default registry
+    from common.node.metrics import observe_load  # registers the node metrics in the default registry
 
     # what a node's first load report sets (the queue gauges have no series before it)
     observe_load([QueueLoad(dp_rank=0, running=0, waiting=0, free_kv_pages=1, total_kv_pages=1, free_req_slots=1,

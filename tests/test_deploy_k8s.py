@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from common.cli import build_parser
+from common.app.cli import build_parser
 from common.config import server_args_from_cli
 from deploy import gen_k8s, k8s_discovery, manifests
 from deploy.manifests import OVERLAYS, pod_templates, render, selector_matches

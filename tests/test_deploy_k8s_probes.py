@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from common.worker_auth import worker_channel
+from common.wire.worker_auth import worker_channel
 from deploy import manifests
 from deploy.k8s_discovery import pod_workers
 from deploy.process import grpc_serving
@@ -45,7 +45,7 @@ class Pod:
             argv.append(f"--model-path={model}")
         self.log = Path(tempfile.mkstemp(prefix=f"pdcluster-k8s-{role}-", suffix=".log")[1])
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "common.cli", *argv], stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([sys.executable, "-m", "common.app.cli", *argv], stdout=out, stderr=subprocess.STDOUT)
 
     def _remap(self, arg: str) -> str:
         flag, _, value = arg.partition("=")

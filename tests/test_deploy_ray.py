@@ -116,7 +116,7 @@ def _generate_ids(grpc_addr: str) -> list[int]:
 
 
 def _colocated(model: Any) -> tuple[str, list[int]]:
-    from common.engine import Engine
+    from common.node.engine import Engine
 
     with Engine(model_path=str(model), max_total_tokens=1024, max_running_requests=16) as engine:
         out = engine.generate(prompt=PROMPT, sampling_params={"max_new_tokens": MAX_TOKENS, "temperature": 0.0,

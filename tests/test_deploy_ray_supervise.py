@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.cli import build_parser
+from common.app.cli import build_parser
 from common.errors import ConfigError
 from deploy.ray.cli import spec_from_args
 from deploy.ray.deployer import LivenessTracker, gpus_per_rank, supervise_once

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from common.cli import build_parser
+from common.app.cli import build_parser
 from common.config import server_args_from_cli
 from common.errors import ConfigError
 from deploy.ray.actors import rank_devices_env

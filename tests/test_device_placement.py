@@ -8,12 +8,12 @@ import argparse
 import pytest
 import torch
 
-import common.device as device_mod
-from common.cli import build_parser
+import common.engine.device as device_mod
+from common.app.cli import build_parser
+from common.app.up import LocalCluster, place_nodes, placement_lines
 from common.config import ServerArgs
-from common.device import CUDA_RESERVE_BYTES, gpu_id, kv_cache_bytes, rank_device
+from common.engine.device import CUDA_RESERVE_BYTES, gpu_id, kv_cache_bytes, rank_device
 from common.errors import ConfigError
-from common.up import LocalCluster, place_nodes, placement_lines
 
 
 def test_rank_gpu_formula() -> None:
@@ -149,7 +149,7 @@ def test_up_passes_per_role_tp_to_the_node_command_lines(tmp_path) -> None:
 def test_up_reports_the_start_up_error_of_a_node(tmp_path) -> None:
     import time
 
-    from common.up import _free_port
+    from common.app.up import _free_port
     from tests.model_fixtures import make_tiny_model
 
     cluster = LocalCluster(_up_ns("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path),

@@ -212,7 +212,7 @@ def test_scheduler_rejects_request_over_kv_capacity(engine_factory, llama) -> No
 
 
 def test_bad_model_folders(tmp_path, llama) -> None:
-    from common.engine import Engine
+    from common.node.engine import Engine
 
     with pytest.raises(ModelLoadError, match="not a directory"):
         Engine(model_path=str(tmp_path / "missing"))

@@ -1,4 +1,4 @@
-"""Compiled decode steps on CPU (``common.graph_runner``): buckets, flags, the compile-friendly decode attention
+"""Compiled decode steps on CPU (``common.engine.graph_runner``): buckets, flags, the compile-friendly decode attention
 against the eager backend, the start-up check's fallback, and ``--enable-torch-compile`` through the engine
 (logits of every compiled step within 1e-4 of eager, greedy identity). CUDA graphs: tests/gpu/test_graph_runner_cuda.py.
 """
@@ -17,13 +17,17 @@ import pytest
 import torch
 
 from common.config import ServerArgs, add_server_args, server_args_from_cli
+from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.engine.graph_runner import DecodeGraphRunner, batch_size_buckets, build_graph_runner
+from common.engine.mem.kv_pool import MHATokenToKVPool
+from common.engine.mem.req_to_token_pool import ReqToTokenPool
+from common.engine.model.attention import TorchAttentionBackend
+from common.engine.model.padded_decode_backend import (
+    PaddedDecodeBackend,
+    PaddedDecodeMetadata,
+    padded_page_table,
+)
 from common.errors import ConfigError
-from common.forward_batch import ForwardBatch, ForwardMode
-from common.graph_runner import DecodeGraphRunner, batch_size_buckets, build_graph_runner
-from common.mem.kv_pool import MHATokenToKVPool
-from common.mem.req_to_token_pool import ReqToTokenPool
-from common.model.attention import TorchAttentionBackend
-from common.model.padded_decode_backend import PaddedDecodeBackend, PaddedDecodeMetadata, padded_page_table
 from tests.model_fixtures import load_tiny_model
 
 ATOL = 1e-4
@@ -120,7 +124,7 @@ def test_a_runner_that_fails_its_check_falls_back_to_eager(monkeypatch: pytest.M
         return torch.zeros(bs, cfg.hidden_size)
 
     monkeypatch.setattr(DecodeGraphRunner, "_run_compiled", wrong)
-    with caplog.at_level(logging.WARNING, logger="common.graph_runner"):
+    with caplog.at_level(logging.WARNING, logger="common.engine.graph_runner"):
         assert build_graph_runner(args, model, pool, r2t, model.make_attn_backend()) is None
     assert "logits differ from eager" in caplog.text and "run eagerly" in caplog.text
     prefill = args.replace(disaggregation_mode="prefill", disaggregation_bootstrap_port=8998)

@@ -19,14 +19,14 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import common.model_runner as model_runner
+import common.engine.model_runner as model_runner
 from common.config import ServerArgs
-from common.forward_batch import ForwardBatch
+from common.engine.forward_batch import ForwardBatch
+from common.engine.mem.req_to_token_pool import ReqToTokenPool
+from common.engine.sampling.params import SamplingParams
+from common.engine.scheduler import Scheduler
 from common.io_struct import GenerateReqInput, TokenOut
-from common.mem.req_to_token_pool import ReqToTokenPool
-from common.sampling.params import SamplingParams
-from common.scheduler import Scheduler
-from common.tokenizer import load_tokenizer
+from common.text.tokenizer import load_tokenizer
 from tests.model_fixtures import make_tiny_model
 
 META = torch.device("meta")

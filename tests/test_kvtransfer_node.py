@@ -1,5 +1,5 @@
 """The seam between the engine and the KV transfer layer: ``common`` never imports ``kvtransfer``; the manager
-knows no role module; ``kvtransfer.node`` builds a rank's manager from a model runner; ``common.mem.pages`` does
+knows no role module; ``kvtransfer.node`` builds a rank's manager from a model runner; ``common.engine.mem.pages`` does
 the page arithmetic both roles use."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from common.config import ServerArgs
-from common.mem.kv_pool import MHATokenToKVPool
-from common.mem.pages import bytes_per_page, num_pages, req_pages
+from common.engine.mem.kv_pool import MHATokenToKVPool
+from common.engine.mem.pages import bytes_per_page, num_pages, req_pages
 from kvtransfer.args import KVArgs
 from kvtransfer.node import make_kv_manager
 from kvtransfer.receiver import DecodeRooms, KVReceiver

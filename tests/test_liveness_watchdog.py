@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.errors import ConfigError
-from common.server.http_probe import node_liveness
+from common.node.http_probe import node_liveness
 from tests.model_fixtures import make_tiny_model
 from tests.node_helpers import Node, free_port, rank_pids, start_node
 

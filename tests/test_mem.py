@@ -9,8 +9,8 @@ from typing import Any, cast
 import pytest
 import torch
 
-from common.mem import ChunkCache, RadixCache, ReqToTokenPool, TokenToKVPoolAllocator, TreeNode
-from common.req import Req
+from common.engine.mem import ChunkCache, RadixCache, ReqToTokenPool, TokenToKVPoolAllocator, TreeNode
+from common.engine.req import Req
 
 
 def slots_of(pages: list[int], ps: int) -> list[int]:

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from common.engine.forward_batch import ForwardMode
+from common.engine.model.config import ModelConfig
+from common.engine.model.loader import load_model
 from common.errors import ModelLoadError
-from common.forward_batch import ForwardMode
-from common.model.config import ModelConfig
-from common.model.loader import load_model
 from common.model_gen import make_model
 from common.model_gen.make_model import CHECK_PROMPTS, MIN_MEDIAN_MARGIN, default_model_path
 from tests.model_fixtures import PagedHarness, hf_logits, load_tiny_model, make_tiny_model

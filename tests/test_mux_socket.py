@@ -1,4 +1,4 @@
-"""The Mux socket (common/mux_socket.py, common/server/mux_socket_server.py): the router's request legs on a plain TCP
+"""The Mux socket (common/wire/mux_socket.py, common/node/mux_socket_server.py): the router's request legs on a plain TCP
 connection offered on the gRPC Mux stream; the hello's credential, the fallback to gRPC, framing faults."""
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from typing import Any
 import grpc
 import pytest
 
-from common import mux_socket
 from common.config import ServerArgs
 from common.errors import ConfigError
-from common.mux_socket import FrameConnection, FrameError, connect
-from common.server import mux_socket_server
-from common.server.mux_socket_server import MuxSocketServer
+from common.node import mux_socket_server
+from common.node.mux_socket_server import MuxSocketServer
 from common.testing.mock_worker import MockConfig, MockWorker, fake_tokens
-from common.testing.router_fleet import eventually, fleet
+from common.wire import mux_socket
+from common.wire.mux_socket import FrameConnection, FrameError, connect
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
 from router import mux as router_mux
 from router.cli import add_router_args, config_from_args
 from router.config import RouterConfig
+from router.testing import eventually, fleet
 from tests.mux_helpers import gen_req, linked, read_all
 
 

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
-from common.worker_auth import new_nonce, proof_matches
+from common.wire.worker_auth import new_nonce, proof_matches
 from kvtransfer.testing import backend_param
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.node_helpers import Node, start_node

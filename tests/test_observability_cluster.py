@@ -54,7 +54,7 @@ def cluster() -> Iterator[Cluster]:
         d.wait_ready()
         http_port, grpc_port = free_port(), free_port()
         router = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "router", "--model-path", str(model), "--http-port",
+            [sys.executable, "-m", "common.app.cli", "router", "--model-path", str(model), "--http-port",
              str(http_port), "--grpc-port", str(grpc_port), "--prefill", f"127.0.0.1:{p.port}:{p.bootstrap_port}",
              "--decode", f"127.0.0.1:{d.port}", "--health-interval", "0.5"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -105,14 +105,14 @@ def total(samples: dict[str, float], name: str) -> float:
 def bench_cli(cmd: list[str]) -> int:
     """``pdcluster bench`` in this process (the same parser and code path, without a new interpreter)."""
     from benchmarks.bench import run_bench
-    from common.cli import build_parser
+    from common.app.cli import build_parser
 
     return run_bench(build_parser().parse_args(cmd[cmd.index("bench"):]))
 
 
 def test_bench_cli_writes_json_and_png(cluster: Cluster, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "common.cli", "bench", "--base-url", cluster.http + "/v1", "--workload", "random",
+    cmd = [sys.executable, "-m", "common.app.cli", "bench", "--base-url", cluster.http + "/v1", "--workload", "random",
            "--num-requests", "10", "--input-len", "40", "--output-len", "6", "--concurrency", "4",
            "--time-limit", "60", "--grace", "30", "--slo-ttft-ms", "5000", "--slo-itl-ms", "2000",
            "--no-progress", "--out", str(out)]
@@ -127,7 +127,7 @@ def test_bench_cli_writes_json_and_png(cluster: Cluster, tmp_path: Path) -> None
     for png in rep["plots"]:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the gRPC API, open loop
-    cmd = [sys.executable, "-m", "common.cli", "bench", "--grpc", cluster.grpc_addr, "--num-requests", "5",
+    cmd = [sys.executable, "-m", "common.app.cli", "bench", "--grpc", cluster.grpc_addr, "--num-requests", "5",
            "--input-len", "24", "--output-len", "4", "--rate", "20", "--time-limit", "30", "--no-progress",
            "--no-plots", "--out", str(tmp_path / "grpc")]
     assert bench_cli(cmd) == 0

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.engine import Engine, GenerateOutput
+from common.node.engine import Engine, GenerateOutput
 from tests.test_engine import greedy, make_prompts, overlap_flags
 
 
@@ -138,13 +138,13 @@ def test_overlap_outputs_equal_the_normal_loop(engine_factory, model_path, chunk
     (2, {"disable_overlap_schedule": True}, "cuda", False),
 ])
 def test_overlap_default_leaves_the_cpu_forward_its_cores(monkeypatch, cores, flags, device, on) -> None:
-    import common.device
-    import common.overlap
+    import common.engine.device
+    import common.engine.overlap
     from common.config import ServerArgs
 
-    monkeypatch.setattr(common.device, "usable_cores", lambda: cores)
-    monkeypatch.setattr(common.overlap, "usable_cores", lambda: cores)
-    assert common.overlap.overlap_schedule_on(ServerArgs(**flags), torch.device(device)) is on
+    monkeypatch.setattr(common.engine.device, "usable_cores", lambda: cores)
+    monkeypatch.setattr(common.engine.overlap, "usable_cores", lambda: cores)
+    assert common.engine.overlap.overlap_schedule_on(ServerArgs(**flags), torch.device(device)) is on
 
 
 def test_contradicting_overlap_flags_rejected() -> None:

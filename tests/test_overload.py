@@ -11,11 +11,11 @@ import grpc
 import pytest
 
 from common.config import ServerArgs
+from common.engine.sampling.params import SamplingParams
+from common.engine.scheduler import Scheduler
 from common.io_struct import GenerateReqInput
-from common.sampling.params import SamplingParams
-from common.scheduler import Scheduler
-from common.testing.router_fleet import eventually, fleet
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.testing import eventually, fleet
 from tests.model_fixtures import make_tiny_model
 
 

@@ -11,11 +11,11 @@ import pytest
 
 import common.faults as faults
 from common.config import ServerArgs
+from common.engine.sampling.params import SamplingParams
+from common.engine.scheduler import Scheduler
 from common.errors import ErrorCode
 from common.io_struct import AbortReq, GenerateReqInput, PrefillDone, TokenOut
-from common.sampling.params import SamplingParams
-from common.scheduler import Scheduler
-from common.tokenizer import load_tokenizer
+from common.text.tokenizer import load_tokenizer
 from tests.model_fixtures import make_tiny_model
 
 PROMPT_LENGTHS = [5, 17, 40, 63, 3, 100]  # chunks of 16: one to seven per prompt

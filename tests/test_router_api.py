@@ -10,10 +10,10 @@ import grpc
 import pytest
 
 from common.testing.mock_worker import fake_tokens, shared_model_dir
-from common.testing.router_fleet import eventually, fleet
-from common.tokenizer import load_tokenizer
+from common.text.tokenizer import load_tokenizer
 from pdcluster.v1 import common_pb2, router_pb2
 from router.admin import bearer_metadata
+from router.testing import eventually, fleet
 
 ADMIN = bearer_metadata(os.environ["PDCLUSTER_CLUSTER_TOKEN"])  # the router's admin token defaults to it
 ADMIN_HEADERS = dict(ADMIN)

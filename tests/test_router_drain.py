@@ -15,10 +15,10 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.testing.router_fleet import eventually, fleet
 from pdcluster.v1 import common_pb2, router_pb2
 from router.cli import serve_until_signal
 from router.drain import CUT_SHORT, REFUSED
+from router.testing import eventually, fleet
 
 DRAIN_S = 3.0  # the short stream needs ~0.4 s of it; the long one 50 s
 

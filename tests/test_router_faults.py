@@ -9,8 +9,8 @@ import grpc
 import openai
 import pytest
 
-from common.testing.router_fleet import eventually, fleet
 from pdcluster.v1 import common_pb2, router_pb2
+from router.testing import eventually, fleet
 
 
 def gen(

@@ -7,8 +7,8 @@ import grpc
 import pytest
 
 from common.testing.mock_worker import fake_tokens
-from common.testing.router_fleet import fleet
 from pdcluster.v1 import common_pb2, router_pb2
+from router.testing import fleet
 from tests.test_router_api import tokenizer
 
 VOCAB = 1536

@@ -1,5 +1,5 @@
 """Worker.Mux: the router's one multiplexed stream per worker (router/mux.py) over the node-side adapter
-(common/server/worker_mux.py), against in-process mock workers and a node front over fake ranks."""
+(common/node/worker_mux.py), against in-process mock workers and a node front over fake ranks."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pytest
 
 from common.errors import ErrorCode
 from common.io_struct import AbortReq
-from common.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
-from common.server.front import WorkerServicer
+from common.node.front import WorkerServicer
 from common.testing.mock_worker import fake_tokens
-from common.testing.router_fleet import eventually, fleet
+from common.wire.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
+from router.testing import eventually, fleet
 from tests.mux_helpers import gen_req, linked, read_all
 
 

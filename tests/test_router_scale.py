@@ -7,8 +7,8 @@ import asyncio
 import collections
 
 from benchmarks.router_scale import measure_decisions
-from common.testing.router_fleet import eventually, fleet
 from pdcluster.v1 import common_pb2, router_pb2
+from router.testing import eventually, fleet
 
 
 async def test_packed_fleet_of_16_serves_concurrent_requests_across_workers() -> None:

@@ -12,9 +12,9 @@ import aiohttp
 import grpc
 import pytest
 
-from common.testing.router_fleet import eventually, fleet
 from pdcluster.v1 import router_pb2
 from router.request import ClientRequest
+from router.testing import eventually, fleet
 
 BIG = 3_900_000  # bytes: ~2.4M tokens of the mock tokenizer, ~7 s to encode on a loaded 2-core machine
 # The mock's context raised so BIG prompts fit (and its KV, so the mock accepts them).

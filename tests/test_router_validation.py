@@ -10,8 +10,8 @@ import grpc
 import openai
 import pytest
 
-from common.testing.router_fleet import fleet
 from pdcluster.v1 import common_pb2, router_pb2
+from router.testing import fleet
 
 TOO_LONG = "word " * 3000  # > 2048 tokens of context
 

@@ -8,9 +8,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from common.errors import InvalidRequestError
-from common.req import FinishReason, Req
-from common.sampling import (
+from common.engine.req import FinishReason, Req
+from common.engine.sampling import (
     PenaltyState,
     Sampler,
     SamplingBatchInfo,
@@ -19,8 +18,9 @@ from common.sampling import (
     stop_prefix_holdback,
     trim_stop_string,
 )
-from common.sampling import sampler as sampler_module
-from common.sampling.sampler import draw_in_window, top_k_sorted
+from common.engine.sampling import sampler as sampler_module
+from common.engine.sampling.sampler import draw_in_window, top_k_sorted
+from common.errors import InvalidRequestError
 
 V = 64
 EOS = 0

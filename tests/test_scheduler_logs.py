@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.scheduler_metrics import (
+from common.engine.scheduler_metrics import (
     DecodeStats,
     DisaggQueueCounts,
     PrefillStats,
@@ -48,7 +48,7 @@ def parse(pattern: re.Pattern[str], keys: tuple[str, ...], messages: list[str]) 
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> tuple[list[dict[str, float | None]], list[dict[str, float | None]]]:
-    msgs = [r.getMessage() for r in caplog.records if r.name == "common.scheduler"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "common.engine.scheduler"]
     return parse(PREFILL_RE, PREFILL_KEYS, msgs), parse(DECODE_RE, DECODE_KEYS, msgs)
 
 
@@ -84,7 +84,7 @@ def test_formatters_field_order_per_role() -> None:
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_colocated_lines_match_what_ran(engine_factory, llama, caplog, overlap) -> None:
-    caplog.set_level(logging.INFO, logger="common.scheduler")
+    caplog.set_level(logging.INFO, logger="common.engine.scheduler")
     total, interval, n = 2048, 3, 12
     engine = engine_factory(llama, page_size=1, max_total_tokens=total, decode_log_interval=interval,
                             **overlap_flags(overlap))
@@ -115,7 +115,7 @@ def test_colocated_lines_match_what_ran(engine_factory, llama, caplog, overlap) 
 
 
 def test_chunked_prefill_counts_each_chunk_once(engine_factory, llama, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="common.scheduler")
+    caplog.set_level(logging.INFO, logger="common.engine.scheduler")
     engine = engine_factory(llama, page_size=1, chunked_prefill_size=32, decode_log_interval=1000)
     engine.generate(input_ids=list(range(10, 110)), sampling_params=greedy(2))
     prefill, decode = lines(caplog)
@@ -125,7 +125,7 @@ def test_chunked_prefill_counts_each_chunk_once(engine_factory, llama, caplog) -
 
 
 def test_retractions_are_reported_per_interval(engine_factory, llama, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="common.scheduler")
+    caplog.set_level(logging.INFO, logger="common.engine.scheduler")
     rng = random.Random(11)  # test_engine's retraction workload
     prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in (30, 45, 20, 60, 35, 50, 25, 40)]
     engine = engine_factory(llama, max_total_tokens=400, page_size=1, disable_radix_cache=True, decode_log_interval=1)
@@ -144,15 +144,15 @@ def test_pd_roles_report_their_queues(llama, caplog, monkeypatch) -> None:
     import time
 
     from common.config import ServerArgs
+    from common.engine.sampling.params import SamplingParams
     from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
-    from common.sampling.params import SamplingParams
-    from common.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
     from decode_node.scheduler import DecodeScheduler
     from kvtransfer.bootstrap import BootstrapServer
     from prefill_node.scheduler import PrefillScheduler
 
     monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "test-cluster-token")
-    caplog.set_level(logging.INFO, logger="common.scheduler")
+    caplog.set_level(logging.INFO, logger="common.engine.scheduler")
     bootstrap = BootstrapServer("test-cluster-token")  # served by the prefill front in a real node
     port = bootstrap.start()
     base = ServerArgs(model_path=str(llama), page_size=1, max_total_tokens=2048, max_running_requests=16,
@@ -220,7 +220,7 @@ def test_pd_roles_report_their_queues(llama, caplog, monkeypatch) -> None:
 
 
 def test_decode_interval_throughput_is_tokens_over_busy_wall_time(monkeypatch) -> None:
-    import common.scheduler_metrics as metrics
+    import common.engine.scheduler_metrics as metrics
 
     clock = iter([100.0, 160.0, 162.0, 164.0])  # construction, restart after a minute idle, take, take
     monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))

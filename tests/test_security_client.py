@@ -15,17 +15,17 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.cli import main
+from common.app.cli import main
 from common.errors import ConfigError
-from common.mux_socket import connect
 from common.testing.mock_worker import shared_model_dir
-from common.testing.router_fleet import FAST, eventually, fleet
-from common.tls import TlsFiles
-from common.worker_auth import worker_credential
+from common.wire.mux_socket import connect
+from common.wire.tls import TlsFiles
+from common.wire.worker_auth import worker_credential
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.admin import bearer_metadata
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer
+from router.testing import FAST, eventually, fleet
 from tests.tls_helpers import TestCa
 
 API_KEY = "client-api-key-0123456789abcdef"

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from common.server.front import WorkerServicer
+from common.node.front import WorkerServicer
 from common.testing.mock_worker import MockConfig, MockWorker
-from common.testing.router_fleet import eventually, fleet
-from common.worker_auth import WorkerAuthInterceptor, new_nonce, proof_matches
+from common.wire.worker_auth import WorkerAuthInterceptor, new_nonce, proof_matches
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.admin import bearer_metadata
 from router.membership import challenge
+from router.testing import eventually, fleet
 
 ADMIN = bearer_metadata(os.environ["PDCLUSTER_CLUSTER_TOKEN"])
 CREDENTIALED = {"Prefill", "Decode", "Generate", "Abort", "GetLoad", "GetServerInfo"}

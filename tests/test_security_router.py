@@ -8,9 +8,9 @@ import aiohttp
 import grpc
 import pytest
 
-from common.testing.router_fleet import fleet
 from pdcluster.v1 import common_pb2, router_pb2
 from router.admin import bearer_metadata
+from router.testing import fleet
 
 
 async def test_rogue_register_and_deregister_are_refused_and_change_nothing() -> None:

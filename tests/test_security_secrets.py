@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from common import env
+from common.app.up import cluster_env
 from common.errors import ConfigError
-from common.security import require_cluster_token
-from common.up import cluster_env
+from common.wire.security import require_cluster_token
 from kvtransfer.args import KVTransferConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_up_generates_a_fresh_secret_per_cluster(monkeypatch: pytest.MonkeyPatch
 def test_disaggregated_node_refuses_to_start_without_the_secret() -> None:
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("PDCLUSTER_CLUSTER_TOKEN")}
     child_env["PYTHONPATH"] = f"{ROOT}:{ROOT / 'proto'}"
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "serve", "--disaggregation-mode", "decode",
+    proc = subprocess.run([sys.executable, "-m", "common.app.cli", "serve", "--disaggregation-mode", "decode",
                            "--port", "0"], env=child_env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "PDCLUSTER_CLUSTER_TOKEN" in proc.stderr

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from common.server.worker_mux import MuxServing
-from common.worker_auth import WorkerAuthInterceptor, aio_worker_channel
+from common.node.worker_mux import MuxServing
+from common.wire.worker_auth import WorkerAuthInterceptor, aio_worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
 

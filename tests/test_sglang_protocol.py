@@ -1,4 +1,4 @@
-"""SGLang's ``/generate`` and OpenAI completion bodies -> the node's request (common/server/sglang_protocol.py,
+"""SGLang's ``/generate`` and OpenAI completion bodies -> the node's request (common/node/sglang_protocol.py,
 sglang_openai.py): SGLang's names map onto ours, and what a node cannot honour is a 400, never silently dropped."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from common.errors import InvalidRequestError
 from common.io_struct import TokenOut
-from common.server.sglang_openai import chat_to_generate, completion_to_generate
-from common.server.sglang_protocol import finish_reason, parse_generate
+from common.node.sglang_openai import chat_to_generate, completion_to_generate
+from common.node.sglang_protocol import finish_reason, parse_generate
 
 
 def test_sglang_names_map_onto_the_node_request() -> None:

@@ -108,7 +108,7 @@ def stack(model_path) -> Iterator[Stack]:
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--disable-retries"], port))
         port = free_port()
         servers.append(_spawn(
-            [sys.executable, "-m", "common.cli", "router", "--model-path", str(model_path), "--host", "127.0.0.1",
+            [sys.executable, "-m", "common.app.cli", "router", "--model-path", str(model_path), "--host", "127.0.0.1",
              "--grpc-port", str(free_port()), "--http-port", str(port),
              "--prefill", f"{prefill.addr}:{prefill.bootstrap_port}", "--decode", decode.addr], port))
         _wait_ready(servers[0], "/readiness", b'"ready"')

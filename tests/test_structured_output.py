@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding on the engine (common/sampling/grammar.py), on the random-weight tiny model: its
+"""Grammar-constrained decoding on the engine (common/engine/sampling/grammar.py), on the random-weight tiny model: its
 output is noise, so only the grammar mask can make it parse.
 
 Every output of a json_schema request validates against its schema, every regex output matches, over batch
@@ -17,9 +17,9 @@ import jsonschema
 import pytest
 import torch
 
-from common.engine import RequestFailed
+from common.engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from common.errors import InvalidRequestError
-from common.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from common.node.engine import RequestFailed
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "nested": {
@@ -236,7 +236,7 @@ def test_compilation_is_off_the_step_and_has_a_deadline(engine_factory, model_pa
 
 
 def test_compiled_grammars_are_cached_by_key(model_path) -> None:
-    from common.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_path)
     compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id], any_whitespace=False)

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from common.supervisor import Child, RestartPolicy, Supervisor
+from common.app.supervisor import Child, RestartPolicy, Supervisor
 
 
 def child(tmp_path: Path, script: str) -> Child:

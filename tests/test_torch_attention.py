@@ -14,10 +14,10 @@ import random
 import pytest
 import torch
 
-from common.forward_batch import ForwardBatch, ForwardMode
-from common.mem.kv_pool import MHATokenToKVPool
-from common.model import attention as attention_module
-from common.model.attention import MAX_DECODE_CHUNKS, TorchAttentionBackend
+from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.engine.mem.kv_pool import MHATokenToKVPool
+from common.engine.model import attention as attention_module
+from common.engine.model.attention import MAX_DECODE_CHUNKS, TorchAttentionBackend
 
 
 def _paged_batch(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from common.distributed import TPGroup
+from common.engine.distributed import TPGroup
 from tests.model_fixtures import make_tiny_model
 from tests.test_engine import LENGTHS, MATRIX, greedy, hf_greedy, make_prompts, overlap_flags
 from tests.tp_helpers import run_ranks
@@ -41,10 +41,10 @@ def _matrix_rank(tp: TPGroup, model: str) -> list[dict[str, Any]]:
     import msgspec
 
     from common.config import ServerArgs
+    from common.engine.sampling.params import SamplingParams
+    from common.engine.scheduler import Scheduler
     from common.io_struct import GenerateReqInput, TokenOut
-    from common.sampling.params import SamplingParams
-    from common.scheduler import Scheduler
-    from common.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     results = []

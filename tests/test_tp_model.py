@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from common.distributed import TPGroup
+from common.engine.distributed import TPGroup
+from common.engine.model.config import ModelConfig
+from common.engine.model.parallel import ShardLayout, owned_kv_heads
 from common.errors import ConfigError
-from common.model.config import ModelConfig
-from common.model.parallel import ShardLayout, owned_kv_heads
 from kvtransfer.pages import owned_heads
 from tests.model_fixtures import make_tiny_model
 from tests.tp_helpers import run_ranks
@@ -67,7 +67,7 @@ class _RecordingSafeOpen:
 
 def _rank_main(group: TPGroup, cases: list[tuple[str, list[list[int]]]]) -> list[dict[str, Any]]:
     """One rank: for each (model folder, token sequences) case, a ModelRunner, a prefill and decode steps."""
-    import common.model.loader as loader
+    import common.engine.model.loader as loader
 
     loader.safe_open = _RecordingSafeOpen  # type: ignore[attr-defined]
     return [_run_case(group, path, seqs) for path, seqs in cases]
@@ -75,8 +75,8 @@ def _rank_main(group: TPGroup, cases: list[tuple[str, list[list[int]]]]) -> list
 
 def _run_case(group: TPGroup, model_path: str, seqs: list[list[int]]) -> dict[str, Any]:
     from common.config import ServerArgs
-    from common.mem.kv_pool import MHATokenToKVPool
-    from common.model_runner import ModelRunner
+    from common.engine.mem.kv_pool import MHATokenToKVPool
+    from common.engine.model_runner import ModelRunner
     from tests.model_fixtures import PagedHarness
 
     _RecordingSafeOpen.whole = []
@@ -232,7 +232,7 @@ def test_tp4_on_two_kv_heads_replicates_and_matches_hf() -> None:
 
 
 def test_tp_size_that_does_not_split_the_model_is_a_clear_error() -> None:
-    from common.model.llama import LlamaForCausalLM
+    from common.engine.model.llama import LlamaForCausalLM
 
     cfg = ModelConfig.from_path(make_tiny_model("llama"))
     with pytest.raises(ConfigError, match=r"--tp-size 3 does not divide the 4 attention heads"):

@@ -138,7 +138,7 @@ def test_tp_group_spanning_two_hosts_matches_tp1(model_path, colocated) -> None:
     multi = [*tp_args(2), "--nnodes", "2", "--dist-init-addr", rendezvous]
     leader = start_node("null", model_path, extra=[*multi, "--node-rank", "0"], wait=False)
     log = Path(tempfile.mkstemp(prefix="pdcluster-node1-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "common.cli", "serve", "--model-path", str(model_path), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "common.app.cli", "serve", "--model-path", str(model_path), "--host", "127.0.0.1",
            "--max-total-tokens", "4096", "--max-running-requests", "32", "--torch-num-threads", "1", *multi,
            "--node-rank", "1"]
     with open(log, "wb") as out:

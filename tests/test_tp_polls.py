@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.distributed import TPGroup
+from common.engine.distributed import TPGroup
 from common.errors import ErrorCode
 from kvtransfer.poll import GroupPolls, KVPoll
 from tests.tp_helpers import run_ranks

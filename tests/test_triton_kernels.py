@@ -63,9 +63,9 @@ def test_cpu_engine_does_not_load_triton_kernels() -> None:
     ``triton`` package itself may still be imported by torch._dynamo, which transformers pulls in."""
     code = (
         "import sys\n"
-        "KERNELS = {'common.model.triton_backend', 'common.kernels.decode_attention',\n"
-        "           'common.kernels.extend_attention', 'common.kernels.kv_pages_triton'}\n"
-        "from common.engine import Engine\n"
+        "KERNELS = {'common.engine.model.triton_backend', 'common.engine.kernels.decode_attention',\n"
+        "           'common.engine.kernels.extend_attention', 'common.engine.kernels.kv_pages_triton'}\n"
+        "from common.node.engine import Engine\n"
         "from tests.model_fixtures import make_tiny_model\n"
         "e = Engine(model_path=str(make_tiny_model('llama')), max_total_tokens=256, max_running_requests=4)\n"
         "e.generate(input_ids=[[5, 6, 7]], sampling_params={'max_new_tokens': 2})\n"

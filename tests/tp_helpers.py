@@ -27,7 +27,7 @@ class _RankFailure(str):
 def _rank_main(entry: Callable[..., Any], tp_rank: int, tp_size: int, addr: str, args: tuple[Any, ...],
                out: Any) -> None:
     try:
-        from common.distributed import init_tp_group
+        from common.engine.distributed import init_tp_group
 
         torch.set_num_threads(1)
         tp = init_tp_group(dist_init_addr=addr, dp_rank=0, tp_rank=tp_rank, tp_size=tp_size,
@@ -42,7 +42,7 @@ def _rank_main(entry: Callable[..., Any], tp_rank: int, tp_size: int, addr: str,
 
 def run_ranks(entry: Callable[..., Any], tp_size: int, *args: Any, deadline_s: float = RANK_DEADLINE_S) -> list[Any]:
     """``entry(tp, *args)`` on each of ``tp_size`` spawned ranks; their results in rank order."""
-    from common.distributed import host_store
+    from common.engine.distributed import host_store
 
     store = host_store("127.0.0.1:0", deadline_s)  # the store picks its port: no race for a "free" one
     addr = f"127.0.0.1:{store.port}"

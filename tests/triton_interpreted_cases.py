@@ -53,7 +53,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
 
 def decode_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, window: int | None = None,
                 splits: int = 3) -> float:
-    from common.kernels.decode_attention import decode_attention, decode_attention_ref
+    from common.engine.kernels.decode_attention import decode_attention, decode_attention_ref
 
     lens = [1, 5, 16, 33, 50]
     d = 48
@@ -68,8 +68,8 @@ def decode_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, 
 
 def paged_torch_case(page_size: int, group: int) -> float:
     """The gather-free torch decode (blocks of pages) against the same oracle; block_pages=2 forces several blocks."""
-    from common.kernels.decode_attention import decode_attention_ref
-    from common.kernels.paged_decode_torch import page_table, paged_decode_torch
+    from common.engine.kernels.decode_attention import decode_attention_ref
+    from common.engine.kernels.paged_decode_torch import page_table, paged_decode_torch
 
     lens = [1, 5, 16, 33, 70]
     d = 48
@@ -84,7 +84,7 @@ def paged_torch_case(page_size: int, group: int) -> float:
 
 
 def extend_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, window: int | None = None) -> float:
-    from common.kernels.extend_attention import extend_attention, extend_attention_ref
+    from common.engine.kernels.extend_attention import extend_attention, extend_attention_ref
 
     # A mixed batch: a fresh prefill, prefix hits (page-aligned and not), 1-token extends (decodes), a long chunk.
     prefix = [0, 16, 3, 40, 0, 17]
@@ -104,8 +104,8 @@ def extend_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, 
 
 
 def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
-    from common.kernels.kv_pages import gather_pages_ref, scatter_pages_ref
-    from common.kernels.kv_pages_triton import gather_pages_triton, scatter_pages_triton
+    from common.engine.kernels.kv_pages import gather_pages_ref, scatter_pages_ref
+    from common.engine.kernels.kv_pages_triton import gather_pages_triton, scatter_pages_triton
 
     num_pages, slot = 9, (KV_HEADS, 48)
     gen = torch.Generator().manual_seed(page_size)
@@ -132,7 +132,7 @@ def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
 
 def model_case(arch: str, page_size: int, first_len: int = 26) -> float:
     """Tiny model, triton backend vs torch backend: prefill, a shared-prefix extend, then 2 decode steps."""
-    from common.model.triton_backend import TritonAttentionBackend
+    from common.engine.model.triton_backend import TritonAttentionBackend
     from tests.model_fixtures import PagedHarness, load_tiny_model
 
     model = load_tiny_model(arch)
@@ -163,7 +163,7 @@ def engine_case() -> float:
     chunks run in mixed batches beside that decode; its second chunk continues a cached prefix."""
     import asyncio
 
-    from common.engine import Engine
+    from common.node.engine import Engine
     from tests.conftest import assert_pools_released
     from tests.model_fixtures import make_tiny_model
 
@@ -213,10 +213,10 @@ def graph_runner_case(arch: str) -> float:
     """CUDA-graph mode of ``DecodeGraphRunner`` without CUDA: each bucket's "graph" re-runs the function it would
     capture on the static batch (fixed split count, padding rows on the padding row/slot), and the start-up check
     must find every bucket within 1e-5 (of the logits' scale) of eager Triton decode; the check's pages and rows are left clean."""
-    from common import graph_runner
     from common.config import ServerArgs
-    from common.mem.kv_pool import MHATokenToKVPool
-    from common.mem.req_to_token_pool import ReqToTokenPool
+    from common.engine.mem.kv_pool import MHATokenToKVPool
+    from common.engine.mem.req_to_token_pool import ReqToTokenPool
+    from common.node.engine import graph_runner
     from tests.model_fixtures import load_tiny_model
 
     class Replay:

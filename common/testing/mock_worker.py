@@ -36,11 +36,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
+from common.node.mux_socket_server import MuxSocketServer
+from common.node.worker_mux import MuxServing
 from common.ports import pick_free_port
-from common.server.mux_socket_server import MuxSocketServer
-from common.server.worker_mux import MuxServing
-from common.tls import TlsFiles
-from common.worker_auth import METADATA_KEY, ChallengeRefused, answer_challenge
+from common.wire.tls import TlsFiles
+from common.wire.worker_auth import METADATA_KEY, ChallengeRefused, answer_challenge
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
@@ -84,7 +84,7 @@ class MockConfig:
     tls: TlsFiles | None = None  # serve the Worker port over (m)TLS, as a node with --tls-cert/--tls-key[/--tls-ca]
     secret: str | None = None  # cluster secret its membership proofs use (None: the environment's)
     serve_mux: bool = True  # False: answer Worker.Mux UNIMPLEMENTED, as a node built before Mux does
-    mux_socket: bool = True  # offer a Mux socket (common/mux_socket.py) on the Mux stream, as a node does by default
+    mux_socket: bool = True  # offer a Mux socket (common/wire/mux_socket.py) on the Mux stream, as a node does by default
 
 
 @dataclass

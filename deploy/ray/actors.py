@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 
 from common import env
-from common.security import generate_cluster_token
+from common.wire.security import generate_cluster_token
 from deploy.process import ManagedProcess, grpc_serving
 from deploy.registrar import RouterRegistrar, WorkerInfo
 

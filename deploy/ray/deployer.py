@@ -18,7 +18,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.errors import ConfigError
-from common.security import CLUSTER_TOKEN_ENV
+from common.wire.security import CLUSTER_TOKEN_ENV
 from deploy.ray.actors import REGISTRY_NAME, NodeActor, RankSlot, RouterActor, WorkerRegistry
 from deploy.ray.placement import PinMode, ReplicaPlacement, actor_label_selector, plan_role
 from deploy.spec import NODE_ROLES, ClusterSpec

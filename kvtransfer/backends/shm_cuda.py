@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kernels.kv_pages import gather_pages, scatter_pages
+from common.engine.kernels.kv_pages import gather_pages, scatter_pages
 from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import device_identity

@@ -1,7 +1,7 @@
 """Host staging of KV pages for byte-stream transports (``tcp`` on GPU buffers; on CPU buffers when forced).
 
 A staged job travels in segments of at most ``segment_pages`` pages (the last one may be shorter). One segment's
-payload is exactly ``common.kernels.kv_pages``' staging tensor for its pages::
+payload is exactly ``common.engine.kernels.kv_pages``' staging tensor for its pages::
 
     segment k = [buffer b (K0, V0, K1, V1, ...)] [page i of the segment] [page_size] [heads] [head_dim]
     (heads = the job's head slice, or all of the rank's heads)
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from common.kernels.kv_pages import gather_pages, gather_pages_ref, scatter_pages, scatter_pages_ref
+from common.engine.kernels.kv_pages import gather_pages, gather_pages_ref, scatter_pages, scatter_pages_ref
 from kvtransfer.args import KVArgs
 
 DEFAULT_SEGMENT_BYTES = 16 << 20

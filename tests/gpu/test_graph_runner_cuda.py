@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs (``common.graph_runner``) against eager decode on the same GPU.
+"""Decode steps replayed as CUDA graphs (``common.engine.graph_runner``) against eager decode on the same GPU.
 
 - bf16: every replayed step's logits against the eager forward of the same batch, within BF16_ATOL (the graph
   fixes the Triton kernel's split count by occupancy, eager picks it by length: the sums are ordered differently).
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from common.forward_batch import ForwardBatch
+from common.engine.forward_batch import ForwardBatch
 from tests.gpu.test_engine_cuda import prompts, small_model
 
 ATOL = 1e-4

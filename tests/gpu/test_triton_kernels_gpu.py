@@ -38,7 +38,7 @@ def _pool(page_size: int, lens: list[int], dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("bs,ctx", [(1, 4096), (32, 512), (128, 512), (32, 4096)])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_attention(dtype: torch.dtype, bs: int, ctx: int, page_size: int) -> None:
-    from common.kernels.decode_attention import decode_attention, decode_attention_ref
+    from common.engine.kernels.decode_attention import decode_attention, decode_attention_ref
 
     lens = [max(1, ctx - 37 * i) for i in range(bs)]
     k_buf, v_buf, r2t, rpi = _pool(page_size, lens, dtype)
@@ -53,7 +53,7 @@ def test_decode_attention(dtype: torch.dtype, bs: int, ctx: int, page_size: int)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 1000])
 def test_extend_attention(dtype: torch.dtype, window: int | None) -> None:
-    from common.kernels.extend_attention import extend_attention, extend_attention_ref
+    from common.engine.kernels.extend_attention import extend_attention, extend_attention_ref
 
     prefix = [0, 1024, 7, 2000, 3000, 0]
     extend = [512, 300, 1, 1, 1024, 64]
@@ -68,7 +68,7 @@ def test_extend_attention(dtype: torch.dtype, window: int | None) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_pages_gather_scatter(dtype: torch.dtype) -> None:
-    from common.kernels.kv_pages import gather_pages, gather_pages_ref, scatter_pages
+    from common.engine.kernels.kv_pages import gather_pages, gather_pages_ref, scatter_pages
 
     page_size, num_pages = 16, 2048
     buffers = [torch.randn((num_pages + 1) * page_size, KV_HEADS, HEAD_DIM, device="cuda").to(dtype)
@@ -91,8 +91,8 @@ def test_kv_pages_gather_scatter(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_triton_backend_matches_torch_backend(arch: str) -> None:
-    from common.model.loader import load_model
-    from common.model.triton_backend import TritonAttentionBackend
+    from common.engine.model.loader import load_model
+    from common.engine.model.triton_backend import TritonAttentionBackend
     from tests.model_fixtures import PagedHarness, make_tiny_model
 
     model = load_model(make_tiny_model(arch), device="cuda")[0]
@@ -111,7 +111,7 @@ def test_triton_backend_matches_torch_backend(arch: str) -> None:
 
 def _run_cuda(h) -> list[torch.Tensor]:
     """Prefill of two requests, then 4 decode steps; logits of every step, on the host."""
-    from common.forward_batch import ForwardBatch, ForwardMode
+    from common.engine.forward_batch import ForwardBatch, ForwardMode
 
     prompts = [[(7 * i + 3 * j) % 1000 + 5 for j in range(n)] for i, n in enumerate((300, 77))]
     lens = [0, 0]

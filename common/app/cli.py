@@ -1,0 +1,119 @@
+"""``pdcluster`` command line: one subcommand per role. Role packages are imported only by their subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Callable
+
+from common.config import add_server_args, server_args_from_cli
+from common.env import log_level
+from common.errors import PdclusterError
+
+# name -> (module:function that adds the subcommand's flags, module:function that runs it)
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "make-model": ("common.app.cli:add_make_model_args", "common.app.cli:run_make_model", "build a random HF model offline"),
+    "generate": ("common.app.cli:add_generate_args", "common.app.cli:run_generate", "generate a completion in-process"),
+    "router": ("router.cli:add_router_args", "router.cli:run_router", "run the router (gRPC + OpenAI HTTP)"),
+    "ray": ("deploy.ray.cli:add_ray_args", "deploy.ray.cli:run_ray", "deploy router, prefill and decode on Ray"),
+    "up": ("common.app.up:add_up_args", "common.app.up:run_up", "start a local cluster: router + prefill + decode nodes"),
+    "bench": ("benchmarks.bench:add_bench_args", "benchmarks.bench:run_bench", "load-test the router (OpenAI or gRPC)"),
+    "serve": ("common.config:add_server_args", "common.app.cli:run_serve", "run one node (colocated, prefill or decode)"),
+}
+
+
+def _load(ref: str) -> Callable[..., object]:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def add_make_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "mistral"), default="llama")
+    p.add_argument("--size", choices=("tiny", "small", "1b"), default="small",
+                   help="1b: Llama-3.2-1B-shaped, random bf16 weights (~2 GB), for GPU benchmarks")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run_make_model(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from common.model_gen.make_model import make_model
+
+    path = make_model(ns.arch, ns.size, Path(ns.out), seed=ns.seed)
+    print(path)
+    return 0
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    add_server_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print token ids, text and finish reason as JSON")
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    from common.node.engine import Engine
+
+    args = server_args_from_cli(ns)
+    with Engine(args) as engine:
+        out = engine.generate(
+            prompt=ns.prompt,
+            sampling_params={
+                "max_new_tokens": ns.max_new_tokens,
+                "temperature": ns.temperature,
+                "top_p": ns.top_p,
+                "top_k": ns.top_k,
+                "ignore_eos": ns.ignore_eos,
+            },
+        )
+    assert not isinstance(out, list)
+    if ns.json:
+        print(json.dumps({
+            "prompt_token_ids": out.prompt_token_ids,
+            "output_token_ids": out.output_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+        }))
+    else:
+        print(out.text)
+    return 0
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from common.node.serve import serve
+
+    return asyncio.run(serve(server_args_from_cli(ns)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdcluster", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add_ref, run_ref, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        _load(add_ref)(p)
+        p.set_defaults(_run=run_ref)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ns = build_parser().parse_args(argv)
+    try:
+        return int(_load(ns._run)(ns) or 0)  # type: ignore[arg-type]
+    except PdclusterError as e:
+        print(f"pdcluster {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,405 @@
+"""``pdcluster up``: a whole local cluster on 127.0.0.1 — a router, N prefill and M decode nodes — as child
+processes of this one. Prints the endpoints and a ready line; Ctrl-C (or SIGTERM) stops every child it started.
+Once ready it supervises them (common/app/supervisor.py): a child that dies - node or router - is reported with its
+exit code and log tail and restarted on the same ports with backoff, up to ``--max-restarts`` in a row.
+
+Nodes are started with ``pdcluster serve`` and the router with ``pdcluster router``: the same commands a user
+runs by hand, so this is only a launcher. Each child's output goes to ``--log-dir`` (default: a temp dir).
+
+Tensor parallelism: ``--tp-size`` for every node, ``--prefill-tp-size`` / ``--decode-tp-size`` per role over it;
+each node runs ``--dp-size`` x its tp scheduler rank processes. A tp the model cannot split is the node's own
+start-up error, which ``up`` reports with the node's log.
+
+``--device cuda``: each node takes its dp x tp consecutive GPUs (``--base-gpu-id``) of its own when the host has
+enough; otherwise nodes share GPUs round-robin and each gets ``--mem-fraction-static`` divided by the number of
+nodes on its busiest GPU. KV moves over ``shm`` (CUDA IPC) by default there: every node of ``up`` is on one host.
+On CPU every rank gets ``--torch-num-threads 1`` unless set, so a node's ranks do not oversubscribe the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import ssl
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common import env
+from common.app.supervisor import Child, RestartPolicy, Supervisor
+from common.config import ServerArgs
+from common.flags import add_flags, config_values, flag_argv
+from common.ports import pick_free_port
+from common.text.tokenizer import resolve_model_path
+from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
+from common.wire.tls import TlsFiles
+
+READY_TIMEOUT_S = 300.0
+SUPERVISE_INTERVAL_S = 0.5
+DEFAULT_BACKEND = {"cpu": "tcp", "cuda": "shm"}
+CUDA_MEM_FRACTION = 0.85
+
+
+# Node flags ``up`` sets per node, or cluster-wide through flags of its own (ports, modes, placement, TLS): every
+# other flag of ``ServerArgs`` is a pass-through, declared once there and forwarded to every node as given.
+UP_SETS_PER_NODE = ("host", "advertise_host", "port", "metrics_port", "sglang_http_port", "mux_port",
+                    "disaggregation_mode", "disaggregation_bootstrap_port", "base_gpu_id", "dist_init_addr", "nnodes",
+                    "node_rank", "tls_cert", "tls_key", "tls_ca")
+# Pass-through flags ``up`` also reads: it forwards what it derives from them (resolved model path, the backend's
+# per-device default, each role's tp, each GPU node's memory share, one torch thread per CPU rank by default).
+UP_DERIVES = ("model_path", "kv_transfer_backend", "tp_size", "mem_fraction_static", "torch_num_threads")
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port")
+    p.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
+    p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
+    p.add_argument("--colocated", type=int, default=0, help="number of colocated (mode null) nodes")
+    p.add_argument("--num-gpus", type=int, default=None, help="cuda: GPUs to place nodes on (default: all visible)")
+    p.add_argument("--prefill-tp-size", type=_positive, default=None, help="prefill nodes' tp (default --tp-size)")
+    p.add_argument("--decode-tp-size", type=_positive, default=None, help="decode nodes' tp (default --tp-size)")
+    p.add_argument("--prefill-policy", default=None,
+                   help="the router's prefill worker policy (round_robin, random, power_of_two, cache_aware; default: "
+                        "the router's, cache_aware)")
+    p.add_argument("--log-dir", default=None, help="where each process writes its log")
+    p.add_argument("--metrics", action="store_true", help="give every node a Prometheus /metrics port")
+    s = p.add_argument_group("client security")
+    s.add_argument("--api-key", default=None,
+                   help="the router's client API key (handed to it through its environment, not its command line; "
+                        "default: PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else open)")
+    s.add_argument("--api-key-file", default=None, help="file whose first line is the API key")
+    s.add_argument("--tls-cert", default=None, help="PEM certificate (for 127.0.0.1): the router serves TLS")
+    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    s.add_argument("--tls-ca", default=None,
+                   help="PEM CA that signed --tls-cert: router <-> nodes mutual TLS, every process presenting it")
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                   help="restarts in a row of one dead child (node or router; backoff 1 s doubling to 30 s, reset "
+                        "after 60 s up) before up gives up on it and serves without it; 0: never restart. Giving "
+                        "up on the router stops the cluster")
+    p.add_argument("--demo", action="store_true", help="once ready, send example requests through the OpenAI API")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
+    add_flags(p, ServerArgs, exclude=UP_SETS_PER_NODE, only_given=True, group_prefix="every node: ")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def node_tp_size(ns: argparse.Namespace, role: str) -> int:
+    """A node's tp: its role's ``--<role>-tp-size``, else ``--tp-size``, else 1 (colocated nodes: ``--tp-size``)."""
+    own = getattr(ns, f"{role}_tp_size", None)
+    return own if own is not None else getattr(ns, "tp_size", ServerArgs.tp_size)
+
+
+def cluster_env() -> dict[str, str]:
+    """The cluster secret handed to every child: the caller's if set, else a fresh one for this cluster."""
+    return {CLUSTER_TOKEN_ENV: env.cluster_token() or generate_cluster_token()}
+
+
+def _free_port() -> int:
+    return pick_free_port()
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    name: str
+    base_gpu_id: int
+    mem_fraction_static: float
+    shares_with: tuple[str, ...] = field(default=())
+    gpus: int = 1  # the node's dp x tp consecutive GPUs from base_gpu_id
+
+
+def place_nodes(names: list[str], dp_size: int, num_gpus: int, mem_fraction: float,
+                tp_size: dict[str, int] | None = None) -> list[NodePlacement]:
+    """GPUs of each node: ``dp_size`` x its tp (``tp_size[name]``, default 1) consecutive GPUs, its own when there
+    are enough for every node; otherwise nodes are dealt round-robin from GPU 0 (a node that would run past the
+    last GPU starts again at 0) and each splits the memory fraction by the node count of its busiest GPU."""
+    widths = {n: dp_size * (tp_size or {}).get(n, 1) for n in names}
+    for name, width in widths.items():
+        if width > num_gpus:
+            tp = (tp_size or {}).get(name, 1)
+            raise ValueError(f"{name} needs {width} GPUs per node (--dp-size {dp_size} x --tp-size {tp}) but "
+                             f"{num_gpus} are visible")
+    bases, cursor = {}, 0
+    for name in names:
+        if sum(widths.values()) > num_gpus and cursor + widths[name] > num_gpus:
+            cursor = 0
+        bases[name], cursor = cursor, cursor + widths[name]
+    gpus_of = {n: set(range(bases[n], bases[n] + widths[n])) for n in names}
+    out = []
+    for name in names:
+        others = tuple(n for n in names if n != name and gpus_of[n] & gpus_of[name])
+        busiest = max(1 + sum(g in gpus_of[n] for n in others) for g in gpus_of[name])
+        fraction = mem_fraction if busiest == 1 else round(mem_fraction / busiest, 4)
+        out.append(NodePlacement(name, bases[name], fraction, others, widths[name]))
+    return out
+
+
+def _serving(port: int, tls: grpc.ChannelCredentials | None = None) -> bool:
+    address = f"127.0.0.1:{port}"
+    channel = grpc.secure_channel(address, tls) if tls is not None else grpc.insecure_channel(address)
+    with channel, contextlib.suppress(grpc.RpcError):
+        return bool(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1)
+    return False
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class LocalCluster:
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+        self.node_given = config_values(ServerArgs, ns)  # the node flags given to up, forwarded to every node
+        ServerArgs(**self.node_given)  # the nodes' own checks, before anything starts
+        self.device = self.node_given.get("device", ServerArgs.device)
+        self.model_path = str(resolve_model_path(self.node_given.get("model_path")))
+        self.log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="pdcluster-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self.backend = self.node_given.get("kv_transfer_backend") or DEFAULT_BACKEND[self.device]
+        self.node_names = [f"{role}-{i}" for role, count in
+                           (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated))
+                           for i in range(count)]
+        self.tp_size = {name: node_tp_size(ns, name.rsplit("-", 1)[0]) for name in self.node_names}
+        self.placement: dict[str, NodePlacement] = {}
+        if self.device == "cuda":
+            gpus = ns.num_gpus if ns.num_gpus is not None else _visible_gpus()
+            if gpus < 1:
+                raise RuntimeError("--device cuda but no GPU is visible; use --device cpu")
+            frac = self.node_given.get("mem_fraction_static") or CUDA_MEM_FRACTION
+            self.placement = {p.name: p for p in place_nodes(self.node_names, self.node_given.get("dp_size", 1),
+                                                              gpus, frac, self.tp_size)}
+            if self.backend == "nccl" and any(p.shares_with for p in self.placement.values()):
+                raise RuntimeError("--kv-transfer-backend nccl cannot pair two nodes on one GPU (NCCL refuses "
+                                   "duplicate GPUs); use shm or tcp, or give each node its own GPU")
+        self.env = cluster_env()
+        self.api_key = ns.api_key or (env.read_secret_file(ns.api_key_file, "--api-key-file") if ns.api_key_file
+                                      else env.api_key())
+        if self.api_key:
+            self.env["PDCLUSTER_API_KEY"] = self.api_key
+        self.tls = TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca).check()
+        self.node_tls = self.tls.grpc_channel_credentials() if self.tls.mutual else None
+
+    @property
+    def http_base(self) -> str:
+        return f"{'https' if self.tls.enabled else 'http'}://127.0.0.1:{self.ns.http_port}"
+
+    def tls_flags(self, role: str) -> list[str]:
+        """The router serves its listeners with the pair; with a CA, nodes require it of the router (mTLS)."""
+        if role != "router" and not self.tls.mutual:
+            return []
+        files = (("--tls-cert", self.tls.cert), ("--tls-key", self.tls.key), ("--tls-ca", self.tls.ca))
+        return [x for flag, path in files if path is not None for x in (flag, str(Path(path).resolve()))]
+
+    def _spawn(self, name: str, args: list[str], grpc_port: int, metrics_port: int | None = None) -> Child:
+        log = self.log_dir / f"{name}.log"
+        log.write_bytes(b"")
+        child = Child(name, [sys.executable, "-m", "common.app.cli", *args],
+                      {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}, log, grpc_port, metrics_port)
+        child.launch()
+        self.children.append(child)
+        return child
+
+    def _node_flags(self) -> list[str]:
+        given = self.node_given
+        forwarded = {k: v for k, v in given.items() if k not in UP_DERIVES}
+        if self.device == "cpu" and given.get("mem_fraction_static") is not None:
+            forwarded["mem_fraction_static"] = given["mem_fraction_static"]  # GPU nodes get their placement's share
+        # per rank: dp x tp ranks per node share the host's cores
+        forwarded["torch_num_threads"] = given.get("torch_num_threads") or 1
+        flags = ["--model-path", self.model_path, "--host", "127.0.0.1", "--kv-transfer-backend", self.backend]
+        return flags + flag_argv(ServerArgs, forwarded) + self.tls_flags("node")
+
+    def node_args(self, name: str, port: int, bootstrap: int, metrics: int | None = None) -> list[str]:
+        """``pdcluster serve`` arguments of node ``name`` (``<role>-<i>``; role ``null``: colocated)."""
+        role = name.rsplit("-", 1)[0]
+        args = ["serve", *self._node_flags(), "--tp-size", str(self.tp_size[name]), "--port", str(port),
+                "--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap)]
+        place = self.placement.get(name)
+        if place is not None:
+            args += ["--base-gpu-id", str(place.base_gpu_id), "--mem-fraction-static", str(place.mem_fraction_static)]
+        if metrics is not None:
+            args += ["--metrics-port", str(metrics)]
+        return args
+
+    def start(self) -> None:
+        router = ["router", "--model-path", self.model_path, "--host", "127.0.0.1",
+                  "--grpc-port", str(self.ns.grpc_port), "--http-port", str(self.ns.http_port),
+                  *self.tls_flags("router")]
+        if self.ns.prefill_policy:
+            router += ["--prefill-policy", self.ns.prefill_policy]
+        nodes: list[Child] = []
+        for name in self.node_names:
+            role = name.rsplit("-", 1)[0]
+            port, bootstrap = _free_port(), _free_port()
+            metrics = _free_port() if self.ns.metrics else None
+            nodes.append(self._spawn(name, self.node_args(name, port, bootstrap, metrics), port, metrics))
+            flag = {"prefill": "--prefill", "decode": "--decode", "null": "--worker"}[role]
+            router += [flag, f"127.0.0.1:{port}" + (f":{bootstrap}" if role == "prefill" else "")]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        self._wait_nodes_serving(nodes, deadline)
+        child = self._spawn("router", router, self.ns.grpc_port)
+        self._wait_http_health(child, deadline)
+
+    def _check_alive(self, child: Child) -> None:
+        code = child.exit_code()
+        if code is not None:
+            raise RuntimeError(f"{child.name} exited with code {code}; its log:\n{child.tail()}")
+
+    def _wait_nodes_serving(self, nodes: list[Child], deadline: float) -> None:
+        """Until every node's gRPC health is SERVING; the first node to exit meanwhile (e.g. a tp its model cannot
+        split) raises at once with its log, whichever node is being waited for."""
+        pending = list(nodes)
+        while pending and time.monotonic() < deadline:
+            for node in nodes:
+                self._check_alive(node)
+            pending = [n for n in pending if not _serving(n.grpc_port, self.node_tls)]
+            if pending:
+                time.sleep(0.2)
+        if pending:
+            names = ", ".join(n.name for n in pending)
+            raise TimeoutError(f"{names} not ready within {READY_TIMEOUT_S:.0f} s; the log of {pending[0].name}:\n"
+                               f"{pending[0].tail()}")
+
+    def _wait_http_health(self, child: Child, deadline: float) -> None:
+        url = f"{self.http_base}/health"
+        # NOTE: a readiness probe of our own child on loopback: it sends nothing secret, so it skips verification.
+        probe = None
+        if self.tls.enabled:
+            probe = ssl.create_default_context()
+            probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
+        while time.monotonic() < deadline:
+            self._check_alive(child)
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1, context=probe) as resp:
+                if resp.status == 200:
+                    return
+            time.sleep(0.2)
+        raise TimeoutError(f"router not ready within {READY_TIMEOUT_S:.0f} s; its log:\n{child.tail()}")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM every child (router first, so no new work reaches the nodes), then SIGKILL stragglers and
+        whatever their process groups left behind. Called only where no restart can start (the supervisor's
+        caller has left its loop)."""
+        for child in reversed(self.children):
+            child.terminate()
+        deadline = time.monotonic() + timeout
+        for child in reversed(self.children):
+            child.wait(max(0.1, deadline - time.monotonic()))
+            child.kill_group()
+            child.wait(5)
+
+
+def placement_lines(placement: dict[str, NodePlacement]) -> list[str]:
+    """What ``up`` tells the user about GPU placement (nothing on CPU)."""
+    lines = []
+    for p in placement.values():
+        gpus = ", ".join(f"cuda:{p.base_gpu_id + g}" for g in range(p.gpus))
+        how = (f"shared with {', '.join(p.shares_with)}" if p.shares_with else "its own")
+        lines.append(f"  {p.name:<10} on {gpus} ({how}; --mem-fraction-static {p.mem_fraction_static})")
+    if placement:
+        shared = any(p.shares_with for p in placement.values())
+        lines.insert(0, "GPU placement: nodes share GPUs, memory split between them" if shared
+                     else "GPU placement: each node has its own GPU(s)")
+    return lines
+
+
+def run_demo(base_url: str, model_name: str, api_key: str = "", tls_ca: str | None = None) -> None:
+    from openai import DefaultHttpxClient, OpenAI
+
+    for name in ("httpx", "httpx2"):  # one INFO line per HTTP request would drown the demo's text
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    http_client = DefaultHttpxClient(verify=ssl.create_default_context(cafile=tls_ca)) if tls_ca else None
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key or "unused", timeout=60, http_client=http_client)
+    completion = client.completions.create(model=model_name, prompt="The quick brown fox", max_tokens=24,
+                                           temperature=0)
+    print(f"\n[completions] {completion.choices[0].text!r}")
+    print(f"  usage: {json.dumps(completion.usage.model_dump())}")
+    print("[chat, streamed] ", end="", flush=True)
+    stream = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Tell me about disaggregated serving."}],
+        max_tokens=32, temperature=0.7, stream=True,
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+    print("\n")
+
+
+def run_up(ns: argparse.Namespace) -> int:
+    try:
+        cluster = LocalCluster(ns)
+        policy = RestartPolicy(max_restarts=ns.max_restarts)
+    except (ValueError, RuntimeError) as e:  # placement: more GPUs than visible, nccl on a shared GPU
+        print(f"pdcluster up: {e}", file=sys.stderr, flush=True)
+        return 2
+    # NOTE: a signal interrupts start-up and the demo at once (KeyboardInterrupt); while supervising it only sets
+    # the flag, so no stop lands between a restart's Popen and its bookkeeping (no orphaned child).
+    stop_requested = False
+    interruptible = True
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        if interruptible:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        tp = ", ".join(f"{role} tp {node_tp_size(ns, role)}" for role, count in
+                       (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated)) if count)
+        print(f"starting: {ns.prefill} prefill + {ns.decode} decode node(s) on {cluster.device} ({tp}), model "
+              f"{cluster.model_path}, KV over {cluster.backend}; logs in {cluster.log_dir}", flush=True)
+        for line in placement_lines(cluster.placement):
+            print(line, flush=True)
+        try:
+            cluster.start()
+        except (RuntimeError, TimeoutError) as e:  # a node or the router failed to start: its log says why
+            print(f"pdcluster up failed: {e}", file=sys.stderr, flush=True)
+            return 1
+        for child in cluster.children:
+            metrics = f"  metrics http://127.0.0.1:{child.metrics_port}/metrics" if child.metrics_port else ""
+            print(f"  {child.name:<10} pid {child.pid:<7} grpc 127.0.0.1:{child.grpc_port}{metrics}", flush=True)
+        security = ", ".join(x for x in ("TLS" if cluster.tls.enabled else "", "mTLS to nodes" if cluster.tls.mutual
+                                         else "", "API key required" if cluster.api_key else "") if x)
+        print(f"pdcluster ready: OpenAI {cluster.http_base}/v1  gRPC 127.0.0.1:{ns.grpc_port}  "
+              f"{f'({security}) ' if security else ''}(Ctrl-C stops)", flush=True)
+        if ns.demo:
+            run_demo(cluster.http_base, Path(cluster.model_path).name, cluster.api_key, cluster.tls.ca)
+        if ns.exit_after_demo:
+            return 0
+        interruptible = False
+        supervisor = Supervisor(cluster.children, policy)
+        while not stop_requested:
+            supervisor.poll()
+            if supervisor.given_up("router"):
+                print("the router is down for good; stopping the cluster", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(SUPERVISE_INTERVAL_S)
+        print("stopping...", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("stopping...", flush=True)
+        return 0
+    finally:
+        interruptible = False
+        cluster.stop()
+        print("pdcluster stopped", flush=True)

@@ -1,0 +1,73 @@
+"""Triton page gather/scatter over many layer buffers in one launch (the CUDA path of ``common.engine.kernels.kv_pages``).
+
+The buffers are passed as a device table of their base addresses (int64 ``data_ptr``s, all of one dtype); each
+program copies one BLOCK-element piece of one page of one buffer (grid: pages x buffers x pieces). ``row`` = elements of one page
+(``page_size * prod(slot_shape)``)::
+
+    gather:  staging[b, i, :] = buffer_b[page_ids[i] * row : (page_ids[i] + 1) * row]
+    scatter: the reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _copy_pages(
+    BufPtrs, PageIds, Staging, Like, num_pages, row, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)  # pages on axis 0: the only grid axis not capped at 65535
+    b = tl.program_id(1).to(tl.int64)  # staging offsets overflow int32 at real sizes
+    chunk = tl.program_id(2)
+    page = tl.load(PageIds + i)
+    base = tl.load(BufPtrs + b).to(tl.pointer_type(Like.dtype.element_ty))
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row
+    buf = base + page * row + offs
+    stage = Staging + (b * num_pages + i) * row + offs
+    if GATHER:
+        tl.store(stage, tl.load(buf, mask=mask), mask=mask)
+    else:
+        tl.store(buf, tl.load(stage, mask=mask), mask=mask)
+
+
+def _launch(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor, page_size: int, staging: torch.Tensor,
+            gather: bool) -> None:
+    first = buffers[0]
+    for buf in buffers:
+        if buf.dtype != first.dtype or buf.device != first.device or not buf.is_contiguous():
+            raise ValueError("gather/scatter_pages: buffers must be contiguous, of one dtype and one device")
+    if page_ids.device != first.device or staging.device != first.device or page_ids.dtype != torch.int64:
+        raise ValueError(
+            f"gather/scatter_pages: page_ids (int64) and staging must be on the buffers' device {first.device}, got "
+            f"page_ids {page_ids.dtype} on {page_ids.device}, staging on {staging.device}"
+        )
+    if not staging.is_contiguous() or staging.dtype != first.dtype:
+        raise ValueError("gather/scatter_pages: the staging tensor must be contiguous and of the buffers' dtype")
+    n = page_ids.shape[0]
+    expect = (len(buffers), n, page_size, *first.shape[1:])
+    if tuple(staging.shape) != expect:
+        raise ValueError(f"gather/scatter_pages: staging is {tuple(staging.shape)}, expected {expect}")
+    if n == 0:
+        return
+    row = page_size * first[0].numel()
+    ptrs = torch.tensor([buf.data_ptr() for buf in buffers], dtype=torch.int64).to(first.device, non_blocking=True)
+    block = min(4096, triton.next_power_of_2(row))
+    _copy_pages[(n, len(buffers), triton.cdiv(row, block))](
+        ptrs, page_ids, staging, first, n, row, GATHER=gather, BLOCK=block,
+    )
+
+
+def gather_pages_triton(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor, page_size: int,
+                        out: torch.Tensor) -> None:
+    _launch(buffers, page_ids, page_size, out, gather=True)
+
+
+def scatter_pages_triton(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor, page_size: int,
+                         src: torch.Tensor) -> None:
+    _launch(buffers, page_ids, page_size, src, gather=False)

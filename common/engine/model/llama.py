@@ -1,0 +1,162 @@
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral) over the paged KV pool.
+
+Feature flags come from ``ModelConfig``: qkv_bias / o_bias (Qwen2), qk_norm (Qwen3), tie_word_embeddings,
+sliding_window (Mistral, in the attention backend), RoPE scaling (in ``RotaryEmbedding``).
+Parameter names are HF's except the fused ``qkv_proj`` (rows: q | k | v) and ``gate_up_proj`` (rows: gate | up).
+
+Tensor parallelism (``common.engine.model.parallel``): each rank holds its query heads, KV heads and MLP rows (qkv_proj:
+its q heads | its kv heads | its kv heads), o_proj and down_proj reduce over the group, the embedding is replicated
+and the LM head is vocab-parallel (logits gathered, then sliced back to the vocab). Every rank ends a forward with
+the same hidden states and the same logits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.engine.distributed import TPGroup
+from common.engine.forward_batch import ForwardBatch
+from common.engine.model.attention import TorchAttentionBackend
+from common.engine.model.config import ModelConfig
+from common.engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RowParallelLinear
+from common.engine.model.parallel import ShardLayout
+from common.engine.model.rope import RotaryEmbedding, apply_rotary_signed
+
+if TYPE_CHECKING:
+    from common.engine.model.triton_backend import TritonAttentionBackend
+
+
+class LlamaAttention(nn.Module):
+    """This rank's heads only (``shard``); o_proj reduces over the group."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, shard: ShardLayout,
+        tp: TPGroup,
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias, dtype, device)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, dtype, device, tp)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """``sin`` is the signed table of ``RotaryEmbedding.cos_signed_sin``."""
+        t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = apply_rotary_signed(self.q_norm(qkv[:, : nq * d].view(t, nq, d)), cos, sin)
+            k = apply_rotary_signed(self.k_norm(qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)), cos, sin)
+        else:  # one rotary over the q and k heads together
+            qk = apply_rotary_signed(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
+            q, k = qk[:, :nq], qk[:, nq:]
+        return self.o_proj(fb.attn_backend.forward(q, k, v, self.layer_id, fb))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, shard: ShardLayout,
+        tp: TPGroup,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, dtype, device, shard, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, shard.intermediate, dtype, device, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, fb)
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard: ShardLayout, tp: TPGroup
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)  # replicated
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, dtype, device, shard, tp) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim).to(device)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(fb.input_ids)
+        cos, sin = self.rotary.cos_signed_sin(fb.positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, fb)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tp: TPGroup | None = None,
+    ) -> None:
+        """``tp``: this rank's group (None: the whole model on one rank). Raises ``ConfigError`` when the group's
+        size cannot split the model."""
+        super().__init__()
+        device = torch.device(device)
+        self.config = cfg
+        self.device = device
+        self.tp = tp or TPGroup()
+        self.shard = ShardLayout.for_config(cfg, self.tp.tp_rank, self.tp.tp_size)
+        self.model = LlamaModel(cfg, dtype, device, self.shard, self.tp)
+        # One rank with tied embeddings reads the LM head from the embedding itself; a TP shard of it is a copy
+        # (the loader fills it from the embedding's rows).
+        tied_whole = cfg.tie_word_embeddings and self.tp.tp_size == 1
+        self.lm_head = (
+            None if tied_whole else Linear(cfg.hidden_size, self.shard.vocab_per_rank, False, dtype, device)
+        )
+
+    def make_attn_backend(self, backend: str = "torch") -> TorchAttentionBackend | TritonAttentionBackend:
+        """``backend``: ``torch`` (padded SDPA over gathered pages) or ``triton`` (paged kernels, no gather)."""
+        cfg = self.config
+        if backend == "triton":
+            from common.engine.model.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend(
+                self.shard.num_heads, self.shard.num_kv_heads, cfg.head_dim, cfg.sliding_window, self.device
+            )
+        if backend != "torch":
+            raise ValueError(f"unknown attention backend {backend!r} (torch or triton)")
+        return TorchAttentionBackend(self.shard.num_heads, self.shard.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank's pool holds."""
+        return self.shard.num_kv_heads
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]. Writes every layer's K/V of the new tokens to
+        ``fb.kv_pool`` at ``fb.out_cache_loc``. Builds ``fb.attn_metadata`` first if the runner has not."""
+        if fb.attn_metadata is None:
+            fb.attn_backend.init_forward_metadata(fb)
+        return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [n, vocab] for hidden states [n, hidden] (select the rows you need first); with TP the
+        full vocab, the same on every rank."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        if self.tp.tp_size == 1:
+            return logits
+        logits = self.tp.all_gather(logits, dim=-1)
+        vocab = self.config.vocab_size
+        return logits if logits.shape[-1] == vocab else logits[:, :vocab].contiguous()

@@ -1,0 +1,166 @@
+"""One generation request as the scheduler tracks it.
+
+Token bookkeeping (``fill_ids`` is what the next extend computes up to)::
+
+    origin_input_ids                  output_ids
+    |<----------------------------->|<---------------->|
+                     |<- prior ->|                          a migrated request: its last ``prior_output_len`` input
+                                                            ids are outputs of an interrupted earlier attempt
+    |<- prefix_indices ->|<- extend_input_len ->|          (one prefill round; a chunked request has several)
+    req_to_token[req_pool_idx, :kv_committed_len] holds the KV slots already written for this request.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from common.errors import ErrorCode
+
+if TYPE_CHECKING:
+    from common.engine.sampling.params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class Finished:
+    reason: FinishReason
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str = ""  # for ABORT: why
+    code: ErrorCode = ErrorCode.CANCELLED  # for ABORT: the gRPC status the client sees
+    origin: str = ""  # for ABORT: whose fault, when not this node's (KV_PEER_FAULT: the KV transfer's peer)
+
+
+@dataclass
+class ReqTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    queue_enter: float = 0.0
+    forward_start: float = 0.0  # first prefill chunk started
+    bootstrapped: float = 0.0  # disaggregation: the peer's side is ready (prefill: destination pages known)
+    transfer_done: float = 0.0  # disaggregation: KV transfer finished
+    first_token: float = 0.0
+    finished: float = 0.0
+
+
+class Req:
+    """A request inside one scheduler rank. Only the scheduler thread touches it."""
+
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+        bootstrap_room: int | None = None,
+        prior_output_len: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids: list[int] = list(input_ids)
+        self.output_ids: list[int] = []
+        # Outputs produced before a migration, at the end of ``origin_input_ids``. Sampling sees them as outputs
+        # (seeded step index, frequency/presence penalties, stop strings); lengths and limits do not.
+        self.prior_output_len = prior_output_len
+        self.sampling_params = sampling_params
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.eos_token_ids = eos_token_ids
+        self.bootstrap_room = bootstrap_room
+
+        # Memory: the request slot and the prefix matched in the radix cache.
+        self.req_pool_idx: int | None = None
+        self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.last_node: Any = None  # radix tree node locked on behalf of this request
+        self.cached_tokens = 0  # prompt tokens served from the cache (reported to the client)
+        self.kv_committed_len = 0  # tokens whose KV is written in req_to_token
+
+        # Prefill progress.
+        self.fill_ids: list[int] = []
+        self.extend_input_len = 0
+        self.is_chunked = 0  # > 0 while a chunked prefill of this request is in progress
+        self.is_retracted = False  # retracted and not re-admitted yet: an in-flight token of it is dropped
+        self.future_slot: int | None = None  # overlap schedule: the ring slot of its launched, unappended token
+        self.to_abort: str | None = None  # set by an abort while the request sits in a batch
+        self.sent_len = 0  # output tokens already streamed out
+        self.grammar: Any = None  # RequestGrammar (common/sampling/grammar.py) of a constrained request
+
+        # Output.
+        self.finished_reason: Finished | None = None
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.decoded_text = ""  # only kept when stop strings are set
+        self.times = ReqTimes()
+
+        # Disaggregation: the KV sender/receiver and where the first token came from.
+        self.disagg_kv: Any = None  # KVSender (prefill node) or KVReceiver (decode node)
+        self.metadata_slot: int | None = None
+        self.kv_pages_sent = 0  # prefill node: pages handed to the KVSender so far
+        self.kv_transfer_bytes = 0  # decode node: KV bytes received for this request
+        self.bootstrap_addr: str | None = None
+        self.prefill_dp_rank = 0
+
+    # -- lengths ---------------------------------------------------------------------------------------------------
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def next_input_id(self) -> int:
+        """The token a decode step feeds: the last output, or the placeholder of one still being sampled."""
+        if self.future_slot is not None:
+            return -(self.future_slot + 1)
+        return self.output_ids[-1]
+
+    def draw_step(self) -> int:
+        """Index of the output token the next launched step draws (counts a launched, unappended token and the
+        outputs of earlier attempts)."""
+        return self.prior_output_len + len(self.output_ids) + (self.future_slot is not None)
+
+    def generated_ids(self) -> list[int]:
+        """Every output token of the request, those of earlier attempts (a migration) first."""
+        if not self.prior_output_len:
+            return self.output_ids
+        return self.origin_input_ids[len(self.origin_input_ids) - self.prior_output_len :] + self.output_ids
+
+    def finishes_with_pending(self) -> bool:
+        """Its launched, unappended token will end it by length: it needs no further step."""
+        return self.future_slot is not None and len(self.output_ids) + 1 >= self.sampling_params.max_new_tokens
+
+    def init_next_round_input(self, tree_cache: Any | None) -> None:
+        """Recompute ``fill_ids`` and the cached prefix before (re)entering a prefill batch."""
+        self.fill_ids = self.all_ids()
+        if tree_cache is not None:
+            match = tree_cache.match_prefix(self.fill_ids[: len(self.fill_ids) - 1])
+            self.prefix_indices, self.last_node = match.device_indices, match.last_node
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.extend_input_len = 0
+        self.kv_committed_len = 0
+        self.is_chunked = 0
+        self.is_retracted = True
+        self.future_slot = None
+
+    def abort(self, message: str, code: ErrorCode = ErrorCode.CANCELLED, origin: str = "") -> None:
+        self.finished_reason = Finished(FinishReason.ABORT, message=message, code=code, origin=origin)
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input_len={len(self.origin_input_ids)}, output_len={len(self.output_ids)})"

@@ -1,0 +1,132 @@
+"""The response to one request on a node's SGLang HTTP API: SGLang's ``/generate`` shape (``text``, ``output_ids``,
+``meta_info``) or OpenAI's completion / chat shape, whole or as SSE (``data: {...}`` ... ``data: [DONE]``).
+
+Text is detokenized incrementally with stop strings cut as our router cuts them; streamed ``/generate`` chunks carry
+the cumulative ``text`` and ``output_ids`` (SGLang's default), OpenAI chunks the new text only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from common.io_struct import PrefillDone, TokenOut
+from common.node.sglang_openai import chat_body, chat_chunk, completion_body, completion_chunk
+from common.node.sglang_protocol import Logprobs, SglangRequest, finish_reason
+from common.text.detokenizer import IncrementalDetokenizer
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "code": status}, "object": "error", "message": message}
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
+
+
+WRITE_TIMEOUT_S = 30.0  # a client that takes no bytes for this long is gone: its request is aborted
+
+
+async def _write(resp: web.StreamResponse, data: bytes) -> None:
+    async with asyncio.timeout(WRITE_TIMEOUT_S):  # no task per write, unlike wait_for
+        await resp.write(data)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+class SglangResponse:
+    """One request's response: SGLang's ``/generate`` shape or OpenAI's completion shape, whole or as SSE."""
+
+    def __init__(self, tokenizer: Any, model_name: str, req: SglangRequest, rid: str, api: str,
+                 include_usage: bool) -> None:
+        self.model_name, self.req, self.rid, self.api, self.include_usage = model_name, req, rid, api, include_usage
+        sp = req.sampling
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop)
+        self.logprobs = Logprobs(tokenizer, req.return_text_in_logprobs)
+        self.ids: list[int] = []
+        self.started = time.monotonic()
+        self.created = int(time.time())
+        self.last: TokenOut | PrefillDone | None = None
+        self.sent_role = False  # chat streams: the first chunk's delta carries the role
+
+    def _add(self, out: TokenOut | PrefillDone) -> str:
+        """Take one output; returns the text it made final."""
+        self.last = out
+        if isinstance(out, PrefillDone):
+            return ""
+        self.ids.extend(out.token_ids)
+        self.logprobs.add(out)
+        return self.detok.add(out.token_ids, final=out.finish_reason is not None)
+
+    def _meta(self) -> dict[str, Any]:
+        out = self.last
+        meta: dict[str, Any] = {"id": self.rid, "finish_reason": None, "prompt_tokens": 0,
+                                "completion_tokens": len(self.ids), "cached_tokens": 0,
+                                "e2e_latency": time.monotonic() - self.started}
+        if isinstance(out, PrefillDone):
+            meta.update(finish_reason={"type": "length", "length": 0}, prompt_tokens=out.prompt_tokens,
+                        cached_tokens=out.cached_tokens)
+        elif out is not None:
+            meta.update(finish_reason=finish_reason(out, self.req.sampling.max_new_tokens),
+                        prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
+            if out.finish_reason is not None:
+                meta["completion_tokens"] = out.completion_tokens
+        if self.req.return_logprob:
+            meta.update(self.logprobs.fields(self.req.top_logprobs_num))
+        return meta
+
+    def _body(self) -> dict[str, Any]:
+        if self.api == "completions":
+            return completion_body(self.rid, self.model_name, self.created, self.detok.text, self._meta())
+        if self.api == "chat":
+            return chat_body(self.rid, self.model_name, self.created, self.detok.text, self._meta())
+        return {"text": self.detok.text, "output_ids": list(self.ids), "meta_info": self._meta()}
+
+    async def full(self, outputs: AsyncIterator[TokenOut | PrefillDone]) -> dict[str, Any]:
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                self._add(out)
+        return self._body()
+
+    async def stream(self, request: web.Request, outputs: AsyncIterator[TokenOut | PrefillDone]) -> web.StreamResponse:
+        """Headers go out with the first output, so a failure before it is a real HTTP status."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-ID": self.rid})
+        async with contextlib.aclosing(outputs):
+            try:
+                async for out in outputs:
+                    delta = self._add(out)
+                    finished = isinstance(out, PrefillDone) or out.finish_reason is not None
+                    if not resp.prepared:
+                        await resp.prepare(request)
+                    if not finished and not delta and not (self.req.return_logprob and out.token_ids):
+                        continue
+                    usage = self.include_usage and finished
+                    if self.api == "completions":
+                        await _write(resp, _sse(completion_chunk(self.rid, self.model_name, self.created, delta,
+                                                               self._meta(), usage)))
+                    elif self.api == "chat":
+                        role = {"role": "assistant"} if not self.sent_role else {}
+                        self.sent_role = True
+                        await _write(resp, _sse(chat_chunk(self.rid, self.model_name, self.created,
+                                                         {**role, "content": delta}, self._meta(), usage)))
+                    else:
+                        await _write(resp, _sse(self._body()))
+                await _write(resp, b"data: [DONE]\n\n")
+            except HttpError as e:
+                if not resp.prepared:
+                    return error_response(e.status, str(e))
+                await _write(resp, _sse({"error": {"message": str(e), "code": e.status}}))
+        await resp.write_eof()
+        return resp
