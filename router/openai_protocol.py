@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import msgspec
 from common.errors import InvalidRequestError
 from pdcluster.v1 import common_pb2
 from router.request import Final
+from router.tool_calls import ToolPlan, plan_of
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -86,11 +88,8 @@ class _Common(msgspec.Struct, kw_only=True):
     ebnf: str | None = None
     # OpenAI fields that would change the result and are not served here: a request carrying one is a 400 naming
     # it (``refuse_unsupported``), never a silent drop. docs/api.md lists them.
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -108,6 +107,9 @@ class CompletionRequest(_Common, kw_only=True):
 class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, rendered by the chat template
+    tool_call_id: str | None = None  # a tool turn: which call it answers
+    name: str | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -115,6 +117,9 @@ class ChatRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 _DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (CompletionRequest, ChatRequest)}
@@ -136,11 +141,8 @@ def decode(body: bytes, cls: type[CompletionRequest] | type[ChatRequest]) -> Any
 
 
 UNSUPPORTED_FIELDS = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "parallel_tool_calls",
     "modalities",
     "audio",
     "prediction",
@@ -235,8 +237,12 @@ def completion_inputs(r: CompletionRequest, max_n: int) -> dict[str, Any]:
     }
 
 
-def chat_inputs(r: ChatRequest, max_n: int) -> dict[str, Any]:
+def chat_inputs(r: ChatRequest, max_n: int, tool_call_parser: str | None = None) -> dict[str, Any]:
     _common_checks(r, max_n)
+    plan = plan_of(r.tools, r.tool_choice, tool_call_parser)
+    if r.parallel_tool_calls is False and plan is not None and plan.mode != "named":
+        raise InvalidRequestError("parallel_tool_calls false is not supported; remove it (or name one function "
+                                  "in tool_choice)")
     messages = []
     for i, m in enumerate(r.messages):
         content = m.content
@@ -247,21 +253,51 @@ def chat_inputs(r: ChatRequest, max_n: int) -> dict[str, Any]:
                     raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
-        messages.append({"role": m.role, "content": content if content is not None else ""})
+        msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        if m.tool_calls is not None:
+            msg["tool_calls"] = [_call_for_template(c) for c in m.tool_calls]
+        for extra in ("tool_call_id", "name"):
+            if getattr(m, extra) is not None:
+                msg[extra] = getattr(m, extra)
+        messages.append(msg)
     field, max_tokens = "max_tokens", r.max_tokens
     if r.max_completion_tokens is not None:
         field, max_tokens = "max_completion_tokens", r.max_completion_tokens
     if r.top_logprobs is not None and not r.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true")
+    sampling = sampling_of(r, max_tokens)
+    grammar = plan.grammar() if plan is not None else None
+    if grammar is not None:
+        if any(k in sampling for k in ("json_schema", "regex", "ebnf")):
+            raise InvalidRequestError(f"tool_choice {plan.mode!r} constrains the output itself: remove "  # type: ignore[union-attr]
+                                      "response_format / regex / ebnf")
+        sampling["json_schema"] = grammar
     return {
         "messages": messages,
-        "sampling": sampling_of(r, max_tokens),
+        "tools": list(plan.tools) if plan is not None else None,
+        "tool_plan": plan,
+        "sampling": sampling,
         "model": r.model,
         "stream": r.stream,
         "return_logprob": r.logprobs,
         "top_logprobs_num": r.top_logprobs or 0,
         "max_tokens_field": field,
     }
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates expect it: arguments as an object, not JSON text."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequestError("messages[].tool_calls[] must be {\"type\": \"function\", \"function\": "
+                                  "{\"name\", \"arguments\"}}")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise InvalidRequestError(f"messages[].tool_calls[].function.arguments is not JSON: {args[:64]!r}") from None
+    return {**call, "function": {"name": fn["name"], "arguments": args}}
 
 
 # -- responses -----------------------------------------------------------------------------------------------
@@ -326,6 +362,28 @@ class LogprobFormatter:
             else None
         )
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def put_tool_calls(body: dict[str, Any], plan: ToolPlan, text: str) -> None:
+    """A finished chat body's content read into ``tool_calls`` (finish_reason "tool_calls") when it holds any."""
+    content, calls = plan.parse(text)
+    if not calls:
+        return
+    choice = body["choices"][0]
+    choice["message"]["content"] = content
+    choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
+    if choice["finish_reason"] == "stop":
+        choice["finish_reason"] = "tool_calls"
+
+
+def tool_call_delta(plan: ToolPlan, text: str, sent: int, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """The last streamed delta of a chat with tools: the held-back text as tool calls (or content) and the
+    finish reason."""
+    _, calls = plan.parse(text)
+    if not calls:
+        return ({"content": text[sent:]} if text[sent:] else {}), finish
+    return ({"tool_calls": [c.to_openai(index=i) for i, c in enumerate(calls)]},
+            "tool_calls" if finish == "stop" else finish)
 
 
 def completion_body(

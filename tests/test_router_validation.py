@@ -38,17 +38,28 @@ HTTP_CASES: list[tuple[str, Any, str]] = [
         "/v1/chat/completions",
         {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],
          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-        "tools",
+        "--tool-call-parser",
     ),
     (
         "/v1/chat/completions",
         {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "tool_choice": "none"},
-        "tool_choice",
+        "tool_choice requires tools",
     ),
     (
         "/v1/chat/completions",
         {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]},
         "modalities",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+        "functions",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema.schema",
     ),
     ("/v1/chat/completions", {"model": "mock-model", "messages": []}, "messages"),
     (

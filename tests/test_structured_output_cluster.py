@@ -25,12 +25,13 @@ import pytest
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer
-from tests.node_helpers import Node, free_port, start_node, wait_all
+from tests.node_helpers import Node, free_port, start_node
 from tests.test_nodes import FAST_DEADLINES
 from tests.test_structured_output import SCHEMAS
 
 pytestmark = pytest.mark.slow
 
+START_TIMEOUT_S = 420
 REGEX = r"Z[a-c]{2,6}-[0-9]{1,3}"  # a forced first character: the prefill node's sampled token
 
 
@@ -45,12 +46,19 @@ class Nodes:
 @pytest.fixture(scope="module")
 def nodes(model_path) -> Iterator[Nodes]:
     sglang_port = free_port()
-    started = wait_all([
+    started = [
         start_node("prefill", model_path, extra=FAST_DEADLINES, wait=False),
         start_node("decode", model_path, extra=FAST_DEADLINES, wait=False),
         start_node("decode", model_path, extra=FAST_DEADLINES, wait=False),
         start_node("null", model_path, extra=["--sglang-http-port", str(sglang_port)], wait=False),
-    ])
+    ]
+    try:
+        for n in started:
+            n.wait_ready(timeout=START_TIMEOUT_S)  # four nodes load side by side
+    except BaseException:
+        for n in started:
+            n.kill()
+        raise
     yield Nodes(*started, sglang_port)
     for n in started:
         if n.proc.poll() is None:
@@ -70,7 +78,7 @@ def workers(nodes: Nodes, mode: str) -> tuple[WorkerSpec, ...]:
 async def router(request, nodes, model_path) -> AsyncIterator[RouterServer]:
     server = RouterServer(RouterConfig(
         model_path=str(model_path), grpc_port=0, http_port=0, health_interval_s=0.5, load_interval_s=0.2,
-        request_timeout_s=120.0, workers=workers(nodes, request.param),
+        request_timeout_s=300.0, workers=workers(nodes, request.param), tool_call_parser="hermes",
     ))
     await server.start()
     try:
@@ -82,7 +90,7 @@ async def router(request, nodes, model_path) -> AsyncIterator[RouterServer]:
 
 
 def client(server: RouterServer) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.AsyncOpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 async def chat_json(c: openai.AsyncOpenAI, model: str, schema: dict[str, Any], seed: int, stream: bool) -> tuple[
@@ -149,9 +157,9 @@ async def test_bad_grammars_and_unsupported_fields_are_400(router) -> None:
         with pytest.raises(openai.BadRequestError, match=r"response_format\.type"):
             await c.chat.completions.create(model=model, messages=msgs, max_tokens=8,
                                             response_format={"type": "yaml"})  # type: ignore[arg-type]
-        with pytest.raises(openai.BadRequestError, match="tools is not supported"):
-            await c.chat.completions.create(model=model, messages=msgs, max_tokens=8, tools=[
-                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+        with pytest.raises(openai.BadRequestError, match="functions is not supported"):
+            await c.chat.completions.create(model=model, messages=msgs, max_tokens=8, functions=[
+                {"name": "f", "parameters": {"type": "object"}}])
 
 
 async def test_sglang_generate_takes_json_schema_regex_ebnf(nodes) -> None:
@@ -172,6 +180,59 @@ async def test_sglang_generate_takes_json_schema_regex_ebnf(nodes) -> None:
         body = {"text": "x", "sampling_params": {"regex": "[a-"}}
         async with http.post(url, json=body) as resp:
             assert resp.status == 400 and "regex cannot be compiled" in await resp.text()
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "integer", "minimum": -12, "maximum": 12}},
+        "required": ["tz"]}}},
+]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+async def tool_calls_of(c: openai.AsyncOpenAI, model: str, choice: Any, seed: int, stream: bool) -> tuple[
+        list[tuple[str, str]], str | None]:
+    msgs = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    kw = {"model": model, "messages": msgs, "tools": TOOLS, "tool_choice": choice, "max_tokens": 200,
+          "temperature": 1.0, "seed": seed}
+    if not stream:
+        r = await c.chat.completions.create(**kw)
+        calls = r.choices[0].message.tool_calls or []
+        return [(t.function.name, t.function.arguments) for t in calls], r.choices[0].finish_reason
+    calls: dict[int, list[str]] = {}
+    finish = None
+    async for chunk in await c.chat.completions.create(**kw, stream=True):
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = calls.setdefault(d.index, ["", ""])
+            entry[0] += d.function.name or ""
+            entry[1] += d.function.arguments or ""
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    return [(n, a) for n, a in (calls[i] for i in sorted(calls))], finish
+
+
+async def test_tool_choice_required_and_named_return_valid_calls(router) -> None:
+    async with client(router) as c:
+        model = (await c.models.list()).data[0].id
+        named = {"type": "function", "function": {"name": "get_time"}}
+        cases = [(choice, seed, stream) for seed, choice in enumerate(["required", named, "required"])
+                 for stream in (False, True)]
+        outs = await asyncio.gather(*(tool_calls_of(c, model, ch, 70 + k, st) for k, (ch, _, st) in
+                                      enumerate(cases)))
+        for (choice, _, _), (calls, finish) in zip(cases, outs, strict=True):
+            assert finish == "tool_calls" and calls, (choice, calls, finish)
+            for name, arguments in calls:
+                if choice is named:
+                    assert name == "get_time"
+                jsonschema.validate(json.loads(arguments), PARAMS[name])
+        # auto with the hermes parser: this random model writes no <tool_call>, so the output is plain content.
+        r = await c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                            max_tokens=8, temperature=0)
+        assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
 
 
 def running(node: Node) -> int:
