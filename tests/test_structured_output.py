@@ -261,3 +261,36 @@ def test_apply_bitmask_masks_rows_and_spares_dead_ones() -> None:
     assert torch.equal(out[1], scores[1])  # no grammar
     assert torch.isneginf(out[2]).sum() == vocab - 1 and out[2, 35] == scores[2, 35]
     assert torch.equal(out[0], scores[0])  # nothing allowed: left to the matcher to refuse
+
+
+@pytest.mark.slow  # spawns a TP rank process
+def test_tp2_ranks_mask_alike_and_release(engine_factory, model_path) -> None:
+    """Each TP rank runs its own matchers; they agree when a grammar is compiled and mask alike, so both ranks end
+    every request the same way (a rank that drew differently would finish or refuse requests on its own and its
+    free counts, reported as the MIN over the group, would stay short)."""
+    engine = engine_factory(model_path, tp_size=2, torch_num_threads=1)
+    reqs = schema_requests(seed=300)[::2]
+    for (_, sp), out in zip(reqs, run_all(engine, reqs), strict=True):
+        assert_valid_json(out.text, json.loads(sp["json_schema"]), out.finish_reason)
+    deadline = time.monotonic() + 30
+    while (load := engine.get_load()).free_req_slots != load.total_req_slots:
+        assert time.monotonic() < deadline, load
+        time.sleep(0.1)
+
+
+def test_sglang_surfaces_take_grammars_and_refuse_what_they_do_not_serve() -> None:
+    from common.node.sglang_openai import completion_to_generate
+    from common.node.sglang_protocol import parse_generate
+
+    req = parse_generate({"text": "x", "sampling_params": {"regex": "[ab]+", "max_new_tokens": 4}})
+    assert req.sampling.regex == "[ab]+"
+    with pytest.raises(InvalidRequestError, match="at most one"):
+        parse_generate({"text": "x", "sampling_params": {"regex": "a", "json_schema": "{}"}})
+    gen, _ = completion_to_generate({"prompt": "x", "response_format": {"type": "json_object"}})
+    assert gen["sampling_params"]["json_schema"] == '{"type": "object"}'
+    gen, _ = completion_to_generate({"prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}})
+    assert json.loads(gen["sampling_params"]["json_schema"]) == {"type": "integer"}
+    for bad in ({"response_format": {"type": "yaml"}}, {"logit_bias": {"1": 2}}, {"best_of": 3}):
+        with pytest.raises(InvalidRequestError):
+            completion_to_generate({"prompt": "x", **bad})
