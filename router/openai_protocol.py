@@ -166,8 +166,6 @@ def _common_checks(r: _Common, max_n: int) -> None:
         )
     if r.best_of not in (None, 1):
         raise InvalidRequestError(f"best_of is not supported (must be 1), got {r.best_of}")
-    if r.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported; remove it")
     if r.stream_options is not None and not r.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true")
 
@@ -196,6 +194,19 @@ def sampling_of(r: _Common, max_tokens: int | None) -> dict[str, Any]:
     out["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
     out["stop_token_ids"] = tuple(r.stop_token_ids or ())
     out.update(grammar_of(r))
+    if r.logit_bias:
+        out["logit_bias"] = logit_bias_of(r.logit_bias)
+    return out
+
+
+def logit_bias_of(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` with the ids as integers (ranges are checked by ``SamplingParams.verify``)."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}") from None
     return out
 
 

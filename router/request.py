@@ -100,4 +100,6 @@ def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
     key = sp.grammar_key
     if key is not None:
         setattr(out, key[0], key[1])  # the oneof ``constraint``
+    if sp.logit_bias:
+        out.logit_bias.update(sp.logit_bias)
     return out

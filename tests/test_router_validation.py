@@ -33,7 +33,8 @@ HTTP_CASES: list[tuple[str, Any, str]] = [
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "stop": [""]}, "stop"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "top_k": 0}, "top_k"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "echo": True}, "echo"),
-    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "logit_bias": {"5": 3}}, "logit_bias"),
+    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "logit_bias": {"five": 3}}, "logit_bias keys"),
+    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "logit_bias": {"5": 300}}, "logit_bias values"),
     (
         "/v1/chat/completions",
         {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],

@@ -16,12 +16,13 @@ _SAMPLING = {
     "ignore_eos": "ignore_eos", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
     "repetition_penalty": "repetition_penalty", "seed": "sampling_seed", "skip_special_tokens": "skip_special_tokens",
     "no_stop_trim": "no_stop_trim", "n": "n", "regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf",
+    "logit_bias": "logit_bias",
 }
 _PASSED = ("stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
            "data_parallel_rank", "disagg_prefill_dp_rank", "lora_path", "return_hidden_states")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
 # Fields that would change the result and are not served: refused, never dropped.
-_REFUSED = ("logit_bias", "tools", "tool_choice", "functions", "function_call")
+_REFUSED = ("tools", "tool_choice", "functions", "function_call")
 
 
 def _response_format(fmt: Any) -> dict[str, str]:
