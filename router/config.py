@@ -10,6 +10,7 @@ from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
 from common.flags import above, at_least, check_flags, flag, tcp_port
 from common.wire.tls import TlsFiles
+from router.tool_calls import TOOL_CALL_PARSERS
 
 Role = Literal["prefill", "decode", "colocated"]
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -59,6 +60,9 @@ class RouterConfig:
     grpc_port: int = flag(30100, "pdcluster.v1.Router gRPC port (0: any free port)", check=tcp_port())
     http_port: int | None = 30101  # None: no HTTP gateway; 0: pick a free port (``--http-port``, -1: off)
     workers: tuple[WorkerSpec, ...] = ()
+    tool_call_parser: str | None = flag(None, "how chat outputs are read into tool_calls under tool_choice auto: "
+                                        "llama3 (JSON object) or hermes / qwen25 (<tool_call> blocks); unset: "
+                                        "tool_choice auto is refused", choices=TOOL_CALL_PARSERS)
     prefill_policy: str = flag("cache_aware", "how a prefill worker is picked", group=ROUTING, choices=POLICIES)
     decode_policy: str = flag("power_of_two", "how a decode worker is picked", group=ROUTING, choices=POLICIES)
     cache_threshold: float = flag(0.5, "cache_aware: prefix match rate above which the match wins", group=ROUTING)

@@ -23,6 +23,7 @@ from router.client_auth import api_key_middleware
 from router.errors import http_status_of, retry_after_of
 from router.request import ClientRequest, Delta, Final
 from router.service import RouterService
+from router.tool_calls import ToolPlan
 
 _encode = msgspec.json.encode
 
@@ -122,10 +123,11 @@ class HttpGateway:
         try:
             if api == "chat":
                 parsed: Any = oai.decode(body, oai.ChatRequest)
-                kw = oai.chat_inputs(parsed, svc.cfg.max_n)
+                kw = oai.chat_inputs(parsed, svc.cfg.max_n, svc.cfg.tool_call_parser)
             else:
                 parsed = oai.decode(body, oai.CompletionRequest)
                 kw = oai.completion_inputs(parsed, svc.cfg.max_n)
+            plan = kw.pop("tool_plan", None)
             prefix = "chatcmpl-" if api == "chat" else "cmpl-"
             rid = request.headers.get("X-Request-ID") or parsed.request_id or prefix + uuid.uuid4().hex[:24]
             req = await svc.build(ClientRequest(rid=rid, api=api, **kw))
@@ -144,10 +146,10 @@ class HttpGateway:
             except PdclusterError as e:
                 return error_response(e, headers)
             assert final is not None
-            return json_response(
-                self._full_body(api, final, model, created, req.top_logprobs_num, req.return_logprob),
-                headers=headers,
-            )
+            body = self._full_body(api, final, model, created, req.top_logprobs_num, req.return_logprob)
+            if plan is not None:
+                oai.put_tool_calls(body, plan, final.text)
+            return json_response(body, headers=headers)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return await self._stream(
             request,
@@ -159,6 +161,7 @@ class HttpGateway:
             include_usage,
             headers,
             svc.generate(req),
+            plan,
         )
 
     def _full_body(
@@ -188,12 +191,14 @@ class HttpGateway:
         include_usage: bool,
         headers: dict[str, str],
         events: Any,
+        plan: ToolPlan | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         chat = api == "chat"
         offset = 0
+        text, sent = "", 0  # with tools: the output so far, and how much of it went out as content
         async with contextlib.aclosing(events):
             try:
                 async for ev in events:
@@ -218,17 +223,25 @@ class HttpGateway:
                                 )
                             )
                         offset += len(ev.text)
-                        if not ev.text and lp is None:
+                        piece = ev.text
+                        if plan is not None:  # a tool call's text is held until the output ends
+                            text += ev.text
+                            upto = max(sent, plan.holds_back(text))
+                            piece, sent = text[sent:upto], upto
+                        if not piece and lp is None:
                             continue
                         chunk = (
-                            oai.chat_chunk(rid, model, created, {"content": ev.text}, None, lp)
+                            oai.chat_chunk(rid, model, created, {"content": piece}, None, lp)
                             if chat
                             else oai.completion_chunk(rid, model, created, ev.text, None, lp)
                         )
                         await resp.write(_sse(chunk))
                     else:
+                        finish, delta = ev.finish_reason, {}
+                        if plan is not None:
+                            delta, finish = oai.tool_call_delta(plan, text, sent, finish)
                         last = (
-                            oai.chat_chunk(rid, model, created, {}, ev.finish_reason)
+                            oai.chat_chunk(rid, model, created, delta, finish)
                             if chat
                             else oai.completion_chunk(rid, model, created, "", ev.finish_reason)
                         )

@@ -35,6 +35,35 @@ HTTP_CASES: list[tuple[str, Any, str]] = [
      "stop_token_ids accepts at most"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "top_k": 0}, "top_k"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "logit_bias": {"five": 3}}, "logit_bias keys"),
+    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "logit_bias": {"5": 300}}, "logit_bias values"),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],
+         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        "--tool-call-parser",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "tool_choice": "none"},
+        "tool_choice requires tools",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]},
+        "modalities",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+        "functions",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema.schema",
+    ),
     ("/v1/chat/completions", {"model": "mock-model", "messages": []}, "messages"),
     (
         "/v1/chat/completions",
