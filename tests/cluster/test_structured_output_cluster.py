@@ -22,12 +22,13 @@ import jsonschema
 import openai
 import pytest
 
+from common.ports import pick_free_port as free_port
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer
-from tests.node_helpers import Node, free_port, start_node
-from tests.test_nodes import FAST_DEADLINES
-from tests.test_structured_output import SCHEMAS
+from tests.engine.test_structured_output import SCHEMAS
+from tests.node_helpers import Node, start_node
+from tests.nodes.test_nodes import FAST_DEADLINES
 
 pytestmark = pytest.mark.slow
 
