@@ -108,7 +108,8 @@ class RouterConfig:
     max_inflight_requests: int = flag(4096, "requests served at once (0: unbounded); beyond it HTTP 429 / "
                                       "RESOURCE_EXHAUSTED with Retry-After", group=LIMITS, check=at_least(0))
     max_request_bytes: int = flag(4 << 20, "largest request body or message, bytes", group=LIMITS, check=at_least(1))
-    max_n: int = 1
+    max_n: int = flag(8, "most choices (n) one OpenAI request may ask for; each choice is served as its own request "
+                      "(seed + i)", group=LIMITS, check=at_least(1))
     # Prompts (text, or all chat message contents) over tokenize_inline_bytes UTF-8 bytes are tokenized in one of
     # tokenize_workers processes (router/tokenize_pool.py), never on the event loop.
     tokenize_workers: int = flag(2, "processes that tokenize prompts over --tokenize-inline-bytes off the event loop "
@@ -146,8 +147,6 @@ class RouterConfig:
         check_flags(self)  # each flag's choices and check (declared on its field)
         if self.prefix_block_tokens < 1:
             raise ConfigError(f"prefix_block_tokens must be >= 1, got {self.prefix_block_tokens}")
-        if self.max_n < 1:
-            raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
         self.tls.check()
         if self.tls_server_name is not None and not self.tls.mutual:
             raise ConfigError("--tls-server-name names the nodes' certificates: it needs --tls-ca (mutual TLS)")

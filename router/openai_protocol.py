@@ -163,7 +163,7 @@ def _common_checks(r: _Common, max_n: int) -> None:
     refuse_unsupported(r)
     if r.n < 1 or r.n > max_n:
         raise InvalidRequestError(
-            f"n must be between 1 and {max_n} on this router, got {r.n}; send one request per completion"
+            f"n must be between 1 and {max_n} on this router (--max-n), got {r.n}"
         )
     if r.best_of not in (None, 1):
         raise InvalidRequestError(f"best_of is not supported (must be 1), got {r.best_of}")
@@ -315,12 +315,15 @@ def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- responses -----------------------------------------------------------------------------------------------
-def usage_of(f: Final) -> dict[str, Any]:
+def usage_of(finals: list[Final]) -> dict[str, Any]:
+    """One request's usage over its choices: the prompt counts once (it is the same for every choice)."""
+    prompt = finals[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in finals)
     return {
-        "prompt_tokens": f.prompt_tokens,
-        "completion_tokens": f.completion_tokens,
-        "total_tokens": f.prompt_tokens + f.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens},
     }
 
 
@@ -378,12 +381,13 @@ class LogprobFormatter:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
 
-def put_tool_calls(body: dict[str, Any], plan: ToolPlan, text: str) -> None:
-    """A finished chat body's content read into ``tool_calls`` (finish_reason "tool_calls") when it holds any."""
+def put_tool_calls(body: dict[str, Any], plan: ToolPlan, text: str, index: int = 0) -> None:
+    """A finished chat body's choice ``index`` read into ``tool_calls`` (finish_reason "tool_calls") when its
+    content holds any."""
     content, calls = plan.parse(text)
     if not calls:
         return
-    choice = body["choices"][0]
+    choice = body["choices"][index]
     choice["message"]["content"] = content
     choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
     if choice["finish_reason"] == "stop":
@@ -400,33 +404,29 @@ def tool_call_delta(plan: ToolPlan, text: str, sent: int, finish: str | None) ->
             "tool_calls" if finish == "stop" else finish)
 
 
-def completion_body(
-    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
+Choice = tuple[str, str | None, dict[str, Any] | None]  # one choice of a full body: text, finish reason, logprobs
+
+
+def completion_body(rid: str, model: str, created: int, choices: list[Choice]) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+                    for i, (text, finish, lp) in enumerate(choices)],
     }
 
 
-def chat_body(
-    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def chat_body(rid: str, model: str, created: int, choices: list[Choice]) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
+            {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish}
+            for i, (text, finish, lp) in enumerate(choices)
         ],
     }
 
@@ -438,20 +438,28 @@ def chat_chunk(
     delta: dict[str, Any],
     finish: str | None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
     }
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    return completion_body(rid, model, created, text, finish, logprobs)
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+    }
 
 
 def error_body(message: str, status: int, code: str | None = None) -> dict[str, Any]:

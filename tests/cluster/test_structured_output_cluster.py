@@ -240,6 +240,36 @@ def running(node: Node) -> int:
     return sum(r.running + r.transfer + r.prealloc for r in node.load().ranks)
 
 
+async def test_n_choices_are_seeded_per_choice_and_each_validates(router) -> None:
+    schema = SCHEMAS["bounded_numbers"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    kw: dict[str, Any] = {"messages": [{"role": "user", "content": "three answers"}], "max_tokens": 160,
+                          "temperature": 1.0, "seed": 5, "n": 3, "response_format": fmt}
+    async with client(router) as c:
+        model = (await c.models.list()).data[0].id
+
+        async def ask(stream: bool) -> list[tuple[str, str | None]]:
+            if not stream:
+                r = await c.chat.completions.create(model=model, **kw)
+                return [(ch.message.content or "", ch.finish_reason) for ch in sorted(r.choices, key=lambda x: x.index)]
+            texts: list[str] = ["", "", ""]
+            finish: list[str | None] = [None, None, None]
+            async for chunk in await c.chat.completions.create(model=model, stream=True, **kw):
+                for ch in chunk.choices:
+                    texts[ch.index] += ch.delta.content or ""
+                    finish[ch.index] = ch.finish_reason or finish[ch.index]
+            return list(zip(texts, finish, strict=True))
+
+        first = await ask(False)
+        again, streamed = await asyncio.gather(ask(False), ask(True))
+    assert first == again == streamed  # each choice's seed makes it reproducible, streamed or not
+    assert len({text for text, _ in first}) == 3, first  # seed + i: the choices differ
+    for text, finish in first:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+
+
+
 async def test_decode_killed_mid_output_migrates_and_the_json_validates(nodes, model_path) -> None:
     """Last in this module: it kills a decode node."""
     schema = {"type": "array", "items": {"type": "boolean"}, "minItems": 70, "maxItems": 70}

@@ -24,7 +24,7 @@ HTTP_CASES: list[tuple[str, Any, str]] = [
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "temperature": -0.5}, "temperature"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "top_p": 1.5}, "top_p"),
-    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "n": 3}, "n must be"),
+    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "n": 9}, "n must be between 1 and 8"),
     ("/v1/completions", {"model": "other-model", "prompt": "hi"}, "model"),
     ("/v1/completions", {"model": "mock-model", "prompt": TOO_LONG}, "prompt"),
     ("/v1/completions", {"model": "mock-model", "prompt": "hi", "max_tokens": 4000}, "max_tokens"),
