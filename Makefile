@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-gpu gpu-wheels lint install proto docs clean
+.PHONY: up test test-gpu gpu-check gpu-wheels lint install proto docs clean
 
 # GPU machines have torch but no package index and no .venv (../shared/GPU.md): `make gpu-wheels` (here) fetches
 # the few packages they lack, pinned to this venv's versions, into $(WHL); `make test-gpu` (there) installs them
@@ -52,15 +52,22 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
 
+# The python that runs tests/gpu and the GPU check: the .venv's, or on a GPU machine without one the machine's python3
+# with the $(WHL) wheels installed into $(GPU_SITE) first.
+GPU_PY = if [ -x $(BIN)/python ]; then PYBIN=$(BIN)/python; else \
+	ls $(WHL)/*.whl >/dev/null 2>&1 || { echo "no $(VENV) and no $(WHL)/*.whl: run 'make gpu-wheels' first"; exit 1; }; \
+	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $(GPU_SITE) $(WHL)/*.whl \
+		|| exit 1; \
+	export PYTHONPATH=$$PWD:$$PWD/proto:$(GPU_SITE) PYTHONUNBUFFERED=1; PYBIN=python3; fi
+
 test-gpu:
-	@if [ -x $(BIN)/python ]; then \
-		$(BIN)/pytest -q -p no:cacheprovider -rs tests/gpu; \
-	else \
-		ls $(WHL)/*.whl >/dev/null 2>&1 || { echo "no $(VENV) and no $(WHL)/*.whl: run 'make gpu-wheels' first"; exit 1; }; \
-		python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $(GPU_SITE) $(WHL)/*.whl \
-			|| exit 1; \
-		PYTHONPATH=$$PWD:$$PWD/proto:$(GPU_SITE) PYTHONUNBUFFERED=1 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu; \
-	fi
+	@$(GPU_PY); $$PYBIN -m pytest -q -p no:cacheprovider -rs tests/gpu
+
+# The whole accelerator path in one command (benchmarks/gpu_check.py): results under $$OUT (or GPU_CHECK_ARGS="--out
+# DIR"), finished within its --budget-s (default 420 s). `make gpu-check GPU_CHECK_ARGS=--dry-run` runs it on CPU.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@$(GPU_PY); $$PYBIN -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 gpu-wheels: $(STAMP)
 	$(BIN)/python -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \

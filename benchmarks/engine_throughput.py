@@ -102,7 +102,7 @@ class _Ours:
 
 
 class _HF:
-    def __init__(self, model_path: str, device: str, dtype: str) -> None:
+    def __init__(self, model_path: str, device: str, dtype: str, static: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -110,6 +110,8 @@ class _HF:
         self.device = device
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
         self.pad = self.model.generation_config.pad_token_id or 0
+        # A static cache makes transformers compile the decode forward (its auto-compile, on by default on cuda).
+        self.cache = {"cache_implementation": "static"} if static else {}
 
     def run(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         torch = self.torch
@@ -119,7 +121,7 @@ class _HF:
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                do_sample=False, eos_token_id=None, pad_token_id=self.pad,
+                do_sample=False, eos_token_id=None, pad_token_id=self.pad, **self.cache,
             )
         return out[:, width:].tolist()
 
@@ -138,7 +140,7 @@ def _worker(side: str, model_path: str, threads: int, engine_args: dict[str, Any
     if side.startswith("ours"):
         runner: _Ours | _HF = _Ours(model_path, engine_args)
     else:
-        runner = _HF(model_path, engine_args["device"], engine_args["dtype"])
+        runner = _HF(model_path, engine_args["device"], engine_args["dtype"], static=side == "hf_static")
     conn.send("ready")
     while True:
         msg = conn.recv()
@@ -149,10 +151,42 @@ def _worker(side: str, model_path: str, threads: int, engine_args: dict[str, Any
         if msg[0] == "rss":
             conn.send(_peak_rss_mib())
             continue
+        if msg[0] == "profile":
+            conn.send(_profile(runner, *msg[1:]))
+            continue
         _, prompts, max_new = msg
         t0, comm0 = time.perf_counter(), runner.comm_seconds()
         outs = runner.run(prompts, max_new)
         conn.send((time.perf_counter() - t0, outs, runner.comm_seconds() - comm0))
+
+
+LAUNCH_OPS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+def _profile(runner: _Ours | _HF, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+    """One ``run(prompts, max_new)`` of our engine under the torch profiler (a window over its scheduler thread's
+    steps): the top ops by self device time and by self CPU time, and the kernel/graph launches per generated
+    token step (the prefill's launches included)."""
+    import torch
+
+    if not isinstance(runner, _Ours):
+        raise TypeError("only our engine's side is profiled")
+    t0 = time.perf_counter()
+    runner.engine.profiler.start(timeout=30)
+    try:
+        runner.run(prompts, max_new)
+    finally:
+        prof = runner.engine.profiler.stop(timeout=60)
+    wall = time.perf_counter() - t0
+    avg = prof.key_averages()
+    launches = {e.key: e.count for e in avg if e.key in LAUNCH_OPS}
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return {
+        "batch": len(prompts), "steps": max_new, "wall_s": wall,
+        "launches": launches, "launches_per_step": sum(launches.values()) / max_new,
+        "top_by_device_time": avg.table(sort_by=device_key, row_limit=15, max_name_column_width=60),
+        "top_by_cpu_time": avg.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60),
+    }
 
 
 class _Side:
@@ -172,6 +206,10 @@ class _Side:
     def run_timed(self, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]], float]:
         """(wall seconds, outputs, seconds in TP collectives)."""
         self.conn.send(("run", prompts, max_new))
+        return self.conn.recv()
+
+    def profile(self, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+        self.conn.send(("profile", prompts, max_new))
         return self.conn.recv()
 
     def peak_rss_mib(self) -> float:
@@ -207,7 +245,8 @@ def _machine(threads: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", default=None, help="HF folder (default: generate the small llama, seed 0)")
+    p.add_argument("--model-path", default=None, help="HF folder (default: generate a llama of --model-size, seed 0)")
+    p.add_argument("--model-size", default="small", help="preset of the generated llama (tiny, small, 1b)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -229,6 +268,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--disable-cuda-graph", action="store_true", help="our engine: no CUDA graphs on cuda")
     p.add_argument("--baseline-eager", action="store_true",
                    help="+ our engine without compile and CUDA graphs (the 'ours_eager' side)")
+    p.add_argument("--hf-static", action="store_true",
+                   help="+ HF generate with a static cache (transformers compiles its decode step: 'hf_static')")
+    p.add_argument("--warmup-full", action="store_true",
+                   help="warm every side up with the full workload (compiles and captures every shape) before timing")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after timing, profile our engine over this many decode steps of the full batch")
     p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
                    help="device peak memory bandwidth for the weight-read floor (default: looked up for H100/H200)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine_throughput.json"))
@@ -242,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from common.model_gen.make_model import make_model
 
         tmp = tempfile.TemporaryDirectory(prefix="pdc-bench-")
-        model_path = str(make_model("llama", "small", Path(tmp.name), seed=0))
+        model_path = str(make_model("llama", a.model_size, Path(tmp.name), seed=0))
     hf_cfg = AutoConfig.from_pretrained(model_path)
     weight_bytes = _weight_bytes(model_path, a.dtype)
     vocab = hf_cfg.vocab_size
@@ -282,13 +327,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sides["ours_eager"] = _Side("ours_eager", model_path, a.threads,
                                     engine_args | {"enable_torch_compile": False, "disable_cuda_graph": True})
     sides["hf"] = _Side("hf", model_path, a.threads, engine_args)
+    if a.hf_static:
+        sides["hf_static"] = _Side("hf_static", model_path, a.threads, engine_args)
     comm_s: list[float] = []
     tp_agree: list[float] = []
     eager_outs: list[tuple[list[list[int]], list[list[int]]]] = []
     try:
-        warm = _prompts(10**6, min(n, 8), lin, vocab, low=3)
+        warm = _prompts(10**6, n if a.warmup_full else min(n, 8), lin, vocab, low=3)
         for s in sides.values():
-            s.run(warm, 4)
+            s.run(warm, lout if a.warmup_full else 4)
+            if a.warmup_full and not a.skip_prefill:
+                s.run(warm, 1)
         decode_s: dict[str, list[float]] = {k: [] for k in sides}
         prefill_s: dict[str, list[float]] = {k: [] for k in sides}
         agree: list[float] = []
@@ -315,6 +364,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             line = "  ".join(f"{k} {n * lout / decode_s[k][-1]:7.0f} out tok/s" for k in sides)
             print(f"repeat {rep}: {line}  (identical outputs {agree[-1]:.0%}, load {os.getloadavg()[0]:.1f})")
         rss = {k: s.peak_rss_mib() for k, s in sides.items()}
+        prof = sides["ours"].profile(_prompts(2 * 10**6, n, lin, vocab, low=3), a.profile_steps) \
+            if a.profile_steps > 0 else None
     finally:
         for s in sides.values():
             s.stop()
@@ -345,6 +396,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hf": summary("hf"),
         "identical_output_fraction": agree,
     }
+    if "hf_static" in sides:
+        result["hf_static"] = summary("hf_static")
+        result["ratio_vs_hf_static"] = result["ours"]["output_tok_per_s"] / result["hf_static"]["output_tok_per_s"]
+    if prof is not None:
+        result["ours_profile"] = prof
     if "ours_tp" in sides:
         result["ours_tp"] = summary("ours_tp") | {"tp_size": a.tp_size, "comm_share": comm_s,
                                                   "comm_share_median": statistics.median(comm_s),
@@ -362,6 +418,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["peak_bandwidth_gbs"] = peak
     result["weight_read_floor_ms"] = weight_bytes / (peak * 1e9) * 1e3 if peak else None
     rows = [("ours", result["ours"]), ("hf generate", result["hf"])]
+    if "hf_static" in result:
+        rows.append(("hf static", result["hf_static"]))
     if "ours_tp" in result:
         rows.insert(0, (f"ours tp {a.tp_size}", result["ours_tp"]))
     if "ours_normal" in result:
@@ -386,8 +444,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["identical_to_eager_fraction"] = eager_agree
         print(f"ratio ours / ours eager (output tok/s): {result['ratio_vs_eager']:.2f}x; identical outputs "
               f"{min(eager_agree):.0%} (min over repeats)")
+    if "hf_static" in result:
+        print(f"ratio ours / hf static+compiled (output tok/s): {result['ratio_vs_hf_static']:.2f}x")
+    if prof is not None:
+        print(f"profile of our engine, batch {n}, {a.profile_steps} steps: "
+              f"{prof['launches_per_step']:.0f} launches per step {prof['launches']}")
+        print(prof["top_by_device_time"])
     for name, key in (("ours", "ours"), ("ours normal", "ours_normal"), ("ours eager", "ours_eager"),
-                      ("hf generate", "hf")):
+                      ("hf generate", "hf"), ("hf static", "hf_static")):
         step = result.get(key, {}).get("decode_step_ms")
         if step is not None:
             print(f"decode step {name:<12} {step:8.3f} ms   weight-read floor {floor_s}")

@@ -60,7 +60,7 @@ SRC_SEED = 7
 # 2 cores the sender and the receiver each fill one, so a poller's CPU comes out of the transfer: measured, a
 # 0.2 ms poll costs 6.5 % of a core and a 0.5 ms one 3.2 % (the raw baselines block in recv instead); 1 ms costs
 # 1.6 %, and its resolution is under 1 % of a 512 MiB rep.
-POLL_S = 0.001
+POLL_S = 0.0001  # both sides poll for the final state: a 1 ms poll alone is 3x a 512 MiB device copy
 
 
 @dataclass(frozen=True)

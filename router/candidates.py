@@ -15,6 +15,9 @@ Invariants: ``routable()`` equals ``[w for w in workers if w.routable]``, or whe
 ``[w for w in workers if w.usable_but_for_circuit]`` (a breaker never blackholes a role whose workers say they serve);
 ``CapacityIndex.min_tokens()`` <= ``free_pages() * page_size`` of every worker of the role with a known count.
 Workers tell their view through ``Worker.state_changed`` and ``Worker.free_changed``; both run on the event loop.
+
+This module knows a worker only as ``ViewedWorker`` (what the views read of it), so ``router.workers``, which builds
+the views, is imported by nobody here: the views sit below the registry.
 """
 
 from __future__ import annotations
@@ -24,30 +27,50 @@ import contextlib
 import heapq
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from router.workers import Worker
+from pdcluster.v1 import worker_pb2
+from router.breaker import CircuitBreaker
 
 
-class Candidates(list["Worker"]):
+class ViewedWorker(Protocol):
+    """What the views read of a worker (``router.workers.Worker`` is the one kind the registry holds)."""
+
+    seq: int  # registration order
+    address: str
+    breaker: CircuitBreaker
+    page_size: int
+
+    @property
+    def info(self) -> worker_pb2.ServerInfo | None: ...
+    @property
+    def dp_size(self) -> int: ...
+    @property
+    def usable_but_for_circuit(self) -> bool: ...
+    def free_pages(self) -> int | None: ...
+
+
+W = TypeVar("W", bound=ViewedWorker)  # the worker type a registry keeps views of
+
+
+class Candidates(list[W], Generic[W]):
     """Workers a policy picks from; read-only once built (a registry view hands out the same one until a change).
     ``by_address`` is built once per list."""
 
     __slots__ = ("_by_address",)
 
-    def __init__(self, workers: Iterable[Worker] = ()) -> None:
+    def __init__(self, workers: Iterable[W] = ()) -> None:
         super().__init__(workers)
-        self._by_address: dict[str, Worker] | None = None
+        self._by_address: dict[str, W] | None = None
 
-    def by_address(self) -> dict[str, Worker]:
+    def by_address(self) -> dict[str, W]:
         d = self._by_address
         if d is None:
             d = self._by_address = {w.address: w for w in self}
         return d
 
 
-class CapacityIndex:
+class CapacityIndex(Generic[W]):
     """Min over the role's workers of the KV tokens each can take now (``free_pages() * page_size``; a worker with
     no report yet bounds nothing). Lazy: a worker whose count changed is only marked (``touch``, O(1)) and re-read
     at the next ``min_tokens``; a heap holds one live entry per worker plus stale ones, dropped when they reach the
@@ -56,20 +79,20 @@ class CapacityIndex:
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, int]] = []  # (tokens, worker seq, generation)
         self._gen: dict[int, int] = {}  # worker seq -> generation of its live entry (members only)
-        self._members: dict[int, Worker] = {}
-        self._dirty: dict[int, Worker] = {}
+        self._members: dict[int, W] = {}
+        self._dirty: dict[int, W] = {}
 
-    def add(self, w: Worker) -> None:
+    def add(self, w: W) -> None:
         self._members[w.seq] = w
         self._gen[w.seq] = 0
         self._dirty[w.seq] = w
 
-    def drop(self, w: Worker) -> None:
+    def drop(self, w: W) -> None:
         self._members.pop(w.seq, None)
         self._gen.pop(w.seq, None)  # its heap entries are stale from now on
         self._dirty.pop(w.seq, None)
 
-    def touch(self, w: Worker) -> None:
+    def touch(self, w: W) -> None:
         if w.seq in self._members:
             self._dirty[w.seq] = w
 
@@ -95,14 +118,14 @@ class CapacityIndex:
         heapq.heapify(self._heap)
 
 
-class RoleView:
+class RoleView(Generic[W]):
     """One role's workers (registration order) and the views above."""
 
     def __init__(self) -> None:
-        self.workers: list[Worker] = []
-        self.capacity = CapacityIndex()
-        self._ready: Candidates | None = None  # None: a worker changed state since the last build
-        self._timed: list[Worker] = []
+        self.workers: list[W] = []
+        self.capacity: CapacityIndex[W] = CapacityIndex()
+        self._ready: Candidates[W] | None = None  # None: a worker changed state since the last build
+        self._timed: list[W] = []
         self._room: asyncio.Future[None] | None = None  # set at the next change of a worker's free pages
         self._requests: int | None = None  # requests the ready workers hold at most (None: one reports no bound)
 
@@ -119,12 +142,12 @@ class RoleView:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._room), timeout)
 
-    def add(self, w: Worker) -> None:
+    def add(self, w: W) -> None:
         self.workers.append(w)
         self.capacity.add(w)
         self.invalidate()
 
-    def remove(self, w: Worker) -> None:
+    def remove(self, w: W) -> None:
         self.workers.remove(w)
         self.capacity.drop(w)
         self.invalidate()
@@ -132,7 +155,7 @@ class RoleView:
     def invalidate(self) -> None:
         self._ready = None
 
-    def routable(self) -> Candidates:
+    def routable(self) -> Candidates[W]:
         """See the module's invariant. Read-only: the same list is handed out until a worker changes."""
         ready = self._ready
         if ready is None:
@@ -150,8 +173,9 @@ class RoleView:
             self._build()
         return self._requests
 
-    def _build(self) -> Candidates:
-        ready, timed = Candidates(), []
+    def _build(self) -> Candidates[W]:
+        ready: Candidates[W] = Candidates()
+        timed: list[W] = []
         for w in self.workers:
             if w.usable_but_for_circuit:
                 (ready if w.breaker.closed else timed).append(w)
@@ -162,5 +186,5 @@ class RoleView:
         return ready
 
 
-def _seq(w: Worker) -> int:
+def _seq(w: ViewedWorker) -> int:
     return w.seq

@@ -25,7 +25,7 @@ import grpc
 
 from common.errors import CapacityError, InvalidRequestError
 from pdcluster.v1 import worker_pb2
-from router.admission import Admission
+from router.admission import Admission, HeldRequests, NoRoom, NotAdmitted, hold_order
 from router.candidates import Candidates
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
@@ -108,6 +108,7 @@ class RouterCore:
         self.timings = TimingStore(cfg.timing_keep, cfg.timing_ttl_s)
         self.active: set[str] = set()
         self.admission = Admission(cfg.max_inflight_requests, registry.request_capacity)
+        self.held = HeldRequests()  # requests waiting for a decode worker's room (``_plan``)
 
     def forget_worker(self, address: str) -> None:
         for p in (self.prefill_policy, self.decode_policy, self.colocated_policy):
@@ -325,19 +326,21 @@ class RouterCore:
     async def _plan(self, req: GenRequest, failed: set[str], prompt_len: int) -> Plan:
         """``_route``, holding the request while every routable decode worker's last report says it cannot admit
         it: until a report or a lease's release changes that, at most ``--admission-wait`` seconds and never past
-        the request's deadline (then 429 / DEADLINE_EXCEEDED). Held requests are bounded by the in-flight limit."""
+        the request's deadline (then 429 / DEADLINE_EXCEEDED). Held requests are bounded by the in-flight limit and
+        route most urgent first (``HeldRequests``)."""
         give_up = min(req.deadline, time.monotonic() + self.cfg.admission_wait_s)
-        while True:
-            try:
-                return self._route(req, failed, prompt_len)
-            except _NoRoom as e:
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    if time.monotonic() >= req.deadline:
-                        raise DeadlineError(f"request deadline exceeded while {e}") from None
-                    raise OverloadedError(f"{e} within {self.cfg.admission_wait_s:g} s (--admission-wait); retry "
-                                          "later", self.admission.rate.wait_s(1)) from None
-                await self.registry.wait_room_change("decode", left)
+        try:
+            return await self.held.route_in_order(
+                lambda: self._route(req, failed, prompt_len),
+                lambda seq: hold_order(req.priority, req.arrival, self.registry.low_priority_values_first(), seq),
+                lambda timeout: self.registry.wait_room_change("decode", timeout),
+                give_up,
+            )
+        except NotAdmitted as e:
+            if time.monotonic() >= req.deadline:
+                raise DeadlineError(f"request deadline exceeded while {e}") from None
+            raise OverloadedError(f"{e} within {self.cfg.admission_wait_s:g} s (--admission-wait); retry "
+                                  "later", self.admission.rate.wait_s(1)) from None
 
     def _route(self, req: GenRequest, failed: set[str], prompt_len: int) -> Plan:
         """``prompt_len``: the node's prompt (after a migration, the client's prompt plus the tokens so far)."""
@@ -364,7 +367,7 @@ class RouterCore:
                                internal=self._why_unavailable(prefills, decodes, detail=True))
 
     def _candidates(self, role: Role, failed: set[str], tokens: int) -> Sequence[Worker]:
-        """Routable workers of ``role`` that can hold the request (decode: only those; ``_NoRoom`` when none can),
+        """Routable workers of ``role`` that can hold the request (decode: only those; ``NoRoom`` when none can),
         not yet failed for this request if possible.
 
         O(1) in the number of workers while none failed this request and the role's smallest free KV fits it (the
@@ -381,8 +384,8 @@ class RouterCore:
                 if free is None or free >= w.pages_for(tokens):
                     fit.append(w)
             if strict and not fit:
-                raise _NoRoom(f"no decode worker reported room for the request's {tokens} prompt tokens "
-                              f"({len(ws)} routable)")
+                raise NoRoom(f"no decode worker reported room for the request's {tokens} prompt tokens "
+                             f"({len(ws)} routable)")
             ws = fit or ws
         if len(ws) > 1 and failed:
             ws = Candidates(w for w in ws if w.address not in failed) or ws
@@ -418,10 +421,6 @@ class RouterCore:
             parts = [describe(r) for r, got in (("prefill", prefills), ("decode", decodes)) if not got]
             return "; ".join(parts)
         return describe("colocated")
-
-
-class _NoRoom(Exception):
-    """Every routable decode worker's last report says it cannot admit the request now."""
 
 
 def _prefill_resp(leg: PdAttempt | ColocatedAttempt | None) -> worker_pb2.PrefillResponse | None:

@@ -17,7 +17,8 @@ MAX_CONTEXT_LEN = 10_000_000
 MAX_PAGE_SIZE = 1024
 MAX_PARALLEL = 4096  # tp_size / dp_size
 # ServerInfo facts that every worker of one model and role must report alike.
-FLEET_INVARIANTS = ("context_len", "page_size", "model_fingerprint", "vocab_size")
+FLEET_INVARIANTS = ("context_len", "page_size", "model_fingerprint", "vocab_size",
+                    "schedule_low_priority_values_first")  # the router holds requests in the decode nodes' order
 
 
 def info_problem(info: worker_pb2.ServerInfo) -> str:

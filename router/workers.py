@@ -155,7 +155,7 @@ class Worker:
     load_error: _Watched[str] = _Watched()
 
     def __init__(self, spec: WorkerSpec, cfg: RouterConfig, name: str = "") -> None:
-        self.view: RoleView | None = None  # the registry's view of this worker's role (None: not registered)
+        self.view: RoleView[Worker] | None = None  # the registry's view of this worker's role (None: not registered)
         self.seq = 0  # registration order (set by the registry)
         self.spec = spec
         self.address = spec.address
@@ -304,7 +304,7 @@ class Registry:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.workers: dict[str, Worker] = {}
-        self._views: dict[Role, RoleView] = {"prefill": RoleView(), "decode": RoleView(), "colocated": RoleView()}
+        self._views: dict[Role, RoleView[Worker]] = {"prefill": RoleView(), "decode": RoleView(), "colocated": RoleView()}
         self._seq = 0
         self._names: dict[tuple[str, Role], str] = {}  # (address, role) -> name; kept across deregistration
 
@@ -353,7 +353,7 @@ class Registry:
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self.workers.values()))
 
-    def routable(self, role: Role) -> Candidates:
+    def routable(self, role: Role) -> Candidates[Worker]:
         """Routable workers of ``role``. When none is, but some are held back by their circuit alone while their
         health checks pass, those: a breaker never blackholes a role whose workers say they serve. Read-only (the
         same list is handed out until a worker of the role changes); O(1) plus O(workers with a non-closed circuit).
@@ -372,6 +372,11 @@ class Registry:
             groups.append(views["colocated"].request_capacity())
         # No serving group, or one without a bound: nothing to refuse here (routing says why none can serve).
         return None if not groups or None in groups else sum(groups)  # type: ignore[arg-type]
+
+    def low_priority_values_first(self) -> bool:
+        """Whether the decode workers run --schedule-low-priority-values-first (their fleet agrees on it)."""
+        return any(w.info.schedule_low_priority_values_first for w in self._views["decode"].workers
+                   if w.info is not None)
 
     async def wait_room_change(self, role: Role, timeout: float) -> None:
         await self._views[role].wait_room_change(timeout)

@@ -3,18 +3,24 @@
 - ``prefill_node``, ``decode_node`` and ``router`` never import each other;
 - ``kvtransfer`` imports no role and not the router; ``common`` imports none of them and not ``kvtransfer``;
 - inside ``common``, the rooms import downwards only: ``engine`` knows nothing of the node front, the wire or the
-  commands; ``wire`` and ``text`` know only the shared modules at ``common``'s top.
+  commands; ``wire`` and ``text`` know only the shared modules at ``common``'s top;
+- no two modules of the project import each other, directly or around a longer circle, counting every import that
+  runs or is read when a module loads (module level, under ``if``/``try``, ``if TYPE_CHECKING:`` included); an
+  import inside a function body is not counted.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("prefill_node", "decode_node", "router")
+PROJECT_PACKAGES = (*ROLES, "common", "kvtransfer", "deploy", "benchmarks", "tests")
 
 # package (or room) -> top-level names and common rooms it must never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
@@ -62,3 +68,71 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     bad = tmp_path / "mod.py"
     bad.write_text("def f():\n    from router.config import RouterConfig\n    import decode_node.scheduler\n")
     assert {"router.config", "router.config.RouterConfig", "decode_node.scheduler"} <= imported_modules(bad)
+
+
+def load_time_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements of a module's body, under ``if`` (``TYPE_CHECKING`` too) and ``try`` included."""
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If):
+            yield from load_time_imports(node.body)
+            yield from load_time_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                yield from load_time_imports(block)
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> nx.DiGraph:
+    """Module -> the project modules it imports at load time. ``from a import b`` points at ``a.b`` when that is a
+    module, else at ``a``; relative imports are resolved."""
+    paths = {module_name(root, p): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(paths)
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in load_time_imports(ast.parse(path.read_text(), filename=str(path)).body):
+            if isinstance(node, ast.Import):
+                targets = [[alias.name] for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
+                targets = [[f"{base}.{alias.name}", base] for alias in node.names]
+            for candidates in targets:
+                target = next((t for t in candidates if t in paths), None)
+                if target is not None and target != name:
+                    graph.add_edge(name, target)
+    return graph
+
+
+def import_cycles(graph: nx.DiGraph) -> list[str]:
+    """Each circle (a strongly connected set of modules) as its import edges, sorted."""
+    found = []
+    for component in nx.strongly_connected_components(graph):
+        if len(component) > 1:
+            edges = sorted(f"{a} -> {b}" for a, b in graph.subgraph(component).edges)
+            found.append("; ".join(edges))
+    return sorted(found)
+
+
+def test_no_import_circle_among_the_project_modules() -> None:
+    graph = import_graph(ROOT, PROJECT_PACKAGES)
+    assert graph.number_of_edges() > graph.number_of_nodes() / 2, "the import graph lost its edges: checker broken"
+    assert import_cycles(graph) == []
+
+
+def test_the_checker_sees_an_import_circle_through_type_checking(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import B\ndef f():\n    from pkg import d\n")  # lazy: not counted
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import c\n")
+    (pkg / "c.py").write_text("try:\n    from .a import A\nexcept ImportError:\n    pass\n")
+    (pkg / "d.py").write_text("import pkg.a\n")
+    assert import_cycles(import_graph(tmp_path, ("pkg",))) == ["pkg.a -> pkg.b; pkg.b -> pkg.c; pkg.c -> pkg.a"]

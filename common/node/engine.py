@@ -37,6 +37,7 @@ from common.io_struct import (
     Timing,
     TokenOut,
 )
+from common.node.profiler import StepProfiler
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import load_tokenizer, resolve_model_path
 
@@ -101,6 +102,7 @@ class Engine:
         self._ids = itertools.count()
         self._followers: list[multiprocessing.process.BaseProcess] = []
         self._store: Any = None
+        self.profiler = StepProfiler()  # start/stop a torch profiler window over the scheduler's steps
         tp = self._start_tp_group() if args.tp_size > 1 else None
         try:
             self.scheduler = Scheduler(self.args, self.model_path, self.tokenizer, self._on_outputs, 0, tp)
@@ -155,6 +157,7 @@ class Engine:
         tp = self.scheduler.tp
         try:
             while not self._stop.is_set():
+                self.profiler.poll()
                 msgs = []
                 try:
                     if self.scheduler.is_idle():

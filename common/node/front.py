@@ -209,6 +209,7 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
             kv_transfer_backend=self.args.kv_transfer_backend if self.args.is_disaggregated else "",
             max_total_tokens=self.ranks.max_total_tokens,
             max_requests_per_rank=self.max_in_flight,
+            schedule_low_priority_values_first=self.args.schedule_low_priority_values_first,
         )
 
 

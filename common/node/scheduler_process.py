@@ -32,6 +32,10 @@ from common.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_MS = 20
+# Not idle, but the last step ran no batch: the rank only waits on other threads (KV transfers, bootstrap, a peer's
+# pages). Nap this long for input instead of spinning a core: on a small host the spin starves the transfer threads
+# and the other nodes it waits for. A step that ran a batch polls without waiting.
+WAITING_NAP_MS = 1
 HEARTBEAT_INTERVAL_S = 0.5  # at most one RankHeartbeat per interval; one follows every step or idle poll
 PR_SET_PDEATHSIG = 1
 
@@ -93,10 +97,12 @@ def run_scheduler_process(
         poller.register(pull, zmq.POLLIN)
     last_parent_check = last_beat = time.monotonic()
     steps = 0
+    ran = True
     try:
         while True:
             msgs: list[SchedulerInput] = []
-            if pull is not None and poller.poll(IDLE_WAIT_MS if scheduler.is_idle() else 0):
+            wait_ms = IDLE_WAIT_MS if scheduler.is_idle() else (0 if ran else WAITING_NAP_MS)
+            if pull is not None and poller.poll(wait_ms):
                 while True:
                     try:
                         msgs.append(decode_input(pull.recv(zmq.NOBLOCK)))
@@ -105,7 +111,7 @@ def run_scheduler_process(
             msgs = broadcast_inputs(tp, msgs)
             if any(isinstance(m, ShutdownReq) for m in msgs):
                 break
-            scheduler.step(msgs)
+            ran = scheduler.step(msgs)
             steps += 1
             now = time.monotonic()
             if now - last_beat >= HEARTBEAT_INTERVAL_S:

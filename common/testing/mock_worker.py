@@ -70,6 +70,7 @@ class MockConfig:
     free_kv_pages: int | None = None  # report this many free pages on every rank (None: total - in use)
     admissible_tokens: int | None = None  # decode: report this admission budget on every rank (None: unset)
     max_requests_per_rank: int = 0  # ServerInfo's request limit per DP rank (0: none reported; not enforced)
+    schedule_low_priority_values_first: bool = False  # reported in ServerInfo (the router's hold order)
     model_name: str = "mock-model"
     report_bootstrap_port: bool = True
     pair_timeout: float = 5.0
@@ -493,6 +494,7 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
             kv_transfer_backend="fake",
             max_total_tokens=cfg.total_kv_pages * cfg.page_size,
             max_requests_per_rank=cfg.max_requests_per_rank,
+            schedule_low_priority_values_first=cfg.schedule_low_priority_values_first,
         )
 
     async def ProveMembership(

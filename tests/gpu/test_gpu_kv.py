@@ -6,6 +6,7 @@ buffers, ``nccl`` = two GPUs (and its clear refusal of two ranks on one GPU).
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ from kvtransfer.testing import (
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 NUM_PAGES = 64 * 5 + 16
+NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="the nixl wheel is not installed here")
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 SMALL_SEGMENTS = {"backend_options": {"stage_bytes": str(3 * 4 * PAGE_SIZE * 2 * 8 * 2)}}  # 3 pages a segment
 STRIPED_SEGMENTS = {"backend_options": {**SMALL_SEGMENTS["backend_options"], "streams": "3", "stripe_bytes": "1"}}
@@ -68,10 +70,12 @@ def test_tcp_staged_gpu_to_cpu_and_back_byte_exact() -> None:
     _transfer("tcp", "cpu", "cuda:0", SMALL_SEGMENTS)
 
 
+@NIXL
 def test_nixl_vram_same_gpu_byte_exact() -> None:
     _transfer("nixl", "cuda:0", "cuda:0")  # VRAM registered with UCX; UCX_TLS must allow cuda_ipc/cuda_copy
 
 
+@NIXL
 def test_nixl_vram_to_dram_byte_exact() -> None:
     _transfer("nixl", "cuda:0", "cpu")
 
@@ -99,7 +103,8 @@ def test_nccl_on_one_gpu_fails_rooms_naming_shm_and_tcp() -> None:
         child.kill()
 
 
-@pytest.mark.parametrize(("backend", "config"), [("shm", {}), ("tcp", SMALL_SEGMENTS), ("nixl", {})])
+@pytest.mark.parametrize(("backend", "config"), [("shm", {}), ("tcp", SMALL_SEGMENTS),
+                                                   pytest.param("nixl", {}, marks=NIXL)])
 def test_head_slices_of_cuda_buffers(backend: str, config: dict) -> None:
     from tests.kvtransfer.test_kvtransfer_backends_extra import Pair
 

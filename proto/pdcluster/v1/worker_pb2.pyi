@@ -247,7 +247,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("mode", "model_path", "served_model_name", "model_fingerprint", "page_size", "tp_size", "dp_size", "bootstrap_port", "context_len", "vocab_size", "kv_transfer_backend", "max_total_tokens", "max_requests_per_rank")
+    __slots__ = ("mode", "model_path", "served_model_name", "model_fingerprint", "page_size", "tp_size", "dp_size", "bootstrap_port", "context_len", "vocab_size", "kv_transfer_backend", "max_total_tokens", "max_requests_per_rank", "schedule_low_priority_values_first")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class ServerInfo(_message.Message):
     KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_LOW_PRIORITY_VALUES_FIRST_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model_path: str
     served_model_name: str
@@ -274,7 +275,8 @@ class ServerInfo(_message.Message):
     kv_transfer_backend: str
     max_total_tokens: int
     max_requests_per_rank: int
-    def __init__(self, mode: _Optional[str] = ..., model_path: _Optional[str] = ..., served_model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., bootstrap_port: _Optional[int] = ..., context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_transfer_backend: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., max_requests_per_rank: _Optional[int] = ...) -> None: ...
+    schedule_low_priority_values_first: bool
+    def __init__(self, mode: _Optional[str] = ..., model_path: _Optional[str] = ..., served_model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., bootstrap_port: _Optional[int] = ..., context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_transfer_backend: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., max_requests_per_rank: _Optional[int] = ..., schedule_low_priority_values_first: _Optional[bool] = ...) -> None: ...
 
 class ProveMembershipRequest(_message.Message):
     __slots__ = ("nonce", "address")

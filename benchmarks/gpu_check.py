@@ -1,0 +1,243 @@
+"""The GPU check: the whole accelerator path in one command, within a time budget, every result under ``--out``.
+
+    make gpu-check                                        # on a GPU machine (no .venv there: installs .whl/ first)
+    python3 -m benchmarks.gpu_check --out $OUT            # the same, by hand
+    python -m benchmarks.gpu_check --dry-run --out /tmp/x # the same plumbing on CPU, tiny sizes (in make test)
+
+Steps, in order of value; each runs in a child process with its own deadline (cut to what is left of
+``--budget-s``), and a failed step is recorded while the next one still runs:
+
+    env     GPU, driver, torch/triton/transformers versions, which optional packages load
+    tests   pytest tests/gpu (engine vs transformers, Triton kernels, CUDA graphs, GPU KV transfers, PD on one GPU)
+    engine  benchmarks/engine_throughput.py: colocated engine, 1B-shaped llama bf16, 64 x 128 -> 128 greedy, with
+            CUDA graphs (ours) and without (ours_eager), against HF generate (dynamic cache) and HF generate with a
+            static cache, compiled (hf_static), all warmed up with the full workload; decode step ms beside the
+            card's weight-read floor; a torch profiler table of our decode steps
+    kv      benchmarks/kv_transfer.py --device cuda: a 512 MiB paged request over shm (CUDA IPC) against an
+            in-process device copy, tcp (staged) against raw loopback TCP, nixl (VRAM) where its wheel loads
+    pd      benchmarks/gpu_pd.py: pdcluster up colocated, then 1 prefill + 1 decode over shm and over tcp on the
+            one GPU; c=32 streamed greedy load through the OpenAI API; texts identical to colocated; pools back;
+            start-up seconds and the KV pool each node chose
+    compile (GPU only) the engine step's workload with our decode steps compiled inside the CUDA graphs
+            (--enable-torch-compile) against HF static+compiled
+
+Writes ``<step>.log`` and ``<step>.json`` per step, ``summary.json`` (everything) and ``summary.md`` (one page,
+targets marked) under ``--out``, and prints progress as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_summary import summarize  # noqa: E402
+
+OPTIONAL_MODULES = ("msgspec", "zmq", "grpc", "triton", "transformers", "nixl", "ucxx", "mooncake.engine", "ray")
+KILL_GRACE_S = 10.0
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]  # after ``python -m``
+    timeout_s: float
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+PER_TEST_TIMEOUT_S = 90
+
+
+def _per_test_timeout() -> list[str]:
+    """A hung test fails on its own (pytest-timeout, where installed: the GPU machines have it) instead of taking the
+    whole step's deadline and, with it, the report of every test before it."""
+    try:
+        importlib.import_module("pytest_timeout")
+    except ImportError:
+        return []
+    return [f"--timeout={PER_TEST_TIMEOUT_S}"]
+
+
+def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
+    py = ["-m"]
+    junit = str(out / "tests.xml")
+    tests = Step("tests", [*py, "pytest", "-v", "-p", "no:cacheprovider", "-rA", "--durations=15", "tests/gpu",
+                           "--junitxml", junit, "--deselect", "tests/gpu/test_benchmark_cuda.py",
+                           *_per_test_timeout(), *shlex.split(a.pytest_args)], 110)
+    if a.dry_run:
+        engine_sizes = ["--device", "cpu", "--dtype", "float32", "--model-size", "tiny", "--num-prompts", "4",
+                        "--input-len", "16", "--output-len", "8", "--repeats", "1", "--threads", "1",
+                        "--profile-steps", "4"]
+        kv_sizes = ["--device", "cpu", "--backends", "shm,tcp", "--tokens", "256", "--reps", "1", "--rounds", "1"]
+        pd_sizes = ["--device", "cpu", "--backends", "tcp", "--num-requests", "8", "--input-len", "32",
+                    "--output-len", "8", "--concurrency", "4"]
+    else:
+        engine_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "1b", "--num-prompts", "64",
+                        "--input-len", "128", "--output-len", "128", "--repeats", "2", "--threads", "8",
+                        "--profile-steps", "16"]
+        backends = "shm,tcp" + (",nixl" if a.modules.get("nixl") else "")
+        kv_sizes = ["--device", "cuda", "--backends", backends, "--reps", "3", "--rounds", "2"]
+        pd_sizes = ["--device", "cuda", "--backends", "shm,tcp"]
+    pd_sizes += ["--log-dir", str(out / "pd_logs")]
+    return [
+        tests,
+        Step("engine", [*py, "benchmarks.engine_throughput", *engine_sizes, "--baseline-eager", "--hf-static",
+                        "--warmup-full", "--json", str(out / "engine.json")], 180),
+        Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 45),
+        Step("pd", [*py, "benchmarks.gpu_pd", *pd_sizes, "--json", str(out / "pd.json")], 150),
+        # Last and GPU only (inductor's CPU compile of even the tiny model outlasts the dry run): our decode steps
+        # compiled and captured (--enable-torch-compile), the lever the first GPU run's profile points at.
+        *([] if a.dry_run else [Step("compile", [
+            *py, "benchmarks.engine_throughput", *engine_sizes, "--enable-torch-compile", "--torch-compile-max-bs",
+            "64", "--hf-static", "--warmup-full", "--json", str(out / "compile.json")], 240)]),
+    ]
+
+
+def run_step(step: Step, out: Path, deadline: float) -> None:
+    timeout = min(step.timeout_s, deadline - time.monotonic())
+    log = out / f"{step.name}.log"
+    if timeout < 5:
+        step.result = {"status": "skipped", "reason": "the check's time budget ran out"}
+        print(f"[{step.name}] skipped: no time left", flush=True)
+        return
+    print(f"[{step.name}] python {' '.join(step.argv)}  (deadline {timeout:.0f} s)", flush=True)
+    t0 = time.monotonic()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, *step.argv], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(KILL_GRACE_S)
+            rc = proc.returncode
+    seconds = time.monotonic() - t0
+    status = "timeout" if timed_out else ("ok" if rc == 0 else "failed")
+    tail = log.read_text(errors="replace")[-3000:]
+    step.result = {"status": status, "rc": rc, "seconds": round(seconds, 1), "log": log.name, "log_tail": tail}
+    result_file = out / f"{step.name}.json"
+    if result_file.is_file():
+        step.result["data"] = json.loads(result_file.read_text())
+    if step.name == "tests":
+        step.result["data"] = junit_counts(out / "tests.xml", tail)
+    print(f"[{step.name}] {status} in {seconds:.0f} s (rc {rc})", flush=True)
+
+
+def junit_counts(path: Path, tail: str) -> dict[str, Any]:
+    if not path.is_file():
+        return {"junit": None, "summary_line": tail.strip().splitlines()[-1] if tail.strip() else ""}
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    assert suite is not None
+    problems = []
+    for case in suite.iter("testcase"):
+        for kind in ("failure", "error"):
+            node = case.find(kind)
+            if node is not None:
+                problems.append({"test": f"{case.get('classname')}::{case.get('name')}", "kind": kind,
+                                 "message": (node.get("message") or node.text or "")[:600]})
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    return counts | {"passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+                     "problems": problems}
+
+
+def environment() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "host_cores": os.cpu_count()}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        info["nvidia_smi"] = f"unavailable: {e}"
+    import torch
+
+    info["torch"] = torch.__version__
+    info["torch_cuda"] = torch.version.cuda
+    info["cuda_available"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        info |= {"gpu": torch.cuda.get_device_name(), "gpu_count": torch.cuda.device_count(),
+                 "gpu_free_gib": round(free / 2**30, 1), "gpu_total_gib": round(total / 2**30, 1)}
+    modules: dict[str, str | None] = {}
+    for name in OPTIONAL_MODULES:
+        try:
+            mod = importlib.import_module(name)
+            modules[name] = str(getattr(mod, "__version__", "loaded"))
+        except Exception as e:  # a wheel that is absent or does not load here: recorded, not fatal
+            modules[name] = None
+            info.setdefault("module_errors", {})[name] = f"{type(e).__name__}: {e}"[:200]
+    info["modules"] = modules
+    return info
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=ROOT).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "gpu_check"))
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the same plumbing, no GPU needed")
+    p.add_argument("--budget-s", type=float, default=420.0, help="the whole check's deadline (seconds)")
+    p.add_argument("--steps", default="tests,engine,kv,pd,compile", help="which steps, comma-separated")
+    p.add_argument("--pytest-args", default="", help="more pytest arguments for the tests step (e.g. -k EXPR)")
+    p.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS", help="a step's own deadline")
+    p.add_argument("--commit", default=os.environ.get("PDCLUSTER_COMMIT") or _git_commit(), help="recorded in the summary")
+    a = p.parse_args(argv)
+    deadline = time.monotonic() + a.budget_s
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    env_info = environment()
+    a.modules = env_info["modules"]
+    print(f"[env] {json.dumps(env_info)}", flush=True)
+    if not a.dry_run and not env_info["cuda_available"]:
+        print("no CUDA device here: run with --dry-run on CPU", file=sys.stderr)
+    wanted = [s for s in a.steps.split(",") if s]
+    steps = [s for s in steps_for(a, out) if s.name in wanted]
+    for spec in a.timeout:
+        name, _, seconds = spec.partition("=")
+        for s in steps:
+            if s.name == name:
+                s.timeout_s = float(seconds)
+    result: dict[str, Any] = {"started": started, "commit": a.commit, "dry_run": a.dry_run, "budget_s": a.budget_s,
+                              "env": env_info, "steps": {}}
+    for step in steps:
+        run_step(step, out, deadline)
+        result["steps"][step.name] = step.result
+        (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    result["seconds"] = round(a.budget_s - (deadline - time.monotonic()), 1)
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    page = summarize(result)
+    (out / "summary.md").write_text(page)
+    print(page, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""One page of Markdown from ``benchmarks/gpu_check.py``'s results: each step's status and figures, each target
+marked met or missed; where the decode-step target is missed, the profiler's table of where the step's time goes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DECODE_STEP_TARGET_MS = 2.5
+VS_HF_STATIC_TARGET = 2.0
+SHM_VS_COPY_TARGET = 0.5
+TCP_VS_RAW_TARGET = 0.8
+
+
+def _mark(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "**MISSED**")
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _tests(r: dict[str, Any]) -> list[str]:
+    d = r.get("data") or {}
+    if "tests" not in d:
+        return [f"- no junit report; last line: `{d.get('summary_line', '')}`"]
+    lines = [f"- {d['passed']} passed, {d['failures']} failed, {d['errors']} errors, {d['skipped']} skipped "
+             f"({_mark(d['failures'] + d['errors'] == 0)}: all pass)"]
+    lines += [f"  - {p['kind']}: `{p['test']}`: {p['message'][:300]!r}" for p in d.get("problems", [])[:12]]
+    return lines
+
+
+def _engine(r: dict[str, Any]) -> list[str]:
+    d = r.get("data")
+    if not d:
+        return []
+    lines = ["| side | out tok/s | prefill tok/s | decode step ms |", "|---|---|---|---|"]
+    for key in ("ours", "ours_eager", "hf", "hf_static"):
+        s = d.get(key)
+        if s:
+            lines.append(f"| {key} | {_fmt(s.get('output_tok_per_s'), '.0f')} | "
+                         f"{_fmt(s.get('prefill_tok_per_s'), '.0f')} | {_fmt(s.get('decode_step_ms'), '.3f')} |")
+    step = d.get("ours", {}).get("decode_step_ms")
+    ratio = d.get("ratio_vs_hf_static")
+    floor = d.get("weight_read_floor_ms")
+    lines.append("")
+    lines.append(f"- decode step (CUDA graphs) {_fmt(step, '.3f')} ms, weight-read floor {_fmt(floor, '.3f')} ms: "
+                 f"{_mark(None if step is None else step <= DECODE_STEP_TARGET_MS)} (<= {DECODE_STEP_TARGET_MS} ms)")
+    lines.append(f"- ours / HF static+compiled {_fmt(ratio)}x: "
+                 f"{_mark(None if ratio is None else ratio >= VS_HF_STATIC_TARGET)} (>= {VS_HF_STATIC_TARGET}x); "
+                 f"ours / HF dynamic {_fmt(d.get('ratio'))}x; ours / eager {_fmt(d.get('ratio_vs_eager'))}x")
+    agree = d.get("identical_output_fraction")
+    if agree:
+        lines.append(f"- greedy outputs identical to HF (this dtype): {min(agree):.0%} (min over repeats)")
+    prof = d.get("ours_profile")
+    if prof:
+        lines.append(f"- profile, batch {prof['batch']}, {prof['steps']} steps: "
+                     f"{prof['launches_per_step']:.0f} launches per step {prof['launches']}")
+        if step is not None and step > DECODE_STEP_TARGET_MS:
+            lines += ["", "Where the step's time goes (top ops by self device time):", "", "```",
+                      prof["top_by_device_time"].rstrip(), "```"]
+    return lines
+
+
+KV_BASES = {"shm": (("device_copy", "memcpy"), SHM_VS_COPY_TARGET), "tcp": (("raw_tcp",), TCP_VS_RAW_TARGET)}
+
+
+def _kv(r: dict[str, Any]) -> list[str]:
+    d = r.get("data") or {}
+    lines = []
+    for mode, row in d.items():
+        for backend, (bases, target) in KV_BASES.items():
+            base = next((b for b in bases if b in row), None)
+            got = row.get(backend)
+            if base is None or got is None:
+                continue
+            if isinstance(got, str):
+                lines.append(f"- {mode}: {backend} {got[:300]!r} **MISSED**")
+                continue
+            paired = row.get(f"{backend}/{base}")  # median of paired rounds, where there were several
+            ratio = paired if isinstance(paired, int | float) else got / row[base]
+            rounds = row.get(f"{backend}/{base} rounds")
+            lines.append(f"- {mode}: {backend} / {base} = {ratio:.2f}x" + (f" (rounds {rounds})" if rounds else "")
+                         + f": {_mark(ratio >= target)} (>= {target}x)")
+        for key, v in row.items():
+            if isinstance(v, str) and v.startswith("error") and key not in KV_BASES:
+                lines.append(f"- {mode}: {key} {v[:300]!r}")
+        gbs = {k: v for k, v in row.items() if isinstance(v, int | float) and "/" not in k and k != "tokens"}
+        lines.append(f"- {mode} GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in gbs.items()))
+    return lines
+
+
+def _pd(r: dict[str, Any]) -> list[str]:
+    d = r.get("data") or {}
+    lines = ["| cluster | start-up s | KV pools | completed/failed | out req/s | TTFT p50 ms | identical | pools back |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, run in d.get("runs", {}).items():
+        load = run.get("load", {})
+        pools = ", ".join(f"{n} {f['kv_pool']['mib']:.0f} MiB on {f['kv_pool']['device']}"
+                          for n, f in run.get("nodes", {}).items() if "kv_pool" in f)
+        ident = run.get("identical_to_colocated")
+        lines.append(f"| {name} | {_fmt(run.get('startup_s'), '.1f')} | {pools} | {load.get('completed', '-')}/"
+                     f"{load.get('failed', '-')} | {_fmt(load.get('request_per_s'), '.1f')} | "
+                     f"{_fmt(load.get('ttft_p50_ms'), '.0f')} | {'-' if ident is None else f'{ident:.0%}'} | "
+                     f"{run.get('pools_back', '-')} |")
+        if run.get("error"):
+            lines.append(f"|  error: {run['error'][:300]!r} |||||||")
+        for err in load.get("errors", []):
+            lines.append(f"|  request error: {err[:200]!r} |||||||")
+    return lines
+
+
+SECTIONS = {"tests": _tests, "engine": _engine, "kv": _kv, "pd": _pd, "compile": _engine}
+
+
+def summarize(result: dict[str, Any]) -> str:
+    env = result["env"]
+    gpu = env.get("gpu") or "no GPU"
+    out = [f"# GPU check {'(dry run on CPU) ' if result['dry_run'] else ''}{result['started']}", "",
+           f"{gpu} ({env.get('nvidia_smi', '')}); torch {env['torch']} (CUDA {env.get('torch_cuda')}), Python "
+           f"{env['python']}, {env['host_cores']} cores; commit {result.get('commit') or 'unknown'}; "
+           f"{result.get('seconds', '-')} s of a {result['budget_s']:.0f} s budget", "",
+           "Modules: " + ", ".join(f"{k} {v or 'absent'}" for k, v in env["modules"].items()), ""]
+    for name, r in result["steps"].items():
+        out.append(f"## {name}: {r['status']}" + (f" ({r['seconds']} s)" if "seconds" in r else ""))
+        out.append("")
+        if r["status"] in ("failed", "timeout") and not r.get("data"):
+            out += ["```", r.get("log_tail", "")[-1500:].rstrip(), "```"]
+        out += SECTIONS[name](r)
+        out.append("")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,48 @@
+"""``benchmarks/gpu_check.py --dry-run``: the GPU check's whole plumbing on CPU at tiny sizes, so the one command a
+lent GPU runs cannot rot between GPU sessions (every step runs, writes its JSON, and the summary reads it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_dry_run_runs_every_step(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path),
+                           "--budget-s", "400"], cwd=ROOT, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "summary.json").read_text())
+    steps = result["steps"]
+    assert list(steps) == ["tests", "engine", "kv", "pd"]
+    for name, step in steps.items():
+        assert step["status"] == "ok", f"{name}: {step.get('log_tail', '')[-2000:]}"
+
+    tests = steps["tests"]["data"]
+    assert tests["tests"] > 20 and tests["failures"] == tests["errors"] == 0  # collected (skipped on CPU)
+
+    engine = steps["engine"]["data"]
+    for side in ("ours", "ours_eager", "hf", "hf_static"):
+        assert engine[side]["output_tok_per_s"] > 0 and engine[side]["decode_step_ms"] > 0, side
+    assert min(engine["identical_output_fraction"]) == 1.0  # fp32 on CPU: greedy identical to transformers
+    prof = engine["ours_profile"]
+    assert prof["steps"] == 4 and "aten::mm" in prof["top_by_cpu_time"]  # the forward thread's ops are recorded
+
+    kv = steps["kv"]["data"]["paged"]
+    assert kv["shm"] > 0 and kv["tcp"] > 0 and kv["memcpy"] > 0 and kv["raw_tcp"] > 0
+
+    runs = steps["pd"]["data"]["runs"]
+    assert set(runs) == {"colocated", "pd_tcp"}
+    for name, run in runs.items():
+        assert "error" not in run, run.get("error")
+        assert run["load"]["completed"] == 8 and run["load"]["failed"] == 0, name
+        assert run["pools_back"], (name, run["pools_after"])
+        assert run["startup_s"] > 0 and all("kv_pool" in node for node in run["nodes"].values()), name
+    assert runs["pd_tcp"]["identical_to_colocated"] == 1.0
+
+    page = (tmp_path / "summary.md").read_text()
+    for heading in ("## tests: ok", "## engine: ok", "## kv: ok", "## pd: ok"):
+        assert heading in page
