@@ -19,7 +19,7 @@ from router.admission import Admission
 from router.errors import OverloadedError
 from router.testing import eventually, fleet
 
-CORPUS = (Path(__file__).resolve().parents[1] / "common" / "model_gen" / "corpus.txt").read_text().split()
+CORPUS = (Path(__file__).resolve().parents[2] / "common" / "model_gen" / "corpus.txt").read_text().split()
 SERVICE_S = 5.0  # a mock prefill's time to first token: the admitted requests hold their slots through the burst
 REFUSED_WITHIN_S = 2.5  # the order of magnitude of a 429 refused at the door (a queued one: ~10 s)
 

@@ -23,7 +23,7 @@ from common.node.mux_socket_server import MuxSocketServer
 from common.testing.mock_worker import MockConfig, MockWorker
 from common.wire.mux_socket import MAX_FRAME_BYTES, connect
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_budget_bounds_per_peer_and_in_all_and_returns_to_zero() -> None:
