@@ -26,6 +26,8 @@ TP_MIN_TIMEOUT_S = 60.0  # TP rendezvous and collectives: ranks loading their sh
 
 MODEL, SERVER, DISAGG, MEMORY, COMPILE, PARALLEL = (
     "model", "server", "disaggregation", "memory and scheduling", "compiled decode steps", "parallelism")
+GRAMMAR = "constrained decoding"
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 MUX_PORT_MEANING = ", 0 (any free port) or -1 (off)"
 
 
@@ -142,6 +144,14 @@ class ServerArgs:
                                     check=at_least(1))
     torch_num_threads: int | None = flag(None, "torch threads per scheduler rank (default: cores / dp-size)",
                                          group=MEMORY, check=at_least(1))
+    # Constrained decoding (common/engine/sampling/grammar.py): json_schema / regex / ebnf requests.
+    grammar_backend: str = flag("xgrammar", "engine of json_schema / regex / ebnf requests; none refuses them",
+                                group=GRAMMAR, choices=GRAMMAR_BACKENDS)
+    grammar_compile_timeout: float = flag(30.0, "seconds a request waits for its grammar to compile before it fails",
+                                          group=GRAMMAR, check=above(0))
+    grammar_any_whitespace: bool = flag(False, "JSON schemas allow any whitespace between tokens (default: compact "
+                                        "', ' and ': ' only, which keeps small models from looping on whitespace)",
+                                        group=GRAMMAR)
     # Compiled decode steps (common.engine.graph_runner): decode batches are padded to the next captured batch size.
     enable_torch_compile: bool = flag(False, "torch.compile the decode forward for batch sizes up to "
                                       "--torch-compile-max-bs (padded to the next bucket); compiled at start-up",

@@ -19,6 +19,7 @@ import time
 
 from common.config import ServerArgs
 from common.engine.req import Req
+from common.engine.sampling.grammar import accept_grammar_token, finish_on_grammar
 from common.engine.sampling.stop import check_finished
 from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_metrics import DisaggQueueCounts
@@ -115,8 +116,11 @@ class DecodeRole(LoopHooks):
         req.times.transfer_done = req.times.first_token = now
         req.cached_tokens = md.cached_tokens
         req.kv_transfer_bytes = -(-len(req.origin_input_ids) // self.args.page_size) * self.bytes_per_page
+        if not accept_grammar_token(req, md.first_token):  # the grammar's matcher starts from P's token
+            return
         req.output_ids.append(md.first_token)
         if req.return_logprob:
             req.output_logprobs.append(md.logprob)
             req.output_top_logprobs.append(list(zip(md.top_ids, md.top_logprobs, strict=True)))
         check_finished(req, md.first_token, self.engine.tokenizer)
+        finish_on_grammar(req, md.first_token)

@@ -21,7 +21,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.engine.mem.pages import num_pages, req_pages
-from common.engine.req import Req
+from common.engine.req import Finished, FinishReason, Req
 from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine
@@ -128,8 +128,11 @@ class PrefillRole:
 
     def on_prefill_done(self, req: Req) -> None:
         """The first (and only) token ends the request here: the rest of its KV and the token go to decode."""
+        refused = _refused(req)
         if req.to_abort is not None:
             req.disagg_kv.abort(req.to_abort)
+        elif refused is not None:  # its grammar refused every token: nothing goes to decode
+            req.disagg_kv.abort(refused.message, refused.code)
         else:
             self.send_last_pages(req)
 
@@ -184,9 +187,12 @@ class PrefillRole:
     def report(self, req: Req, state: KVPoll) -> None:
         """Report the Prefill leg's outcome."""
         error = code = None
+        refused = _refused(req)
         if _internal(req):
             assert req.finished_reason is not None
             error, code = req.finished_reason.message, ErrorCode.INTERNAL
+        elif refused is not None:
+            error, code = refused.message, refused.code
         elif state != KVPoll.Success:
             error = req.to_abort or self.polls.failure(req.disagg_kv) or "prefill failed"
             code = ErrorCode.CANCELLED if req.to_abort else self.polls.failure_code(req.disagg_kv)
@@ -201,7 +207,7 @@ class PrefillRole:
             error=error,
             error_code=code,
             error_origin=KV_PEER_FAULT if state != KVPoll.Success and not _internal(req) and not req.to_abort
-            else None,
+            and refused is None else None,
             timing=Timing(
                 queue=max(0.0, (t.forward_start or t.queue_enter) - (t.bootstrapped or t.queue_enter)),
                 bootstrap=max(0.0, (t.bootstrapped or t.queue_enter) - t.queue_enter),
@@ -216,3 +222,11 @@ class PrefillRole:
 def _internal(req: Req) -> bool:
     """The request failed on an internal error of this rank (reported as INTERNAL, whatever the transfer did)."""
     return req.finished_reason is not None and req.finished_reason.code == ErrorCode.INTERNAL
+
+
+def _refused(req: Req) -> Finished | None:
+    """The request ended on its own input (a grammar's dead end at the first token): why, else None."""
+    fr = req.finished_reason
+    if fr is not None and fr.reason is FinishReason.ABORT and fr.code == ErrorCode.INVALID_ARGUMENT:
+        return fr
+    return None

@@ -10,6 +10,7 @@ from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
 from common.flags import above, at_least, check_flags, flag, tcp_port
 from common.wire.tls import TlsFiles
+from router.tool_calls import TOOL_CALL_PARSERS
 
 Role = Literal["prefill", "decode", "colocated"]
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -59,6 +60,9 @@ class RouterConfig:
     grpc_port: int = flag(30100, "pdcluster.v1.Router gRPC port (0: any free port)", check=tcp_port())
     http_port: int | None = 30101  # None: no HTTP gateway; 0: pick a free port (``--http-port``, -1: off)
     workers: tuple[WorkerSpec, ...] = ()
+    tool_call_parser: str | None = flag(None, "how chat outputs are read into tool_calls under tool_choice auto: "
+                                        "llama3 (JSON object) or hermes / qwen25 (<tool_call> blocks); unset: "
+                                        "tool_choice auto is refused", choices=TOOL_CALL_PARSERS)
     prefill_policy: str = flag("cache_aware", "how a prefill worker is picked", group=ROUTING, choices=POLICIES)
     decode_policy: str = flag("power_of_two", "how a decode worker is picked", group=ROUTING, choices=POLICIES)
     cache_threshold: float = flag(0.5, "cache_aware: prefix match rate above which the match wins", group=ROUTING)
@@ -104,7 +108,8 @@ class RouterConfig:
     max_inflight_requests: int = flag(4096, "requests served at once (0: unbounded); beyond it HTTP 429 / "
                                       "RESOURCE_EXHAUSTED with Retry-After", group=LIMITS, check=at_least(0))
     max_request_bytes: int = flag(4 << 20, "largest request body or message, bytes", group=LIMITS, check=at_least(1))
-    max_n: int = 1
+    max_n: int = flag(8, "most choices (n) one OpenAI request may ask for; each choice is served as its own request "
+                      "(seed + i)", group=LIMITS, check=at_least(1))
     # Prompts (text, or all chat message contents) over tokenize_inline_bytes UTF-8 bytes are tokenized in one of
     # tokenize_workers processes (router/tokenize_pool.py), never on the event loop.
     tokenize_workers: int = flag(2, "processes that tokenize prompts over --tokenize-inline-bytes off the event loop "
@@ -142,8 +147,6 @@ class RouterConfig:
         check_flags(self)  # each flag's choices and check (declared on its field)
         if self.prefix_block_tokens < 1:
             raise ConfigError(f"prefix_block_tokens must be >= 1, got {self.prefix_block_tokens}")
-        if self.max_n < 1:
-            raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
         self.tls.check()
         if self.tls_server_name is not None and not self.tls.mutual:
             raise ConfigError("--tls-server-name names the nodes' certificates: it needs --tls-ca (mutual TLS)")

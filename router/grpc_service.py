@@ -43,6 +43,11 @@ def sampling_from_proto(req: router_pb2.RouterGenerateRequest) -> dict[str, Any]
         out[name] = getattr(sp, name)
     out["stop"] = tuple(sp.stop)
     out["stop_token_ids"] = tuple(sp.stop_token_ids)
+    if sp.logit_bias:
+        out["logit_bias"] = dict(sp.logit_bias)
+    constraint = sp.WhichOneof("constraint")
+    if constraint is not None:
+        out[constraint] = getattr(sp, constraint)
     return out
 
 

@@ -19,10 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from common.errors import PdclusterError
 from router import openai_protocol as oai
 from router.admin import admin_middleware
+from router.choices import choice_request, merge_choices
 from router.client_auth import api_key_middleware
 from router.errors import http_status_of, retry_after_of
 from router.request import ClientRequest, Delta, Final
 from router.service import RouterService
+from router.tool_calls import ToolPlan
 
 _encode = msgspec.json.encode
 
@@ -122,60 +124,59 @@ class HttpGateway:
         try:
             if api == "chat":
                 parsed: Any = oai.decode(body, oai.ChatRequest)
-                kw = oai.chat_inputs(parsed, svc.cfg.max_n)
+                kw = oai.chat_inputs(parsed, svc.cfg.max_n, svc.cfg.tool_call_parser)
             else:
                 parsed = oai.decode(body, oai.CompletionRequest)
                 kw = oai.completion_inputs(parsed, svc.cfg.max_n)
+            plan = kw.pop("tool_plan", None)
             prefix = "chatcmpl-" if api == "chat" else "cmpl-"
             rid = request.headers.get("X-Request-ID") or parsed.request_id or prefix + uuid.uuid4().hex[:24]
             req = await svc.build(ClientRequest(rid=rid, api=api, **kw))
         except PdclusterError as e:
             return error_response(e)
+        # n > 1: one request per choice (own rid ``<rid>-<i>``, seed + i), routed and admitted like any other.
+        choices = [req] if parsed.n == 1 else [choice_request(req, i) for i in range(parsed.n)]
         headers = {"X-Request-ID": rid}
         model = svc.model_name
         created = oai.now_s()
         if not req.stream:
-            final: Final | None = None
+            finals: list[Final | None] = [None] * len(choices)
             try:
-                async with contextlib.aclosing(svc.generate(req)) as events:
-                    async for ev in events:
+                async with contextlib.aclosing(merge_choices([svc.generate(c) for c in choices])) as events:
+                    async for i, ev in events:
                         if isinstance(ev, Final):
-                            final = ev
+                            finals[i] = ev
             except PdclusterError as e:
                 return error_response(e, headers)
-            assert final is not None
-            return json_response(
-                self._full_body(api, final, model, created, req.top_logprobs_num, req.return_logprob),
-                headers=headers,
-            )
+            done = [f for f in finals if f is not None]
+            assert len(done) == len(choices)
+            body = self._full_body(api, rid, done, model, created, req.top_logprobs_num, req.return_logprob)
+            if plan is not None:
+                for i, f in enumerate(done):
+                    oai.put_tool_calls(body, plan, f.text, i)
+            return json_response(body, headers=headers)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-        return await self._stream(
-            request,
-            api,
-            req.rid,
-            model,
-            created,
-            req.return_logprob,
-            include_usage,
-            headers,
-            svc.generate(req),
-        )
+        events = merge_choices([svc.generate(c) for c in choices])
+        return await self._stream(request, api, rid, model, created, req.return_logprob, include_usage, headers,
+                                  events, len(choices), plan)
 
     def _full_body(
-        self, api: str, f: Final, model: str, created: int, top_n: int, want_lp: bool
+        self, api: str, rid: str, finals: list[Final], model: str, created: int, top_n: int, want_lp: bool
     ) -> dict[str, Any]:
-        lp = None
-        if want_lp:
-            lp = (
-                self.logprobs.chat(f.output_ids, f.logprobs, f.top_logprobs)
-                if api == "chat"
-                else self.logprobs.completion(f.output_ids, f.logprobs, f.top_logprobs if top_n else [], 0)
-            )
         make = oai.chat_body if api == "chat" else oai.completion_body
-        body = make(f.rid, model, created, f.text, f.finish_reason, lp)
-        body["usage"] = oai.usage_of(f)
-        body["pdcluster"] = oai.extension_of(f)
+        body = make(rid, model, created, [(f.text, f.finish_reason, self._logprobs_of(api, f, top_n, want_lp))
+                                          for f in finals])
+        body["usage"] = oai.usage_of(finals)
+        body["pdcluster"] = oai.extension_of(finals[0]) if len(finals) == 1 else {
+            "choices": [oai.extension_of(f) for f in finals]}
         return body
+
+    def _logprobs_of(self, api: str, f: Final, top_n: int, want_lp: bool) -> dict[str, Any] | None:
+        if not want_lp:
+            return None
+        if api == "chat":
+            return self.logprobs.chat(f.output_ids, f.logprobs, f.top_logprobs)
+        return self.logprobs.completion(f.output_ids, f.logprobs, f.top_logprobs if top_n else [], 0)
 
     async def _stream(
         self,
@@ -188,25 +189,28 @@ class HttpGateway:
         include_usage: bool,
         headers: dict[str, str],
         events: Any,
+        n: int = 1,
+        plan: ToolPlan | None = None,
     ) -> web.StreamResponse:
+        """Stream ``events`` (``(choice index, Delta | Final)``) as SSE chunks; the choices' chunks interleave as
+        their tokens arrive, each with its ``index``; usage and ``[DONE]`` follow the last choice's end."""
         resp = web.StreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         chat = api == "chat"
-        offset = 0
+        offsets = [0] * n
+        texts, sents = [""] * n, [0] * n  # with tools: each choice's output so far, and how much went out as content
+        finals: list[Final] = []
         async with contextlib.aclosing(events):
             try:
-                async for ev in events:
+                async for i, ev in events:
                     if not resp.prepared:
                         await resp.prepare(request)
                         if chat:
-                            await resp.write(
-                                _sse(
-                                    oai.chat_chunk(
-                                        rid, model, created, {"role": "assistant", "content": ""}, None
-                                    )
-                                )
-                            )
+                            await resp.write(b"".join(
+                                _sse(oai.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
+                                                    index=k))
+                                for k in range(n)))
                     if isinstance(ev, Delta):
                         lp = None
                         if want_lp:
@@ -214,39 +218,51 @@ class HttpGateway:
                                 self.logprobs.chat(ev.token_ids, ev.logprobs, ev.top_logprobs)
                                 if chat
                                 else self.logprobs.completion(
-                                    ev.token_ids, ev.logprobs, ev.top_logprobs, offset
+                                    ev.token_ids, ev.logprobs, ev.top_logprobs, offsets[i]
                                 )
                             )
-                        offset += len(ev.text)
-                        if not ev.text and lp is None:
+                        offsets[i] += len(ev.text)
+                        piece = ev.text
+                        if plan is not None:  # a tool call's text is held until the output ends
+                            texts[i] += ev.text
+                            upto = max(sents[i], plan.holds_back(texts[i]))
+                            piece, sents[i] = texts[i][sents[i]:upto], upto
+                        if not piece and lp is None:
                             continue
                         chunk = (
-                            oai.chat_chunk(rid, model, created, {"content": ev.text}, None, lp)
+                            oai.chat_chunk(rid, model, created, {"content": piece}, None, lp, index=i)
                             if chat
-                            else oai.completion_chunk(rid, model, created, ev.text, None, lp)
+                            else oai.completion_chunk(rid, model, created, ev.text, None, lp, index=i)
                         )
                         await resp.write(_sse(chunk))
-                    else:
-                        last = (
-                            oai.chat_chunk(rid, model, created, {}, ev.finish_reason)
-                            if chat
-                            else oai.completion_chunk(rid, model, created, "", ev.finish_reason)
-                        )
-                        last["pdcluster"] = oai.extension_of(ev)
-                        tail = [_sse(last)]
-                        if include_usage:
-                            usage = {
-                                "id": rid,
-                                "object": last["object"],
-                                "created": created,
-                                "model": model,
-                                "choices": [],
-                                "usage": oai.usage_of(ev),
-                            }
-                            tail.append(_sse(usage))
-                        tail.append(b"data: [DONE]\n\n")
-                        # One write for the final events and the end of the body: one send instead of four.
-                        await resp.write_eof(b"".join(tail))
+                        continue
+                    finish, delta = ev.finish_reason, {}
+                    if plan is not None:
+                        delta, finish = oai.tool_call_delta(plan, texts[i], sents[i], finish)
+                    last = (
+                        oai.chat_chunk(rid, model, created, delta, finish, index=i)
+                        if chat
+                        else oai.completion_chunk(rid, model, created, "", ev.finish_reason, index=i)
+                    )
+                    last["pdcluster"] = oai.extension_of(ev)
+                    finals.append(ev)
+                    tail = [_sse(last)]
+                    if len(finals) < n:
+                        await resp.write(tail[0])
+                        continue
+                    if include_usage:
+                        usage = {
+                            "id": rid,
+                            "object": last["object"],
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": oai.usage_of(finals),
+                        }
+                        tail.append(_sse(usage))
+                    tail.append(b"data: [DONE]\n\n")
+                    # One write for the final events and the end of the body: one send instead of four.
+                    await resp.write_eof(b"".join(tail))
             except PdclusterError as e:
                 if not resp.prepared:
                     return error_response(e, headers)

@@ -104,7 +104,7 @@ class InputProcessor:
                 f"model: {c.model!r} is not served here; available models: [{self.model_name!r}]"
             )
         timeout = self.request_timeout_s if c.timeout_s is None else min(c.timeout_s, self.request_timeout_s)
-        ids = await self._tokenize(c.text, c.input_ids, c.messages, arrival + timeout)
+        ids = await self._tokenize(c.text, c.input_ids, c.messages, arrival + timeout, c.tools)
         tokenize_s = time.monotonic() - arrival
 
         ctx = self.context_len
@@ -162,8 +162,9 @@ class InputProcessor:
         self,
         text: str | None,
         input_ids: list[int] | None,
-        messages: list[dict[str, str]] | None,
+        messages: list[dict[str, Any]] | None,
         deadline: float,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         given = sum(x is not None for x in (text, input_ids, messages))
         if given != 1:
@@ -203,11 +204,13 @@ class InputProcessor:
                 "messages: this model has no chat template; send a prompt to /v1/completions"
             )
         nbytes = self._check_bytes("messages", sum(utf8_len(m["content"]) for m in messages))
-        if self.pool is not None and nbytes > self.inline_bytes:
+        # NOTE: tools and tool turns render inline (the pool's jobs carry role and content only).
+        plain = not tools and all(m.keys() <= {"role", "content"} for m in messages)
+        if self.pool is not None and nbytes > self.inline_bytes and plain:
             job = TokenizeJob(messages=[ChatMessage(m["role"], m["content"]) for m in messages])
             ids = await self.pool.tokenize(job, deadline)
         else:
-            ids = self.tok.encode_chat(messages)
+            ids = self.tok.encode_chat(messages, tools)
         if not ids:
             raise InvalidRequestError("messages render to no tokens")
         return ids

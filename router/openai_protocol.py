@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -11,10 +12,52 @@ import msgspec
 from common.errors import InvalidRequestError
 from pdcluster.v1 import common_pb2
 from router.request import Final
+from router.tool_calls import ToolPlan, plan_of
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = ""
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None  # enforced either way: the grammar allows only outputs that validate
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def grammar_of(r: _Common) -> dict[str, str]:
+    """The sampling field (json_schema, regex or ebnf) a request's response_format / regex / ebnf asks for."""
+    out: dict[str, str] = {}
+    f = r.response_format
+    if f is not None:
+        if f.type == "json_object":
+            out["json_schema"] = JSON_OBJECT_SCHEMA
+        elif f.type == "json_schema":
+            if f.json_schema is None or f.json_schema.schema is None:
+                raise InvalidRequestError(
+                    'response_format.json_schema.schema is required with response_format.type "json_schema"'
+                )
+            out["json_schema"] = msgspec.json.encode(f.json_schema.schema).decode()
+        elif f.type != "text":
+            raise InvalidRequestError(
+                f'response_format.type must be "text", "json_object" or "json_schema", got {f.type!r}'
+            )
+    for name in ("regex", "ebnf"):
+        value = getattr(r, name)
+        if value is not None:
+            out[name] = value
+    if len(out) > 1:
+        raise InvalidRequestError(f"set at most one of response_format, regex, ebnf; got {', '.join(out)}")
+    return out
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -40,6 +83,19 @@ class _Common(msgspec.Struct, kw_only=True):
     best_of: int | None = None
     request_id: str | None = None  # extension: the id to use (default: generated)
     priority: int | None = None  # extension (SGLang's): priority scheduling on the nodes
+    # Constrained output (docs/structured-output.md): OpenAI's response_format, and SGLang's regex / ebnf extensions.
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    # OpenAI fields that would change the result and are not served here: a request carrying one is a 400 naming
+    # it (``refuse_unsupported``), never a silent drop. docs/api.md lists them.
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -52,6 +108,9 @@ class CompletionRequest(_Common, kw_only=True):
 class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, rendered by the chat template
+    tool_call_id: str | None = None  # a tool turn: which call it answers
+    name: str | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -59,6 +118,9 @@ class ChatRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 _DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (CompletionRequest, ChatRequest)}
@@ -79,15 +141,32 @@ def decode(body: bytes, cls: type[CompletionRequest] | type[ChatRequest]) -> Any
         raise InvalidRequestError(f"request body is not valid JSON: {e}") from e
 
 
+UNSUPPORTED_FIELDS = (
+    "functions",
+    "function_call",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+)
+
+
+def refuse_unsupported(r: _Common) -> None:
+    """A 400 naming the first field the client set that this router does not serve."""
+    for name in UNSUPPORTED_FIELDS:
+        if getattr(r, name) is not None:
+            raise InvalidRequestError(f"{name} is not supported by this server; remove it (see docs/api.md)")
+
+
 def _common_checks(r: _Common, max_n: int) -> None:
+    refuse_unsupported(r)
     if r.n < 1 or r.n > max_n:
         raise InvalidRequestError(
-            f"n must be between 1 and {max_n} on this router, got {r.n}; send one request per completion"
+            f"n must be between 1 and {max_n} on this router (--max-n), got {r.n}"
         )
     if r.best_of not in (None, 1):
         raise InvalidRequestError(f"best_of is not supported (must be 1), got {r.best_of}")
-    if r.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported; remove it")
     if r.stream_options is not None and not r.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true")
 
@@ -115,6 +194,20 @@ def sampling_of(r: _Common, max_tokens: int | None) -> dict[str, Any]:
     stop = r.stop
     out["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
     out["stop_token_ids"] = tuple(r.stop_token_ids or ())
+    out.update(grammar_of(r))
+    if r.logit_bias:
+        out["logit_bias"] = logit_bias_of(r.logit_bias)
+    return out
+
+
+def logit_bias_of(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` with the ids as integers (ranges are checked by ``SamplingParams.verify``)."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}") from None
     return out
 
 
@@ -157,8 +250,12 @@ def completion_inputs(r: CompletionRequest, max_n: int) -> dict[str, Any]:
     }
 
 
-def chat_inputs(r: ChatRequest, max_n: int) -> dict[str, Any]:
+def chat_inputs(r: ChatRequest, max_n: int, tool_call_parser: str | None = None) -> dict[str, Any]:
     _common_checks(r, max_n)
+    plan = plan_of(r.tools, r.tool_choice, tool_call_parser)
+    if r.parallel_tool_calls is False and plan is not None and plan.mode != "named":
+        raise InvalidRequestError("parallel_tool_calls false is not supported; remove it (or name one function "
+                                  "in tool_choice)")
     messages = []
     for i, m in enumerate(r.messages):
         content = m.content
@@ -169,15 +266,30 @@ def chat_inputs(r: ChatRequest, max_n: int) -> dict[str, Any]:
                     raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
-        messages.append({"role": m.role, "content": content if content is not None else ""})
+        msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        if m.tool_calls is not None:
+            msg["tool_calls"] = [_call_for_template(c) for c in m.tool_calls]
+        for extra in ("tool_call_id", "name"):
+            if getattr(m, extra) is not None:
+                msg[extra] = getattr(m, extra)
+        messages.append(msg)
     field, max_tokens = "max_tokens", r.max_tokens
     if r.max_completion_tokens is not None:
         field, max_tokens = "max_completion_tokens", r.max_completion_tokens
     if r.top_logprobs is not None and not r.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true")
+    sampling = sampling_of(r, max_tokens)
+    grammar = plan.grammar() if plan is not None else None
+    if grammar is not None:
+        if any(k in sampling for k in ("json_schema", "regex", "ebnf")):
+            raise InvalidRequestError(f"tool_choice {plan.mode!r} constrains the output itself: remove "  # type: ignore[union-attr]
+                                      "response_format / regex / ebnf")
+        sampling["json_schema"] = grammar
     return {
         "messages": messages,
-        "sampling": sampling_of(r, max_tokens),
+        "tools": list(plan.tools) if plan is not None else None,
+        "tool_plan": plan,
+        "sampling": sampling,
         "model": r.model,
         "stream": r.stream,
         "return_logprob": r.logprobs,
@@ -187,13 +299,31 @@ def chat_inputs(r: ChatRequest, max_n: int) -> dict[str, Any]:
     }
 
 
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates expect it: arguments as an object, not JSON text."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequestError("messages[].tool_calls[] must be {\"type\": \"function\", \"function\": "
+                                  "{\"name\", \"arguments\"}}")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise InvalidRequestError(f"messages[].tool_calls[].function.arguments is not JSON: {args[:64]!r}") from None
+    return {**call, "function": {"name": fn["name"], "arguments": args}}
+
+
 # -- responses -----------------------------------------------------------------------------------------------
-def usage_of(f: Final) -> dict[str, Any]:
+def usage_of(finals: list[Final]) -> dict[str, Any]:
+    """One request's usage over its choices: the prompt counts once (it is the same for every choice)."""
+    prompt = finals[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in finals)
     return {
-        "prompt_tokens": f.prompt_tokens,
-        "completion_tokens": f.completion_tokens,
-        "total_tokens": f.prompt_tokens + f.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens},
     }
 
 
@@ -251,33 +381,52 @@ class LogprobFormatter:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
 
-def completion_body(
-    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def put_tool_calls(body: dict[str, Any], plan: ToolPlan, text: str, index: int = 0) -> None:
+    """A finished chat body's choice ``index`` read into ``tool_calls`` (finish_reason "tool_calls") when its
+    content holds any."""
+    content, calls = plan.parse(text)
+    if not calls:
+        return
+    choice = body["choices"][index]
+    choice["message"]["content"] = content
+    choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
+    if choice["finish_reason"] == "stop":
+        choice["finish_reason"] = "tool_calls"
+
+
+def tool_call_delta(plan: ToolPlan, text: str, sent: int, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """The last streamed delta of a chat with tools: the held-back text as tool calls (or content) and the
+    finish reason."""
+    _, calls = plan.parse(text)
+    if not calls:
+        return ({"content": text[sent:]} if text[sent:] else {}), finish
+    return ({"tool_calls": [c.to_openai(index=i) for i, c in enumerate(calls)]},
+            "tool_calls" if finish == "stop" else finish)
+
+
+Choice = tuple[str, str | None, dict[str, Any] | None]  # one choice of a full body: text, finish reason, logprobs
+
+
+def completion_body(rid: str, model: str, created: int, choices: list[Choice]) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+                    for i, (text, finish, lp) in enumerate(choices)],
     }
 
 
-def chat_body(
-    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def chat_body(rid: str, model: str, created: int, choices: list[Choice]) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
+            {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish}
+            for i, (text, finish, lp) in enumerate(choices)
         ],
     }
 
@@ -289,20 +438,28 @@ def chat_chunk(
     delta: dict[str, Any],
     finish: str | None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
     }
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+    rid: str, model: str, created: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    return completion_body(rid, model, created, text, finish, logprobs)
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+    }
 
 
 def error_body(message: str, status: int, code: str | None = None) -> dict[str, Any]:

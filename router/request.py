@@ -20,7 +20,8 @@ class ClientRequest:
     sampling: dict[str, Any]
     text: str | None = None
     input_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # chat: function definitions for the chat template
     model: str = ""
     stream: bool = False
     return_logprob: bool = False
@@ -82,7 +83,7 @@ class Final:
 
 
 def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(
+    out = common_pb2.SamplingParams(
         max_new_tokens=sp.max_new_tokens,
         min_new_tokens=sp.min_new_tokens,
         temperature=sp.temperature,
@@ -98,3 +99,9 @@ def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
         seed=sp.seed,
         skip_special_tokens=sp.skip_special_tokens,
     )
+    key = sp.grammar_key
+    if key is not None:
+        setattr(out, key[0], key[1])  # the oneof ``constraint``
+    if sp.logit_bias:
+        out.logit_bias.update(sp.logit_bias)
+    return out

@@ -41,9 +41,9 @@ class Tokenizer:
             return self._fast.encode(text).ids
         return self.hf.encode(text)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except (
             Exception
         ) as e:  # jinja raises anything (TemplateError, TypeError) on input the template rejects

@@ -19,7 +19,7 @@ from router.config import RouterConfig
 
 # RouterConfig fields set in code or built by router.cli from flags of its own (workers, keys, TLS files).
 ROUTER_NON_FLAGS = {"http_port", "workers", "retry_backoff_max_s", "health_failure_threshold", "rpc_timeout_s",
-                    "prefix_block_tokens", "max_n", "timing_keep", "timing_ttl_s", "default_max_tokens",
+                    "prefix_block_tokens", "timing_keep", "timing_ttl_s", "default_max_tokens",
                     "admin_token", "api_key", "tls"}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -24,7 +25,8 @@ logger = logging.getLogger(__name__)
 class RequestIntake:
     def __init__(self, model_config: ModelConfig, max_total_num_tokens: int, out: OutputCollector,
                  reqs_by_rid: dict[str, Req], request_log_level: int,
-                 resolve_priority: Callable[[int | None], int]) -> None:
+                 resolve_priority: Callable[[int | None], int],
+                 grammar_matcher: Callable[[tuple[str, str]], Any] | None = None) -> None:
         self.model_config = model_config
         self.max_total_num_tokens = max_total_num_tokens
         self.out = out
@@ -33,6 +35,9 @@ class RequestIntake:
         # The priority a request runs with; raises InvalidRequestError for one this node does not schedule by
         # (``SchedulePolicy.resolve_priority``).
         self.resolve_priority = resolve_priority
+        # A fresh matcher (``common.engine.sampling.grammar.RequestGrammar``) over a compiled grammar key; the
+        # scheduler holds a request with a grammar in its grammar queue until the key is compiled.
+        self.grammar_matcher = grammar_matcher
 
     def validate(self, msg: GenerateReqInput) -> None:
         """Raise a typed error saying what to fix if the request can never be served here."""
@@ -84,11 +89,32 @@ class RequestIntake:
             prior_output_len=msg.prior_output_len,
             priority=self.resolve_priority(msg.priority),
         )
+        if sp.grammar_key is not None:
+            try:
+                req.grammar = self.start_grammar(req)
+            except InvalidRequestError as e:
+                self.out.error(msg.rid, str(e), ErrorCode.INVALID_ARGUMENT)
+                return None
         req.times.queue_enter = time.monotonic()
         self.reqs_by_rid[req.rid] = req
         logger.log(self.request_log_level, "rid=%s room=%s: received, %d prompt tokens, max_new_tokens=%d",
                    req.rid, req.bootstrap_room, len(req.origin_input_ids), sp.max_new_tokens)
         return req
+
+    def start_grammar(self, req: Req) -> Any:
+        """The request's matcher, advanced over the outputs of its earlier attempts (a migrated request)."""
+        key = req.sampling_params.grammar_key
+        assert key is not None
+        if self.grammar_matcher is None:
+            raise InvalidRequestError(f"{key[0]} needs a grammar backend; this rank has none")
+        grammar = self.grammar_matcher(key)
+        for i, token in enumerate(req.generated_ids()):
+            if not grammar.accept(token):
+                raise InvalidRequestError(
+                    f"prior output token {i} ({token}) does not follow the request's {key[0]}; the earlier "
+                    "attempt's output cannot be continued under this grammar"
+                )
+        return grammar
 
     def fail_input(self, rid: str, exc: Exception) -> None:
         """An unexpected error while taking a request in: it fails with INTERNAL; it holds no pages yet."""

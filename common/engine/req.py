@@ -103,6 +103,7 @@ class Req:
         self.future_slot: int | None = None  # overlap schedule: the ring slot of its launched, unappended token
         self.to_abort: str | None = None  # set by an abort while the request sits in a batch
         self.sent_len = 0  # output tokens already streamed out
+        self.grammar: Any = None  # RequestGrammar (common/engine/sampling/grammar.py) of a constrained request
 
         # Output.
         self.finished_reason: Finished | None = None

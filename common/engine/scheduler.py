@@ -40,6 +40,8 @@ from common.engine.mem.radix_cache import RadixCache
 from common.engine.model_runner import BatchResult, ModelRunner
 from common.engine.overlap import overlap_schedule_on
 from common.engine.req import FinishReason, Req
+from common.engine.sampling.grammar import GrammarCompiler, accept_grammar_token, finish_on_grammar
+from common.engine.sampling.grammar_queue import GrammarQueue
 from common.engine.sampling.sampler import SamplingBatchInfo
 from common.engine.sampling.stop import check_finished
 from common.engine.schedule_batch import ModelWorkerBatch, ScheduleBatch
@@ -54,7 +56,7 @@ from common.engine.scheduler_metrics import (
 )
 from common.engine.scheduler_output import OutputCollector
 from common.engine.scheduler_role import ColocatedRole, SchedulerRole
-from common.errors import ErrorCode, internal_error_message
+from common.errors import CapacityError, ErrorCode, InvalidRequestError, internal_error_message
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 
@@ -108,8 +110,12 @@ class Scheduler:
         self.num_retracted = 0
         self.request_log_level = logging.INFO if args.log_requests else logging.DEBUG
         self.intake = RequestIntake(self.model_config, self.runner.max_total_num_tokens, self.out, self.reqs_by_rid,
-                                    self.request_log_level, self.policy.resolve_priority)
+                                    self.request_log_level, self.policy.resolve_priority,
+                                    lambda key: self.grammar_compiler.matcher(key))
         self.decode_log = DecodeLogInterval(args.decode_log_interval)
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar request
+        self.grammar_queue = GrammarQueue(lambda: self.grammar_compiler, self.tp, args.grammar_compile_timeout,
+                                          enabled=args.grammar_backend != "none")
         self.role: SchedulerRole = role or ColocatedRole()
         self.role.bind(self)
 
@@ -121,11 +127,22 @@ class Scheduler:
     def max_total_num_tokens(self) -> int:
         return self.runner.max_total_num_tokens
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, list(self.model_config.eos_token_ids),
+                any_whitespace=self.args.grammar_any_whitespace,
+            )
+        return self._grammar_compiler
+
     def close(self) -> None:
         """Stop the forward thread (after its batch), then release what the role holds (its KV manager)."""
         if self.forward_thread is not None:
             self.forward_thread.shutdown(wait=True)
             self.forward_thread = None
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
         self.role.close()
 
     # -- the ``Engine`` interface of the roles (``scheduler_role.Engine``) ---------------------------------------------
@@ -155,16 +172,42 @@ class Scheduler:
         """The one dispatch of every role: what a message does to the queues is the role's."""
         for msg in msgs:
             if isinstance(msg, GenerateReqInput):
-                try:
-                    self.role.admit(msg)
-                except Exception as e:  # one bad request fails alone; nothing of it was queued
-                    self.intake.fail_input(msg.rid, e)
+                if msg.sampling_params.grammar_key is not None:
+                    self.hold_for_grammar(msg)
+                else:
+                    self.admit(msg)
             elif isinstance(msg, AbortReq):
-                self.role.abort(msg.rid, msg.reason, msg.code)
+                if self.grammar_queue.remove(msg.rid):
+                    self.out.error(msg.rid, msg.reason, msg.code)
+                else:
+                    self.role.abort(msg.rid, msg.reason, msg.code)
             elif isinstance(msg, LoadReq):
                 load = self.get_load()
                 self.role.fill_load(load)
                 self.out.send_now([LoadOut(load=load)])
+
+    def admit(self, msg: GenerateReqInput) -> None:
+        try:
+            self.role.admit(msg)
+        except Exception as e:  # one bad request fails alone; nothing of it was queued
+            self.intake.fail_input(msg.rid, e)
+
+    def hold_for_grammar(self, msg: GenerateReqInput) -> None:
+        """A request with a grammar waits in the grammar queue until it is compiled (``admit_compiled``)."""
+        try:
+            self.intake.validate(msg)
+        except (InvalidRequestError, CapacityError) as e:
+            self.out.error(msg.rid, str(e), ErrorCode.INVALID_ARGUMENT)
+            return
+        refused = (f"request id {msg.rid!r} is already in flight" if msg.rid in self.reqs_by_rid
+                   else self.grammar_queue.add(msg))
+        if refused is not None:
+            self.out.error(msg.rid, refused, ErrorCode.INVALID_ARGUMENT)
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar every rank has compiled go to their role; expired ones fail."""
+        for msg in self.grammar_queue.pop_ready(self.out.error):
+            self.admit(msg)
 
     # -- admission (``common.engine.admission``) ---------------------------------------------------------------------
     def build_req(self, msg: GenerateReqInput) -> Req | None:
@@ -395,6 +438,8 @@ class Scheduler:
     def append_token(self, req: Req, result: BatchResult, i: int) -> None:
         inject("token", req.rid)
         token = result.next_token_ids[i]
+        if not accept_grammar_token(req, token):
+            return
         req.output_ids.append(token)
         self.decode_log.tokens += 1
         if not req.times.first_token:
@@ -404,6 +449,7 @@ class Scheduler:
             if result.top_logprobs is not None:
                 req.output_top_logprobs.append(result.top_logprobs[i])
         check_finished(req, token, self.tokenizer)
+        finish_on_grammar(req, token)
         if req.to_abort is not None and not req.finished():
             req.abort(req.to_abort)
         self.out.stream_token(req)
@@ -450,6 +496,7 @@ class Scheduler:
         if self.is_idle():
             self.decode_log.restart()
         self.process_input_requests(msgs)
+        self.admit_compiled()
         self.role.poll()
         ran = self.step_overlap() if self.overlap else self.step_normal()
         self.out.flush()
@@ -530,8 +577,8 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         """Nothing queued, running or in flight, in the engine or in the role's queues."""
-        return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and (
-            self.last_batch is None) and self.in_flight is None and self.role.is_idle()
+        return not self.waiting_queue and not self.grammar_queue and self.running_batch.is_empty() and (
+            self.chunked_req is None) and self.last_batch is None and self.in_flight is None and self.role.is_idle()
 
     # -- observability ---------------------------------------------------------------------------------------------
     def token_usage(self) -> float:
@@ -553,7 +600,7 @@ class Scheduler:
         return QueueLoad(
             dp_rank=self.dp_rank,
             running=len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
-            waiting=len(self.waiting_queue),
+            waiting=len(self.waiting_queue) + len(self.grammar_queue),
             free_kv_pages=free_kv // self.page_size,
             total_kv_pages=self.runner.max_total_num_tokens // self.page_size,
             free_req_slots=free_slots,
@@ -601,9 +648,10 @@ class Scheduler:
 
 
 def _reads_output_history(req: Req) -> bool:
-    """Its next draw depends on every output token so far (penalties), not only on the last one."""
+    """Its next draw depends on every output token so far (penalties, a grammar's matcher), not only on the last
+    one."""
     sp = req.sampling_params
-    return sp.has_penalty or bool(sp.min_new_tokens)
+    return sp.has_penalty or bool(sp.min_new_tokens) or req.grammar is not None
 
 
 def finish_reason_name(req: Req) -> str | None:

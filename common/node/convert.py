@@ -19,6 +19,11 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
     values.update({name: getattr(sp, name) for name in _PLAIN_FIELDS})
     values["stop"] = tuple(sp.stop)
     values["stop_token_ids"] = tuple(sp.stop_token_ids)
+    if sp.logit_bias:
+        values["logit_bias"] = dict(sp.logit_bias)
+    constraint = sp.WhichOneof("constraint")
+    if constraint is not None:
+        values[constraint] = getattr(sp, constraint)
     params = msgspec.structs.replace(SamplingParams(), **values)
     params.verify()
     return params
@@ -33,6 +38,11 @@ def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
     )
     if sp.seed is not None:
         out.seed = sp.seed
+    key = sp.grammar_key
+    if key is not None:
+        setattr(out, key[0], key[1])
+    if sp.logit_bias:
+        out.logit_bias.update(sp.logit_bias)
     return out
 
 

@@ -4,6 +4,7 @@ completion shape (``choices[0].text``, ``finish_reason``, ``usage``; SSE chunks 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from common.errors import InvalidRequestError
@@ -15,10 +16,29 @@ _SAMPLING = {
     "ignore_eos": "ignore_eos", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
     "repetition_penalty": "repetition_penalty", "seed": "sampling_seed", "skip_special_tokens": "skip_special_tokens",
     "no_stop_trim": "no_stop_trim", "n": "n", "regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf",
+    "logit_bias": "logit_bias",
 }
 _PASSED = ("stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
            "data_parallel_rank", "disagg_prefill_dp_rank", "lora_path", "return_hidden_states", "priority")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
+# Fields that would change the result and are not served: refused, never dropped.
+_REFUSED = ("tools", "tool_choice", "functions", "function_call")
+
+
+def _response_format(fmt: Any) -> dict[str, str]:
+    """OpenAI ``response_format`` -> the sampling field enforcing it."""
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    schema = (fmt.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    if kind == "json_schema" and isinstance(schema, dict | bool):
+        return {"json_schema": json.dumps(schema)}
+    raise InvalidRequestError('response_format must be {"type": "text" | "json_object"} or {"type": "json_schema", '
+                              f'"json_schema": {{"schema": {{...}}}}}}, got {fmt!r}')
 
 
 def completion_to_generate(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -39,6 +59,12 @@ def completion_to_generate(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         raise InvalidRequestError("prompt must be one string or one list of token ids (one prompt a request)")
     sp = {ours: obj[name] for name, ours in _SAMPLING.items() if obj.get(name) is not None}
     sp.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)
+    sp.update(_response_format(obj.get("response_format")))
+    if obj.get("best_of") not in (None, 1):
+        raise InvalidRequestError(f"best_of must be 1 on this node, got {obj.get('best_of')!r}")
+    for name in _REFUSED:
+        if obj.get(name) is not None:
+            raise InvalidRequestError(f"{name} is not supported by this node; remove it")
     gen["sampling_params"] = sp
     top = obj.get("logprobs")
     if top is not None:

@@ -25,13 +25,14 @@ _SAMPLING_NAMES = {
     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-    "seed": "seed", "sampling_seed": "seed",
+    "seed": "seed", "sampling_seed": "seed", "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",
+    "logit_bias": "logit_bias",
 }
 # SGLang sampling_params this node accepts only at their default (a different value would be silently ignored).
 _SAMPLING_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "n": (1, None), "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
+    "n": (1, None), "structural_tag": (None,),
     "no_stop_trim": (False, None), "spaces_between_special_tokens": (True, None), "custom_params": (None,),
-    "logit_bias": (None,), "stream_interval": (None,),
+    "stream_interval": (None,),
 }
 # Top-level fields with the same rule; fields not named here or below are ignored (routers add their own).
 _TOP_DEFAULTS: dict[str, tuple[Any, ...]] = {
@@ -120,6 +121,10 @@ def sampling_from_sglang(sp: Any) -> SamplingParams:
             if not isinstance(value, list | tuple):
                 raise InvalidRequestError(f"sampling_params.stop_token_ids must be a list of ints, got {value!r}")
             value = tuple(value)
+        elif ours == "logit_bias":
+            if not isinstance(value, dict) or not all(isinstance(k, str) and k.lstrip("-").isdigit() for k in value):
+                raise InvalidRequestError(f"sampling_params.logit_bias must map token ids to biases, got {value!r}")
+            value = {int(k): v for k, v in value.items()}
         elif ours in ("ignore_eos", "skip_special_tokens") and not isinstance(value, bool):
             raise InvalidRequestError(f"sampling_params.{name} must be true or false, got {value!r}")
         elif ours in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",

@@ -207,6 +207,7 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
                 "min_new_tokens": req.sampling_params.min_new_tokens,
                 "prior_output_len": req.prior_output_len,
                 "priority": req.priority if req.HasField("priority") else None,
+                "seed": req.sampling_params.seed if req.sampling_params.HasField("seed") else None,
                 **extra,
             }
         )

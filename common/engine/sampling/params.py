@@ -18,6 +18,9 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_TOKEN_IDS = 1024  # each is checked per output token; a vocabulary's worth of them is never needed
 # A stop string's UTF-8 length bounds how many trailing tokens the stop check decodes (see stop.py).
 MAX_STOP_STRING_BYTES = 256
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 65536
+MAX_LOGIT_BIAS = 1024
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -36,10 +39,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False  # ignores the model's EOS tokens only; stop_token_ids still stop
     seed: int | None = None  # reproducible per request, whatever the batch (see sampler.py)
     skip_special_tokens: bool = True
+    # Constrained decoding (common/engine/sampling/grammar.py): at most one; every sampled token keeps the output a prefix
+    # of the language, and the request stops when the grammar is complete.
+    json_schema: str | None = None  # a JSON Schema, as JSON text; '{"type": "object"}' is JSON-object mode
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF-style EBNF with a ``root`` rule
+    # Added to the named tokens' logits before sampling (after penalties, before a grammar's mask); OpenAI's
+    # semantics: [-100, 100], where +-100 in practice forces or bans the token.
+    logit_bias: dict[int, float] | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """``(kind, source)`` of the request's grammar, or None: the compiled-grammar cache's key."""
+        for kind in GRAMMAR_KINDS:
+            source = getattr(self, kind)
+            if source is not None:
+                return kind, source
+        return None
 
     @property
     def has_penalty(self) -> bool:
@@ -80,6 +100,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             if not -2 <= value <= 2:
                 _fail(f"{name} must be in [-2, 2] (0 is off), got {value}")
         self._verify_stop(vocab_size)
+        self._verify_grammar()
+        self._verify_logit_bias(vocab_size)
         if self.seed is not None:
             _require_int("seed", self.seed)
             if not _INT64_MIN <= self.seed <= _INT64_MAX:
@@ -104,6 +126,36 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             _require_int("stop_token_ids", t)
             if t < 0 or (vocab_size is not None and t >= vocab_size):
                 _fail(f"stop_token_ids must be token ids in [0, {bound}), got {t}")
+
+
+    def _verify_logit_bias(self, vocab_size: int | None) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            _fail(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            _fail(f"logit_bias accepts at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        bound = "vocab_size" if vocab_size is None else f"vocab_size={vocab_size}"
+        for token, bias in self.logit_bias.items():
+            _require_int("logit_bias token id", token)
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                _fail(f"logit_bias keys must be token ids in [0, {bound}), got {token}")
+            _require_number(f"logit_bias[{token}]", bias)
+            if not -100 <= bias <= 100:
+                _fail(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+
+    def _verify_grammar(self) -> None:
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            _fail(f"at most one of json_schema, regex, ebnf may be set, got {' and '.join(given)}")
+        for kind in given:
+            source = getattr(self, kind)
+            if not isinstance(source, str):
+                _fail(f"{kind} must be a string, got {type(source).__name__}")
+            if not source:
+                _fail(f"{kind} must not be empty")
+            if len(source) > MAX_GRAMMAR_CHARS:
+                _fail(f"{kind} must be at most {MAX_GRAMMAR_CHARS} characters, got {len(source)}")
 
 
 def _fail(message: str) -> None:

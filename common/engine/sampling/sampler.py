@@ -3,7 +3,8 @@
 Per step, for logits ``[bs, vocab]`` fp32::
 
     raw logits ──> logprobs (log_softmax of the RAW logits, when any row asks)
-        └──> penalties (repetition, frequency/presence, min_new_tokens) ──> argmax ............ greedy rows
+        └──> penalties (repetition, frequency/presence, min_new_tokens) ──> logit_bias ──> grammar mask
+                 ──> argmax ............................................................... greedy rows
                  └──> / temperature ─> softmax ─> top-k ─> top-p ─> min-p ─> inverse-CDF draw ... sampled rows
 
 - Greedy rows take ``argmax`` of the penalised logits; with no penalty in the batch that is exactly
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.device import ship
+from common.engine.sampling.grammar import allocate_bitmask, apply_bitmask
 from common.engine.sampling.penalties import PenaltyState
 
 if TYPE_CHECKING:
@@ -78,6 +80,9 @@ class SamplingBatchInfo:
         penalties: PenaltyState,
         vocab_size: int,
         device: torch.device,
+        grammar_rows: list[int] | None = None,
+        grammar_bitmask: torch.Tensor | None = None,
+        logit_bias: list[tuple[int, int, float]] | None = None,
     ) -> None:
         self.params = params
         self.output_lens = output_lens  # tokens each row has produced = the step index of its next draw
@@ -86,12 +91,37 @@ class SamplingBatchInfo:
         self.penalties = penalties
         self.vocab_size = vocab_size
         self.device = device
+        # This step's grammar masks (a step's, never carried over): rows ``grammar_rows`` of the batch, one packed
+        # bitmask row each (xgrammar's layout: bit t of word t // 32 set = token t allowed).
+        self.grammar_rows = grammar_rows or []
+        self.grammar_index: torch.Tensor | None = None
+        self.grammar_bitmask: torch.Tensor | None = None
+        if grammar_bitmask is not None and self.grammar_rows:
+            index, flat = ship([torch.tensor(self.grammar_rows, dtype=torch.int32), grammar_bitmask.view(-1)],
+                               device)
+            self.grammar_index, self.grammar_bitmask = index.long(), flat.view(grammar_bitmask.shape)
+        # This step's logit biases (row, token, bias), as three device columns; None when no row has one.
+        self.logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if logit_bias:
+            rows, cols, vals = ship([torch.tensor(c, dtype=torch.float64) for c in zip(*logit_bias, strict=True)],
+                                    device)
+            self.logit_bias = (rows.long(), cols.long(), vals.float())
         self._build_tensors()
 
     @classmethod
     def from_reqs(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device | str) -> SamplingBatchInfo:
         device = torch.device(device)
+        grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        bias = [(i, t, b) for i, r in enumerate(reqs) for t, b in (r.sampling_params.logit_bias or {}).items()]
+        bitmask = None
+        if grammar_rows:
+            bitmask = allocate_bitmask(len(grammar_rows), vocab_size)
+            for j, i in enumerate(grammar_rows):
+                reqs[i].grammar.fill_bitmask(bitmask, j)
         return cls(
+            logit_bias=bias,
+            grammar_rows=grammar_rows,
+            grammar_bitmask=bitmask,
             params=[r.sampling_params for r in reqs],
             output_lens=[r.draw_step() for r in reqs],
             return_logprob=[r.return_logprob for r in reqs],
@@ -151,6 +181,8 @@ class SamplingBatchInfo:
         self.return_logprob = [self.return_logprob[i] for i in keep_indices]
         self.top_logprobs_nums = [self.top_logprobs_nums[i] for i in keep_indices]
         self.penalties.filter(keep_indices)
+        self.grammar_rows, self.grammar_index, self.grammar_bitmask = [], None, None  # masks are per step
+        self.logit_bias = None
         self._build_tensors()
 
     def merge_batch(self, other: SamplingBatchInfo) -> None:
@@ -162,6 +194,8 @@ class SamplingBatchInfo:
         self.return_logprob = self.return_logprob + other.return_logprob
         self.top_logprobs_nums = self.top_logprobs_nums + other.top_logprobs_nums
         self.penalties.merge(other.penalties)
+        self.grammar_rows, self.grammar_index, self.grammar_bitmask = [], None, None  # masks are per step
+        self.logit_bias = None
         self._build_tensors()
 
 
@@ -276,6 +310,11 @@ class Sampler:
         logits = logits.float()
         logprobs, top_vals, top_ids = self._logprobs(logits, info) if info.need_logprobs else (None, None, None)
         scores = info.penalties.apply(logits) if info.penalties.is_active else logits
+        if info.logit_bias is not None:
+            rows, cols, vals = info.logit_bias
+            scores = scores.index_put((rows, cols), vals, accumulate=True)
+        if info.grammar_bitmask is not None and info.grammar_index is not None:
+            scores = apply_bitmask(scores, info.grammar_bitmask, info.grammar_index, info.vocab_size)
         next_ids = torch.argmax(scores, dim=-1)
         if not info.all_greedy:
             rows = info.sampled_index

@@ -1,0 +1,73 @@
+"""``n > 1``: several choices of one OpenAI request, each served as its own request.
+
+    client request (n) ──> choice_request(req, i), i < n: rid ``<rid>-<i>``; a seeded request's choice i samples
+                           with seed + i (reproducible, and the choices differ); an unseeded one draws each choice
+                           from the nodes' shared generator
+                      ──> each routed, admitted and migrated like any request (the prompt's pages are shared
+                          through the prefill node's prefix cache when the choices land on one worker)
+                      ──> merge_choices: their events interleave as they arrive, tagged with the choice index
+
+A choice that fails fails the whole request: the others are cancelled (their legs aborted on the workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from router.request import GenRequest, sampling_to_proto
+
+_INT64 = 1 << 64
+
+
+def choice_request(req: GenRequest, i: int) -> GenRequest:
+    """Choice ``i`` of ``req``: its own rid and, for a seeded request, seed + i (wrapped to a signed 64-bit
+    integer)."""
+    sp = req.sampling
+    if sp.seed is not None:
+        seed = (sp.seed + i + _INT64 // 2) % _INT64 - _INT64 // 2
+        sp = msgspec.structs.replace(sp, seed=seed)
+    return dataclasses.replace(req, rid=f"{req.rid}-{i}", sampling=sp, sampling_pb=sampling_to_proto(sp))
+
+
+async def merge_choices(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """``(i, event)`` from every choice's event stream as they come. The first error raised by a stream is raised
+    here once the other streams are cancelled; closing this generator closes every stream."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:  # type: ignore[type-var]
+            async for ev in only:
+                yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as events:  # type: ignore[type-var]
+                async for ev in events:
+                    queue.put_nowait((i, ev, None))
+        except Exception as e:  # the request fails with it
+            queue.put_nowait((i, None, e))
+        else:
+            queue.put_nowait((i, done, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, ev, exc = await queue.get()  # bounded: each stream ends by its request's deadline
+            if exc is not None:
+                raise exc
+            if ev is done:
+                left -= 1
+                continue
+            yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
