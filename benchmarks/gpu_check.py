@@ -83,8 +83,11 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
                         "--input-len", "16", "--output-len", "8", "--repeats", "1", "--threads", "1",
                         "--profile-steps", "4"]
         kv_sizes = ["--device", "cpu", "--backends", "shm,tcp", "--tokens", "256", "--reps", "1", "--rounds", "1"]
+        # The tiny llama and a 4096-token KV pool per node (the CPU default sizes the pool from free RAM: GiBs to
+        # allocate and zero per node, for 8 requests of 40 tokens).
         pd_sizes = ["--device", "cpu", "--backends", "tcp", "--num-requests", "8", "--input-len", "32",
-                    "--output-len", "8", "--concurrency", "4"]
+                    "--output-len", "8", "--concurrency", "4", "--model-size", "tiny",
+                    "--node-flag=--max-total-tokens=4096"]
     else:
         engine_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "1b", "--num-prompts", "64",
                         "--input-len", "128", "--output-len", "128", "--repeats", "2", "--threads", "8",

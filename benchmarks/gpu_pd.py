@@ -8,7 +8,7 @@ prompts of ``--input-len`` random token ids, ``--output-len`` tokens each (``ign
 once, streamed. Each PD run's texts are compared with the colocated run's, prompt by prompt.
 
     python -m benchmarks.gpu_pd --device cuda --backends shm,tcp --json out.json
-    python -m benchmarks.gpu_pd --device cpu --backends tcp --num-requests 8 --output-len 8   # the CPU dry run
+    python -m benchmarks.gpu_pd --device cpu --backends tcp --num-requests 8 --output-len 8 --model-size tiny  # dry run
 
 No ``openai`` package here (GPU machines lack it): the client is ``aiohttp`` reading the SSE stream itself.
 """
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--model-path", default=None, help="default: generate the small llama (seed 0)")
+    p.add_argument("--model-path", default=None, help="default: generate the --model-size llama (seed 0)")
+    p.add_argument("--model-size", default="small", help="the generated llama's size (tiny for the CPU dry run)")
     p.add_argument("--backends", default="shm,tcp")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if a.model_path is None:
             from common.model_gen.make_model import make_model
 
-            a.model_path = str(make_model("llama", "small", Path(tmp) / "model", seed=0))
+            a.model_path = str(make_model("llama", a.model_size, Path(tmp) / "model", seed=0))
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(a.model_path).vocab_size

@@ -93,11 +93,14 @@ def model_path() -> Path:
     return make_tiny_model("llama")
 
 
-@pytest.fixture(scope="module")
-def colocated(model_path: Path) -> Iterator[Any]:
-    """A colocated tp 1 node on ``model_path``: the reference whose tokens the P/D and TP tests compare against."""
+@pytest.fixture(scope="session")
+def colocated() -> Iterator[Any]:
+    """A colocated tp 1 node on the tiny llama (``model_path``): the reference whose tokens the P/D, TP and cluster
+    tests compare against. One per session (per xdist worker): the tests only send it greedy requests, and a node
+    start is seconds of both cores; idle, it costs about 1% of one."""
+    from tests.model_fixtures import make_tiny_model
     from tests.node_helpers import start_node
 
-    node = start_node("null", model_path)
+    node = start_node("null", make_tiny_model("llama"))
     yield node
     node.stop()
