@@ -121,6 +121,14 @@ def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
     scatter_pages_triton(got, page_ids, page_size, expect)
     scatter_pages_ref(want, page_ids, page_size, expect)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "scatter_pages: triton and reference differ"
+    from common.engine.kernels.kv_pages import copy_pages_ref
+    from common.engine.kernels.kv_pages_triton import copy_pages_triton
+
+    ids = torch.stack([page_ids, torch.tensor([3, 8, 1, 5])])
+    got, want = [torch.zeros_like(b) for b in buffers], [torch.zeros_like(b) for b in buffers]
+    copy_pages_triton(buffers, got, ids, page_size)
+    copy_pages_ref(buffers, want, ids, page_size)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "copy_pages: triton and reference differ"
     for bad_ids, bad_staging in ((page_ids, staging[:, :3]), (page_ids.int(), staging)):
         try:
             gather_pages_triton(buffers, bad_ids, page_size, bad_staging)
