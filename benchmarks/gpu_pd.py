@@ -21,6 +21,7 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -172,7 +173,14 @@ def run_cluster(name: str, up_args: list[str], a: argparse.Namespace, prompts: l
     return out
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    # gpu_check ends a step past its deadline with SIGTERM to the step's process group; ``up`` runs in a session of
+    # its own, so it would outlive the step with its whole cluster. As SystemExit, ``run_cluster``'s finally stops it.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--dtype", default="float32")
