@@ -20,6 +20,8 @@ once batch k's result is obtained (``step_overlap``).
 
 This is the one loop of every role: the prefill and decode nodes hold a ``Scheduler`` and plug their queues in
 through the hooks of ``common.engine.scheduler_role.SchedulerRole``, asked at fixed points of ``step`` (see there).
+Its parts live beside it in ``common.engine``: request intake (``admission``), batch admission (``batch_admission``),
+result processing and outputs (``scheduler_output``), the load report and log lines (``scheduler_metrics``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from common.engine.mem.chunk_cache import ChunkCache
 from common.engine.mem.radix_cache import RadixCache
 from common.engine.model_runner import BatchResult, ModelRunner
 from common.engine.overlap import overlap_schedule_on
-from common.engine.req import FinishReason, Req
+from common.engine.req import Req
 from common.engine.sampling.grammar import GrammarCompiler
 from common.engine.sampling.grammar_queue import GrammarQueue
 from common.engine.sampling.sampler import SamplingBatchInfo
@@ -131,170 +133,7 @@ class Scheduler:
             self._grammar_compiler.close()
         self.role.close()
 
-    # -- the ``Engine`` interface of the roles (``scheduler_role.Engine``) ---------------------------------------------
-    def reject(self, rid: str, message: str, code: ErrorCode) -> None:
-        self.out.error(rid, message, code)
-
-    def send_now(self, outputs: list[Any]) -> None:
-        self.out.send_now(outputs)
-
-    def find_req(self, rid: str) -> Req | None:
-        return self.reqs_by_rid.get(rid)
-
-    def enqueue(self, reqs: list[Req]) -> None:
-        self.waiting_queue.extend(reqs)
-
-    def num_waiting(self) -> int:
-        return len(self.waiting_queue)
-
-    def prefilling_reqs(self) -> list[Req]:
-        return [*self.waiting_queue, *([self.chunked_req] if self.chunked_req is not None else [])]
-
-    def running_reqs(self) -> list[Req]:
-        return self.running_batch.reqs
-
-    # -- input -----------------------------------------------------------------------------------------------------
-    def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
-        """The one dispatch of every role: what a message does to the queues is the role's."""
-        for msg in msgs:
-            if isinstance(msg, GenerateReqInput):
-                if msg.sampling_params.grammar_key is not None:
-                    self.intake.hold_for_grammar(msg, self.grammar_queue)  # until compiled: admit_compiled
-                else:
-                    self.admit(msg)
-            elif isinstance(msg, AbortReq):
-                if self.grammar_queue.remove(msg.rid):
-                    self.out.error(msg.rid, msg.reason, msg.code)
-                else:
-                    self.role.abort(msg.rid, msg.reason, msg.code)
-            elif isinstance(msg, LoadReq):
-                load = self.get_load()
-                self.role.fill_load(load)
-                self.out.send_now([LoadOut(load=load)])
-
-    def admit(self, msg: GenerateReqInput) -> None:
-        try:
-            self.role.admit(msg)
-        except Exception as e:  # one bad request fails alone; nothing of it was queued
-            self.intake.fail_input(msg.rid, e)
-
-    def admit_compiled(self) -> None:
-        """Requests whose grammar every rank has compiled go to their role; expired ones fail."""
-        for msg in self.grammar_queue.pop_ready(self.out.error):
-            self.admit(msg)
-
-    # -- admission (``common.engine.admission``) ---------------------------------------------------------------------
-    def build_req(self, msg: GenerateReqInput) -> Req | None:
-        return self.intake.build_req(msg)
-
-    def fail_req(self, req: Req, exc: Exception) -> None:
-        """An unexpected error while handling one request's result: it finishes with INTERNAL and its KV and slot
-        are released; the rest of the batch and the rank carry on."""
-        logger.exception("rid=%s room=%s: internal error; the request fails, the rank keeps serving",
-                         req.rid, req.bootstrap_room, exc_info=exc)
-        if self.chunked_req is req:
-            self.chunked_req = None
-        req.finished_reason = None
-        req.abort(internal_error_message(exc), ErrorCode.INTERNAL)
-        self.finish_req(req)
-
-    def abort_request(self, rid: str, reason: str) -> None:
-        """Waiting requests leave at once; a request in a batch finishes as ABORT at its next result."""
-        req = self.reqs_by_rid.get(rid)
-        if req is None:
-            return
-        if req in self.waiting_queue:
-            self.waiting_queue.remove(req)
-            req.abort(reason)
-            self.finish_req(req, release=False)
-        else:
-            req.to_abort = reason
-
-    def take_waiting(self, leaves: Callable[[Req], bool]) -> list[Req]:
-        """Remove and return the waiting requests for which ``leaves`` is true, in queue order."""
-        gone = [r for r in self.waiting_queue if leaves(r)]
-        for req in gone:
-            self.waiting_queue.remove(req)
-        return gone
-
-    def add_prebuilt(self, reqs: list[Req], take_first_token: Callable[[Req], None]) -> None:
-        batch_admission.add_prebuilt(self, reqs, take_first_token)
-
-    # -- batching --------------------------------------------------------------------------------------------------
-    def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        batch_admission.merge_last_batch(self)
-        new_batch = self.get_new_batch_prefill()
-        if new_batch is not None:
-            return new_batch
-        if not self.running_batch.is_empty():
-            self.update_running_batch(self.running_batch)
-            if not self.running_batch.is_empty():
-                return self.running_batch
-        return None
-
-    def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        return batch_admission.get_new_batch_prefill(self)
-
-    def update_running_batch(self, batch: ScheduleBatch) -> None:
-        batch_admission.update_running_batch(self, batch)
-
-    def run_batch(self, batch: ScheduleBatch) -> BatchResult:
-        return self.runner.forward_and_sample(self.worker_batch(batch))
-
-    def worker_batch(self, batch: ScheduleBatch) -> ModelWorkerBatch:
-        """What the runner needs, read from the requests now (the forward may run while they change)."""
-        for req in batch.reqs:
-            inject("forward", req.rid)
-        self.forward_ct += 1
-        b = batch.get_model_worker_batch()
-        b.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.runner.device)
-        return b
-
-    def launch(self, batch: ScheduleBatch) -> Future[BatchResult]:
-        """Start ``batch`` on the forward thread. Each row that yields a real token (all but a middle prefill chunk)
-        gets a ring slot: the next batch feeds the request that slot's placeholder."""
-        future = self.runner.future_tokens
-        slots = future.alloc(len(batch.reqs))
-        b = self.worker_batch(batch)  # NOTE: before the new slots: sampling reads each row's pending draw step
-        b.has_placeholders = any(r.future_slot is not None for r in batch.reqs)
-        for i, req in enumerate(batch.reqs):
-            if req is batch.chunked_req:
-                slots[i] = future.dump_slot
-            else:
-                req.future_slot = slots[i]
-        b.future_slots = batch.future_slots = slots
-        if self.forward_thread is None:
-            self.forward_thread = ThreadPoolExecutor(1, "pdcluster-forward")
-        return self.forward_thread.submit(self.runner.forward_and_sample, b)
-
-    # -- results (``common.engine.scheduler_output``) ---------------------------------------------------------------
-    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        scheduler_output.process_batch_result(self, batch, result)
-
-    def finish_req(self, req: Req, release: bool = True) -> None:
-        """The one finish path: hand the request's KV to the prefix cache (or free it) and report its outcome.
-
-        With ``release``, a role may keep the pages (a KV transfer still reads them): the request then stays the
-        role's until it calls ``finish_req`` again.
-        """
-        if release and req.req_pool_idx is not None:
-            if self.role.keep_pages_on_finish(req):
-                return
-            self.tree_cache.cache_finished_req(req)
-            self.running_batch.batch_is_full = False  # memory came back: the queue may fit again
-        req.times.finished = time.monotonic()
-        self.reqs_by_rid.pop(req.rid, None)
-        if self.role.on_finish(req):
-            return
-        self.log_request_end(req, req.finished_reason.reason.value if req.finished_reason else "abort")
-        self.out.finish(req)
-
-    def log_request_end(self, req: Req, outcome: str) -> None:
-        logger.log(self.request_log_level, "rid=%s room=%s: %s, %d output tokens, %d cached, %.3f s",
-                   req.rid, req.bootstrap_room, outcome, len(req.output_ids), req.cached_tokens,
-                   time.monotonic() - req.times.arrival)
-
-    # -- the loop --------------------------------------------------------------------------------------------------
+    # -- the loop: one iteration of the seeds' event_loop_normal / event_loop_overlap ------------------------------
     def step(self, msgs: list[SchedulerInput]) -> bool:
         """One iteration of the loop of every role; returns whether a batch ran or its results were processed."""
         self.role.begin_step()
@@ -385,20 +224,176 @@ class Scheduler:
         return not self.waiting_queue and not self.grammar_queue and self.running_batch.is_empty() and (
             self.chunked_req is None) and self.last_batch is None and self.in_flight is None and self.role.is_idle()
 
-    # -- observability (``common.engine.scheduler_metrics``) -------------------------------------------------------
+    # -- input -----------------------------------------------------------------------------------------------------
+    def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
+        """The one dispatch of every role: what a message does to the queues is the role's."""
+        for msg in msgs:
+            if isinstance(msg, GenerateReqInput):
+                if msg.sampling_params.grammar_key is not None:
+                    self.intake.hold_for_grammar(msg, self.grammar_queue)  # until compiled: admit_compiled
+                else:
+                    self.admit(msg)
+            elif isinstance(msg, AbortReq):
+                if self.grammar_queue.remove(msg.rid):
+                    self.out.error(msg.rid, msg.reason, msg.code)
+                else:
+                    self.role.abort(msg.rid, msg.reason, msg.code)
+            elif isinstance(msg, LoadReq):
+                load = self.get_load()
+                self.role.fill_load(load)
+                self.out.send_now([LoadOut(load=load)])
+
+    def admit(self, msg: GenerateReqInput) -> None:
+        try:
+            self.role.admit(msg)
+        except Exception as e:  # one bad request fails alone; nothing of it was queued
+            self.intake.fail_input(msg.rid, e)
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar every rank has compiled go to their role; expired ones fail."""
+        for msg in self.grammar_queue.pop_ready(self.out.error):
+            self.admit(msg)
+
+    # -- batching (``common.engine.batch_admission``) --------------------------------------------------------------
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        batch_admission.merge_last_batch(self)
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        if not self.running_batch.is_empty():
+            self.update_running_batch(self.running_batch)
+            if not self.running_batch.is_empty():
+                return self.running_batch
+        return None
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        return batch_admission.get_new_batch_prefill(self)
+
+    def update_running_batch(self, batch: ScheduleBatch) -> None:
+        batch_admission.update_running_batch(self, batch)
+
+    def run_batch(self, batch: ScheduleBatch) -> BatchResult:
+        return self.runner.forward_and_sample(self.worker_batch(batch))
+
+    def worker_batch(self, batch: ScheduleBatch) -> ModelWorkerBatch:
+        """What the runner needs, read from the requests now (the forward may run while they change)."""
+        for req in batch.reqs:
+            inject("forward", req.rid)
+        self.forward_ct += 1
+        b = batch.get_model_worker_batch()
+        b.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.runner.device)
+        return b
+
+    def launch(self, batch: ScheduleBatch) -> Future[BatchResult]:
+        """Start ``batch`` on the forward thread. Each row that yields a real token (all but a middle prefill chunk)
+        gets a ring slot: the next batch feeds the request that slot's placeholder."""
+        future = self.runner.future_tokens
+        slots = future.alloc(len(batch.reqs))
+        b = self.worker_batch(batch)  # NOTE: before the new slots: sampling reads each row's pending draw step
+        b.has_placeholders = any(r.future_slot is not None for r in batch.reqs)
+        for i, req in enumerate(batch.reqs):
+            if req is batch.chunked_req:
+                slots[i] = future.dump_slot
+            else:
+                req.future_slot = slots[i]
+        b.future_slots = batch.future_slots = slots
+        if self.forward_thread is None:
+            self.forward_thread = ThreadPoolExecutor(1, "pdcluster-forward")
+        return self.forward_thread.submit(self.runner.forward_and_sample, b)
+
+    # -- results (``common.engine.scheduler_output``) --------------------------------------------------------------
+    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        scheduler_output.process_batch_result(self, batch, result)
+
+    def finish_req(self, req: Req, release: bool = True) -> None:
+        """The one finish path: hand the request's KV to the prefix cache (or free it) and report its outcome.
+
+        With ``release``, a role may keep the pages (a KV transfer still reads them): the request then stays the
+        role's until it calls ``finish_req`` again.
+        """
+        if release and req.req_pool_idx is not None:
+            if self.role.keep_pages_on_finish(req):
+                return
+            self.tree_cache.cache_finished_req(req)
+            self.running_batch.batch_is_full = False  # memory came back: the queue may fit again
+        req.times.finished = time.monotonic()
+        self.reqs_by_rid.pop(req.rid, None)
+        if self.role.on_finish(req):
+            return
+        self.log_request_end(req, req.finished_reason.reason.value if req.finished_reason else "abort")
+        self.out.finish(req)
+
+    def fail_req(self, req: Req, exc: Exception) -> None:
+        """An unexpected error while handling one request's result: it finishes with INTERNAL and its KV and slot
+        are released; the rest of the batch and the rank carry on."""
+        logger.exception("rid=%s room=%s: internal error; the request fails, the rank keeps serving",
+                         req.rid, req.bootstrap_room, exc_info=exc)
+        if self.chunked_req is req:
+            self.chunked_req = None
+        req.finished_reason = None
+        req.abort(internal_error_message(exc), ErrorCode.INTERNAL)
+        self.finish_req(req)
+
+    def log_request_end(self, req: Req, outcome: str) -> None:
+        logger.log(self.request_log_level, "rid=%s room=%s: %s, %d output tokens, %d cached, %.3f s",
+                   req.rid, req.bootstrap_room, outcome, len(req.output_ids), req.cached_tokens,
+                   time.monotonic() - req.times.arrival)
+
+    # -- the rest of the ``Engine`` interface of the roles (``scheduler_role.Engine``) -----------------------------
+    def reject(self, rid: str, message: str, code: ErrorCode) -> None:
+        self.out.error(rid, message, code)
+
+    def send_now(self, outputs: list[Any]) -> None:
+        self.out.send_now(outputs)
+
+    def find_req(self, rid: str) -> Req | None:
+        return self.reqs_by_rid.get(rid)
+
+    def enqueue(self, reqs: list[Req]) -> None:
+        self.waiting_queue.extend(reqs)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting_queue)
+
+    def prefilling_reqs(self) -> list[Req]:
+        return [*self.waiting_queue, *([self.chunked_req] if self.chunked_req is not None else [])]
+
+    def running_reqs(self) -> list[Req]:
+        return self.running_batch.reqs
+
+    def build_req(self, msg: GenerateReqInput) -> Req | None:
+        return self.intake.build_req(msg)
+
+    def abort_request(self, rid: str, reason: str) -> None:
+        """Waiting requests leave at once; a request in a batch finishes as ABORT at its next result."""
+        req = self.reqs_by_rid.get(rid)
+        if req is None:
+            return
+        if req in self.waiting_queue:
+            self.waiting_queue.remove(req)
+            req.abort(reason)
+            self.finish_req(req, release=False)
+        else:
+            req.to_abort = reason
+
+    def take_waiting(self, leaves: Callable[[Req], bool]) -> list[Req]:
+        """Remove and return the waiting requests for which ``leaves`` is true, in queue order."""
+        gone = [r for r in self.waiting_queue if leaves(r)]
+        for req in gone:
+            self.waiting_queue.remove(req)
+        return gone
+
+    def add_prebuilt(self, reqs: list[Req], take_first_token: Callable[[Req], None]) -> None:
+        batch_admission.add_prebuilt(self, reqs, take_first_token)
+
+    # -- load (``common.engine.scheduler_metrics``) ----------------------------------------------------------------
     def get_load(self) -> QueueLoad:
         return scheduler_metrics.get_load(self)
 
-
 def _reads_output_history(req: Req) -> bool:
-    """Its next draw depends on every output token so far (penalties, a grammar's matcher), not only on the last
-    one."""
+    """Its next draw reads every output token so far (penalties, a grammar's matcher), not only the last one."""
     sp = req.sampling_params
     return sp.has_penalty or bool(sp.min_new_tokens) or req.grammar is not None
 
 
-def finish_reason_name(req: Req) -> str | None:
-    return None if req.finished_reason is None else req.finished_reason.reason.value
-
-
-__all__ = ["FinishReason", "Scheduler", "finish_reason_name"]
+__all__ = ["Scheduler"]
