@@ -54,7 +54,9 @@ def _engine(r: dict[str, Any]) -> list[str]:
     prof = d.get("ours_profile")
     if prof:
         lines.append(f"- profile, batch {prof['batch']}, {prof['steps']} steps: "
-                     f"{prof['launches_per_step']:.0f} launches per step {prof['launches']}")
+                     f"{prof['launches_per_step']:.0f} launches per step {prof['launches']}; device busy "
+                     f"{_fmt(prof.get('device_ms_per_step'), '.3f')} ms of {_fmt(prof.get('wall_ms_per_step'), '.3f')}"
+                     " ms wall per step (profiled)")
         if step is not None and step > DECODE_STEP_TARGET_MS:
             lines += ["", "Where the step's time goes (top ops by self device time):", "", "```",
                       prof["top_by_device_time"].rstrip(), "```"]

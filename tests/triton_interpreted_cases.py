@@ -121,6 +121,14 @@ def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
     scatter_pages_triton(got, page_ids, page_size, expect)
     scatter_pages_ref(want, page_ids, page_size, expect)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "scatter_pages: triton and reference differ"
+    from common.engine.kernels.kv_pages import copy_pages_ref
+    from common.engine.kernels.kv_pages_triton import copy_pages_triton
+
+    ids = torch.stack([page_ids, torch.tensor([3, 8, 1, 5])])
+    got, want = [torch.zeros_like(b) for b in buffers], [torch.zeros_like(b) for b in buffers]
+    copy_pages_triton(buffers, got, ids, page_size)
+    copy_pages_ref(buffers, want, ids, page_size)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "copy_pages: triton and reference differ"
     for bad_ids, bad_staging in ((page_ids, staging[:, :3]), (page_ids.int(), staging)):
         try:
             gather_pages_triton(buffers, bad_ids, page_size, bad_staging)
@@ -128,6 +136,40 @@ def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
             continue
         raise AssertionError("gather_pages_triton accepted a mis-shaped staging tensor or int32 page ids")
     return 0.0
+
+
+def fused_layers_case(dtype: torch.dtype) -> float:
+    """RMSNorm (with and without the residual add, strided rows), in-place rotary over a qkv row's q|k heads and
+    SiLU·mul against the torch sequences they replace. Rotary rounds exactly as torch does: equal bit for bit."""
+    from common.engine.kernels import fused_layers as fl
+    from common.engine.model.rope import apply_rotary_signed
+
+    gen = torch.Generator().manual_seed(3)
+    n, d, eps = 5, 80, 1e-6  # d not a power of two: masked columns
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    weight = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
+    rows = torch.randn(n, 2 * d, generator=gen).to(dtype)[:, :d]  # strided rows
+    worst = _check(fl.rmsnorm(rows, weight, eps), fl.rmsnorm_ref(rows, weight, eps), tol)
+    res, res_ref = (torch.randn(n, d, generator=gen).to(dtype) for _ in range(2))
+    res_ref.copy_(res)
+    worst = max(worst, _check(fl.rmsnorm(rows, weight, eps, residual=res),
+                              fl.rmsnorm_ref(rows, weight, eps, residual=res_ref), tol))
+    worst = max(worst, _check(res, res_ref, 0.0))  # the residual stream: one rounded add on both sides
+    heads_q, heads_kv, hd = 4, 2, 16
+    qkv = torch.randn(n, (heads_q + 2 * heads_kv) * hd, generator=gen).to(dtype)
+    pos = torch.tensor([0, 1, 7, 300, 4095])
+    freqs = pos.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd))[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    sin[..., : hd // 2].neg_()
+    view = qkv[:, : (heads_q + heads_kv) * hd].view(n, heads_q + heads_kv, hd)
+    want = apply_rotary_signed(view, cos, sin)
+    v_before = qkv[:, (heads_q + heads_kv) * hd :].clone()
+    fl.rotary_signed_(view, cos, sin)
+    assert torch.equal(view, want), "rotary: kernel and torch differ"
+    assert torch.equal(qkv[:, (heads_q + heads_kv) * hd :], v_before), "rotary touched the v heads"
+    gate_up = torch.randn(n, 2 * 1500, generator=gen).to(dtype)  # 1500: two column blocks, the last masked
+    return max(worst, _check(fl.silu_and_mul(gate_up), fl.silu_and_mul_ref(gate_up), tol))
 
 
 def model_case(arch: str, page_size: int, first_len: int = 26) -> float:
@@ -142,6 +184,7 @@ def model_case(arch: str, page_size: int, first_len: int = 26) -> float:
     for backend in ("torch", "triton"):
         h = PagedHarness(model, page_size, num_pages=1024 // page_size, max_reqs=4)
         h.backend = model.make_attn_backend(backend)
+        model.use_triton_kernels(backend == "triton")
         assert isinstance(h.backend, TritonAttentionBackend) == (backend == "triton")
         h.add("a")
         h.add("b")
@@ -151,6 +194,7 @@ def model_case(arch: str, page_size: int, first_len: int = 26) -> float:
         for t in range(2):
             steps.append(h.forward([("a", [11 + t]), ("b", [12 + t]), ("c", [13 + t])]))
         runs.append(steps)
+    model.use_triton_kernels(False)
     for torch_step, triton_step in zip(*runs, strict=True):
         for a, b in zip(torch_step, triton_step, strict=True):
             worst = max(worst, _check(b, a, 1e-4))
@@ -232,6 +276,7 @@ def graph_runner_case(arch: str) -> float:
 
     graph_runner.VERIFY_RTOL[torch.float32] = 1e-5
     model = load_tiny_model(arch)
+    model.use_triton_kernels()  # as the CUDA runner has it
     cfg = model.config
     pool = MHATokenToKVPool(32, 16, torch.float32, model.num_local_kv_heads, cfg.head_dim, cfg.num_layers)
     r2t = ReqToTokenPool(5, cfg.context_len)
@@ -242,6 +287,7 @@ def graph_runner_case(arch: str) -> float:
     assert runner.buckets == [1, 2, 4], runner.buckets
     assert all(not buf[16:].any() for buf in pool.k_buffer + pool.v_buffer), "the check left K/V on pages >= 1"
     assert not r2t.req_to_token.any()
+    model.use_triton_kernels(False)
     return 0.0
 
 
@@ -259,6 +305,8 @@ CASES["decode-window-split4"] = lambda: decode_case(16, 4, window=20, splits=4)
 CASES["decode-one-split"] = lambda: decode_case(16, 8, splits=1)
 CASES["extend-fp16-gqa4"] = lambda: extend_case(16, 4, F16)
 CASES["extend-window"] = lambda: extend_case(1, 4, window=12)
+CASES["fused-layers-fp32"] = lambda: fused_layers_case(F32)
+CASES["fused-layers-fp16"] = lambda: fused_layers_case(F16)
 CASES["model-llama-page16"] = lambda: model_case("llama", 16)
 CASES["model-mistral-window"] = lambda: model_case("mistral", 16, first_len=56)  # tiny window: 48
 CASES["engine-llama"] = engine_case

@@ -93,6 +93,9 @@ class ModelRunner:
         self.max_context_len = cfg.context_len
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, cfg.context_len + 8, self.device)
         self.attn_backend = self.model.make_attn_backend(args.resolved_attention_backend)
+        if args.resolved_attention_backend == "triton" and not args.enable_torch_compile:
+            # Triton for the element-wise ops too; compiled steps leave their fusion to inductor.
+            self.model.use_triton_kernels()
         self.sampler = Sampler(seed=args.seed)
         self.future_tokens = FutureTokenMap(self.req_to_token_pool.size, self.device)
         logger.info(

@@ -10,9 +10,8 @@ The mappings close when the peer is removed (after its last job) or the backend 
 Per job, on this backend's own CUDA stream (after waiting for the device's default stream, where the forward
 pass that wrote the source pages was enqueued before the job was submitted):
 
-    whole pages, long runs (>= DIRECT_RUN_BYTES per run and buffer):  one slice copy per run and buffer
-    whole pages, short runs:  gather_pages -> device staging -> scatter_pages into the peer's pool, per group of
-                              buffers (launches independent of the number of runs)
+    whole pages:  ONE kernel copies every page of every buffer straight into the peer's pool (``copy_pages``:
+                  page tables of both sides, no staging, so the bytes cross memory once, as a device copy's do)
     head slices (heterogeneous TP):  one strided slice copy per run and buffer (``copy_runs``)
 
 then an event is recorded and synchronized, so ``on_job_done`` means the bytes are in the destination pool.
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.kernels.kv_pages import gather_pages, scatter_pages
+from common.engine.kernels.kv_pages import buffer_table, copy_pages
 from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import device_identity
@@ -40,8 +39,6 @@ from kvtransfer.pages import copy_runs
 
 log = logging.getLogger(__name__)
 
-DIRECT_RUN_BYTES = 1 << 20
-STAGING_BYTES = 64 << 20
 _EXPORTS: weakref.WeakValueDictionary[str, _Export] = weakref.WeakValueDictionary()  # this process's pools
 
 
@@ -60,7 +57,7 @@ class _PeerPool:
     num_pages: int
     kv_heads: int
     stream: torch.cuda.Stream
-    staging: torch.Tensor | None = None
+    table: torch.Tensor | None = None  # the peer's buffer addresses, on this device (copy_pages)
 
 
 def _hex(b: bytes | None) -> str:
@@ -109,6 +106,7 @@ class CudaIpcBackend(QueuedBackend):
         self._pools: dict[PeerKey, _PeerPool] = {}
         self._failed: dict[PeerKey, str] = {}
         self._export_id = uuid.uuid4().hex
+        self._table: torch.Tensor | None = None  # our buffers' addresses (copy_pages); worker threads only
         self._export: _Export | None = None
         self._handles = ""
         if mode == "decode":
@@ -191,43 +189,25 @@ class CudaIpcBackend(QueuedBackend):
         if not job.runs:
             return
         ps = self.args.page_size
-        pool.stream.wait_stream(torch.cuda.default_stream(self._device))
         with torch.cuda.stream(pool.stream):
-            run_bytes = job.num_pages * self.args.item_len // len(job.runs)
-            if job.heads is not None or run_bytes >= DIRECT_RUN_BYTES:
+            if job.heads is None:
+                ids = page_ids(job).to(self._device, non_blocking=True)
+                pool.stream.wait_stream(torch.cuda.default_stream(self._device))
+                if pool.table is None:
+                    pool.table = buffer_table(pool.buffers)
+                if self._table is None:
+                    self._table = buffer_table(self._buffers)
+                copy_pages(self._buffers, pool.buffers, ids, ps, self._table, pool.table)
+            else:
+                pool.stream.wait_stream(torch.cuda.default_stream(self._device))
                 for src, dst in zip(self._buffers, pool.buffers, strict=True):
                     copy_runs(src, dst, job.runs, ps, job.heads)
-            else:
-                self._staged_copy(job, pool)
             done = torch.cuda.Event()
             done.record(pool.stream)
         done.synchronize()
 
-    def _staged_copy(self, job: TransferJob, pool: _PeerPool) -> None:
-        if pool.staging is None:
-            pool.staging = torch.empty(max(STAGING_BYTES, self.args.item_len), dtype=torch.uint8, device=self._device)
-        copy_pages_staged(self.args, self._buffers, pool.buffers, job, pool.staging)
 
-
-def copy_pages_staged(args: KVArgs, src: list[torch.Tensor], dst: list[torch.Tensor], job: TransferJob,
-                      staging: torch.Tensor) -> None:
-    """Whole pages of ``job`` from ``src`` to ``dst`` buffers through ``staging`` (uint8, >= one page): gather,
-    then scatter, a group of buffers at a time (all of the job's pages of each buffer per group when they fit), so
-    the number of launches does not grow with the number of runs. Any device; CUDA work goes to the current stream.
-    """
-    nbuf = len(src)
-    src_pages = [r.src_page + i for r in job.runs for i in range(r.num_pages)]
-    dst_pages = [r.dst_page + i for r in job.runs for i in range(r.num_pages)]
-    ids = torch.tensor([src_pages, dst_pages], dtype=torch.int64).to(staging.device, non_blocking=True)
-    capacity = staging.numel()
-    per_buffer = len(src_pages) * args.item_len
-    group = max(1, min(nbuf, capacity // per_buffer))
-    pages = len(src_pages) if per_buffer <= capacity else capacity // args.item_len
-    for b0 in range(0, nbuf, group):
-        nb = min(group, nbuf - b0)
-        for lo in range(0, len(src_pages), pages):
-            n = min(pages, len(src_pages) - lo)
-            staged = staging[:nb * n * args.item_len].view(args.dtype).view(nb, n, args.page_size, args.kv_heads,
-                                                                            args.head_dim)
-            gather_pages(src[b0:b0 + nb], ids[0, lo:lo + n], args.page_size, staged)
-            scatter_pages(dst[b0:b0 + nb], ids[1, lo:lo + n], args.page_size, staged)
+def page_ids(job: TransferJob) -> torch.Tensor:
+    """int64 [2, n]: the job's source pages over its destination pages, run by run."""
+    return torch.tensor([[r.src_page + i for r in job.runs for i in range(r.num_pages)],
+                         [r.dst_page + i for r in job.runs for i in range(r.num_pages)]], dtype=torch.int64)

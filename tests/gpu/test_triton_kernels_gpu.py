@@ -140,3 +140,33 @@ def _run_cuda(h) -> list[torch.Tensor]:
         with torch.inference_mode():
             out.append(h.model.compute_logits(h.model(fb)).cpu())
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 64, 4096])
+def test_fused_layers_at_1b_shapes(dtype: torch.dtype, rows: int) -> None:
+    """RMSNorm(+residual), rotary and SiLU·mul kernels against the torch sequences, hidden 2048, intermediate 8192,
+    32 + 8 heads of 128. Rotary is bit-exact; the norm and SiLU differ by a reduction order / exp: an ulp or two."""
+    from common.engine.kernels import fused_layers as fl
+    from common.engine.model.rope import apply_rotary_signed
+
+    hidden, inter, eps = 2048, 8192, 1e-5
+    ulp = 1e-5 if dtype == torch.float32 else 2e-2
+    x = torch.randn(rows, hidden, device="cuda").to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    res = torch.randn(rows, hidden, device="cuda").to(dtype)
+    res_ref = res.clone()
+    got, want = fl.rmsnorm(x, w, eps, residual=res), fl.rmsnorm_ref(x, w, eps, residual=res_ref)
+    assert torch.equal(res, res_ref)
+    assert (got.float() - want.float()).abs().max().item() <= ulp * 4
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda").to(dtype)
+    pos = torch.randint(0, 8192, (rows,), device="cuda")
+    freqs = pos.float()[:, None] * (1.0 / 500000 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    sin[..., : HEAD_DIM // 2].neg_()
+    view = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, HEADS + KV_HEADS, HEAD_DIM)
+    want_rot = apply_rotary_signed(view, cos, sin)
+    assert torch.equal(fl.rotary_signed_(view, cos, sin), want_rot)
+    gu = torch.randn(rows, 2 * inter, device="cuda").to(dtype)
+    assert (fl.silu_and_mul(gu).float() - fl.silu_and_mul_ref(gu).float()).abs().max().item() <= ulp * 4

@@ -88,12 +88,14 @@ def test_tcp_decode_endpoint_names_its_memory() -> None:
         decode.close()
 
 
-@pytest.mark.parametrize("staging_pages", [1, 3, 7, 100])  # a page at a time .. every buffer's pages at once
-def test_shm_cuda_staged_page_copy_is_byte_exact_on_cpu(staging_pages: int) -> None:
-    """The copy CUDA IPC uses for short runs (device-agnostic), on CPU buffers with staging of several sizes."""
+def test_shm_cuda_page_copy_is_byte_exact_on_cpu() -> None:
+    """The copy CUDA IPC runs for whole pages (one kernel on CUDA, ``copy_pages_triton``; its torch reference here,
+    and the kernel itself interpreted in tests/engine/test_triton_kernels.py): every page of every buffer lands at
+    its destination page, no other page changes."""
     import torch
 
-    from kvtransfer.backends.shm_cuda import copy_pages_staged
+    from common.engine.kernels.kv_pages import copy_pages
+    from kvtransfer.backends.shm_cuda import page_ids
     from kvtransfer.pages import coalesce_runs
 
     src, dst = make_args(1, 40), make_args(2, 40)
@@ -102,7 +104,8 @@ def test_shm_cuda_staged_page_copy_is_byte_exact_on_cpu(staging_pages: int) -> N
     before = [b.clone() for b in d_bufs]
     src_pages, dst_pages = [5, 6, 7, 20, 3, 33, 34], [30, 31, 32, 9, 1, 12, 2]
     job = TransferJob(1, 0, PeerKey("d", 1), tuple(coalesce_runs(src_pages, dst_pages)))
-    copy_pages_staged(src, s_bufs, d_bufs, job, torch.empty(staging_pages * src.item_len, dtype=torch.uint8))
+    assert page_ids(job).tolist() == [src_pages, dst_pages]
+    copy_pages(s_bufs, d_bufs, page_ids(job), src.page_size)
     ps = src.page_size
     for s, d, old in zip(s_bufs, d_bufs, before, strict=True):
         for sp, dp in zip(src_pages, dst_pages, strict=True):

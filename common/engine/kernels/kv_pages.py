@@ -47,3 +47,31 @@ def scatter_pages(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor, page_
         scatter_pages_triton(buffers, page_ids, page_size, src)
     else:
         scatter_pages_ref(buffers, page_ids, page_size, src)
+
+
+def copy_pages_ref(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ids: torch.Tensor,
+                   page_size: int) -> None:
+    for s_buf, d_buf in zip(src, dst, strict=True):
+        pages = s_buf.view(-1, page_size, *s_buf.shape[1:])
+        d_buf.view(-1, page_size, *d_buf.shape[1:]).index_copy_(0, ids[1], pages.index_select(0, ids[0]))
+
+
+def copy_pages(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ids: torch.Tensor, page_size: int,
+               src_table: torch.Tensor | None = None, dst_table: torch.Tensor | None = None) -> None:
+    """Page ``ids[1, i]`` of ``dst[b]`` = page ``ids[0, i]`` of ``src[b]`` for every buffer; ``ids`` int64 [2, n] on
+    the buffers' device. On CUDA one launch (the tables: ``kv_pages_triton.buffer_table``, optional)."""
+    if src and src[0].is_cuda:
+        from common.engine.kernels.kv_pages_triton import copy_pages_triton
+
+        copy_pages_triton(src, dst, ids, page_size, src_table, dst_table)
+    else:
+        copy_pages_ref(src, dst, ids, page_size)
+
+
+def buffer_table(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The device table of the buffers' base addresses ``copy_pages`` takes on CUDA (build it once per pool)."""
+    first = buffers[0]
+    for buf in buffers:
+        if buf.dtype != first.dtype or buf.device != first.device or not buf.is_contiguous():
+            raise ValueError("copy_pages: buffers must be contiguous, of one dtype and one device")
+    return torch.tensor([buf.data_ptr() for buf in buffers], dtype=torch.int64).to(first.device)

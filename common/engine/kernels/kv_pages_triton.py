@@ -6,6 +6,7 @@ program copies one BLOCK-element piece of one page of one buffer (grid: pages x 
 
     gather:  staging[b, i, :] = buffer_b[page_ids[i] * row : (page_ids[i] + 1) * row]
     scatter: the reverse.
+    copy:    page dst_ids[i] of dst_b = page src_ids[i] of src_b  (no staging: half the memory traffic)
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+
+from common.engine.kernels.kv_pages import buffer_table
 
 
 @triton.jit
@@ -71,3 +74,42 @@ def gather_pages_triton(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor,
 def scatter_pages_triton(buffers: Sequence[torch.Tensor], page_ids: torch.Tensor, page_size: int,
                          src: torch.Tensor) -> None:
     _launch(buffers, page_ids, page_size, src, gather=False)
+
+
+@triton.jit
+def _copy_pages_direct(SrcPtrs, DstPtrs, Ids, Like, num_pages, row, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    chunk = tl.program_id(2)
+    src_page = tl.load(Ids + i)
+    dst_page = tl.load(Ids + num_pages + i)
+    src = tl.load(SrcPtrs + b).to(tl.pointer_type(Like.dtype.element_ty))
+    dst = tl.load(DstPtrs + b).to(tl.pointer_type(Like.dtype.element_ty))
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row
+    tl.store(dst + dst_page * row + offs, tl.load(src + src_page * row + offs, mask=mask), mask=mask)
+
+
+def copy_pages_triton(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ids: torch.Tensor, page_size: int,
+                      src_table: torch.Tensor | None = None, dst_table: torch.Tensor | None = None) -> None:
+    """Page ``ids[1, i]`` of every ``dst[b]`` = page ``ids[0, i]`` of ``src[b]``, one launch for all buffers.
+    ``ids``: int64 [2, n] on the buffers' device, destination pages distinct. The tables (``buffer_table``) may
+    be passed in to save their host-to-device copy; ``dst`` may be another process's memory mapped here."""
+    if len(src) != len(dst) or not src:
+        raise ValueError(f"copy_pages: {len(src)} source and {len(dst)} destination buffers")
+    first = src[0]
+    if any(d.shape[1:] != first.shape[1:] or d.dtype != first.dtype or d.device != first.device for d in dst):
+        raise ValueError("copy_pages: source and destination buffers differ in slot shape, dtype or device")
+    if ids.dtype != torch.int64 or ids.device != first.device or ids.dim() != 2 or ids.shape[0] != 2:
+        raise ValueError(f"copy_pages: ids must be int64 [2, n] on {first.device}, got {ids.dtype} "
+                         f"{tuple(ids.shape)} on {ids.device}")
+    n = ids.shape[1]
+    if n == 0:
+        return
+    row = page_size * first[0].numel()
+    block = min(4096, triton.next_power_of_2(row))
+    src_table = buffer_table(src) if src_table is None else src_table
+    dst_table = buffer_table(dst) if dst_table is None else dst_table
+    _copy_pages_direct[(n, len(src), triton.cdiv(row, block))](
+        src_table, dst_table, ids.contiguous(), first, n, row, BLOCK=block,
+    )

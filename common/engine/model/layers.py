@@ -6,11 +6,20 @@ those rows); ``RowParallelLinear`` holds this rank's input columns and sums the 
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.engine.distributed import TPGroup
+
+
+def fused_layers() -> ModuleType:
+    """The Triton kernels module, imported on first use (Triton is not imported on the torch path)."""
+    from common.engine.kernels import fused_layers as module
+
+    return module
 
 
 class Linear(nn.Module):
@@ -52,19 +61,31 @@ class RowParallelLinear(Linear):
 
 
 class RMSNorm(nn.Module):
-    """HF-exact: normalise in fp32, cast back, then scale by weight."""
+    """HF-exact: normalise in fp32, cast back, then scale by weight. ``fused``: one Triton kernel
+    (``common.engine.kernels.fused_layers``) instead of torch's op sequence."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused_layers().rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(self.eps))
         if x.dtype == torch.float32:
             return x32.mul_(self.weight)  # x32 is a fresh tensor here
         return self.weight * x32.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual): the pre-norm of a decoder sublayer over the residual stream.
+        Fused, the sum is written into ``residual`` in place; it must not be read elsewhere."""
+        if self.fused:
+            return fused_layers().rmsnorm(x, self.weight, self.eps, residual=residual), residual
+        residual = x + residual
+        return self.forward(residual), residual
 
 
 class GatedMLP(nn.Module):
@@ -78,8 +99,11 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, False, dtype, device)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, dtype, device, tp or TPGroup())
+        self.fused = False  # silu(gate) * up in one Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(fused_layers().silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 

@@ -22,7 +22,7 @@ from common.engine.distributed import TPGroup
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model.attention import TorchAttentionBackend
 from common.engine.model.config import ModelConfig
-from common.engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RowParallelLinear
+from common.engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RowParallelLinear, fused_layers
 from common.engine.model.parallel import ShardLayout
 from common.engine.model.rope import RotaryEmbedding, apply_rotary_signed
 
@@ -46,6 +46,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, dtype, device, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.fused_rotary = False
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
@@ -57,6 +58,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = apply_rotary_signed(self.q_norm(qkv[:, : nq * d].view(t, nq, d)), cos, sin)
             k = apply_rotary_signed(self.k_norm(qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)), cos, sin)
+        elif self.fused_rotary:  # in place on the fresh qkv rows, one launch
+            qk = fused_layers().rotary_signed_(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
+            q, k = qk[:, :nq], qk[:, nq:]
         else:  # one rotary over the q and k heads together
             qk = apply_rotary_signed(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
             q, k = qk[:, :nq], qk[:, nq:]
@@ -75,10 +79,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, fb)
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried beside each sublayer's output and summed by the next pre-norm
+        (``RMSNorm.add_forward``): the layer returns (mlp output, residual); their sum is the layer's output.
+        ``residual`` None: ``h`` is the embedding, the stream's start."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, cos, sin, fb), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -96,9 +107,10 @@ class LlamaModel(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.cos_signed_sin(fb.positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin, fb)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, fb)
+        return self.norm(h) if residual is None else self.norm.add_forward(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,6 +149,17 @@ class LlamaForCausalLM(nn.Module):
         if backend != "torch":
             raise ValueError(f"unknown attention backend {backend!r} (torch or triton)")
         return TorchAttentionBackend(self.shard.num_heads, self.shard.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+
+    def use_triton_kernels(self, on: bool = True) -> None:
+        """Fused Triton kernels for the decoder's RMSNorms (with the residual add), rotary and SiLU·mul instead of
+        torch's op sequences (``common.engine.kernels.fused_layers``): the CUDA path, where each small op is a
+        kernel launch. Models with per-head q/k norms (Qwen3) keep torch's rotary."""
+        m = self.model
+        m.norm.fused = on
+        for layer in m.layers:
+            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = on
+            layer.mlp.fused = on
+            layer.self_attn.fused_rotary = on and layer.self_attn.q_norm is None
 
     @property
     def num_local_kv_heads(self) -> int:
