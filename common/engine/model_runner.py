@@ -34,7 +34,13 @@ from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.engine.model.config import ModelConfig
 from common.engine.model.loader import load_model
 from common.engine.overlap import FutureTokenMap
-from common.engine.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
+from common.engine.sampling.sampler import (
+    HostSample,
+    HostSampleCopy,
+    SampleOutput,
+    Sampler,
+    SamplingBatchInfo,
+)
 from common.engine.schedule_batch import ModelWorkerBatch
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,23 @@ class BatchResult:
     logprobs: list[float] | None  # per row; None when no row asked
     top_logprobs: list[list[tuple[int, float]]] | None
     sample: SampleOutput  # the device tensors behind the lists
+
+
+class PendingBatchResult:
+    """A launched batch: on CUDA its sampled values are still on their way to pinned host memory (the forward thread
+    is already free for the next batch); elsewhere they were read at once. ``wait`` returns (and keeps) the
+    ``BatchResult``; when it returns, every kernel of the batch has completed (KV writes included)."""
+
+    def __init__(self, sample: SampleOutput, host: HostSample | HostSampleCopy) -> None:
+        self.sample = sample
+        self._host = host
+        self._result: BatchResult | None = None
+
+    def wait(self) -> BatchResult:
+        if self._result is None:
+            host = self._host.wait() if isinstance(self._host, HostSampleCopy) else self._host
+            self._result = BatchResult(host.next_token_ids, host.logprobs, host.top_logprobs, self.sample)
+        return self._result
 
 
 def kv_pool_pages(
@@ -152,16 +175,22 @@ class ModelRunner:
             attn_backend=self.attn_backend,
         )
 
-    @torch.inference_mode()
     def forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
+        return self.launch(b).wait()
+
+    @torch.inference_mode()
+    def launch(self, b: ModelWorkerBatch) -> PendingBatchResult:
+        """Enqueue the batch's forward and sampling; on CUDA returns before they run (``PendingBatchResult``)."""
         if self.device.type == "cuda":
             # NOTE: the current device is per thread (the prefill node forwards on a worker thread); kernels that
             # launch on the current device (Triton) must see this rank's GPU.
             with torch.cuda.device(self.device):
-                return self._forward_and_sample(b)
-        return self._forward_and_sample(b)
+                sample = self._forward_and_sample(b)
+                return PendingBatchResult(sample, sample.start_to_host())
+        sample = self._forward_and_sample(b)
+        return PendingBatchResult(sample, sample.to_host())
 
-    def _forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
+    def _forward_and_sample(self, b: ModelWorkerBatch) -> SampleOutput:
         fb = self._forward_batch(b)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             hidden = self.graph_runner.forward(fb)
@@ -175,5 +204,4 @@ class ModelRunner:
         sample = self.sampler(logits, info)
         if fb.future_slots is not None:
             self.future_tokens.store(fb.future_slots, sample.next_token_ids)
-        host = sample.to_host()
-        return BatchResult(host.next_token_ids, host.logprobs, host.top_logprobs, sample)
+        return sample

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from common.engine.forward_batch import ForwardMode
@@ -100,10 +101,10 @@ class ScheduleBatch:
         """KV slot of each request's token ``lens[i] - 1`` (-1 where ``lens[i] == 0``), from the host table."""
         if not reqs:
             return []
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        cols = torch.tensor(lens, dtype=torch.int64) - 1
-        locs = self.req_to_token_pool.req_to_token[rows, cols.clamp(min=0)]
-        return torch.where(cols >= 0, locs, -1).tolist()
+        table = self.req_to_token_pool.req_to_token.numpy()  # the host table itself (numpy: see alloc_decode)
+        rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs))
+        cols = np.asarray(lens, dtype=np.int64) - 1
+        return np.where(cols >= 0, table[rows, np.maximum(cols, 0)], -1).tolist()
 
     # -- extend ----------------------------------------------------------------------------------------------------
     def prepare_for_extend(self) -> None:

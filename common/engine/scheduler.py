@@ -38,7 +38,7 @@ from common.engine.admission import RequestIntake
 from common.engine.distributed import TPGroup
 from common.engine.mem.chunk_cache import ChunkCache
 from common.engine.mem.radix_cache import RadixCache
-from common.engine.model_runner import BatchResult, ModelRunner
+from common.engine.model_runner import BatchResult, ModelRunner, PendingBatchResult
 from common.engine.overlap import overlap_schedule_on
 from common.engine.req import Req
 from common.engine.sampling.grammar import GrammarCompiler
@@ -88,8 +88,8 @@ class Scheduler:
         self.last_batch: ScheduleBatch | None = None
         self.overlap = overlap_schedule_on(args, self.runner.device)
         self.forward_thread: ThreadPoolExecutor | None = None  # created by the first overlapped launch
-        self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None  # launched, results unprocessed
-        self.awaited: Future[BatchResult] | None = None  # within step_overlap: the batch launched by the last step
+        self.in_flight: tuple[ScheduleBatch, Future[PendingBatchResult]] | None = None  # launched, results unprocessed
+        self.awaited: Future[PendingBatchResult] | None = None  # within step_overlap: the batch launched by the last step
         self.reqs_by_rid: dict[str, Req] = {}
         ratio = batch_admission.new_token_ratio_schedule(args.schedule_conservativeness)
         self.init_new_token_ratio, self.min_new_token_ratio, self.new_token_ratio_decay = ratio
@@ -209,13 +209,13 @@ class Scheduler:
         self.batch_result(self.awaited)
         return True
 
-    def batch_result(self, future: Future[BatchResult]) -> BatchResult:
+    def batch_result(self, future: Future[PendingBatchResult]) -> BatchResult:
         """A launched batch's result; the pages freed while it was in flight become allocatable.
 
-        NOTE: a ``BatchResult`` holds the sampled tokens read to the host on the forward's stream after all of
-        its kernels (``SampleOutput.to_host``, the step's one sync), so the batch's KV writes have completed.
+        NOTE: ``PendingBatchResult.wait`` returns once the sampled tokens, copied to the host on the forward's
+        stream after all of the batch's kernels, have landed (the step's one sync): its KV writes have completed.
         """
-        result = future.result()
+        result = future.result().wait()
         self.allocator.release_deferred()
         return result
 
@@ -284,7 +284,7 @@ class Scheduler:
         b.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.runner.device)
         return b
 
-    def launch(self, batch: ScheduleBatch) -> Future[BatchResult]:
+    def launch(self, batch: ScheduleBatch) -> Future[PendingBatchResult]:
         """Start ``batch`` on the forward thread. Each row that yields a real token (all but a middle prefill chunk)
         gets a ring slot: the next batch feeds the request that slot's placeholder."""
         future = self.runner.future_tokens
@@ -299,7 +299,7 @@ class Scheduler:
         b.future_slots = batch.future_slots = slots
         if self.forward_thread is None:
             self.forward_thread = ThreadPoolExecutor(1, "pdcluster-forward")
-        return self.forward_thread.submit(self.runner.forward_and_sample, b)
+        return self.forward_thread.submit(self.runner.launch, b)
 
     # -- results (``common.engine.scheduler_output``) --------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:

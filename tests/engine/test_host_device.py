@@ -116,7 +116,7 @@ def test_scheduler_steps_keep_host_and_device_apart(meta_scheduler: Any, overlap
     sched.overlap = overlap
     forward_reads: list[int] = []
     if overlap:  # the forward runs on the forward thread; a TorchFunctionMode is per thread
-        forward = sched.runner.forward_and_sample
+        forward = sched.runner.launch
 
         def guarded_forward(b: Any) -> Any:
             with HostDeviceGuard() as g:
@@ -124,7 +124,7 @@ def test_scheduler_steps_keep_host_and_device_apart(meta_scheduler: Any, overlap
             forward_reads.append(g.reads)
             return result
 
-        sched.runner.forward_and_sample = guarded_forward
+        sched.runner.launch = guarded_forward
     shared = list(range(10, 30))
     first = [
         _req("greedy", [*shared, 3, 4, 5], 6, temperature=0.0),

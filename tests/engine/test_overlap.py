@@ -36,7 +36,7 @@ def record_intervals(engine: Engine) -> tuple[list[tuple[float, float]], list[tu
                     out.append((t0, time.perf_counter()))
         return wrapper
 
-    sched.runner.forward_and_sample = timed(sched.runner.forward_and_sample, forwards)  # type: ignore[method-assign]
+    sched.runner.launch = timed(sched.runner.launch, forwards)  # type: ignore[method-assign]
     sched.get_next_batch_to_run = timed(sched.get_next_batch_to_run, preps)  # type: ignore[method-assign]
     return forwards, preps
 

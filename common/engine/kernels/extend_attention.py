@@ -40,8 +40,8 @@ def extend_attention_ref(
         v = v_buf[slots].float().repeat_interleave(group, dim=1)
         qi = q[start : start + ext].float()
         s = torch.einsum("mhd,nhd->hmn", qi, k) * sm_scale
-        q_pos = torch.arange(pre, n)[:, None]
-        k_pos = torch.arange(n)[None, :]
+        q_pos = torch.arange(pre, n, device=q.device)[:, None]
+        k_pos = torch.arange(n, device=q.device)[None, :]
         visible = k_pos <= q_pos
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window

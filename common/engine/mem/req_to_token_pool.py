@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 
@@ -91,7 +92,8 @@ class ReqToTokenPool:
 
     def write_points(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
         """``req_to_token[rows[i], cols[i]] = slots[i]`` for every i (one new token per request)."""
-        flat = torch.tensor(rows, dtype=torch.int64) * self.max_context_len + torch.tensor(cols, dtype=torch.int64)
+        flat = torch.from_numpy(np.asarray(rows, dtype=np.int64) * self.max_context_len
+                                + np.asarray(cols, dtype=np.int64))
         self._flat[flat] = slots
         if self.mirrored:
             with self._dirty_lock:

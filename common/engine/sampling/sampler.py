@@ -222,13 +222,30 @@ class SampleOutput:
 
     def to_host(self) -> HostSample:
         """Everything the scheduler needs, through ONE device-to-host read (the step's only sync)."""
+        return self._unpack(self._flat().tolist())
+
+    def start_to_host(self) -> HostSampleCopy:
+        """``to_host`` without waiting (CUDA): the same values copied into pinned host memory behind an event on
+        the current stream, so the forward thread can launch the next batch while this one still runs."""
+        flat = self._flat()
+        pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        pinned.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return HostSampleCopy(self, pinned, event)
+
+    def _flat(self) -> torch.Tensor:
         if self.logprobs is None:
-            return HostSample(self.next_token_ids.tolist(), None, None)
-        bs = self.next_token_ids.shape[0]
+            return self.next_token_ids
         parts = [self.next_token_ids.double(), self.logprobs.double()]
         if self.top_ids is not None and self.top_vals is not None:
             parts += [self.top_ids.double().reshape(-1), self.top_vals.double().reshape(-1)]
-        flat = torch.cat(parts).tolist()
+        return torch.cat(parts)
+
+    def _unpack(self, flat: list) -> HostSample:
+        if self.logprobs is None:
+            return HostSample(flat, None, None)
+        bs = self.next_token_ids.shape[0]
         ids = [int(x) for x in flat[:bs]]
         top = None
         if self.top_ids is not None:
@@ -238,6 +255,20 @@ class SampleOutput:
                 [(int(tid[i * k + j]), tval[i * k + j]) for j in range(n)] for i, n in enumerate(self.top_nums)
             ]
         return HostSample(ids, flat[bs : 2 * bs], top)
+
+
+@dataclass
+class HostSampleCopy:
+    """A ``SampleOutput`` on its way to the host: ``wait`` blocks until the copy (and every kernel of the step before
+    it on that stream) is done."""
+
+    sample: SampleOutput
+    pinned: torch.Tensor
+    event: torch.cuda.Event
+
+    def wait(self) -> HostSample:
+        self.event.synchronize()
+        return self.sample._unpack(self.pinned.tolist())
 
 
 def top_k_sorted(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
