@@ -86,7 +86,9 @@ def _decode_stage1(
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
         else:
             s = tl.dot(q, k.to(q.dtype))
-        s = tl.where(mask_n[None, :], s * sm_scale, float("-inf"))
+        # NOTE: fp32 whatever sm_scale arrives as (inductor passes a Python float as fp64 when it compiles this
+        # kernel inside a torch.compile'd forward; m_i would then change type in the loop)
+        s = tl.where(mask_n[None, :], (s * sm_scale).to(tl.float32), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])

@@ -1,0 +1,87 @@
+"""Latency trace of the KV control path, for a benchmark run (not part of the product).
+
+    KVTRACE_DIR=/tmp/kvt PYTHONPATH=benchmarks/kvtrace:$PYTHONPATH python -m benchmarks.kv_transfer --backends shm ...
+
+Python imports this ``sitecustomize`` in every process of the run (the spawned prefill child included). It wraps, as
+their modules load, ``KVSender.send``, the prefill rooms' ``job_done``/``handle``, the decode rooms' ``_chunk_done``,
+the control plane's ``_do`` (a send) and ``_receive_all``, and every backend's ``_move``, and writes
+``<wall time> <pid> <thread> <event> >|<`` lines to ``$KVTRACE_DIR/t.<pid>``. ``sort`` the files together to read a
+request's path across both processes. Inactive without ``KVTRACE_DIR``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+TARGETS = {"kvtransfer.sender", "kvtransfer.receiver", "kvtransfer.control", "kvtransfer.backends.shm",
+           "kvtransfer.backends.shm_cuda", "kvtransfer.backends.tcp"}
+
+
+def _stamp(out: Any, event: str) -> None:
+    out.write(f"{time.time():.6f} {os.getpid()} {threading.current_thread().name} {event}\n")
+
+
+def _wrap(out: Any, cls: type, name: str, event: str) -> None:
+    orig = getattr(cls, name)
+
+    @functools.wraps(orig)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        _stamp(out, f"{event} >")
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            _stamp(out, f"{event} <")
+
+    setattr(cls, name, traced)
+
+
+def _patch(out: Any, name: str, mod: ModuleType) -> None:
+    if name == "kvtransfer.sender":
+        _wrap(out, mod.KVSender, "send", "KVSender.send")
+        _wrap(out, mod.PrefillRooms, "job_done", "job_done")
+        _wrap(out, mod.PrefillRooms, "handle", "prefill.handle")
+    elif name == "kvtransfer.receiver":
+        _wrap(out, mod.DecodeRooms, "_chunk_done", "decode._chunk_done")
+    elif name == "kvtransfer.control":
+        _wrap(out, mod.ControlPlane, "_do", "control._do")
+        _wrap(out, mod.ControlPlane, "_receive_all", "control._receive_all")
+    else:
+        for attr in dir(mod):
+            cls = getattr(mod, attr)
+            if isinstance(cls, type) and "_move" in cls.__dict__:
+                _wrap(out, cls, "_move", f"{attr}._move")
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, out: Any) -> None:
+        self.out = out
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name not in TARGETS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        loader, out = spec.loader, self.out
+        run_module = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run_module(module)
+            _patch(out, name, module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if os.environ.get("KVTRACE_DIR"):
+    os.makedirs(os.environ["KVTRACE_DIR"], exist_ok=True)
+    _out = open(os.path.join(os.environ["KVTRACE_DIR"], f"t.{os.getpid()}"), "a", buffering=1)  # noqa: SIM115
+    sys.meta_path.insert(0, _PatchOnImport(_out))
