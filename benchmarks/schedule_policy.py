@@ -160,11 +160,12 @@ class PdRun:
         ns, model = self.ns, ["--model-path", self.ns.model]
         port, boot, dport = pick_free_port(), pick_free_port(), pick_free_port()
         node = [*model, "--host", "127.0.0.1", "--kv-transfer-backend", "tcp", "--torch-num-threads", str(ns.threads),
-                "--max-running-requests", str(ns.max_running), *self.flags]
+                *self.flags]
         self._spawn("prefill-0", ["serve", *node, "--port", str(port), "--disaggregation-mode", "prefill",
-                                  "--disaggregation-bootstrap-port", str(boot),
-                                  "--max-total-tokens", str(ns.max_total_tokens)])
+                                  "--disaggregation-bootstrap-port", str(boot), "--max-running-requests",
+                                  str(ns.max_running), "--max-total-tokens", str(ns.max_total_tokens)])
         self._spawn("decode-0", ["serve", *node, "--port", str(dport), "--disaggregation-mode", "decode",
+                                 "--max-running-requests", str(ns.decode_max_running),
                                  "--max-total-tokens", str(ns.decode_max_total_tokens)])
         self._spawn("router", ["router", *model, "--http-port", str(self.http_port), "--grpc-port",
                                str(pick_free_port()), "--prefill", f"127.0.0.1:{port}:{boot}", "--decode",
@@ -266,6 +267,7 @@ def pd_mixed(run: PdRun, ns: argparse.Namespace, priorities: bool, rep: int) -> 
     """The batch at once at t=0, one interactive request every --gap-s from t=gap (open loop: none waits for
     another). Without ``priorities`` the nodes run plain FCFS and no request carries a priority."""
     from benchmarks.loadgen.workload import RequestSpec
+    from benchmarks.up_runs import server_timing
 
     batch, inter = mixed_prompts(ns)
     lo, hi = (0, 100) if priorities else (None, None)
@@ -280,6 +282,7 @@ def pd_mixed(run: PdRun, ns: argparse.Namespace, priorities: bool, rep: int) -> 
             "hi_ttft_p99_s": percentile(by["interactive"], 0.99), "lo_ttft_p99_s": percentile(by["batch"], 0.99),
             "output_tok_s": sum(r.output_tokens for r in results) / wall, "wall_s": wall,
             "prompt_tokens": sum(s.prompt_len for s in specs), "nodes": counts,
+            "server_timing": {k: server_timing([r for r in results if r.kind == k]) for k in by},
             "loadavg": [round(load, 2), round(os.getloadavg()[0], 2)]}
 
 
@@ -330,6 +333,8 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=640, help="smaller than the system prompts together")
     ap.add_argument("--max-running", type=int, default=32)
     ap.add_argument("--decode-max-total-tokens", type=int, default=16384, help="--pd: the decode node's KV pool")
+    ap.add_argument("--decode-max-running", type=int, default=128,
+                    help="--pd: the decode node's running requests (--max-running is the prefill node's)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pd", action="store_true", help="one prefill + one decode node (pdcluster up) via the router")
