@@ -12,6 +12,17 @@ Two workloads, each against its baseline measured in the same run:
     .venv/bin/python -m benchmarks.schedule_policy                        # defaults: 8 x 64; 256 batch + 16 interactive
     .venv/bin/python -m benchmarks.schedule_policy --json benchmarks/results/schedule_policy.json
 
+--pd: the same two workloads on one prefill + one decode node (``pdcluster serve``, tcp KV transfer) behind a router
+on 127.0.0.1, sent through the router's OpenAI API (``/v1/completions``, streamed; ``priority`` in the extra body),
+TTFT as the client sees it. Both configurations' clusters run side by side (started together, each idle while the
+other is loaded). Shared prefix: once per cluster (--schedule-policy on both nodes); cached prompt tokens are the
+prefill node's ``#cached-token`` log totals. Priorities: --repeats rounds, order alternating; the batch at t=0, the
+interactive requests open loop every --gap-s; preemptions and recomputed tokens (a decode node's ``Prefill batch.``
+lines: only retracted requests prefill there) from the nodes' logs, the router's timing breakdown per class.
+
+    .venv/bin/python -m benchmarks.schedule_policy --pd --skip mixed --users 8 --json benchmarks/results/schedule_policy_pd_shared.json
+    .venv/bin/python -m benchmarks.schedule_policy --pd --skip shared --batch 48 --interactive 8 --gap-s 0.5 --repeats 3
+
 Ratios are what to read (this run's policy / this run's baseline); absolute figures depend on the machine's load.
 """
 
