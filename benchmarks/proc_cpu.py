@@ -93,7 +93,8 @@ class CpuWindow:
         self.t0 = time.perf_counter()
 
     def stop(self, top_threads: int = 3) -> dict[str, Any]:
-        """{"wall_s", "processes": [{label, category, pid, cpu_s, threads: [{name, cpu_s}]} | {.., exited}]}."""
+        """{"wall_s", "processes": [{label, category, pid, cpu_s, threads: [{tid, name, cpu_s}]} | {.., exited}]}; a
+        thread's tid is the one py-spy's ``thread (tid)`` frames name."""
         wall = time.perf_counter() - self.t0
         rows: list[dict[str, Any]] = []
         for p in self.procs:
@@ -105,7 +106,7 @@ class CpuWindow:
             cpu0, threads0 = self.before.get(p.pid, (0.0, {}))
             per_thread = sorted(((s - threads0.get(tid, 0.0), tid) for tid, s in after[1].items()), reverse=True)
             row["cpu_s"] = round(after[0] - cpu0, 3)
-            row["threads"] = [{"name": _thread_name(p.pid, tid), "cpu_s": round(s, 3)}
+            row["threads"] = [{"tid": tid, "name": _thread_name(p.pid, tid), "cpu_s": round(s, 3)}
                               for s, tid in per_thread[:top_threads] if s > 0]
             rows.append(row)
         return {"wall_s": round(wall, 3), "processes": rows}
