@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "loadavg_after": round(os.getloadavg()[0], 2)}
                     runs[config].append(run)
                     print(f"repeat {rep} {config}: {json.dumps(_key(run))}", flush=True)
+                    if a.json:  # what ran so far survives a kill; the full report replaces it
+                        Path(a.json).write_text(json.dumps({"partial": True, "machine": info, "runs": runs}) + "\n")
         finally:
             if offline is not None:
                 offline.stop()
