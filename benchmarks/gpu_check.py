@@ -72,12 +72,23 @@ def _per_test_timeout() -> list[str]:
     return [f"--timeout={PER_TEST_TIMEOUT_S}"]
 
 
+def _parallel_tests() -> list[str]:
+    """4 xdist workers, whole files each, where pytest-xdist is installed (the GPU machines have it): tests/gpu took
+    126 s so on an H200 (2026-11-27) and more than 5 minutes one at a time."""
+    try:
+        importlib.import_module("xdist")
+    except ImportError:
+        return []
+    return ["-n", "4", "--dist", "loadfile"]
+
+
 def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
     py = ["-m"]
     junit = str(out / "tests.xml")
+    parallel = [] if a.dry_run else _parallel_tests()
     tests = Step("tests", [*py, "pytest", "-v", "-p", "no:cacheprovider", "-rA", "--durations=15", "tests/gpu",
                            "--junitxml", junit, "--deselect", "tests/gpu/test_benchmark_cuda.py",
-                           *_per_test_timeout(), *shlex.split(a.pytest_args)], 110)
+                           *_per_test_timeout(), *parallel, *shlex.split(a.pytest_args)], 150)
     if a.dry_run:
         engine_sizes = ["--device", "cpu", "--dtype", "float32", "--model-size", "tiny", "--num-prompts", "4",
                         "--input-len", "16", "--output-len", "8", "--repeats", "1", "--threads", "1",
@@ -96,7 +107,7 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
     return [
         tests,
         Step("engine", [*py, "benchmarks.engine_throughput", *engine_sizes, "--baseline-eager", "--hf-static",
-                        "--warmup-full", "--json", str(out / "engine.json")], 180),
+                        "--warmup-full", "--json", str(out / "engine.json")], 165),
         Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 45),
         Step("pd", [*py, "benchmarks.gpu_pd", *pd_sizes, "--json", str(out / "pd.json")], 150),
         # Last and GPU only (inductor's CPU compile of even the tiny model outlasts the dry run): our decode steps
