@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,8 @@ def _serve(cores: str, mode: str, threads: int, extra: list[str], log: Path) -> 
 
 
 def _start(config: str, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
+    # P/D nodes refuse to start without the cluster secret: one per run, shared with the router through the env
+    os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", secrets.token_hex(16))
     procs: list[subprocess.Popen[bytes]] = []
     if config == "pd":
         p, paddr = _serve("0", "prefill", 1, [], tmp / "prefill.log")

@@ -38,7 +38,7 @@ from benchmarks.up_runs import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPOLOGIES = {"pd": ["--prefill", "1", "--decode", "1"], "colocated": ["--colocated", "1"]}
+TOPOLOGIES = {"pd": ["--prefill", "1", "--decode", "1"], "colocated": ["--prefill", "0", "--decode", "0", "--colocated", "1"]}
 
 
 def _parse() -> argparse.Namespace:

@@ -100,14 +100,19 @@ def client_for(args: argparse.Namespace, cluster: UpCluster) -> Client:
     return OpenAIClient(f"http://127.0.0.1:{cluster.http_port}/v1", timeout_s=args.request_timeout)
 
 
+async def warm_up(client: Client) -> None:
+    """Four short requests, two at a time: the nodes' first forwards are not measured."""
+    warm = make_workload(WorkloadConfig(kind="fixed", num_requests=4, input_len=32, output_len=4, seed=10**6))
+    await run_load(client, warm, LoadShape(concurrency=2, time_limit_s=60, grace_s=30, progress=False))
+
+
 async def drive(args: argparse.Namespace, cluster: UpCluster, wl: WorkloadConfig) -> tuple[list[RequestResult],
                                                                                             float]:
     client = client_for(args, cluster)
     try:
         if isinstance(client, OpenAIClient):
             await asyncio.wait_for(client.resolve_model(), 30)
-        warm = make_workload(WorkloadConfig(kind="fixed", num_requests=4, input_len=32, output_len=4, seed=10**6))
-        await run_load(client, warm, LoadShape(concurrency=2, time_limit_s=60, grace_s=30, progress=False))
+        await warm_up(client)
         shape = LoadShape(concurrency=None if args.rate else args.concurrency, rate=args.rate,
                           time_limit_s=args.time_limit, grace_s=args.grace, seed=wl.seed, progress=False)
         run = await run_load(client, make_workload(wl), shape)

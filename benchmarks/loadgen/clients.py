@@ -66,7 +66,9 @@ class OpenAIClient:
     async def send(self, spec: RequestSpec, t0: float) -> RequestResult:
         r = RequestResult(spec.index, spec.kind, time.perf_counter() - t0, prompt_tokens=spec.prompt_len)
         sent = time.perf_counter()
-        extra = {"ignore_eos": True}
+        extra: dict[str, Any] = {"ignore_eos": True}
+        if spec.priority is not None:
+            extra["priority"] = spec.priority
         common: dict[str, Any] = {"model": self.model, "max_tokens": spec.max_tokens, "temperature": 0.0,
                                   "extra_body": extra}
         try:
@@ -144,7 +146,7 @@ class GrpcClient:
 
         r = RequestResult(spec.index, spec.kind, time.perf_counter() - t0, prompt_tokens=spec.prompt_len)
         sp = common_pb2.SamplingParams(max_new_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
-        req = router_pb2.RouterGenerateRequest(sampling_params=sp, stream=self.stream)
+        req = router_pb2.RouterGenerateRequest(sampling_params=sp, stream=self.stream, priority=spec.priority)
         if spec.messages is not None:
             req.messages.messages.extend(router_pb2.ChatMessage(**m) for m in spec.messages)
         else:

@@ -20,6 +20,7 @@ class RequestSpec:
     kind: str = "short"  # a label for the report: short, long, chat, group<k>
     messages: list[dict[str, str]] | None = None
     group: int | None = None
+    priority: int | None = None  # the router's ``priority`` field (nodes with --enable-priority-scheduling)
 
     @property
     def prompt_len(self) -> int:

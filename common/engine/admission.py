@@ -1,6 +1,7 @@
 """Taking a request in on a rank: what makes it servable here (vocabulary, context, KV capacity), the ``Req`` it
 becomes (``max_new_tokens`` clamped to the context), and its registration under its rid. The scheduler and the
-roles' first queues (bootstrap, prealloc) all take requests in through ``RequestIntake.build_req``.
+roles' first queues (bootstrap, prealloc) all take requests in through ``RequestIntake.build_req``; a request with a
+grammar first waits in the grammar queue (``hold_for_grammar``) until every rank has compiled its grammar.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -18,6 +19,9 @@ from common.engine.scheduler_output import OutputCollector
 from common.errors import CapacityError, ErrorCode, InvalidRequestError, internal_error_message
 from common.faults import inject
 from common.io_struct import GenerateReqInput
+
+if TYPE_CHECKING:
+    from common.engine.sampling.grammar_queue import GrammarQueue
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,18 @@ class RequestIntake:
                 f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the KV cache capacity of "
                 f"{self.max_total_num_tokens} tokens; lower max_new_tokens or raise --max-total-tokens"
             )
+
+    def hold_for_grammar(self, msg: GenerateReqInput, grammar_queue: GrammarQueue) -> None:
+        """A servable request with a grammar joins ``grammar_queue``; the scheduler admits it once compiled."""
+        try:
+            self.validate(msg)
+        except (InvalidRequestError, CapacityError) as e:
+            self.out.error(msg.rid, str(e), ErrorCode.INVALID_ARGUMENT)
+            return
+        refused = (f"request id {msg.rid!r} is already in flight" if msg.rid in self.reqs_by_rid
+                   else grammar_queue.add(msg))
+        if refused is not None:
+            self.out.error(msg.rid, refused, ErrorCode.INVALID_ARGUMENT)
 
     def build_req(self, msg: GenerateReqInput) -> Req | None:
         if msg.rid in self.reqs_by_rid:

@@ -11,9 +11,9 @@ Lifecycle of a grammar request on one scheduler rank::
                   outputs into it)
     each step:    SamplingBatchInfo.from_reqs fills one bitmask row per grammar row (host, scheduler thread);
                   the sampler masks those rows' scores (device, outside any CUDA graph)
-    each token:   ``RequestGrammar.accept`` (Scheduler.append_token; the decode node with the prefill node's first
-                  token); the request stops when the grammar is complete, and ends as a dead end (never garbage)
-                  when no token may continue it.
+    each token:   ``RequestGrammar.accept`` (scheduler_output.append_token; the decode node with the prefill
+                  node's first token); the request stops when the grammar is complete, and ends as a dead end
+                  (never garbage) when no token may continue it.
 
 Every TP rank runs the same matchers on the same tokens: their masks are identical.
 """
