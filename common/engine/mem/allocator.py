@@ -124,24 +124,15 @@ class TokenToKVPoolAllocator:
         ps = self.page_size
         if ps == 1:
             return self._take(len(seq_lens))
-        if self.device.type != "cpu":
-            seq = self._as_tensor(seq_lens)
-            starts_page = (seq - 1) % ps == 0
-            pages = self._take(int(starts_page.sum()))
-            if pages is None:
-                return None
-            out = self._as_tensor(last_locs) + 1
-            out[starts_page] = pages * ps
-            return out
-        # NOTE: numpy on the host: every decode step runs this for the whole batch, and a numpy op on a
-        # batch-sized array costs ~1 us where a torch op costs ~10 (dispatch).
+        # NOTE: numpy: every decode step runs this for the whole batch, and a numpy op on a batch-sized array
+        # costs ~1 us where a torch op costs ~10 (dispatch). The allocator lives on the host (no copies then).
         starts = (np.asarray(seq_lens, dtype=np.int64) - 1) % ps == 0
         pages = self._take(int(starts.sum()))
         if pages is None:
             return None
         locs = np.asarray(last_locs, dtype=np.int64) + 1
-        locs[starts] = pages.numpy() * ps
-        return torch.from_numpy(locs)
+        locs[starts] = pages.cpu().numpy() * ps
+        return torch.from_numpy(locs).to(self.device)
 
     def free(self, slots: torch.Tensor) -> None:
         """Free the pages that hold ``slots`` (each page once, however many of its slots are given).

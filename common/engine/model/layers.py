@@ -6,6 +6,7 @@ those rows); ``RowParallelLinear`` holds this rank's input columns and sums the 
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from common.engine.distributed import TPGroup
 
 
+@functools.cache
 def fused_layers() -> ModuleType:
     """The Triton kernels module, imported on first use (Triton is not imported on the torch path)."""
     from common.engine.kernels import fused_layers as module
