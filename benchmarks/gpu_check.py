@@ -13,6 +13,8 @@ Steps, in order of value; each runs in a child process with its own deadline (cu
             CUDA graphs (ours) and without (ours_eager), against HF generate (dynamic cache) and HF generate with a
             static cache, compiled (hf_static), all warmed up with the full workload; decode step ms beside the
             card's weight-read floor; a torch profiler table of our decode steps
+    host    benchmarks/host_step.py: the engine step's decode at batch 64, each scheduler/forward function's thread
+            CPU time per step (where the host time of a host-bound step goes)
     kv      benchmarks/kv_transfer.py --device cuda: a 512 MiB paged request over shm (CUDA IPC) against an
             in-process device copy, tcp (staged) against raw loopback TCP, nixl (VRAM) where its wheel loads
     pd      benchmarks/gpu_pd.py: pdcluster up colocated, then 1 prefill + 1 decode over shm and over tcp on the
@@ -93,6 +95,8 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
         engine_sizes = ["--device", "cpu", "--dtype", "float32", "--model-size", "tiny", "--num-prompts", "4",
                         "--input-len", "16", "--output-len", "8", "--repeats", "1", "--threads", "1",
                         "--profile-steps", "4"]
+        host_sizes = ["--device", "cpu", "--null-forward", "--batch", "8", "--input-len", "16", "--output-len", "16",
+                      "--repeats", "1"]
         kv_sizes = ["--device", "cpu", "--backends", "shm,tcp", "--tokens", "256", "--reps", "1", "--rounds", "1"]
         # The tiny llama and a 4096-token KV pool per node (the CPU default sizes the pool from free RAM: GiBs to
         # allocate and zero per node, for 8 requests of 40 tokens).
@@ -103,6 +107,8 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
         engine_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "1b", "--num-prompts", "64",
                         "--input-len", "128", "--output-len", "128", "--repeats", "2", "--threads", "8",
                         "--profile-steps", "16"]
+        host_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "1b", "--batch", "64",
+                      "--input-len", "128", "--output-len", "128", "--repeats", "2", "--threads", "8"]
         backends = "shm,tcp" + (",nixl" if a.modules.get("nixl") else "")
         kv_sizes = ["--device", "cuda", "--backends", backends, "--reps", "3", "--rounds", "2"]
         pd_sizes = ["--device", "cuda", "--backends", "shm,tcp"]
@@ -111,6 +117,7 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
         tests,
         Step("engine", [*py, "benchmarks.engine_throughput", *engine_sizes, "--baseline-eager", "--hf-static",
                         "--warmup-full", "--json", str(out / "engine.json")], 165),
+        Step("host", [*py, "benchmarks.host_step", *host_sizes, "--json", str(out / "host.json")], 120),
         Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 45),
         Step("pd", [*py, "benchmarks.gpu_pd", *pd_sizes, "--json", str(out / "pd.json")], 150),
         # Last and GPU only (inductor's CPU compile of even the tiny model outlasts the dry run): our decode steps
@@ -218,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "gpu_check"))
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the same plumbing, no GPU needed")
     p.add_argument("--budget-s", type=float, default=420.0, help="the whole check's deadline (seconds)")
-    p.add_argument("--steps", default="tests,engine,kv,pd,compile", help="which steps, comma-separated")
+    p.add_argument("--steps", default="tests,engine,host,kv,pd,compile", help="which steps, comma-separated")
     p.add_argument("--pytest-args", default="", help="more pytest arguments for the tests step (e.g. -k EXPR)")
     p.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS", help="a step's own deadline")
     p.add_argument("--commit", default=os.environ.get("PDCLUSTER_COMMIT") or _git_commit(), help="recorded in the summary")

@@ -111,7 +111,20 @@ def _pd(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-SECTIONS = {"tests": _tests, "engine": _engine, "kv": _kv, "pd": _pd, "compile": _engine}
+def _host(r: dict[str, Any]) -> list[str]:
+    d = r.get("data")
+    if not d:
+        return []
+    last = d["last_repeat"]
+    lines = [f"{_fmt(d['wall_ms_per_output_token_median'], '.3f')} ms wall per output token at batch {d['batch']} "
+             f"(overlap {'on' if d['overlap'] else 'off'}); thread CPU per scheduler step "
+             f"({last['scheduler_steps']} steps):", "", "| function | CPU ms / step | calls / step |", "|---|---|---|"]
+    lines += [f"| {k} | {_fmt(v['cpu_ms_per_step'], '.3f')} | {_fmt(v['calls_per_step'])} |"
+              for k, v in last["functions"].items()]
+    return lines
+
+
+SECTIONS = {"tests": _tests, "engine": _engine, "host": _host, "kv": _kv, "pd": _pd, "compile": _engine}
 
 
 def summarize(result: dict[str, Any]) -> str:

@@ -126,6 +126,9 @@ class ServerArgs:
     enable_overlap_schedule: bool = flag(False, "overlap on CPU even when this node's torch threads take every core "
                                          "(by default a CPU node overlaps only when they leave one free: the "
                                          "scheduler thread needs a core of its own)", group=MEMORY)
+    stream_interval: int = flag(1, "output tokens a streaming request accumulates before they are sent (the first "
+                                "is sent at once); a non-streaming request's come with its end", group=MEMORY,
+                                check=at_least(1))
     schedule_conservativeness: float = flag(1.0, "> 1 reserves more KV for future tokens (fewer retractions)",
                                             group=MEMORY, check=above(0))
     # Waiting-queue order and priority scheduling (common.engine.schedule_order; docs/scheduling.md).

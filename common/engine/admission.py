@@ -104,6 +104,7 @@ class RequestIntake:
             bootstrap_room=msg.bootstrap_room,
             prior_output_len=msg.prior_output_len,
             priority=self.resolve_priority(msg.priority),
+            stream=msg.stream,
         )
         if sp.grammar_key is not None:
             try:

@@ -70,6 +70,7 @@ class Req:
         bootstrap_room: int | None = None,
         prior_output_len: int = 0,
         priority: int = 0,
+        stream: bool = True,
     ) -> None:
         self.rid = rid
         self.origin_input_ids: list[int] = list(input_ids)
@@ -102,6 +103,7 @@ class Req:
         self.sits_out = False
         self.future_slot: int | None = None  # overlap schedule: the ring slot of its launched, unappended token
         self.to_abort: str | None = None  # set by an abort while the request sits in a batch
+        self.stream = stream  # False: its outputs go out once, with its end (``OutputCollector``)
         self.sent_len = 0  # output tokens already streamed out
         self.grammar: Any = None  # RequestGrammar (common/engine/sampling/grammar.py) of a constrained request
 

@@ -80,7 +80,7 @@ class Scheduler:
             self.tree_cache: Any = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
         else:
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
-        self.out = OutputCollector(send_outputs)
+        self.out = OutputCollector(send_outputs, args.stream_interval)
         self.waiting_queue: list[Req] = []
         self.policy = SchedulePolicy(args, self.tree_cache, self.allocator, self.req_to_token_pool)
         self.running_batch = self.new_batch([])

@@ -41,8 +41,13 @@ def req_timing(req: Req) -> Timing:
 
 
 class OutputCollector:
-    def __init__(self, sink: Callable[[list[Any]], None]) -> None:
+    """``TokenOut``s of one step, sent in one ``sink`` call. A streaming request's tokens go out every
+    ``stream_interval`` tokens (its first at once), a non-streaming request's only with its end (SGLang's
+    ``--stream-interval``): one message per token per request is most of a large batch's result processing."""
+
+    def __init__(self, sink: Callable[[list[Any]], None], stream_interval: int = 1) -> None:
         self.sink = sink
+        self.stream_interval = stream_interval
         self.pending: list[Any] = []
 
     def _delta(self, req: Req) -> TokenOut:
@@ -61,7 +66,9 @@ class OutputCollector:
         return out
 
     def stream_token(self, req: Req) -> None:
-        if not req.finished():
+        if req.finished() or not req.stream:
+            return
+        if req.sent_len == 0 or len(req.output_ids) - req.sent_len >= self.stream_interval:
             self.pending.append(self._delta(req))
 
     def finish(self, req: Req) -> None:

@@ -209,6 +209,7 @@ class Engine:
         rid: str | None,
         prior_output_len: int = 0,
         priority: int | None = None,
+        stream: bool = True,
     ) -> GenerateReqInput:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
@@ -239,6 +240,7 @@ class Engine:
             top_logprobs_num=top_logprobs_num,
             prior_output_len=prior_output_len,
             priority=priority,
+            stream=stream,
         )
 
     def _register(self, msg: GenerateReqInput, deliver: Callable[[Any], None]) -> _RequestState:
@@ -292,10 +294,11 @@ class Engine:
         batched = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
         prompts: list[Any] = (prompt if isinstance(prompt, list) else [prompt]) if prompt is not None else []
         ids_list: list[Any] = (input_ids if batched else [input_ids]) if input_ids is not None else []
+        # NOTE: stream=False: each request's tokens come in one message, with its end
         msgs = [self._make_input(p, None, sampling_params, return_logprob, top_logprobs_num, None, prior_output_len,
-                                 priority) for p in prompts]
+                                 priority, stream=False) for p in prompts]
         msgs += [self._make_input(None, i, sampling_params, return_logprob, top_logprobs_num, None, prior_output_len,
-                                  priority) for i in ids_list]
+                                  priority, stream=False) for i in ids_list]
         if not msgs:
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
         done: queue.Queue[TokenOut] = queue.Queue()

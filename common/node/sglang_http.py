@@ -263,7 +263,7 @@ class SglangHttpServer:
         msg = GenerateReqInput(
             rid=rid if room is None else f"{rid}@{room}", input_ids=ids, sampling_params=req.sampling,
             return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num, bootstrap_room=room,
-            priority=req.priority,
+            priority=req.priority, stream=req.stream,
         )
         dp = self.args.dp_size
         if self.mode == "null":

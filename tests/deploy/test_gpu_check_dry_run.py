@@ -17,7 +17,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "summary.json").read_text())
     steps = result["steps"]
-    assert list(steps) == ["tests", "engine", "kv", "pd"]
+    assert list(steps) == ["tests", "engine", "host", "kv", "pd"]
     for name, step in steps.items():
         assert step["status"] == "ok", f"{name}: {step.get('log_tail', '')[-2000:]}"
 
@@ -30,6 +30,9 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert min(engine["identical_output_fraction"]) == 1.0  # fp32 on CPU: greedy identical to transformers
     prof = engine["ours_profile"]
     assert prof["steps"] == 4 and "aten::mm" in prof["top_by_cpu_time"]  # the forward thread's ops are recorded
+
+    host = steps["host"]["data"]["last_repeat"]["functions"]
+    assert host["Scheduler.step"]["calls_per_step"] == 1.0 and host["ModelRunner.launch"]["cpu_ms_per_step"] > 0
 
     kv = steps["kv"]["data"]["paged"]
     assert kv["shm"] > 0 and kv["tcp"] > 0 and kv["memcpy"] > 0 and kv["raw_tcp"] > 0
@@ -44,5 +47,5 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert runs["pd_tcp"]["identical_to_colocated"] == 1.0
 
     page = (tmp_path / "summary.md").read_text()
-    for heading in ("## tests: ok", "## engine: ok", "## kv: ok", "## pd: ok"):
+    for heading in ("## tests: ok", "## engine: ok", "## host: ok", "## kv: ok", "## pd: ok"):
         assert heading in page

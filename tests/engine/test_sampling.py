@@ -561,3 +561,21 @@ def test_trim_stop_string_and_holdback() -> None:
     assert stop_prefix_holdback("hello ST", ("STOP",)) == 2
     assert stop_prefix_holdback("hello", ("STOP",)) == 0
     assert stop_prefix_holdback("a\n", ("\n\n", "xyz")) == 1
+
+
+def test_param_columns_are_reused_only_for_the_same_params() -> None:
+    """A decode batch keeps its requests: its params' columns come from the last build; any other batch's do not."""
+    greedy = [make_req(f"g{i}", temperature=0.0) for i in range(3)]
+    warm = [make_req(f"w{i}", temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=i) for i in range(3)]
+    a = SamplingBatchInfo.from_reqs(greedy, 64, "cpu")
+    b = SamplingBatchInfo.from_reqs(warm, 64, "cpu")
+    assert a.all_greedy and not b.all_greedy and b.sampled_rows == [0, 1, 2] and b.seeds == [0, 1, 2]
+    assert b.temperatures.tolist() == pytest.approx([0.7] * 3) and b.top_ks.tolist() == [5] * 3
+    again = SamplingBatchInfo.from_reqs(warm, 64, "cpu")
+    assert again.temperatures is b.temperatures  # the same batch: reused
+    mixed = SamplingBatchInfo.from_reqs([greedy[0], warm[1]], 64, "cpu")
+    assert mixed.sampled_rows == [1] and mixed.top_ks.tolist() == [5] and mixed.seeds == [1]
+    assert SamplingBatchInfo.from_reqs(greedy, 64, "cpu").all_greedy
+    assert not SamplingBatchInfo.from_reqs(warm, 32, "cpu").need_top_k or b.sort_width  # another vocab: rebuilt
+    mixed.filter_batch([0])
+    assert mixed.all_greedy and mixed.sampled_rows == []

@@ -68,6 +68,14 @@ def seeded_uniform(seed: int, step: int) -> float:
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ step) >> 11) * 2.0**-53
 
 
+# What ``_build_param_columns`` derives from a batch's params alone. A decode batch keeps its requests step after
+# step, so the last batch's columns (keyed by the identity of its params, in order) are reused as they are: they are
+# never written in place.
+_PARAM_COLUMNS = ("sampled_rows", "all_greedy", "need_top_k", "sort_width", "window_width", "need_top_p",
+                  "need_min_p", "seeds", "sampled_index", "top_ks", "temperatures", "top_ps", "min_ps")
+_param_columns: tuple[tuple[object, ...], list[SamplingParams], dict[str, object]] | None = None
+
+
 class SamplingBatchInfo:
     """Sampling state of one batch; row ``i`` is the batch's request ``i``."""
 
@@ -133,6 +141,18 @@ class SamplingBatchInfo:
 
     def _build_tensors(self) -> None:
         """Derive tensors and flags from the Python-side lists (O(bs), one host-to-device copy in all)."""
+        self.need_logprobs = any(self.return_logprob)
+        self.max_top_logprobs = max(self.top_logprobs_nums, default=0)
+        key = (self.device, self.vocab_size, FAST_TOP_K_RATIO, SORT_WINDOW, tuple(map(id, self.params)))
+        cached = _param_columns
+        if cached is not None and cached[0] == key:
+            self.__dict__.update(cached[2])
+            return
+        self._build_param_columns()
+        # NOTE: the entry holds the params list: while cached, no id in its key can name another object
+        globals()["_param_columns"] = (key, self.params, {k: getattr(self, k) for k in _PARAM_COLUMNS})
+
+    def _build_param_columns(self) -> None:
         vocab, params = self.vocab_size, self.params
         greedy = [p.is_greedy for p in params]
         self.sampled_rows = [i for i, g in enumerate(greedy) if not g]
@@ -149,8 +169,6 @@ class SamplingBatchInfo:
         self.window_width = SORT_WINDOW if window else 0
         self.need_top_p = any(p.top_p < 1.0 for p in sampled)
         self.need_min_p = any(p.min_p > 0.0 for p in sampled)
-        self.need_logprobs = any(self.return_logprob)
-        self.max_top_logprobs = max(self.top_logprobs_nums, default=0)
         self.seeds = [p.seed for p in sampled]  # per sampled row
         # Tensors below cover the sampled rows only, in ``sampled_rows`` order. They travel as one float64
         # buffer (exact for these ints and for float32 values) and are cast back on the device.
