@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator
@@ -9,8 +10,9 @@ from typing import Any
 
 import grpc
 
-from common.errors import PdclusterError
+from common.errors import InvalidRequestError, PdclusterError
 from pdcluster.v1 import router_pb2, router_pb2_grpc
+from router.choices import choice_request, merge_choices
 from router.errors import retry_after_of, status_of
 from router.request import ClientRequest, Delta, Final
 from router.service import RouterService
@@ -51,8 +53,9 @@ def sampling_from_proto(req: router_pb2.RouterGenerateRequest) -> dict[str, Any]
     return out
 
 
-def final_to_proto(f: Final) -> router_pb2.RouterGenerateResponse:
+def final_to_proto(f: Final, index: int = 0) -> router_pb2.RouterGenerateResponse:
     c = router_pb2.Complete(
+        index=index,
         request_id=f.rid,
         text=f.text,
         output_ids=f.output_ids,
@@ -95,6 +98,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             kw["messages"] = [{"role": m.role, "content": m.content} for m in request.messages.messages]
         remaining = context.time_remaining()
         try:
+            n = request.n if request.HasField("n") else 1
+            if not 1 <= n <= self.service.cfg.max_n:
+                raise InvalidRequestError(
+                    f"n must be between 1 and {self.service.cfg.max_n} on this router (--max-n), got {n}")
             req = await self.service.build(ClientRequest(
                 rid=request.request_id or f"{self._rid_prefix}{next(self._rid_seq)}",
                 api="grpc",
@@ -108,14 +115,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 max_tokens_field="sampling_params.max_new_tokens",
                 **kw,
             ))
-            async for ev in self.service.generate(req):
-                if isinstance(ev, Delta):
-                    yield router_pb2.RouterGenerateResponse(
-                        chunk=router_pb2.TextChunk(text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs,
-                                                   top_logprobs=ev.top_logprobs)
-                    )
-                else:
-                    yield final_to_proto(ev)
+            choices = [req] if n == 1 else [choice_request(req, i) for i in range(n)]
+            async with contextlib.aclosing(merge_choices([self.service.generate(c) for c in choices])) as events:
+                async for i, ev in events:
+                    if isinstance(ev, Delta):
+                        yield router_pb2.RouterGenerateResponse(
+                            chunk=router_pb2.TextChunk(text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs,
+                                                       top_logprobs=ev.top_logprobs, index=i)
+                        )
+                    else:
+                        yield final_to_proto(ev, i)
         except PdclusterError as e:
             retry_after = retry_after_of(e)
             if retry_after is not None:

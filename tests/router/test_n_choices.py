@@ -63,3 +63,40 @@ async def test_n_choices_full_body_and_stream() -> None:
             assert "".join(ch["delta"].get("content") or "" for ch in per[i])
         for w in f.workers:
             assert not w.active
+
+
+async def test_n_choices_on_grpc() -> None:
+    """``n`` on ``pdcluster.v1.Router/Generate``: one request per choice (own rid, seed + i), chunks and one Complete
+    per choice tagged with its index; n outside [1, --max-n] is INVALID_ARGUMENT naming the field."""
+    import grpc
+    import pytest
+
+    from pdcluster.v1 import common_pb2, router_pb2
+
+    async with fleet(prefill=0, decode=0, colocated=1) as f:
+        stub = f.stub()
+        req = router_pb2.RouterGenerateRequest(
+            request_id="g", input_ids=router_pb2.TokenIds(ids=[4, 5, 6]), stream=True, n=3,
+            sampling_params=common_pb2.SamplingParams(max_new_tokens=4, seed=20),
+        )
+        msgs = [m async for m in stub.Generate(req)]
+        done = sorted((m.complete for m in msgs if m.HasField("complete")), key=lambda c: c.index)
+        assert [(c.index, c.request_id, c.finish_reason) for c in done] == [
+            (0, "g-0", "length"), (1, "g-1", "length"), (2, "g-2", "length")]
+        for c in done:  # each choice's chunks add up to its own Complete
+            chunks = [m.chunk for m in msgs if m.HasField("chunk") and m.chunk.index == c.index]
+            assert [t for ch in chunks for t in ch.token_ids] == list(c.output_ids) and len(c.output_ids) == 4
+        got = sorted((r["rid"], r["seed"]) for r in f.colocated[0].received("generate"))
+        assert got == [("g-0", 20), ("g-1", 21), ("g-2", 22)]
+
+        one = [m async for m in stub.Generate(router_pb2.RouterGenerateRequest(
+            input_ids=router_pb2.TokenIds(ids=[4, 5]), sampling_params=common_pb2.SamplingParams(max_new_tokens=2)))]
+        assert len(one) == 1 and one[0].complete.index == 0  # unset n: one choice, as before
+        for bad in (0, 9):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(router_pb2.RouterGenerateRequest(
+                    input_ids=router_pb2.TokenIds(ids=[4]), n=bad))]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be between 1 and 8" in (
+                err.value.details() or "")
+        for w in f.workers:
+            assert not w.active

@@ -40,7 +40,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouterGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "input_ids", "messages", "sampling_params", "stream", "return_logprob", "top_logprobs_num", "model", "priority")
+    __slots__ = ("request_id", "text", "input_ids", "messages", "sampling_params", "stream", "return_logprob", "top_logprobs_num", "model", "priority", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class RouterGenerateRequest(_message.Message):
     TOP_LOGPROBS_NUM_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     input_ids: TokenIds
@@ -61,7 +62,8 @@ class RouterGenerateRequest(_message.Message):
     top_logprobs_num: int
     model: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class RouterGenerateResponse(_message.Message):
     __slots__ = ("chunk", "complete")
@@ -72,19 +74,21 @@ class RouterGenerateResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[TextChunk, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ...) -> None: ...
 
 class TextChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs", "top_logprobs")
+    __slots__ = ("text", "token_ids", "logprobs", "top_logprobs", "index")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("request_id", "text", "output_ids", "finish_reason", "matched_token", "matched_stop", "usage", "timing", "logprobs", "top_logprobs", "served_by", "attempts")
+    __slots__ = ("request_id", "text", "output_ids", "finish_reason", "matched_token", "matched_stop", "usage", "timing", "logprobs", "top_logprobs", "served_by", "attempts", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +101,7 @@ class Complete(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -109,7 +114,8 @@ class Complete(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     served_by: str
     attempts: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., served_by: _Optional[str] = ..., attempts: _Optional[int] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., served_by: _Optional[str] = ..., attempts: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
