@@ -5,6 +5,11 @@ block new admissions until they are back)::
 
     free slots - num_reserved_decode_tokens * (running + transferring + admitted this round)
                - the longest remaining generation of one running request (so at least one can always finish)
+
+Priority scheduling (``rules``): retracted requests block only the requests they are at least as urgent as, and a
+head that does not fit preempts running requests it beats by more than the threshold (least urgent and newest
+first, as many as its prompt needs; none unless that many exist). Their pages become allocatable once the batch in
+flight is done, so the head is admitted at a later step.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 
 from common.engine.mem.pages import req_pages
 from common.engine.req import Req
+from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_role import Engine
 from common.errors import ErrorCode
 from common.io_struct import GenerateReqInput
@@ -26,9 +32,10 @@ from kvtransfer.receiver import KVReceiver
 
 class DecodePreallocQueue:
     def __init__(self, engine: Engine, kv_manager: KVManager, num_reserved_decode_tokens: int,
-                 polls: GroupPolls, order: Callable[[Req], int] | None = None) -> None:
+                 polls: GroupPolls, rules: PriorityRules | None = None) -> None:
         self.engine = engine
-        self.order = order  # priority scheduling: the most urgent request is the head
+        self.rules = rules if rules is not None and rules.priority_on else None
+        self.order: Callable[[Req], int] | None = self.rules.urgency if self.rules else None  # the head: most urgent
         self.polls = polls
         self.kv_manager = kv_manager
         self.reserved = num_reserved_decode_tokens
@@ -62,9 +69,10 @@ class DecodePreallocQueue:
             return True
         return False
 
-    def allocatable_tokens(self, num_active: int) -> int:
+    def allocatable_tokens(self, num_active: int, leaving: frozenset[int] = frozenset()) -> int:
+        """The budget with every running request but those whose ``id`` is in ``leaving``."""
         s = self.engine
-        running = s.running_reqs()
+        running = [r for r in s.running_reqs() if id(r) not in leaving]
         longest = max((r.sampling_params.max_new_tokens - len(r.output_ids) for r in running), default=0)
         return s.allocator.available_size() - self.reserved * num_active - longest
 
@@ -83,7 +91,9 @@ class DecodePreallocQueue:
         admitted: list[Req] = []
         failed: list[Req] = []
         keep: list[Req] = []
-        blocked = s.num_waiting() > 0  # retracted requests come back first
+        retracted = [self.order(r) for r in self.engine.prefilling_reqs()] if self.order else self.engine.num_waiting()
+        most_urgent_retracted = min(retracted) if isinstance(retracted, list) and retracted else None
+        blocked = False
         if self.order is not None:
             self.queue.sort(key=self.order)  # stable: arrival order within a priority
         for req in self.queue:
@@ -91,18 +101,46 @@ class DecodePreallocQueue:
             if state == KVPoll.Failed:
                 failed.append(req)
                 continue
-            if blocked or state < KVPoll.WaitingForInput:
+            # retracted requests come back first: all of them, or with priority scheduling those as urgent
+            behind = bool(retracted) if self.order is None else (
+                most_urgent_retracted is not None and most_urgent_retracted <= self.order(req))
+            if blocked or state < KVPoll.WaitingForInput or behind:
+                blocked = True  # in order: nobody overtakes the head of the queue
                 keep.append(req)
                 continue
             active = len(s.running_reqs()) + num_transferring + len(admitted) + 1
             need = len(req.origin_input_ids) + s.page_size
             if need > self.allocatable_tokens(active) or not self._allocate(req):
-                blocked = True  # in order: nobody overtakes the head of the queue
+                if not admitted:
+                    self._preempt_for(req, need, active)
+                blocked = True
                 keep.append(req)
                 continue
             admitted.append(req)
         self.queue = keep
         return admitted, failed
+
+    def _preempt_for(self, head: Req, need: int, active: int) -> None:
+        """Priority scheduling: retract the running requests ``head`` beats, least urgent and newest first, as many
+        as its prompt and a request slot need (none unless that many exist)."""
+        rules, s = self.rules, self.engine
+        if rules is None or not self.free_metadata_slots:  # a metadata slot comes back with a transfer, not a victim
+            return
+        victims = sorted((r for r in s.running_reqs() if not r.finished() and rules.beats(head, r)),
+                         key=lambda r: (-rules.urgency(r), -r.arrival_seq))
+        chosen: list[Req] = []
+        freed = 0
+        short_of_slot = s.req_to_token_pool.available_size() <= 0
+        for v in victims:
+            leaving = frozenset(id(r) for r in chosen)
+            if not short_of_slot and need <= self.allocatable_tokens(active - len(chosen), leaving) + freed:
+                break
+            chosen.append(v)
+            freed += -(-v.kv_committed_len // s.page_size) * s.page_size
+            short_of_slot = False
+        leaving = frozenset(id(r) for r in chosen)
+        if chosen and need <= self.allocatable_tokens(active - len(chosen), leaving) + freed:
+            s.preempt_running(chosen, head)
 
     def _allocate(self, req: Req) -> bool:
         s = self.engine

@@ -44,7 +44,7 @@ class DecodeRole(LoopHooks):
         self.kv_manager, self.polls, self.bytes_per_page = self.kv.manager, self.kv.polls, self.kv.bytes_per_page
         self.priority = PriorityRules(self.args)
         self.prealloc_queue = DecodePreallocQueue(engine, self.kv_manager, self.args.num_reserved_decode_tokens,
-                                                  self.polls, self.priority.order_key())
+                                                  self.polls, self.priority)
         self.transfer_queue = DecodeTransferQueue(self.polls, self.priority.order_key())
 
     def is_idle(self) -> bool:

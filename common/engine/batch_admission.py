@@ -16,6 +16,7 @@ step that fits down to its floor, and jumps to the estimate ``ScheduleBatch.retr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -56,6 +57,8 @@ class AdmissionState(MetricsSource, Protocol):
     min_new_token_ratio: float
     new_token_ratio_decay: float
     num_retracted: int
+    preempted: list[Req]
+    in_flight: object | None
 
     @property
     def role(self) -> SchedulerRole: ...
@@ -172,6 +175,29 @@ def update_running_batch(sched: AdmissionState, batch: ScheduleBatch) -> None:
     else:
         sched.new_token_ratio = max(sched.new_token_ratio - sched.new_token_ratio_decay, sched.min_new_token_ratio)
     batch.prepare_for_decode()
+
+
+def preempt_running(sched: AdmissionState, victims: list[Req], head: Req) -> None:
+    """Priority preemption asked by a role's queue (a decode node's prealloc queue for its most urgent request):
+    ``victims`` leave the running batch with their KV released, to be recomputed from the waiting queue.
+
+    NOTE: pages freed while a batch is in flight are deferred (that batch may still write the victims' next slots,
+    and the role hands freed pages to another process's writer). The victims join the waiting queue only at the
+    next step, after the in-flight batch's result was processed: re-admitted in this step, the token of theirs
+    still in flight would be taken as the output of a request no longer retracted.
+    """
+    in_flight = sched.in_flight is not None
+    with sched.allocator.defer_frees() if in_flight else contextlib.nullcontext():
+        for v in victims:
+            sched.running_batch.release_req_memory(v)
+            v.reset_for_retract()
+    gone = {id(v) for v in victims}
+    sched.running_batch.filter_batch(keep=[r for r in sched.running_batch.reqs if id(r) not in gone])
+    sched.running_batch.batch_is_full = False
+    sched.preempted.extend(victims)
+    sched.policy.num_preempted += len(victims)
+    logger.info("Priority preemption: rid=%s (priority %d) retracted %d running requests (%s)", head.rid,
+                head.priority, len(victims), ", ".join(f"rid={v.rid} priority {v.priority}" for v in victims))
 
 
 def add_prebuilt(sched: AdmissionState, reqs: list[Req], take_first_token: Callable[[Req], None]) -> None:

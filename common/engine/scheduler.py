@@ -91,6 +91,7 @@ class Scheduler:
         self.in_flight: tuple[ScheduleBatch, Future[PendingBatchResult]] | None = None  # launched, results unprocessed
         self.awaited: Future[PendingBatchResult] | None = None  # within step_overlap: the batch launched by the last step
         self.reqs_by_rid: dict[str, Req] = {}
+        self.preempted: list[Req] = []  # retracted by a role's queue; waiting from the next step (preempt_running)
         ratio = batch_admission.new_token_ratio_schedule(args.schedule_conservativeness)
         self.init_new_token_ratio, self.min_new_token_ratio, self.new_token_ratio_decay = ratio
         self.new_token_ratio = self.init_new_token_ratio
@@ -139,6 +140,7 @@ class Scheduler:
         self.role.begin_step()
         if self.is_idle():
             self.decode_log.restart()
+        self.waiting_queue[:0], self.preempted = self.preempted, []
         self.process_input_requests(msgs)
         self.admit_compiled()
         self.role.poll()
@@ -221,7 +223,8 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         """Nothing queued, running or in flight, in the engine or in the role's queues."""
-        return not self.waiting_queue and not self.grammar_queue and self.running_batch.is_empty() and (
+        return not self.waiting_queue and not self.grammar_queue and self.running_batch.is_empty() and not (
+            self.preempted) and (
             self.chunked_req is None) and self.last_batch is None and self.in_flight is None and self.role.is_idle()
 
     # -- input -----------------------------------------------------------------------------------------------------
@@ -353,10 +356,13 @@ class Scheduler:
         self.waiting_queue.extend(reqs)
 
     def num_waiting(self) -> int:
-        return len(self.waiting_queue)
+        return len(self.waiting_queue) + len(self.preempted)
 
     def prefilling_reqs(self) -> list[Req]:
-        return [*self.waiting_queue, *([self.chunked_req] if self.chunked_req is not None else [])]
+        return [*self.preempted, *self.waiting_queue, *([self.chunked_req] if self.chunked_req is not None else [])]
+
+    def preempt_running(self, victims: list[Req], head: Req) -> None:
+        batch_admission.preempt_running(self, victims, head)
 
     def running_reqs(self) -> list[Req]:
         return self.running_batch.reqs
@@ -369,8 +375,9 @@ class Scheduler:
         req = self.reqs_by_rid.get(rid)
         if req is None:
             return
-        if req in self.waiting_queue:
-            self.waiting_queue.remove(req)
+        queue = self.preempted if req in self.preempted else self.waiting_queue
+        if req in queue:
+            queue.remove(req)
             req.abort(reason)
             self.finish_req(req, release=False)
         else:

@@ -93,6 +93,11 @@ class Engine(Protocol):
         """Requests whose prompt KV and first token were computed elsewhere join the running batch."""
         ...
 
+    def preempt_running(self, victims: list[Req], head: Req) -> None:
+        """Priority preemption for ``head`` (a role's queued request): ``victims`` leave the running batch, their KV
+        released (allocatable once no batch in flight can write it), and wait from the next step to recompute."""
+        ...
+
     def finish_req(self, req: Req, release: bool = True) -> None:
         """The one finish path: release (or cache) the request's KV and report its outcome."""
         ...

@@ -27,10 +27,10 @@ def order(on: bool) -> Any:
 
 @pytest.mark.parametrize("on", [True, False])
 def test_prealloc_queue_admits_most_urgent_first(on: bool) -> None:
-    engine: Any = SimpleNamespace(num_waiting=lambda: 0)
+    engine: Any = SimpleNamespace(num_waiting=lambda: 0, prefilling_reqs=lambda: [])
     polls: Any = SimpleNamespace(poll=lambda kv: KVPoll.Bootstrapping)  # nobody admissible: the order shows
     kv_manager: Any = SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4))
-    q = DecodePreallocQueue(engine, kv_manager, 16, polls, order(on))
+    q = DecodePreallocQueue(engine, kv_manager, 16, polls, PriorityRules(ServerArgs(enable_priority_scheduling=on)))
     q.queue = reqs([0, 5, 1, 5])
     q.pop_preallocated(0)
     assert [r.rid for r in q.queue] == (["r1", "r3", "r2", "r0"] if on else ["r0", "r1", "r2", "r3"])

@@ -273,6 +273,95 @@ def test_high_priority_preempts_a_running_low_one_with_identical_outputs(llama, 
         d.close()
 
 
+class _ResolvedReceiver:
+    """A decode node's ``KVReceiver`` with its prefill peer resolved: records the pages it would announce."""
+
+    def __init__(self) -> None:
+        self.pages: list[int] | None = None
+
+    def send_metadata(self, pages: list[int], metadata_slot: int) -> None:
+        self.pages = pages
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_prealloc_head_preempts_running_low_ones_with_identical_outputs(llama, overlap) -> None:
+    """P/D: a decode node's urgent request that does not fit its KV preempts running requests it beats (least urgent
+    and newest first, as many as its prompt needs); they recompute later and end with the tokens of a run without
+    the urgent one. The scheduler runs as a decode rank would: its prealloc queue is polled first in every step."""
+    from types import SimpleNamespace
+
+    from decode_node.prealloc_queue import DecodePreallocQueue
+    from kvtransfer.poll import KVPoll
+
+    rng = random.Random(5)
+    lows = [(f"low{i}", [rng.randrange(10, 1000) for _ in range(40)]) for i in range(3)]
+    flags = {"enable_priority_scheduling": True, "max_total_tokens": 320, "disable_radix_cache": True,
+             "disable_overlap_schedule": not overlap, "enable_overlap_schedule": overlap}
+    alone = Driver(llama, **flags)
+    try:
+        alone.submit(lows, priority=0, max_new_tokens=24)
+        alone.run()
+    finally:
+        alone.close()
+    d = Driver(llama, **flags)
+    s = d.scheduler
+    rules = s.policy
+    queue = DecodePreallocQueue(s, SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4)), 8,  # type: ignore[arg-type]
+                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), rules)  # type: ignore[arg-type]
+    admitted: list[Req] = []
+
+    def poll() -> None:  # the decode role's hook: the prealloc queue first in every step
+        got, failed = queue.pop_preallocated(0)
+        assert not failed
+        for req in got:  # its KV would now arrive from the prefill node; this test only needs the admission
+            admitted.append(req)
+            s.tree_cache.cache_finished_req(req)
+            req.req_pool_idx = None
+
+    s.role.poll = poll  # type: ignore[method-assign]
+    try:
+        d.submit(lows, priority=0, max_new_tokens=24)
+        d.run(until=lambda: all(len(d.outs.get(rid, [])) >= 4 for rid, _ in lows))
+        running = len(s.running_batch.reqs)
+        budget = queue.allocatable_tokens(running + 1)
+        # short of the budget by more than the few tokens the running requests' shrinking reservation gives back
+        # while the head waits, and by less than one victim's pages
+        head = Req("urgent", [7] * (budget - PS + 12), SamplingParams(max_new_tokens=4), priority=100)
+        head.disagg_kv = _ResolvedReceiver()
+        queue.queue.append(head)
+        d.run(until=lambda: admitted == [head], max_steps=6)
+        assert rules.num_preempted == 1, "one victim frees enough for the head"
+        d.run()
+        assert d.done[-1] == "low2", "the newest low request was the one preempted and recomputed"
+        assert not d.errors and d.outs == alone.outs
+        assert head.disagg_kv.pages is not None and len(head.disagg_kv.pages) == -(-len(head.origin_input_ids) // PS)
+    finally:
+        d.close()
+
+
+def test_decode_prealloc_does_not_preempt_within_the_threshold(llama) -> None:
+    from types import SimpleNamespace
+
+    from decode_node.prealloc_queue import DecodePreallocQueue
+    from kvtransfer.poll import KVPoll
+
+    d = Driver(llama, enable_priority_scheduling=True, max_total_tokens=320, disable_radix_cache=True)
+    s = d.scheduler
+    queue = DecodePreallocQueue(s, SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4)), 8,  # type: ignore[arg-type]
+                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), s.policy)  # type: ignore[arg-type]
+    try:
+        d.submit([("low", [11] * 40)], priority=0, max_new_tokens=12)
+        d.run(until=lambda: len(d.outs.get("low", [])) >= 3)
+        head = Req("near", [7] * (queue.allocatable_tokens(2) - PS + 1), SamplingParams(), priority=10)
+        head.disagg_kv = _ResolvedReceiver()
+        queue.queue.append(head)
+        assert queue.pop_preallocated(0) == ([], []) and s.policy.num_preempted == 0 and not s.preempted
+        queue.queue.clear()
+        d.run()
+    finally:
+        d.close()
+
+
 def test_priority_within_the_threshold_does_not_preempt(llama) -> None:
     d = Driver(llama, enable_priority_scheduling=True, max_running_requests=1,
                priority_scheduling_preemption_threshold=10)
