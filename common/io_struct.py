@@ -90,6 +90,7 @@ class QueueLoad(msgspec.Struct, kw_only=True):
     token_usage: float
     evictable_tokens: int = 0
     admissible_tokens: int | None = None  # decode nodes: see RankLoad.admissible_tokens
+    preempt_priority: int | None = None  # decode nodes with priority scheduling: see RankLoad.preempt_priority
     # Requests per queue name and priority class (the priority value, "none": sent without one).
     queue_by_priority: dict[str, dict[str, int]] = {}
     preemptions: int = 0  # running requests retracted by priority preemption since start

@@ -85,6 +85,16 @@ class DecodePreallocQueue:
         ahead = sum(len(r.origin_input_ids) + s.page_size for r in self.queue)
         return max(0, self.allocatable_tokens(active) - ahead - s.page_size)
 
+    def preempt_priority(self) -> int | None:
+        """The priority a request must be more urgent than to preempt a running request here (None: it cannot)."""
+        rules = self.rules
+        running = self.engine.running_reqs()
+        if rules is None or not running or not self.free_metadata_slots:
+            return None
+        # urgency(r) - urgency(w) > threshold  <=>  urgency(w) < urgency(least urgent) - threshold
+        bound = max(rules.urgency(r) for r in running) - rules.threshold
+        return bound * rules.sign  # urgency = priority * sign, sign = +-1
+
     def pop_preallocated(self, num_transferring: int) -> tuple[list[Req], list[Req]]:
         """Requests that got their slot and pages (destination indices sent), and those that failed to resolve."""
         s = self.engine

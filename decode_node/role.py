@@ -66,6 +66,7 @@ class DecodeRole(LoopHooks):
         load.queue_by_priority.update(prealloc=by_priority(self.prealloc_queue.queue),
                                       transfer=by_priority(self.transfer_queue.queue))
         load.admissible_tokens = self.prealloc_queue.admissible_tokens(len(self.transfer_queue))
+        load.preempt_priority = self.prealloc_queue.preempt_priority()
 
     def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         req = self.engine.find_req(rid)

@@ -347,7 +347,7 @@ class RouterCore:
         hint = RouteHint(req.input_ids, len(req.input_ids) + req.max_new_tokens)
         prefills = self._candidates("prefill", failed, prompt_len)
         # A decode node admits by the prompt (its generation headroom is reserved per active request).
-        decodes = self._candidates("decode", failed, prompt_len)
+        decodes = self._candidates("decode", failed, prompt_len, req.priority)
         if prefills and decodes:
             p, p_rank = self._choose(self.prefill_policy, prefills, hint, prompt_len)
             d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)
@@ -366,9 +366,10 @@ class RouterCore:
         raise UnavailableError(self._why_unavailable(prefills, decodes, detail=False),
                                internal=self._why_unavailable(prefills, decodes, detail=True))
 
-    def _candidates(self, role: Role, failed: set[str], tokens: int) -> Sequence[Worker]:
-        """Routable workers of ``role`` that can hold the request (decode: only those; ``NoRoom`` when none can),
-        not yet failed for this request if possible.
+    def _candidates(self, role: Role, failed: set[str], tokens: int, priority: int | None = None) -> Sequence[Worker]:
+        """Routable workers of ``role`` that can hold the request (decode: only those, or those where a request of
+        ``priority`` may preempt a running one; ``NoRoom`` when none can), not yet failed for this request if
+        possible.
 
         O(1) in the number of workers while none failed this request and the role's smallest free KV fits it (the
         registry keeps both views current); the per-worker filters run only when they can remove someone."""
@@ -381,7 +382,7 @@ class RouterCore:
             fit = Candidates()
             for w in ws:
                 free = w.free_pages()
-                if free is None or free >= w.pages_for(tokens):
+                if free is None or free >= w.pages_for(tokens) or (strict and w.can_preempt_for(priority)):
                     fit.append(w)
             if strict and not fit:
                 raise NoRoom(f"no decode worker reported room for the request's {tokens} prompt tokens "

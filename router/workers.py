@@ -290,6 +290,20 @@ class Worker:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def can_preempt_for(self, priority: int | None) -> bool:
+        """A decode node with priority scheduling reports that a request of ``priority`` could preempt a running
+        one on some rank (``RankLoad.preempt_priority``), so sending it beats holding it for room."""
+        if priority is None:
+            return False
+        low_first = self.info is not None and self.info.schedule_low_priority_values_first
+        for s in self.ranks:
+            r = s.report
+            if r is not None and r.HasField("preempt_priority"):
+                bound = r.preempt_priority
+                if (priority < bound) if low_first else (priority > bound):
+                    return True
+        return False
+
     def close_soon(self) -> None:
         asyncio.get_running_loop().create_task(self.close())
 

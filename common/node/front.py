@@ -187,7 +187,7 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
                     inflight=q.inflight, prealloc=q.prealloc, transfer=q.transfer, free_kv_pages=q.free_kv_pages,
                     total_kv_pages=q.total_kv_pages, free_req_slots=q.free_req_slots,
                     total_req_slots=q.total_req_slots, token_usage=q.token_usage, evictable_tokens=q.evictable_tokens,
-                    admissible_tokens=q.admissible_tokens,
+                    admissible_tokens=q.admissible_tokens, preempt_priority=q.preempt_priority,
                 )
                 for q in loads
             ],

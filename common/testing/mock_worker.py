@@ -69,6 +69,7 @@ class MockConfig:
     total_kv_pages: int = 4096
     free_kv_pages: int | None = None  # report this many free pages on every rank (None: total - in use)
     admissible_tokens: int | None = None  # decode: report this admission budget on every rank (None: unset)
+    preempt_priority: int | None = None  # decode: report this preemption bound on every rank (None: unset)
     max_requests_per_rank: int = 0  # ServerInfo's request limit per DP rank (0: none reported; not enforced)
     schedule_low_priority_values_first: bool = False  # reported in ServerInfo (the router's hold order)
     model_name: str = "mock-model"
@@ -472,6 +473,7 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
                     total_kv_pages=cfg.total_kv_pages,
                     token_usage=1 - free / cfg.total_kv_pages,
                     admissible_tokens=cfg.admissible_tokens,
+                    preempt_priority=cfg.preempt_priority,
                 )
             )
         return worker_pb2.GetLoadResponse(ranks=ranks, page_size=cfg.page_size)

@@ -324,6 +324,7 @@ def test_decode_prealloc_head_preempts_running_low_ones_with_identical_outputs(l
         d.run(until=lambda: all(len(d.outs.get(rid, [])) >= 4 for rid, _ in lows))
         running = len(s.running_batch.reqs)
         budget = queue.allocatable_tokens(running + 1)
+        assert queue.preempt_priority() == 10  # what the router is told: priority > 0 + the threshold preempts
         # short of the budget by more than the few tokens the running requests' shrinking reservation gives back
         # while the head waits, and by less than one victim's pages
         head = Req("urgent", [7] * (budget - PS + 12), SamplingParams(max_new_tokens=4), priority=100)
@@ -356,6 +357,7 @@ def test_decode_prealloc_does_not_preempt_within_the_threshold(llama) -> None:
         head.disagg_kv = _ResolvedReceiver()
         queue.queue.append(head)
         assert queue.pop_preallocated(0) == ([], []) and s.policy.num_preempted == 0 and not s.preempted
+        assert queue.preempt_priority() == 10 and not head.priority > 10
         queue.queue.clear()
         d.run()
     finally:

@@ -120,3 +120,30 @@ def test_decode_workers_that_disagree_on_the_priority_order_are_refused() -> Non
     assert fleet_problem(worker_pb2.ServerInfo(**base), [accepted]) == ""
     problem = fleet_problem(worker_pb2.ServerInfo(**base, schedule_low_priority_values_first=True), [accepted])
     assert "schedule_low_priority_values_first True (the fleet's: False)" in problem
+
+
+@pytest.mark.parametrize("low_values_first", [False, True])
+async def test_a_request_that_can_preempt_goes_to_a_full_decode_worker(low_values_first: bool) -> None:
+    """A full decode node with priority scheduling reports the priority a request must beat to preempt there
+    (``preempt_priority``): such a request is sent at once (the node's prealloc queue retracts for it); the others
+    are held as before."""
+    bound = 50
+    urgent, calm = (10, 90) if low_values_first else (90, 10)
+    decode = [{"admissible_tokens": 0, "preempt_priority": bound,
+               "schedule_low_priority_values_first": low_values_first}]
+    async with fleet(prefill=1, decode=decode, admission_wait_s=30.0) as f:
+        reg = f.server.service.registry
+        await eventually(lambda: all(s.report is not None for w in reg if w.role == "decode" for s in w.ranks))
+        client = f.openai()
+        held = [asyncio.ensure_future(client.completions.create(
+            model="mock-model", prompt=f"held {i}", max_tokens=2, **extra))
+            for i, extra in enumerate([{}, {"extra_body": {"priority": calm}}, {"extra_body": {"priority": bound}}])]
+        await asyncio.sleep(0.6)
+        assert _decodes_sent(f) == 0
+        r = await asyncio.wait_for(client.completions.create(
+            model="mock-model", prompt="urgent", max_tokens=3, extra_body={"priority": urgent}), 10)
+        assert r.usage.completion_tokens == 3
+        assert [d["priority"] for d in f.decode[0].received("decode")] == [urgent]
+        assert not any(t.done() for t in held)
+        f.decode[0].cfg.admissible_tokens = 4096
+        await asyncio.wait_for(asyncio.gather(*held), 20)
