@@ -91,6 +91,15 @@ class FlagField:
         return self.field.default
 
 
+def arg_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """The parser's argument group of ``title`` (the one ``add_flags`` made, so a title is one group in --help and
+    docs/flags.md), else a new one."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
 def flag_fields(cls: type) -> list[FlagField]:
     """The fields of ``cls`` declared with ``flag()``, in declaration order."""
     hints = typing.get_type_hints(cls)

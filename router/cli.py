@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from common import env, event_loop
 from common.errors import ConfigError
-from common.flags import add_flags, config_values
+from common.flags import add_flags, arg_group, config_values
 from common.gc_freeze import freeze_startup_heap
 from common.wire.tls import TlsFiles
 from router.config import SECURITY, RouterConfig, WorkerSpec
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 def add_router_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, RouterConfig)
     # Flags that build a field from several values, or act on the process rather than the config.
-    w = p.add_argument_group("workers")
+    w = arg_group(p, "workers")
     w.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT[:BOOTSTRAP_PORT]",
                    help="prefill worker's gRPC address (repeatable); bootstrap port default: from GetServerInfo")
     w.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="decode worker (repeatable)")
@@ -37,7 +37,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token", default=None,
                    help="bearer token of the admin RPCs and /metrics, /v1/workers, timing lookups "
                         "(default: PDCLUSTER_ADMIN_TOKEN, else the cluster secret)")
-    s = p.add_argument_group(SECURITY)
+    s = arg_group(p, SECURITY)
     s.add_argument("--api-key", default=None,
                    help="bearer key of generation and model calls (visible in ps: prefer --api-key-file or "
                         "PDCLUSTER_API_KEY[_FILE]); default: open")

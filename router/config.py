@@ -62,7 +62,8 @@ class RouterConfig:
     workers: tuple[WorkerSpec, ...] = ()
     tool_call_parser: str | None = flag(None, "how chat outputs are read into tool_calls under tool_choice auto: "
                                         "llama3 (JSON object) or hermes / qwen25 (<tool_call> blocks); unset: "
-                                        "tool_choice auto is refused", choices=TOOL_CALL_PARSERS)
+                                        "tool_choice auto is refused", group="openai api",
+                                        choices=TOOL_CALL_PARSERS)
     prefill_policy: str = flag("cache_aware", "how a prefill worker is picked", group=ROUTING, choices=POLICIES)
     decode_policy: str = flag("power_of_two", "how a decode worker is picked", group=ROUTING, choices=POLICIES)
     cache_threshold: float = flag(0.5, "cache_aware: prefix match rate above which the match wins", group=ROUTING)

@@ -101,3 +101,17 @@ def test_router_flags_round_trip_through_the_parser() -> None:
                                          "--decode", "127.0.0.1:5000", "--http-port", "-1"]))
     assert (cfg.retry_backoff_s, cfg.cb_open_s, cfg.reuse_port, cfg.http_port) == (0.2, 3.0, True, None)
     assert [w.address for w in cfg.workers] == ["127.0.0.1:5000"]
+
+
+def test_each_flag_group_is_one_section_per_command() -> None:
+    """A group's flags are listed together: a title made twice (by the flag declarations and by a CLI's own
+    arguments) would split it into two sections."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "flags.md").read_text()
+    for command in re.split(r"^## ", page, flags=re.M)[1:]:
+        titles = re.findall(r"^### (.+)$", command, flags=re.M)
+        assert len(titles) == len(set(titles)), (command.splitlines()[0], titles)
+    router = page.split("## `pdcluster router`")[1].split("\n## ")[0]
+    assert "### openai api" in router and "`--tool-call-parser`" in router.split("### openai api")[1].split("###")[0]
