@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -45,7 +46,13 @@ from common.node.sglang_protocol import (
     decode_body,
     parse_generate,
 )
-from common.node.sglang_response import HttpError, SglangResponse, error_response
+from common.node.sglang_response import (
+    HttpError,
+    SglangResponse,
+    error_response,
+    full_choices,
+    stream_choices,
+)
 from common.text.tokenizer import load_tokenizer
 from common.wire.worker_auth import new_nonce, proof_matches
 from pdcluster.v1 import bootstrap_pb2, bootstrap_pb2_grpc
@@ -207,6 +214,8 @@ class SglangHttpServer:
                 obj["input_ids"] = await self._chat_ids(messages)
             req = parse_generate(obj)
             rid = req.rid or request.headers.get("X-Request-ID") or _RID_PREFIX[api] + uuid.uuid4().hex
+            if req.n > 1:
+                return await self._serve_choices(request, req, rid, api)
             msg, rank = await self._node_request(req, rid, await self._tokenize(req))
         except InvalidRequestError as e:
             return error_response(400, str(e))
@@ -220,6 +229,35 @@ class SglangHttpServer:
             return await run.stream(request, outputs)
         try:
             return _json(await run.full(outputs))
+        except HttpError as e:
+            return error_response(e.status, str(e))
+
+    async def _serve_choices(self, request: web.Request, req: SglangRequest, rid: str,
+                             api: str) -> web.StreamResponse:
+        """``sampling_params.n`` > 1 on ``/generate``: one request per choice (rid ``<rid>-<i>``; a seeded request's
+        choice i samples with seed + i), answered as SGLang does: a list of n bodies, or a stream whose chunks carry
+        their choice's ``index``. Raises ``InvalidRequestError`` where choices are not served."""
+        if api != "generate":
+            raise InvalidRequestError("n must be 1 on this node's OpenAI API; ask /generate for sampling_params.n, or "
+                                      "the pdcluster router, which serves n on its OpenAI API")
+        if self.mode != "null":
+            raise InvalidRequestError(
+                "sampling_params.n > 1 needs a colocated node: the choices of a disaggregated request would share "
+                "one bootstrap_room; send n requests with their own rooms, or use the pdcluster router")
+        ids = await self._tokenize(req)
+        runs, outputs = [], []
+        for i in range(req.n):
+            sp = req.sampling
+            if sp.seed is not None:
+                sp = msgspec.structs.replace(sp, seed=(sp.seed + i + (1 << 63)) % (1 << 64) - (1 << 63))
+            choice = dataclasses.replace(req, sampling=sp, n=1)
+            msg, rank = await self._node_request(choice, f"{rid}-{i}", ids)
+            runs.append(SglangResponse(self.tokenizer, self.model_name, choice, msg.rid, api, False))
+            outputs.append(self._outputs(msg, rank))
+        if req.stream:
+            return await stream_choices(request, rid, runs, outputs)
+        try:
+            return _json(await full_choices(runs, outputs))
         except HttpError as e:
             return error_response(e.status, str(e))
 

@@ -30,7 +30,7 @@ _SAMPLING_NAMES = {
 }
 # SGLang sampling_params this node accepts only at their default (a different value would be silently ignored).
 _SAMPLING_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "n": (1, None), "structural_tag": (None,),
+    "structural_tag": (None,),
     "no_stop_trim": (False, None), "spaces_between_special_tokens": (True, None), "custom_params": (None,),
     "stream_interval": (None,),
 }
@@ -40,6 +40,9 @@ _TOP_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "video_data": (None,), "input_embeds": (None,), "session_params": (None,), "custom_logit_processor": (None,),
     "return_bytes": (False, None), "return_entropy": (False, None),
 }
+
+
+MAX_CHOICES = 16  # sampling_params.n: most choices one request may ask for
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class SglangRequest:
     dp_rank: int | None  # routed_dp_rank / data_parallel_rank: this node's DP rank
     prefill_dp_rank: int | None  # disagg_prefill_dp_rank: decode nodes, the prefill DP rank holding the KV
     priority: int | None = None  # priority scheduling (a node without it refuses the request)
+    n: int = 1  # sampling_params.n: choices, each its own request (``/generate`` on a colocated node)
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
@@ -154,7 +158,15 @@ def parse_generate(obj: dict[str, Any]) -> SglangRequest:
         raise InvalidRequestError("input_ids must be a non-empty list of token ids (ints >= 0; one request a call)")
     if text == "":
         raise InvalidRequestError("text is empty; send at least one character")
-    sampling = sampling_from_sglang(obj.get("sampling_params"))
+    sp = obj.get("sampling_params")
+    n = 1
+    if isinstance(sp, dict) and "n" in sp:
+        sp = dict(sp)
+        n = sp.pop("n")
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise InvalidRequestError(f"sampling_params.n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+    sampling = sampling_from_sglang(sp)
     top_n = _int_or_none(obj, "top_logprobs_num", 0, 1 << 16) or 0
     rid = obj.get("rid")
     if rid is not None and (not isinstance(rid, str) or not rid):
@@ -172,7 +184,7 @@ def parse_generate(obj: dict[str, Any]) -> SglangRequest:
         bootstrap_port=_int_or_none(obj, "bootstrap_port", 1, 65536),
         bootstrap_room=_int_or_none(obj, "bootstrap_room"), dp_rank=dp_rank,
         prefill_dp_rank=_int_or_none(obj, "disagg_prefill_dp_rank", 0, 1 << 16),
-        priority=_int_or_none(obj, "priority", -(1 << 63), 1 << 63),
+        priority=_int_or_none(obj, "priority", -(1 << 63), 1 << 63), n=n,
     )
 
 

@@ -130,3 +130,60 @@ class SglangResponse:
                 await _write(resp, _sse({"error": {"message": str(e), "code": e.status}}))
         await resp.write_eof()
         return resp
+
+
+async def full_choices(runs: list[SglangResponse], outputs: list[AsyncIterator[TokenOut | PrefillDone]]
+                       ) -> list[dict[str, Any]]:
+    """n choices' whole bodies, in choice order; the first failure cancels the others (their requests abort)."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(run.full(outs)) for run, outs in zip(runs, outputs, strict=True)]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    return [dict(t.result(), index=i) for i, t in enumerate(tasks)]
+
+
+async def stream_choices(request: web.Request, rid: str, runs: list[SglangResponse],
+                         outputs: list[AsyncIterator[TokenOut | PrefillDone]]) -> web.StreamResponse:
+    """n choices as one SSE stream: each event is a choice's cumulative ``/generate`` body with its ``index``, as
+    its outputs come; ``[DONE]`` after the last choice ends. A failure ends the stream with an error event."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Request-ID": rid})
+    events: asyncio.Queue[tuple[int, dict[str, Any]] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, run: SglangResponse, outs: AsyncIterator[TokenOut | PrefillDone]) -> None:
+        try:
+            async with contextlib.aclosing(outs):
+                async for out in outs:
+                    run._add(out)
+                    events.put_nowait((i, dict(run._body(), index=i)))
+        except Exception as e:  # the request fails with it
+            events.put_nowait(e)
+        else:
+            events.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, run, outs)) for i, (run, outs) in enumerate(zip(runs, outputs, strict=True))]
+    try:
+        left = len(tasks)
+        while left:
+            ev = await events.get()
+            if ev is None:
+                left -= 1
+                continue
+            if isinstance(ev, BaseException):
+                status = ev.status if isinstance(ev, HttpError) else 500
+                if not resp.prepared:
+                    return error_response(status, str(ev))
+                await _write(resp, _sse({"error": {"message": str(ev), "code": status}}))
+                break
+            if not resp.prepared:
+                await resp.prepare(request)
+            await _write(resp, _sse(ev[1]))
+        else:
+            await _write(resp, b"data: [DONE]\n\n")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    await resp.write_eof()
+    return resp

@@ -183,6 +183,42 @@ async def test_sglang_generate_takes_json_schema_regex_ebnf(nodes) -> None:
             assert resp.status == 400 and "regex cannot be compiled" in await resp.text()
 
 
+async def test_sglang_generate_n_choices_seeded_per_choice_whole_and_streamed(nodes) -> None:
+    """``sampling_params.n`` on a colocated node's ``/generate``: a list of n bodies by index (a stream: chunks with
+    their choice's index), choice i sampling with seed + i, so each equals a single request with that seed."""
+    url = f"http://127.0.0.1:{nodes.sglang_port}/generate"
+    sp = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+        async def one(body: dict[str, Any]) -> Any:
+            async with http.post(url, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+
+        singles = [(await one({"input_ids": [5, 6, 7], "sampling_params": {**sp, "seed": 40 + i}}))["output_ids"]
+                   for i in range(3)]
+        assert len({tuple(x) for x in singles}) > 1  # the seeds differ, so do the choices
+        whole = await one({"input_ids": [5, 6, 7], "sampling_params": {**sp, "seed": 40, "n": 3}})
+        assert [b["index"] for b in whole] == [0, 1, 2] and [b["output_ids"] for b in whole] == singles
+        body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {**sp, "seed": 40, "n": 2}}
+        async with http.post(url, json=body) as resp:
+            assert resp.status == 200
+            raw = (await resp.read()).decode()
+        events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e.strip()]
+        assert events[-1] == "[DONE]"
+        last: dict[int, list[int]] = {}
+        for e in events[:-1]:
+            chunk = json.loads(e)
+            last[chunk["index"]] = chunk["output_ids"]
+        assert last == {0: singles[0], 1: singles[1]}
+        for bad, where in [({"input_ids": [5], "sampling_params": {"n": 0}}, url),
+                           ({"input_ids": [5], "sampling_params": {"n": 17}}, url),
+                           ({"prompt": "x", "n": 2, "model": "m"}, url.replace("/generate", "/v1/completions"))]:
+            async with http.post(where, json=bad) as resp:
+                assert resp.status == 400 and "n must" in await resp.text(), bad
+    for n in [nodes.c]:
+        n.wait_pools_free()
+
+
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
