@@ -29,6 +29,7 @@ def test_sglang_names_map_onto_the_node_request() -> None:
     assert req.stream and req.return_logprob and req.top_logprobs_num == 2  # top-n implies logprobs
     assert (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room) == ("10.0.0.1", 8998, 2**63 - 1)
     assert parse_generate({"input_ids": [1, 2]}).sampling.max_new_tokens == 128  # SGLang's default is ours
+    assert parse_generate({"input_ids": [1], "sampling_params": {"n": 3}}).n == 3
 
 
 @pytest.mark.parametrize("body, field", [
@@ -37,7 +38,8 @@ def test_sglang_names_map_onto_the_node_request() -> None:
     ({"text": ["a", "b"]}, "batches"),
     ({"input_ids": []}, "input_ids"),
     ({"text": "a", "sampling_params": {"max_tokens": 3}}, "max_tokens"),
-    ({"text": "a", "sampling_params": {"n": 2}}, "n=2"),
+    ({"text": "a", "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"text": "a", "sampling_params": {"n": 2.5}}, "sampling_params.n"),
     ({"text": "a", "sampling_params": {"structural_tag": "{}"}}, "structural_tag"),
     ({"text": "a", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "regex and ebnf"),
     ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
