@@ -59,6 +59,7 @@ class AdmissionState(MetricsSource, Protocol):
     num_retracted: int
     preempted: list[Req]
     in_flight: object | None
+    yield_to_role: bool
 
     @property
     def role(self) -> SchedulerRole: ...
@@ -92,6 +93,10 @@ def merge_last_batch(sched: AdmissionState) -> None:
 
 def get_new_batch_prefill(sched: AdmissionState) -> ScheduleBatch | None:
     args = sched.args
+    if sched.yield_to_role:  # the slot and pages a role's preemption freed are its head's at the next poll
+        sched.yield_to_role = False
+        if sched.chunked_req is None:
+            return None
     if sched.running_batch.is_empty():
         sched.running_batch.batch_is_full = False  # nothing holds memory for decode; always try the queue
     sched.policy.prepare(sched.waiting_queue, sched.running_batch, sched.new_token_ratio)
@@ -184,7 +189,8 @@ def preempt_running(sched: AdmissionState, victims: list[Req], head: Req) -> Non
     NOTE: pages freed while a batch is in flight are deferred (that batch may still write the victims' next slots,
     and the role hands freed pages to another process's writer). The victims join the waiting queue only at the
     next step, after the in-flight batch's result was processed: re-admitted in this step, the token of theirs
-    still in flight would be taken as the output of a request no longer retracted.
+    still in flight would be taken as the output of a request no longer retracted. No prefill runs in this step
+    (``yield_to_role``): requests retracted earlier would take the freed slot before the head's next poll.
     """
     in_flight = sched.in_flight is not None
     with sched.allocator.defer_frees() if in_flight else contextlib.nullcontext():
@@ -195,6 +201,7 @@ def preempt_running(sched: AdmissionState, victims: list[Req], head: Req) -> Non
     sched.running_batch.filter_batch(keep=[r for r in sched.running_batch.reqs if id(r) not in gone])
     sched.running_batch.batch_is_full = False
     sched.preempted.extend(victims)
+    sched.yield_to_role = True
     sched.policy.num_preempted += len(victims)
     logger.info("Priority preemption: rid=%s (priority %d) retracted %d running requests (%s)", head.rid,
                 head.priority, len(victims), ", ".join(f"rid={v.rid} priority {v.priority}" for v in victims))

@@ -92,6 +92,7 @@ class Scheduler:
         self.awaited: Future[PendingBatchResult] | None = None  # within step_overlap: the batch launched by the last step
         self.reqs_by_rid: dict[str, Req] = {}
         self.preempted: list[Req] = []  # retracted by a role's queue; waiting from the next step (preempt_running)
+        self.yield_to_role = False  # a role's queue preempted this step: no prefill takes what it freed
         ratio = batch_admission.new_token_ratio_schedule(args.schedule_conservativeness)
         self.init_new_token_ratio, self.min_new_token_ratio, self.new_token_ratio_decay = ratio
         self.new_token_ratio = self.init_new_token_ratio

@@ -340,6 +340,39 @@ def test_decode_prealloc_head_preempts_running_low_ones_with_identical_outputs(l
         d.close()
 
 
+def test_decode_prealloc_preempts_once_per_urgent_request_when_slot_bound(llama) -> None:
+    """Request slots, not KV, are short: each urgent request retracts one running request, and the slot it frees is
+    the urgent request's at the next poll (a request retracted earlier, waiting to recompute, does not take it)."""
+    from types import SimpleNamespace
+
+    from decode_node.prealloc_queue import DecodePreallocQueue
+    from kvtransfer.poll import KVPoll
+
+    rng = random.Random(6)
+    lows = [(f"low{i}", [rng.randrange(10, 1000) for _ in range(40)]) for i in range(4)]
+    d = Driver(llama, enable_priority_scheduling=True, disable_radix_cache=True, max_running_requests=4)
+    s = d.scheduler
+    queue = DecodePreallocQueue(s, SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4)), 8,  # type: ignore[arg-type]
+                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), s.policy)  # type: ignore[arg-type]
+    admitted: list[Req] = []
+    s.role.poll = lambda: admitted.extend(queue.pop_preallocated(0)[0])  # type: ignore[method-assign]
+    try:
+        d.submit(lows, priority=0, max_new_tokens=40)
+        d.run(until=lambda: all(len(d.outs.get(rid, [])) >= 4 for rid, _ in lows))
+        for k in range(3):  # the first takes the one free slot; each later one needs a victim
+            head = Req(f"urgent{k}", [7] * 16, SamplingParams(max_new_tokens=4), priority=100)
+            head.disagg_kv = _ResolvedReceiver()
+            queue.queue.append(head)
+            d.run(until=lambda head=head: head in admitted, max_steps=3)
+        assert s.policy.num_preempted == 2
+    finally:
+        for req in admitted:  # the urgent requests' KV never arrives here: give their slots and pages back
+            s.tree_cache.cache_finished_req(req)
+            req.req_pool_idx = None
+        d.run()
+        d.close()
+
+
 def test_decode_prealloc_does_not_preempt_within_the_threshold(llama) -> None:
     from types import SimpleNamespace
 
