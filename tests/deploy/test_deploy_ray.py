@@ -69,14 +69,31 @@ def _add_role_node(cluster: Cluster, role: str) -> Any:
     )
 
 
+HEAD_NODE = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "include_dashboard": False,
+             "object_store_memory": 75 << 20, "_system_config": FAST_FAILURE}
+
+
+def _start_cluster() -> tuple[Cluster, dict[str, Any]]:
+    """The head and one node per role. A start that fails leaves no Ray process behind; it is tried twice, since Ray
+    gives a starting raylet a fixed 30 s to register (``ray._private.node``), which a loaded 2-core machine has
+    missed once (2026-11-27: "The current node timed out during startup", the head's GCS left running)."""
+    for attempt in range(2):
+        c = Cluster(initialize_head=False)
+        try:
+            c.add_node(**HEAD_NODE)
+            nodes = {role: _add_role_node(c, role) for role in ("prefill", "decode")}
+            c.wait_for_nodes()
+            return c, nodes
+        except Exception:
+            c.shutdown()
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, Any]]:
-    c = Cluster(initialize_head=True, head_node_args={
-        "node_ip_address": "127.0.0.1", "num_cpus": 1, "include_dashboard": False,
-        "object_store_memory": 75 << 20, "_system_config": FAST_FAILURE,
-    })
-    nodes = {role: _add_role_node(c, role) for role in ("prefill", "decode")}
-    c.wait_for_nodes()
+    c, nodes = _start_cluster()
     ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
     model = make_tiny_model("llama")
     spec = (
