@@ -101,8 +101,8 @@ class DecodePreallocQueue:
         admitted: list[Req] = []
         failed: list[Req] = []
         keep: list[Req] = []
-        retracted = [self.order(r) for r in self.engine.prefilling_reqs()] if self.order else self.engine.num_waiting()
-        most_urgent_retracted = min(retracted) if isinstance(retracted, list) and retracted else None
+        retracted = s.prefilling_reqs()  # on a decode node: retracted requests, to recompute
+        most_urgent_retracted = min(map(self.order, retracted), default=None) if self.order else None
         blocked = False
         if self.order is not None:
             self.queue.sort(key=self.order)  # stable: arrival order within a priority
