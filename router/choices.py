@@ -18,20 +18,14 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
-
+from common.engine.sampling.params import for_choice
 from router.request import GenRequest, sampling_to_proto
-
-_INT64 = 1 << 64
 
 
 def choice_request(req: GenRequest, i: int) -> GenRequest:
     """Choice ``i`` of ``req``: its own rid and, for a seeded request, seed + i (wrapped to a signed 64-bit
     integer)."""
-    sp = req.sampling
-    if sp.seed is not None:
-        seed = (sp.seed + i + _INT64 // 2) % _INT64 - _INT64 // 2
-        sp = msgspec.structs.replace(sp, seed=seed)
+    sp = for_choice(req.sampling, i)
     return dataclasses.replace(req, rid=f"{req.rid}-{i}", sampling=sp, sampling_pb=sampling_to_proto(sp))
 
 

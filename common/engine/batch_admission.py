@@ -192,19 +192,10 @@ def preempt_running(sched: AdmissionState, victims: list[Req], head: Req) -> Non
     still in flight would be taken as the output of a request no longer retracted. No prefill runs in this step
     (``yield_to_role``): requests retracted earlier would take the freed slot before the head's next poll.
     """
-    in_flight = sched.in_flight is not None
-    with sched.allocator.defer_frees() if in_flight else contextlib.nullcontext():
-        for v in victims:
-            sched.running_batch.release_req_memory(v)
-            v.reset_for_retract()
-    gone = {id(v) for v in victims}
-    sched.running_batch.filter_batch(keep=[r for r in sched.running_batch.reqs if id(r) not in gone])
-    sched.running_batch.batch_is_full = False
+    with sched.allocator.defer_frees() if sched.in_flight is not None else contextlib.nullcontext():
+        sched.policy.retract(sched.running_batch, victims, head)
     sched.preempted.extend(victims)
     sched.yield_to_role = True
-    sched.policy.num_preempted += len(victims)
-    logger.info("Priority preemption: rid=%s (priority %d) retracted %d running requests (%s)", head.rid,
-                head.priority, len(victims), ", ".join(f"rid={v.rid} priority {v.priority}" for v in victims))
 
 
 def add_prebuilt(sched: AdmissionState, reqs: list[Req], take_first_token: Callable[[Req], None]) -> None:

@@ -214,17 +214,21 @@ class SchedulePolicy(PriorityRules):
             short_of_slot = False
         if not chosen or short_of_slot or need >= spare:
             return []
-        for v in chosen:
-            running_batch.release_req_memory(v)
-            v.reset_for_retract()
-        gone = {id(v) for v in chosen}
-        running_batch.filter_batch(keep=[r for r in running_batch.reqs if id(r) not in gone])
-        running_batch.batch_is_full = False
-        self.num_preempted += len(chosen)
-        logger.info("Priority preemption: rid=%s (priority %d) retracted %d running requests (%s)", head.rid,
-                    head.priority, len(chosen), ", ".join(f"rid={v.rid} priority {v.priority}" for v in chosen))
+        self.retract(running_batch, chosen, head)
         waiting.extend(chosen)
         return chosen
+
+    def retract(self, running_batch: ScheduleBatch, victims: list[Req], head: Req) -> None:
+        """Take ``victims`` out of the running batch for ``head``, their KV released (to be recomputed)."""
+        for v in victims:
+            running_batch.release_req_memory(v)
+            v.reset_for_retract()
+        gone = {id(v) for v in victims}
+        running_batch.filter_batch(keep=[r for r in running_batch.reqs if id(r) not in gone])
+        running_batch.batch_is_full = False
+        self.num_preempted += len(victims)
+        logger.info("Priority preemption: rid=%s (priority %d) retracted %d running requests (%s)", head.rid,
+                    head.priority, len(victims), ", ".join(f"rid={v.rid} priority {v.priority}" for v in victims))
 
 
 def _computing(leader: Req) -> bool:

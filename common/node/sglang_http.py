@@ -36,6 +36,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 
 from common import env
 from common.config import ServerArgs
+from common.engine.sampling.params import for_choice
 from common.errors import ErrorCode, InvalidRequestError
 from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from common.node import front
@@ -247,10 +248,7 @@ class SglangHttpServer:
         ids = await self._tokenize(req)
         runs, outputs = [], []
         for i in range(req.n):
-            sp = req.sampling
-            if sp.seed is not None:
-                sp = msgspec.structs.replace(sp, seed=(sp.seed + i + (1 << 63)) % (1 << 64) - (1 << 63))
-            choice = dataclasses.replace(req, sampling=sp, n=1)
+            choice = dataclasses.replace(req, sampling=for_choice(req.sampling, i), n=1)
             msg, rank = await self._node_request(choice, f"{rid}-{i}", ids)
             runs.append(SglangResponse(self.tokenizer, self.model_name, choice, msg.rid, api, False))
             outputs.append(self._outputs(msg, rank))

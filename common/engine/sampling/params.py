@@ -158,6 +158,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 _fail(f"{kind} must be at most {MAX_GRAMMAR_CHARS} characters, got {len(source)}")
 
 
+def for_choice(sp: SamplingParams, i: int) -> SamplingParams:
+    """Choice ``i`` of an ``n > 1`` request: a seeded request samples with seed + i (wrapped to a signed 64-bit
+    integer), so the choices differ and each is reproducible; an unseeded one is unchanged."""
+    if sp.seed is None:
+        return sp
+    return msgspec.structs.replace(sp, seed=(sp.seed + i + (1 << 63)) % (1 << 64) - (1 << 63))
+
+
 def _fail(message: str) -> None:
     raise InvalidRequestError(message)
 
