@@ -120,7 +120,7 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
         Step("engine", [*py, "benchmarks.engine_throughput", *engine_sizes, "--baseline-eager", "--hf-static",
                         "--warmup-full", "--json", str(out / "engine.json")], 165),
         Step("host", [*py, "benchmarks.host_step", *host_sizes, "--json", str(out / "host.json")], 120),
-        Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 100),
+        Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 150),
         Step("pd", [*py, "benchmarks.gpu_pd", *pd_sizes, "--json", str(out / "pd.json")], 150),
         # Last and GPU only (inductor's CPU compile of even the tiny model outlasts the dry run): our decode steps
         # compiled and captured (--enable-torch-compile), the lever the first GPU run's profile points at.
