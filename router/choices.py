@@ -3,8 +3,9 @@
     client request (n) ──> choice_request(req, i), i < n: rid ``<rid>-<i>``; a seeded request's choice i samples
                            with seed + i (reproducible, and the choices differ); an unseeded one draws each choice
                            from the nodes' shared generator
-                      ──> each routed, admitted and migrated like any request (the prompt's pages are shared
-                          through the prefill node's prefix cache when the choices land on one worker)
+                      ──> each routed, admitted and migrated like any request; on one worker the prompt is
+                          prefilled once: the others wait for it in the radix cache, whatever the schedule policy
+                          (``common.engine.schedule_order``, repeated prompts)
                       ──> merge_choices: their events interleave as they arrive, tagged with the choice index
 
 A choice that fails fails the whole request: the others are cancelled (their legs aborted on the workers).

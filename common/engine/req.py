@@ -85,6 +85,7 @@ class Req:
         self.bootstrap_room = bootstrap_room
         self.priority = priority  # with priority scheduling (common.engine.schedule_order); 0 and unused without
         self.arrival_seq = next(_arrivals)  # strictly increasing: ties in queue orders break by arrival
+        self._prompt_key: tuple[int, int] | None = None
 
         # Memory: the request slot and the prefix matched in the radix cache.
         self.req_pool_idx: int | None = None
@@ -123,6 +124,13 @@ class Req:
         self.prefill_dp_rank = 0
 
     # -- lengths ---------------------------------------------------------------------------------------------------
+    @property
+    def prompt_key(self) -> tuple[int, int]:
+        """(length, hash) of the prompt, computed once: equal prompts have equal keys (repeated-prompt grouping)."""
+        if self._prompt_key is None:
+            self._prompt_key = (len(self.origin_input_ids), hash(tuple(self.origin_input_ids)))
+        return self._prompt_key
+
     @property
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)

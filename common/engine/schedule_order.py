@@ -19,6 +19,12 @@ those of a request ahead of it (its leader) sits out the round (``Req.sits_out``
 shared prefix: the leader is ahead in the queue, or admitted and still prefilling, or finished and holding its
 pages (a prefill node's transfer). Once the prefix is cached the follower matches it and runs.
 
+Repeated prompts (fcfs, lof, random; the cache-aware policies catch them above): a fresh request whose whole prompt
+equals that of a request ahead of it, or of one still computing it, sits out until that prompt is cached, then
+computes only its last page. So the ``n`` choices of one request (the router's and the node's fan-out send them as
+``n`` requests with one prompt) and repeated prompts prefill once, whatever the policy (SGLang's tokenizer sends
+a prefix-caching request ahead of the ``n`` samples for the same reason).
+
 Invariant: every preempted request re-enters the waiting queue with its pages released (into the radix cache when
 it is on) and sits out the round of its preemption, so a token of it still in flight is dropped before it returns.
 """
@@ -102,6 +108,8 @@ class SchedulePolicy(PriorityRules):
         self.policy = args.schedule_policy if has_tree or args.schedule_policy not in CACHE_AWARE else "fcfs"
         self.rng = random.Random(args.seed)
         self.leaders: dict[tuple[int, ...], Req] = {}  # in-batch prefix caching: who computes each shared head
+        self.has_tree = has_tree
+        self.prompt_leaders: dict[tuple[int, int], Req] = {}  # repeated prompts: who computes each one
         self.num_preempted = 0
 
     # -- the round -------------------------------------------------------------------------------------------------
@@ -139,6 +147,21 @@ class SchedulePolicy(PriorityRules):
             self.rng.shuffle(waiting)
             if self.priority_on:
                 waiting.sort(key=self.urgency)
+        if policy not in CACHE_AWARE and self.has_tree:
+            self.hold_repeated_prompts(waiting)
+
+    def hold_repeated_prompts(self, waiting: list[Req]) -> None:
+        """Marks ``sits_out`` each fresh request whose prompt a request ahead of it (in ``waiting``'s order) or one
+        still computing it (``_computing``) has: one prefill per distinct prompt at a time."""
+        queued = {id(r) for r in waiting}
+        leaders = {k: r for k, r in self.prompt_leaders.items() if id(r) not in queued and _computing(r)}
+        for req in waiting:
+            if req.output_ids or len(req.origin_input_ids) <= self.allocator.page_size:  # nothing to share
+                continue
+            leader = leaders.setdefault(req.prompt_key, req)
+            if leader is not req and leader.origin_input_ids == req.origin_input_ids:  # the key may collide
+                req.sits_out = True
+        self.prompt_leaders = leaders
 
     # -- cache-aware policies --------------------------------------------------------------------------------------
     def match_prefixes(self, waiting: list[Req]) -> dict[int, tuple[int, TreeNode]]:

@@ -132,6 +132,25 @@ def test_in_batch_followers_of_an_uncached_prefix_sit_out() -> None:
     assert rids(queue)[-2:] == ["f1", "f2"]
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "lof", "random"])
+def test_repeated_prompts_sit_out_behind_the_first_under_every_policy(policy: str) -> None:
+    prompt = list(range(100, 120))
+    queue = [req("a", prompt), req("other", list(range(300, 320))), req("b", prompt), req("c", prompt),
+             req("short", [7] * PS), req("short2", [7] * PS)]
+    started = req("d", prompt)
+    started.output_ids = [5]  # a retracted request with output resumes its own sequence: never held
+    queue.append(started)
+    pol = make_policy(policy)
+    pol.calc_priority(queue)
+    held = {r.rid for r in queue if r.sits_out}
+    assert len(held) == 2 and held < {"a", "b", "c"}, held  # one of the three computes it (the first in order)
+    assert next(r for r in queue if r.origin_input_ids == prompt).sits_out is False
+    assert not make_policy(policy, tree=False).has_tree  # no radix cache: nothing to share, nobody waits
+    queue = [req("a", prompt), req("b", prompt)]
+    make_policy(policy, tree=False).calc_priority(queue)
+    assert not any(r.sits_out for r in queue)
+
+
 def test_priority_on_a_node_without_priority_scheduling_is_rejected() -> None:
     with pytest.raises(InvalidRequestError, match="--enable-priority-scheduling"):
         make_policy().resolve_priority(3)
@@ -235,6 +254,21 @@ def test_in_batch_prefix_caching_computes_a_shared_uncached_prefix_once(llama) -
         # Once: 64 shared + 4 own for the leader, then the followers' own tails (from the last whole page).
         assert d.forward_tokens == 68 + 3 * 4, d.forward_tokens
         assert sorted(d.cached.values()) == [0, 64, 64, 64]
+    finally:
+        d.close()
+
+
+def test_n_choices_of_one_prompt_prefill_it_once_under_fcfs(llama) -> None:
+    rng = random.Random(5)
+    prompt = [rng.randrange(10, 1000) for _ in range(64)]
+    d = Driver(llama, chunked_prefill_size=-1)  # fcfs, the default
+    try:
+        d.submit([(f"c{i}", prompt) for i in range(3)], max_new_tokens=4)
+        d.run()
+        # The first computes the prompt; the others wait for it to be cached and compute its last page only.
+        assert d.forward_tokens == 64 + 2 * PS, d.forward_tokens
+        assert sorted(d.cached.values()) == [0, 64 - PS, 64 - PS]
+        assert d.outs["c0"] == d.outs["c1"] == d.outs["c2"]  # greedy: the shared KV changes nothing
     finally:
         d.close()
 
