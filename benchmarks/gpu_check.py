@@ -15,8 +15,9 @@ Steps, in order of value; each runs in a child process with its own deadline (cu
             card's weight-read floor; a torch profiler table of our decode steps
     host    benchmarks/host_step.py: the engine step's decode at batch 64, each scheduler/forward function's thread
             CPU time per step (where the host time of a host-bound step goes)
-    kv      benchmarks/kv_transfer.py --device cuda: a 512 MiB paged request over shm (CUDA IPC) against an
-            in-process device copy, tcp (staged) against raw loopback TCP, nixl (VRAM) where its wheel loads
+    kv      benchmarks/kv_transfer.py --device cuda: a 512 MiB paged request, alone and 4 in flight, over shm
+            (CUDA IPC) against an in-process device copy, tcp (staged) against raw loopback TCP, nixl (VRAM) where
+            its wheel loads
     pd      benchmarks/gpu_pd.py: pdcluster up colocated, then 1 prefill + 1 decode over shm and over tcp on the
             one GPU; c=32 streamed greedy load through the OpenAI API; texts identical to colocated; pools back;
             start-up seconds and the KV pool each node chose
@@ -97,7 +98,8 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
                         "--profile-steps", "4"]
         host_sizes = ["--device", "cpu", "--null-forward", "--batch", "8", "--input-len", "16", "--output-len", "16",
                       "--repeats", "1"]
-        kv_sizes = ["--device", "cpu", "--backends", "shm,tcp", "--tokens", "256", "--reps", "1", "--rounds", "1"]
+        kv_sizes = ["--device", "cpu", "--backends", "shm,tcp", "--tokens", "256", "--reps", "1", "--rounds", "1",
+                    "--inflight", "1,2"]
         # The tiny llama and a 4096-token KV pool per node (the CPU default sizes the pool from free RAM: GiBs to
         # allocate and zero per node, for 8 requests of 40 tokens).
         pd_sizes = ["--device", "cpu", "--backends", "tcp", "--num-requests", "8", "--input-len", "32",
@@ -118,7 +120,7 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
         Step("engine", [*py, "benchmarks.engine_throughput", *engine_sizes, "--baseline-eager", "--hf-static",
                         "--warmup-full", "--json", str(out / "engine.json")], 165),
         Step("host", [*py, "benchmarks.host_step", *host_sizes, "--json", str(out / "host.json")], 120),
-        Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 45),
+        Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 100),
         Step("pd", [*py, "benchmarks.gpu_pd", *pd_sizes, "--json", str(out / "pd.json")], 150),
         # Last and GPU only (inductor's CPU compile of even the tiny model outlasts the dry run): our decode steps
         # compiled and captured (--enable-torch-compile), the lever the first GPU run's profile points at.

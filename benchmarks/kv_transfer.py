@@ -26,6 +26,12 @@ the same run: an in-process device-to-device copy of the same number of bytes (o
 synchronized) and the raw TCP socket above (host memory). Targets: shm (CUDA IPC) >= 0.5x the device copy, tcp
 (staged through pinned host buffers) >= 0.8x raw TCP. ``--tokens`` shrinks the request (pool = 2x the request).
 
+``--inflight 1,4`` (cuda default; cpu: 1) also measures K requests in flight at once: K rooms sent back to back,
+timed from the first ``send`` to the last ``Success``, GB/s = K x 512 MiB over that time (the pools hold K + 1
+requests; the baseline is the same). One request alone measures the control path's fixed cost (two processes,
+a confirmation round trip: ~1.5 ms, three device copies' worth of a 512 MiB request on an H200); K in flight
+measure the bandwidth a loaded decode node gets, the fixed cost overlapped with other requests' copies.
+
 ``--rounds N`` measures each backend and its baseline N times, alternating which goes first, and takes the median
 of the N paired ratios for the target (a single pair moves by +-20 % on a shared 2-core machine).
 
@@ -65,10 +71,12 @@ POLL_S = 0.0001  # both sides poll for the final state: a 1 ms poll alone is 3x 
 
 @dataclass(frozen=True)
 class Geometry:
-    """One request of ``tokens`` tokens out of a pool of twice its pages (plus the padding page), on ``device``."""
+    """Requests of ``tokens`` tokens out of a pool of ``slots`` + 1 requests' pages (plus the padding page), on
+    ``device``: up to ``slots`` requests in flight on disjoint destination pages."""
 
     tokens: int = 4096
     device: str = "cpu"
+    slots: int = 1
 
     @property
     def req_pages(self) -> int:
@@ -76,7 +84,7 @@ class Geometry:
 
     @property
     def pool_pages(self) -> int:
-        return 2 * self.req_pages
+        return (self.slots + 1) * self.req_pages
 
     @property
     def nbytes(self) -> int:
@@ -100,17 +108,19 @@ def make_pool(seed: int | None, geom: Geometry, device: str | None = None) -> KV
                   total_kv_heads=HEADS, num_metadata_slots=16)
 
 
-def page_tables(mode: str, seed: int, geom: Geometry) -> tuple[list[int], list[int]]:
+def page_tables(mode: str, seed: int, geom: Geometry, inflight: int = 1) -> tuple[list[int], list[list[int]]]:
+    """The source pages and ``inflight`` disjoint destination tables of one request each."""
+    n = geom.req_pages
     if mode == "contiguous":
-        pages = list(range(1, geom.req_pages + 1))
-        return pages, pages
+        return list(range(1, n + 1)), [list(range(1 + k * n, 1 + (k + 1) * n)) for k in range(inflight)]
     rng = random.Random(seed)
     slots = [1 + RUN * k for k in range((geom.pool_pages - 1) // RUN)]
 
-    def table() -> list[int]:
-        return [start + i for start in rng.sample(slots, geom.req_pages // RUN) for i in range(RUN)]
+    def table(count: int) -> list[int]:
+        return [start + i for start in rng.sample(slots, count // RUN) for i in range(RUN)]
 
-    return table(), table()
+    dst = table(inflight * n)
+    return table(n), [dst[k * n:(k + 1) * n] for k in range(inflight)]
 
 
 def runs_of(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -341,7 +351,7 @@ def bench_raw_mooncake(src: KVArgs, runs: list[tuple[int, int, int]], reps: int,
 
 
 # ---- backends -------------------------------------------------------------------------------------------------------
-def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int], rooms: list[int],
+def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int], rooms: list[list[int]],
                    out: mp.Queue, geom: Geometry) -> None:
     torch.set_num_threads(1)
     from kvtransfer.bootstrap import BootstrapServer
@@ -355,35 +365,40 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
     mgr = KVManager(make_pool(SRC_SEED, geom), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
     out.put(("ready", port))
     times = []
-    for room in rooms:
-        sender = KVSender(mgr, room)
-        while sender.poll() < KVPoll.WaitingForInput:
-            time.sleep(POLL_S)
-        sender.init(len(src_pages), 0)
+    for group in rooms:  # one rep: the group's rooms in flight at once
+        senders = [KVSender(mgr, room) for room in group]
+        for slot, sender in enumerate(senders):
+            while sender.poll() < KVPoll.WaitingForInput:
+                time.sleep(POLL_S)
+            sender.init(len(src_pages), slot)
         t0 = time.perf_counter()
-        sender.send(src_pages, last=True, metadata=MetadataRecord(room=room, first_token=1))
-        while not sender.poll().is_final:
+        for room, sender in zip(group, senders, strict=True):
+            sender.send(src_pages, last=True, metadata=MetadataRecord(room=room, first_token=1))
+        while not all(sender.poll().is_final for sender in senders):
             time.sleep(POLL_S)
         times.append(time.perf_counter() - t0)
-        if sender.poll() != KVPoll.Success:
-            out.put(("failed", sender.failure()))
-            return
-        sender.clear()
+        for sender in senders:
+            if sender.poll() != KVPoll.Success:
+                out.put(("failed", sender.failure()))
+                return
+            sender.clear()
     out.put(("times", times))
     time.sleep(1)
     mgr.close()
     server.stop()
 
 
-def bench_backend(backend: str, src_pages: list[int], dst_pages: list[int], reps: int, src: KVArgs,
+def bench_backend(backend: str, src_pages: list[int], dst_tables: list[list[int]], reps: int, src: KVArgs,
                   geom: Geometry, options: dict[str, str]) -> list[float]:
+    """Seconds per rep: ``len(dst_tables)`` requests in flight at once, one per destination table."""
     from kvtransfer.manager import KVManager
     from kvtransfer.poll import KVPoll
     from kvtransfer.receiver import DecodeRooms, KVReceiver
 
     config = replace(KVTransferConfig(backend=backend, cluster_token="bench"), transfer_timeout_s=120,
                      backend_options=options)
-    rooms = [1000 + i for i in range(reps + 1)]
+    k = len(dst_tables)
+    rooms = [[1000 + i * k + j for j in range(k)] for i in range(reps + 1)]
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     proc = ctx.Process(target=_prefill_child, args=(backend, config, src_pages, rooms, out, geom), daemon=True)
@@ -392,21 +407,24 @@ def bench_backend(backend: str, src_pages: list[int], dst_pages: list[int], reps
     mgr = KVManager(dst, config, DecodeRooms)
     try:
         kind, port = out.get(timeout=180)
-        for room in rooms:
-            receiver = KVReceiver(mgr, room, f"127.0.0.1:{port}")
-            receiver.init(0)
-            receiver.send_metadata(dst_pages, 0)
+        for group in rooms:
+            receivers = [KVReceiver(mgr, room, f"127.0.0.1:{port}") for room in group]
+            for slot, (receiver, dst_pages) in enumerate(zip(receivers, dst_tables, strict=True)):
+                receiver.init(0)
+                receiver.send_metadata(dst_pages, slot)
             end = time.monotonic() + 180
-            while not receiver.poll().is_final and time.monotonic() < end:
+            while not all(r.poll().is_final for r in receivers) and time.monotonic() < end:
                 time.sleep(POLL_S)
-            if receiver.poll() != KVPoll.Success:
-                raise RuntimeError(f"{backend}: room {room} {receiver.poll().name}: {receiver.failure()}")
-            receiver.clear()
+            for room, receiver in zip(group, receivers, strict=True):
+                if receiver.poll() != KVPoll.Success:
+                    raise RuntimeError(f"{backend}: room {room} {receiver.poll().name}: {receiver.failure()}")
+                receiver.clear()
         kind, payload = out.get(timeout=60)
         if kind != "times":
             raise RuntimeError(f"{backend}: prefill side: {payload}")
         if backend != "fake":
-            verify(src, dst, src_pages, dst_pages)
+            for dst_pages in dst_tables:
+                verify(src, dst, src_pages, dst_pages)
         return payload[1:]
     finally:
         mgr.close()
@@ -429,8 +447,8 @@ TARGETS = [("raw_tcp", "raw TCP sendmsg", "tcp", 1.0), ("memcpy", "memcpy 1T", "
            ("raw_mooncake", "raw Mooncake", "mooncake", 0.9)]
 
 
-def gbps(times: list[float], geom: Geometry) -> float:
-    return geom.nbytes / statistics.median(times) / 1e9
+def gbps(times: list[float], geom: Geometry, requests: int = 1) -> float:
+    return requests * geom.nbytes / statistics.median(times) / 1e9
 
 
 def main() -> int:
@@ -446,15 +464,24 @@ def main() -> int:
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="backend option, given to the backends that read it: stage=always (tcp's staged path "
                              "on CPU buffers), streams=1 (tcp on one connection)")
+    parser.add_argument("--inflight", default="",
+                        help="comma-separated counts of requests in flight at once; default 1,4 (cuda), 1 (cpu)")
     parser.add_argument("--json", default="")
     opts = parser.parse_args()
+    try:
+        inflights = [int(k) for k in (opts.inflight or ("1,4" if opts.device == "cuda" else "1")).split(",")]
+    except ValueError:
+        parser.error(f"--inflight takes comma-separated positive integers, not {opts.inflight!r}")
+    if min(inflights) < 1 or max(inflights) > 16 or len(set(inflights)) != len(inflights):
+        parser.error(f"--inflight takes distinct integers from 1 to 16 (the pools' metadata slots), not "
+                     f"{opts.inflight!r}")
     options = dict(o.split("=", 1) for o in opts.option)
     if opts.tokens < PAGE * RUN or opts.tokens % (PAGE * RUN):
         parser.error(f"--tokens must be a positive multiple of {PAGE * RUN}")
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible")
     cuda = opts.device == "cuda"
-    geom = Geometry(opts.tokens, "cuda:0" if cuda else "cpu")
+    geom = Geometry(opts.tokens, "cuda:0" if cuda else "cpu", max(inflights))
     backends = (opts.backends or ("shm,tcp" if cuda else ",".join(n for n in BACKENDS if n != "fake") + ",fake"))
     modes = opts.modes or ("paged" if cuda else "contiguous,paged")
     unread = [k for k in options if not any(k in KV_TRANSFER_OPTIONS.get(b, ()) for b in backends.split(","))]
@@ -466,10 +493,10 @@ def main() -> int:
     scratch = None if cuda else make_pool(None, geom)
     copy_name, copy_key = ("device copy", "device_copy") if cuda else ("memcpy 1T", "memcpy")
     results: dict[str, dict[str, float | str]] = {}
-    for mode in modes.split(","):
-        src_pages, dst_pages = page_tables(mode, 11, geom)
-        runs = runs_of(src_pages, dst_pages)
-        row = results.setdefault(mode, {})
+    for mode, inflight in [(m, k) for m in modes.split(",") for k in inflights]:
+        src_pages, dst_tables = page_tables(mode, 11, geom, inflight)
+        runs = runs_of(src_pages, dst_tables[0])
+        row = results.setdefault(mode if inflight == 1 else f"{mode} x{inflight}", {})
         def baseline(name: str, runs: list[tuple[int, int, int]] = runs) -> float:
             if name == copy_key:
                 return gbps(bench_device_copy(geom, opts.reps) if scratch is None else
@@ -492,9 +519,9 @@ def main() -> int:
                     env = dict(os.environ)
                     try:
                         measured[name].append(baseline(name) if name == base else gbps(
-                            bench_backend(backend, src_pages, dst_pages, opts.reps, src, geom,
+                            bench_backend(backend, src_pages, dst_tables, opts.reps, src, geom,
                                           {k: v for k, v in options.items() if k in KV_TRANSFER_OPTIONS[backend]}),
-                            geom))
+                            geom, inflight))
                     except Exception as exc:  # a backend's failure goes in the table; the other backends go on
                         if name == base:
                             raise
@@ -503,7 +530,7 @@ def main() -> int:
                     finally:  # importing ucxx writes UCX_* variables that NIXL's UCX would read (measured: 0.3x)
                         os.environ.clear()
                         os.environ.update(env)
-                print(f"{mode:10s} round {r}: " + ", ".join(f"{n} {v[-1]:.2f}" for n, v in measured.items()),
+                print(f"{mode:10s} x{inflight} round {r}: " + ", ".join(f"{n} {v[-1]:.2f}" for n, v in measured.items()),
                       file=sys.stderr, flush=True)
             for name, values in measured.items():
                 if not isinstance(row.get(name), str):
@@ -516,8 +543,8 @@ def main() -> int:
             if base not in row:
                 row[base] = baseline(base)
     mib = geom.nbytes / 2**20
-    print(f"\n{mib:.0f} MiB request on {geom.device}, median of {opts.reps} reps, GB/s "
-          f"(ratio to raw TCP sendmsg / to {copy_name})\n")
+    print(f"\n{mib:.0f} MiB requests on {geom.device} (mode xK: K in flight at once), median of {opts.reps} reps, "
+          f"GB/s (ratio to raw TCP sendmsg / to {copy_name})\n")
     print(f"| mode | {copy_name} | raw TCP | " + " | ".join(backends.split(",")) + " |")
     print("|---|---|---|" + "---|" * len(backends.split(",")))
     for mode, row in results.items():

@@ -14,7 +14,8 @@ pass that wrote the source pages was enqueued before the job was submitted):
                   page tables of both sides, no staging, so the bytes cross memory once, as a device copy's do)
     head slices (heterogeneous TP):  one strided slice copy per run and buffer (``copy_runs``)
 
-then an event is recorded and synchronized, so ``on_job_done`` means the bytes are in the destination pool.
+then an event is recorded, and the job's ``Landing`` synchronizes it: the workers are pipelined, so the next job's
+copies are enqueued while this one's lands, and ``on_job_done`` still means the bytes are in the destination pool.
 A peer in this same process (tests) cannot open its own handles (CUDA refuses); it is found by its (random)
 export id in a process-local table and its tensors are used directly.
 """
@@ -34,7 +35,7 @@ from common.engine.kernels.kv_pages import buffer_table, copy_pages
 from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import device_identity
-from kvtransfer.backends.workers import QueuedBackend, TransferError
+from kvtransfer.backends.workers import Landing, QueuedBackend, TransferError
 from kvtransfer.pages import copy_runs
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ def open_handles(described: str, layout: KVLayout, dtype: torch.dtype, device: t
 
 class CudaIpcBackend(QueuedBackend):
     transport = "shm"
+    pipelined = True
 
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
@@ -177,7 +179,7 @@ class CudaIpcBackend(QueuedBackend):
             self._failed.pop(key, None)
 
     # ---- prefill worker thread ----------------------------------------------------------------------------------
-    def _move(self, job: TransferJob) -> None:
+    def _move(self, job: TransferJob) -> Landing | None:
         with self._lock:
             pool, failed = self._pools.get(job.peer), self._failed.get(job.peer)
         if pool is None:
@@ -187,7 +189,7 @@ class CudaIpcBackend(QueuedBackend):
         if job.heads is not None and not 0 <= job.heads.dst_head <= pool.kv_heads - job.heads.num_heads:
             raise TransferError(f"destination heads of room {job.room} outside the peer's {pool.kv_heads} heads")
         if not job.runs:
-            return
+            return None
         ps = self.args.page_size
         with torch.cuda.stream(pool.stream):
             if job.heads is None:
@@ -204,7 +206,7 @@ class CudaIpcBackend(QueuedBackend):
                     copy_runs(src, dst, job.runs, ps, job.heads)
             done = torch.cuda.Event()
             done.record(pool.stream)
-        done.synchronize()
+        return done.synchronize
 
 
 def page_ids(job: TransferJob) -> torch.Tensor:

@@ -4,9 +4,16 @@ wires them to the ``KVBackend`` interface (``QueuedBackend``).
 Each peer gets one thread that runs ``move(job)`` for its jobs in submission order and reports every job exactly
 once through ``events.on_job_done``. ``move`` raises ``TransferError`` (or ``OSError``) on failure.
 
+Pipelined workers (``pipelined=True``, a device backend whose copies are asynchronous): ``move`` enqueues the job's
+copies and returns a ``Landing`` (blocks until the bytes are in place) instead of waiting itself. A second thread
+per peer, the lander, waits for each landing and reports, in submission order, while the mover already enqueues
+the next job: back-to-back jobs keep the copy engine busy instead of idling through each job's report. The peer's
+resources are released (``on_stop``) by the lander, after the last landing: no copy still writes into them.
+
 A ``QueuedBackend`` subclass writes its transport only::
 
     _move(job)              prefill worker thread: move one job's bytes, return once they are in the destination
+                            (pipelined: or return a Landing that waits for them)
     _peer_stopped(key)      that peer's worker thread, after its last job: release per-peer resources (optional)
     endpoint/add_peer/remove_peer/close   its own connections, calling super() for the worker side
 
@@ -40,13 +47,18 @@ class _Stop:
         self.reason = reason
 
 
+Landing = Callable[[], None]  # blocks until a pipelined job's bytes are in the destination; raises TransferError
+_Landed = tuple[TransferJob, Landing | None, str | None]  # mover -> lander: (job, its landing, its error)
+
+
 class PeerWorkers:
-    def __init__(self, events: BackendEvents, move: Callable[[TransferJob], None], name: str,
-                 on_stop: Callable[[PeerKey], None] | None = None) -> None:
+    def __init__(self, events: BackendEvents, move: Callable[[TransferJob], Landing | None], name: str,
+                 on_stop: Callable[[PeerKey], None] | None = None, pipelined: bool = False) -> None:
         self._events = events
         self._move = move
         self._on_stop = on_stop  # runs on the peer's thread after its last job (release per-peer resources)
         self._name = name
+        self._pipelined = pipelined
         self._lock = threading.Lock()
         self._queues: dict[PeerKey, queue.SimpleQueue[TransferJob | _Stop]] = {}
         self._threads: dict[PeerKey, threading.Thread] = {}
@@ -94,18 +106,25 @@ class PeerWorkers:
                 thread.join(2)
 
     def _run(self, key: PeerKey, q: queue.SimpleQueue[TransferJob | _Stop]) -> None:
+        landed: queue.SimpleQueue[_Landed | None] | None = None
+        if self._pipelined:
+            landed = queue.SimpleQueue()
+            threading.Thread(target=self._land, args=(key, landed), daemon=True,
+                             name=f"kv-{self._name}-land-{key.instance_id[-12:]}").start()
         stopped: str | None = None
         while True:
             try:
                 item = q.get(timeout=0.5) if stopped else q.get()
             except queue.Empty:
-                if self._on_stop is not None:
+                if landed is not None:
+                    landed.put(None)  # the lander releases the peer after the last landing
+                elif self._on_stop is not None:
                     self._on_stop(key)
                 return
             if isinstance(item, _Stop):
                 stopped = item.reason
                 continue
-            error = stopped
+            error, landing = stopped, None
             if error is None:
                 with self._lock:
                     cancelled = item.room in self._cancelled
@@ -113,14 +132,37 @@ class PeerWorkers:
                     error = "cancelled"
                 else:
                     try:
-                        self._move(item)
-                    except (TransferError, OSError) as exc:
-                        error = f"{self._name} to {key.instance_id}: {exc}"
-                    except Exception as exc:  # a backend bug must fail the job, not kill the peer's worker
-                        log.exception("%s to %s: unexpected error moving room %d", self._name, key.instance_id,
-                                      item.room)
-                        error = f"{self._name} to {key.instance_id}: internal error: {type(exc).__name__}: {exc}"
+                        landing = self._move(item)
+                    except Exception as exc:
+                        error = self._error(key, item, exc)
+            if landed is not None:
+                landed.put((item, landing, error))
+                continue
+            if landing is not None and error is None:
+                try:
+                    landing()
+                except Exception as exc:
+                    error = self._error(key, item, exc)
             self._events.on_job_done(item, error)
+
+    def _land(self, key: PeerKey, landed: queue.SimpleQueue[_Landed | None]) -> None:
+        while (entry := landed.get()) is not None:  # the mover always ends the queue with None
+            job, landing, error = entry
+            if landing is not None and error is None:
+                try:
+                    landing()
+                except Exception as exc:
+                    error = self._error(key, job, exc)
+            self._events.on_job_done(job, error)
+        if self._on_stop is not None:
+            self._on_stop(key)
+
+    def _error(self, key: PeerKey, job: TransferJob, exc: Exception) -> str:
+        if isinstance(exc, TransferError | OSError):
+            return f"{self._name} to {key.instance_id}: {exc}"
+        # a backend bug must fail the job, not kill the peer's worker
+        log.error("%s to %s: unexpected error moving room %d", self._name, key.instance_id, job.room, exc_info=exc)
+        return f"{self._name} to {key.instance_id}: internal error: {type(exc).__name__}: {exc}"
 
 
 class QueuedBackend(KVBackend):
@@ -131,16 +173,19 @@ class QueuedBackend(KVBackend):
     """
 
     transport = "kv"  # names the worker threads and prefixes job errors
+    pipelined = False  # True: ``_move`` may return a ``Landing`` (see the module docstring)
 
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
         self._buffers = layer_buffers(args)  # K0, V0, K1, V1, ...
-        self._workers = PeerWorkers(events, self._move, self.transport, on_stop=self._peer_stopped)
+        self._workers = PeerWorkers(events, self._move, self.transport, on_stop=self._peer_stopped,
+                                    pipelined=self.pipelined)
 
     @abstractmethod
-    def _move(self, job: TransferJob) -> None:
-        """Worker thread: move ``job``; raises ``TransferError`` (or ``OSError``) naming the cause on failure."""
+    def _move(self, job: TransferJob) -> Landing | None:
+        """Worker thread: move ``job``; raises ``TransferError`` (or ``OSError``) naming the cause on failure.
+        A pipelined backend may return once the copies are enqueued, with the ``Landing`` that waits for them."""
 
     def _peer_stopped(self, key: PeerKey) -> None:
         """Worker thread of ``key``, after its last job: nothing of this backend touches its resources again."""
