@@ -3,7 +3,7 @@ model types only: a node's front reads its model's config without importing torc
 per process start).
 
 ``read_config`` answers None whenever its reading could differ from transformers' (a model type it does not know,
-a field it would have to default that has no fixed default here, legacy ``rope_scaling``): the caller then asks
+a field it would have to default that has no fixed default here, a per-layer RoPE): the caller then asks
 ``AutoConfig``. The defaults below are the transformers config classes' (tests/engine/test_hf_config.py compares).
 """
 
@@ -21,6 +21,9 @@ REQUIRED = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
     "max_position_embeddings", "rms_norm_eps",
 )
+DEFAULT_THETA = 10_000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+# transformers' required keys per rope type (original_max_position_embeddings defaults to max_position_embeddings)
+REQUIRED_ROPE_KEYS = {"linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor"}}
 _COMMON = {"hidden_act": "silu", "tie_word_embeddings": False, "num_key_value_heads": None, "head_dim": None}
 # model_type -> (its architecture, the defaults of its transformers config class for the fields ModelConfig reads)
 MODEL_TYPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -54,7 +57,7 @@ def read_config(path: Path) -> SimpleNamespace | None:
     arch, defaults = MODEL_TYPES[raw["model_type"]]
     if raw.get("architectures") != [arch] or any(raw.get(k) is None for k in REQUIRED):
         return None
-    rope = _rope_parameters(raw)
+    rope = _rope_parameters(raw, file)
     if rope is None or (raw["model_type"] == "mistral" and "layer_types" in raw):
         return None
     cfg = {**defaults, **{k: v for k, v in raw.items() if k in defaults or k in REQUIRED}}
@@ -77,11 +80,19 @@ def read_config(path: Path) -> SimpleNamespace | None:
     return SimpleNamespace(**cfg)
 
 
-def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any] | None:
-    """transformers v5's ``rope_parameters``, where reading it needs no conversion; else None."""
-    rp = raw.get("rope_parameters")
-    if isinstance(rp, dict) and "rope_theta" in rp and raw.get("rope_scaling") is None:
-        return dict(rp)
-    if rp is None and raw.get("rope_scaling") is None and raw.get("rope_theta") is not None:
-        return {"rope_type": "default", "rope_theta": raw["rope_theta"]}
-    return None
+def _rope_parameters(raw: dict[str, Any], file: Path) -> dict[str, Any] | None:
+    """transformers v5's ``rope_parameters`` (RotaryEmbeddingConfigMixin: legacy ``rope_scaling`` wins, then
+    ``rope_theta`` and the type filled in) for one RoPE shared by all layers; None for the forms left to AutoConfig
+    (per-layer-type RoPE, top-level partial_rotary_factor or original_max_position_embeddings)."""
+    src = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(src, dict) or any(isinstance(v, dict) for v in src.values()):
+        return None
+    if "partial_rotary_factor" in raw or "original_max_position_embeddings" in raw:
+        return None
+    rp = dict(src)
+    rp.setdefault("rope_theta", raw.get("rope_theta", DEFAULT_THETA))
+    rp.setdefault("rope_type", rp.get("type", "default"))
+    missing = sorted(REQUIRED_ROPE_KEYS.get(rp["rope_type"], set()) - rp.keys())
+    if missing:  # transformers' validate_rope raises too
+        raise ModelLoadError(f"{file}: rope_parameters of rope_type {rp['rope_type']!r} lack {', '.join(missing)}")
+    return rp if rp["rope_theta"] is not None else None
