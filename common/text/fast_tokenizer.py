@@ -9,7 +9,7 @@ importing transformers or torch (seconds of CPU in every process that tokenizes)
 - ``Qwen2Tokenizer`` (model_type qwen2, or ``tokenizer_class`` Qwen2Tokenizer, or qwen3 without a class): the
   vocab and merges of tokenizer.json under Qwen2's fixed NFC normalizer, split regex and byte-level decoder.
 Anything else (another tokenizer class, remote code, special tokens that tokenizer.json lacks, Mistral's tekken
-files) answers None, and the caller loads transformers. tests/text/test_fast_tokenizer.py compares both.
+files or large Mistral vocabularies) answers None, and the caller loads transformers. tests/text/test_fast_tokenizer.py compares both.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ def load_fast_tokenizer(path: Path) -> FastTokenizer | None:
     backend = Tokenizer.from_str(json.dumps(spec))
     backend.no_truncation()
     backend.no_padding()
+    if model_config.get("model_type") == "mistral" and backend.get_vocab_size() > 100_000:
+        return None  # transformers may patch the split regex of these (TokenizersBackend._patch_mistral_regex)
     specials = _special_tokens(path, tok_config, QWEN2_DEFAULTS if kind == "qwen2" else {})
     if specials is None or not _tokens_present(backend, tok_config, specials):
         return None

@@ -185,7 +185,7 @@ def _load_hf_config(path: Path) -> Any:
     cfg = read_config(path)
     if cfg is not None:
         return cfg
-    logger.info("%s: reading config.json through transformers' AutoConfig (a model type, field or rope form "
+    logger.warning("%s: reading config.json through transformers' AutoConfig (a model type, field or rope form "
                 "the json reader does not cover)", path)
     from transformers import AutoConfig
 
