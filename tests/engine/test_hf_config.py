@@ -37,7 +37,7 @@ def with_config(tmp_path: Path, arch: str, cfg: dict[str, Any]) -> Path:
 
 def minimal(arch: str, **extra: Any) -> dict[str, Any]:
     return {"architectures": [ARCHS[arch]], "model_type": arch, "hidden_size": 4096, "num_hidden_layers": 3,
-            "num_attention_heads": 32, "intermediate_size": 256, "vocab_size": 1536,
+            "num_attention_heads": 64, "intermediate_size": 256, "vocab_size": 1536,
             "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 5e5, **extra}
 
 
@@ -50,7 +50,7 @@ def test_tiny_models_read_as_transformers(arch: str, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("extra", [
-    {},  # every optional field at its model type's default
+    {},  # every optional field at its model type's default (kv heads: 64, 8 or 32 by model type)
     {"num_key_value_heads": 4, "head_dim": 64, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
      "bos_token_id": 7, "eos_token_id": [1, 2]},
     {"dtype": "float16", "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
