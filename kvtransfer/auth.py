@@ -56,7 +56,7 @@ def session_key(secret: str, t: bytes) -> bytes:
 def seal(key: bytes, seq: int, payload: bytes) -> list[bytes]:
     """The frames of one authenticated message."""
     seq_bytes = seq.to_bytes(SEQ_BYTES, "big")
-    return [payload, seq_bytes, hmac.new(key, seq_bytes + payload, hashlib.sha256).digest()]
+    return [payload, seq_bytes, hmac.digest(key, seq_bytes + payload, "sha256")]
 
 
 def open_seal(key: bytes, last_seq: int, frames: list[bytes]) -> int | None:
@@ -64,7 +64,7 @@ def open_seal(key: bytes, last_seq: int, frames: list[bytes]) -> int | None:
     if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
         return None
     payload, seq_bytes, mac = frames
-    if not hmac.compare_digest(hmac.new(key, seq_bytes + payload, hashlib.sha256).digest(), mac):
+    if not hmac.compare_digest(hmac.digest(key, seq_bytes + payload, "sha256"), mac):
         return None
     seq = int.from_bytes(seq_bytes, "big")
     return seq if seq > last_seq else None

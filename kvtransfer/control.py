@@ -82,8 +82,12 @@ class ControlPlane:
         with self._lock:
             if self._stopping:
                 return
+            # One wake-up per batch: a non-empty outbox has one pending (its first item's), and the control thread
+            # itself looks at the outbox before it polls again.
+            wake = not self._outbox and threading.get_ident() != self._thread.ident
             self._outbox.append(item)
-        self._wake()
+        if wake:
+            self._wake()
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
@@ -95,7 +99,8 @@ class ControlPlane:
         poller.register(self._wake_r, zmq.POLLIN)
         next_tick = time.monotonic()
         while True:
-            timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
+            # work queued by this thread's own handlers runs before the next wait (it sent no wake-up)
+            timeout_ms = 0.0 if self._outbox else max(0.0, (next_tick - time.monotonic()) * 1000)
             ready = dict(poller.poll(timeout_ms))
             if self._wake_r.fileno() in ready:
                 self._drain_wake()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,8 +23,9 @@ import torch
 from common.engine.model.parallel import owned_kv_heads
 
 
-@dataclass(frozen=True, slots=True)
-class PageRun:
+class PageRun(NamedTuple):
+    """``num_pages`` pages from ``src_page`` on go to ``dst_page`` on (a tuple: a request builds one per run)."""
+
     src_page: int
     dst_page: int
     num_pages: int
@@ -38,6 +40,13 @@ class HeadSlice:
     num_heads: int
 
 
+def pages_outside(pages: Sequence[int], num_pages: int) -> list[int]:
+    """The page numbers not in [1, num_pages) (page 0 is the padding page), in order; [] when all are valid."""
+    if not len(pages) or (min(pages) > 0 and max(pages) < num_pages):
+        return []
+    return [p for p in pages if not 0 < p < num_pages]
+
+
 def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun]:
     """Maximal runs contiguous on both sides, in chunk order."""
     if len(src_pages) != len(dst_pages):
@@ -49,7 +58,8 @@ def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[Pa
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(src)]))
-    return [PageRun(int(src[s]), int(dst[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+    return [PageRun(s, d, n) for s, d, n in zip(src[starts].tolist(), dst[starts].tolist(), (ends - starts).tolist(),
+                                                 strict=True)]
 
 
 def split_runs(runs: Sequence[PageRun], parts: int) -> list[tuple[PageRun, ...]]:

@@ -43,7 +43,7 @@ from kvtransfer.messages import (
     TransferInfo,
 )
 from kvtransfer.metadata import MetadataRecord
-from kvtransfer.pages import HeadSlice, source_plan
+from kvtransfer.pages import HeadSlice, pages_outside, source_plan
 from kvtransfer.poll import KVPoll
 from kvtransfer.rooms import RoomRecord
 
@@ -129,7 +129,7 @@ class DecodeRooms:
         self.mgr.control.call_soon(lambda: self._pump(rec))
 
     def send_metadata(self, rec: RecvRoom, pages: Sequence[int], slot: int) -> None:
-        bad = [p for p in pages if not 0 < p < self.mgr.args.num_pages]
+        bad = pages_outside(pages, self.mgr.args.num_pages)
         if bad or not 0 <= slot < self.mgr.args.num_metadata_slots:
             raise ValueError(f"room {rec.room}: pages {bad[:5]} outside [1, {self.mgr.args.num_pages}) or metadata "
                              f"slot {slot} outside [0, {self.mgr.args.num_metadata_slots})")

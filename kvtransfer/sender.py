@@ -45,6 +45,7 @@ from kvtransfer.pages import (
     dst_ranks_served,
     head_slice_for,
     is_whole_page,
+    pages_outside,
     source_plan,
 )
 from kvtransfer.poll import KVPoll
@@ -123,7 +124,7 @@ class PrefillRooms:
     def send(self, rec: SendRoom, pages: Sequence[int], last: bool, metadata: MetadataRecord | None) -> None:
         if last and (metadata is None or metadata.room != rec.room):
             raise ValueError(f"room {rec.room}: the last send() needs a MetadataRecord for this room, got {metadata}")
-        bad = [p for p in pages if not 0 < p < self.mgr.args.num_pages]
+        bad = pages_outside(pages, self.mgr.args.num_pages)
         if bad:
             raise ValueError(f"room {rec.room}: page numbers {bad[:5]} outside [1, {self.mgr.args.num_pages})")
         now = time.monotonic()
