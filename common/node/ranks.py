@@ -21,7 +21,6 @@ import zmq
 import zmq.asyncio
 
 from common.config import ServerArgs
-from common.engine.distributed import host_store
 from common.errors import ErrorCode
 from common.io_struct import (
     LoadOut,
@@ -34,13 +33,20 @@ from common.io_struct import (
     TokenOut,
 )
 from common.node.ipc import IpcAddrs, decode_outputs, encode
-from common.node.scheduler_process import run_scheduler_process
 
 logger = logging.getLogger(__name__)
 
 
 class RankError(Exception):
     pass
+
+
+def run_rank(*args: Any) -> None:
+    """A spawned rank's entry point. NOTE: the front pickles a reference to this function, not to the scheduler
+    process module, so that the front itself never imports torch (the rank imports it here)."""
+    from common.node.scheduler_process import run_scheduler_process
+
+    run_scheduler_process(*args)
 
 
 class RankClient:
@@ -79,6 +85,7 @@ class RankClient:
         args = self.args
         if args.tp_size == 1 or not self.is_leader_host:
             return
+        from common.engine.distributed import host_store  # torch.distributed: only a TP front needs it
         if args.dist_init_addr is None:  # single host: a free local port, told to the ranks through their args
             self._store = host_store("127.0.0.1:0", args.tp_timeout_s)
             self.args = args.replace(dist_init_addr=f"127.0.0.1:{self._store.port}")
@@ -94,7 +101,7 @@ class RankClient:
         spawn = multiprocessing.get_context("spawn")
         for dp_rank, tp_rank in self.ranks:
             proc = spawn.Process(
-                target=run_scheduler_process,
+                target=run_rank,
                 args=(self.args, self.model_path, dp_rank, self.addrs, os.getpid(), tp_rank),
                 name=f"pdcluster-scheduler-dp{dp_rank}-tp{tp_rank}",
                 daemon=True,

@@ -5,10 +5,13 @@ Entries are ``module:name`` references (``common.refs``), so ``common`` imports 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.config import ServerArgs
-from common.engine.scheduler_role import SchedulerRole
 from common.refs import load_ref
+
+if TYPE_CHECKING:  # the front reads this table and must not import the engine (torch)
+    from common.engine.scheduler_role import SchedulerRole
 
 
 @dataclass(frozen=True)

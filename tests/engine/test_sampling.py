@@ -9,17 +9,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from common.engine.req import FinishReason, Req
-from common.engine.sampling import (
-    PenaltyState,
-    Sampler,
-    SamplingBatchInfo,
-    SamplingParams,
-    check_finished,
-    stop_prefix_holdback,
-    trim_stop_string,
-)
 from common.engine.sampling import sampler as sampler_module
-from common.engine.sampling.sampler import draw_in_window, top_k_sorted
+from common.engine.sampling.params import SamplingParams
+from common.engine.sampling.penalties import PenaltyState
+from common.engine.sampling.sampler import Sampler, SamplingBatchInfo, draw_in_window, top_k_sorted
+from common.engine.sampling.stop import check_finished, stop_prefix_holdback, trim_stop_string
 from common.errors import InvalidRequestError
 
 V = 64

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from common.engine.model.hf_config import read_config
 from common.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -53,11 +58,17 @@ class ModelConfig:
     sliding_window: int | None  # a key is visible iff query_pos - key_pos < sliding_window
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    dtype: torch.dtype  # the checkpoint's declared dtype
+    dtype_name: str  # the checkpoint's declared dtype, as torch names it ("float32", "bfloat16")
 
     @property
     def attention_bias(self) -> bool:
         return self.qkv_bias
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
@@ -99,7 +110,7 @@ class ModelConfig:
             sliding_window=_sliding_window(hf, path),
             eos_token_ids=_eos_token_ids(hf, path),
             bos_token_id=getattr(hf, "bos_token_id", None),
-            dtype=_dtype(hf),
+            dtype_name=_dtype_name(hf),
         )
 
     def fingerprint(self) -> dict[str, Any]:
@@ -109,14 +120,14 @@ class ModelConfig:
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": self.dtype_name,
             "weights_sha256": weights_digest(self.path),
         }
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["path"] = str(self.path)
-        d["dtype"] = str(self.dtype).removeprefix("torch.")
+        d["dtype"] = d.pop("dtype_name")
         return d
 
 
@@ -170,6 +181,12 @@ def weights_digest(path: Path) -> str:
 
 
 def _load_hf_config(path: Path) -> Any:
+    """config.json's fields as AutoConfig reads them: with ``json`` where that reads the same (hf_config.py)."""
+    cfg = read_config(path)
+    if cfg is not None:
+        return cfg
+    logger.warning("%s: reading config.json through transformers' AutoConfig (a model type, field or rope form "
+                "the json reader does not cover)", path)
     from transformers import AutoConfig
 
     try:
@@ -229,8 +246,22 @@ def _eos_token_ids(hf: Any, path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _dtype(hf: Any) -> torch.dtype:
-    dt = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
-    if isinstance(dt, str):
-        dt = getattr(torch, dt, None)
-    return dt if isinstance(dt, torch.dtype) else torch.float32
+# torch's dtype names that checkpoints declare, by their aliases (torch.float is torch.float32).
+_DTYPE_NAMES = {
+    "float32": "float32", "float": "float32", "float16": "float16", "half": "float16", "bfloat16": "bfloat16",
+    "float64": "float64", "double": "float64",
+}
+
+
+def _dtype_name(hf: Any) -> str:
+    """The declared dtype's torch name; float32 when there is none. Only an unusual name imports torch."""
+    dt = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if dt is None:
+        return "float32"
+    name = str(dt).removeprefix("torch.")
+    if name in _DTYPE_NAMES:
+        return _DTYPE_NAMES[name]
+    import torch
+
+    resolved = getattr(torch, name, None)
+    return str(resolved).removeprefix("torch.") if isinstance(resolved, torch.dtype) else "float32"

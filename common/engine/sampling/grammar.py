@@ -31,6 +31,7 @@ import torch
 
 from common.engine.req import Finished, FinishReason, Req
 from common.errors import ErrorCode, InvalidRequestError
+from common.text.fast_tokenizer import FastTokenizer
 
 if TYPE_CHECKING:
     import xgrammar
@@ -58,7 +59,8 @@ class GrammarCompiler:
 
         self._xgr = xgr
         stops = sorted(set(stop_token_ids)) or None
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        hf = tokenizer.transformers_tokenizer() if isinstance(tokenizer, FastTokenizer) else tokenizer
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stops)
         self.vocab_size = vocab_size
         self.any_whitespace = any_whitespace
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
