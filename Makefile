@@ -42,9 +42,10 @@ up: $(STAMP)
 	$(BIN)/pdcluster up --demo
 
 # TEST_WORKERS pytest-xdist workers, each taking whole test files (--dist loadfile: a module's cluster or node fixture
-# starts once). Default 0 (one process): on the 2-core CI machine 4 workers took 20.5 min, no faster than one, and the
-# Ray, soak and interpreted-Triton tests timed out under the contention; make test TEST_WORKERS=4 on bigger hosts.
-TEST_WORKERS ?= 0
+# starts once; the longest files go first, tests/conftest.py LONGEST_FILES). Default 3: on the 2-core CI machine the
+# suite took 20.2 min in one process and 14.4 min on 3 workers (2026-11-27, once node fronts stopped importing torch
+# and transformers; before that, 4 workers were no faster than one). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 3
 
 test: $(STAMP)
 	$(BIN)/python proto/gen.py --check

@@ -98,7 +98,7 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
                         "--profile-steps", "4"]
         host_sizes = ["--device", "cpu", "--null-forward", "--batch", "8", "--input-len", "16", "--output-len", "16",
                       "--repeats", "1"]
-        kv_sizes = ["--device", "cpu", "--backends", "shm,tcp", "--tokens", "256", "--reps", "1", "--rounds", "1",
+        kv_sizes = ["--device", "cpu", "--backends", "shm,tcp", "--tokens", "64", "--reps", "1", "--rounds", "1",
                     "--inflight", "1,2"]
         # The tiny llama and a 4096-token KV pool per node (the CPU default sizes the pool from free RAM: GiBs to
         # allocate and zero per node, for 8 requests of 40 tokens).

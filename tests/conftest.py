@@ -19,6 +19,33 @@ TEST_CLUSTER_TOKEN = "pdcluster-test-secret-not-for-deployment"
 os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", TEST_CLUSTER_TOKEN)
 
 
+# The longest test files (seconds on the 2-core CI machine, serial run of 2026-11-27), collected first: under
+# ``make test``'s xdist workers (``--dist loadfile``, whole files per worker, handed out in collection order) they
+# start at once instead of holding the run's tail while the other workers idle.
+LONGEST_FILES = (
+    "tests/nodes/test_nodes.py",  # ~230 s
+    "tests/nodes/test_tp_nodes.py",  # ~190 s
+    "tests/deploy/test_gpu_check_dry_run.py",  # ~100 s, one test
+    "tests/deploy/test_deploy_ray.py",
+    "tests/cluster/test_soak.py",
+    "tests/engine/test_triton_kernels.py",
+    "tests/kvtransfer/test_kvtransfer_faults.py",
+    "tests/kvtransfer/test_kvtransfer_backends_extra.py",
+    "tests/cluster/test_stall_cluster.py",
+    "tests/cluster/test_cluster_e2e.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
+    root = config.rootpath
+
+    def key(item: pytest.Item) -> int:
+        return rank.get(item.path.relative_to(root).as_posix(), len(LONGEST_FILES))
+
+    items.sort(key=key)  # stable: within a file, and among the other files, collection order is kept
+
+
 @pytest.fixture
 def no_threads_left() -> Iterator[None]:
     """Every thread a test started has ended within 5 s of its end (transfer workers, stripes, readers)."""
