@@ -137,25 +137,22 @@ class PeerWorkers:
                         error = self._error(key, item, exc)
             if landed is not None:
                 landed.put((item, landing, error))
-                continue
-            if landing is not None and error is None:
-                try:
-                    landing()
-                except Exception as exc:
-                    error = self._error(key, item, exc)
-            self._events.on_job_done(item, error)
+            else:
+                self._report(key, item, landing, error)
 
     def _land(self, key: PeerKey, landed: queue.SimpleQueue[_Landed | None]) -> None:
         while (entry := landed.get()) is not None:  # the mover always ends the queue with None
-            job, landing, error = entry
-            if landing is not None and error is None:
-                try:
-                    landing()
-                except Exception as exc:
-                    error = self._error(key, job, exc)
-            self._events.on_job_done(job, error)
+            self._report(key, *entry)
         if self._on_stop is not None:
             self._on_stop(key)
+
+    def _report(self, key: PeerKey, job: TransferJob, landing: Landing | None, error: str | None) -> None:
+        if landing is not None and error is None:
+            try:
+                landing()
+            except Exception as exc:
+                error = self._error(key, job, exc)
+        self._events.on_job_done(job, error)
 
     def _error(self, key: PeerKey, job: TransferJob, exc: Exception) -> str:
         if isinstance(exc, TransferError | OSError):
