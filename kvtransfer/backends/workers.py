@@ -107,17 +107,20 @@ class PeerWorkers:
 
     def _run(self, key: PeerKey, q: queue.SimpleQueue[TransferJob | _Stop]) -> None:
         landed: queue.SimpleQueue[_Landed | None] | None = None
+        lander: threading.Thread | None = None
         if self._pipelined:
             landed = queue.SimpleQueue()
-            threading.Thread(target=self._land, args=(key, landed), daemon=True,
-                             name=f"kv-{self._name}-land-{key.instance_id[-12:]}").start()
+            lander = threading.Thread(target=self._land, args=(key, landed), daemon=True,
+                                      name=f"kv-{self._name}-land-{key.instance_id[-12:]}")
+            lander.start()
         stopped: str | None = None
         while True:
             try:
                 item = q.get(timeout=0.5) if stopped else q.get()
             except queue.Empty:
-                if landed is not None:
+                if landed is not None and lander is not None:
                     landed.put(None)  # the lander releases the peer after the last landing
+                    lander.join()  # so joining this thread (``close``) waits for the copies still landing too
                 elif self._on_stop is not None:
                     self._on_stop(key)
                 return
