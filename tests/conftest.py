@@ -37,6 +37,8 @@ LONGEST_FILES = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not getattr(config.option, "numprocesses", None):
+        return  # one process: collection order
     rank = {path: i for i, path in enumerate(LONGEST_FILES)}
     root = config.rootpath
 
