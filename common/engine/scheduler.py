@@ -32,6 +32,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from common.config import ServerArgs
 from common.engine import batch_admission, scheduler_metrics, scheduler_output
 from common.engine.admission import RequestIntake
@@ -302,7 +304,9 @@ class Scheduler:
                 req.future_slot = slots[i]
         b.future_slots = batch.future_slots = slots
         if self.forward_thread is None:
-            self.forward_thread = ThreadPoolExecutor(1, "pdcluster-forward")
+            # The forward thread runs with this thread's torch thread count (what a compiled step guards on).
+            self.forward_thread = ThreadPoolExecutor(1, "pdcluster-forward", initializer=torch.set_num_threads,
+                                                     initargs=(torch.get_num_threads(),))
         return self.forward_thread.submit(self.runner.launch, b)
 
     # -- results (``common.engine.scheduler_output``) --------------------------------------------------------------

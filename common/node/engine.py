@@ -103,6 +103,12 @@ class Engine:
         self._followers: list[multiprocessing.process.BaseProcess] = []
         self._store: Any = None
         self.profiler = StepProfiler()  # start/stop a torch profiler window over the scheduler's steps
+        # NOTE: torch's thread count is per thread (a new thread takes the process's last set_num_threads), and
+        # torch.compile guards on it: the decode steps compiled here at start-up are served by the scheduler thread
+        # with this same count, or every bucket would recompile on its first request.
+        if args.torch_num_threads:
+            torch.set_num_threads(args.torch_num_threads)
+        self._num_threads = torch.get_num_threads()
         tp = self._start_tp_group() if args.tp_size > 1 else None
         try:
             self.scheduler = Scheduler(self.args, self.model_path, self.tokenizer, self._on_outputs, 0, tp)
@@ -152,8 +158,7 @@ class Engine:
 
     # -- scheduler thread ------------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.args.torch_num_threads:
-            torch.set_num_threads(self.args.torch_num_threads)
+        torch.set_num_threads(self._num_threads)
         tp = self.scheduler.tp
         try:
             while not self._stop.is_set():

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,13 @@ def test_a_runner_that_fails_its_check_falls_back_to_eager(monkeypatch: pytest.M
     assert not r2t.req_to_token.any()
 
 
+def set_elsewhere(num_threads: int) -> None:
+    """The process's torch thread count for threads started from now on; this thread's own count is kept."""
+    thread = threading.Thread(target=torch.set_num_threads, args=(num_threads,))
+    thread.start()
+    thread.join()
+
+
 def test_torch_compile_matches_eager_through_the_engine(engine_factory: Any, model_path: Path) -> None:
     """--enable-torch-compile (buckets 1, 2): every compiled decode step's logits within 1e-4 of the eager forward
     of the same batch, greedy outputs identical to an eager engine's, and no compile after start-up. Batches of 3
@@ -154,6 +162,11 @@ def test_torch_compile_matches_eager_through_the_engine(engine_factory: Any, mod
         return asyncio.run(run())
 
     common = {"max_running_requests": 4, "max_total_tokens": 2048}
+    # torch's thread count is per thread, and new threads take the process's last set_num_threads: set it from
+    # another thread (as an earlier test's engine may have) so that a scheduler thread left to inherit it would
+    # serve with a count other than the one its steps were compiled under (dynamo guards on it: a recompile).
+    here = torch.get_num_threads()
+    set_elsewhere(2 if here == 1 else 1)
     # Another test file of this worker process may have compiled the same model code: its frames' recorded shapes
     # would make dynamo recompile here (automatic dynamic shapes). A node compiles in a process of its own.
     torch._dynamo.reset()
@@ -177,7 +190,10 @@ def test_torch_compile_matches_eager_through_the_engine(engine_factory: Any, mod
         return hidden
 
     graphs.forward = checked
-    outs = generate(compiled)
+    try:
+        outs = generate(compiled)
+    finally:
+        set_elsewhere(here)
     assert {bs for bs, _ in steps} == {1, 2}, steps
     assert max(err for _, err in steps) <= ATOL, steps
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles, "recompiled while serving"
