@@ -11,9 +11,10 @@ Workload: the generated ``small`` Llama (seed 0), ``--num-requests`` prompts of 
   offline          the ``Engine`` in a worker process (``benchmarks.engine_throughput``'s), ``--offline-threads``
                    torch threads, the prompts in batches of ``--concurrency``; its wall time is the sum of the
                    ``generate`` calls
-  colocated        ``pdcluster up --colocated 1`` (defaults: on CPU 1 torch thread per rank)
+  colocated        ``pdcluster up --colocated 1`` (defaults: on CPU every core to its one rank)
   pd               ``pdcluster up`` defaults: router + 1 prefill + 1 decode node
   colocated_tuned  ``up --colocated 1 --torch-num-threads <cores>`` (not run unless named)
+  colocated_1thread  ``up --colocated 1 --torch-num-threads 1`` (up's CPU default before 2026-11-27; not run unless named)
 
 Online runs are a closed loop of ``--concurrency`` streamed ``/v1/completions`` through the router's OpenAI API
 (the ``pdcluster bench`` client), after a warm-up of ``--concurrency`` short requests. Around the timed window the
@@ -59,7 +60,7 @@ from benchmarks.proc_cpu import (
 from benchmarks.up_runs import UpCluster, client_for, free_port, machine_info
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ("offline", "colocated", "pd", "colocated_tuned")
+CONFIGS = ("offline", "colocated", "pd", "colocated_tuned", "colocated_1thread")
 FRONT_SIDE = ("router", "tokenizer", "front")  # the serving path outside the ranks
 
 
@@ -81,6 +82,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--py-spy", action="store_true", help="profile each online run's busiest process")
     ap.add_argument("--py-spy-seconds", type=int, default=8)
+    ap.add_argument("--py-spy-process", default=None,
+                    help="profile this process (its label: router, decode-0, null-0/rank0, ...) instead of the busiest")
     ap.add_argument("--json", default=None, help="write the report here")
     a = ap.parse_args(argv)
     a.configs = a.configs.split(",")
@@ -98,7 +101,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _up_args(a: argparse.Namespace, config: str) -> list[str]:
     topo = {"pd": ["--prefill", "1", "--decode", "1"],
-            "colocated_tuned": ["--torch-num-threads", str(os.cpu_count() or 1)]}.get(config, [])
+            "colocated_tuned": ["--torch-num-threads", str(os.cpu_count() or 1)],
+            "colocated_1thread": ["--torch-num-threads", "1"]}.get(config, [])  # up's default before 2026-11-27
     if config.startswith("colocated"):
         topo = ["--prefill", "0", "--decode", "0", "--colocated", "1", *topo]
     return ["--model-path", a.model_path, *topo, "--max-total-tokens", str(a.max_total_tokens), *a.up_flag]
@@ -135,8 +139,8 @@ async def _online_window(a: argparse.Namespace, cluster: UpCluster, procs: list[
         out_tokens = sum(r.output_tokens for r in run.results if r.ok)
         out: dict[str, Any] = {"summary": summary, "out_tokens": out_tokens, "window": window}
         if profile_to is not None:
-            hottest = max((r for r in window["processes"] if r["category"] != "client" and r["cpu_s"]),
-                          key=lambda r: r["cpu_s"])
+            hottest = max((r for r in window["processes"] if r["category"] != "client" and r["cpu_s"]
+                           and a.py_spy_process in (None, r["label"])), key=lambda r: r["cpu_s"])
             spy = py_spy_record(a.py_spy_bin, hottest["pid"], a.py_spy_seconds, profile_to)
             await run_load(client, make_workload(replace(wl, seed=wl.seed + 10**5)), shape)
             try:

@@ -36,6 +36,38 @@ LONGEST_FILES = (
 )
 
 
+# PDCLUSTER_TEST_CPU=<dir>: each test process writes the CPU seconds (its own and its reaped children's) spent in
+# each test file, to see where the suite's CPU goes (``make test`` is CPU-bound on 2 cores).
+_CPU_DIR = os.environ.get("PDCLUSTER_TEST_CPU")
+_cpu_by_file: dict[str, float] = {}
+
+
+def _cpu_now() -> float:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _CPU_DIR:
+        yield
+        return
+    start = _cpu_now()
+    yield
+    key = item.path.relative_to(item.config.rootpath).as_posix()
+    _cpu_by_file[key] = _cpu_by_file.get(key, 0.0) + _cpu_now() - start
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _CPU_DIR and _cpu_by_file:
+        import json
+
+        Path(_CPU_DIR).mkdir(parents=True, exist_ok=True)
+        (Path(_CPU_DIR) / f"cpu-{os.getpid()}.json").write_text(json.dumps(_cpu_by_file))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not getattr(config.option, "numprocesses", None):
         return  # one process: collection order

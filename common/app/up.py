@@ -13,7 +13,10 @@ start-up error, which ``up`` reports with the node's log.
 ``--device cuda``: each node takes its dp x tp consecutive GPUs (``--base-gpu-id``) of its own when the host has
 enough; otherwise nodes share GPUs round-robin and each gets ``--mem-fraction-static`` divided by the number of
 nodes on its busiest GPU. KV moves over ``shm`` (CUDA IPC) by default there: every node of ``up`` is on one host.
-On CPU every rank gets ``--torch-num-threads 1`` unless set, so a node's ranks do not oversubscribe the cores.
+On CPU the host's cores are split evenly over every scheduler rank ``up`` starts (each node's dp x tp; at least one
+torch thread each) unless ``--torch-num-threads`` (every node) or ``--prefill-torch-num-threads`` /
+``--decode-torch-num-threads`` (per role, over it) is given: a lone colocated node uses every core, and the nodes'
+ranks together do not oversubscribe them.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ UP_SETS_PER_NODE = ("host", "advertise_host", "port", "metrics_port", "sglang_ht
                     "node_rank", "tls_cert", "tls_key", "tls_ca",
                     "api_key_file")  # up's own --api-key-file reaches every process as PDCLUSTER_API_KEY
 # Pass-through flags ``up`` also reads: it forwards what it derives from them (resolved model path, the backend's
-# per-device default, each role's tp, each GPU node's memory share, one torch thread per CPU rank by default).
+# per-device default, each role's tp, each GPU node's memory share, the host's cores split over the CPU ranks by default).
 UP_DERIVES = ("model_path", "kv_transfer_backend", "tp_size", "mem_fraction_static", "torch_num_threads")
 
 
@@ -70,6 +73,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpus", type=int, default=None, help="cuda: GPUs to place nodes on (default: all visible)")
     p.add_argument("--prefill-tp-size", type=_positive, default=None, help="prefill nodes' tp (default --tp-size)")
     p.add_argument("--decode-tp-size", type=_positive, default=None, help="decode nodes' tp (default --tp-size)")
+    p.add_argument("--prefill-torch-num-threads", type=_positive, default=None,
+                   help="CPU: torch threads of each prefill rank (default --torch-num-threads, else the cores split)")
+    p.add_argument("--decode-torch-num-threads", type=_positive, default=None,
+                   help="CPU: torch threads of each decode rank (default --torch-num-threads, else the cores split)")
     p.add_argument("--prefill-policy", default=None,
                    help="the router's prefill worker policy (round_robin, random, power_of_two, cache_aware; default: "
                         "the router's, cache_aware)")
@@ -215,20 +222,28 @@ class LocalCluster:
         self.children.append(child)
         return child
 
+    def torch_threads(self, name: str) -> int:
+        """Torch threads of each scheduler rank of node ``name``: its role's ``--<role>-torch-num-threads``, else
+        ``--torch-num-threads``, else the host's cores over every rank of every node (dp x tp each), at least 1."""
+        own = getattr(self.ns, f"{name.rsplit('-', 1)[0]}_torch_num_threads", None)
+        if own or self.node_given.get("torch_num_threads"):
+            return own or self.node_given["torch_num_threads"]
+        ranks = self.node_given.get("dp_size", 1) * sum(self.tp_size.values())
+        return max(1, len(os.sched_getaffinity(0)) // max(1, ranks))
+
     def _node_flags(self) -> list[str]:
         given = self.node_given
         forwarded = {k: v for k, v in given.items() if k not in UP_DERIVES}
         if self.device == "cpu" and given.get("mem_fraction_static") is not None:
             forwarded["mem_fraction_static"] = given["mem_fraction_static"]  # GPU nodes get their placement's share
-        # per rank: dp x tp ranks per node share the host's cores
-        forwarded["torch_num_threads"] = given.get("torch_num_threads") or 1
         flags = ["--model-path", self.model_path, "--host", "127.0.0.1", "--kv-transfer-backend", self.backend]
         return flags + flag_argv(ServerArgs, forwarded) + self.tls_flags("node")
 
     def node_args(self, name: str, port: int, bootstrap: int, metrics: int | None = None) -> list[str]:
         """``pdcluster serve`` arguments of node ``name`` (``<role>-<i>``; role ``null``: colocated)."""
         role = name.rsplit("-", 1)[0]
-        args = ["serve", *self._node_flags(), "--tp-size", str(self.tp_size[name]), "--port", str(port),
+        args = ["serve", *self._node_flags(), "--tp-size", str(self.tp_size[name]),
+                "--torch-num-threads", str(self.torch_threads(name)), "--port", str(port),
                 "--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap)]
         place = self.placement.get(name)
         if place is not None:

@@ -4,6 +4,7 @@ and the KV budget formula (``torch.cuda`` calls replaced by fakes)."""
 from __future__ import annotations
 
 import argparse
+import os
 import types
 
 import pytest
@@ -142,8 +143,10 @@ def _serve_args(cluster: LocalCluster, name: str) -> ServerArgs:
     return server_args_from_cli(build_parser().parse_args(argv))  # the node's own parser and checks
 
 
-def test_up_passes_per_role_tp_to_the_node_command_lines(tmp_path) -> None:
+def test_up_passes_per_role_tp_to_the_node_command_lines(tmp_path, monkeypatch) -> None:
     from tests.model_fixtures import make_tiny_model
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))  # the 2-core CI machine
 
     model = str(make_tiny_model("llama"))
     base = ("--model-path", model, "--log-dir", str(tmp_path), "--prefill", "1", "--decode", "2")
@@ -154,7 +157,7 @@ def test_up_passes_per_role_tp_to_the_node_command_lines(tmp_path) -> None:
     args = {n: _serve_args(split, n) for n in split.node_names}
     assert {n: a.tp_size for n, a in args.items()} == {"prefill-0": 2, "decode-0": 1, "decode-1": 1, "null-0": 4}
     assert args["prefill-0"].disaggregation_mode == "prefill" and args["null-0"].disaggregation_mode == "null"
-    # CPU: one torch thread per rank, whatever the tp (2 cores must not be oversubscribed by a node's ranks).
+    # CPU: 8 ranks on 2 cores: one torch thread each (at least one; a node's ranks must not take more than their share).
     assert {a.torch_num_threads for a in args.values()} == {1} and all(a.device == "cpu" for a in args.values())
     gpu = LocalCluster(_up_ns(*base, "--prefill-tp-size", "2", "--device", "cuda", "--num-gpus", "4"))
     gargs = {n: _serve_args(gpu, n) for n in gpu.node_names}
@@ -164,6 +167,25 @@ def test_up_passes_per_role_tp_to_the_node_command_lines(tmp_path) -> None:
         _up_ns(*base, "--decode-tp-size", "0")
     with pytest.raises(ValueError, match="needs 8 GPUs per node"):
         LocalCluster(_up_ns(*base, "--tp-size", "8", "--device", "cuda", "--num-gpus", "4"))
+
+
+@pytest.mark.parametrize(("cores", "nodes", "want"), [
+    (2, ("--colocated", "1", "--prefill", "0", "--decode", "0"), {"null-0": 2}),  # a lone node takes every core
+    (2, (), {"prefill-0": 1, "decode-0": 1}),
+    (8, (), {"prefill-0": 4, "decode-0": 4}),
+    (8, ("--decode-tp-size", "2"), {"prefill-0": 2, "decode-0": 2}),
+    (8, ("--dp-size", "2", "--colocated", "1"), {"prefill-0": 1, "decode-0": 1, "null-0": 1}),
+    (8, ("--torch-num-threads", "3"), {"prefill-0": 3, "decode-0": 3}),  # given: as given
+    (2, ("--decode-torch-num-threads", "2"), {"prefill-0": 1, "decode-0": 2}),  # a role's own, over the split
+    (2, ("--torch-num-threads", "3", "--prefill-torch-num-threads", "1"), {"prefill-0": 1, "decode-0": 3}),
+])
+def test_up_splits_the_cores_over_every_rank(tmp_path, monkeypatch, cores: int, nodes: tuple[str, ...],
+                                             want: dict[str, int]) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    cluster = LocalCluster(_up_ns("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path), *nodes))
+    assert {n: _serve_args(cluster, n).torch_num_threads for n in cluster.node_names} == want
 
 
 def test_up_reports_the_start_up_error_of_a_node(tmp_path) -> None:
