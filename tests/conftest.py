@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite runs several torch processes at once on few cores (xdist workers, their nodes' ranks): OpenMP's default
+# spin-wait would burn the cores the other processes are waiting for. Tests assert behaviour, never speed.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The only place a fixed cluster secret exists: the test session and the processes it starts inherit it.
 TEST_CLUSTER_TOKEN = "pdcluster-test-secret-not-for-deployment"
 os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", TEST_CLUSTER_TOKEN)
