@@ -277,11 +277,39 @@ def _drop_final_chunk_done() -> None:
     control.ControlPlane.send = send
 
 
+def wait_restart_noticeable(mgr, instance_id: str, timeout_s: float = 5.0) -> None:
+    """Returns once ``mgr`` has heard nothing from prefill ``instance_id`` for the suspicion window (receiver's
+    ``SUSPECT_HEARTBEATS``), so that a room made now looks the rank up afresh. A node's restart takes seconds; a
+    harness child restarts in a fraction of one, and a room made sooner would bind to the dead start and fail with
+    it."""
+    from kvtransfer.receiver import SUSPECT_HEARTBEATS
+
+    window = (SUSPECT_HEARTBEATS + 0.5) * mgr.config.heartbeat_interval_s
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with mgr.lock:
+            peer = mgr.peers.get(instance_id)
+            if peer is None or time.monotonic() - peer.last_seen > window:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"{instance_id} still heard from {timeout_s} s after it was killed")
+
+
+def _child_context() -> mp.context.BaseContext:
+    """Role processes fork from a server that has imported torch and this module once (a spawned child would pay
+    ~3 s of CPU importing them, the bulk of a fault test's cost). The server is started before any backend library
+    is loaded or any thread runs in it, so each fork starts as clean as a spawn; it sees the environment of the
+    moment it started."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 class Child:
     """A role process. ``kill()``/``stop()`` act on this child's PID only."""
 
     def __init__(self, spec: RoleSpec) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _child_context()
         self.out: mp.Queue = ctx.Queue()
         self.proc = ctx.Process(target=_role_main, args=(spec, self.out), daemon=True)
         self.proc.start()

@@ -30,6 +30,7 @@ from kvtransfer.testing import (
     plan_rooms,
     start_receivers,
     wait_final,
+    wait_restart_noticeable,
 )
 from tests.kvtransfer import test_kvtransfer_faults as faults
 
@@ -200,6 +201,7 @@ def test_restarted_prefill_on_same_address_moves_pages_again(name: str) -> None:
     try:
         assert wait_final(start_receivers(mgr, [first], old.bootstrap_addr), 10)[first.room][0] == KVPoll.Success
         old.kill()
+        wait_restart_noticeable(mgr, old.instance_id)
         new = Child(RoleSpec("prefill", name, [second], num_pages=faults.NUM_PAGES, config_overrides=control,
                              **fixed))
         try:

@@ -28,6 +28,7 @@ from kvtransfer.testing import (
     plan_rooms,
     start_receivers,
     wait_final,
+    wait_restart_noticeable,
 )
 
 pytestmark = pytest.mark.slow
@@ -208,6 +209,7 @@ def test_restarted_prefill_on_same_address_gets_new_epoch_and_old_epoch_is_dropp
             wait_final(start_receivers(mgr, [first], old.bootstrap_addr), 10)[first.room][0] == KVPoll.Success
         )
         old.kill()
+        wait_restart_noticeable(mgr, old.instance_id)
         new = Child(
             RoleSpec(
                 "prefill",
@@ -264,6 +266,7 @@ def test_a_room_after_a_restart_quicker_than_the_death_deadline_binds_the_new_ep
     try:
         assert wait_final(start_receivers(mgr, [first], old.bootstrap_addr), 10)[first.room][0] == KVPoll.Success
         old.kill()
+        wait_restart_noticeable(mgr, old.instance_id)
         new = Child(RoleSpec("prefill", "tcp", [second], **spec))
         try:
             started = time.monotonic()
