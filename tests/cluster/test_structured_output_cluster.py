@@ -37,8 +37,9 @@ REGEX = r"Z[a-c]{2,6}-[0-9]{1,3}"  # a forced first character: the prefill node'
 
 
 class Nodes:
-    def __init__(self, p: Node, d1: Node, d2: Node, c: Node, sglang_port: int) -> None:
+    def __init__(self, p: Node, d1: Node, d2: Node, c: Node, sglang_port: int, prefill_sglang_port: int) -> None:
         self.p, self.d1, self.d2, self.c, self.sglang_port = p, d1, d2, c, sglang_port
+        self.prefill_sglang_port = prefill_sglang_port
 
     def live(self) -> list[Node]:
         return [n for n in (self.p, self.d1, self.d2, self.c) if n.proc.poll() is None]
@@ -46,9 +47,10 @@ class Nodes:
 
 @pytest.fixture(scope="module")
 def nodes(model_path) -> Iterator[Nodes]:
-    sglang_port = free_port()
+    sglang_port, prefill_sglang_port = free_port(), free_port()
     started = [
-        start_node("prefill", model_path, extra=FAST_DEADLINES, wait=False),
+        start_node("prefill", model_path, extra=[*FAST_DEADLINES, "--sglang-http-port", str(prefill_sglang_port)],
+                   wait=False),
         start_node("decode", model_path, extra=FAST_DEADLINES, wait=False),
         start_node("decode", model_path, extra=FAST_DEADLINES, wait=False),
         start_node("null", model_path, extra=["--sglang-http-port", str(sglang_port)], wait=False),
@@ -60,7 +62,7 @@ def nodes(model_path) -> Iterator[Nodes]:
         for n in started:
             n.kill()
         raise
-    yield Nodes(*started, sglang_port)
+    yield Nodes(*started, sglang_port, prefill_sglang_port)
     for n in started:
         if n.proc.poll() is None:
             n.proc.send_signal(signal.SIGTERM)
@@ -215,7 +217,14 @@ async def test_sglang_generate_n_choices_seeded_per_choice_whole_and_streamed(no
                            ({"prompt": "x", "n": 2, "model": "m"}, url.replace("/generate", "/v1/completions"))]:
             async with http.post(where, json=bad) as resp:
                 assert resp.status == 400 and "n must" in await resp.text(), bad
-    for n in [nodes.c]:
+        # A disaggregated node's choices would share one bootstrap room: refused, naming what to do instead.
+        pd_url = f"http://127.0.0.1:{nodes.prefill_sglang_port}/generate"
+        body = {"input_ids": [5, 6], "sampling_params": {**sp, "n": 2}, "bootstrap_room": 7,
+                "bootstrap_host": "127.0.0.1"}
+        async with http.post(pd_url, json=body) as resp:
+            text = await resp.text()
+            assert resp.status == 400 and "needs a colocated node" in text and "own rooms" in text, text
+    for n in [nodes.c, nodes.p]:
         n.wait_pools_free()
 
 
