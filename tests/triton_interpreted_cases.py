@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -316,10 +317,12 @@ CASES["graph-runner-llama"] = lambda: graph_runner_case("llama")
 def main(out_path: str) -> None:
     results = {}
     for name, case in CASES.items():
+        start = time.process_time()
         try:
             results[name] = {"ok": True, "max_err": case()}
         except Exception:  # every failure is reported to the test that owns the case
             results[name] = {"ok": False, "error": traceback.format_exc()}
+        results[name]["cpu_s"] = round(time.process_time() - start, 2)
     with open(out_path, "w") as f:
         json.dump(results, f)
 
