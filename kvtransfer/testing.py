@@ -345,7 +345,9 @@ def transfer_interleaved_rooms(backend: str, config_overrides: dict[str, object]
                                check: Callable[[object], None] | None = None) -> None:
     """64 interleaved chunked rooms, prefill in a child process on ``prefill_device``, decode here: every room
     succeeds on both sides and quiesces, its metadata arrives, every destination page is byte-exact and no other page
-    is touched. ``check(decode_manager)`` runs before the decode manager closes."""
+    is touched. ``check(decode_manager)`` runs as soon as every room has landed, while the prefill child lingers
+    (the byte comparisons after it hold this process's GIL for seconds: on a loaded machine the child may declare
+    this side silent meanwhile and drop its connections)."""
     from kvtransfer.manager import KVManager
     from kvtransfer.receiver import DecodeRooms
 
@@ -360,6 +362,8 @@ def transfer_interleaved_rooms(backend: str, config_overrides: dict[str, object]
         receivers = start_receivers(mgr, plans, child.bootstrap_addr)
         result = wait_final(receivers, 60)
         assert all(state == KVPoll.Success for state, _ in result.values()), result
+        if check is not None:
+            check(mgr)
         prefill_result, quiesced = child.result()
         assert all(state == KVPoll.Success for state, _ in prefill_result.values()) and quiesced, prefill_result
         src = make_args(PREFILL_SEED, num_pages)
@@ -374,8 +378,6 @@ def transfer_interleaved_rooms(backend: str, config_overrides: dict[str, object]
                     assert torch.equal(d[dp * ps:(dp + 1) * ps], s[sp * ps:(sp + 1) * ps]), (plan.room, sp, dp)
             for page in set(range(args.num_pages)) - written:
                 assert torch.equal(d[page * ps:(page + 1) * ps], old[page * ps:(page + 1) * ps]), f"page {page}"
-        if check is not None:
-            check(mgr)
         for receiver in receivers.values():
             receiver.clear()
     finally:
