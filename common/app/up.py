@@ -225,9 +225,10 @@ class LocalCluster:
     def torch_threads(self, name: str) -> int:
         """Torch threads of each scheduler rank of node ``name``: its role's ``--<role>-torch-num-threads``, else
         ``--torch-num-threads``, else the host's cores over every rank of every node (dp x tp each), at least 1."""
-        own = getattr(self.ns, f"{name.rsplit('-', 1)[0]}_torch_num_threads", None)
-        if own or self.node_given.get("torch_num_threads"):
-            return own or self.node_given["torch_num_threads"]
+        given = getattr(self.ns, f"{name.rsplit('-', 1)[0]}_torch_num_threads", None) \
+            or self.node_given.get("torch_num_threads")
+        if given:
+            return given
         ranks = self.node_given.get("dp_size", 1) * sum(self.tp_size.values())
         return max(1, len(os.sched_getaffinity(0)) // max(1, ranks))
 
