@@ -139,8 +139,13 @@ async def _online_window(a: argparse.Namespace, cluster: UpCluster, procs: list[
         out_tokens = sum(r.output_tokens for r in run.results if r.ok)
         out: dict[str, Any] = {"summary": summary, "out_tokens": out_tokens, "window": window}
         if profile_to is not None:
-            hottest = max((r for r in window["processes"] if r["category"] != "client" and r["cpu_s"]
-                           and a.py_spy_process in (None, r["label"])), key=lambda r: r["cpu_s"])
+            candidates = [r for r in window["processes"] if r["category"] != "client" and r["cpu_s"]
+                          and a.py_spy_process in (None, r["label"])]
+            if not candidates:
+                labels = sorted(r["label"] for r in window["processes"])
+                raise SystemExit(f"--py-spy-process {a.py_spy_process!r}: no busy process of that label here; "
+                                 f"the labels are {labels}")
+            hottest = max(candidates, key=lambda r: r["cpu_s"])
             spy = py_spy_record(a.py_spy_bin, hottest["pid"], a.py_spy_seconds, profile_to)
             await run_load(client, make_workload(replace(wl, seed=wl.seed + 10**5)), shape)
             try:
