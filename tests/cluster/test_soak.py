@@ -28,9 +28,11 @@ def test_short_soak_loses_nothing_and_recovers_from_each_fault(model_path, tmp_p
     checks = report["checks"]
     assert report["up_exit_code"] == 0
     assert [f["kind"] for f in report["faults"]] == ["burst", "kill", "stall"]
-    # The soak served (how many depends on the cores it gets: 43 under make test's workers, ~100 alone), and the
-    # errors are the faults' few, not the rule.
-    assert report["ok"] >= 20 and report["ok"] > 3 * sum(report["errors_by_kind"].values()), report["errors_by_kind"]
+    # The soak served (how many depends on the cores it gets: 43 under make test's workers, ~120 alone), and every
+    # error is one the faults explain: 503 while the only prefill node is stopped (a fast loop gets many), or the
+    # client's own cancels.
+    assert report["ok"] >= 20, report["errors_by_kind"]
+    assert set(report["errors_by_kind"]) <= {"http_503", "client_cancel"}, report["errors_by_kind"]
     assert checks["without_final_status"] == 0, report["errors_by_kind"]
     assert checks["burst_only_200_or_429"], report["faults"][0]
     assert checks["unreachable_nodes"] == [], report["pools"]  # the killed decode node is back (up restarted it)
