@@ -20,6 +20,13 @@ ATTENTION_BACKENDS = ("torch", "triton")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_order)
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
+# A prefill node's batch delays only the prompts queued behind it: on CPU, where a forward's cost grows with its
+# tokens from a few hundred on, small batches give the first prompts of a burst their first token sooner at the same
+# prefill throughput (P/D, c=32 bursts of 128-token prompts, 2-core host: TTFT p50 1.78 s at 2048 -> 0.56 s at 512,
+# prefill-rank CPU per token unchanged; benchmarks/README.md "Serving path"). A colocated node's chunk also paces
+# the decode steps that wait for it, and a GPU's forward is flat in tokens far beyond 2048: both keep 2048.
+DEFAULT_CHUNK = 2048
+CPU_PREFILL_NODE_CHUNK = 512
 UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")
 TP_MIN_TIMEOUT_S = 60.0  # TP rendezvous and collectives: ranks loading their shards may skew by more than a watchdog
 
@@ -115,8 +122,9 @@ class ServerArgs:
                                     "waiting, transfer queues); more get RESOURCE_EXHAUSTED with a retry hint",
                                     group=MEMORY, check=at_least(0))
     disable_radix_cache: bool = flag(False, "no prefix sharing between requests", group=MEMORY)
-    chunked_prefill_size: int = flag(2048, "tokens per prefill chunk, a multiple of --page-size; -1 disables "
-                                     "chunking", group=MEMORY)
+    chunked_prefill_size: int | None = flag(
+        None, "tokens per prefill chunk, a multiple of --page-size; -1 disables chunking (default "
+        f"{CPU_PREFILL_NODE_CHUNK} on a CPU prefill node, else {DEFAULT_CHUNK})", group=MEMORY)
     max_prefill_tokens: int = flag(16384, "prompt tokens one prefill batch may compute", group=MEMORY,
                                    check=at_least(1))
     enable_mixed_chunk: bool = flag(False, "run the running decode requests inside prefill batches", group=MEMORY)
@@ -187,12 +195,10 @@ class ServerArgs:
         if self.enable_overlap_schedule and self.disable_overlap_schedule:
             raise ConfigError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other; "
                               "pass at most one")
-        if self.chunked_prefill_size != -1 and (
-            self.chunked_prefill_size < self.page_size or self.chunked_prefill_size % self.page_size
-        ):
+        chunk = self.chunked_prefill_size
+        if chunk is not None and chunk != -1 and (chunk < self.page_size or chunk % self.page_size):
             raise ConfigError(
-                f"--chunked-prefill-size ({self.chunked_prefill_size}) must be -1 or a positive multiple of "
-                f"--page-size ({self.page_size})"
+                f"--chunked-prefill-size ({chunk}) must be -1 or a positive multiple of --page-size ({self.page_size})"
             )
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
@@ -282,7 +288,12 @@ class ServerArgs:
 
     @property
     def chunk_size(self) -> int | None:
-        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+        """Tokens per prefill chunk (None: unchunked): the flag, else the role's and device's default, rounded up
+        to a whole page."""
+        if self.chunked_prefill_size is not None:
+            return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+        chunk = CPU_PREFILL_NODE_CHUNK if self.device == "cpu" and self.disaggregation_mode == "prefill" else DEFAULT_CHUNK
+        return -(-chunk // self.page_size) * self.page_size
 
     def replace(self, **changes: object) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -115,3 +115,16 @@ def test_each_flag_group_is_one_section_per_command() -> None:
         assert len(titles) == len(set(titles)), (command.splitlines()[0], titles)
     router = page.split("## `pdcluster router`")[1].split("\n## ")[0]
     assert "### openai api" in router and "`--tool-call-parser`" in router.split("### openai api")[1].split("###")[0]
+
+
+@pytest.mark.parametrize(("flags", "chunk"), [
+    ({"disaggregation_mode": "prefill"}, 512),  # a CPU prefill node: small batches, sooner first tokens
+    ({"disaggregation_mode": "prefill", "page_size": 48}, 528),  # rounded up to a whole page
+    ({"disaggregation_mode": "null"}, 2048),  # a colocated node's chunk paces its decode steps too
+    ({"disaggregation_mode": "decode"}, 2048),
+    ({"disaggregation_mode": "prefill", "device": "cuda"}, 2048),
+    ({"disaggregation_mode": "prefill", "chunked_prefill_size": 4096}, 4096),  # the flag wins
+    ({"disaggregation_mode": "prefill", "chunked_prefill_size": -1}, None),
+])
+def test_chunked_prefill_size_defaults_by_role_and_device(flags, chunk) -> None:
+    assert ServerArgs(**flags).chunk_size == chunk
