@@ -9,6 +9,7 @@ from typing import Literal
 
 from common import env
 from common.errors import ConfigError
+from common.event_loop import EVENT_LOOPS
 from common.flags import above, add_flags, at_least, check_flags, config_values, flag, in_range, tcp_port
 from common.kv_options import parse_options
 from common.wire.tls import TlsFiles
@@ -75,6 +76,8 @@ class ServerArgs:
                          group=SERVER, check=tcp_port(-1, meaning=MUX_PORT_MEANING))
     log_level: str = flag("info", "log level of the node's processes (debug, info, warning, error)", group=SERVER)
     log_requests: bool = flag(False, "log each request's arrival and outcome (rid, room)", group=SERVER)
+    event_loop: str = flag("auto", "the front process's event loop. auto: uvloop when installed, else asyncio's "
+                           "loop", group=SERVER, choices=EVENT_LOOPS)
     # The Worker gRPC listener (common/wire/tls.py).
     tls_cert: str | None = flag(None, "PEM certificate chain: the Worker gRPC port serves TLS", group=SERVER)
     tls_key: str | None = flag(None, "PEM private key of --tls-cert", group=SERVER)

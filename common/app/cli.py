@@ -82,11 +82,11 @@ def run_generate(ns: argparse.Namespace) -> int:
 
 
 def run_serve(ns: argparse.Namespace) -> int:
-    import asyncio
-
+    from common import event_loop
     from common.node.serve import serve
 
-    return asyncio.run(serve(server_args_from_cli(ns)))
+    args = server_args_from_cli(ns)
+    return event_loop.run(serve(args), args.event_loop)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,21 +78,27 @@ def timing_to_proto(t: Timing | None) -> common_pb2.Timing:
     )
 
 
+def _fill_chunk(chunk: worker_pb2.TokenChunk, out: TokenOut) -> None:
+    chunk.token_ids.extend(out.token_ids)
+    if out.logprobs:
+        chunk.logprobs.extend(out.logprobs)
+    for top in out.top_logprobs:
+        chunk.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+
+
 def chunk_to_proto(out: TokenOut) -> worker_pb2.TokenChunk:
-    return worker_pb2.TokenChunk(
-        token_ids=out.token_ids,
-        logprobs=out.logprobs,
-        top_logprobs=[
-            common_pb2.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
-            for top in out.top_logprobs
-        ],
-    )
+    chunk = worker_pb2.TokenChunk()
+    _fill_chunk(chunk, out)
+    return chunk
 
 
 def token_out_to_proto(out: TokenOut) -> worker_pb2.GenerateResponse:
     """A streamed chunk, or the final message when ``finish_reason`` is set (errors are raised, not sent)."""
     if out.finish_reason is None:
-        return worker_pb2.GenerateResponse(chunk=chunk_to_proto(out))
+        resp = worker_pb2.GenerateResponse()
+        _fill_chunk(resp.chunk, out)  # in place: a chunk passed to the constructor would be copied
+        resp.chunk.SetInParent()  # an empty chunk (a request's first, with no tokens yet) still selects ``chunk``
+        return resp
     fin = worker_pb2.Finished(
         last=chunk_to_proto(out),
         finish_reason=out.finish_reason,

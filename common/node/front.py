@@ -92,23 +92,23 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
         self.ranks.register(msg.rid, rank, queue.put_nowait)
         self.in_flight[rank] += 1
         budget = self.timeout(context)  # NOTE: read once: the context's remaining time shrinks as it runs
-        deadline = asyncio.get_running_loop().time() + budget
+        # One timer per request, not a wait_for per output (on Python 3.11 each wait_for is a task of its own).
+        expiry = asyncio.get_running_loop().call_later(budget, queue.put_nowait, _EXPIRED)
         finished = False
         expired = False
         try:
             self.ranks.send(rank, msg)
             while not finished:
-                left = deadline - asyncio.get_running_loop().time()
-                try:
-                    out = await asyncio.wait_for(queue.get(), max(left, 0.0))
-                except TimeoutError:
+                out = await queue.get()
+                if out is _EXPIRED:
                     expired = True
-                    raise _Deadline(f"request {msg.rid} did not finish within {budget:.3g} s") from None
+                    raise _Deadline(f"request {msg.rid} did not finish within {budget:.3g} s")
                 finished = getattr(out, "finish_reason", None) is not None or not isinstance(out, TokenOut)
                 if finished:
                     observe_final(out)
                 yield out
         finally:
+            expiry.cancel()
             if not finished:
                 code = ErrorCode.DEADLINE_EXCEEDED if expired else abort_code(context)
                 why = "deadline passed" if code == ErrorCode.DEADLINE_EXCEEDED else "client cancelled"
@@ -222,6 +222,9 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT if short else grpc.StatusCode.PERMISSION_DENIED,
                                 str(e))
         return worker_pb2.ProveMembershipResponse(proof=proof)
+
+
+_EXPIRED = object()  # queued by a request's deadline timer, behind the outputs that arrived in time
 
 
 def abort_code(context: Any) -> ErrorCode:

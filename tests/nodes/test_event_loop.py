@@ -44,3 +44,15 @@ def test_run_runs_the_coroutine_on_the_chosen_loop(choice: str, loop_type: type)
         return asyncio.get_running_loop()
 
     assert isinstance(run(which(), choice), loop_type)
+
+
+@pytest.mark.parametrize("flags, on_uvloop", [([], True), (["--event-loop", "asyncio"], False)])
+def test_a_node_front_serves_on_the_loop_its_flag_names(monkeypatch, flags: list[str], on_uvloop: bool) -> None:
+    import common.node.serve
+    from common.app.cli import build_parser, run_serve
+
+    async def serve(_args: object) -> int:
+        return int(isinstance(asyncio.get_running_loop(), uvloop.Loop))
+
+    monkeypatch.setattr(common.node.serve, "serve", serve)
+    assert run_serve(build_parser().parse_args(["serve", *flags])) == int(on_uvloop)
