@@ -53,6 +53,8 @@ CASES = {
     "input-p16-fits": Case(16, BIG, 128, None, ((50, 8), (64, 8), (1, 1)), (50, 64), False, OTHER),
     "input-p16-over": Case(16, BIG, 128, None, ((50, 8), (65, 8), (1, 1)), (50,), False, OTHER),
     "input-p16-first-alone": Case(16, BIG, 128, None, ((300, 8), (1, 1)), (300,), False, OTHER),
+    # a queue that ends exactly at the budget: the last admission itself reports the budget spent
+    "input-p1-exact": Case(1, BIG, 100, None, ((50, 8), (50, 8)), (50, 50), False, OTHER),
     # rem_chunk_tokens: what does not fit is cut to a page multiple of what is left and becomes the chunked request
     "chunk-p1-fits": Case(1, BIG, BIG, 100, ((50, 8), (50, 8), (1, 1)), (50, 50), False, OTHER),
     "chunk-p1-over": Case(1, BIG, BIG, 100, ((50, 8), (51, 8), (1, 1)), (50, 50), True, OTHER),
@@ -60,6 +62,7 @@ CASES = {
     "chunk-p16-over": Case(16, BIG, BIG, 128, ((50, 8), (65, 8), (1, 1)), (50, 64), True, OTHER),
     "chunk-p16-first-cut": Case(16, BIG, BIG, 128, ((300, 8), (1, 1)), (128,), True, OTHER),
     "chunk-p16-left-under-a-page": Case(16, BIG, BIG, 72, ((50, 8), (30, 8)), (50,), False, OTHER),
+    "chunk-p1-exact": Case(1, BIG, BIG, 100, ((50, 8), (50, 8)), (50, 50), False, OTHER),
 }
 
 

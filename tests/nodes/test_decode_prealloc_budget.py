@@ -128,3 +128,24 @@ def test_prealloc_waits_for_retracted_requests_to_come_back_first(sched, queue) 
     sched.waiting_queue.clear()  # the retracted request is back in the running batch
     admitted, _ = queue.pop_preallocated(0)
     assert admitted == [new]
+
+
+def test_the_decode_role_budgets_with_the_num_reserved_decode_tokens_flag() -> None:
+    """--num-reserved-decode-tokens reaches the role's prealloc queue: an idle decode rank's admissible prompt tokens
+    (its load report) drop by the flag's value for the one request they would admit."""
+    from decode_node.role import DecodeRole
+
+    model = str(make_tiny_model("llama"))
+    admissible = {}
+    for reserved in (0, 256):
+        args = ServerArgs(model_path=model, page_size=PAGE, max_total_tokens=1024, max_running_requests=16,
+                          disaggregation_mode="decode", disable_overlap_schedule=True,
+                          num_reserved_decode_tokens=reserved)
+        s = Scheduler(args, model, load_tokenizer(model), lambda msgs: None, role=DecodeRole(args))
+        try:
+            load = s.get_load()
+            s.role.fill_load(load)
+            admissible[reserved] = load.admissible_tokens
+        finally:
+            s.close()
+    assert admissible[0] - admissible[256] == 256, admissible
