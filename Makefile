@@ -18,10 +18,6 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# --no-compile: pip would byte-compile every module of every package (torch, ray, transformers: ~55 of a fresh
-# install's ~145 s on 2 cores); Python compiles and caches the ones a process imports, on first import.
-PIP_INSTALL := $(BIN)/pip install -q --no-compile
-
 # torch is pinned first: on a machine without a GPU, torch==2.13.0 resolves to the CPU build that lies on disk
 # (pip's find-links); left to the dependency resolver, an unpinned torch would pull the multi-GB CUDA build.
 # The Mooncake wheels link Debian's libibverbs1 (the RDMA verbs library; loaded even for its TCP transport).
@@ -31,11 +27,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 		apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 \
 			|| echo "WARNING: cannot install libibverbs1 (run 'apt-get install libibverbs1' as root): the mooncake backend will not load"; }
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		echo "GPU found: installing the CUDA build of torch"; $(PIP_INSTALL) torch==2.13.0; \
+		echo "GPU found: installing the CUDA build of torch"; $(BIN)/pip install -q torch==2.13.0; \
 	else \
-		echo "no GPU: installing the CPU build of torch"; $(PIP_INSTALL) "torch==2.13.0+cpu" || $(PIP_INSTALL) torch==2.13.0; \
+		echo "no GPU: installing the CPU build of torch"; $(BIN)/pip install -q "torch==2.13.0+cpu" || $(BIN)/pip install -q torch==2.13.0; \
 	fi
-	$(PIP_INSTALL) -e ".[test,mooncake]"
+	$(BIN)/pip install -q -e ".[test,mooncake]"
 	@$(BIN)/python -c "import mooncake.engine" 2>/dev/null \
 		|| echo "WARNING: the Mooncake transfer engine does not load: --kv-transfer-backend mooncake and its tests are off"
 	touch $(STAMP)
