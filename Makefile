@@ -43,8 +43,8 @@ up: $(STAMP)
 
 # TEST_WORKERS pytest-xdist workers, each taking whole test files (--dist loadfile: a module's cluster or node fixture
 # starts once; the longest files go first, tests/conftest.py LONGEST_FILES). On the 2-core CI machine a fresh-clone
-# .ci/run took 13.8-14.6 min on 3 workers (tests 11:16-12:18; 2026-11-27) and ~22 min in one process
-# (TEST_WORKERS=0). PDCLUSTER_TEST_CPU=<dir> writes the CPU seconds each test file took.
+# .ci/run took 11.3-11.8 min on 3 workers (tests 9:30-9:33, install + checks 1:45-2:12; 2026-11-27) and ~22 min in
+# one process (TEST_WORKERS=0). PDCLUSTER_TEST_CPU=<dir> writes the CPU seconds each test file took.
 TEST_WORKERS ?= 3
 
 test: $(STAMP)
