@@ -19,8 +19,11 @@ from common.node.engine import Engine, GenerateOutput
 from tests.engine.test_engine import greedy, make_prompts, overlap_flags
 
 
-def record_intervals(engine: Engine) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """Wrap the runner's forward (forward thread) and batch preparation (scheduler thread) to log their intervals."""
+def record_intervals(
+    engine: Engine, forward_delay_s: float = 0.0
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Wrap the runner's forward (forward thread) and batch preparation (scheduler thread) to log their intervals.
+    ``forward_delay_s``: each forward also sleeps this long (a core-free stand-in for a bigger model's forward)."""
     sched = engine.scheduler
     forwards: list[tuple[float, float]] = []
     preps: list[tuple[float, float]] = []
@@ -30,7 +33,10 @@ def record_intervals(engine: Engine) -> tuple[list[tuple[float, float]], list[tu
         def wrapper(*args: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return fn(*args)
+                result = fn(*args)
+                if out is forwards and forward_delay_s:
+                    time.sleep(forward_delay_s)
+                return result
             finally:
                 with lock:
                     out.append((t0, time.perf_counter()))
@@ -49,15 +55,16 @@ def preps_inside_forwards(forwards: list[tuple[float, float]], preps: list[tuple
 def test_next_batch_is_prepared_while_the_forward_runs(engine_factory, model_path, overlap) -> None:
     engine = engine_factory(model_path, page_size=16, **overlap_flags(overlap))
     engine.generate(input_ids=[1, 2, 3], sampling_params=greedy(2))  # warm-up, outside the record
-    forwards, preps = record_intervals(engine)
+    # The tiny model's forward is shorter than a preparation on a loaded machine (CI: 2 of 25 inside, once in a few
+    # runs): each forward also sleeps 30 ms, as a bigger model's would take, leaving the scheduler thread a core.
+    forwards, preps = record_intervals(engine, forward_delay_s=0.03)
     prompts = make_prompts(1000, [40, 60, 80, 100] * 4, seed=1)
     outs = engine.generate(input_ids=prompts, sampling_params=greedy(24))
     assert all(len(o.output_ids) == 24 for o in outs)
     inside = preps_inside_forwards(forwards, preps)
     if overlap:
-        # Decode step k+1 is prepared during forward k; on a loaded machine many preparations outlast the tiny
-        # model's forward, so a few suffice: with overlap off none can run inside one.
-        assert inside >= 3, f"only {inside} of {len(preps)} preparations ran inside a forward"
+        # Decode step k+1 is prepared during forward k; with overlap off none can run inside one.
+        assert inside >= len(preps) // 4, f"only {inside} of {len(preps)} preparations ran inside a forward"
     else:
         assert inside == 0
 
