@@ -2,7 +2,9 @@
 
 A single control thread owns every socket. Other threads hand it work through ``send`` (a message to an address)
 and ``call_soon`` (a callable run on the control thread), both thread-safe and non-blocking. ``on_message`` and
-``on_tick`` run on the control thread; an exception in them is logged and the thread goes on (a dead control
+``on_tick`` run on the control thread; ``on_tick`` returns how long the next one may wait (``tick_s`` while rooms
+are open, up to the next heartbeat when idle: an idle rank's control thread wakes once a second, not 50 times) and
+``tick_soon`` (any thread) brings the next one forward; an exception in them is logged and the thread goes on (a dead control
 thread would hang every room of the rank).
 """
 
@@ -27,10 +29,11 @@ log = logging.getLogger(__name__)
 
 class ControlPlane:
     def __init__(self, host: str, port: int, on_message: Callable[[AnyMessage, list[bytes]], None],
-                 on_tick: Callable[[], None], tick_s: float = 0.02, advertise_host: str = "") -> None:
+                 on_tick: Callable[[], float | None], tick_s: float = 0.02, advertise_host: str = "") -> None:
         self._on_message = on_message
         self._on_tick = on_tick
         self._tick_s = tick_s
+        self._next_tick = 0.0  # control thread only (monotonic time)
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -60,6 +63,14 @@ class ControlPlane:
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the control thread."""
         self._push(fn)
+
+    def tick_soon(self) -> None:
+        """Run ``on_tick`` on the control thread before its next wait (a room was opened: its deadlines and
+        retries need the short tick from now on)."""
+        self._push(self._tick_now)
+
+    def _tick_now(self) -> None:
+        self._next_tick = 0.0
 
     def forget(self, addr: str) -> None:
         """Close the DEALER to ``addr`` (the peer is gone); a later send reconnects."""
@@ -97,10 +108,9 @@ class ControlPlane:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        next_tick = time.monotonic()
         while True:
             # work queued by this thread's own handlers runs before the next wait (it sent no wake-up)
-            timeout_ms = 0.0 if self._outbox else max(0.0, (next_tick - time.monotonic()) * 1000)
+            timeout_ms = 0.0 if self._outbox else max(0.0, (self._next_tick - time.monotonic()) * 1000)
             ready = dict(poller.poll(timeout_ms))
             if self._wake_r.fileno() in ready:
                 self._drain_wake()
@@ -113,9 +123,10 @@ class ControlPlane:
                 self._guarded(self._do, item)
             if self._router in ready:
                 self._receive_all()
-            if time.monotonic() >= next_tick:
-                self._guarded(self._on_tick)
-                next_tick = time.monotonic() + self._tick_s
+            if time.monotonic() >= self._next_tick:
+                wait = self._guarded(self._on_tick)
+                wait = min(max(wait, self._tick_s), 1.0) if isinstance(wait, float | int) else self._tick_s
+                self._next_tick = time.monotonic() + wait
 
     def _drain_wake(self) -> None:
         try:
@@ -164,8 +175,9 @@ class ControlPlane:
             dealer.close(0)
 
     @staticmethod
-    def _guarded(fn: Callable, *args: object) -> None:
+    def _guarded(fn: Callable, *args: object) -> object:
         try:
-            fn(*args)
+            return fn(*args)
         except Exception:  # logged, not swallowed: one bad message must not kill the control thread
             log.exception("kv control thread: handler failed")
+            return None

@@ -85,8 +85,9 @@ class Rooms(Protocol):
     def peer_lost(self, key: PeerKey, reason: str) -> None:
         """The peer died or restarted: fail the rooms it serves (UNAVAILABLE)."""
 
-    def tick(self, now: float) -> None:
-        """The periodic sweep: deadlines, retries, forgetting old rooms."""
+    def tick(self, now: float) -> bool:
+        """The periodic sweep: deadlines, retries, forgetting old rooms. True while a room is open (its deadlines
+        and retries need the short tick); False lets the control thread sleep until the next heartbeat."""
 
     def close(self, reason: str) -> None:
         """The manager closes (any thread): fail every open room (UNAVAILABLE)."""
@@ -212,7 +213,9 @@ class KVManager:
         if not isinstance(msg, Heartbeat):
             self.rooms.handle(msg, peer)
 
-    def _on_tick(self) -> None:
+    def _on_tick(self) -> float:
+        """Seconds the next tick may wait: the control plane's short tick while a room is open, else until the
+        next heartbeat (``create`` of a room calls ``tick_soon``)."""
         now = time.monotonic()
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.config.heartbeat_interval_s
@@ -225,7 +228,8 @@ class KVManager:
                                              f"(heartbeat every {self.config.heartbeat_interval_s}s)")
                 else:
                     self.send_to(peer.key, Heartbeat(**self.stamp()))
-        self.rooms.tick(now)
+        busy = self.rooms.tick(now)
+        return 0.0 if busy else self._next_heartbeat - time.monotonic()
 
     def _register_forever(self) -> None:
         """Prefill: register this rank with the Bootstrap service, retrying until it answers (or we close)."""

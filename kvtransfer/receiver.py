@@ -121,7 +121,8 @@ class DecodeRooms:
                 rec.quiesced = True
             else:
                 self.rooms[room] = rec
-            return rec
+        self.mgr.control.tick_soon()  # its deadline and bootstrap retries need the short tick
+        return rec
 
     def init(self, rec: RecvRoom, dp_rank: int) -> None:
         with self.mgr.lock:
@@ -243,8 +244,9 @@ class DecodeRooms:
                     self.fail(rec, ErrorCode.UNAVAILABLE, f"room {rec.room}: {reason} while {rec.state.name}", now, skip=key)
                     rec.peer_quiesced(key)
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float) -> bool:
         with self.mgr.lock:
+            busy = False
             for rec in list(self.rooms.values()):
                 if rec.expired(now):
                     self.fail(rec, ErrorCode.DEADLINE_EXCEEDED, rec.expiry_reason(), now)
@@ -256,9 +258,11 @@ class DecodeRooms:
                     rec.quiesced = True
                 elif rec.state.is_final and rec.quiesced and now - rec.finished_at > self.mgr.config.tombstone_s:
                     del self.rooms[rec.room]
+                busy = busy or not (rec.state.is_final and rec.quiesced)
             pending = [r for r in self.rooms.values() if r.state == KVPoll.Bootstrapping and r.dp_rank is not None]
         for rec in pending:
             self._pump(rec)
+        return busy
 
     def close(self, reason: str) -> None:
         with self.mgr.lock:

@@ -114,7 +114,8 @@ class PrefillRooms:
                 rec.quiesced = True
             for peer, info in self.early.pop(room, (0.0, []))[1]:
                 self._add_info(rec, peer, info, now)
-            return rec
+        self.mgr.control.tick_soon()  # its deadline needs the short tick
+        return rec
 
     def init(self, rec: SendRoom, num_pages: int, metadata_slot: int | None) -> None:
         with self.mgr.lock:
@@ -283,13 +284,15 @@ class PrefillRooms:
             for room, (expires, infos) in list(self.early.items()):
                 self.early[room] = (expires, [(p, i) for p, i in infos if p.key != key])
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float) -> bool:
         with self.mgr.lock:
+            busy = bool(self.early)
             for rec in list(self.rooms.values()):
                 if rec.expired(now):
                     self.fail(rec, ErrorCode.DEADLINE_EXCEEDED, rec.expiry_reason(), now)
                 elif rec.state.is_final and rec.quiesced and now - rec.finished_at > self.mgr.config.tombstone_s:
                     del self.rooms[rec.room]  # never cleared by the scheduler; bound the table
+                busy = busy or not (rec.state.is_final and rec.quiesced)
             for room, (expires, infos) in list(self.early.items()):
                 if now > expires:
                     del self.early[room]
@@ -301,6 +304,7 @@ class PrefillRooms:
             for room, (expires, _, _) in list(self.tombstones.items()):
                 if now > expires:
                     del self.tombstones[room]
+            return busy
 
     def close(self, reason: str) -> None:
         with self.mgr.lock:
