@@ -90,11 +90,13 @@ def pd_pair(setup: dict[str, Any], monkeypatch, overlap: bool = True, **decode_o
     decode = Scheduler(dargs, setup["model"], setup["tokenizer"], decode_out.extend, role=DecodeRole(dargs))
     try:
         yield prefill, decode, decode_out
-        for sched in (prefill, decode):  # the pools come back whole (a prefill node's radix cache may keep pages)
+        # The decode node keeps no page nobody holds; a prefill node's radix cache may (evictable).
+        assert decode.tree_cache.total_size() == 0, decode.tree_cache.pretty_print()
+        assert decode.allocator.available_size() == decode.allocator.size
+        for sched in (prefill, decode):
             assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
             sched.tree_cache.evict(sched.allocator.size)
             assert sched.allocator.available_size() == sched.allocator.size
-        assert decode.tree_cache.total_size() == 0, decode.tree_cache.pretty_print()
     finally:
         prefill.close()
         decode.close()
