@@ -35,7 +35,7 @@ from router.metrics import RouterMetrics
 from router.migration import ended_by, node_request
 from router.output import OutputState
 from router.policies import Policy, RouteHint, make_policy, pick_rank
-from router.request import Delta, Final, GenRequest
+from router.request import Delta, Final, GenRequest, RoutePin
 from router.rooms import RoomAllocator
 from router.timing_store import TimingStore
 from router.workers import Lease, Registry, Worker
@@ -348,9 +348,17 @@ class RouterCore:
         prefills = self._candidates("prefill", failed, prompt_len)
         # A decode node admits by the prompt (its generation headroom is reserved per active request).
         decodes = self._candidates("decode", failed, prompt_len, req.priority)
+        pin = req.pin
         if prefills and decodes:
-            p, p_rank = self._choose(self.prefill_policy, prefills, hint, prompt_len)
-            d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)
+            if pin is not None and _pinned(pin, failed, decodes, prefills):
+                p, p_rank, d, d_rank = pin.prefill, pin.prefill_rank, pin.worker, pin.rank
+                self.prefill_policy.routed(p, p_rank, hint)
+                self.decode_policy.routed(d, d_rank, hint)
+            else:
+                p, p_rank = self._choose(self.prefill_policy, prefills, hint, prompt_len)
+                d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)
+                if pin is not None and pin.worker is None:
+                    pin.prefill, pin.prefill_rank, pin.worker, pin.rank = p, p_rank, d, d_rank
             leases = [
                 Lease(p, p.ranks[p_rank], prompt_len, p.pages_for(prompt_len)),
                 Lease(d, d.ranks[d_rank], hint.tokens, d.pages_for(hint.tokens)),
@@ -360,7 +368,13 @@ class RouterCore:
             return Plan(leases, self.rooms.acquire(), p, p_rank, d, d_rank)
         colocated = self._candidates("colocated", failed, hint.tokens)
         if colocated:
-            w, rank = self._choose(self.colocated_policy, colocated, hint, hint.tokens)
+            if pin is not None and _pinned(pin, failed, colocated):
+                w, rank = pin.worker, pin.rank
+                self.colocated_policy.routed(w, rank, hint)
+            else:
+                w, rank = self._choose(self.colocated_policy, colocated, hint, hint.tokens)
+                if pin is not None and pin.worker is None:
+                    pin.worker, pin.rank = w, rank
             self.metrics.dispatches.labels(w.address, "colocated").inc()
             return Plan([Lease(w, w.ranks[rank], hint.tokens, w.pages_for(hint.tokens))], 0, None, 0, w, rank)
         raise UnavailableError(self._why_unavailable(prefills, decodes, detail=False),
@@ -422,6 +436,16 @@ class RouterCore:
             parts = [describe(r) for r, got in (("prefill", prefills), ("decode", decodes)) if not got]
             return "; ".join(parts)
         return describe("colocated")
+
+
+def _pinned(pin: RoutePin, failed: set[str], workers: Sequence[Worker], prefills: Sequence[Worker] | None = None
+            ) -> bool:
+    """Whether a choice can go where its request's first routed choice went: the same kind of plan (P/D or
+    colocated), every pinned worker still a candidate (routable, with room), and none failed this choice."""
+    if pin.worker is None or (pin.prefill is None) != (prefills is None):
+        return False
+    pinned = [(pin.worker, pin.rank, workers)] + ([(pin.prefill, pin.prefill_rank, prefills)] if prefills else [])
+    return all(w.address not in failed and rank < len(w.ranks) and w in ws for w, rank, ws in pinned)
 
 
 def _prefill_resp(leg: PdAttempt | ColocatedAttempt | None) -> worker_pb2.PrefillResponse | None:
