@@ -11,9 +11,11 @@ prompt's full pages (all but the last page: each sequence writes its own tokens 
 other requests matches and locks them, allocates only the rest and sends page 0 for the held ones (prefill moves
 nothing for them, ``kvtransfer.sender``); its budget counts only the rest. A request whose prompt is the same as
 one in transit here waits (not blocking the queue) until that one's KV has landed and joined the cache, or left:
-one transfer of a repeated prompt's shared pages at a time. That wait is bounded like every wait in this queue,
-by the transfer deadlines (``--disaggregation-*-timeout``): the one in transit lands or fails by them, and the
-waiting request's own prefill peer fails it by them.
+one transfer of a repeated prompt's shared pages at a time. That wait ends at the latest half a
+``--bootstrap-timeout`` after the request arrived (its prefill peer waits that long for destination pages): it then
+receives the prompt whole, and its copy of the full pages is folded into the held one when it lands
+(``HeldPrefixCache.cache_prompt``). Any TP rank's clock ending a wait ends it on every rank (one collective per
+step while some request waits).
 
 Priority scheduling (``rules``): retracted requests block only the requests they are at least as urgent as, and a
 head that does not fit preempts running requests it beats by more than the threshold (least urgent and newest
@@ -53,6 +55,7 @@ class DecodePreallocQueue:
         self.reserved = num_reserved_decode_tokens
         self.queue: list[Req] = []
         self.free_metadata_slots = list(range(kv_manager.args.num_metadata_slots))
+        self.waiting_for_prompt: set[str] = set()  # rids of the requests held last round for a prompt in transit
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -113,6 +116,8 @@ class DecodePreallocQueue:
         ``transferring``: the requests whose KV is in transit (a request with the same prompt waits for them)."""
         s = self.engine
         in_transit = {r.prompt_key: r for r in transferring if self.shared_len(r)}
+        waited_enough = self._waited_enough()
+        self.waiting_for_prompt = set()
         admitted: list[Req] = []
         failed: list[Req] = []
         keep: list[Req] = []
@@ -133,8 +138,10 @@ class DecodePreallocQueue:
                 blocked = True  # in order: nobody overtakes the head of the queue
                 keep.append(req)
                 continue
-            if self.prompts is not None and _same_prompt(in_transit.get(req.prompt_key), req):
+            if (self.prompts is not None and req.rid not in waited_enough
+                    and _same_prompt(in_transit.get(req.prompt_key), req)):
                 keep.append(req)  # its prompt's pages are on their way for another request
+                self.waiting_for_prompt.add(req.rid)
                 continue
             active = len(s.running_reqs()) + num_transferring + len(admitted) + 1
             need = len(req.origin_input_ids) - self.held_len(req) + s.page_size
@@ -171,6 +178,17 @@ class DecodePreallocQueue:
         leaving = frozenset(id(r) for r in chosen)
         if chosen and need <= self.allocatable_tokens(active - len(chosen), leaving) + freed:
             s.preempt_running(chosen, head)
+
+    def _waited_enough(self) -> set[str]:
+        """Rids of the requests held for a prompt in transit that may wait no longer (see the module docstring)."""
+        held = [r for r in self.queue if r.rid in self.waiting_for_prompt]  # the same list on every TP rank
+        if not held:
+            return set()
+        limit, now = self.engine.args.bootstrap_timeout / 2, time.monotonic()
+        late = torch.tensor([-int(now - r.times.arrival >= limit) for r in held], dtype=torch.int64)
+        if self.engine.tp.tp_size > 1:
+            late = self.engine.tp.all_reduce_min(late)  # late on one rank: late on all
+        return {r.rid for r, flag in zip(held, late.tolist(), strict=True) if flag}
 
     def shared_len(self, req: Req) -> int:
         """Prompt positions a request may share (its full pages but the last page): 0 without sharing."""

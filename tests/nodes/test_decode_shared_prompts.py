@@ -237,3 +237,36 @@ def test_disable_radix_cache_gives_each_choice_its_own_copy(setup, monkeypatch) 
         assert tokens_of(out) == setup["expected"]
         moved = {f.timing.transfer_bytes for f in finals(out).values() if f.timing is not None}
         assert len(moved) == 1, moved
+
+
+def test_a_choice_waits_for_the_prompt_half_a_bootstrap_timeout_at_most(setup, monkeypatch) -> None:
+    """A choice waits for the first one's pages no longer than half its prefill peer's wait for destination pages:
+    then it receives the prompt whole, and its copy is folded into the held one when it lands."""
+    with pd_pair(setup, monkeypatch, bootstrap_timeout=1.0) as (prefill, decode, out):
+        msgs = requests(setup["port"])
+        decode.step(msgs)
+        role = decode.role
+        drive(prefill, decode, lambda: bool(role.transfer_queue.queue), prefill_msgs=lambda: [])
+        assert len(role.prealloc_queue.queue) == N - 1  # waiting for c-0's pages: no prefill runs c-0 yet
+        arrived = max(r.times.arrival for r in role.prealloc_queue.queue)
+        deadline = time.monotonic() + 10
+        while len(role.transfer_queue.queue) < N:
+            assert time.monotonic() < deadline, "the waiting choices never stopped waiting"
+            decode.step([])
+            time.sleep(0.01)
+        assert time.monotonic() - arrived >= 0.5, "they stopped waiting before half the bootstrap timeout"
+        prefill.step(msgs)
+        seen_shared = False
+
+        def check() -> bool:
+            nonlocal seen_shared
+            live = running(decode)
+            if len(live) == N and not seen_shared:
+                assert_shared(decode, list(live.values()))
+                seen_shared = True
+            return prefill.is_idle() and decode.is_idle()
+
+        drive(prefill, decode, check)
+        assert seen_shared and tokens_of(out) == setup["expected"]
+        moved = {f.timing.transfer_bytes for f in finals(out).values() if f.timing is not None}
+        assert len(moved) == 1, moved  # each received the prompt whole
