@@ -52,7 +52,8 @@ KV_TRANSFER_OPTIONS: dict[str, dict[str, Option]] = {
         "ucx_tls": Option("all"),
         "ucx_progress_mode": Option("blocking", _one_of("blocking", "polling", "thread", "thread-polling")),
     },
-    "nixl": {},
+    # NIXL's progress thread polls with this timeout (µs); 0 = NIXL's own busy polling, a core per agent when idle.
+    "nixl": {"progress_delay_us": Option("1000", _integer(0, 1_000_000))},
     "mooncake": {"mooncake_protocol": Option("tcp", _one_of("tcp", "rdma")), "mooncake_device": Option("")},
     "shm": {},
     "fake": {},

@@ -11,6 +11,12 @@ bytes are in the target's memory, so no confirmation from decode is needed. CUDA
 event on the device's default stream (where the forward that wrote the pages was enqueued) and the worker waits for
 it before the WRITE reads the pages.
 
+The progress thread waits on its UCX workers' event fds with a timeout of ``progress_delay_us``
+(``--kv-transfer-option``, default 1000): NIXL's Python API builds every agent with a delay of 0, and its progress
+thread then polls with a zero timeout, a whole core per agent even while the node is idle (one per rank, prefill and
+decode). An incoming message wakes the thread through the fd at once; the timeout only bounds how long progress
+may wait when nothing signals. 0 keeps NIXL's own busy polling.
+
 Descriptors travel as plain integers, not ``get_serialized_descs`` (a pickle: loading one from the network would
 run whatever it names). Transports: UCX's own selection, narrowed with ``UCX_TLS`` in the environment (cma/sm/tcp
 on one host, rc/ud/dc on InfiniBand/RoCE, cuda_ipc/cuda_copy for GPU buffers).
@@ -33,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.kv_options import int_option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import memory_kind
@@ -40,6 +47,7 @@ from kvtransfer.backends.onesided import RemotePool, pool_endpoint, write_segmen
 from kvtransfer.backends.workers import QueuedBackend, TransferError
 
 try:
+    import nixl._api as nixl_api
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 except ImportError as exc:  # no silent fallback: the operator chose this backend
     raise ImportError(f"--kv-transfer-backend nixl needs the `nixl` package (pip install nixl): {exc}") from exc
@@ -49,6 +57,35 @@ log = logging.getLogger(__name__)
 MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
 SPIN_POLLS = 2000  # check_xfer_state calls before backing off to short sleeps (sleeping early halves throughput)
 BACKOFF_S = 0.0002
+
+
+_AGENT_CONFIG_LOCK = threading.Lock()
+
+
+def _new_agent(name: str, progress_delay_us: int) -> Any:
+    """A NIXL agent (UCX backend, progress thread on) whose progress thread waits ``progress_delay_us`` between
+    polls. ``nixl_agent`` hard-codes ``pthrDelay = 0`` in the native config it builds, so the native config class
+    is swapped, for this one construction, for a subclass that keeps the larger delay."""
+    base = nixl_api.nixlBind.nixlAgentConfig
+    delay_field = base.pthrDelay
+
+    class DelayedConfig(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return int(delay_field.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            delay_field.__set__(self, max(int(value), progress_delay_us))
+
+    conf = nixl_agent_config(enable_prog_thread=True, backends=["UCX"],
+                             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    with _AGENT_CONFIG_LOCK:
+        nixl_api.nixlBind.nixlAgentConfig = DelayedConfig
+        try:
+            return nixl_agent(name, conf)
+        finally:
+            nixl_api.nixlBind.nixlAgentConfig = base
 
 
 @dataclass
@@ -76,9 +113,7 @@ class NixlBackend(QueuedBackend):
         self._buffer_bytes = self._buffers[0].numel() * self._buffers[0].element_size()
         self._bases = np.array([buf.data_ptr() for buf in self._buffers], dtype=np.uint64)
         self._name = f"pdcluster-{mode}-{local.instance_id}-{local.epoch}-{uuid.uuid4().hex[:8]}"
-        conf = nixl_agent_config(enable_prog_thread=True, backends=["UCX"],
-                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self._agent: Any = nixl_agent(self._name, conf)
+        self._agent: Any = _new_agent(self._name, int_option("nixl", config.backend_options, "progress_delay_us"))
         if "UCX" not in self._agent.backends:
             raise RuntimeError(f"nixl: the UCX plugin did not load (plugins: {self._agent.get_plugin_list()})")
         self._reg = self._agent.register_memory(self._buffers, backends=["UCX"])
