@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from common.engine.sampling.params import for_choice
@@ -33,6 +33,15 @@ def choice_requests(req: GenRequest, n: int) -> list[GenRequest]:
         return [req]
     pinned = dataclasses.replace(req, pin=RoutePin())
     return [choice_request(pinned, i) for i in range(n)]
+
+
+def pin_fits(pin: RoutePin, failed: set[str], workers: Sequence[Any], prefills: Sequence[Any] | None = None) -> bool:
+    """Whether a choice can go where its request's first routed choice went: the same kind of plan (P/D or
+    colocated), every pinned worker still a candidate (routable, with room), and none failed this choice."""
+    if pin.worker is None or (pin.prefill is None) != (prefills is None):
+        return False
+    pinned = [(pin.worker, pin.rank, workers)] + ([(pin.prefill, pin.prefill_rank, prefills)] if prefills else [])
+    return all(w.address not in failed and rank < len(w.ranks) and w in ws for w, rank, ws in pinned)
 
 
 def choice_request(req: GenRequest, i: int) -> GenRequest:

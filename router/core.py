@@ -27,6 +27,7 @@ from common.errors import CapacityError, InvalidRequestError
 from pdcluster.v1 import worker_pb2
 from router.admission import Admission, HeldRequests, NoRoom, NotAdmitted, hold_order
 from router.candidates import Candidates
+from router.choices import pin_fits
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
 from router.inputs import InputProcessor
@@ -35,7 +36,7 @@ from router.metrics import RouterMetrics
 from router.migration import ended_by, node_request
 from router.output import OutputState
 from router.policies import Policy, RouteHint, make_policy, pick_rank
-from router.request import Delta, Final, GenRequest, RoutePin
+from router.request import Delta, Final, GenRequest
 from router.rooms import RoomAllocator
 from router.timing_store import TimingStore
 from router.workers import Lease, Registry, Worker
@@ -350,7 +351,7 @@ class RouterCore:
         decodes = self._candidates("decode", failed, prompt_len, req.priority)
         pin = req.pin
         if prefills and decodes:
-            if pin is not None and _pinned(pin, failed, decodes, prefills):
+            if pin is not None and pin_fits(pin, failed, decodes, prefills):
                 p, p_rank, d, d_rank = pin.prefill, pin.prefill_rank, pin.worker, pin.rank
                 self.prefill_policy.routed(p, p_rank, hint)
                 self.decode_policy.routed(d, d_rank, hint)
@@ -368,7 +369,7 @@ class RouterCore:
             return Plan(leases, self.rooms.acquire(), p, p_rank, d, d_rank)
         colocated = self._candidates("colocated", failed, hint.tokens)
         if colocated:
-            if pin is not None and _pinned(pin, failed, colocated):
+            if pin is not None and pin_fits(pin, failed, colocated):
                 w, rank = pin.worker, pin.rank
                 self.colocated_policy.routed(w, rank, hint)
             else:
@@ -436,16 +437,6 @@ class RouterCore:
             parts = [describe(r) for r, got in (("prefill", prefills), ("decode", decodes)) if not got]
             return "; ".join(parts)
         return describe("colocated")
-
-
-def _pinned(pin: RoutePin, failed: set[str], workers: Sequence[Worker], prefills: Sequence[Worker] | None = None
-            ) -> bool:
-    """Whether a choice can go where its request's first routed choice went: the same kind of plan (P/D or
-    colocated), every pinned worker still a candidate (routable, with room), and none failed this choice."""
-    if pin.worker is None or (pin.prefill is None) != (prefills is None):
-        return False
-    pinned = [(pin.worker, pin.rank, workers)] + ([(pin.prefill, pin.prefill_rank, prefills)] if prefills else [])
-    return all(w.address not in failed and rank < len(w.ranks) and w in ws for w, rank, ws in pinned)
 
 
 def _prefill_resp(leg: PdAttempt | ColocatedAttempt | None) -> worker_pb2.PrefillResponse | None:
