@@ -124,7 +124,8 @@ class ServerArgs:
     max_queued_requests: int = flag(1024, "requests a DP rank may hold beyond --max-running-requests (bootstrap, "
                                     "waiting, transfer queues); more get RESOURCE_EXHAUSTED with a retry hint",
                                     group=MEMORY, check=at_least(0))
-    disable_radix_cache: bool = flag(False, "no prefix sharing between requests", group=MEMORY)
+    disable_radix_cache: bool = flag(False, "no prefix sharing between requests (on a decode node: the choices of "
+                                       "an n > 1 request each receive and hold the whole prompt)", group=MEMORY)
     chunked_prefill_size: int | None = flag(
         None, "tokens per prefill chunk, a multiple of --page-size; -1 disables chunking (default "
         f"{CPU_PREFILL_NODE_CHUNK} on a CPU prefill node, else {DEFAULT_CHUNK})", group=MEMORY)
@@ -243,9 +244,15 @@ class ServerArgs:
 
     @property
     def use_radix_cache(self) -> bool:
-        """Prefix sharing: on unless --disable-radix-cache, and never on a decode node (every request's KV arrives
-        whole from its prefill node; a retracted request is recomputed locally)."""
+        """Prefix sharing through a radix cache that keeps finished requests' KV: on unless --disable-radix-cache,
+        and never on a decode node (its KV arrives from its prefill node: ``shares_decode_prompts``)."""
         return not self.disable_radix_cache and self.disaggregation_mode != "decode"
+
+    @property
+    def shares_decode_prompts(self) -> bool:
+        """A decode node's requests with the same prompt (the choices of an ``n > 1`` request) share its full pages
+        (``common.engine.mem.held_prefix_cache``): on unless --disable-radix-cache."""
+        return not self.disable_radix_cache and self.disaggregation_mode == "decode"
 
     @property
     def is_disaggregated(self) -> bool:

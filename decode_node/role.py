@@ -1,7 +1,11 @@
 """``DecodeRole``: one decode rank's role in the engine loop, handed to its ``Scheduler``. Holds the KV manager and
 its two queues; ``Scheduler.step`` runs the loop and asks the hooks below (``SchedulerRole``), and the role calls
-the scheduler back through the narrow ``Engine`` interface only. The engine runs without a radix cache here
-(``ServerArgs.use_radix_cache``): every request's KV arrives whole from its prefill node.
+the scheduler back through the narrow ``Engine`` interface only. Every request's KV arrives from its prefill node;
+the engine's prefix cache here (``HeldPrefixCache``, unless --disable-radix-cache) keeps only the prompt pages
+that requests hold, so that requests with the same prompt (an ``n > 1`` request's choices) receive and hold its
+full pages once: the first one's join the cache when they land (``take_transferred``), the others match them at
+preallocation. Every release (finish, abort, retraction, transfer failure) goes through the cache: it unlocks,
+and the last holder's unlock frees.
 
 Lifecycle of a request: prealloc -> transfer -> running (decode) -> finished::
 
@@ -18,6 +22,8 @@ import logging
 import time
 
 from common.config import ServerArgs
+from common.engine.mem.held_prefix_cache import HeldPrefixCache
+from common.engine.mem.pages import num_pages
 from common.engine.req import Req
 from common.engine.sampling.grammar import accept_grammar_token, finish_on_grammar
 from common.engine.sampling.stop import check_finished
@@ -43,8 +49,10 @@ class DecodeRole(LoopHooks):
         self.kv = rank_transfer(self.args, engine.runner, "decode", engine.dp_rank, engine.tp)
         self.kv_manager, self.polls, self.bytes_per_page = self.kv.manager, self.kv.polls, self.kv.bytes_per_page
         self.priority = PriorityRules(self.args)
+        cache = engine.tree_cache
+        self.prompts = cache if isinstance(cache, HeldPrefixCache) else None
         self.prealloc_queue = DecodePreallocQueue(engine, self.kv_manager, self.args.num_reserved_decode_tokens,
-                                                  self.polls, self.priority)
+                                                  self.polls, self.priority, self.prompts)
         self.transfer_queue = DecodeTransferQueue(self.polls, self.priority.order_key())
 
     def is_idle(self) -> bool:
@@ -88,7 +96,7 @@ class DecodeRole(LoopHooks):
         self.polls.refresh([r.disagg_kv for r in (*self.prealloc_queue.queue, *self.transfer_queue.queue)])
 
     def poll(self) -> None:
-        admitted, failed = self.prealloc_queue.pop_preallocated(len(self.transfer_queue))
+        admitted, failed = self.prealloc_queue.pop_preallocated(len(self.transfer_queue), self.transfer_queue.queue)
         self.transfer_queue.extend(admitted)
         transferred, transfer_failed = self.transfer_queue.pop_transferred()
         for req in failed + transfer_failed:
@@ -116,7 +124,12 @@ class DecodeRole(LoopHooks):
         inject("transfer", req.rid)  # test-only fault hook (after the handle and its slot are released)
         req.times.transfer_done = req.times.first_token = now
         req.cached_tokens = md.cached_tokens
-        req.kv_transfer_bytes = -(-len(req.origin_input_ids) // self.args.page_size) * self.bytes_per_page
+        held_pages = len(req.prefix_indices) // self.args.page_size  # matched at preallocation: not moved
+        req.kv_transfer_bytes = (num_pages(len(req.origin_input_ids), self.args.page_size) - held_pages) * (
+            self.bytes_per_page)
+        shared = self.prealloc_queue.shared_len(req)
+        if self.prompts is not None and shared:
+            self.prompts.cache_prompt(req, shared)  # landed: requests with this prompt share its full pages
         if not accept_grammar_token(req, md.first_token):  # the grammar's matcher starts from P's token
             return
         req.output_ids.append(md.first_token)

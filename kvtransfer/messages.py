@@ -74,7 +74,7 @@ class TransferInfo(ControlMessage, tag="transfer_info"):
     """Where one room's KV goes on one decode rank."""
 
     room: int
-    dst_pages: list[int]  # destination page numbers, in token order
+    dst_pages: list[int]  # destination page numbers, in token order; 0: held there already, not moved
     metadata_slot: int
 
 

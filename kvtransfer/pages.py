@@ -47,6 +47,17 @@ def pages_outside(pages: Sequence[int], num_pages: int) -> list[int]:
     return [p for p in pages if not 0 < p < num_pages]
 
 
+def unheld_pairs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The (source, destination) page pairs the decode side does not hold already: destination page 0 (the padding
+    page, never allocated) marks a page it shares from an earlier request (``decode_node``, shared prompts)."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination pages")
+    keep = [i for i, d in enumerate(dst_pages) if d != 0]
+    if len(keep) == len(dst_pages):
+        return list(src_pages), list(dst_pages)
+    return [src_pages[i] for i in keep], [dst_pages[i] for i in keep]
+
+
 def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun]:
     """Maximal runs contiguous on both sides, in chunk order."""
     if len(src_pages) != len(dst_pages):

@@ -130,7 +130,7 @@ class DecodeRooms:
         self.mgr.control.call_soon(lambda: self._pump(rec))
 
     def send_metadata(self, rec: RecvRoom, pages: Sequence[int], slot: int) -> None:
-        bad = pages_outside(pages, self.mgr.args.num_pages)
+        bad = pages_outside([p for p in pages if p != 0], self.mgr.args.num_pages)  # 0: a page held already
         if bad or not 0 <= slot < self.mgr.args.num_metadata_slots:
             raise ValueError(f"room {rec.room}: pages {bad[:5]} outside [1, {self.mgr.args.num_pages}) or metadata "
                              f"slot {slot} outside [0, {self.mgr.args.num_metadata_slots})")
@@ -446,7 +446,8 @@ class KVReceiver(KVHandle[DecodeRooms]):
         self._rooms.init(self._rec, prefill_dp_rank)
 
     def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
-        """Destination page numbers (token order) and the metadata slot; sent to prefill once it is resolved."""
+        """Destination page numbers (token order) and the metadata slot; sent to prefill once it is resolved. Page 0
+        (the padding page) marks a page this rank holds already: prefill moves nothing for it."""
         self._rooms.send_metadata(self._rec, page_indices, metadata_slot)
 
     def metadata(self) -> MetadataRecord:

@@ -8,7 +8,10 @@ Sender lifecycle::
     any non-final state --(deadline, transfer error, peer lost, abort either side)--> Failed
 
 Chunk k of a room becomes one ``TransferJob`` per destination decode rank: this chunk's source pages paired with
-``dst_pages[pages_sent : pages_sent + len(chunk)]`` of that rank's TransferInfo, coalesced into runs.
+``dst_pages[pages_sent : pages_sent + len(chunk)]`` of that rank's TransferInfo, coalesced into runs. Pairs whose
+destination is page 0 (the padding page, never allocated) are dropped: the decode rank holds those pages already
+(a prompt it shares). A chunk left with no pair for any rank is not sent (no job, no ChunkDone: chunks are counted
+on both sides as sent), unless it is the last one, which carries the metadata as an empty job.
 Invariant: ``outstanding`` counts submitted jobs not yet done; the room is quiesced (its pages may be freed)
 once it is final and ``outstanding == 0``; a failed room tells its decode peers only then.
 """
@@ -47,6 +50,7 @@ from kvtransfer.pages import (
     is_whole_page,
     pages_outside,
     source_plan,
+    unheld_pairs,
 )
 from kvtransfer.poll import KVPoll
 from kvtransfer.rooms import RoomRecord
@@ -144,13 +148,16 @@ class PrefillRooms:
                     self.fail(rec, ErrorCode.FAILED_PRECONDITION, f"room {rec.room}: prefill sent {stop} pages but decode {target.key.instance_id} "
                                    f"allocated {len(dst)}", now)
                     return
-                runs = tuple(coalesce_runs(pages, dst[start:stop]))
+                runs = tuple(coalesce_runs(*unheld_pairs(pages, dst[start:stop])))
                 jobs.append(TransferJob(rec.room, rec.next_chunk, target.key, runs, target.heads))
-            rec.pages_sent, rec.next_chunk = stop, rec.next_chunk + 1
-            rec.last_submitted, rec.metadata = last, metadata
-            rec.outstanding += len(jobs)
+            rec.pages_sent = stop
             rec.advance(KVPoll.Transferring, now)
             rec.progress(now)
+            if not last and not any(job.runs for job in jobs):
+                return  # every page of the chunk is held on decode already
+            rec.next_chunk += 1
+            rec.last_submitted, rec.metadata = last, metadata
+            rec.outstanding += len(jobs)
             rec.waiting_for = "the data plane to deliver the chunks"
             for job in jobs:
                 self.mgr.backend.submit(job)

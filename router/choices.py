@@ -1,11 +1,15 @@
 """``n > 1``: several choices of one OpenAI request, each served as its own request.
 
-    client request (n) ──> choice_request(req, i), i < n: rid ``<rid>-<i>``; a seeded request's choice i samples
-                           with seed + i (reproducible, and the choices differ); an unseeded one draws each choice
-                           from the nodes' shared generator
-                      ──> each routed, admitted and migrated like any request; on one worker the prompt is
-                          prefilled once: the others wait for it in the radix cache, whatever the schedule policy
-                          (``common.engine.schedule_order``, repeated prompts)
+    client request (n) ──> choice_requests(req, n): choice i has rid ``<rid>-<i>``; a seeded request's choice i
+                           samples with seed + i (reproducible, and the choices differ); an unseeded one draws each
+                           choice from the nodes' shared generator
+                      ──> each admitted and migrated like any request, and routed to the same workers and DP ranks
+                          (one ``RoutePin``: the first routed choice's, while they can take the others), so that
+                          - the prompt is prefilled once: on a prefill or colocated worker the others wait for it in
+                            the radix cache, whatever the schedule policy (``common.engine.schedule_order``)
+                          - a decode worker receives and holds the prompt's full pages once: the others wait for the
+                            first one's to land and share them (``decode_node.prealloc_queue``)
+                          a retried or migrated choice goes where routing sends it (the pinned worker failed it)
                       ──> merge_choices: their events interleave as they arrive, tagged with the choice index
 
 A choice that fails fails the whole request: the others are cancelled (their legs aborted on the workers).
@@ -16,11 +20,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from common.engine.sampling.params import for_choice
-from router.request import GenRequest, sampling_to_proto
+from router.request import GenRequest, RoutePin, sampling_to_proto
+
+
+def choice_requests(req: GenRequest, n: int) -> list[GenRequest]:
+    """The ``n`` choices of ``req`` (``req`` itself when ``n`` is 1), routed together (one ``RoutePin``)."""
+    if n == 1:
+        return [req]
+    pinned = dataclasses.replace(req, pin=RoutePin())
+    return [choice_request(pinned, i) for i in range(n)]
+
+
+def pin_fits(pin: RoutePin, failed: set[str], workers: Sequence[Any], prefills: Sequence[Any] | None = None) -> bool:
+    """Whether a choice can go where its request's first routed choice went: the same kind of plan (P/D or
+    colocated), every pinned worker still a candidate (routable, with room), and none failed this choice."""
+    if pin.worker is None or (pin.prefill is None) != (prefills is None):
+        return False
+    pinned = [(pin.worker, pin.rank, workers)] + ([(pin.prefill, pin.prefill_rank, prefills)] if prefills else [])
+    return all(w.address not in failed and rank < len(w.ranks) and w in ws for w, rank, ws in pinned)
 
 
 def choice_request(req: GenRequest, i: int) -> GenRequest:

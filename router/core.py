@@ -27,6 +27,7 @@ from common.errors import CapacityError, InvalidRequestError
 from pdcluster.v1 import worker_pb2
 from router.admission import Admission, HeldRequests, NoRoom, NotAdmitted, hold_order
 from router.candidates import Candidates
+from router.choices import pin_fits
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
 from router.inputs import InputProcessor
@@ -348,9 +349,17 @@ class RouterCore:
         prefills = self._candidates("prefill", failed, prompt_len)
         # A decode node admits by the prompt (its generation headroom is reserved per active request).
         decodes = self._candidates("decode", failed, prompt_len, req.priority)
+        pin = req.pin
         if prefills and decodes:
-            p, p_rank = self._choose(self.prefill_policy, prefills, hint, prompt_len)
-            d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)
+            if pin is not None and pin_fits(pin, failed, decodes, prefills):
+                p, p_rank, d, d_rank = pin.prefill, pin.prefill_rank, pin.worker, pin.rank
+                self.prefill_policy.routed(p, p_rank, hint)
+                self.decode_policy.routed(d, d_rank, hint)
+            else:
+                p, p_rank = self._choose(self.prefill_policy, prefills, hint, prompt_len)
+                d, d_rank = self._choose(self.decode_policy, decodes, hint, hint.tokens)
+                if pin is not None and pin.worker is None:
+                    pin.prefill, pin.prefill_rank, pin.worker, pin.rank = p, p_rank, d, d_rank
             leases = [
                 Lease(p, p.ranks[p_rank], prompt_len, p.pages_for(prompt_len)),
                 Lease(d, d.ranks[d_rank], hint.tokens, d.pages_for(hint.tokens)),
@@ -360,7 +369,13 @@ class RouterCore:
             return Plan(leases, self.rooms.acquire(), p, p_rank, d, d_rank)
         colocated = self._candidates("colocated", failed, hint.tokens)
         if colocated:
-            w, rank = self._choose(self.colocated_policy, colocated, hint, hint.tokens)
+            if pin is not None and pin_fits(pin, failed, colocated):
+                w, rank = pin.worker, pin.rank
+                self.colocated_policy.routed(w, rank, hint)
+            else:
+                w, rank = self._choose(self.colocated_policy, colocated, hint, hint.tokens)
+                if pin is not None and pin.worker is None:
+                    pin.worker, pin.rank = w, rank
             self.metrics.dispatches.labels(w.address, "colocated").inc()
             return Plan([Lease(w, w.ranks[rank], hint.tokens, w.pages_for(hint.tokens))], 0, None, 0, w, rank)
         raise UnavailableError(self._why_unavailable(prefills, decodes, detail=False),

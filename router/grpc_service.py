@@ -12,7 +12,7 @@ import grpc
 
 from common.errors import InvalidRequestError, PdclusterError
 from pdcluster.v1 import router_pb2, router_pb2_grpc
-from router.choices import choice_request, merge_choices
+from router.choices import choice_requests, merge_choices
 from router.errors import retry_after_of, status_of
 from router.request import ClientRequest, Delta, Final
 from router.service import RouterService
@@ -115,7 +115,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 max_tokens_field="sampling_params.max_new_tokens",
                 **kw,
             ))
-            choices = [req] if n == 1 else [choice_request(req, i) for i in range(n)]
+            choices = choice_requests(req, n)
             async with contextlib.aclosing(merge_choices([self.service.generate(c) for c in choices])) as events:
                 async for i, ev in events:
                     if isinstance(ev, Delta):

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from common.errors import PdclusterError
 from router import openai_protocol as oai
 from router.admin import admin_middleware
-from router.choices import choice_request, merge_choices
+from router.choices import choice_requests, merge_choices
 from router.client_auth import api_key_middleware
 from router.errors import http_status_of, retry_after_of
 from router.request import ClientRequest, Delta, Final
@@ -135,7 +135,7 @@ class HttpGateway:
         except PdclusterError as e:
             return error_response(e)
         # n > 1: one request per choice (own rid ``<rid>-<i>``, seed + i), routed and admitted like any other.
-        choices = [req] if parsed.n == 1 else [choice_request(req, i) for i in range(parsed.n)]
+        choices = choice_requests(req, parsed.n)
         headers = {"X-Request-ID": rid}
         model = svc.model_name
         created = oai.now_s()

@@ -33,6 +33,17 @@ class ClientRequest:
 
 
 @dataclass(slots=True)
+class RoutePin:
+    """Where the choices of one ``n > 1`` request go (``router.choices``): the first one routed records its workers
+    and DP ranks, the others follow while those can take them. ``prefill`` None: a colocated worker."""
+
+    worker: Any = None  # ``router.workers.Worker``: decode or colocated; None until the first choice is routed
+    rank: int = 0
+    prefill: Any = None
+    prefill_rank: int = 0
+
+
+@dataclass(slots=True)
 class GenRequest:
     """A validated, tokenized request. ``deadline`` and ``arrival`` are ``time.monotonic()`` values."""
 
@@ -48,6 +59,7 @@ class GenRequest:
     top_logprobs_num: int = 0
     tokenize_s: float = 0.0
     priority: int | None = None  # forwarded to both legs
+    pin: RoutePin | None = None  # the choices of one ``n > 1`` request share one (same workers, same DP ranks)
 
     @property
     def max_new_tokens(self) -> int:

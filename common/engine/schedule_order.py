@@ -38,6 +38,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.radix_cache import RadixCache, TreeNode
 from common.engine.schedule_policy import CLIP_MAX_NEW_TOKENS, PrefillAdder, ceil_to
 from common.errors import InvalidRequestError
@@ -103,7 +104,10 @@ class SchedulePolicy(PriorityRules):
         self.tree_cache = tree_cache
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
-        has_tree = isinstance(tree_cache, RadixCache) and not tree_cache.disable
+        # A decode node's tree holds only the prompt pages its requests share (``HeldPrefixCache``): its retracted
+        # requests are ordered as without a tree.
+        has_tree = isinstance(tree_cache, RadixCache) and not tree_cache.disable and not isinstance(
+            tree_cache, HeldPrefixCache)
         # Without a radix tree there is no prefix to match: cache-aware policies order fcfs (as SGLang).
         self.policy = args.schedule_policy if has_tree or args.schedule_policy not in CACHE_AWARE else "fcfs"
         self.rng = random.Random(args.seed)

@@ -39,6 +39,7 @@ from common.engine import batch_admission, scheduler_metrics, scheduler_output
 from common.engine.admission import RequestIntake
 from common.engine.distributed import TPGroup
 from common.engine.mem.chunk_cache import ChunkCache
+from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.radix_cache import RadixCache
 from common.engine.model_runner import BatchResult, ModelRunner, PendingBatchResult
 from common.engine.overlap import overlap_schedule_on
@@ -78,10 +79,12 @@ class Scheduler:
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
         self.page_size = args.page_size
-        if not args.use_radix_cache:
-            self.tree_cache: Any = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+        if args.use_radix_cache:
+            self.tree_cache: Any = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
+        elif args.shares_decode_prompts:
+            self.tree_cache = HeldPrefixCache(self.req_to_token_pool, self.allocator, self.page_size)
         else:
-            self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
+            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
         self.out = OutputCollector(send_outputs, args.stream_interval)
         self.waiting_queue: list[Req] = []
         self.policy = SchedulePolicy(args, self.tree_cache, self.allocator, self.req_to_token_pool)
@@ -176,8 +179,8 @@ class Scheduler:
           evictions in ``get_next_batch_to_run``) stay immediate: this rank's own next batch is ordered after the
           in-flight one on the device stream, and pages reach another process's writer only through
           ``role.poll`` (a decode node's preallocation), which runs after the step that obtains the in-flight
-          result. A decode node has no radix cache (``ServerArgs.use_radix_cache``), so no evicted page there can
-          hold a slot an in-flight batch writes.
+          result. A decode node's prefix cache (``HeldPrefixCache``) holds only landed or computed prompt pages,
+          so no page it frees can hold a slot an in-flight batch writes.
         - Every role defers alike (it costs a list append). Only a decode node needs it: a prefill node's pages
           are read, not written, by other processes, and only while it keeps them (until the transfer ends); its
           own next forward reusing a freed page is ordered after the in-flight one.

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from common.config import ServerArgs
 from common.engine.distributed import TPGroup
 from common.engine.mem.allocator import TokenToKVPoolAllocator
+from common.engine.mem.radix_cache import BasePrefixCache
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.engine.model_runner import ModelRunner
 from common.engine.req import Req
@@ -48,6 +49,7 @@ class Engine(Protocol):
     page_size: int
     req_to_token_pool: ReqToTokenPool
     allocator: TokenToKVPoolAllocator
+    tree_cache: BasePrefixCache  # the prefix cache every release goes through (a decode node shares prompts in it)
 
     def build_req(self, msg: GenerateReqInput) -> Req | None:
         """A validated ``Req``, or None after the request was answered with an error."""

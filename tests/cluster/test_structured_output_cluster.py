@@ -315,6 +315,38 @@ async def test_n_choices_are_seeded_per_choice_and_each_validates(router) -> Non
 
 
 
+async def test_n_choices_in_pd_equal_colocated_and_move_the_prompt_once(nodes, model_path) -> None:
+    """``n = 3`` through P/D: the choices go to one prefill and one decode node (the router pins them), equal the
+    colocated node's seeded choices, and only the first one's transfer carries the prompt's full pages: the others
+    share them on the decode node and receive the prompt's last page only."""
+    body = {"prompt": " ".join(f"word{i}" for i in range(90)), "max_tokens": 12, "temperature": 1.0, "seed": 9,
+            "n": 3}
+    out: dict[str, Any] = {}
+    for mode in ("pd", "colocated"):
+        server = RouterServer(RouterConfig(model_path=str(model_path), grpc_port=0, http_port=0,
+                                           health_interval_s=0.5, load_interval_s=0.2, request_timeout_s=300.0,
+                                           workers=workers(nodes, mode)))
+        await server.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                models = await (await http.get(server.http_url + "/v1/models")).json()
+                async with http.post(server.http_url + "/v1/completions",
+                                     json={**body, "model": models["data"][0]["id"]}) as r:
+                    assert r.status == 200, await r.text()
+                    out[mode] = await r.json()
+        finally:
+            await server.stop(0)
+    texts = {mode: [c["text"] for c in sorted(o["choices"], key=lambda c: c["index"])] for mode, o in out.items()}
+    assert texts["pd"] == texts["colocated"] and len(set(texts["pd"])) == 3, texts
+    ext = out["pd"]["pdcluster"]["choices"]
+    assert len({e["served_by"] for e in ext}) == 1, ext
+    moved = sorted(e["timing"]["transfer_bytes"] for e in ext)
+    pages = -(-out["pd"]["usage"]["prompt_tokens"] // 16)  # the nodes' default --page-size
+    assert pages > 2 and moved == [moved[0], moved[0], moved[0] * pages], moved
+    for n in nodes.live():
+        n.wait_pools_free()
+
+
 async def test_decode_killed_mid_output_migrates_and_the_json_validates(nodes, model_path) -> None:
     """Last in this module: it kills a decode node."""
     schema = {"type": "array", "items": {"type": "boolean"}, "minItems": 70, "maxItems": 70}

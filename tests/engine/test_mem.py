@@ -454,3 +454,36 @@ def test_tree_node_ordering_is_lru() -> None:
     assert a < b
     a.touch()
     assert b < a
+
+
+def test_held_prefix_cache_keeps_only_what_requests_hold() -> None:
+    """A decode node's prompt cache: a landed prompt's full pages join it (a second copy landing later is folded
+    into the first, its pages freed), a finished request's KV is never inserted, and the last unlock frees at once."""
+    from common.engine.mem.held_prefix_cache import HeldPrefixCache
+
+    ps = 4
+    alloc = TokenToKVPoolAllocator(32, ps)
+    cache = HeldPrefixCache(ReqToTokenPool(4, 64), alloc, ps)
+    pool, full = cache.req_to_token_pool, alloc.available_size()
+    prompt = list(range(100, 110))  # 2 full pages shared, 2 tokens on each request's own page
+    reqs = []
+    for i in range(2):
+        req = Req(f"r{i}", prompt, cast(Any, None))
+        req.req_pool_idx = pool.alloc(1)[0]  # type: ignore[index]
+        pool.write(req.req_pool_idx, 0, alloc.alloc_extend([0], [len(prompt)], [-1]))  # type: ignore[arg-type]
+        req.kv_committed_len = len(prompt)
+        reqs.append(req)
+    used = full - alloc.available_size()
+    for req in reqs:
+        cache.cache_prompt(req, 8)
+    assert full - alloc.available_size() == used - 8, "the second copy of the full pages was not freed"
+    rows = pool.req_to_token
+    assert rows[reqs[0].req_pool_idx, :8].equal(rows[reqs[1].req_pool_idx, :8])
+    assert cache.protected_size() == 8 and cache.evictable_size() == 0
+    reqs[0].output_ids = [1, 2, 3, 4, 5, 6]
+    reqs[0].kv_committed_len = len(prompt) + 5
+    pool.write(reqs[0].req_pool_idx, len(prompt), alloc.alloc_extend([10], [15], [rows[reqs[0].req_pool_idx, 9]]))
+    cache.cache_finished_req(reqs[0])  # not inserted; the shared pages stay for r1
+    assert cache.total_size() == 8 and cache.protected_size() == 8
+    cache.cache_finished_req(reqs[1])
+    assert cache.total_size() == 0 and alloc.available_size() == full and pool.available_size() == pool.size

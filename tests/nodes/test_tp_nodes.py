@@ -84,11 +84,28 @@ def test_pd_with_tp_matches_colocated_tp1(model_path, colocated, backend, pairs)
                 assert got == reference(colocated, req), f"P tp {p_tp} dp {p_dp} -> D tp {d_tp}: " \
                                                          f"prompt of {len(req.input_ids)} tokens"
                 assert fin.finish_reason == "length" and pre.prompt_tokens == len(req.input_ids)
+            if d_tp > 1:
+                assert_choices_share_the_prompt(colocated, prefill, decode, f"n3-{p_tp}{d_tp}{backend}{p_dp}")
         for node in nodes:
             node.wait_pools_free()
     finally:
         for node in nodes:
             node.stop()
+
+
+def assert_choices_share_the_prompt(colocated, prefill, decode, tag: str) -> None:
+    """Three requests with one prompt (an ``n = 3`` request's choices) on a decode node with TP ranks: every rank
+    holds the prompt's full pages once (one transfer carries them, the others only the last page), and the tokens
+    are the colocated node's."""
+    prompt = [random.Random(tag).randrange(10, 1000) for _ in range(70)]  # 4 full pages of 16 shared, then 6 tokens
+    reqs = [greedy_request(f"{tag}-{i}", prompt, n=40) for i in range(3)]
+    rooms = random.Random(tag).sample(range(1, 2**63), len(reqs))
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(functools.partial(run_pd, prefill, decode), reqs, rooms))
+    expected = reference(colocated, reqs[0])
+    assert [got for got, _, _ in results] == [expected] * 3
+    moved = sorted(fin.timing.transfer_bytes for _, fin, _ in results)
+    assert moved == [moved[0], moved[0], moved[0] * 5], moved
 
 
 def test_killed_tp_rank_fails_its_node_and_frees_the_peer(model_path) -> None:

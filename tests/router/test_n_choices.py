@@ -100,3 +100,22 @@ async def test_n_choices_on_grpc() -> None:
                 err.value.details() or "")
         for w in f.workers:
             assert not w.active
+
+
+async def test_n_choices_go_to_one_prefill_and_one_decode_rank() -> None:
+    """The choices of one P/D request share their workers and DP ranks (``RoutePin``): the prefill node computes the
+    prompt once and the decode node holds its pages once, though the policies alone would spread them."""
+    async with fleet(prefill=2, decode=2, common={"dp_size": 2}, prefill_policy="round_robin",
+                     decode_policy="round_robin") as f, aiohttp.ClientSession() as http:
+        body = {"model": "mock-model", "prompt": "hello there", "max_tokens": 3, "n": 4, "seed": 5}
+        for rid in ("pin-a", "pin-b"):
+            async with http.post(f.server.http_url + "/v1/completions", json=body,
+                                 headers={"X-Request-ID": rid}) as r:
+                assert r.status == 200, await r.text()
+        for group in (f.prefill, f.decode):
+            where = {}
+            for i, w in enumerate(group):
+                for rec in w.received("prefill" if group is f.prefill else "decode"):
+                    where.setdefault(rec["rid"].rsplit("-", 1)[0], set()).add((i, rec["rank"]))
+            assert sorted(where) == ["pin-a", "pin-b"], where
+            assert all(len(places) == 1 for places in where.values()), where
