@@ -51,7 +51,7 @@ test: $(STAMP)
 	$(BIN)/python proto/gen.py --check
 	$(BIN)/python -m common.app.flag_docs --check
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The python that runs tests/gpu and the GPU check: the .venv's, or on a GPU machine without one the machine's python3
 # with the $(WHL) wheels installed into $(GPU_SITE) first.

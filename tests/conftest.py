@@ -22,20 +22,23 @@ TEST_CLUSTER_TOKEN = "pdcluster-test-secret-not-for-deployment"
 os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", TEST_CLUSTER_TOKEN)
 
 
-# The longest test files (seconds on the 2-core CI machine, serial run of 2026-11-27), collected first: under
-# ``make test``'s xdist workers (``--dist loadfile``, whole files per worker, handed out in collection order) they
+# The longest test files (wall seconds under ``make test``'s 3 workers on the 2-core CI machine, 2026-11-27),
+# collected first: under its xdist workers (``--dist loadfile --no-loadscope-reorder``: whole files per worker,
+# handed out in collection order; xdist's default reorder would hand out the files with the most tests first) they
 # start at once instead of holding the run's tail while the other workers idle.
 LONGEST_FILES = (
-    "tests/nodes/test_nodes.py",  # ~230 s
-    "tests/nodes/test_tp_nodes.py",  # ~190 s
-    "tests/deploy/test_gpu_check_dry_run.py",  # ~100 s, one test
-    "tests/deploy/test_deploy_ray.py",
-    "tests/cluster/test_soak.py",
-    "tests/engine/test_triton_kernels.py",
-    "tests/kvtransfer/test_kvtransfer_faults.py",
-    "tests/kvtransfer/test_kvtransfer_backends_extra.py",
+    "tests/deploy/test_deploy_ray.py",  # ~220 s (its Ray cluster starts in 40-140 s)
+    "tests/nodes/test_tp_nodes.py",  # ~170 s
+    "tests/deploy/test_gpu_check_dry_run.py",  # ~140 s, one test
+    "tests/nodes/test_nodes.py",  # ~120 s
+    "tests/cluster/test_soak.py",  # ~80 s
+    "tests/engine/test_triton_kernels.py",  # ~70 s
     "tests/cluster/test_stall_cluster.py",
+    "tests/cluster/test_structured_output_cluster.py",
+    "tests/cluster/test_tp_cluster.py",
     "tests/cluster/test_cluster_e2e.py",
+    "tests/engine/test_tp_engine.py",
+    "tests/kvtransfer/test_kvtransfer_faults.py",
 )
 
 
@@ -72,8 +75,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not getattr(config.option, "numprocesses", None):
-        return  # one process: collection order
+    if not hasattr(config, "workerinput"):
+        return  # one process: collection order (under xdist only the workers collect; they see numprocesses None)
     rank = {path: i for i, path in enumerate(LONGEST_FILES)}
     root = config.rootpath
 
