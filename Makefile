@@ -42,9 +42,10 @@ up: $(STAMP)
 	$(BIN)/pdcluster up --demo
 
 # TEST_WORKERS pytest-xdist workers, each taking whole test files (--dist loadfile: a module's cluster or node fixture
-# starts once; the longest files go first, tests/conftest.py LONGEST_FILES). On the 2-core CI machine a fresh-clone
-# .ci/run took 11.3-11.8 min on 3 workers (tests 9:30-9:33, install + checks 1:45-2:12; 2026-11-27) and ~22 min in
-# one process (TEST_WORKERS=0). PDCLUSTER_TEST_CPU=<dir> writes the CPU seconds each test file took.
+# starts once; --no-loadscope-reorder: the longest files go first, tests/conftest.py LONGEST_FILES, not the files with
+# the most tests). On the 2-core CI machine a fresh-clone .ci/run took 10.2 min on 3 workers (tests 8:23, install +
+# checks 1:47; 2026-11-27 18:29) and ~20 min in one process (TEST_WORKERS=0). PDCLUSTER_TEST_CPU=<dir> writes the CPU
+# seconds each test file took.
 TEST_WORKERS ?= 3
 
 test: $(STAMP)
