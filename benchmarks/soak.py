@@ -85,15 +85,23 @@ class Soak:
         except TimeoutError:
             self.results.append(RequestResult(spec.index, spec.kind, 0.0, error="client_cancel"))
 
-    async def closed_loop(self, client: OpenAIClient, until: float) -> None:
-        specs = make_workload(WorkloadConfig(kind="mixed", num_requests=100_000, input_len=self.args.input_len,
-                                             output_len=self.args.output_len, long_input_len=self.args.long_len,
-                                             seed=self.args.seed))
+    def workload(self) -> list[RequestSpec]:
+        """The closed loop's prompts, built before the clock starts (building 100,000 took the whole 30-s window of
+        the short soak on a loaded machine, blocking the loop: no request was sent): a few per worker-second, reused
+        in order if a fast cluster gets through them."""
+        a = self.args
+        n = min(100_000, max(1_000, int(a.concurrency * a.duration * 2)))
+        return make_workload(WorkloadConfig(kind="mixed", num_requests=n, input_len=a.input_len,
+                                            output_len=a.output_len, long_input_len=a.long_len, seed=a.seed))
+
+    async def closed_loop(self, client: OpenAIClient, until: float, specs: list[RequestSpec]) -> None:
         queue = collections.deque(specs)
         rng = random.Random(self.args.seed)
 
         async def worker() -> None:
-            while queue and self.now() < until:
+            while self.now() < until:
+                if not queue:
+                    queue.extend(specs)
                 cancel = rng.uniform(0.05, 2.0) if rng.random() < self.args.cancel_fraction else None
                 await self.send(client, queue.popleft(), cancel)
 
@@ -255,10 +263,11 @@ async def run(soak: Soak) -> None:
     client = OpenAIClient(f"http://127.0.0.1:{soak.cluster.http_port}/v1", timeout_s=a.request_timeout)
     try:
         await asyncio.wait_for(client.resolve_model(), 60)
+        specs = soak.workload()
         soak.t0, soak.wall0 = time.perf_counter(), time.time()
         d = a.duration
         soak.faults = [Fault("burst", 0.25 * d), Fault("kill", 0.45 * d), Fault("stall", 0.65 * d)]
-        await asyncio.gather(soak.closed_loop(client, d), soak.prober(client, d + a.tail_s),
+        await asyncio.gather(soak.closed_loop(client, d, specs), soak.prober(client, d + a.tail_s),
                              soak.sample_rss(d + a.tail_s), *(soak.inject(client, f) for f in soak.faults))
     finally:
         await client.close()

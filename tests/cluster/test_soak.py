@@ -41,6 +41,9 @@ def test_short_soak_loses_nothing_and_recovers_from_each_fault(model_path, tmp_p
     assert checks["service_back_s"] <= RECOVERY_BOUND_S, report["faults"]
     timeline = report["probes"]["timeline"]  # [start, end, ok] per probe: what service_back_s is read from
     assert len(timeline) == report["probes"]["sent"] and sum(ok for _, _, ok in timeline) == report["probes"]["ok"]
+    # Load, probes and faults run from the clock's start (building the prompts once blocked the loop for the whole
+    # 30 s window on a loaded machine: no request sent, every fault at its end).
+    assert timeline[0][0] < 2.0 and report["requests"] > 0, timeline[:3]
     kill = report["faults"][1]
     restarted = (out.parent / "soak-up.log").read_text()
     assert f"{kill['victim']} restarted: pid" in restarted
