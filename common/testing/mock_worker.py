@@ -163,24 +163,17 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
         worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         tls = self.cfg.tls
-
-        def bind(p: int) -> int:
-            address = f"127.0.0.1:{p}"
-            return (server.add_secure_port(address, tls.grpc_server_credentials()) if tls is not None
-                    else server.add_insecure_port(address))
-
-        if port:
-            self.port = bind(port)
-        else:
-            # Outside the kernel's ephemeral range (``pick_free_port``): a test that stops this worker and starts it
-            # again on the same port must not find it taken by some process's outgoing connection meanwhile.
-            for attempt in range(20):
-                try:
-                    self.port = bind(pick_free_port())
-                    break
-                except RuntimeError:  # taken between the pick and the bind
-                    if attempt == 19:
-                        raise
+        # Unless given, a port outside the kernel's ephemeral range (pick_free_port): a test that stops this worker
+        # and starts it again on that port must not find it taken by an outgoing connection meanwhile.
+        for attempt in range(20):
+            address = f"127.0.0.1:{port or pick_free_port()}"
+            try:
+                self.port = (server.add_secure_port(address, tls.grpc_server_credentials()) if tls is not None
+                             else server.add_insecure_port(address))
+                break
+            except RuntimeError:  # a given port is busy, or a picked one was taken between the pick and the bind
+                if port or attempt == 19:
+                    raise
         if self.cfg.role == "prefill":
             self.bootstrap_port = pick_free_port()
         await server.start()
