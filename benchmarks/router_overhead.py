@@ -253,7 +253,7 @@ def _mock_cmd(
 ) -> list[str]:
     return [*_pin(cpus), sys.executable, "-m", "common.testing.mock_worker", "--prefill", str(prefill), "--decode", str(decode),
             "--colocated", str(colocated), "--service-time", str(ns.service_time),
-            "--chunk-tokens", str(ns.chunk_tokens or ns.max_new_tokens)]
+            "--chunk-tokens", str(ns.chunk_tokens or ns.max_new_tokens), "--itl", str(ns.itl)]
 
 
 def main() -> int:
@@ -272,6 +272,8 @@ def main() -> int:
     ap.add_argument(
         "--chunk-tokens", type=int, default=0, help="mock tokens per chunk (0: all in one message)"
     )
+    ap.add_argument("--itl", type=float, default=0.0,
+                    help="mock seconds between output chunks (0: all at once; a decode step's pace: 0.01)")
     ap.add_argument("--time-limit", type=float, default=120.0, help="per phase, seconds")
     ap.add_argument("--no-floor", action="store_true",
                     help="skip the API floor (benchmarks.api_floor: the same client APIs with do-nothing handlers)")
@@ -282,7 +284,8 @@ def main() -> int:
     from common.text.tokenizer import load_tokenizer
     from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 
-    env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "proto")))}
+    env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING",
+           "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")))}
     env.setdefault(CLUSTER_TOKEN_ENV, generate_cluster_token())  # the mocks prove it to the router
     procs: list[subprocess.Popen[str]] = []
     runs: list[dict[str, Any]] = []
