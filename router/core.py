@@ -196,26 +196,46 @@ class RouterCore:
     ) -> AsyncIterator[Delta | Final]:
         """One attempt on ``plan``: deltas (streaming requests), then its Final; raises ``LegError`` on failure."""
         dispatched_at = time.monotonic()
+        out = pr.out
+        client = req.delta_sink if req.stream else None
+
+        def take(msg: worker_pb2.GenerateResponse) -> bool:
+            """The leg's sink: a chunk that arrives while this task waits goes to the client from here, with no
+            wake-up of this task; the task looks again only when a stop string matched in it."""
+            if client is None or out.stopped or not client.ready() or msg.WhichOneof("kind") != "chunk":
+                return False
+            delta = out.add(msg.chunk)
+            if pr.first_dispatched_at is None and out.ids:
+                pr.first_dispatched_at, pr.first_leg = dispatched_at, leg
+            if delta is not None and (delta.text or delta.token_ids):
+                client.write(delta)
+            if out.stopped:
+                leg.wake()
+            return True
+
+        sink = take if client is not None else None
         leg: PdAttempt | ColocatedAttempt
         if plan.prefill is not None:
             leg = PdAttempt(node_req, plan.prefill, plan.prefill_rank, plan.worker, plan.rank, plan.room,
-                            req.deadline, self.aborter)
+                            req.deadline, self.aborter, sink)
         else:
             if plan.worker.dp_size > 1:
                 node_req.dp_rank = plan.rank
-            leg = ColocatedAttempt(node_req, plan.worker, req.deadline, self.aborter)
-        out = pr.out
+            leg = ColocatedAttempt(node_req, plan.worker, req.deadline, self.aborter, sink)
         fin: worker_pb2.Finished | None = None
         async with contextlib.aclosing(leg.stream()) as msgs:
             async for msg in msgs:
-                if msg.WhichOneof("kind") == "chunk":
+                kind = msg.WhichOneof("kind")
+                if kind == "chunk":
                     delta = out.add(msg.chunk)
-                else:
+                elif kind == "finished":
                     fin = msg.finished
                     if fin.finish_reason == "abort":
                         raise LegError(f"the {plan.worker.role} worker aborted the request", grpc.StatusCode.ABORTED,
                                        plan.worker.address, True)
                     delta = out.add(fin.last, final=True)
+                else:  # the sink's wake-up (``legs.WAKE``): it took a chunk that matched a stop string
+                    delta = None
                 if pr.first_dispatched_at is None and out.ids:
                     pr.first_dispatched_at, pr.first_leg = dispatched_at, leg
                 if req.stream and delta is not None and (delta.text or delta.token_ids):

@@ -7,6 +7,7 @@ disconnects cancels its handler (``handler_cancellation``), which aborts both le
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import uuid
@@ -22,8 +23,9 @@ from router.admin import admin_middleware
 from router.choices import choice_requests, merge_choices
 from router.client_auth import api_key_middleware
 from router.errors import http_status_of, retry_after_of
-from router.request import ClientRequest, Delta, Final
+from router.request import ClientRequest, Delta, Final, GenRequest
 from router.service import RouterService
+from router.sse import DeltaEvents, SseSink, sse
 from router.tool_calls import ToolPlan
 
 _encode = msgspec.json.encode
@@ -39,10 +41,6 @@ def error_response(e: BaseException, headers: dict[str, str] | None = None) -> w
     if retry_after is not None:
         headers = {**(headers or {}), "Retry-After": str(max(1, math.ceil(retry_after)))}
     return json_response(oai.error_body(str(e), status), status, headers)
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + _encode(obj) + b"\n\n"
 
 
 class HttpGateway:
@@ -156,9 +154,8 @@ class HttpGateway:
                     oai.put_tool_calls(body, plan, f.text, i)
             return json_response(body, headers=headers)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-        events = merge_choices([svc.generate(c) for c in choices])
         return await self._stream(request, api, rid, model, created, req.return_logprob, include_usage, headers,
-                                  events, len(choices), plan)
+                                  choices, plan)
 
     def _full_body(
         self, api: str, rid: str, finals: list[Final], model: str, created: int, top_n: int, want_lp: bool
@@ -188,18 +185,24 @@ class HttpGateway:
         want_lp: bool,
         include_usage: bool,
         headers: dict[str, str],
-        events: Any,
-        n: int = 1,
+        choices: list[GenRequest],
         plan: ToolPlan | None = None,
     ) -> web.StreamResponse:
-        """Stream ``events`` (``(choice index, Delta | Final)``) as SSE chunks; the choices' chunks interleave as
-        their tokens arrive, each with its ``index``; usage and ``[DONE]`` follow the last choice's end."""
+        """Stream the choices' events as SSE chunks; the choices' chunks interleave as their tokens arrive, each with
+        its ``index``; usage and ``[DONE]`` follow the last choice's end. One choice: after its first event, its
+        deltas are written by an ``SseSink`` as the node's messages arrive."""
         resp = web.StreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        n = len(choices)
         chat = api == "chat"
-        offsets = [0] * n
-        texts, sents = [""] * n, [0] * n  # with tools: each choice's output so far, and how much went out as content
+        deltas = DeltaEvents(api, rid, model, created, n, want_lp, plan, self.logprobs)
+        sink: SseSink | None = None
+        if n == 1:  # with several, a choice's reader hands its events to the others' merge (``merge_choices``)
+            task = asyncio.current_task()
+            assert task is not None
+            sink = choices[0].delta_sink = SseSink(resp, deltas, task)
+        events = merge_choices([self.service.generate(c) for c in choices])
         finals: list[Final] = []
         async with contextlib.aclosing(events):
             try:
@@ -208,37 +211,19 @@ class HttpGateway:
                         await resp.prepare(request)
                         if chat:
                             await resp.write(b"".join(
-                                _sse(oai.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
+                                sse(oai.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
                                                     index=k))
                                 for k in range(n)))
                     if isinstance(ev, Delta):
-                        lp = None
-                        if want_lp:
-                            lp = (
-                                self.logprobs.chat(ev.token_ids, ev.logprobs, ev.top_logprobs)
-                                if chat
-                                else self.logprobs.completion(
-                                    ev.token_ids, ev.logprobs, ev.top_logprobs, offsets[i]
-                                )
-                            )
-                        offsets[i] += len(ev.text)
-                        piece = ev.text
-                        if plan is not None:  # a tool call's text is held until the output ends
-                            texts[i] += ev.text
-                            upto = max(sents[i], plan.holds_back(texts[i]))
-                            piece, sents[i] = texts[i][sents[i]:upto], upto
-                        if not piece and lp is None:
-                            continue
-                        chunk = (
-                            oai.chat_chunk(rid, model, created, {"content": piece}, None, lp, index=i)
-                            if chat
-                            else oai.completion_chunk(rid, model, created, ev.text, None, lp, index=i)
-                        )
-                        await resp.write(_sse(chunk))
+                        data = deltas.of(i, ev)
+                        if data is not None:
+                            await resp.write(data)
+                        if sink is not None:
+                            sink.live = True
                         continue
                     finish, delta = ev.finish_reason, {}
                     if plan is not None:
-                        delta, finish = oai.tool_call_delta(plan, texts[i], sents[i], finish)
+                        delta, finish = oai.tool_call_delta(plan, deltas.texts[i], deltas.sent[i], finish)
                     last = (
                         oai.chat_chunk(rid, model, created, delta, finish, index=i)
                         if chat
@@ -246,7 +231,7 @@ class HttpGateway:
                     )
                     last["pdcluster"] = oai.extension_of(ev)
                     finals.append(ev)
-                    tail = [_sse(last)]
+                    tail = [sse(last)]
                     if len(finals) < n:
                         await resp.write(tail[0])
                         continue
@@ -259,14 +244,14 @@ class HttpGateway:
                             "choices": [],
                             "usage": oai.usage_of(finals),
                         }
-                        tail.append(_sse(usage))
+                        tail.append(sse(usage))
                     tail.append(b"data: [DONE]\n\n")
                     # One write for the final events and the end of the body: one send instead of four.
                     await resp.write_eof(b"".join(tail))
             except PdclusterError as e:
                 if not resp.prepared:
                     return error_response(e, headers)
-                await resp.write(_sse(oai.error_body(str(e), http_status_of(e))))
+                await resp.write(sse(oai.error_body(str(e), http_status_of(e))))
         if resp.prepared:
             await resp.write_eof()
         return resp

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -21,7 +21,7 @@ from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from pdcluster.v1 import worker_pb2
 from router.errors import RETRYABLE, LegError, scrub_internal
 from router.metrics import RouterMetrics
-from router.mux import rpc_error
+from router.mux import MuxCall, rpc_error
 from router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -100,13 +100,29 @@ async def open_leg(w: Worker, kind: str, request: Any, timeout: float) -> Any:
     return getattr(w.stub, _RPC_OF_KIND[kind])(request, timeout=timeout)
 
 
+WAKE = worker_pb2.GenerateResponse()  # no kind: queued past a leg's sink to have the reader look at the request
+
+
+def _attach(call: Any, sink: Callable[[worker_pb2.GenerateResponse], bool] | None) -> None:
+    """Hand ``call``'s stream items to ``sink`` while the attempt's reader waits (Mux calls only; a per-request gRPC
+    call is read message by message)."""
+    if sink is not None and isinstance(call, MuxCall):
+        call.sink = sink
+
+
+def _wake(call: Any) -> None:
+    if isinstance(call, MuxCall):
+        call.push(WAKE)
+
+
 def _cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
 
 
 class PdAttempt:
-    """Prefill on (p, p_rank) and Decode on (d, d_rank) for one bootstrap room."""
+    """Prefill on (p, p_rank) and Decode on (d, d_rank) for one bootstrap room. ``sink``: given D's messages as they
+    arrive while ``stream``'s reader waits (``MuxCall.sink``); ``wake`` has the reader look after a sink took one."""
 
     def __init__(
         self,
@@ -118,9 +134,11 @@ class PdAttempt:
         room: int,
         deadline: float,
         aborter: Aborter,
+        sink: Callable[[worker_pb2.GenerateResponse], bool] | None = None,
     ) -> None:
         self.req, self.p, self.p_rank, self.d, self.d_rank = req, p, p_rank, d, d_rank
-        self.room, self.deadline, self.aborter = room, deadline, aborter
+        self.room, self.deadline, self.aborter, self.sink = room, deadline, aborter, sink
+        self._call: Any = None  # D's stream, once open
         self.prefill_resp: worker_pb2.PrefillResponse | None = None
         self.failed_worker: Worker | None = None
         self._prefill_err: LegError | None = None
@@ -154,6 +172,8 @@ class PdAttempt:
             pcall.cancel()
             self.aborter.abort(p, rid)
             raise
+        self._call = dcall
+        _attach(dcall, self.sink)
         ptask: asyncio.Future[worker_pb2.PrefillResponse] = asyncio.ensure_future(pcall)
 
         def on_prefill_done(t: asyncio.Future[worker_pb2.PrefillResponse]) -> None:
@@ -200,6 +220,9 @@ class PdAttempt:
                 self.aborter.abort(p, rid)
                 self.aborter.abort(d, rid)
 
+    def wake(self) -> None:
+        _wake(self._call)
+
     async def _prefill_result(
         self, ptask: asyncio.Future[worker_pb2.PrefillResponse]
     ) -> worker_pb2.PrefillResponse | None:
@@ -220,11 +243,23 @@ class PdAttempt:
 
 
 class ColocatedAttempt:
-    """Generate on one colocated (mode ``null``) worker; ``req.dp_rank`` is already set."""
+    """Generate on one colocated (mode ``null``) worker; ``req.dp_rank`` is already set. ``sink``, ``wake``: as
+    ``PdAttempt``'s."""
 
-    def __init__(self, req: worker_pb2.GenerateRequest, w: Worker, deadline: float, aborter: Aborter) -> None:
-        self.req, self.w, self.deadline, self.aborter = req, w, deadline, aborter
+    def __init__(
+        self,
+        req: worker_pb2.GenerateRequest,
+        w: Worker,
+        deadline: float,
+        aborter: Aborter,
+        sink: Callable[[worker_pb2.GenerateResponse], bool] | None = None,
+    ) -> None:
+        self.req, self.w, self.deadline, self.aborter, self.sink = req, w, deadline, aborter, sink
         self.failed_worker: Worker | None = None
+        self._call: Any = None
+
+    def wake(self) -> None:
+        _wake(self._call)
 
     async def stream(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         timeout = max(self.deadline - time.monotonic(), 0.001)
@@ -233,6 +268,8 @@ class ColocatedAttempt:
         except LegError:
             self.failed_worker = self.w
             raise
+        self._call = call
+        _attach(call, self.sink)
         finished = False
         try:
             while True:

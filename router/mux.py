@@ -3,9 +3,12 @@
 A ``MuxCall`` reads like the per-request ``grpc.aio`` call it replaces (``read`` returns messages then
 ``grpc.aio.EOF``; failures raise ``grpc.aio.AioRpcError`` with the node's code, message and trailing metadata;
 ``cancel`` makes a pending ``read`` raise ``CancelledError``), so the attempt code and its error mapping are shared.
+A call may also have a ``sink``: a function that takes the node's messages as they arrive, in the frame's callback,
+instead of waking the reader's task for each (a streamed token costs no task wake-up; ``router/core.py``).
 
 Invariants: a call is in ``MuxStream.calls`` from its open until its terminal item (status, local deadline,
-cancel, or the stream's end) and gets exactly one terminal item; a stream that ends fails exactly the calls still
+cancel, or the stream's end) and gets exactly one terminal item; the sink is offered a message only while the reader
+waits with nothing queued, so every message before it was read and handled, and the order holds across the two; a stream that ends fails exactly the calls still
 on it, with UNAVAILABLE (or the stream's own error code), and is never reused: the next request opens a new one.
 """
 
@@ -43,7 +46,7 @@ def rpc_error(code: grpc.StatusCode, details: str, trailing: Any = ()) -> grpc.a
 class MuxCall:
     """One request's leg on a Mux stream."""
 
-    __slots__ = ("_items", "_timer", "_waiter", "done", "sid", "stream")
+    __slots__ = ("_items", "_timer", "_waiter", "done", "sid", "sink", "stream")
 
     def __init__(self, stream: MuxStream, sid: int) -> None:
         self.stream, self.sid = stream, sid
@@ -51,8 +54,24 @@ class MuxCall:
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.done = False  # the terminal item was delivered
+        # Offered each node message while the reader waits; True: taken (the reader never sees it). Never a
+        # terminal item. A sink that raises ends this call (INTERNAL), not the stream.
+        self.sink: Callable[[Any], bool] | None = None
 
-    def _deliver(self, item: Any) -> None:
+    def _deliver(self, msg: Any) -> None:
+        w = self._waiter
+        if self.sink is not None and w is not None and not w.done() and not self._items:
+            try:
+                if self.sink(msg):
+                    return
+            except Exception as e:
+                logger.exception("Mux stream to %s: the sink of request %d failed", self.stream.address, self.sid)
+                self.cancel(_CANCELLED, rpc_error(grpc.StatusCode.INTERNAL, f"the router failed to stream it: {e!r}"))
+                return
+        self.push(msg)
+
+    def push(self, item: Any) -> None:
+        """Queue ``item`` for the reader (past the sink) and wake it."""
         self._items.append(item)
         w = self._waiter
         if w is not None and not w.done():
@@ -65,7 +84,7 @@ class MuxCall:
         if self._timer is not None:
             self._timer.cancel()
         self.stream.calls.pop(self.sid, None)
-        self._deliver(item)
+        self.push(item)
 
     async def read(self) -> Any:
         while not self._items:
@@ -88,12 +107,13 @@ class MuxCall:
     def __await__(self) -> Any:
         return self.result().__await__()
 
-    def cancel(self, code: int = _CANCELLED) -> bool:
-        """Cancel this request only: a cancel frame to the node; a pending ``read`` raises CancelledError."""
+    def cancel(self, code: int = _CANCELLED, error: BaseException | None = None) -> bool:
+        """Cancel this request only: a cancel frame to the node; a pending ``read`` raises ``error`` (default
+        CancelledError)."""
         if self.done:
             return False
         self.stream.writer.send(worker_pb2.MuxMessage(stream_id=self.sid, cancel=worker_pb2.MuxCancel(code=code)))
-        self._end(asyncio.CancelledError())
+        self._end(error if error is not None else asyncio.CancelledError())
         return True
 
     def _expire(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from common.engine.sampling.params import SamplingParams
 from pdcluster.v1 import common_pb2
@@ -60,10 +60,21 @@ class GenRequest:
     tokenize_s: float = 0.0
     priority: int | None = None  # forwarded to both legs
     pin: RoutePin | None = None  # the choices of one ``n > 1`` request share one (same workers, same DP ranks)
+    delta_sink: DeltaSink | None = None  # streaming: where a delta can go at once, from the node's message callback
 
     @property
     def max_new_tokens(self) -> int:
         return self.sampling.max_new_tokens
+
+
+class DeltaSink(Protocol):
+    """A client stream that can take a delta synchronously (the HTTP gateway's SSE writer). The router core gives it
+    the deltas of the tokens a leg's sink took while the request's task waited (``router/legs.py``); the others,
+    and every delta while ``ready`` is False, still go through the request's event stream, in order."""
+
+    def ready(self) -> bool: ...
+
+    def write(self, delta: Delta) -> None: ...
 
 
 @dataclass(slots=True)

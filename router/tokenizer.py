@@ -6,6 +6,8 @@ Imported by the router and by its tokenize worker processes (router/tokenize_wor
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from common.errors import InvalidRequestError
@@ -29,6 +31,13 @@ class Tokenizer:
             for skip in (True, False)
         )
         self._fast_decode = backend if same else None
+
+    def decode_fn(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+        """``decode`` with the flag bound: the Rust tokenizer's own method when it decodes the same (no Python frame
+        per call: the incremental detokenizer calls it twice per streamed token)."""
+        if self._fast_decode is not None:
+            return partial(self._fast_decode.decode, skip_special_tokens=skip_special_tokens)
+        return partial(self.hf.decode, skip_special_tokens=skip_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Same text as the HF tokenizer's ``decode`` (used by the incremental detokenizer on the hot path)."""

@@ -6,6 +6,7 @@ the output a client sees is always the final text cut before the first stop stri
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 
@@ -13,6 +14,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # ids -> text; a tokenizer's own ``decode_fn`` when it has one (the router's: straight into the Rust tokenizer)
+        make = getattr(tokenizer, "decode_fn", None)
+        self._decode = make(skip_special_tokens) if make is not None else partial(
+            tokenizer.decode, skip_special_tokens=skip_special_tokens)
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.prefix_offset = 0
@@ -25,9 +30,6 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         return self.full[: self.emitted]
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
     def add(self, token_ids: list[int], final: bool = False) -> str:
         """Append tokens; return the text that became final. ``final=True`` flushes everything held back."""
         if self.stopped:
@@ -38,6 +40,10 @@ class IncrementalDetokenizer:
         if len(new) > len(prefix) and (final or not new.endswith("\ufffd")):
             self.full += new[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if not self.stop:  # nothing to hold back: every decoded character is final
+            out = self.full[self.emitted :]
+            self.emitted = len(self.full)
+            return out
         return self._release(final)
 
     def _release(self, final: bool) -> str:

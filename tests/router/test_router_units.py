@@ -209,3 +209,19 @@ def test_prefix_index_and_timing_store() -> None:
     for rid in ("a", "b", "c"):
         store.put(rid, {"e2e": 1.0})
     assert store.get("a") is None and store.get("c") == {"e2e": 1.0}
+
+
+def test_the_itl_histogram_exports_what_prometheus_client_would() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from router.metrics import ITL_BUCKETS, GapHistogram
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    gap = GapHistogram("x_itl_seconds", "doc", ITL_BUCKETS, ours)
+    ref = Histogram("x_itl_seconds", "doc", buckets=ITL_BUCKETS, registry=theirs)
+    for v in (0.0, 0.0005, 0.00051, 0.01, 0.0123, 2.5, 2.6, 100.0, 0.001):
+        gap.observe(v)
+        ref.observe(v)
+    def lines(r: CollectorRegistry) -> list[str]:
+        return [ln for ln in generate_latest(r).decode().splitlines() if "_created" not in ln]
+    assert lines(ours) == lines(theirs)

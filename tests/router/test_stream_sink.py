@@ -1,0 +1,217 @@
+"""A streamed HTTP response's tokens written from the Mux stream's message callback (``SseSink``, ``MuxCall.sink``),
+not by waking the request's handler task per token: same events, same order, and stop strings, client disconnects,
+slow clients and a failing sink end only their own request."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+from common.testing.mock_worker import fake_tokens, shared_model_dir
+from common.text.tokenizer import load_tokenizer
+from pdcluster.v1 import worker_pb2
+from router import sse
+from router.mux import MuxCall
+from router.request import Delta
+from router.testing import eventually, fleet
+
+PACED = {"itl": 0.01}  # one token per message, apart: each reaches the router as a wake-up of its own
+
+
+def expected_text(prompt: str, n: int) -> str:
+    tok = load_tokenizer(shared_model_dir())
+    return tok.decode(fake_tokens(tok.encode(prompt), n, 1536), skip_special_tokens=True)
+
+
+@pytest.fixture
+def sink_writes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The text of every delta an ``SseSink`` wrote."""
+    seen: list[str] = []
+    write = sse.SseSink.write
+
+    def counting(self: sse.SseSink, delta: Delta) -> None:
+        seen.append(delta.text)
+        write(self, delta)
+
+    monkeypatch.setattr(sse.SseSink, "write", counting)
+    return seen
+
+
+async def _stream_text(client: Any, **kw: Any) -> tuple[str, str | None, int]:
+    stream = await client.completions.create(model="mock-model", stream=True,
+                                             stream_options={"include_usage": True}, **kw)
+    text, reason, tokens = "", None, 0
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return text, reason, tokens
+
+
+@pytest.mark.parametrize("layout", ["pd", "colocated"])
+async def test_paced_tokens_are_written_by_the_sink_and_arrive_whole(layout: str, sink_writes: list[str]) -> None:
+    roles = {"prefill": 1, "decode": 1} if layout == "pd" else {"prefill": 0, "decode": 0, "colocated": 1}
+    async with fleet(**roles, common=PACED) as f:
+        client = f.openai()
+        text, reason, tokens = await _stream_text(client, prompt="Hello world", max_tokens=24)
+        assert (text, reason, tokens) == (expected_text("Hello world", 24), "length", 24)
+        # The first token goes through the handler (it sends the response's head); most of the rest do not.
+        assert len(sink_writes) >= 12
+        chat = await client.chat.completions.create(model="mock-model", max_tokens=16, stream=True,
+                                                    messages=[{"role": "user", "content": "hi"}])
+        pieces = [c.choices[0].delta.content async for c in chat if c.choices and c.choices[0].delta.content]
+        assert len(pieces) >= 8 and len(sink_writes) >= 20
+        await eventually(lambda: not f.server.service.core.active)
+
+
+async def test_a_stop_string_in_a_sink_token_ends_the_request_and_aborts_both_legs(sink_writes: list[str]) -> None:
+    full = expected_text("Hello world", 60)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert full.find(stop) > len(expected_text("Hello world", 3))  # matched in a token after the first few
+    async with fleet(prefill=1, decode=1, common=PACED) as f:
+        text, reason, tokens = await _stream_text(f.openai(), prompt="Hello world", max_tokens=60, stop=[stop],
+                                                  extra_headers={"X-Request-ID": "stop-in-sink"})
+        assert (text, reason) == (full[: full.find(stop)], "stop")
+        assert tokens < 60 and sink_writes
+        p, d = f.prefill[0], f.decode[0]
+        await eventually(lambda: "stop-in-sink" in d.aborts and not d.active)
+        assert "stop-in-sink" in p.aborts
+        assert f.server.service.core.rooms.in_flight == set()
+
+
+async def test_a_client_gone_mid_stream_aborts_both_legs(sink_writes: list[str]) -> None:
+    async with fleet(prefill=1, decode=1, common=PACED) as f, aiohttp.ClientSession() as http:
+        body = {"model": "mock-model", "prompt": "hi", "max_tokens": 400, "stream": True}
+        async with http.post(f.server.http_url + "/v1/completions", json=body,
+                             headers={"X-Request-ID": "gone"}) as resp:
+            events = 0
+            async for line in resp.content:
+                events += line.startswith(b"data: ")
+                if events == 6:
+                    break
+        assert sink_writes  # the tokens after the first came through the sink
+        p, d = f.prefill[0], f.decode[0]
+        await eventually(lambda: "gone" in p.aborts and "gone" in d.aborts and not d.active)
+        await eventually(lambda: not f.server.service.core.active)
+
+
+class _Resp:
+    """A response whose ``write`` suspends (as aiohttp's does to drain a full transport) while ``full`` is set."""
+
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+        self.full: asyncio.Future[None] | None = None
+        self.fail: BaseException | None = None
+
+    async def write(self, data: bytes) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.data.append(data)
+        if self.full is not None:
+            await self.full
+
+
+def _sink(resp: _Resp, handler: asyncio.Task[Any]) -> sse.SseSink:
+    events = sse.DeltaEvents("completions", "r", "m", 0, 1, False, None, None)  # type: ignore[arg-type]
+    s = sse.SseSink(resp, events, handler)  # type: ignore[arg-type]
+    s.live = True
+    return s
+
+
+async def test_a_write_that_must_drain_finishes_before_the_sink_takes_more() -> None:
+    resp, handler = _Resp(), asyncio.create_task(asyncio.sleep(60))
+    s = _sink(resp, handler)
+    s.write(Delta("a", [1]))
+    resp.full = asyncio.get_running_loop().create_future()
+    s.write(Delta("b", [2]))
+    assert not s.ready()  # "b" is written, its drain pending: the next delta goes to the handler, after it
+    assert [b'"text":"b"' in d for d in resp.data] == [False, True]
+    resp.full.set_result(None)
+    await eventually(s.ready)
+    s.write(Delta("c", [3]))
+    assert len(resp.data) == 3 and b'"text":"c"' in resp.data[2]
+    assert not handler.done()
+    handler.cancel()
+
+
+async def test_a_failed_write_cancels_the_handler() -> None:
+    resp, handler = _Resp(), asyncio.create_task(asyncio.sleep(60))
+    s = _sink(resp, handler)
+    resp.fail = ConnectionResetError("Cannot write to closing transport")
+    s.write(Delta("a", [1]))
+    assert not s.ready()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(handler, 5)
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.sent: list[worker_pb2.MuxMessage] = []
+
+    def send(self, msg: worker_pb2.MuxMessage) -> None:
+        self.sent.append(msg)
+
+
+class _Stream:
+    address = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.calls: dict[int, MuxCall] = {}
+        self.writer = _Writer()
+
+
+def _chunk(token: int) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(chunk=worker_pb2.TokenChunk(token_ids=[token]))
+
+
+async def test_the_sink_takes_a_message_only_while_the_reader_waits_with_nothing_queued() -> None:
+    stream = _Stream()
+    call = stream.calls[1] = MuxCall(stream, 1)  # type: ignore[arg-type]
+    taken: list[int] = []
+    call.sink = lambda m: bool(taken.append(m.chunk.token_ids[0])) or True
+    call._deliver(_chunk(1))  # nobody reading yet: queued
+    reader = asyncio.create_task(call.read())
+    assert (await asyncio.wait_for(reader, 5)).chunk.token_ids[0] == 1
+    reader = asyncio.create_task(call.read())
+    await asyncio.sleep(0)  # the reader waits now
+    call._deliver(_chunk(2))
+    call._deliver(_chunk(3))
+    assert taken == [2, 3] and not reader.done()
+    call._end(grpc.aio.EOF)  # terminal items always reach the reader
+    assert await asyncio.wait_for(reader, 5) is grpc.aio.EOF and taken == [2, 3]
+
+
+async def test_a_sink_that_raises_ends_only_its_own_call() -> None:
+    stream = _Stream()
+    call = stream.calls[1] = MuxCall(stream, 1)  # type: ignore[arg-type]
+
+    def broken(_m: Any) -> bool:
+        raise ValueError("bug")
+
+    call.sink = broken
+    reader = asyncio.create_task(call.read())
+    await asyncio.sleep(0)
+    call._deliver(_chunk(1))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await asyncio.wait_for(reader, 5)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "failed to stream" in (e.value.details() or "")
+    assert 1 not in stream.calls and stream.writer.sent[0].WhichOneof("kind") == "cancel"
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_prebuilt_events_are_the_bytes_of_the_chunk_they_stand_for(api: str) -> None:
+    from router import openai_protocol as oai
+
+    events = sse.DeltaEvents(api, 'cmpl-"x"', "mod\u00e9l", 17, 3, False, None, None)  # type: ignore[arg-type]
+    for i in range(3):
+        for text in ("a", ' q"\\\n\t', "\u00e9t\u00e9 \U0001f600", "\ufffd", "\x00z"):
+            chunk = (oai.chat_chunk('cmpl-"x"', "mod\u00e9l", 17, {"content": text}, None, None, index=i)
+                     if api == "chat" else oai.completion_chunk('cmpl-"x"', "mod\u00e9l", 17, text, None, None, index=i))
+            assert events.of(i, Delta(text, [1])) == sse.sse(chunk)
+    assert events.of(0, Delta("", [1])) is None
