@@ -11,7 +11,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +79,25 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
         return self.args.request_timeout if remaining is None else min(remaining, self.args.request_timeout)
 
     async def run_request(
-        self, msg: GenerateReqInput, rank: int, context: grpc.aio.ServicerContext
+        self, msg: GenerateReqInput, rank: int, context: grpc.aio.ServicerContext,
+        take: Callable[[Any], bool] | None = None,
     ) -> AsyncIterator[Any]:
-        """Send one request to its rank and yield its outputs until the final one; abort it if the caller goes."""
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        """Send one request to its rank and yield its outputs until the final one; abort it if the caller goes.
+        ``take``: offered each output that arrives while this generator's consumer waits for the next with none
+        pending (so every earlier output was consumed); True: taken (never yielded)."""
+        items: deque[Any] = deque()
+        waiting: asyncio.Future[None] | None = None
+
+        def wake(item: Any) -> None:
+            items.append(item)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(None)
+
+        def deliver(out: Any) -> None:
+            if take is not None and waiting is not None and not waiting.done() and not items and take(out):
+                return
+            wake(out)
+
         if msg.rid in self.ranks.waiters:
             raise InvalidRequestError(f"request id {msg.rid!r} is already in flight on this node")
         if self.in_flight[rank] >= self.max_in_flight:
@@ -89,17 +105,21 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
             raise _Overloaded(
                 f"DP rank {rank} holds {self.in_flight[rank]} requests, its limit (--max-running-requests + "
                 f"--max-queued-requests); retry in {wait:.1f} s or on another node", wait)
-        self.ranks.register(msg.rid, rank, queue.put_nowait)
+        self.ranks.register(msg.rid, rank, deliver)
         self.in_flight[rank] += 1
         budget = self.timeout(context)  # NOTE: read once: the context's remaining time shrinks as it runs
         # One timer per request, not a wait_for per output (on Python 3.11 each wait_for is a task of its own).
-        expiry = asyncio.get_running_loop().call_later(budget, queue.put_nowait, _EXPIRED)
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_later(budget, wake, _EXPIRED)
         finished = False
         expired = False
         try:
             self.ranks.send(rank, msg)
             while not finished:
-                out = await queue.get()
+                while not items:
+                    waiting = loop.create_future()
+                    await waiting
+                out = items.popleft()
                 if out is _EXPIRED:
                     expired = True
                     raise _Deadline(f"request {msg.rid} did not finish within {budget:.3g} s")
@@ -135,15 +155,31 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
     async def stream_tokens(
         self, msg: GenerateReqInput, rank: int, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        last = None
-        async for out in self.run_request(msg, rank, context):
-            if out.error_code is not None:
-                await self.fail(context, out.error_code, out.error or "request failed", out.error_origin)
+        """The request's responses. On a Mux stream (``context.sink``) a token chunk that arrives while the caller
+        waits is sent from the ranks' output callback, without waking this request's task; the final message, an
+        error, and whatever arrives while the task is busy are yielded."""
+        last: float | None = None
+        sink = getattr(context, "sink", None)
+
+        def chunk(out: TokenOut) -> worker_pb2.GenerateResponse:
+            nonlocal last
             now = time.monotonic()
             if last is not None:
                 observe_itl(now - last, len(out.token_ids))
             last = now if out.token_ids else last
-            yield token_out_to_proto(out)
+            return token_out_to_proto(out)
+
+        def take(out: Any) -> bool:
+            if (type(out) is not TokenOut or out.finish_reason is not None or out.error_code is not None
+                    or context.cancelled()):
+                return False
+            sink(chunk(out))
+            return True
+
+        async for out in self.run_request(msg, rank, context, take if sink is not None else None):
+            if out.error_code is not None:
+                await self.fail(context, out.error_code, out.error or "request failed", out.error_origin)
+            yield chunk(out)
 
     # -- RPCs ------------------------------------------------------------------------------------------------------
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[

@@ -5,14 +5,16 @@ per-request RPC runs, against a ``MuxCallContext`` standing in for the RPC's ``S
 Invariants: every request opened on the stream gets exactly one ``status`` (its last message) unless the stream
 ended first; a cancel frame (or the request's own deadline) cancels only that request's handler task, as a
 cancelled RPC would, with the cancel's code readable by the handler (``cancel_code``); the stream ending cancels
-every handler still running on it (code CANCELLED).
+every handler still running on it (code CANCELLED). A streaming handler may send a response through its context's
+``sink`` instead of yielding it, only while the handler waits with nothing pending, so the order holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Callable
+from functools import partial
 from typing import Any
 
 import grpc
@@ -39,13 +41,16 @@ class MuxAbort(Exception):
 class MuxCallContext:
     """The part of ``grpc.aio.ServicerContext`` the per-request handlers use, for one multiplexed request."""
 
-    __slots__ = ("_deadline", "_outer", "cancel_code", "trailing")
+    __slots__ = ("_deadline", "_outer", "cancel_code", "sink", "trailing")
 
     def __init__(self, outer: grpc.aio.ServicerContext, deadline: float | None) -> None:
         self._outer = outer
         self._deadline = deadline  # loop time, or None
         self.trailing: tuple[tuple[str, str], ...] = ()
         self.cancel_code: grpc.StatusCode | None = None  # set when the request was cancelled (client or deadline)
+        # A streaming request's response sent at once (``WorkerServicer.stream_tokens``): what the handler would
+        # yield, written without waking its task. None on a unary request.
+        self.sink: Callable[[worker_pb2.GenerateResponse], None] | None = None
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
         if trailing_metadata:
@@ -111,6 +116,8 @@ class MuxSession:
                 return
             deadline = self.loop.time() + whole.timeout_s if whole.timeout_s > 0 else None
             ctx = MuxCallContext(self.context, deadline)
+            if kind not in _UNARY:
+                ctx.sink = partial(self._respond, sid)
             self.opened += 1
             task = self.loop.create_task(self._run(sid, kind, getattr(whole, kind), ctx))
             self.tasks[sid] = (task, ctx)
@@ -152,6 +159,9 @@ class MuxSession:
             if data != last or self.opened != opened or now - last_at >= heartbeat_s:
                 self.writer.send(worker_pb2.MuxMessage(stream_id=0, load=load))
                 last, last_at, opened = data, now, self.opened
+
+    def _respond(self, sid: int, item: worker_pb2.GenerateResponse) -> None:
+        self.writer.send(worker_pb2.MuxMessage(stream_id=sid, response=item))
 
     async def _run(self, sid: int, kind: str, request: Any, ctx: MuxCallContext) -> None:
         handler = getattr(self.servicer, _HANDLERS[kind])
