@@ -11,9 +11,10 @@ import contextlib
 import logging
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from common.errors import ErrorCode
+from common.gap_histogram import GapHistogram
 from common.io_struct import PrefillDone, QueueLoad, TokenOut
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,8 @@ TTFT = Histogram("pdcluster_node_ttft_seconds", "Arrival to first token on this 
 E2E = Histogram("pdcluster_node_e2e_seconds", "Arrival to finish on this node", buckets=LATENCY_BUCKETS)
 TPOT = Histogram("pdcluster_node_tpot_seconds", "Per request: (e2e - ttft) / (output tokens - 1)",
                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28))
-ITL = Histogram("pdcluster_node_itl_seconds", "Gap between consecutive token chunks of a request, per token",
-                buckets=LATENCY_BUCKETS)
+ITL = GapHistogram("pdcluster_node_itl_seconds",  # observed per token, on the front's event loop only
+                   "Gap between consecutive token chunks of a request, per token", LATENCY_BUCKETS, REGISTRY)
 QUEUE_TIME = Histogram("pdcluster_node_queue_seconds", "Time waiting for a prefill batch", buckets=LATENCY_BUCKETS)
 TRANSFER_TIME = Histogram("pdcluster_node_kv_transfer_seconds", "KV transfer latency of one request",
                           buckets=LATENCY_BUCKETS)

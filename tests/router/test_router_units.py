@@ -214,7 +214,8 @@ def test_prefix_index_and_timing_store() -> None:
 def test_the_itl_histogram_exports_what_prometheus_client_would() -> None:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from router.metrics import ITL_BUCKETS, GapHistogram
+    from common.gap_histogram import GapHistogram
+    from router.metrics import ITL_BUCKETS
 
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     gap = GapHistogram("x_itl_seconds", "doc", ITL_BUCKETS, ours)
