@@ -93,9 +93,13 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
             if waiting is not None and not waiting.done():
                 waiting.set_result(None)
 
-        def deliver(out: Any) -> None:
-            if take is not None and waiting is not None and not waiting.done() and not items and take(out):
-                return
+        def deliver(out: Any) -> None:  # called by the ranks' output dispatcher: never raises into it
+            if take is not None and waiting is not None and not waiting.done() and not items:
+                try:
+                    if take(out):
+                        return
+                except Exception:  # the handler meets the same output, and its failure, on its own path
+                    logger.exception("[rid=%s] sending an output from the ranks' callback failed", msg.rid)
             wake(out)
 
         if msg.rid in self.ranks.waiters:

@@ -20,32 +20,7 @@ from common.node.front import WorkerServicer
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
 from router.testing import eventually
-from tests.mux_helpers import gen_req
-
-
-class _Ranks:
-    """A node's scheduler ranks, driven by the test: ``out(rid, ...)`` delivers one output of a request."""
-
-    def __init__(self) -> None:
-        self.waiters: dict[str, Any] = {}
-        self.rid_rank: dict[str, int] = {}
-        self.sent: list[Any] = []
-
-    def register(self, rid: str, rank: int, put: Any) -> None:
-        self.waiters[rid], self.rid_rank[rid] = put, rank
-
-    def unregister(self, rid: str) -> None:
-        self.waiters.pop(rid, None)
-        self.rid_rank.pop(rid, None)
-
-    def send(self, rank: int, msg: Any) -> None:
-        self.sent.append(msg)
-
-    def least_loaded_rank(self) -> int:
-        return 0
-
-    def out(self, rid: str, *ids: int, **kw: Any) -> None:
-        self.waiters[rid](TokenOut(rid=rid, token_ids=list(ids), **kw))
+from tests.mux_helpers import FakeRanks, gen_req
 
 
 @pytest.fixture
@@ -63,10 +38,10 @@ def responded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def front() -> AsyncIterator[tuple[_Ranks, Any, worker_pb2_grpc.WorkerStub]]:
+async def front() -> AsyncIterator[tuple[FakeRanks, Any, worker_pb2_grpc.WorkerStub]]:
     args = SimpleNamespace(dp_size=1, max_running_requests=8, max_queued_requests=8, port=0, request_timeout=60.0,
                            disaggregation_mode="null")
-    ranks = _Ranks()
+    ranks = FakeRanks()
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(args, "m", None, ranks), server)  # type: ignore[arg-type]
     port = server.add_insecure_port("127.0.0.1:0")
@@ -99,7 +74,7 @@ async def _read(call: Any, timeout: float = 5.0) -> list[tuple[str, list[int]]]:
         got.append((kind, list(ids)))
 
 
-async def _drive(ranks: _Ranks, rid: str, paced: bool) -> None:
+async def _drive(ranks: FakeRanks, rid: str, paced: bool) -> None:
     await eventually(lambda: rid in ranks.waiters)
     for t in range(1, 9):
         ranks.out(rid, t)
@@ -155,3 +130,18 @@ async def test_a_cancelled_request_sends_nothing_more_and_aborts_on_its_rank(res
         await eventually(lambda: any(isinstance(m, AbortReq) and m.rid == "gone" for m in ranks.sent))
         deliver(TokenOut(rid="gone", token_ids=[4]))  # a late output of the cancelled request
         assert len(responded) == sent_before and ranks.waiters == {}
+
+
+async def test_a_send_that_raises_in_the_callback_leaves_the_output_to_the_handler(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: worker_mux.MuxSession, sid: int, item: worker_pb2.GenerateResponse) -> None:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(worker_mux.MuxSession, "_respond", broken)
+    async with front() as (ranks, stream, _stub):
+        for rid in ("bad", "after"):  # the ranks' output dispatcher carries on after the first request's failures
+            call = stream.open("generate", gen_req(rid, [1, 2]), 30)
+            driver = asyncio.create_task(_drive(ranks, rid, paced=True))
+            got = await _read(call)
+            await driver
+            assert got == [*(("chunk", [t]) for t in range(1, 9)), ("finished", [9])]
