@@ -1,5 +1,6 @@
-"""Helpers of the Mux tests (tests/router/test_router_mux.py, tests/router/test_mux_socket.py): a request, a leg read to its end,
-and a mock worker with a ``MuxLink`` to it."""
+"""Helpers of the Mux tests (tests/router/test_router_mux.py, tests/router/test_mux_socket.py,
+tests/nodes/test_front_sink.py): a request, a leg read to its end, a mock worker with a ``MuxLink`` to it, and fake
+scheduler ranks for a real node front."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from common.io_struct import TokenOut
 from common.testing.mock_worker import MockConfig, MockWorker
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
@@ -43,3 +45,29 @@ async def linked(**cfg: Any) -> AsyncIterator[tuple[MockWorker, MuxLink]]:
         link.close()
         await channel.close()
         await w.stop()
+
+
+class FakeRanks:
+    """Stands in for a node front's scheduler ranks (``common.node.ranks.RankClient``): takes requests and records
+    what it is sent; the test answers a request with ``out(rid, token ids..., TokenOut fields)``."""
+
+    def __init__(self) -> None:
+        self.waiters: dict[str, Any] = {}
+        self.rid_rank: dict[str, int] = {}
+        self.sent: list[Any] = []
+
+    def register(self, rid: str, rank: int, put: Any) -> None:
+        self.waiters[rid], self.rid_rank[rid] = put, rank
+
+    def unregister(self, rid: str) -> None:
+        self.waiters.pop(rid, None)
+        self.rid_rank.pop(rid, None)
+
+    def send(self, rank: int, msg: Any) -> None:
+        self.sent.append(msg)
+
+    def least_loaded_rank(self) -> int:
+        return 0
+
+    def out(self, rid: str, *ids: int, **kw: Any) -> None:
+        self.waiters[rid](TokenOut(rid=rid, token_ids=list(ids), **kw))

@@ -19,7 +19,7 @@ from common.wire.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
 from router.testing import eventually, fleet
-from tests.mux_helpers import gen_req, linked, read_all
+from tests.mux_helpers import FakeRanks, gen_req, linked, read_all
 
 
 async def test_many_concurrent_pd_requests_ride_one_stream_per_worker() -> None:
@@ -146,32 +146,10 @@ async def test_a_large_message_goes_out_in_fragments_interleaved_with_small_ones
     assert [m.generate.rid for m in whole] == ["small", "big"] and whole[1] == big
 
 
-class _Ranks:
-    """Stands in for a node's scheduler ranks: takes requests, never answers, records what it is sent."""
-
-    def __init__(self) -> None:
-        self.waiters: dict[str, Any] = {}
-        self.rid_rank: dict[str, int] = {}
-        self.sent: list[Any] = []
-
-    def register(self, rid: str, rank: int, put: Any) -> None:
-        self.waiters[rid], self.rid_rank[rid] = put, rank
-
-    def unregister(self, rid: str) -> None:
-        self.waiters.pop(rid, None)
-        self.rid_rank.pop(rid, None)
-
-    def send(self, rank: int, msg: Any) -> None:
-        self.sent.append(msg)
-
-    def least_loaded_rank(self) -> int:
-        return 0
-
-
 async def test_a_node_tells_its_ranks_a_deadline_from_a_cancel() -> None:
     args = SimpleNamespace(dp_size=1, max_running_requests=8, max_queued_requests=8, port=0, request_timeout=60.0,
                            disaggregation_mode="null")
-    ranks = _Ranks()
+    ranks = FakeRanks()
     node = WorkerServicer(args, "m", None, ranks)  # type: ignore[arg-type]
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(node, server)
