@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
 
 from common.io_struct import TokenOut
+from common.node.front import WorkerServicer
 from common.testing.mock_worker import MockConfig, MockWorker
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
@@ -71,3 +73,28 @@ class FakeRanks:
 
     def out(self, rid: str, *ids: int, **kw: Any) -> None:
         self.waiters[rid](TokenOut(rid=rid, token_ids=list(ids), **kw))
+
+
+@contextlib.asynccontextmanager
+async def fake_ranks_front() -> AsyncIterator[tuple[FakeRanks, WorkerServicer, Any, worker_pb2_grpc.WorkerStub]]:
+    """A real colocated node front (``WorkerServicer``) over ``FakeRanks``, served on a gRPC port: (ranks, front, a
+    Mux stream to it from a ``MuxLink``, a stub for its per-request RPCs)."""
+    args = SimpleNamespace(dp_size=1, max_running_requests=8, max_queued_requests=8, port=0, request_timeout=60.0,
+                           disaggregation_mode="null")
+    ranks = FakeRanks()
+    node = WorkerServicer(args, "m", None, ranks)  # type: ignore[arg-type]
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(node, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    link = MuxLink(stub, "node")
+    try:
+        stream = await link.get(5)
+        assert stream is not None
+        yield ranks, node, stream, stub
+    finally:
+        link.close()
+        await channel.close()
+        await server.stop(0)

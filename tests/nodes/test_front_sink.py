@@ -5,9 +5,6 @@ errors still from the handler, nothing sent for a cancelled request."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -16,11 +13,9 @@ import pytest
 from common.errors import ErrorCode
 from common.io_struct import AbortReq, TokenOut
 from common.node import worker_mux
-from common.node.front import WorkerServicer
-from pdcluster.v1 import worker_pb2, worker_pb2_grpc
-from router.mux import MuxLink
+from pdcluster.v1 import worker_pb2
 from router.testing import eventually
-from tests.mux_helpers import FakeRanks, gen_req
+from tests.mux_helpers import FakeRanks, fake_ranks_front, gen_req
 
 
 @pytest.fixture
@@ -35,28 +30,6 @@ def responded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(worker_mux.MuxSession, "_respond", counting)
     return seen
-
-
-@contextlib.asynccontextmanager
-async def front() -> AsyncIterator[tuple[FakeRanks, Any, worker_pb2_grpc.WorkerStub]]:
-    args = SimpleNamespace(dp_size=1, max_running_requests=8, max_queued_requests=8, port=0, request_timeout=60.0,
-                           disaggregation_mode="null")
-    ranks = FakeRanks()
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(args, "m", None, ranks), server)  # type: ignore[arg-type]
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = worker_pb2_grpc.WorkerStub(channel)
-    link = MuxLink(stub, "node")
-    try:
-        stream = await link.get(5)
-        assert stream is not None
-        yield ranks, stream, stub
-    finally:
-        link.close()
-        await channel.close()
-        await server.stop(0)
 
 
 async def _read(call: Any, timeout: float = 5.0) -> list[tuple[str, list[int]]]:
@@ -85,7 +58,7 @@ async def _drive(ranks: FakeRanks, rid: str, paced: bool) -> None:
 
 @pytest.mark.parametrize("paced", [True, False])
 async def test_mux_gets_the_per_request_rpcs_messages_in_order(paced: bool, responded: list[int]) -> None:
-    async with front() as (ranks, stream, stub):
+    async with fake_ranks_front() as (ranks, _node, stream, stub):
         call = stream.open("generate", gen_req("mux", [1, 2]), 30)
         driver = asyncio.create_task(_drive(ranks, "mux", paced))
         via_mux = await _read(call)
@@ -102,7 +75,7 @@ async def test_mux_gets_the_per_request_rpcs_messages_in_order(paced: bool, resp
 
 
 async def test_an_error_after_sink_sent_chunks_ends_the_request_with_its_code(responded: list[int]) -> None:
-    async with front() as (ranks, stream, _stub):
+    async with fake_ranks_front() as (ranks, _node, stream, _stub):
         call = stream.open("generate", gen_req("err", [1, 2]), 30)
         reading = asyncio.create_task(_read(call))
         await eventually(lambda: "err" in ranks.waiters)
@@ -116,7 +89,7 @@ async def test_an_error_after_sink_sent_chunks_ends_the_request_with_its_code(re
 
 
 async def test_a_cancelled_request_sends_nothing_more_and_aborts_on_its_rank(responded: list[int]) -> None:
-    async with front() as (ranks, stream, _stub):
+    async with fake_ranks_front() as (ranks, _node, stream, _stub):
         call = stream.open("generate", gen_req("gone", [1, 2]), 30)
         await eventually(lambda: "gone" in ranks.waiters)
         deliver = ranks.waiters["gone"]
@@ -138,7 +111,7 @@ async def test_a_send_that_raises_in_the_callback_leaves_the_output_to_the_handl
         raise RuntimeError("bug")
 
     monkeypatch.setattr(worker_mux.MuxSession, "_respond", broken)
-    async with front() as (ranks, stream, _stub):
+    async with fake_ranks_front() as (ranks, _node, stream, _stub):
         for rid in ("bad", "after"):  # the ranks' output dispatcher carries on after the first request's failures
             call = stream.open("generate", gen_req(rid, [1, 2]), 30)
             driver = asyncio.create_task(_drive(ranks, rid, paced=True))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -13,13 +12,12 @@ import pytest
 
 from common.errors import ErrorCode
 from common.io_struct import AbortReq
-from common.node.front import WorkerServicer
 from common.testing.mock_worker import fake_tokens
 from common.wire.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
 from router.testing import eventually, fleet
-from tests.mux_helpers import FakeRanks, gen_req, linked, read_all
+from tests.mux_helpers import fake_ranks_front, gen_req, linked, read_all
 
 
 async def test_many_concurrent_pd_requests_ride_one_stream_per_worker() -> None:
@@ -147,20 +145,7 @@ async def test_a_large_message_goes_out_in_fragments_interleaved_with_small_ones
 
 
 async def test_a_node_tells_its_ranks_a_deadline_from_a_cancel() -> None:
-    args = SimpleNamespace(dp_size=1, max_running_requests=8, max_queued_requests=8, port=0, request_timeout=60.0,
-                           disaggregation_mode="null")
-    ranks = FakeRanks()
-    node = WorkerServicer(args, "m", None, ranks)  # type: ignore[arg-type]
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(node, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = worker_pb2_grpc.WorkerStub(channel)
-    link = MuxLink(stub, "node")
-    try:
-        stream = await link.get(5)
-        assert stream is not None
+    async with fake_ranks_front() as (ranks, node, stream, stub):
         expiring = stream.open("generate", gen_req("mux-late", [1, 2]), 0.2)
         cancelled = stream.open("generate", gen_req("mux-gone", [1, 2]), 30)
         with pytest.raises(grpc.aio.AioRpcError):
@@ -179,10 +164,6 @@ async def test_a_node_tells_its_ranks_a_deadline_from_a_cancel() -> None:
         assert codes == {"mux-late": ErrorCode.DEADLINE_EXCEEDED, "mux-gone": ErrorCode.CANCELLED,
                          "rpc-late": ErrorCode.DEADLINE_EXCEEDED}
         assert ranks.waiters == {} and node.in_flight == [0]
-    finally:
-        link.close()
-        await channel.close()
-        await server.stop(0)
 
 
 class _MuteMux(worker_pb2_grpc.WorkerServicer):
