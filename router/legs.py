@@ -103,16 +103,22 @@ async def open_leg(w: Worker, kind: str, request: Any, timeout: float) -> Any:
 WAKE = worker_pb2.GenerateResponse()  # no kind: queued past a leg's sink to have the reader look at the request
 
 
-def _attach(call: Any, sink: Callable[[worker_pb2.GenerateResponse], bool] | None) -> None:
-    """Hand ``call``'s stream items to ``sink`` while the attempt's reader waits (Mux calls only; a per-request gRPC
-    call is read message by message)."""
-    if sink is not None and isinstance(call, MuxCall):
-        call.sink = sink
+class _Sunk:
+    """An attempt whose token stream may go to a ``sink`` (``MuxCall.sink``): given the stream's messages as they
+    arrive while the attempt's reader waits (Mux calls only; a per-request gRPC call is read message by message).
+    ``wake`` has the reader look at the request after the sink took a message."""
 
+    sink: Callable[[worker_pb2.GenerateResponse], bool] | None = None
+    _call: Any = None  # the token stream, once open
 
-def _wake(call: Any) -> None:
-    if isinstance(call, MuxCall):
-        call.push(WAKE)
+    def _streaming(self, call: Any) -> None:
+        self._call = call
+        if self.sink is not None and isinstance(call, MuxCall):
+            call.sink = self.sink
+
+    def wake(self) -> None:
+        if isinstance(self._call, MuxCall):
+            self._call.push(WAKE)
 
 
 def _cancelling() -> bool:
@@ -120,9 +126,8 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-class PdAttempt:
-    """Prefill on (p, p_rank) and Decode on (d, d_rank) for one bootstrap room. ``sink``: given D's messages as they
-    arrive while ``stream``'s reader waits (``MuxCall.sink``); ``wake`` has the reader look after a sink took one."""
+class PdAttempt(_Sunk):
+    """Prefill on (p, p_rank) and Decode on (d, d_rank) for one bootstrap room; D's stream may go to ``sink``."""
 
     def __init__(
         self,
@@ -138,7 +143,6 @@ class PdAttempt:
     ) -> None:
         self.req, self.p, self.p_rank, self.d, self.d_rank = req, p, p_rank, d, d_rank
         self.room, self.deadline, self.aborter, self.sink = room, deadline, aborter, sink
-        self._call: Any = None  # D's stream, once open
         self.prefill_resp: worker_pb2.PrefillResponse | None = None
         self.failed_worker: Worker | None = None
         self._prefill_err: LegError | None = None
@@ -172,8 +176,7 @@ class PdAttempt:
             pcall.cancel()
             self.aborter.abort(p, rid)
             raise
-        self._call = dcall
-        _attach(dcall, self.sink)
+        self._streaming(dcall)
         ptask: asyncio.Future[worker_pb2.PrefillResponse] = asyncio.ensure_future(pcall)
 
         def on_prefill_done(t: asyncio.Future[worker_pb2.PrefillResponse]) -> None:
@@ -220,9 +223,6 @@ class PdAttempt:
                 self.aborter.abort(p, rid)
                 self.aborter.abort(d, rid)
 
-    def wake(self) -> None:
-        _wake(self._call)
-
     async def _prefill_result(
         self, ptask: asyncio.Future[worker_pb2.PrefillResponse]
     ) -> worker_pb2.PrefillResponse | None:
@@ -242,9 +242,9 @@ class PdAttempt:
             return None
 
 
-class ColocatedAttempt:
-    """Generate on one colocated (mode ``null``) worker; ``req.dp_rank`` is already set. ``sink``, ``wake``: as
-    ``PdAttempt``'s."""
+class ColocatedAttempt(_Sunk):
+    """Generate on one colocated (mode ``null``) worker; ``req.dp_rank`` is already set; its stream may go to
+    ``sink``."""
 
     def __init__(
         self,
@@ -256,10 +256,6 @@ class ColocatedAttempt:
     ) -> None:
         self.req, self.w, self.deadline, self.aborter, self.sink = req, w, deadline, aborter, sink
         self.failed_worker: Worker | None = None
-        self._call: Any = None
-
-    def wake(self) -> None:
-        _wake(self._call)
 
     async def stream(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         timeout = max(self.deadline - time.monotonic(), 0.001)
@@ -268,8 +264,7 @@ class ColocatedAttempt:
         except LegError:
             self.failed_worker = self.w
             raise
-        self._call = call
-        _attach(call, self.sink)
+        self._streaming(call)
         finished = False
         try:
             while True:

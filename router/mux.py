@@ -8,8 +8,9 @@ instead of waking the reader's task for each (a streamed token costs no task wak
 
 Invariants: a call is in ``MuxStream.calls`` from its open until its terminal item (status, local deadline,
 cancel, or the stream's end) and gets exactly one terminal item; the sink is offered a message only while the reader
-waits with nothing queued, so every message before it was read and handled, and the order holds across the two; a stream that ends fails exactly the calls still
-on it, with UNAVAILABLE (or the stream's own error code), and is never reused: the next request opens a new one.
+waits with nothing queued, so every message before it was read and handled, and the order holds across the two; a
+stream that ends fails exactly the calls still on it, with UNAVAILABLE (or the stream's own error code), and is never
+reused: the next request opens a new one.
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ from typing import Any
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: tuple[str, ...] = ()) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
         # ids -> text; a tokenizer's own ``decode_fn`` when it has one (the router's: straight into the Rust tokenizer)
         make = getattr(tokenizer, "decode_fn", None)
         self._decode = make(skip_special_tokens) if make is not None else partial(
