@@ -64,7 +64,9 @@ def test_cpu_lands_on_the_busy_rank_of_a_labelled_tree() -> None:
     # /proc counts CPU in 10 ms ticks (and 0.83 - 0.5 < 0.33 in floats): a tick of slack at the upper bound.
     assert 0.3 <= rows["null-0/rank0"]["cpu_s"] <= rank_total - 0.5 + 0.011
     assert rows["null-0"]["cpu_s"] < 0.1 and rows["up"]["cpu_s"] < 0.1  # sleeping parents
-    assert rows["null-0/rank0"]["threads"][0]["cpu_s"] >= 0.3  # the busy thread, named from /proc
+    # The busy thread, named from /proc, carries most of its process's CPU (not all: the rank's other threads run a
+    # little, and each count is read in 10 ms ticks; CI once read 0.29 s for the thread of a 0.3 s spin).
+    assert rows["null-0/rank0"]["threads"][0]["cpu_s"] >= 0.8 * rows["null-0/rank0"]["cpu_s"]
     assert rows["null-0/rank0"]["threads"][0]["name"].startswith("python")
 
     per_1k = _per_1k(window | {"processes": [*window["processes"], {"label": "client", "category": "client",
