@@ -4,9 +4,11 @@
 
 Python imports this ``sitecustomize`` in every process of the run (the spawned prefill child included). It wraps, as
 their modules load, ``KVSender.send``, the prefill rooms' ``job_done``/``handle``, the decode rooms' ``_chunk_done``,
-the control plane's ``_do`` (a send) and ``_receive_all``, and every backend's ``_move``, and writes
-``<wall time> <pid> <thread> <event> >|<`` lines to ``$KVTRACE_DIR/t.<pid>``. ``sort`` the files together to read a
-request's path across both processes. Inactive without ``KVTRACE_DIR``.
+the control plane's ``_do`` (a send) and ``_receive_all``, every backend's ``_move`` (for ``shm`` on CUDA also its
+``page_ids`` and the copy's launch, ``PageCopier.__call__``, as ``copy_pages``), the workers' ``_report`` (a
+landing's wait, then the report) and the manager's ``on_job_done``, and writes ``<wall time> <pid> <thread> <event>
+>|<`` lines to ``$KVTRACE_DIR/t.<pid>``. ``phases.py`` here reads them back as a per-request table; or ``sort`` the
+files together to read a request's path across both processes. Inactive without ``KVTRACE_DIR``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import time
 from types import ModuleType
 from typing import Any
 
-TARGETS = {"kvtransfer.sender", "kvtransfer.receiver", "kvtransfer.control", "kvtransfer.backends.shm",
-           "kvtransfer.backends.shm_cuda", "kvtransfer.backends.tcp"}
+TARGETS = {"kvtransfer.sender", "kvtransfer.receiver", "kvtransfer.control", "kvtransfer.manager",
+           "kvtransfer.backends.workers", "kvtransfer.backends.shm", "kvtransfer.backends.shm_cuda",
+           "kvtransfer.backends.tcp", "common.engine.kernels.kv_pages_triton"}
 
 
 def _stamp(out: Any, event: str) -> None:
@@ -43,8 +46,29 @@ def _wrap(out: Any, cls: type, name: str, event: str) -> None:
     setattr(cls, name, traced)
 
 
+def _wrap_function(out: Any, mod: ModuleType, name: str) -> None:
+    """A module-level function, looked up by its callers at call time (``_move`` calls ``page_ids`` so)."""
+    orig = getattr(mod, name)
+
+    @functools.wraps(orig)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        _stamp(out, f"{name} >")
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            _stamp(out, f"{name} <")
+
+    setattr(mod, name, traced)
+
+
 def _patch(out: Any, name: str, mod: ModuleType) -> None:
-    if name == "kvtransfer.sender":
+    if name == "kvtransfer.manager":
+        _wrap(out, mod.KVManager, "on_job_done", "on_job_done")
+    elif name == "common.engine.kernels.kv_pages_triton":
+        _wrap(out, mod.PageCopier, "__call__", "copy_pages")  # the shm copy's launch on CUDA
+    elif name == "kvtransfer.backends.workers":
+        _wrap(out, mod.PeerWorkers, "_report", "workers._report")  # the landing's wait, then on_job_done
+    elif name == "kvtransfer.sender":
         _wrap(out, mod.KVSender, "send", "KVSender.send")
         _wrap(out, mod.PrefillRooms, "job_done", "job_done")
         _wrap(out, mod.PrefillRooms, "handle", "prefill.handle")
@@ -54,6 +78,8 @@ def _patch(out: Any, name: str, mod: ModuleType) -> None:
         _wrap(out, mod.ControlPlane, "_do", "control._do")
         _wrap(out, mod.ControlPlane, "_receive_all", "control._receive_all")
     else:
+        if name == "kvtransfer.backends.shm_cuda":
+            _wrap_function(out, mod, "page_ids")
         for attr in dir(mod):
             cls = getattr(mod, attr)
             if isinstance(cls, type) and "_move" in cls.__dict__:

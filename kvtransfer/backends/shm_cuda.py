@@ -7,11 +7,12 @@ own device**: on another GPU of the host, CUDA maps the memory with peer access,
 kernel on this rank's device whichever GPU holds the destination (on the same GPU it is a plain device copy).
 The mappings close when the peer is removed (after its last job) or the backend closes.
 
-Per job, on this backend's own CUDA stream (after waiting for the device's default stream, where the forward
+Per job, on the peer's own CUDA stream (after waiting for the device's default stream, where the forward
 pass that wrote the source pages was enqueued before the job was submitted):
 
-    whole pages:  ONE kernel copies every page of every buffer straight into the peer's pool (``copy_pages``:
-                  page tables of both sides, no staging, so the bytes cross memory once, as a device copy's do)
+    whole pages:  ONE kernel copies every page of every buffer straight into the peer's pool (``page_copier``,
+                  built at the peer's first job: page tables of both sides, no staging, so the bytes cross memory
+                  once, as a device copy's do; the page ids go up from numpy)
     head slices (heterogeneous TP):  one strided slice copy per run and buffer (``copy_runs``)
 
 then an event is recorded, and the job's ``Landing`` synchronizes it: the workers are pipelined, so the next job's
@@ -27,11 +28,14 @@ import logging
 import threading
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
-from common.engine.kernels.kv_pages import buffer_table, copy_pages
+from common.engine.kernels.kv_pages import page_copier
 from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import device_identity
@@ -58,7 +62,8 @@ class _PeerPool:
     num_pages: int
     kv_heads: int
     stream: torch.cuda.Stream
-    table: torch.Tensor | None = None  # the peer's buffer addresses, on this device (copy_pages)
+    default_stream: torch.cuda.Stream  # this device's, where the forward that wrote the source pages runs
+    copy: Callable[[torch.Tensor], None] | None = None  # whole pages, our pool -> the peer's (page_copier)
 
 
 def _hex(b: bytes | None) -> str:
@@ -108,7 +113,6 @@ class CudaIpcBackend(QueuedBackend):
         self._pools: dict[PeerKey, _PeerPool] = {}
         self._failed: dict[PeerKey, str] = {}
         self._export_id = uuid.uuid4().hex
-        self._table: torch.Tensor | None = None  # our buffers' addresses (copy_pages); worker threads only
         self._export: _Export | None = None
         self._handles = ""
         if mode == "decode":
@@ -171,7 +175,8 @@ class CudaIpcBackend(QueuedBackend):
         if len(buffers) != len(self._buffers):
             raise ValueError(f"peer {peer.key.instance_id} exported {len(buffers)} buffers, expected "
                              f"{len(self._buffers)}")
-        return _PeerPool(buffers, layout.num_pages, layout.kv_heads, torch.cuda.Stream(self._device))
+        return _PeerPool(buffers, layout.num_pages, layout.kv_heads, torch.cuda.Stream(self._device),
+                         torch.cuda.default_stream(self._device))
 
     def _peer_stopped(self, key: PeerKey) -> None:
         with self._lock:
@@ -180,36 +185,45 @@ class CudaIpcBackend(QueuedBackend):
 
     # ---- prefill worker thread ----------------------------------------------------------------------------------
     def _move(self, job: TransferJob) -> Landing | None:
+        """Enqueue the job's copies on the peer's stream; the host work here is the fixed cost of every job (a
+        512 MiB request's copy takes ~0.27 ms on an H200), so the checks and tables are per pool, not per job."""
         with self._lock:
             pool, failed = self._pools.get(job.peer), self._failed.get(job.peer)
         if pool is None:
             raise TransferError(f"the peer's GPU pool is not mapped: {failed or 'peer removed'}")
-        if any(r.dst_page < 1 or r.dst_page + r.num_pages > pool.num_pages for r in job.runs):
-            raise TransferError(f"destination pages of room {job.room} outside the peer's {pool.num_pages} pages")
-        if job.heads is not None and not 0 <= job.heads.dst_head <= pool.kv_heads - job.heads.num_heads:
-            raise TransferError(f"destination heads of room {job.room} outside the peer's {pool.kv_heads} heads")
         if not job.runs:
             return None
-        ps = self.args.page_size
+        ids = None
+        if job.heads is None:
+            ids = page_ids(job)
+            dst = ids.numpy()[1]
+            if dst.min() < 1 or dst.max() >= pool.num_pages:
+                raise TransferError(f"destination pages of room {job.room} outside the peer's {pool.num_pages} pages")
+        else:
+            if any(r.dst_page < 1 or r.dst_page + r.num_pages > pool.num_pages for r in job.runs):
+                raise TransferError(f"destination pages of room {job.room} outside the peer's {pool.num_pages} pages")
+            if not 0 <= job.heads.dst_head <= pool.kv_heads - job.heads.num_heads:
+                raise TransferError(f"destination heads of room {job.room} outside the peer's {pool.kv_heads} heads")
         with torch.cuda.stream(pool.stream):
-            if job.heads is None:
-                ids = page_ids(job).to(self._device, non_blocking=True)
-                pool.stream.wait_stream(torch.cuda.default_stream(self._device))
-                if pool.table is None:
-                    pool.table = buffer_table(pool.buffers)
-                if self._table is None:
-                    self._table = buffer_table(self._buffers)
-                copy_pages(self._buffers, pool.buffers, ids, ps, self._table, pool.table)
+            if ids is not None:
+                device_ids = ids.to(self._device, non_blocking=True)
+                pool.stream.wait_stream(pool.default_stream)
+                if pool.copy is None:
+                    pool.copy = page_copier(self._buffers, pool.buffers, self.args.page_size)
+                pool.copy(device_ids)
             else:
-                pool.stream.wait_stream(torch.cuda.default_stream(self._device))
+                pool.stream.wait_stream(pool.default_stream)
+                assert job.heads is not None
                 for src, dst in zip(self._buffers, pool.buffers, strict=True):
-                    copy_runs(src, dst, job.runs, ps, job.heads)
+                    copy_runs(src, dst, job.runs, self.args.page_size, job.heads)
             done = torch.cuda.Event()
             done.record(pool.stream)
         return done.synchronize
 
 
 def page_ids(job: TransferJob) -> torch.Tensor:
-    """int64 [2, n]: the job's source pages over its destination pages, run by run."""
-    return torch.tensor([[r.src_page + i for r in job.runs for i in range(r.num_pages)],
-                         [r.dst_page + i for r in job.runs for i in range(r.num_pages)]], dtype=torch.int64)
+    """int64 [2, n] on the host: the job's source pages over its destination pages, run by run."""
+    runs = np.array(list(chain.from_iterable(job.runs)), dtype=np.int64).reshape(-1, 3)  # src, dst, num_pages
+    counts = runs[:, 2]
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return torch.from_numpy(np.stack([np.repeat(runs[:, 0], counts) + within, np.repeat(runs[:, 1], counts) + within]))

@@ -89,12 +89,12 @@ def test_tcp_decode_endpoint_names_its_memory() -> None:
 
 
 def test_shm_cuda_page_copy_is_byte_exact_on_cpu() -> None:
-    """The copy CUDA IPC runs for whole pages (one kernel on CUDA, ``copy_pages_triton``; its torch reference here,
-    and the kernel itself interpreted in tests/engine/test_triton_kernels.py): every page of every buffer lands at
-    its destination page, no other page changes."""
+    """The copy CUDA IPC runs for whole pages (``page_copier``: one kernel on CUDA, ``PageCopier``; its torch
+    reference here, and the kernel itself interpreted in tests/engine/test_triton_kernels.py): every page of every
+    buffer lands at its destination page, no other page changes; page ids built from the job's runs in order."""
     import torch
 
-    from common.engine.kernels.kv_pages import copy_pages
+    from common.engine.kernels.kv_pages import page_copier
     from kvtransfer.backends.shm_cuda import page_ids
     from kvtransfer.pages import coalesce_runs
 
@@ -104,8 +104,10 @@ def test_shm_cuda_page_copy_is_byte_exact_on_cpu() -> None:
     before = [b.clone() for b in d_bufs]
     src_pages, dst_pages = [5, 6, 7, 20, 3, 33, 34], [30, 31, 32, 9, 1, 12, 2]
     job = TransferJob(1, 0, PeerKey("d", 1), tuple(coalesce_runs(src_pages, dst_pages)))
-    assert page_ids(job).tolist() == [src_pages, dst_pages]
-    copy_pages(s_bufs, d_bufs, page_ids(job), src.page_size)
+    assert page_ids(job).tolist() == [src_pages, dst_pages] and page_ids(job).dtype == torch.int64
+    one_run = TransferJob(1, 0, PeerKey("d", 1), tuple(coalesce_runs([4, 5, 6], [8, 9, 10])))
+    assert len(one_run.runs) == 1 and page_ids(one_run).tolist() == [[4, 5, 6], [8, 9, 10]]
+    page_copier(s_bufs, d_bufs, src.page_size)(page_ids(job))
     ps = src.page_size
     for s, d, old in zip(s_bufs, d_bufs, before, strict=True):
         for sp, dp in zip(src_pages, dst_pages, strict=True):

@@ -12,7 +12,7 @@ On CPU these are the torch reference below; on CUDA one Triton launch copies eve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -66,6 +66,19 @@ def copy_pages(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ids: to
         copy_pages_triton(src, dst, ids, page_size, src_table, dst_table)
     else:
         copy_pages_ref(src, dst, ids, page_size)
+
+
+def page_copier(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], page_size: int) -> Callable[[torch.Tensor], None]:
+    """``copy_pages`` between these two lists of buffers, its checks and address tables done once: the returned
+    callable takes only ``ids`` (on CUDA a ``kv_pages_triton.PageCopier``: one launch per call)."""
+    if src and src[0].is_cuda:
+        from common.engine.kernels.kv_pages_triton import PageCopier
+
+        return PageCopier(src, dst, page_size)
+    if len(src) != len(dst) or not src:
+        raise ValueError(f"copy_pages: {len(src)} source and {len(dst)} destination buffers")
+    src, dst = list(src), list(dst)
+    return lambda ids: copy_pages_ref(src, dst, ids, page_size)
 
 
 def buffer_table(buffers: Sequence[torch.Tensor]) -> torch.Tensor:

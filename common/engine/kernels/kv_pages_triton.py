@@ -104,29 +104,51 @@ def _copy_pages_direct(SrcPtrs, DstPtrs, Ids, Like, num_pages, row, BLOCK: tl.co
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
+class PageCopier:
+    """``copy_pages`` between two fixed lists of buffers, checked once: each call only launches (a KV transfer copies
+    every job between the same two pools, and checking 2 x 64 buffers per call cost more host time than the launch).
+
+    ``dst`` may be another process's memory mapped here. Invariant: the buffers stay allocated while the copier lives.
+    """
+
+    def __init__(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], page_size: int,
+                 src_table: torch.Tensor | None = None, dst_table: torch.Tensor | None = None) -> None:
+        if len(src) != len(dst) or not src:
+            raise ValueError(f"copy_pages: {len(src)} source and {len(dst)} destination buffers")
+        first = src[0]
+        if any(d.shape[1:] != first.shape[1:] or d.dtype != first.dtype or d.device != first.device for d in dst):
+            raise ValueError("copy_pages: source and destination buffers differ in slot shape, dtype or device")
+        self.like = first
+        self.device = first.device
+        self.num_buffers = len(src)
+        self.row = page_size * first[0].numel()
+        self.block = min(4096, triton.next_power_of_2(self.row))
+        self.src_table = buffer_table(src) if src_table is None else src_table
+        self.dst_table = buffer_table(dst) if dst_table is None else dst_table
+        self.aligned = _aligned([*src, *dst], self.row)
+
+    def __call__(self, ids: torch.Tensor) -> None:
+        """Page ``ids[1, i]`` of every destination buffer = page ``ids[0, i]`` of its source buffer; ``ids``: int64
+        [2, n] on the buffers' device, destination pages distinct. Enqueued on the current stream."""
+        if ids.dtype != torch.int64 or ids.device != self.device or ids.dim() != 2 or ids.shape[0] != 2:
+            raise ValueError(f"copy_pages: ids must be int64 [2, n] on {self.device}, got {ids.dtype} "
+                             f"{tuple(ids.shape)} on {ids.device}")
+        n = ids.shape[1]
+        if n == 0:
+            return
+        _copy_pages_direct[(n, self.num_buffers, triton.cdiv(self.row, self.block))](
+            self.src_table, self.dst_table, ids.contiguous(), self.like, n, self.row, BLOCK=self.block,
+            ALIGNED=self.aligned,
+        )
+
+
 def copy_pages_triton(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ids: torch.Tensor, page_size: int,
                       src_table: torch.Tensor | None = None, dst_table: torch.Tensor | None = None) -> None:
     """Page ``ids[1, i]`` of every ``dst[b]`` = page ``ids[0, i]`` of ``src[b]``, one launch for all buffers.
     ``ids``: int64 [2, n] on the buffers' device, destination pages distinct. The tables (``buffer_table``) may
-    be passed in to save their host-to-device copy; ``dst`` may be another process's memory mapped here."""
-    if len(src) != len(dst) or not src:
-        raise ValueError(f"copy_pages: {len(src)} source and {len(dst)} destination buffers")
-    first = src[0]
-    if any(d.shape[1:] != first.shape[1:] or d.dtype != first.dtype or d.device != first.device for d in dst):
-        raise ValueError("copy_pages: source and destination buffers differ in slot shape, dtype or device")
-    if ids.dtype != torch.int64 or ids.device != first.device or ids.dim() != 2 or ids.shape[0] != 2:
-        raise ValueError(f"copy_pages: ids must be int64 [2, n] on {first.device}, got {ids.dtype} "
-                         f"{tuple(ids.shape)} on {ids.device}")
-    n = ids.shape[1]
-    if n == 0:
-        return
-    row = page_size * first[0].numel()
-    block = min(4096, triton.next_power_of_2(row))
-    src_table = buffer_table(src) if src_table is None else src_table
-    dst_table = buffer_table(dst) if dst_table is None else dst_table
-    _copy_pages_direct[(n, len(src), triton.cdiv(row, block))](
-        src_table, dst_table, ids.contiguous(), first, n, row, BLOCK=block, ALIGNED=_aligned([*src, *dst], row),
-    )
+    be passed in to save their host-to-device copy; ``dst`` may be another process's memory mapped here. Copying
+    between the same buffers again and again: build a ``PageCopier`` once."""
+    PageCopier(src, dst, page_size, src_table, dst_table)(ids)
 
 
 def _aligned(tensors: Sequence[torch.Tensor], row: int) -> bool:
