@@ -21,6 +21,8 @@ Steps, in order of value; each runs in a child process with its own deadline (cu
     pd      benchmarks/gpu_pd.py: pdcluster up colocated, then 1 prefill + 1 decode over shm and over tcp on the
             one GPU; c=32 streamed greedy load through the OpenAI API; texts identical to colocated; pools back;
             start-up seconds and the KV pool each node chose
+    kvtrace benchmarks/kvtrace/phases.py --run: one 512 MiB shm request at a time with the control path traced;
+            where a request's time goes, phase by phase, across both processes (the shm target's lever)
     compile (GPU only) the engine step's workload with our decode steps compiled inside the CUDA graphs
             (--enable-torch-compile) against HF static+compiled
 
@@ -105,6 +107,7 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
         pd_sizes = ["--device", "cpu", "--backends", "tcp", "--num-requests", "8", "--input-len", "32",
                     "--output-len", "8", "--concurrency", "4", "--model-size", "tiny",
                     "--node-flag=--max-total-tokens=4096"]
+        trace_sizes = ["--device", "cpu", "--tokens", "64", "--reps", "6"]
     else:
         engine_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "1b", "--num-prompts", "64",
                         "--input-len", "128", "--output-len", "128", "--repeats", "2", "--threads", "8",
@@ -114,6 +117,7 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
         backends = "shm,tcp" + (",nixl" if a.modules.get("nixl") else "")
         kv_sizes = ["--device", "cuda", "--backends", backends, "--reps", "3", "--rounds", "2"]
         pd_sizes = ["--device", "cuda", "--backends", "shm,tcp"]
+        trace_sizes = ["--device", "cuda", "--reps", "12"]
     pd_sizes += ["--log-dir", str(out / "pd_logs")]
     return [
         tests,
@@ -122,6 +126,8 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
         Step("host", [*py, "benchmarks.host_step", *host_sizes, "--json", str(out / "host.json")], 120),
         Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 150),
         Step("pd", [*py, "benchmarks.gpu_pd", *pd_sizes, "--json", str(out / "pd.json")], 150),
+        Step("kvtrace", [*py, "benchmarks.kvtrace.phases", "--run", "--backend", "shm", *trace_sizes, "--timeout",
+                         "80", "--json", str(out / "kvtrace.json")], 90),
         # Last and GPU only (inductor's CPU compile of even the tiny model outlasts the dry run): our decode steps
         # compiled and captured (--enable-torch-compile), the lever the first GPU run's profile points at.
         *([] if a.dry_run else [Step("compile", [
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "gpu_check"))
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the same plumbing, no GPU needed")
     p.add_argument("--budget-s", type=float, default=420.0, help="the whole check's deadline (seconds)")
-    p.add_argument("--steps", default="tests,engine,host,kv,pd,compile", help="which steps, comma-separated")
+    p.add_argument("--steps", default="tests,engine,host,kv,pd,kvtrace,compile", help="which steps, comma-separated")
     p.add_argument("--pytest-args", default="", help="more pytest arguments for the tests step (e.g. -k EXPR)")
     p.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS", help="a step's own deadline")
     p.add_argument("--commit", default=os.environ.get("PDCLUSTER_COMMIT") or _git_commit(), help="recorded in the summary")

@@ -1,5 +1,6 @@
 """One page of Markdown from ``benchmarks/gpu_check.py``'s results: each step's status and figures, each target
-marked met or missed; where the decode-step target is missed, the profiler's table of where the step's time goes."""
+marked met or missed; where the decode-step target is missed, the profiler's table of where the step's time goes;
+where a KV request's time goes, phase by phase (the ``kvtrace`` step)."""
 
 from __future__ import annotations
 
@@ -124,7 +125,20 @@ def _host(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-SECTIONS = {"tests": _tests, "engine": _engine, "host": _host, "kv": _kv, "pd": _pd, "compile": _engine}
+
+
+def _kvtrace(r: dict[str, Any]) -> list[str]:
+    d = r.get("data")
+    if not d:
+        return []
+    lines = [f"Where one {d['backend']} request's time goes ({d['requests']} requests one at a time, traced; ms after "
+             "`send()` began, median [min .. max]):", "", "| event | median ms | range ms |", "|---|---|---|"]
+    lines += [f"| `{p['event']}` | {p['median_ms']:.3f} | {p['min_ms']:.3f} .. {p['max_ms']:.3f} |" for p in d["phases"]]
+    return lines
+
+
+SECTIONS = {"tests": _tests, "engine": _engine, "host": _host, "kv": _kv, "pd": _pd, "kvtrace": _kvtrace,
+            "compile": _engine}
 
 
 def summarize(result: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "summary.json").read_text())
     steps = result["steps"]
-    assert list(steps) == ["tests", "engine", "host", "kv", "pd"]
+    assert list(steps) == ["tests", "engine", "host", "kv", "pd", "kvtrace"]
     for name, step in steps.items():
         assert step["status"] == "ok", f"{name}: {step.get('log_tail', '')[-2000:]}"
 
@@ -48,6 +48,14 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: Path) -> None:
         assert run["startup_s"] > 0 and all("kv_pool" in node for node in run["nodes"].values()), name
     assert runs["pd_tcp"]["identical_to_colocated"] == 1.0
 
+    trace = steps["kvtrace"]["data"]  # the shm control path traced across both processes, phase by phase
+    assert trace["requests"] == 7  # --reps 6 after one warm-up
+    events = [p["event"] for p in trace["phases"]]
+    for event in ("KVSender.send <", "_move >", "on_job_done >", "job_done >", "decode._chunk_done >",
+                  "prefill.handle >"):
+        assert event in events, events
+    assert all(p["requests"] == 5 and p["median_ms"] >= 0 for p in trace["phases"])
+
     page = (tmp_path / "summary.md").read_text()
-    for heading in ("## tests: ok", "## engine: ok", "## host: ok", "## kv: ok", "## pd: ok"):
+    for heading in ("## tests: ok", "## engine: ok", "## host: ok", "## kv: ok", "## pd: ok", "## kvtrace: ok"):
         assert heading in page
