@@ -251,7 +251,7 @@ def _cpu_split(router_cpus: str) -> tuple[set[int] | None, set[int] | None]:
 def _mock_cmd(
     ns: argparse.Namespace, prefill: int, decode: int, colocated: int, cpus: set[int] | None
 ) -> list[str]:
-    return [*_pin(cpus), sys.executable, "-m", "common.testing.mock_worker", "--prefill", str(prefill), "--decode", str(decode),
+    return [*_pin(cpus), sys.executable, "-m", "common.testing.mock_fleet", "--prefill", str(prefill), "--decode", str(decode),
             "--colocated", str(colocated), "--service-time", str(ns.service_time),
             "--chunk-tokens", str(ns.chunk_tokens or ns.max_new_tokens), "--itl", str(ns.itl)]
 
@@ -280,7 +280,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router_overhead.json"))
     ns = ap.parse_args()
 
-    from common.testing.mock_worker import make_model_dir
+    from common.testing.mock_fleet import make_model_dir
     from common.text.tokenizer import load_tokenizer
     from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 

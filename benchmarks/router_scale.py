@@ -54,7 +54,7 @@ async def serve_fleet(prefill: int, decode: int, colocated: int, service_time: f
     import signal
 
     from common.gc_freeze import freeze_startup_heap
-    from common.testing.mock_worker import start_fleet
+    from common.testing.mock_fleet import start_fleet
 
     workers = await start_fleet(prefill, decode, colocated, service_time=service_time, total_kv_pages=kv_pages,
                                 page_size=PAGE_SIZE, chunk_tokens=chunk_tokens)
@@ -270,7 +270,7 @@ def main() -> int:
         asyncio.run(serve_fleet(ns.prefill, ns.decode, 1, ns.service_time, ns.kv_pages, ns.max_new_tokens))
         return 0
 
-    from common.testing.mock_worker import make_model_dir
+    from common.testing.mock_fleet import make_model_dir
     from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 
     env = {**os.environ, "PDCLUSTER_LOG_LEVEL": "WARNING", "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}

@@ -13,7 +13,8 @@ from typing import Any
 import grpc
 from openai import AsyncOpenAI
 
-from common.testing.mock_worker import MockConfig, MockHub, MockWorker, shared_model_dir
+from common.testing.mock_fleet import shared_model_dir
+from common.testing.mock_worker import MockConfig, MockHub, MockWorker
 from pdcluster.v1 import router_pb2_grpc
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.app.cli import main
 from common.errors import ConfigError
-from common.testing.mock_worker import shared_model_dir
+from common.testing.mock_fleet import shared_model_dir
 from common.wire.mux_socket import connect
 from common.wire.tls import TlsFiles
 from common.wire.worker_auth import worker_credential

@@ -11,7 +11,8 @@ import aiohttp
 import grpc
 import pytest
 
-from common.testing.mock_worker import fake_tokens, shared_model_dir
+from common.testing.mock_fleet import shared_model_dir
+from common.testing.mock_worker import fake_tokens
 from common.text.tokenizer import load_tokenizer
 from pdcluster.v1 import worker_pb2
 from router import sse
