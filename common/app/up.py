@@ -16,7 +16,8 @@ nodes on its busiest GPU. KV moves over ``shm`` (CUDA IPC) by default there: eve
 On CPU the host's cores are split evenly over every scheduler rank ``up`` starts (each node's dp x tp; at least one
 torch thread each) unless ``--torch-num-threads`` (every node) or ``--prefill-torch-num-threads`` /
 ``--decode-torch-num-threads`` (per role, over it) is given: a lone colocated node uses every core, and the nodes'
-ranks together do not oversubscribe them.
+ranks together do not oversubscribe them. Given threads that do (ranks with OpenMP teams among them) get a warning,
+and the nodes passive OpenMP waits unless ``OMP_WAIT_POLICY`` is set (``omp_wait_env``).
 """
 
 from __future__ import annotations
@@ -118,6 +119,19 @@ def cluster_env() -> dict[str, str]:
     return {CLUSTER_TOKEN_ENV: env.cluster_token() or generate_cluster_token()}
 
 
+def omp_wait_env(rank_threads: list[int], cores: int, environ: dict[str, str]) -> dict[str, str]:
+    """``OMP_WAIT_POLICY=PASSIVE`` for the nodes when their scheduler ranks' torch threads together oversubscribe the
+    host's cores and some rank runs an OpenMP team ({} otherwise, or when the caller set the variable).
+
+    Each rank's libgomp team sizes its waits as if it were alone on the host: a worker spins some 300,000 times
+    after every parallel region before it sleeps, CPU that another rank on the same cores needs. Measured on 2
+    cores, P/D with the decode rank on 2 threads and the prefill rank on 1 (``benchmarks/serving_path``, 3 runs
+    each, medians, 2026-11-28): spinning waits 427 out tok/s, TTFT p50 1,004 ms, 4.19 CPU-s per 1,000 tokens;
+    passive waits 482 tok/s, 483 ms, 3.28 CPU-s (up's default split, one thread each: 505 tok/s)."""
+    if "OMP_WAIT_POLICY" in environ or max(rank_threads, default=1) <= 1 or sum(rank_threads) <= cores:
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
 
 @dataclass(frozen=True)
 class NodePlacement:
@@ -195,6 +209,9 @@ class LocalCluster:
                 raise RuntimeError("--kv-transfer-backend nccl cannot pair two nodes on one GPU (NCCL refuses "
                                    "duplicate GPUs); use shm or tcp, or give each node its own GPU")
         self.env = cluster_env()
+        self.cores = len(os.sched_getaffinity(0))
+        if self.device == "cpu":
+            self.env |= omp_wait_env(self.rank_threads(), self.cores, dict(os.environ))
         self.api_key = ns.api_key or (env.read_secret_file(ns.api_key_file, "--api-key-file") if ns.api_key_file
                                       else env.api_key())
         if self.api_key:
@@ -222,6 +239,22 @@ class LocalCluster:
         self.children.append(child)
         return child
 
+    def rank_threads(self) -> list[int]:
+        """Torch threads of every scheduler rank of every node (dp x tp ranks per node)."""
+        dp = self.node_given.get("dp_size", 1)
+        return [self.torch_threads(name) for name in self.node_names for _ in range(dp * self.tp_size[name])]
+
+    def oversubscription_line(self) -> str | None:
+        """What ``up`` says when ranks with OpenMP teams (more than one torch thread) and the rest together run more
+        torch threads than there are cores (None otherwise: one thread per rank never spins)."""
+        threads = self.rank_threads()
+        if self.device != "cpu" or max(threads, default=1) <= 1 or sum(threads) <= self.cores:
+            return None
+        waits = "passive OpenMP waits (OMP_WAIT_POLICY=PASSIVE)" if self.env.get("OMP_WAIT_POLICY") == "PASSIVE" \
+            else f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+        return (f"warning: {len(threads)} scheduler rank(s) run {sum(threads)} torch threads on {self.cores} core(s); "
+                f"the nodes get {waits}; without --*torch-num-threads up splits the cores over the ranks")
+
     def torch_threads(self, name: str) -> int:
         """Torch threads of each scheduler rank of node ``name``: its role's ``--<role>-torch-num-threads``, else
         ``--torch-num-threads``, else the host's cores over every rank of every node (dp x tp each), at least 1."""
@@ -230,7 +263,7 @@ class LocalCluster:
         if given:
             return given
         ranks = self.node_given.get("dp_size", 1) * sum(self.tp_size.values())
-        return max(1, len(os.sched_getaffinity(0)) // max(1, ranks))
+        return max(1, self.cores // max(1, ranks))
 
     def _node_flags(self) -> list[str]:
         given = self.node_given
@@ -384,6 +417,8 @@ def run_up(ns: argparse.Namespace) -> int:
               f"{cluster.model_path}, KV over {cluster.backend}; logs in {cluster.log_dir}", flush=True)
         for line in placement_lines(cluster.placement):
             print(line, flush=True)
+        if (line := cluster.oversubscription_line()) is not None:
+            print(line, file=sys.stderr, flush=True)
         try:
             cluster.start()
         except (RuntimeError, TimeoutError) as e:  # a node or the router failed to start: its log says why

@@ -188,6 +188,30 @@ def test_up_splits_the_cores_over_every_rank(tmp_path, monkeypatch, cores: int, 
     assert {n: _serve_args(cluster, n).torch_num_threads for n in cluster.node_names} == want
 
 
+@pytest.mark.parametrize(("cores", "nodes", "passive"), [
+    (2, ("--decode-torch-num-threads", "2"), True),  # 1 + 2 threads on 2 cores, a team of 2 among them
+    (2, (), False),  # up's split: 1 + 1
+    (2, ("--prefill", "2", "--decode", "2"), False),  # 4 ranks on 2 cores, but one thread each: no team spins
+    (8, ("--torch-num-threads", "4"), False),  # 4 + 4 on 8 cores
+])
+def test_up_gives_oversubscribed_nodes_passive_openmp_waits(tmp_path, monkeypatch, cores: int, nodes: tuple[str, ...],
+                                                            passive: bool) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cluster = LocalCluster(_up_ns("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path), *nodes))
+    assert ("OMP_WAIT_POLICY" in cluster.env) == passive
+    line = cluster.oversubscription_line()
+    assert (line is not None) == passive
+    if passive:
+        assert cluster.env["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert "2 scheduler rank(s) run 3 torch threads on 2 core(s)" in line and "PASSIVE" in line
+        monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the caller's choice stands, and is named
+        mine = LocalCluster(_up_ns("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path), *nodes))
+        assert "OMP_WAIT_POLICY" not in mine.env and "OMP_WAIT_POLICY=ACTIVE" in (mine.oversubscription_line() or "")
+
+
 def test_up_reports_the_start_up_error_of_a_node(tmp_path) -> None:
     import time
 
