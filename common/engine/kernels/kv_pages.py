@@ -56,21 +56,10 @@ def copy_pages_ref(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ids
         d_buf.view(-1, page_size, *d_buf.shape[1:]).index_copy_(0, ids[1], pages.index_select(0, ids[0]))
 
 
-def copy_pages(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ids: torch.Tensor, page_size: int,
-               src_table: torch.Tensor | None = None, dst_table: torch.Tensor | None = None) -> None:
-    """Page ``ids[1, i]`` of ``dst[b]`` = page ``ids[0, i]`` of ``src[b]`` for every buffer; ``ids`` int64 [2, n] on
-    the buffers' device. On CUDA one launch (the tables: ``kv_pages_triton.buffer_table``, optional)."""
-    if src and src[0].is_cuda:
-        from common.engine.kernels.kv_pages_triton import copy_pages_triton
-
-        copy_pages_triton(src, dst, ids, page_size, src_table, dst_table)
-    else:
-        copy_pages_ref(src, dst, ids, page_size)
-
-
 def page_copier(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], page_size: int) -> Callable[[torch.Tensor], None]:
-    """``copy_pages`` between these two lists of buffers, its checks and address tables done once: the returned
-    callable takes only ``ids`` (on CUDA a ``kv_pages_triton.PageCopier``: one launch per call)."""
+    """A copy between these two lists of buffers, its checks and address tables done once: the returned callable
+    takes ``ids`` (int64 [2, n] on the buffers' device) and makes page ``ids[1, i]`` of every ``dst[b]`` page
+    ``ids[0, i]`` of ``src[b]`` (on CUDA a ``kv_pages_triton.PageCopier``: one launch per call; else the reference)."""
     if src and src[0].is_cuda:
         from common.engine.kernels.kv_pages_triton import PageCopier
 
@@ -82,7 +71,7 @@ def page_copier(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], page_s
 
 
 def buffer_table(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The device table of the buffers' base addresses ``copy_pages`` takes on CUDA (build it once per pool)."""
+    """The device table of the buffers' base addresses the CUDA kernels take (build it once per pool)."""
     first = buffers[0]
     for buf in buffers:
         if buf.dtype != first.dtype or buf.device != first.device or not buf.is_contiguous():

@@ -111,8 +111,7 @@ class PageCopier:
     ``dst`` may be another process's memory mapped here. Invariant: the buffers stay allocated while the copier lives.
     """
 
-    def __init__(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], page_size: int,
-                 src_table: torch.Tensor | None = None, dst_table: torch.Tensor | None = None) -> None:
+    def __init__(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], page_size: int) -> None:
         if len(src) != len(dst) or not src:
             raise ValueError(f"copy_pages: {len(src)} source and {len(dst)} destination buffers")
         first = src[0]
@@ -123,8 +122,8 @@ class PageCopier:
         self.num_buffers = len(src)
         self.row = page_size * first[0].numel()
         self.block = min(4096, triton.next_power_of_2(self.row))
-        self.src_table = buffer_table(src) if src_table is None else src_table
-        self.dst_table = buffer_table(dst) if dst_table is None else dst_table
+        self.src_table = buffer_table(src)
+        self.dst_table = buffer_table(dst)
         self.aligned = _aligned([*src, *dst], self.row)
 
     def __call__(self, ids: torch.Tensor) -> None:
@@ -142,13 +141,11 @@ class PageCopier:
         )
 
 
-def copy_pages_triton(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ids: torch.Tensor, page_size: int,
-                      src_table: torch.Tensor | None = None, dst_table: torch.Tensor | None = None) -> None:
-    """Page ``ids[1, i]`` of every ``dst[b]`` = page ``ids[0, i]`` of ``src[b]``, one launch for all buffers.
-    ``ids``: int64 [2, n] on the buffers' device, destination pages distinct. The tables (``buffer_table``) may
-    be passed in to save their host-to-device copy; ``dst`` may be another process's memory mapped here. Copying
-    between the same buffers again and again: build a ``PageCopier`` once."""
-    PageCopier(src, dst, page_size, src_table, dst_table)(ids)
+def copy_pages_triton(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ids: torch.Tensor,
+                      page_size: int) -> None:
+    """Page ``ids[1, i]`` of every ``dst[b]`` = page ``ids[0, i]`` of ``src[b]``, one launch for all buffers, once
+    (copying between the same buffers again and again: build a ``PageCopier``)."""
+    PageCopier(src, dst, page_size)(ids)
 
 
 def _aligned(tensors: Sequence[torch.Tensor], row: int) -> bool:
