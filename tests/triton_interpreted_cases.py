@@ -130,6 +130,19 @@ def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
     copy_pages_triton(buffers, got, ids, page_size)
     copy_pages_ref(buffers, want, ids, page_size)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "copy_pages: triton and reference differ"
+    from common.engine.kernels.kv_pages_triton import PageCopier
+
+    copier = PageCopier(buffers, got, page_size)  # built once, then each call only launches (the shm worker's way)
+    for more in (torch.tensor([[4, 6], [2, 7]]), torch.tensor([[8], [9]])):
+        copier(more)
+        copy_pages_ref(buffers, want, more, page_size)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "PageCopier: a later call differs"
+    try:
+        copier(torch.tensor([[1, 2]]))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("PageCopier accepted ids that are not [2, n]")
     for bad_ids, bad_staging in ((page_ids, staging[:, :3]), (page_ids.int(), staging)):
         try:
             gather_pages_triton(buffers, bad_ids, page_size, bad_staging)
