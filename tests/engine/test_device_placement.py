@@ -241,5 +241,27 @@ def test_up_passes_scheduling_switches_to_every_node(tmp_path) -> None:
         args = _serve_args(cluster, name)
         assert args.enable_overlap_schedule and args.enable_torch_compile and args.disable_cuda_graph
         assert args.torch_compile_max_bs == 8 and not args.disable_overlap_schedule
-    plain = _serve_args(LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path))), "decode-0")
-    assert not (plain.enable_overlap_schedule or plain.disable_overlap_schedule or plain.enable_torch_compile)
+    plain = LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path)))
+    args = _serve_args(plain, "decode-0")
+    assert not (args.enable_overlap_schedule or args.enable_torch_compile)
+    assert args.disable_overlap_schedule == plain.inline_forwards()  # the host's cores decide (test below)
+
+
+@pytest.mark.parametrize(("cores", "nodes", "inline"), [
+    (2, (), True),  # P/D, a thread each: no core left for either rank's scheduler thread
+    (2, ("--colocated", "1", "--prefill", "0", "--decode", "0"), True),  # one rank on both cores
+    (8, ("--torch-num-threads", "2"), False),  # 2 + 2 torch threads + 2 scheduler threads: 6 of 8 cores
+    (8, ("--torch-num-threads", "3"), False),  # 3 + 3 + 2: exactly 8
+    (8, ("--torch-num-threads", "4"), True),  # 4 + 4 + 2 > 8
+    (2, ("--enable-overlap-schedule",), False),  # a switch given stands
+])
+def test_up_runs_forwards_inline_when_scheduler_threads_have_no_core(tmp_path, monkeypatch, cores: int,
+                                                                    nodes: tuple[str, ...], inline: bool) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    cluster = LocalCluster(_up_ns("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path), *nodes))
+    assert cluster.inline_forwards() == inline
+    for name in cluster.node_names:
+        args = _serve_args(cluster, name)
+        assert args.disable_overlap_schedule == inline and args.enable_overlap_schedule == ("--enable-overlap-schedule" in nodes)
