@@ -32,8 +32,10 @@ def _stamp(out: Any, event: str) -> None:
     out.write(f"{time.time():.6f} {os.getpid()} {threading.current_thread().name} {event}\n")
 
 
-def _wrap(out: Any, cls: type, name: str, event: str) -> None:
-    orig = getattr(cls, name)
+def _wrap(out: Any, owner: type | ModuleType, name: str, event: str) -> None:
+    """Stamp ``event >`` and ``event <`` around ``owner.name``: a class's method, or a module-level function its
+    callers look up at call time (``_move`` calls ``page_ids`` so)."""
+    orig = getattr(owner, name)
 
     @functools.wraps(orig)
     def traced(*args: Any, **kwargs: Any) -> Any:
@@ -43,22 +45,7 @@ def _wrap(out: Any, cls: type, name: str, event: str) -> None:
         finally:
             _stamp(out, f"{event} <")
 
-    setattr(cls, name, traced)
-
-
-def _wrap_function(out: Any, mod: ModuleType, name: str) -> None:
-    """A module-level function, looked up by its callers at call time (``_move`` calls ``page_ids`` so)."""
-    orig = getattr(mod, name)
-
-    @functools.wraps(orig)
-    def traced(*args: Any, **kwargs: Any) -> Any:
-        _stamp(out, f"{name} >")
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            _stamp(out, f"{name} <")
-
-    setattr(mod, name, traced)
+    setattr(owner, name, traced)
 
 
 def _patch(out: Any, name: str, mod: ModuleType) -> None:
@@ -79,7 +66,7 @@ def _patch(out: Any, name: str, mod: ModuleType) -> None:
         _wrap(out, mod.ControlPlane, "_receive_all", "control._receive_all")
     else:
         if name == "kvtransfer.backends.shm_cuda":
-            _wrap_function(out, mod, "page_ids")
+            _wrap(out, mod, "page_ids", "page_ids")
         for attr in dir(mod):
             cls = getattr(mod, attr)
             if isinstance(cls, type) and "_move" in cls.__dict__:
