@@ -121,6 +121,11 @@ def cluster_env() -> dict[str, str]:
     return {CLUSTER_TOKEN_ENV: env.cluster_token() or generate_cluster_token()}
 
 
+def oversubscribed(rank_threads: list[int], cores: int) -> bool:
+    """The ranks' torch threads outnumber the cores and some rank runs an OpenMP team (one thread never spins)."""
+    return max(rank_threads, default=1) > 1 and sum(rank_threads) > cores
+
+
 def omp_wait_env(rank_threads: list[int], cores: int, environ: dict[str, str]) -> dict[str, str]:
     """``OMP_WAIT_POLICY=PASSIVE`` for the nodes when their scheduler ranks' torch threads together oversubscribe the
     host's cores and some rank runs an OpenMP team ({} otherwise, or when the caller set the variable).
@@ -130,7 +135,7 @@ def omp_wait_env(rank_threads: list[int], cores: int, environ: dict[str, str]) -
     cores, P/D with the decode rank on 2 threads and the prefill rank on 1 (``benchmarks/serving_path``, 3 runs
     each, medians, 2026-11-28): spinning waits 427 out tok/s, TTFT p50 1,004 ms, 4.19 CPU-s per 1,000 tokens;
     passive waits 482 tok/s, 483 ms, 3.28 CPU-s (up's default split, one thread each: 505 tok/s)."""
-    if "OMP_WAIT_POLICY" in environ or max(rank_threads, default=1) <= 1 or sum(rank_threads) <= cores:
+    if "OMP_WAIT_POLICY" in environ or not oversubscribed(rank_threads, cores):
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
@@ -260,10 +265,9 @@ class LocalCluster:
         return sum(threads) + len(threads) > self.cores
 
     def oversubscription_line(self) -> str | None:
-        """What ``up`` says when ranks with OpenMP teams (more than one torch thread) and the rest together run more
-        torch threads than there are cores (None otherwise: one thread per rank never spins)."""
+        """What ``up`` says when the CPU ranks' threads are ``oversubscribed`` (None otherwise)."""
         threads = self.rank_threads()
-        if self.device != "cpu" or max(threads, default=1) <= 1 or sum(threads) <= self.cores:
+        if self.device != "cpu" or not oversubscribed(threads, self.cores):
             return None
         waits = "passive OpenMP waits (OMP_WAIT_POLICY=PASSIVE)" if self.env.get("OMP_WAIT_POLICY") == "PASSIVE" \
             else f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
