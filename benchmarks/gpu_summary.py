@@ -125,8 +125,6 @@ def _host(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-
-
 def _kvtrace(r: dict[str, Any]) -> list[str]:
     d = r.get("data")
     if not d:
