@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from common.client_gone import client_gone_middleware
 from common.errors import PdclusterError
 from router import openai_protocol as oai
 from router.admin import admin_middleware
@@ -47,9 +48,9 @@ class HttpGateway:
     def __init__(self, service: RouterService) -> None:
         self.service = service
         self.logprobs = oai.LogprobFormatter(service.core.tokenizer_hf)
-        middlewares = [admin_middleware(service.cfg.admin_token)]
+        middlewares = [client_gone_middleware, admin_middleware(service.cfg.admin_token)]
         if service.cfg.api_key:
-            middlewares.insert(0, api_key_middleware(service.cfg.api_key))
+            middlewares.insert(1, api_key_middleware(service.cfg.api_key))
         app = web.Application(client_max_size=service.cfg.max_request_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)

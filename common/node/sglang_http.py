@@ -35,6 +35,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from common import env
+from common.client_gone import client_gone_middleware
 from common.config import ServerArgs
 from common.engine.sampling.params import for_choice
 from common.errors import ErrorCode, InvalidRequestError
@@ -106,7 +107,7 @@ class SglangHttpServer:
         self.port = 0
         self.guard = HttpGuard(env.read_secret_file(args.api_key_file, "--api-key-file") if args.api_key_file
                                else env.api_key())
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.guard.middleware])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[client_gone_middleware, self.guard.middleware])
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)

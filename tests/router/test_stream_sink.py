@@ -5,11 +5,13 @@ slow clients and a failing sink end only their own request."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import aiohttp
 import grpc
 import pytest
+from aiohttp import web
 
 from common.testing.mock_fleet import shared_model_dir
 from common.testing.mock_worker import fake_tokens
@@ -100,6 +102,32 @@ async def test_a_client_gone_mid_stream_aborts_both_legs(sink_writes: list[str])
         p, d = f.prefill[0], f.decode[0]
         await eventually(lambda: "gone" in p.aborts and "gone" in d.aborts and not d.active)
         await eventually(lambda: not f.server.service.core.active)
+
+
+async def test_a_client_gone_as_its_head_is_written_is_a_disconnect_not_a_server_error(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The client's connection starts closing just before the handler writes the response's head: the loop turn
+    before aiohttp notices the loss and cancels the handler, whose write then fails. No ERROR traceback (it was
+    logged as a server error), both legs aborted, nothing left in flight."""
+    prepare = web.StreamResponse.prepare
+
+    async def closing_first(self: web.StreamResponse, request: web.BaseRequest) -> Any:
+        if request.headers.get("X-Request-ID") == "gone-at-head" and request.transport is not None:
+            request.transport.close()
+        return await prepare(self, request)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", closing_first)
+    caplog.set_level(logging.ERROR, logger="aiohttp.server")
+    async with fleet(prefill=1, decode=1, common=PACED) as f, aiohttp.ClientSession() as http:
+        body = {"model": "mock-model", "prompt": "hi", "max_tokens": 400, "stream": True}
+        with pytest.raises(aiohttp.ClientError):
+            async with http.post(f.server.http_url + "/v1/completions", json=body,
+                                 headers={"X-Request-ID": "gone-at-head"}) as resp:
+                await resp.read()
+        p, d = f.prefill[0], f.decode[0]
+        await eventually(lambda: "gone-at-head" in p.aborts and "gone-at-head" in d.aborts and not d.active)
+        await eventually(lambda: not f.server.service.core.active)
+    assert [r.getMessage() for r in caplog.records if r.name == "aiohttp.server"] == []
 
 
 class _Resp:
