@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 
 
 class ErrorCode(enum.StrEnum):
@@ -16,6 +17,12 @@ class ErrorCode(enum.StrEnum):
     CANCELLED = "CANCELLED"  # aborted: by the client, a scheduler, or the KV peer's abort
     UNAVAILABLE = "UNAVAILABLE"  # a peer or rank died, went silent, or the transport failed
     INTERNAL = "INTERNAL"  # a bug or broken invariant in this node
+
+    @property
+    def log_level(self) -> int:
+        """How a failure with this code is logged: a cancel is the client's choice (or its abort's echo on the KV
+        peer), INFO; every other failure, WARNING."""
+        return logging.INFO if self is ErrorCode.CANCELLED else logging.WARNING
 
 
 class PdclusterError(Exception):

@@ -110,7 +110,7 @@ class DecodeRole(LoopHooks):
         reason = req.to_abort or self.polls.failure(req.disagg_kv) or "KV transfer failed"
         code = ErrorCode.CANCELLED if req.to_abort else self.polls.failure_code(req.disagg_kv)
         if req.to_abort is None:
-            logger.warning("rid=%s room=%s: %s", req.rid, req.bootstrap_room, reason)
+            logger.log(code.log_level, "rid=%s room=%s: %s", req.rid, req.bootstrap_room, reason)
         req.disagg_kv.clear()
         self.prealloc_queue.release_metadata_slot(req)
         req.abort(reason, code, origin="" if req.to_abort else KV_PEER_FAULT)

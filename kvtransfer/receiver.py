@@ -274,7 +274,7 @@ class DecodeRooms:
         """Fail the room and send Abort to every source that may still write into its pages (except ``skip``)."""
         if not rec.fail(code, reason, now):
             return False
-        log.warning("kv %s: %s", self.mgr.instance_id, reason)
+        log.log(code.log_level, "kv %s: %s", self.mgr.instance_id, reason)
         for source in rec.sources or ():
             if source.key is not None and source.info_sent and source.key != skip \
                     and source.key.instance_id in self.mgr.peers:

@@ -324,7 +324,7 @@ class PrefillRooms:
         """Fail the room, stop its queued jobs; its decode peers hear of it (with ``code``) once nothing is in flight."""
         if not rec.fail(code, reason, now):
             return False
-        log.warning("kv %s: %s", self.mgr.instance_id, reason)
+        log.log(code.log_level, "kv %s: %s", self.mgr.instance_id, reason)
         self.tombstones[rec.room] = (now + self.mgr.config.tombstone_s, reason, code)
         rec.waiting_for = "in-flight jobs to drain"
         rec.notify = notify or Status

@@ -179,8 +179,8 @@ class PrefillRole:
                 req.abort(internal_error_message(e), ErrorCode.INTERNAL)
                 state = KVPoll.Failed
             if state == KVPoll.Failed and not req.to_abort and not _internal(req):
-                logger.warning("rid=%s room=%s: KV transfer failed: %s", req.rid, req.bootstrap_room,
-                               self.polls.failure(req.disagg_kv))
+                logger.log(self.polls.failure_code(req.disagg_kv).log_level, "rid=%s room=%s: KV transfer failed: %s",
+                           req.rid, req.bootstrap_room, self.polls.failure(req.disagg_kv))
             self.leaving[id(req)] = state
             self.engine.finish_req(req)  # releases its KV into the radix cache, unlocked
 

@@ -5,6 +5,7 @@ the reason's wording never decides one."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -106,6 +107,27 @@ def test_an_abort_is_cancelled_here_and_on_the_peer(make_pair) -> None:
     assert _failed(receiver)[0] == ErrorCode.CANCELLED
     code, reason = _failed(sender)
     assert code == ErrorCode.CANCELLED and "aborted by decode" in reason
+
+
+def test_a_cancelled_room_is_logged_at_info_and_a_failed_one_at_warning(make_pair, caplog) -> None:
+    """A client's cancel fails rooms on both sides on every cancelled request: not a warning (a soak with 15 % client
+    cancels logged ~1,400 of them in 10 minutes); a peer gone silent still is."""
+    caplog.set_level(logging.INFO, logger="kvtransfer")
+    sender, receiver = make_pair().start()
+    _wait(lambda: sender.poll() == KVPoll.WaitingForInput, "the sender to get its TransferInfo")
+    receiver.abort("client went away")
+    assert _failed(receiver)[0] == ErrorCode.CANCELLED and _failed(sender)[0] == ErrorCode.CANCELLED
+    fails = [(r.levelno, r.getMessage()) for r in caplog.records if "client went away" in r.getMessage()]
+    assert len(fails) == 2 and {level for level, _ in fails} == {logging.INFO}, fails
+
+    caplog.clear()
+    fast = {"heartbeat_interval_s": 0.05, "heartbeat_misses": 4}
+    pair = make_pair(prefill=fast, decode=fast)
+    sender, receiver = pair.start()
+    _wait(lambda: sender.poll() == KVPoll.WaitingForInput, "the sender to get its TransferInfo")
+    pair.prefill.send_to = lambda key, msg: None
+    assert _failed(receiver)[0] == ErrorCode.UNAVAILABLE
+    assert [r for r in caplog.records if r.levelno == logging.WARNING and "silent for" in r.getMessage()]
 
 
 def test_a_silent_peer_is_unavailable(make_pair) -> None:
