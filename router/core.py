@@ -30,6 +30,7 @@ from router.candidates import Candidates
 from router.choices import pin_fits
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
+from router.failure_log import FailureLog
 from router.inputs import InputProcessor
 from router.legs import Aborter, ColocatedAttempt, PdAttempt
 from router.metrics import RouterMetrics
@@ -110,6 +111,7 @@ class RouterCore:
         self.active: set[str] = set()
         self.admission = Admission(cfg.max_inflight_requests, registry.request_capacity)
         self.held = HeldRequests()  # requests waiting for a decode worker's room (``_plan``)
+        self.failures = FailureLog(logger)  # one line per failed request, an outage's repeats folded
 
     def forget_worker(self, address: str) -> None:
         for p in (self.prefill_policy, self.decode_policy, self.colocated_policy):
@@ -144,7 +146,7 @@ class RouterCore:
                 grpc.StatusCode.INVALID_ARGUMENT: "invalid",
                 grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
             }.get(e.code, "error")
-            logger.warning("[rid=%s] failed: %s: %s", req.rid, e.code.name, e.log_text())
+            self.failures.failed(req.rid, e.code.name, e.log_text())
             raise
         finally:
             self.active.discard(req.rid)

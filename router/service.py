@@ -54,6 +54,7 @@ class RouterService:
     async def stop(self) -> None:
         await self.monitor.stop()
         await self.core.aborter.drain(self.cfg.rpc_timeout_s)
+        self.core.failures.close()
         await self.registry.close()
         if self.inputs.pool is not None:
             await self.inputs.pool.close()
