@@ -62,6 +62,10 @@ class PeerWorkers:
         self._lock = threading.Lock()
         self._queues: dict[PeerKey, queue.SimpleQueue[TransferJob | _Stop]] = {}
         self._threads: dict[PeerKey, threading.Thread] = {}
+        # Workers of a key still running, the removed ones draining included: a peer removed and added again (it
+        # handshook again after losing this rank) has a new worker while the old one drains. The key's resources are
+        # released (on_stop) only by the last of them to end, and not while the key is added again.
+        self._live: dict[PeerKey, int] = {}
         self._cancelled: dict[int, float] = {}  # room -> when
 
     def add_peer(self, key: PeerKey) -> None:
@@ -72,6 +76,7 @@ class PeerWorkers:
             thread = threading.Thread(target=self._run, args=(key, q), daemon=True,
                                       name=f"kv-{self._name}-{key.instance_id[-12:]}")
             self._queues[key], self._threads[key] = q, thread
+            self._live[key] = self._live.get(key, 0) + 1
         thread.start()
 
     def submit(self, job: TransferJob) -> None:
@@ -121,8 +126,8 @@ class PeerWorkers:
                 if landed is not None and lander is not None:
                     landed.put(None)  # the lander releases the peer after the last landing
                     lander.join()  # so joining this thread (``close``) waits for the copies still landing too
-                elif self._on_stop is not None:
-                    self._on_stop(key)
+                else:
+                    self._ended(key)
                 return
             if isinstance(item, _Stop):
                 stopped = item.reason
@@ -146,7 +151,16 @@ class PeerWorkers:
     def _land(self, key: PeerKey, landed: queue.SimpleQueue[_Landed | None]) -> None:
         while (entry := landed.get()) is not None:  # the mover always ends the queue with None
             self._report(key, *entry)
-        if self._on_stop is not None:
+        self._ended(key)
+
+    def _ended(self, key: PeerKey) -> None:
+        """A worker of ``key`` ran its last job: release the key's resources if no other worker holds them."""
+        with self._lock:
+            self._live[key] -= 1
+            last = self._live[key] == 0 and key not in self._queues
+            if self._live[key] == 0:
+                del self._live[key]
+        if last and self._on_stop is not None:
             self._on_stop(key)
 
     def _report(self, key: PeerKey, job: TransferJob, landing: Landing | None, error: str | None) -> None:

@@ -84,12 +84,15 @@ def test_dropped_tcp_connection_is_reopened_for_the_next_rooms() -> None:
         server.stop()
 
 
-def test_stalled_prefill_recovers_after_sigcont() -> None:
+@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
+def test_stalled_prefill_recovers_after_sigcont(backend: str) -> None:
+    """Both sides lose each other; after SIGCONT decode handshakes again with the same prefill epoch, which drops
+    and re-adds it (shm: the old worker's end once unmapped the re-added pool, failing every later room)."""
     overrides = {"bootstrap_timeout_s": 30.0, "waiting_timeout_s": 30.0}
-    first, during, after = plan_rooms(3, NUM_PAGES, NUM_PAGES, pages_per_room=6, seed=22)
-    child = Child(RoleSpec("prefill", "tcp", [first, during, after], num_pages=NUM_PAGES,
+    first, during, after, later = plan_rooms(4, NUM_PAGES, NUM_PAGES, pages_per_room=6, seed=22)
+    child = Child(RoleSpec("prefill", backend, [first, during, after, later], num_pages=NUM_PAGES,
                            config_overrides=overrides))
-    decode = KVManager(make_args(DECODE_SEED, NUM_PAGES), kv_config("tcp", **overrides), DecodeRooms)
+    decode = KVManager(make_args(DECODE_SEED, NUM_PAGES), kv_config(backend, **overrides), DecodeRooms)
     try:
         result = wait_final(start_receivers(decode, [first], child.bootstrap_addr), 15)
         assert result[first.room][0] == KVPoll.Success, result
@@ -103,6 +106,9 @@ def test_stalled_prefill_recovers_after_sigcont() -> None:
         result = wait_final(start_receivers(decode, [after], child.bootstrap_addr), 10)
         assert result[after.room][0] == KVPoll.Success, result
         assert time.monotonic() - resumed < 10
+        time.sleep(1.0)  # past the dropped peer's worker drain (0.5 s): rooms after it still move
+        result = wait_final(start_receivers(decode, [later], child.bootstrap_addr), 10)
+        assert result[later.room][0] == KVPoll.Success, result
     finally:
         child.kill()
         decode.close()

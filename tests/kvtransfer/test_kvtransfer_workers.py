@@ -105,3 +105,28 @@ def test_pipelined_reports_failures_in_order_and_releases_the_peer_after_the_las
     assert thread is not None
     thread.join(DEADLINE_S)  # the peer's worker ends only after its lander released the peer (what close waits for)
     assert copies.stopped == [(PEER, [1, 2, 4])]  # released once, after every landing
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_peer_added_again_while_its_old_worker_drains_keeps_its_resources(pipelined: bool) -> None:
+    """A peer that lost this rank handshakes again: removed, then added at once. The key's resources (a backend's
+    mapping of the peer's pool) belong to the new worker: the old one's end must not release them (it did, and every
+    later job to that peer failed "not mapped: peer removed"); the last worker of the key to end releases them once."""
+    events, copies = Events(), GatedCopies()
+    workers = PeerWorkers(events, copies.move, "shm", on_stop=copies.on_stop, pipelined=pipelined)
+    workers.add_peer(PEER)
+    workers.submit(job(1))
+    copies.gates.setdefault(1, threading.Event()).set()
+    assert events.wait(1) == [(1, None)]
+    old = workers.remove_peer(PEER, "peer removed")
+    workers.add_peer(PEER)  # the same key again, before the old worker's drain period ended
+    assert old is not None
+    old.join(DEADLINE_S)
+    assert copies.stopped == []  # the new worker holds the key: nothing released
+    workers.submit(job(2))
+    copies.gates.setdefault(2, threading.Event()).set()
+    assert events.wait(2) == [(1, None), (2, None)]
+    new = workers.remove_peer(PEER, "peer removed")
+    assert new is not None
+    new.join(DEADLINE_S)
+    assert [key for key, _ in copies.stopped] == [PEER]  # released once, by the last worker of the key
