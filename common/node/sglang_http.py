@@ -107,7 +107,8 @@ class SglangHttpServer:
         self.port = 0
         self.guard = HttpGuard(env.read_secret_file(args.api_key_file, "--api-key-file") if args.api_key_file
                                else env.api_key())
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[client_gone_middleware, self.guard.middleware])
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[client_gone_middleware, self.guard.middleware])
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)

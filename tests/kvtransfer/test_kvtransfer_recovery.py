@@ -87,7 +87,8 @@ def test_dropped_tcp_connection_is_reopened_for_the_next_rooms() -> None:
 @pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
 def test_stalled_prefill_recovers_after_sigcont(backend: str) -> None:
     """Both sides lose each other; after SIGCONT decode handshakes again with the same prefill epoch, which drops
-    and re-adds it (shm, nixl: the old worker's end once released the re-added pool or agent, failing every later room)."""
+    and re-adds it (shm, nixl: the old worker's end once released the re-added pool or agent, failing every later
+    room)."""
     overrides = {"bootstrap_timeout_s": 30.0, "waiting_timeout_s": 30.0}
     first, during, after, later = plan_rooms(4, NUM_PAGES, NUM_PAGES, pages_per_room=6, seed=22)
     child = Child(RoleSpec("prefill", backend, [first, during, after, later], num_pages=NUM_PAGES,
