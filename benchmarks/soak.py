@@ -7,9 +7,8 @@ a burst of ``--burst`` concurrent requests, a decode node SIGKILLed (``up`` rest
 whole process group stalled ``--stall-s`` seconds (SIGSTOP, then SIGCONT). Afterwards every node must come back to
 its starting free KV pages with empty queues.
 
-Report (JSON, and a PNG of RSS per process over time with the faults marked; RSS less shared-memory pages):
-RSS growth per process after warm-up
-(over the whole run, and the target's: from 30 s after the last fault to the end),
+Report (JSON, and a PNG of RSS per process over time with the faults marked; RSS less shared-memory pages): RSS
+growth per process after warm-up (over the whole run, and the target's: from 30 s after the last fault to the end),
 leaked pages, requests without a final status, error counts by kind, the burst's status counts, and for each fault
 the seconds until the first request started after it succeeded. Targets (10 minutes at concurrency 32): RSS growth
 < 5 %, 0 leaked pages, 0 requests without a final status, service back within 10 s of each fault.
