@@ -12,28 +12,19 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from common.config import ServerArgs
-from common.engine.model.config import ModelConfig
 from common.io_struct import GenerateReqInput, TokenOut
-from common.node import front
 from common.node.sglang_http import SglangHttpServer
+from tests.http_helpers import close_before_head
+from tests.nodes.test_sglang_guard import _Recorder
 
 
-class _Streamer:
+class _Streamer(_Recorder):
     """A WorkerServicer that streams one token, then waits for more until its outputs are closed."""
 
-    draining = False
-    grpc_port = 1
-    check_rank = front.WorkerServicer.check_rank
-
     def __init__(self, args: ServerArgs, model_path: Path) -> None:
-        self.args = args
-        self.model_path = str(model_path)
-        self.model_config = ModelConfig.from_path(str(model_path))
-        self.ranks = type("Ranks", (), {"max_total_tokens": 4096, "alive": lambda s: True,
-                                        "least_loaded_rank": lambda s: 0})()
+        super().__init__(args, model_path)
         self.closed: list[str] = []
 
     async def run_request(self, msg: GenerateReqInput, rank: int, context: Any) -> AsyncIterator[Any]:
@@ -48,14 +39,7 @@ async def test_a_client_gone_as_the_head_is_written_closes_the_request_without_a
         model_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("PDCLUSTER_API_KEY", raising=False)
     monkeypatch.delenv("PDCLUSTER_API_KEY_FILE", raising=False)
-    prepare = web.StreamResponse.prepare
-
-    async def closing_first(self: web.StreamResponse, request: web.BaseRequest) -> Any:
-        if request.headers.get("X-Request-ID") == "gone-at-head" and request.transport is not None:
-            request.transport.close()
-        return await prepare(self, request)
-
-    monkeypatch.setattr(web.StreamResponse, "prepare", closing_first)
+    close_before_head(monkeypatch, "gone-at-head")
     caplog.set_level(logging.ERROR, logger="aiohttp.server")
     args = ServerArgs(host="127.0.0.1", disaggregation_mode="null", sglang_http_port=0)
     servicer = _Streamer(args, model_path)

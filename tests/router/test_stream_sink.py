@@ -11,7 +11,6 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
-from aiohttp import web
 
 from common.testing.mock_fleet import shared_model_dir
 from common.testing.mock_worker import fake_tokens
@@ -21,6 +20,7 @@ from router import sse
 from router.mux import MuxCall
 from router.request import Delta
 from router.testing import eventually, fleet
+from tests.http_helpers import close_before_head
 
 PACED = {"itl": 0.01}  # one token per message, apart: each reaches the router as a wake-up of its own
 
@@ -109,14 +109,7 @@ async def test_a_client_gone_as_its_head_is_written_is_a_disconnect_not_a_server
     """The client's connection starts closing just before the handler writes the response's head: the loop turn
     before aiohttp notices the loss and cancels the handler, whose write then fails. No ERROR traceback (it was
     logged as a server error), both legs aborted, nothing left in flight."""
-    prepare = web.StreamResponse.prepare
-
-    async def closing_first(self: web.StreamResponse, request: web.BaseRequest) -> Any:
-        if request.headers.get("X-Request-ID") == "gone-at-head" and request.transport is not None:
-            request.transport.close()
-        return await prepare(self, request)
-
-    monkeypatch.setattr(web.StreamResponse, "prepare", closing_first)
+    close_before_head(monkeypatch, "gone-at-head")
     caplog.set_level(logging.ERROR, logger="aiohttp.server")
     async with fleet(prefill=1, decode=1, common=PACED) as f, aiohttp.ClientSession() as http:
         body = {"model": "mock-model", "prompt": "hi", "max_tokens": 400, "stream": True}
