@@ -150,6 +150,7 @@ class Scheduler:
         self.process_input_requests(msgs)
         self.admit_compiled()
         self.role.poll()
+        self.out.flush()  # first tokens of requests that joined here (a decode node's transfers): not after a forward
         ran = self.step_overlap() if self.overlap else self.step_normal()
         self.out.flush()
         return ran

@@ -107,3 +107,53 @@ def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(overl
         prefill.close()
         decode.close()
         bootstrap.stop()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+def test_a_transferred_requests_first_token_goes_out_before_the_decode_step_it_joins(overlap, monkeypatch) -> None:
+    """The prefill node's first token is the client's TTFT: it leaves the decode rank in the step its transfer landed,
+    not after that step's forward (one decode step later)."""
+    from decode_node.role import DecodeRole
+    from kvtransfer.bootstrap import BootstrapServer
+    from prefill_node.role import PrefillRole
+
+    monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "test-cluster-token")
+    model = str(make_tiny_model("llama"))
+    tokenizer = load_tokenizer(model)
+    bootstrap = BootstrapServer("test-cluster-token")
+    port = bootstrap.start()
+    base = ServerArgs(model_path=model, page_size=4, max_total_tokens=4096, max_running_requests=16,
+                      chunked_prefill_size=64, disaggregation_bootstrap_port=port,
+                      disable_overlap_schedule=not overlap, enable_overlap_schedule=overlap)
+    log: list[tuple[str, set[str]]] = []  # ("out", rids with tokens) and ("forward", rids in the batch), in order
+    pargs, dargs = base.replace(disaggregation_mode="prefill"), base.replace(disaggregation_mode="decode")
+    prefill = Scheduler(pargs, model, tokenizer, lambda _msgs: None, role=PrefillRole(pargs))
+    decode = Scheduler(dargs, model, tokenizer,
+                       lambda msgs: log.append(("out", {m.rid for m in msgs if isinstance(m, TokenOut) and m.token_ids})),
+                       role=DecodeRole(dargs))
+    forward = decode.launch if overlap else decode.run_batch
+
+    def logged(batch: Any) -> Any:
+        log.append(("forward", {r.rid for r in batch.reqs}))
+        return forward(batch)
+
+    monkeypatch.setattr(decode, "launch" if overlap else "run_batch", logged)
+    try:
+        msgs = [GenerateReqInput(rid=f"r{i}", input_ids=[(5 * i + j) % 900 + 10 for j in range(9 + 7 * i)],
+                                 sampling_params=greedy(4), bootstrap_room=2000 + i, bootstrap_addr=f"127.0.0.1:{port}")
+                for i in range(4)]
+        decode.step(msgs)
+        prefill.step(msgs)
+        run(lambda m: (prefill.step(m), decode.step(m)), lambda: prefill.is_idle() and decode.is_idle())
+        for msg in msgs:
+            first_out = next(i for i, (kind, rids) in enumerate(log) if kind == "out" and msg.rid in rids)
+            first_forward = next(i for i, (kind, rids) in enumerate(log) if kind == "forward" and msg.rid in rids)
+            assert first_out < first_forward, (msg.rid, log)
+        for sched in (prefill, decode):
+            assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+            sched.tree_cache.evict(sched.allocator.size)
+            assert sched.allocator.available_size() == sched.allocator.size
+    finally:
+        prefill.close()
+        decode.close()
+        bootstrap.stop()
