@@ -58,7 +58,7 @@ from ucxx.exceptions import UCXError
 from common.kv_options import option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends import ucp_rma as ucp
-from kvtransfer.backends import wire
+from kvtransfer.backends import ucx_progress, wire
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import memory_kind
 from kvtransfer.backends.onesided import RemotePool, pool_endpoint, write_segments
@@ -83,6 +83,7 @@ class _Runtime:
     def acquire(cls, tls: str, progress_mode: str, device: torch.device) -> asyncio.AbstractEventLoop:
         with cls._lock:
             if cls._loop is None:
+                ucx_progress.install()  # ucxx's own "blocking" mode spins after the first event
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(target=loop.run_forever, name="kv-ucx-loop", daemon=True)
                 thread.start()
@@ -152,6 +153,11 @@ class _Connection:
     data: Any = None
     rkeys: list[ucp.RemoteKey] = field(default_factory=list)
     open: bool = True
+
+
+def _resolve_soon(fut: asyncio.Future[None]) -> None:
+    """Resolve ``fut`` on its loop, from whichever thread UCX runs an endpoint's close callback on."""
+    fut.get_loop().call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
 
 
 class UcxBackend(QueuedBackend):
@@ -465,8 +471,13 @@ class UcxBackend(QueuedBackend):
             key = PeerKey(hello.instance_id, hello.epoch)
             await self._await_peer(key)
             self._serving[task] = key
-            msg = await ep.recv_obj()  # the prefill side sends nothing more: this returns when it closes
-            raise TransferError(f"unexpected {len(msg)}-byte message on a data connection")
+            # NOTE: the connection is held by a close callback, not a pending receive: outside ucxx's thread
+            # progress modes a pending request is polled (``wait_yield``), which would keep this loop spinning.
+            closed = asyncio.get_running_loop().create_future()
+            ep.set_close_callback(_resolve_soon, (closed,))
+            if not ep.closed:  # else it closed before the callback was set
+                await closed
+            raise TransferError("the prefill side closed it")
         except Exception as exc:  # the connection ends; the prefill side fails its jobs (logged, not swallowed)
             log.info("kv ucx: data connection closed: %s: %s", type(exc).__name__, exc)
         finally:

@@ -8,8 +8,10 @@ process, each on its own threads), plus the shared kill-mid-transfer faults acro
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,3 +220,33 @@ def test_restarted_prefill_on_same_address_moves_pages_again(name: str) -> None:
     finally:
         old.kill()
         mgr.close()
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="per-thread CPU time from /proc")
+def test_ucx_loop_thread_sleeps_between_transfers(no_threads_left: None) -> None:
+    """Between transfers the process's UCX loop thread waits on the worker's event fd: it must not spin (a spinning
+    loop takes a core and the GIL from the rank's scheduler thread). Both ways it used to: ucxx's blocking progress
+    stops arming the worker after its first event, and a pending receive is polled every loop iteration."""
+    from kvtransfer.backends.ucx import _Runtime
+
+    pair = Pair("ucx", make_args(1, NUM_PAGES), make_args(2, NUM_PAGES))
+    try:
+        for i in range(3):  # events on the worker: connection, hello, PUTs, flushes
+            pair.prefill.submit(pair.job(7, i, [1 + i], [1 + i]))
+        assert all(err is None for _, err in pair.events.wait(3))
+        thread = _Runtime._thread
+        assert thread is not None and thread.native_id is not None
+        time.sleep(0.3)
+        cpu0, t0 = _thread_cpu_s(thread.native_id), time.monotonic()
+        time.sleep(1.5)
+        busy = (_thread_cpu_s(thread.native_id) - cpu0) / (time.monotonic() - t0)
+        assert busy < 0.15, f"the idle UCX loop thread used {busy:.0%} of a core"
+        pair.prefill.submit(pair.job(8, 0, [9], [9]))  # and it still wakes for the next transfer
+        assert pair.events.wait(4)[-1][1] is None
+    finally:
+        pair.close()
