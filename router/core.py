@@ -109,6 +109,7 @@ class RouterCore:
         self.aborter = Aborter(cfg.rpc_timeout_s, metrics)
         self.timings = TimingStore(cfg.timing_keep, cfg.timing_ttl_s)
         self.active: set[str] = set()
+        metrics.inflight.set_function(lambda: len(self.active))  # read at each scrape, not kept per request
         self.admission = Admission(cfg.max_inflight_requests, registry.request_capacity)
         self.held = HeldRequests()  # requests waiting for a decode worker's room (``_plan``)
         self.failures = FailureLog(logger)  # one line per failed request, an outage's repeats folded
@@ -130,7 +131,6 @@ class RouterCore:
             self.metrics.requests.labels(req.api, "overloaded").inc()
             raise
         self.active.add(req.rid)
-        self.metrics.inflight.inc()
         outcome = "cancelled"
         try:
             async for ev in self._attempts(req):
@@ -151,7 +151,6 @@ class RouterCore:
         finally:
             self.active.discard(req.rid)
             self.admission.rate.completed()
-            self.metrics.inflight.dec()
             self.metrics.requests.labels(req.api, outcome).inc()
 
     async def _attempts(self, req: GenRequest) -> AsyncIterator[Delta | Final]:

@@ -211,6 +211,28 @@ def test_prefix_index_and_timing_store() -> None:
     assert store.get("a") is None and store.get("c") == {"e2e": 1.0}
 
 
+def test_the_loop_counter_exports_what_prometheus_client_would() -> None:
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from common.loop_counter import LoopCounter
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    for name, labels in (("x_requests", ("api", "outcome")), ("x_tokens", ())):
+        mine, ref = LoopCounter(name, "doc", labels, ours), Counter(name, "doc", labels, registry=theirs)
+        for values, amount in (((), 3), ((), 0.5)) if not labels else (
+                (("chat", "success"), 1), (("completions", "error"), 2), (("chat", "success"), 4)):
+            mine.labels(*values).inc(amount) if labels else mine.inc(amount)
+            ref.labels(*values).inc(amount) if labels else ref.inc(amount)
+    with pytest.raises(ValueError):
+        LoopCounter("x_bad", "doc", ("a", "b")).labels("only-one")
+
+    def lines(r: CollectorRegistry) -> list[str]:
+        return [ln for ln in generate_latest(r).decode().splitlines() if "_created" not in ln]
+    assert lines(ours) == lines(theirs)
+    created = [ln for ln in generate_latest(ours).decode().splitlines() if ln.startswith("x_requests_created")]
+    assert len(created) == 2  # one per series, as prometheus_client writes them
+
+
 def test_the_itl_histogram_exports_what_prometheus_client_would() -> None:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
