@@ -3,8 +3,10 @@
 One prefill and one decode node (tiny generated model, ``--sglang-http-port``) serve both at once: our router over
 the Worker gRPC API, sglang-router (``--pd-disaggregation``) over the nodes' SGLang HTTP API. The same closed-loop
 OpenAI client (``/v1/completions``, streaming, token-id prompts, ``ignore_eos``) drives each router in turn,
-alternating phases (ours, sglang, ours, sglang, ...) so drift on a shared machine hits both alike. Reported per
-router: req/s, TTFT and e2e percentiles, and the router process's CPU time per request (from /proc).
+alternating phases (ours, sglang, ours, sglang, ...) so drift on a shared machine hits both alike. Both routers
+run the same policies (``--prefill-policy``, ``--decode-policy``; default: cache_aware prefill, as both routers
+default to, and round robin over the one decode node). Reported per router: req/s, TTFT and e2e percentiles, and the router process's CPU time
+per request (from /proc).
 
     .venv/bin/python -m benchmarks.sglang_router_compare --requests 200 --concurrency 8 --rounds 2
 """
@@ -32,6 +34,7 @@ from common.ports import pick_free_port
 from common.text.tokenizer import load_tokenizer
 
 ROUTERS = ("ours", "sglang")
+POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")  # both routers have these
 
 
 class TextClient(OpenAIClient):
@@ -90,8 +93,10 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def _start(model: str, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str, tuple[str, int]]]:
-    procs: list[subprocess.Popen[bytes]] = []
+def _start(model: str, tmp: Path, procs: list[subprocess.Popen[bytes]], prefill_policy: str, decode_policy: str,
+           ) -> dict[str, tuple[str, int]]:
+    """The two nodes and both routers, each appended to ``procs`` as it starts (the caller ends them, also when
+    this fails)."""
     ports = {name: pick_free_port() for name in ("p", "pb", "ph", "d", "dh", "ours", "ours_grpc", "sgl", "prom")}
     for mode, core, grpc_port, http_port, boot in (("prefill", "0", "p", "ph", "pb"), ("decode", "1", "d", "dh", "pb")):
         procs.append(_spawn(
@@ -104,18 +109,21 @@ def _start(model: str, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[s
         _wait(f"http://127.0.0.1:{ports[name]}/health_generate", b"", procs)
     ours = _spawn([sys.executable, "-m", "common.app.cli", "router", "--model-path", model, "--host", "127.0.0.1",
                    "--http-port", str(ports["ours"]), "--grpc-port", str(ports["ours_grpc"]),
-                   "--prefill", f"127.0.0.1:{ports['p']}:{ports['pb']}", "--decode", f"127.0.0.1:{ports['d']}"],
+                   "--prefill", f"127.0.0.1:{ports['p']}:{ports['pb']}", "--decode", f"127.0.0.1:{ports['d']}",
+                   "--prefill-policy", prefill_policy, "--decode-policy", decode_policy],
                   tmp / "ours.log")
     sgl = _spawn([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                   "--port", str(ports["sgl"]), "--pd-disaggregation",
                   "--prefill", f"http://127.0.0.1:{ports['ph']}", str(ports["pb"]),
-                  "--decode", f"http://127.0.0.1:{ports['dh']}", "--policy", "round_robin", "--model-path", model,
+                  "--decode", f"http://127.0.0.1:{ports['dh']}", "--prefill-policy", prefill_policy,
+                  "--decode-policy", decode_policy, "--model-path", model,
                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports["prom"]), "--log-level", "warn"],
                  tmp / "sglang.log")
-    procs += [ours, sgl]
+    procs.append(sgl)
+    procs.append(ours)
     _wait(f"http://127.0.0.1:{ports['ours']}/health", b'"ok"', procs)
     _wait(f"http://127.0.0.1:{ports['sgl']}/readiness", b'"ready"', procs)
-    return procs, {"ours": (f"http://127.0.0.1:{ports['ours']}/v1", ours.pid),
+    return {"ours": (f"http://127.0.0.1:{ports['ours']}/v1", ours.pid),
                    "sglang": (f"http://127.0.0.1:{ports['sgl']}/v1", sgl.pid)}
 
 
@@ -149,9 +157,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 
     tmp = Path(tempfile.mkdtemp(prefix="pdcluster-sglang-compare-"))
     model = args.model or str(make_model("llama", "tiny", tmp / "model", seed=0))
-    procs, routers = _start(model, tmp)
+    procs: list[subprocess.Popen[bytes]] = []
     phases: list[dict[str, Any]] = []
     try:
+        routers = _start(model, tmp, procs, args.prefill_policy, args.decode_policy)
         name = Path(model).name
         tokenizer = load_tokenizer(model)
         fronts = [procs[0].pid, procs[1].pid]  # the prefill and decode nodes' front processes
@@ -181,6 +190,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2, help="alternating phases per router")
     ap.add_argument("--time-limit", type=float, default=120.0)
+    ap.add_argument("--prefill-policy", default="cache_aware", choices=POLICIES, help="both routers'")
+    ap.add_argument("--decode-policy", default="round_robin", choices=POLICIES,
+                    help="both routers' (sglang-router refuses power_of_two with one decode worker)")
     ap.add_argument("--out", default="benchmarks/results/sglang_router_compare.json")
     args = ap.parse_args()
     result = asyncio.run(_main(args))
