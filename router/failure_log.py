@@ -5,7 +5,9 @@ per request (5,424 identical lines in the soak's 20 s prefill stall) buries the 
 The first failure of each kind (status and text) is logged as before; the same failure again within ``window_s``
 is counted, and when the window ends one line says how many more requests failed that way and names the last one.
 
-Invariant: every failed request is in the log, by its own line or in its window's count.
+Invariant: every failed request is in the log, by its own line or in its window's count. The router keeps two:
+its requests' failures, and its fire-and-forget ``Worker.Abort`` calls' (to a stalled or killed node every abort
+fails the same way).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ class _Window:
 
 class FailureLog:
     def __init__(self, logger: logging.Logger, window_s: float = WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, what: str = "failed", many: str = "requests") -> None:
+        """``what``: the first line's verb (``[rid=..] <what>: CODE: text``); ``many``: what the count line counts."""
         self._log = logger
+        self._what, self._many = what, many
         self.window_s = window_s
         self._clock = clock
         self._windows: dict[tuple[str, str], _Window] = {}
@@ -48,7 +52,7 @@ class FailureLog:
             return
         if w is not None:
             self._close(key)
-        self._log.warning("[rid=%s] failed: %s: %s", rid, code, text)
+        self._log.warning("[rid=%s] %s: %s: %s", rid, self._what, code, text)
         if len(self._windows) >= MAX_KINDS:
             for old in [k for k, v in self._windows.items() if now - v.opened >= self.window_s] or [*self._windows]:
                 self._close(old)
@@ -61,8 +65,8 @@ class FailureLog:
         if w.timer is not None:
             w.timer.cancel()
         if w.folded:
-            self._log.warning("%d more requests failed the same way within %.0f s (the last: rid=%s): %s: %s",
-                              w.folded, self.window_s, w.last_rid, *key)
+            self._log.warning("%d more %s failed the same way within %.0f s (the last: rid=%s): %s: %s",
+                              w.folded, self._many, self.window_s, w.last_rid, *key)
 
     def close(self) -> None:
         """Log every window's count now (the router is stopping)."""

@@ -20,6 +20,7 @@ import grpc
 from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from pdcluster.v1 import worker_pb2
 from router.errors import RETRYABLE, LegError, scrub_internal
+from router.failure_log import FailureLog
 from router.metrics import RouterMetrics
 from router.mux import MuxCall, rpc_error
 from router.workers import Worker
@@ -34,6 +35,8 @@ class Aborter:
         self.rpc_timeout_s = rpc_timeout_s
         self.metrics = metrics
         self.pending: set[asyncio.Task[None]] = set()
+        # a stalled or dead node fails every abort sent to it alike: the first logged, the repeats counted
+        self.failures = FailureLog(logger, what="Abort failed", many="Abort calls")
 
     def abort(self, worker: Worker, rid: str) -> None:
         task = asyncio.get_running_loop().create_task(self._abort(worker, rid))
@@ -45,9 +48,7 @@ class Aborter:
         try:
             await worker.stub.Abort(worker_pb2.AbortRequest(rid=rid), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
-            logger.warning(
-                "[rid=%s] Abort on %s failed: %s %s", rid, worker.address, e.code().name, e.details()
-            )
+            self.failures.failed(rid, e.code().name, f"on {worker.address}: {e.details()}")
 
     async def drain(self, timeout: float) -> None:
         if self.pending:

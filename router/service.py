@@ -55,6 +55,7 @@ class RouterService:
         await self.monitor.stop()
         await self.core.aborter.drain(self.cfg.rpc_timeout_s)
         self.core.failures.close()
+        self.core.aborter.failures.close()
         await self.registry.close()
         if self.inputs.pool is not None:
             await self.inputs.pool.close()

@@ -89,3 +89,30 @@ async def test_an_outage_logs_its_first_failure_then_a_count(caplog: pytest.LogC
     assert len(lines) == 2, lines  # the first request's line, and the count the router's stop wrote
     assert "failed: UNAVAILABLE: no routable prefill worker" in lines[0]
     assert lines[1].startswith("19 more requests failed the same way")
+
+
+async def test_aborts_that_fail_alike_log_once_then_a_count(caplog: pytest.LogCaptureFixture) -> None:
+    """Every abort sent to a stalled node fails the same way: one line, then a count, not a line per request."""
+    import grpc
+
+    from router.legs import Aborter
+    from router.metrics import RouterMetrics
+
+    class _Stub:
+        async def Abort(self, request: object, timeout: float) -> None:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "Deadline Exceeded")
+
+    class _Worker:
+        address, role, stub = "127.0.0.1:1", "prefill", _Stub()
+
+    caplog.set_level(logging.WARNING, logger="router.legs")
+    aborter = Aborter(1.0, RouterMetrics())
+    for i in range(30):
+        aborter.abort(_Worker(), f"r{i}")  # type: ignore[arg-type]
+    await aborter.drain(5.0)
+    aborter.failures.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.legs"]
+    assert lines == ["[rid=r0] Abort failed: DEADLINE_EXCEEDED: on 127.0.0.1:1: Deadline Exceeded",
+                     "29 more Abort calls failed the same way within 10 s (the last: rid=r29): DEADLINE_EXCEEDED: "
+                     "on 127.0.0.1:1: Deadline Exceeded"], lines
