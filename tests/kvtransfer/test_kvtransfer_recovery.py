@@ -84,7 +84,7 @@ def test_dropped_tcp_connection_is_reopened_for_the_next_rooms() -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
+@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx", "mooncake", "nccl"])
 def test_stalled_prefill_recovers_after_sigcont(backend: str) -> None:
     """Both sides lose each other; after SIGCONT decode handshakes again with the same prefill epoch, which drops
     and re-adds it (shm, nixl: the old worker's end once released the re-added pool or agent, failing every later
