@@ -253,6 +253,33 @@ def test_dashboard_names_only_exported_series(cluster) -> None:
     assert unknown_names(list(expressions(dashboard())), series, TARGET_LABELS) == []
 
 
+def _process_tree(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *(p for c in children for p in _process_tree(int(c)))]
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # ended meanwhile
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="process CPU times from /proc")
+def test_an_idle_cluster_sleeps(cluster) -> None:
+    """After the traffic above, with nothing in flight, no process of the cluster spins: the router, the fronts, the
+    ranks and their KV threads wait on their sockets and timers (a UCX loop thread once spun at 99 % of a core per
+    rank after its first transfer, for good)."""
+    wait_nodes_idle(cluster, ["prefill-0", "prefill-1", "decode-0"])
+    time.sleep(1.0)
+    pids = _process_tree(cluster.proc.pid)
+    before, t0 = {p: _cpu_s(p) for p in pids}, time.monotonic()
+    time.sleep(3.0)
+    used = {p: (_cpu_s(p) - before[p]) / (time.monotonic() - t0) for p in pids}
+    assert sum(used.values()) < 0.5, {p: round(u, 2) for p, u in used.items() if u > 0.01}
+
+
 RESTART_TIMEOUT_S = 120
 
 
