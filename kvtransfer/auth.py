@@ -53,6 +53,11 @@ def session_key(secret: str, t: bytes) -> bytes:
     return _mac(secret.encode(), b"session", t)
 
 
+def pairing_id(session: bytes) -> str:
+    """A public name of the session (both sides derive it; it reveals nothing of the key)."""
+    return _mac(session, b"pairing", b"")[:12].hex()
+
+
 def seal(key: bytes, seq: int, payload: bytes) -> list[bytes]:
     """The frames of one authenticated message."""
     seq_bytes = seq.to_bytes(SEQ_BYTES, "big")

@@ -169,7 +169,7 @@ class KVManager:
                 self.lose_peer(old.key, f"{old.describe()} {why}")
             peer = self.peers[key.instance_id] = Peer(key, control_addr, layout, time.monotonic(), session_key,
                                                       recv_seq=recv_seq)
-        self.backend.add_peer(PeerInfo(key, layout, endpoint))
+        self.backend.add_peer(PeerInfo(key, layout, endpoint, auth.pairing_id(session_key)))
         log.info("kv %s: peer %s accepted", self.instance_id, peer.describe())
         return peer
 

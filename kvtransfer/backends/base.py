@@ -53,6 +53,10 @@ class PeerInfo:
     key: PeerKey
     layout: KVLayout
     endpoint: dict[str, str]
+    # This pairing: the same on both sides and new at every handshake, also when the same peer start handshakes
+    # again after a stall (``auth.pairing_id``; "" where no handshake made it). A backend whose data connection is
+    # named in shared state (nccl's group prefix in the decode's store) names it with this, never reusing a name.
+    pairing: str = ""
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ Rendezvous (per pair, when the pair is made: ``add_peer`` starts one thread per 
     ProcessGroup*(PrefixStore(<pfx>), rank 0, 2)   <--->   ProcessGroup*(PrefixStore(<pfx>), rank 1, 2)
     (the prefill's job worker waits for its pair's group while watching for removal, so a peer that dies during
     the rendezvous fails its jobs at remove_peer, not after the rendezvous timeout)
-    <pfx> = "kv/<prefill pair_id>/<decode pair_id>"   (pair ids are fresh per backend start: a restart never
-                                                       meets a stale group)
+    <pfx> = "kv/<prefill pair_id>/<decode pair_id>/<pairing>"   (pair ids are fresh per backend start, the
+                      pairing per handshake: neither a restart nor a peer that handshakes again after a stall meets
+                      a stale group)
 
 Per job, in a peer's submission order (one job at a time per pair; within one tag gloo matches in posting order)::
 
@@ -117,7 +118,9 @@ class NcclBackend(QueuedBackend):
             raise ValueError(f"peer {peer.key.instance_id} has no nccl endpoint: {peer.endpoint}")
         p_id, d_id = (self._pair_id, peer.endpoint["pair_id"]) if self.mode == "prefill" else \
             (peer.endpoint["pair_id"], self._pair_id)
-        pair = _Pair(peer.key, peer, f"kv/{p_id}/{d_id}")
+        # NOTE: a peer that handshakes again (after a stall) pairs anew under a new name: a group rendezvous under
+        # the old prefix would read the old group's keys from the store.
+        pair = _Pair(peer.key, peer, f"kv/{p_id}/{d_id}/{peer.pairing}" if peer.pairing else f"kv/{p_id}/{d_id}")
         refused = self._unpairable(peer)
         if refused:
             log.error("kv nccl: %s", refused)

@@ -250,3 +250,29 @@ def test_ucx_loop_thread_sleeps_between_transfers(no_threads_left: None) -> None
         assert pair.events.wait(4)[-1][1] is None
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("backend", ["nccl"])
+def test_a_peer_paired_again_moves_pages_over_a_new_connection(backend: str, no_threads_left: None) -> None:
+    """Both sides drop each other and pair again with the same peer starts (a stall past the heartbeat deadline,
+    then a new handshake): the new pairing must not meet the old one's state (nccl: a group rendezvous under the old
+    store prefix read the old group's keys and hung until its timeout)."""
+    src, dst = make_args(1, NUM_PAGES), make_args(2, NUM_PAGES)
+    cls, cfg = backend_class(backend), kv_config(backend, bootstrap_timeout_s=8.0)
+    events = Events()
+    p_key, d_key = PeerKey("prefill/dp0/tp0", time.time_ns()), PeerKey("decode/dp0/tp0", time.time_ns())
+    prefill, decode = cls(src, cfg, "prefill", events, p_key), cls(dst, cfg, "decode", Events(), d_key)
+    try:
+        for n, pairing in enumerate(("first-handshake", "second-handshake")):
+            if n:
+                prefill.remove_peer(d_key)
+                decode.remove_peer(p_key)
+            prefill.add_peer(PeerInfo(d_key, dst.layout({}), decode.endpoint(), pairing))
+            decode.add_peer(PeerInfo(p_key, src.layout({}), prefill.endpoint(), pairing))
+            job = TransferJob(30 + n, 0, d_key, tuple(coalesce_runs([3 + n], [5 + n])))
+            prefill.submit(job)
+            assert events.wait(n + 1, timeout_s=20)[-1] == (job, None)
+            assert _pages(dst.k_buffers[0], 5 + n).equal(_pages(src.k_buffers[0], 3 + n))
+    finally:
+        prefill.close()
+        decode.close()
