@@ -118,8 +118,8 @@ def test_each_flag_group_is_one_section_per_command() -> None:
 
 
 @pytest.mark.parametrize(("flags", "chunk"), [
-    ({"disaggregation_mode": "prefill"}, 512),  # a CPU prefill node: small batches, sooner first tokens
-    ({"disaggregation_mode": "prefill", "page_size": 48}, 528),  # rounded up to a whole page
+    ({"disaggregation_mode": "prefill"}, 256),  # a CPU prefill node: small batches, sooner first tokens
+    ({"disaggregation_mode": "prefill", "page_size": 48}, 288),  # rounded up to a whole page
     ({"disaggregation_mode": "null"}, 2048),  # a colocated node's chunk paces its decode steps too
     ({"disaggregation_mode": "decode"}, 2048),
     ({"disaggregation_mode": "prefill", "device": "cuda"}, 2048),
