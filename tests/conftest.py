@@ -115,7 +115,16 @@ def wait_idle(engine: Any, timeout: float = 30.0) -> None:
 def assert_pools_released(engine: Any) -> None:
     """Pools at their initial free counts once the prefix cache is emptied."""
     wait_idle(engine)
-    s = engine.scheduler
+    assert_scheduler_pools_released(engine.scheduler)
+
+
+def assert_scheduler_pools_released(*schedulers: Any) -> None:
+    """Each scheduler's pools at their initial free counts once its prefix cache is emptied."""
+    for s in schedulers:
+        _assert_released(s)
+
+
+def _assert_released(s: Any) -> None:
     free_slots = s.req_to_token_pool.available_size()
     assert free_slots == s.req_to_token_pool.size, (
         f"request slots leaked: {s.req_to_token_pool.size - free_slots}"

@@ -18,6 +18,7 @@ from common.engine.scheduler_metrics import (
     format_decode_line,
     format_prefill_line,
 )
+from tests.conftest import assert_scheduler_pools_released
 from tests.engine.test_engine import overlap_flags
 from tests.model_fixtures import make_tiny_model
 
@@ -211,10 +212,7 @@ def test_pd_roles_report_their_queues(llama, caplog, monkeypatch) -> None:
         assert sum(r["new_seq"] or 0 for r in prefill_lines) == n - 1
         assert sum(r["new_token"] or 0 for r in prefill_lines) == len(prompts[1]) + len(prompts[2])
         assert decode_lines and all(r["prealloc"] is not None and r["throughput"] for r in decode_lines)
-        for sched in (prefill, decode):
-            assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
-            sched.tree_cache.evict(sched.allocator.size)
-            assert sched.allocator.available_size() == sched.allocator.size
+        assert_scheduler_pools_released(prefill, decode)
     finally:
         prefill.close()
         decode.close()

@@ -13,6 +13,7 @@ from common.engine.sampling.params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from common.text.tokenizer import load_tokenizer
+from tests.conftest import assert_scheduler_pools_released
 from tests.model_fixtures import make_tiny_model
 
 CHUNK = 16
@@ -77,10 +78,7 @@ def test_decode_holds_the_first_chunks_kv_before_the_last_chunk_runs(monkeypatch
         assert len(done) == 1 and done[0].error is None
         tokens = [t for m in decode_out if isinstance(m, TokenOut) for t in m.token_ids]
         assert len(tokens) == 4
-        for sched in (prefill, decode):
-            assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
-            sched.tree_cache.evict(sched.allocator.size)
-            assert sched.allocator.available_size() == sched.allocator.size
+        assert_scheduler_pools_released(prefill, decode)
     finally:
         prefill.close()
         decode.close()

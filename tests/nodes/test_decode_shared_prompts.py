@@ -20,6 +20,7 @@ from common.engine.sampling.params import SamplingParams, for_choice
 from common.engine.scheduler import Scheduler
 from common.io_struct import AbortReq, GenerateReqInput, TokenOut
 from common.text.tokenizer import load_tokenizer
+from tests.conftest import assert_scheduler_pools_released
 from tests.model_fixtures import make_tiny_model
 
 PAGE = 4
@@ -93,10 +94,7 @@ def pd_pair(setup: dict[str, Any], monkeypatch, overlap: bool = True, **decode_o
         # The decode node keeps no page nobody holds; a prefill node's radix cache may (evictable).
         assert decode.tree_cache.total_size() == 0, decode.tree_cache.pretty_print()
         assert decode.allocator.available_size() == decode.allocator.size
-        for sched in (prefill, decode):
-            assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
-            sched.tree_cache.evict(sched.allocator.size)
-            assert sched.allocator.available_size() == sched.allocator.size
+        assert_scheduler_pools_released(prefill, decode)
     finally:
         prefill.close()
         decode.close()

@@ -16,6 +16,7 @@ from common.engine.scheduler import Scheduler
 from common.errors import ErrorCode
 from common.io_struct import AbortReq, GenerateReqInput, PrefillDone, TokenOut
 from common.text.tokenizer import load_tokenizer
+from tests.conftest import assert_scheduler_pools_released
 from tests.model_fixtures import make_tiny_model
 
 PROMPT_LENGTHS = [5, 17, 40, 63, 3, 100]  # chunks of 16: one to seven per prompt
@@ -99,10 +100,7 @@ def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(overl
         assert done["abort"].error_code == finished["abort"].error_code == ErrorCode.CANCELLED
         assert done["fault"].error_code == finished["fault"].error_code == ErrorCode.INTERNAL
         assert "injected token fault" in (done["fault"].error or "")
-        for sched in (prefill, decode):
-            assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
-            sched.tree_cache.evict(sched.allocator.size)
-            assert sched.allocator.available_size() == sched.allocator.size
+        assert_scheduler_pools_released(prefill, decode)
     finally:
         prefill.close()
         decode.close()
@@ -149,10 +147,7 @@ def test_a_transferred_requests_first_token_goes_out_before_the_decode_step_it_j
             first_out = next(i for i, (kind, rids) in enumerate(log) if kind == "out" and msg.rid in rids)
             first_forward = next(i for i, (kind, rids) in enumerate(log) if kind == "forward" and msg.rid in rids)
             assert first_out < first_forward, (msg.rid, log)
-        for sched in (prefill, decode):
-            assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
-            sched.tree_cache.evict(sched.allocator.size)
-            assert sched.allocator.available_size() == sched.allocator.size
+        assert_scheduler_pools_released(prefill, decode)
     finally:
         prefill.close()
         decode.close()
