@@ -12,9 +12,7 @@ from common.config import ServerArgs
 from common.engine.sampling.params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
-from common.text.tokenizer import load_tokenizer
 from tests.conftest import assert_scheduler_pools_released
-from tests.model_fixtures import make_tiny_model
 
 CHUNK = 16
 PROMPT = [(11 * j) % 900 + 10 for j in range(4 * CHUNK + 5)]  # five chunks
@@ -29,16 +27,11 @@ def kv_of(sched: Any, req: Any, n: int) -> list[torch.Tensor]:
     return [buf[slots].clone() for layer in range(pool.num_layers) for buf in (pool.k_buffer[layer], pool.v_buffer[layer])]
 
 
-def test_decode_holds_the_first_chunks_kv_before_the_last_chunk_runs(monkeypatch) -> None:
+def test_decode_holds_the_first_chunks_kv_before_the_last_chunk_runs(pd_bootstrap) -> None:
     from decode_node.role import DecodeRole
-    from kvtransfer.bootstrap import BootstrapServer
     from prefill_node.role import PrefillRole
 
-    monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "test-cluster-token")
-    model = str(make_tiny_model("llama"))
-    tokenizer = load_tokenizer(model)
-    bootstrap = BootstrapServer("test-cluster-token")
-    port = bootstrap.start()
+    model, tokenizer, port = pd_bootstrap
     base = ServerArgs(model_path=model, page_size=4, max_total_tokens=2048, max_running_requests=8,
                       chunked_prefill_size=CHUNK, disaggregation_bootstrap_port=port, disable_overlap_schedule=True)
     prefill_out: list[Any] = []
@@ -82,4 +75,3 @@ def test_decode_holds_the_first_chunks_kv_before_the_last_chunk_runs(monkeypatch
     finally:
         prefill.close()
         decode.close()
-        bootstrap.stop()

@@ -15,9 +15,7 @@ from common.engine.sampling.params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.errors import ErrorCode
 from common.io_struct import AbortReq, GenerateReqInput, PrefillDone, TokenOut
-from common.text.tokenizer import load_tokenizer
 from tests.conftest import assert_scheduler_pools_released
-from tests.model_fixtures import make_tiny_model
 
 PROMPT_LENGTHS = [5, 17, 40, 63, 3, 100]  # chunks of 16: one to seven per prompt
 
@@ -34,17 +32,14 @@ def run(step: Callable[[list[Any]], Any], idle: Callable[[], bool], timeout: flo
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
-def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(overlap, monkeypatch) -> None:
+def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(
+    overlap, monkeypatch, pd_bootstrap
+) -> None:
     from decode_node.role import DecodeRole
-    from kvtransfer.bootstrap import BootstrapServer
     from prefill_node.role import PrefillRole
 
-    monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "test-cluster-token")
     monkeypatch.setattr(faults, "_FAULTS", {"token": frozenset({"fault"})})
-    model = str(make_tiny_model("llama"))
-    tokenizer = load_tokenizer(model)
-    bootstrap = BootstrapServer("test-cluster-token")
-    port = bootstrap.start()
+    model, tokenizer, port = pd_bootstrap
     base = ServerArgs(model_path=model, page_size=4, max_total_tokens=4096, max_running_requests=16,
                       chunked_prefill_size=16, disaggregation_bootstrap_port=port,
                       disable_overlap_schedule=not overlap, enable_overlap_schedule=overlap)
@@ -104,22 +99,18 @@ def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(overl
     finally:
         prefill.close()
         decode.close()
-        bootstrap.stop()
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
-def test_a_transferred_requests_first_token_goes_out_before_the_decode_step_it_joins(overlap, monkeypatch) -> None:
+def test_a_transferred_requests_first_token_goes_out_before_the_decode_step_it_joins(
+    overlap, monkeypatch, pd_bootstrap
+) -> None:
     """The prefill node's first token is the client's TTFT: it leaves the decode rank in the step its transfer landed,
     not after that step's forward (one decode step later)."""
     from decode_node.role import DecodeRole
-    from kvtransfer.bootstrap import BootstrapServer
     from prefill_node.role import PrefillRole
 
-    monkeypatch.setenv("PDCLUSTER_CLUSTER_TOKEN", "test-cluster-token")
-    model = str(make_tiny_model("llama"))
-    tokenizer = load_tokenizer(model)
-    bootstrap = BootstrapServer("test-cluster-token")
-    port = bootstrap.start()
+    model, tokenizer, port = pd_bootstrap
     base = ServerArgs(model_path=model, page_size=4, max_total_tokens=4096, max_running_requests=16,
                       chunked_prefill_size=64, disaggregation_bootstrap_port=port,
                       disable_overlap_schedule=not overlap, enable_overlap_schedule=overlap)
@@ -151,4 +142,3 @@ def test_a_transferred_requests_first_token_goes_out_before_the_decode_step_it_j
     finally:
         prefill.close()
         decode.close()
-        bootstrap.stop()
