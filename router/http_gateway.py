@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from common.client_gone import client_gone_middleware
 from common.errors import PdclusterError
+from common.event_stream import delimit_event_stream
 from router import openai_protocol as oai
 from router.admin import admin_middleware
 from router.choices import choice_requests, merge_choices
@@ -195,6 +196,7 @@ class HttpGateway:
         resp = web.StreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        delimit_event_stream(resp, request)
         n = len(choices)
         chat = api == "chat"
         deltas = DeltaEvents(api, rid, model, created, n, want_lp, plan, self.logprobs)

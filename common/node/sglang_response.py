@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from common.event_stream import delimit_event_stream
 from common.io_struct import PrefillDone, TokenOut
 from common.node.sglang_openai import chat_body, chat_chunk, completion_body, completion_chunk
 from common.node.sglang_protocol import Logprobs, SglangRequest, finish_reason
@@ -103,6 +104,7 @@ class SglangResponse:
         """Headers go out with the first output, so a failure before it is a real HTTP status."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-ID": self.rid})
+        delimit_event_stream(resp, request)
         async with contextlib.aclosing(outputs):
             try:
                 async for out in outputs:
@@ -149,6 +151,7 @@ async def stream_choices(request: web.Request, rid: str, runs: list[SglangRespon
     its outputs come; ``[DONE]`` after the last choice ends. A failure ends the stream with an error event."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Request-ID": rid})
+    delimit_event_stream(resp, request)
     events: asyncio.Queue[tuple[int, dict[str, Any]] | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int, run: SglangResponse, outs: AsyncIterator[TokenOut | PrefillDone]) -> None:

@@ -1,6 +1,8 @@
-"""A client of the node's SGLang HTTP port that leaves as its streamed response's head is written (the loop turn
-before aiohttp notices and cancels the handler): a disconnect, not a server error. The request's outputs are closed
-(the front aborts it on its rank) and aiohttp logs no ERROR traceback (``common/client_gone.py``)."""
+"""Clients of the node's SGLang HTTP port at the edges of a streamed response. One that leaves as the response's head
+is written (the loop turn before aiohttp notices and cancels the handler): a disconnect, not a server error; the
+request's outputs are closed (the front aborts it on its rank) and aiohttp logs no ERROR traceback
+(``common/client_gone.py``). One that speaks HTTP/1.0: the stream's end is the connection's close
+(``common/event_stream.py``)."""
 
 from __future__ import annotations
 
@@ -60,3 +62,35 @@ async def test_a_client_gone_as_the_head_is_written_closes_the_request_without_a
     finally:
         await server.stop()
     assert [r.getMessage() for r in caplog.records if r.name == "aiohttp.server"] == []
+
+
+class _Finisher(_Recorder):
+    """A WorkerServicer that streams three tokens and finishes."""
+
+    async def run_request(self, msg: GenerateReqInput, rank: int, context: Any) -> AsyncIterator[Any]:
+        n = len(msg.input_ids or [])
+        for i, t in enumerate((5, 6, 7)):
+            yield TokenOut(rid=msg.rid, token_ids=[t], prompt_tokens=n, completion_tokens=i + 1,
+                           finish_reason="length" if i == 2 else None)
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+async def test_an_http_1_0_client_gets_the_end_of_its_stream(model_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             path: str) -> None:
+    """HTTP/1.0 has no chunks: the body of a streamed response ends with the connection. (aiohttp kept the
+    connection of a keep-alive HTTP/1.0 client open after the last event, and the client waited forever.)"""
+    monkeypatch.delenv("PDCLUSTER_API_KEY", raising=False)
+    monkeypatch.delenv("PDCLUSTER_API_KEY_FILE", raising=False)
+    args = ServerArgs(host="127.0.0.1", disaggregation_mode="null", sglang_http_port=0)
+    server = SglangHttpServer(args, _Finisher(args, model_path))  # type: ignore[arg-type]
+    await server.start()
+    try:
+        body: dict[str, Any] = {"stream": True, "max_tokens": 3, "prompt": "hello", "model": "m"} \
+            if path.startswith("/v1") else {"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 3}}
+        async with aiohttp.ClientSession(version=aiohttp.HttpVersion10) as s:
+            async with s.post(f"http://127.0.0.1:{server.port}{path}", json=body) as r:
+                assert r.status == 200 and "Transfer-Encoding" not in r.headers
+                raw = await asyncio.wait_for(r.read(), 20)
+        assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"data: ") >= 4
+    finally:
+        await server.stop()
