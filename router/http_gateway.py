@@ -204,7 +204,7 @@ class HttpGateway:
         if n == 1:  # with several, a choice's reader hands its events to the others' merge (``merge_choices``)
             task = asyncio.current_task()
             assert task is not None
-            sink = choices[0].delta_sink = SseSink(resp, deltas, task)
+            sink = choices[0].delta_sink = SseSink(resp, deltas, task, request.transport)
         events = merge_choices([self.service.generate(c) for c in choices])
         finals: list[Final] = []
         async with contextlib.aclosing(events):

@@ -25,6 +25,7 @@ _MARK = "\x00pdcluster-text\x00"
 _MARK_JSON = _encode(_MARK)
 _TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
 _CHAT_TAIL = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+DIRECT_WRITE_LIMIT = 0x10000  # transport bytes queued past which a delta takes StreamResponse.write (and its drain)
 
 
 def sse(obj: Any) -> bytes:
@@ -79,14 +80,19 @@ class DeltaEvents:
 class SseSink:
     """The ``DeltaSink`` (``router/request.py``) of a one-choice streamed response: writes a delta's event at once.
 
-    ``StreamResponse.write`` is a coroutine that suspends only to drain a full transport; it is run here up to that
+    A chunked response (``common.event_stream``) whose transport has room takes the event as one HTTP chunk straight into
+    the transport: the bytes ``StreamResponse.write`` would send, without its four Python frames per token. Else
+    ``StreamResponse.write``, a coroutine that suspends only to drain a full transport, is run here up to that
     point (the event is in the transport by then). A suspended write finishes in a task of its own, and the sink
     declines deltas until it has (they reach the handler, which writes them after it). A write that fails (the
     client went) cancels the handler, as the client's disconnect does.
     """
 
-    def __init__(self, resp: web.StreamResponse, events: DeltaEvents, handler: asyncio.Task[Any]) -> None:
+    def __init__(self, resp: web.StreamResponse, events: DeltaEvents, handler: asyncio.Task[Any],
+                 transport: asyncio.Transport | None = None) -> None:
         self.resp, self.events, self.handler = resp, events, handler
+        # NOTE: writes past aiohttp's writer are framed here, so only a response with chunked encoding on gets them.
+        self.transport = transport if transport is not None and resp.chunked else None
         self.live = False  # set by the handler once the response's head and first event are written
         self._draining: asyncio.Task[None] | None = None
 
@@ -96,6 +102,10 @@ class SseSink:
     def write(self, delta: Delta) -> None:
         data = self.events.of(0, delta)
         if data is None:
+            return
+        t = self.transport
+        if t is not None and t.get_write_buffer_size() < DIRECT_WRITE_LIMIT and not t.is_closing():
+            t.write(b"%x\r\n%b\r\n" % (len(data), data))
             return
         coro = self.resp.write(data)
         try:

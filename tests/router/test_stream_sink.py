@@ -5,12 +5,14 @@ slow clients and a failing sink end only their own request."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
 import aiohttp
 import grpc
 import pytest
+from aiohttp import web
 
 from common.testing.mock_fleet import shared_model_dir
 from common.testing.mock_worker import fake_tokens
@@ -71,6 +73,47 @@ async def test_paced_tokens_are_written_by_the_sink_and_arrive_whole(layout: str
         pieces = [c.choices[0].delta.content async for c in chat if c.choices and c.choices[0].delta.content]
         assert len(pieces) >= 8 and len(sink_writes) >= 20
         await eventually(lambda: not f.server.service.core.active)
+
+
+@pytest.fixture
+def response_writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every ``StreamResponse.write`` call's data (the head's first event, the handler's events, the sink's
+    fallback); not the sink's chunks written into the transport itself."""
+    seen: list[bytes] = []
+    write = web.StreamResponse.write
+
+    async def counting(self: web.StreamResponse, data: bytes) -> None:
+        seen.append(data)
+        await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", counting)
+    return seen
+
+
+async def test_sink_events_go_into_the_transport_as_http_chunks(sink_writes: list[str],
+                                                                response_writes: list[bytes]) -> None:
+    async with fleet(prefill=1, decode=1, common=PACED) as f:
+        text, reason, tokens = await _stream_text(f.openai(), prompt="Hello world", max_tokens=24)
+        assert (text, reason, tokens) == (expected_text("Hello world", 24), "length", 24)
+        assert len(sink_writes) >= 12
+        # The handler's writes (the head's first event) only: through StreamResponse.write, each of the sink's
+        # events with text would be one more.
+        assert len(response_writes) < len([t for t in sink_writes if t]) / 2, (response_writes, sink_writes)
+
+
+async def test_an_http_1_0_client_gets_the_stream_unchunked(sink_writes: list[str],
+                                                           response_writes: list[bytes]) -> None:
+    async with fleet(prefill=1, decode=1, common=PACED) as f, aiohttp.ClientSession(
+            version=aiohttp.HttpVersion10) as http:
+        body = {"model": "mock-model", "prompt": "Hello world", "max_tokens": 24, "stream": True}
+        async with http.post(f.server.http_url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200 and "Transfer-Encoding" not in resp.headers
+            raw = await asyncio.wait_for(resp.read(), 20)  # the body ends when the router closes the connection
+        events = [json.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected_text("Hello world", 24)
+        assert raw.endswith(b"data: [DONE]\n\n")
+        # No chunks to frame: each of the sink's events (those with text) went through StreamResponse.write.
+        assert sink_writes and len(response_writes) > len([t for t in sink_writes if t])
 
 
 async def test_a_stop_string_in_a_sink_token_ends_the_request_and_aborts_both_legs(sink_writes: list[str]) -> None:
@@ -139,11 +182,42 @@ class _Resp:
             await self.full
 
 
-def _sink(resp: _Resp, handler: asyncio.Task[Any]) -> sse.SseSink:
+def _sink(resp: _Resp, handler: asyncio.Task[Any], transport: Any = None) -> sse.SseSink:
     events = sse.DeltaEvents("completions", "r", "m", 0, 1, False, None, None)  # type: ignore[arg-type]
-    s = sse.SseSink(resp, events, handler)  # type: ignore[arg-type]
+    s = sse.SseSink(resp, events, handler, transport)  # type: ignore[arg-type]
     s.live = True
     return s
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+        self.queued = 0
+
+    def get_write_buffer_size(self) -> int:
+        return self.queued
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.data.append(data)
+
+
+async def test_a_transport_with_a_backlog_sends_the_sink_through_the_response() -> None:
+    """Below ``DIRECT_WRITE_LIMIT`` queued bytes an event is one HTTP chunk written into the transport; at it, the
+    event takes ``StreamResponse.write``, whose drain waits for the client."""
+    resp, handler, t = _Resp(), asyncio.create_task(asyncio.sleep(60)), _Transport()
+    resp.chunked = True  # type: ignore[attr-defined]
+    s = _sink(resp, handler, t)
+    s.write(Delta("a", [1]))
+    size, rest = t.data[0].split(b"\r\n", 1)
+    assert int(size, 16) == len(rest) - 2 and rest.endswith(b"\n\n\r\n") and b'"text":"a"' in rest
+    assert resp.data == []
+    t.queued = sse.DIRECT_WRITE_LIMIT
+    s.write(Delta("b", [2]))
+    assert len(t.data) == 1 and len(resp.data) == 1 and b'"text":"b"' in resp.data[0]
+    handler.cancel()
 
 
 async def test_a_write_that_must_drain_finishes_before_the_sink_takes_more() -> None:
