@@ -58,6 +58,8 @@ class OutputState:
             return None
         self.ids.extend(ids)
         text = self.detok.add(self.ids[len(self.detok.ids) :], final=final)
+        if not chunk.logprobs and not chunk.top_logprobs:  # no logprobs asked for: nothing to copy
+            return Delta(text, ids, [], [])
         lps = list(chunk.logprobs)
         tops = list(chunk.top_logprobs)
         self.logprobs.extend(lps)

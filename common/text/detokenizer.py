@@ -16,6 +16,9 @@ class IncrementalDetokenizer:
         make = getattr(tokenizer, "decode_fn", None)
         self._decode = make(skip_special_tokens) if make is not None else partial(
             tokenizer.decode, skip_special_tokens=skip_special_tokens)
+        # one token -> its text alone: a memoized ``decode_one_fn`` where the tokenizer has one
+        make_one = getattr(tokenizer, "decode_one_fn", None)
+        self._decode_one = make_one(skip_special_tokens) if make_one is not None else None
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.prefix_offset = 0
@@ -33,8 +36,12 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.extend(token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        new = self._decode(self.ids[self.prefix_offset :])
+        p, r = self.prefix_offset, self.read_offset
+        if r - p == 1 and self._decode_one is not None:  # the steady state: the window is the last token
+            prefix = self._decode_one(self.ids[p])
+        else:
+            prefix = self._decode(self.ids[p:r]) if r > p else ""
+        new = self._decode(self.ids[p:])
         if len(new) > len(prefix) and (final or not new.endswith("\ufffd")):
             self.full += new[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
