@@ -87,10 +87,10 @@ async def test_an_http_1_0_client_gets_the_end_of_its_stream(model_path: Path, m
     try:
         body: dict[str, Any] = {"stream": True, "max_tokens": 3, "prompt": "hello", "model": "m"} \
             if path.startswith("/v1") else {"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 3}}
-        async with aiohttp.ClientSession(version=aiohttp.HttpVersion10) as s:
-            async with s.post(f"http://127.0.0.1:{server.port}{path}", json=body) as r:
-                assert r.status == 200 and "Transfer-Encoding" not in r.headers
-                raw = await asyncio.wait_for(r.read(), 20)
+        url = f"http://127.0.0.1:{server.port}{path}"
+        async with aiohttp.ClientSession(version=aiohttp.HttpVersion10) as s, s.post(url, json=body) as r:
+            assert r.status == 200 and "Transfer-Encoding" not in r.headers
+            raw = await asyncio.wait_for(r.read(), 20)
         assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"data: ") >= 4
     finally:
         await server.stop()
