@@ -23,6 +23,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
+        self._prefix = ""  # the text of ids[prefix_offset:read_offset] (the offsets only move together)
         self.full = ""  # all decoded text
         self.emitted = 0  # characters of ``full`` handed out
         self.stopped = False
@@ -36,15 +37,17 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.extend(token_ids)
-        p, r = self.prefix_offset, self.read_offset
-        if r - p == 1 and self._decode_one is not None:  # the steady state: the window is the last token
-            prefix = self._decode_one(self.ids[p])
-        else:
-            prefix = self._decode(self.ids[p:r]) if r > p else ""
-        new = self._decode(self.ids[p:])
+        prefix = self._prefix
+        new = self._decode(self.ids[self.prefix_offset :])
         if len(new) > len(prefix) and (final or not new.endswith("\ufffd")):
             self.full += new[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            p = self.prefix_offset = self.read_offset
+            r = self.read_offset = len(self.ids)
+            # The next window: in the steady state the one token just read, whose text alone never changes.
+            if r - p == 1 and self._decode_one is not None:
+                self._prefix = self._decode_one(self.ids[p])
+            else:
+                self._prefix = self._decode(self.ids[p:r])
         if not self.stop:  # nothing to hold back: every decoded character is final
             out = self.full[self.emitted :]
             self.emitted = len(self.full)

@@ -58,3 +58,16 @@ def test_a_token_seen_before_is_decoded_once_when_streamed() -> None:
     # The window before each new token is that one token, memoized: two decodes per token without it.
     assert counter.calls - before <= len(ids) + 1
     assert first == again == tok.decode(ids)
+
+
+def test_a_character_split_over_tokens_does_not_decode_its_window_again_per_token() -> None:
+    """While a character's bytes arrive over several tokens, nothing is read and the window before them stays the
+    same: its text is kept, not decoded again with every token (1.81 decodes per token here before, 1.28 now)."""
+    tok = Tokenizer(load_tokenizer(make_tiny_model("llama")))
+    counter = tok._fast_decode = _CountingDecoder(tok._fast_decode)
+    ids = tok.encode("\U0001f600\U0001f44d\U0001f3fd \u4f60\u597d\uff0c\u4e16\u754c \U0001f9d1\u200d\U0001f4bb" * 3)
+    deltas = _stream(IncrementalDetokenizer(tok, True), ids)
+    assert deltas.count("") > len(ids) / 3  # many tokens end inside a character
+    before = counter.calls
+    assert _stream(IncrementalDetokenizer(tok, True), ids) == deltas
+    assert counter.calls - before < 1.5 * len(ids)
