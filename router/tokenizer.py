@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any
 
 from common.errors import InvalidRequestError
-
-DECODE_ONE_CACHE = 1 << 16  # token texts memoized per skip_special_tokens flag (LRU beyond that)
 
 
 class Tokenizer:
@@ -33,7 +31,7 @@ class Tokenizer:
             for skip in (True, False)
         )
         self._fast_decode = backend if same else None
-        self._decode_one: dict[bool, Callable[[int], str]] = {}
+        self.token_texts: dict[bool, Callable[[int], str]] = {}  # the detokenizer's memo (``token_text``)
 
     def decode_fn(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
         """``decode`` with the flag bound: the Rust tokenizer's own method when it decodes the same (no Python frame
@@ -41,15 +39,6 @@ class Tokenizer:
         if self._fast_decode is not None:
             return partial(self._fast_decode.decode, skip_special_tokens=skip_special_tokens)
         return partial(self.hf.decode, skip_special_tokens=skip_special_tokens)
-
-    def decode_one_fn(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
-        """``decode([token])``, memoized: the incremental detokenizer decodes every streamed token once on its own
-        (the window before the next token), and a token's text alone never changes."""
-        fn = self._decode_one.get(skip_special_tokens)
-        if fn is None:
-            decode = self.decode_fn(skip_special_tokens)
-            fn = self._decode_one[skip_special_tokens] = lru_cache(DECODE_ONE_CACHE)(lambda t: decode([t]))
-        return fn
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Same text as the HF tokenizer's ``decode`` (used by the incremental detokenizer on the hot path)."""

@@ -6,19 +6,39 @@ the output a client sees is always the final text cut before the first stop stri
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Callable
+from functools import lru_cache, partial
 from typing import Any
+
+TOKEN_TEXT_CACHE = 1 << 16  # one-token texts memoized per tokenizer and skip_special_tokens flag (LRU beyond)
+
+
+def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """ids -> text; a tokenizer's own ``decode_fn`` when it has one (the router's: straight into the Rust tokenizer)."""
+    make = getattr(tokenizer, "decode_fn", None)
+    if make is not None:
+        return make(skip_special_tokens)
+    return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+
+
+def token_text(tokenizer: Any, skip_special_tokens: bool) -> Callable[[int], str] | None:
+    """``decode([token])`` for ``tokenizer``, memoized in its ``token_texts`` (pdcluster's tokenizers have one; None
+    for others): a token's text alone never changes, and the detokenizer reads each streamed token's text alone
+    once (the window before the next token)."""
+    per_flag: dict[bool, Callable[[int], str]] | None = getattr(tokenizer, "token_texts", None)
+    if per_flag is None:
+        return None
+    fn = per_flag.get(skip_special_tokens)
+    if fn is None:
+        decode = _decoder(tokenizer, skip_special_tokens)
+        fn = per_flag[skip_special_tokens] = lru_cache(TOKEN_TEXT_CACHE)(lambda t: decode([t]))
+    return fn
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: tuple[str, ...] = ()) -> None:
-        # ids -> text; a tokenizer's own ``decode_fn`` when it has one (the router's: straight into the Rust tokenizer)
-        make = getattr(tokenizer, "decode_fn", None)
-        self._decode = make(skip_special_tokens) if make is not None else partial(
-            tokenizer.decode, skip_special_tokens=skip_special_tokens)
-        # one token -> its text alone: a memoized ``decode_one_fn`` where the tokenizer has one
-        make_one = getattr(tokenizer, "decode_one_fn", None)
-        self._decode_one = make_one(skip_special_tokens) if make_one is not None else None
+        self._decode = _decoder(tokenizer, skip_special_tokens)
+        self._decode_one = token_text(tokenizer, skip_special_tokens)
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.prefix_offset = 0

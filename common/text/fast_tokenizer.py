@@ -15,6 +15,7 @@ files or large Mistral vocabularies) answers None, and the caller loads transfor
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ class FastTokenizer:
         self.chat_template = templates
         self.path = path
         self._hf: Any = None
+        self.token_texts: dict[bool, Callable[[int], str]] = {}  # the detokenizer's memo (``token_text``)
         for name in NAMED_SPECIAL_TOKENS:
             token = specials.get(name)
             setattr(self, name, token)

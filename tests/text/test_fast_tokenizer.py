@@ -173,3 +173,24 @@ def test_grammar_reads_the_transformers_tokenizer_on_first_use() -> None:
     assert fast is not None
     hf = fast.transformers_tokenizer()
     assert hf is fast.transformers_tokenizer() and hf.encode("Hello") == fast.encode("Hello")
+
+
+def test_a_streamed_token_seen_before_is_decoded_once() -> None:
+    """The detokenizer memoizes a token's text alone in the tokenizer (``token_texts``): a token another stream
+    already read costs one decode, the window with it; two without the memo."""
+    fast = load_fast_tokenizer(make_tiny_model("llama"))
+    assert fast is not None
+    calls: list[int] = []
+    decode = fast.decode
+
+    def counting(ids: list[int] | int, skip_special_tokens: bool = False) -> str:
+        calls.append(1)
+        return decode(ids, skip_special_tokens=skip_special_tokens)
+
+    fast.decode = counting  # type: ignore[method-assign]
+    ids = fast.encode("plain ascii words, streamed one token at a time, none of them split over two tokens")
+    first = [IncrementalDetokenizer(fast, True).add([t]) for t in ids]
+    calls.clear()
+    again = IncrementalDetokenizer(fast, True)
+    assert [again.add([t]) for t in ids] == first
+    assert len(calls) <= len(ids)
