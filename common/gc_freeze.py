@@ -1,4 +1,4 @@
-"""Keep the garbage collector off the start-up heap of a long-running process.
+"""Keep the garbage collector off the start-up heap of a long-running process, and off in-flight requests.
 
 A process that imported torch, transformers and grpc holds a few hundred thousand long-lived objects, and a
 generation-2 collection traverses all of them: measured 110 ms per full collection (230k objects) in a process with
@@ -8,14 +8,28 @@ it would stall a step (none fired in a 1,920-request tiny-model run, so there it
 ``freeze_startup_heap`` moves everything alive at the end of start-up to the permanent generation (the collector
 never scans it again; reference counting still frees those objects), so later collections only traverse what
 serving allocated.
+
+An event-loop server (the router, a node's front) also raises the young generation's threshold
+(``SERVING_YOUNG_THRESHOLD``): every in-flight request holds a few dozen tracked objects (coroutines, async
+generators, futures, frames) for its whole life, and with CPython's default (a collection every 700 net allocations)
+each collection traversed the same ~2,000 in-flight objects again and promoted them to be traversed once more in
+generation 1. Measured in the router under sglang_router_compare's load (c=32, 16-token streams, 2-core VM): 60 µs
+of collections per request at 700, 18 at 20,000; the longest pause 7 ms (a generation-2 collection) at 700, 11 ms
+at 20,000.
 """
 
 from __future__ import annotations
 
 import gc
 
+SERVING_YOUNG_THRESHOLD = 20_000
 
-def freeze_startup_heap() -> None:
-    """Call once, when start-up is done: collect start-up's garbage, then freeze what is left."""
+
+def freeze_startup_heap(young_threshold: int | None = None) -> None:
+    """Call once, when start-up is done: collect start-up's garbage, then freeze what is left. ``young_threshold``:
+    the young generation's collection threshold from now on (None: leave the process's own)."""
     gc.collect()
     gc.freeze()
+    if young_threshold is not None:
+        _, g1, g2 = gc.get_threshold()
+        gc.set_threshold(young_threshold, g1, g2)

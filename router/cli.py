@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from common import env, event_loop
 from common.errors import ConfigError
 from common.flags import add_flags, arg_group, config_values
-from common.gc_freeze import freeze_startup_heap
+from common.gc_freeze import SERVING_YOUNG_THRESHOLD, freeze_startup_heap
 from common.wire.tls import TlsFiles
 from router.config import SECURITY, RouterConfig, WorkerSpec
 
@@ -96,7 +96,7 @@ async def _serve(cfg: RouterConfig) -> None:
 
     server = RouterServer(cfg)
     await server.start()
-    freeze_startup_heap()
+    freeze_startup_heap(SERVING_YOUNG_THRESHOLD)
     print(
         f"router ready grpc={server.grpc_address} http={server.http_url if cfg.http_port is not None else '-'}",
         flush=True,

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.config import ServerArgs
 from common.engine.model.config import ModelConfig
-from common.gc_freeze import freeze_startup_heap
+from common.gc_freeze import SERVING_YOUNG_THRESHOLD, freeze_startup_heap
 from common.node.front import WorkerServicer
 from common.node.http_probe import node_liveness, start_probe_server
 from common.node.metrics import poll_load_forever
@@ -193,7 +193,7 @@ async def serve(args: ServerArgs) -> int:
     except BaseException:
         await node.ranks.close()
         raise
-    freeze_startup_heap()  # a node process's own start-up; in-process NodeServers (tests) leave their host's GC alone
+    freeze_startup_heap(SERVING_YOUNG_THRESHOLD)  # a node process's own start-up; in-process NodeServers (tests) leave their host's GC alone
     print(f"pdcluster node ready: mode={args.disaggregation_mode} grpc={args.host}:{node.port}", flush=True)
     await node.wait_for_signal()
     await node.drain_and_stop()
