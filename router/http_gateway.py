@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from common.client_gone import client_gone_middleware
 from common.errors import PdclusterError
-from common.event_stream import delimit_event_stream
+from common.event_stream import EventStreamResponse, delimit_event_stream
 from router import openai_protocol as oai
 from router.admin import admin_middleware
 from router.choices import choice_requests, merge_choices
@@ -193,7 +193,7 @@ class HttpGateway:
         """Stream the choices' events as SSE chunks; the choices' chunks interleave as their tokens arrive, each with
         its ``index``; usage and ``[DONE]`` follow the last choice's end. One choice: after its first event, its
         deltas are written by an ``SseSink`` as the node's messages arrive."""
-        resp = web.StreamResponse(
+        resp = EventStreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         delimit_event_stream(resp, request)
@@ -221,8 +221,8 @@ class HttpGateway:
                         data = deltas.of(i, ev)
                         if data is not None:
                             await resp.write(data)
-                        if sink is not None:
-                            sink.live = True
+                            if sink is not None:  # the head is out (with this event): the sink may write
+                                sink.live = True
                         continue
                     finish, delta = ev.finish_reason, {}
                     if plan is not None:

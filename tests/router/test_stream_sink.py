@@ -13,6 +13,7 @@ import aiohttp
 import grpc
 import pytest
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 
 from common.testing.mock_fleet import shared_model_dir
 from common.testing.mock_worker import fake_tokens
@@ -99,6 +100,28 @@ async def test_sink_events_go_into_the_transport_as_http_chunks(sink_writes: lis
         # The handler's writes (the head's first event) only: through StreamResponse.write, each of the sink's
         # events with text would be one more.
         assert len(response_writes) < len([t for t in sink_writes if t]) / 2, (response_writes, sink_writes)
+
+
+async def test_the_head_leaves_with_the_first_event_in_one_send(monkeypatch: pytest.MonkeyPatch) -> None:
+    sends: list[bytes] = []  # what aiohttp's writer handed its transport, one entry per call
+    write, writelines = StreamWriter._write, StreamWriter._writelines
+
+    def one(self: StreamWriter, chunk: bytes) -> None:
+        sends.append(bytes(chunk))
+        write(self, chunk)
+
+    def lines(self: StreamWriter, chunks: Any) -> None:
+        sends.append(b"".join(chunks))
+        writelines(self, chunks)
+
+    monkeypatch.setattr(StreamWriter, "_write", one)
+    monkeypatch.setattr(StreamWriter, "_writelines", lines)
+    async with fleet(prefill=1, decode=1, common=PACED) as f:
+        text, _, _ = await _stream_text(f.openai(), prompt="Hello world", max_tokens=8)
+        assert text == expected_text("Hello world", 8)
+    streamed = [i for i, b in enumerate(sends) if b.startswith(b"HTTP/1.1 200") and b"text/event-stream" in b]
+    assert len(streamed) == 1, sends
+    assert b"data: {" in sends[streamed[0]], sends[streamed[0]]  # not a send of its own before the first event
 
 
 async def test_an_http_1_0_client_gets_the_stream_unchunked(sink_writes: list[str],
