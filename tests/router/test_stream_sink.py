@@ -124,6 +124,25 @@ async def test_the_head_leaves_with_the_first_event_in_one_send(monkeypatch: pyt
     assert b"data: {" in sends[streamed[0]], sends[streamed[0]]  # not a send of its own before the first event
 
 
+async def test_the_sink_writes_only_after_the_head_went_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first delta with no event (e.g. the first bytes of a character) must not let the sink write into the
+    transport while the response's head is still held back: its chunk would precede the head."""
+    of = sse.DeltaEvents.of
+    dropped: list[str] = []
+
+    def none_first(self: sse.DeltaEvents, i: int, ev: Delta) -> bytes | None:
+        if not dropped:
+            dropped.append(ev.text)
+            return None
+        return of(self, i, ev)
+
+    monkeypatch.setattr(sse.DeltaEvents, "of", none_first)
+    async with fleet(prefill=1, decode=1, common=PACED) as f:
+        text, reason, tokens = await asyncio.wait_for(_stream_text(f.openai(), prompt="Hello world", max_tokens=24), 20)
+        assert dropped and text == expected_text("Hello world", 24)[len(dropped[0]) :]
+        assert (reason, tokens) == ("length", 24)
+
+
 async def test_an_http_1_0_client_gets_the_stream_unchunked(sink_writes: list[str],
                                                            response_writes: list[bytes]) -> None:
     async with fleet(prefill=1, decode=1, common=PACED) as f, aiohttp.ClientSession(
