@@ -137,6 +137,10 @@ class _Target:
     info: PeerInfo
     pool: RemotePool
     rkeys: list[bytes]
+    # Why this pairing's connection broke (sticky; later jobs fail at once naming it). Kept on the pairing, not the
+    # key: a peer removed and added again (it handshook again after losing this rank) has the same key, and a job of
+    # the old pairing that ends late must not break the new one.
+    broken: str | None = None
 
 
 @dataclass
@@ -150,6 +154,7 @@ class _Connection:
     NIXL's cma single-copy WRITE on one host. A dead decode still fails the flush (or the job's deadline aborts it)."""
 
     ep: Any
+    target: _Target
     data: Any = None
     rkeys: list[ucp.RemoteKey] = field(default_factory=list)
     open: bool = True
@@ -176,7 +181,6 @@ class UcxBackend(QueuedBackend):
         self._targets: dict[PeerKey, _Target] = {}  # prefill: known decode peers
         self._unusable: dict[PeerKey, str] = {}  # prefill: peers whose endpoint could not be read: why
         self._peers: set[PeerKey] = set()  # decode: prefill ranks that passed the handshake
-        self._broken: dict[PeerKey, str] = {}
         # prefill: the loop futures of jobs in flight per peer; a removed peer's are cancelled at once (a connect to
         # a dead peer would otherwise hold its rooms' pages until the connect timeout)
         self._inflight: dict[PeerKey, set[Future[Any]]] = {}
@@ -238,7 +242,6 @@ class UcxBackend(QueuedBackend):
             self._targets.pop(key, None)
             self._unusable.pop(key, None)
             self._peers.discard(key)
-            self._broken.pop(key, None)
             inflight = self._inflight.pop(key, set())
             closed = self._closed
         for future in inflight:
@@ -316,10 +319,12 @@ class UcxBackend(QueuedBackend):
             self._listener.close()
             self._listener = None
 
-    def _drop_connections(self, key: PeerKey) -> None:
-        """Loop thread: abort the endpoint to ``key`` (its remote keys first) and stop serving its connections."""
-        conn = self._conns.pop(key, None)
-        if conn is not None:
+    def _drop_connections(self, key: PeerKey, target: _Target | None = None) -> None:
+        """Loop thread: abort the endpoint to ``key`` (its remote keys first; only if it was opened for ``target``
+        when one is named) and stop serving its connections."""
+        conn = self._conns.get(key)
+        if conn is not None and (target is None or conn.target is target):
+            del self._conns[key]
             conn.open = False
             for rkey in conn.rkeys:
                 rkey.destroy()
@@ -333,7 +338,8 @@ class UcxBackend(QueuedBackend):
     # ---- prefill: the peer's worker thread waits for its job on the loop ----------------------------------------
     def _move(self, job: TransferJob) -> None:
         with self._lock:
-            target, why, broken = self._targets.get(job.peer), self._unusable.get(job.peer), self._broken.get(job.peer)
+            target, why = self._targets.get(job.peer), self._unusable.get(job.peer)
+            broken = target.broken if target is not None else None
         if target is None:
             raise TransferError(f"the peer's UCX endpoint is unknown: {why or 'peer removed'}")
         if broken is not None:
@@ -377,8 +383,9 @@ class UcxBackend(QueuedBackend):
         if started.is_set() and not left.wait(CALL_TIMEOUT_S):
             log.error("kv ucx: room %d chunk %d still on the loop after its end", job.room, job.chunk_id)
         with self._lock:
-            self._broken.setdefault(job.peer, reason)
-        self._on_loop(self._drop_connections, job.peer)
+            if target.broken is None:
+                target.broken = reason
+        self._on_loop(lambda key: self._drop_connections(key, target), job.peer)
         raise TransferError(reason)
 
     def _forget(self, peer: PeerKey, future: Future[Any]) -> None:
@@ -425,7 +432,7 @@ class UcxBackend(QueuedBackend):
                 raise TransferError(f"connection to {job.peer.instance_id} closed by the peer")
         finally:
             if ucp.status(req) == ucp.UCS_INPROGRESS:  # cancelled: abort, then let the request finish
-                self._drop_connections(job.peer)
+                self._drop_connections(job.peer, conn.target)
                 end = time.monotonic() + CALL_TIMEOUT_S
                 while ucp.status(req) == ucp.UCS_INPROGRESS and time.monotonic() < end:
                     ucp.progress()
@@ -433,15 +440,17 @@ class UcxBackend(QueuedBackend):
 
     async def _connection(self, key: PeerKey, target: _Target) -> _Connection:
         conn = self._conns.get(key)
-        if conn is not None:
+        if conn is not None and conn.target is target:
             return conn
+        if conn is not None:  # opened for an earlier pairing with the same key
+            self._drop_connections(key)
         ep = await ucxx.create_endpoint(target.info.endpoint["host"], int(target.info.endpoint["port"]),
                                        connect_timeout=min(self.config.bootstrap_timeout_s, 30.0))
-        conn = _Connection(ep)
+        conn = _Connection(ep, target)
         try:
             await ep.send_obj(wire.encode(wire.DataHello(self.local.instance_id, self.local.epoch)))
             with self._lock:
-                gone = self._closed or key not in self._targets
+                gone = self._closed or self._targets.get(key) is not target
             if gone:
                 raise TransferError("peer removed")
             conn.data = await ucxx.create_endpoint_from_worker_address(

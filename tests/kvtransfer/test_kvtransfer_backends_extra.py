@@ -8,6 +8,7 @@ process, each on its own threads), plus the shared kill-mid-transfer faults acro
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -276,3 +277,44 @@ def test_a_peer_paired_again_moves_pages_over_a_new_connection(backend: str, no_
     finally:
         prefill.close()
         decode.close()
+
+
+def test_ucx_a_job_of_the_dropped_pairing_ending_late_leaves_the_new_pairing_usable(no_threads_left: None) -> None:
+    """Prefill drops a decode peer and adds it again with the same key (it handshook again after losing this rank)
+    while a job of the old pairing is still leaving the loop: that job's failure must not mark the new pairing broken
+    (every later room to the peer failed at once, "connection broken earlier: ... peer removed")."""
+    pair = Pair("ucx", make_args(1, NUM_PAGES), make_args(2, NUM_PAGES))
+    backend = pair.prefill
+    started, release = threading.Event(), threading.Event()
+    real_move = backend._move_async  # type: ignore[attr-defined]
+
+    async def held_move(job: TransferJob, target: object, segments: object, on_loop: threading.Event,
+                        left: threading.Event) -> None:
+        """A job that ends only when released, after its cancellation (its worker waits for ``left``)."""
+        on_loop.set()
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        finally:
+            deadline = time.monotonic() + 10
+            while not release.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            left.set()
+
+    try:
+        backend._move_async = held_move  # type: ignore[attr-defined]
+        old = pair.job(40, 0, [1], [1])
+        backend.submit(old)
+        assert started.wait(10)
+        d_info = PeerInfo(pair.d_key, pair.dst.layout({}), pair.decode.endpoint())
+        backend.remove_peer(pair.d_key)
+        backend.add_peer(d_info)
+        backend._move_async = real_move  # type: ignore[attr-defined]
+        release.set()
+        assert pair.events.wait(1)[0][0] is old and pair.events.wait(1)[0][1]  # the old pairing's job failed
+        backend.submit(pair.job(41, 0, [3], [5]))
+        assert pair.events.wait(2)[-1][1] is None
+        assert _pages(pair.dst.k_buffers[0], 5).equal(_pages(pair.src.k_buffers[0], 3))
+    finally:
+        release.set()
+        pair.close()

@@ -208,7 +208,16 @@ async def test_a_node_pushes_its_load_on_the_stream_and_polls_stop() -> None:
         def polls() -> int:
             return [m for m, _ in d.calls].count("GetLoad")
 
+        # The round that opened the stream still polls once (its GetLoad may land after the first push): wait until
+        # no poll came for 4 load intervals. Were polls still going, none of those windows would be quiet.
+        deadline = asyncio.get_running_loop().time() + 5.0
         before = polls()
+        while True:
+            await asyncio.sleep(0.2)
+            if polls() == before:
+                break
+            assert asyncio.get_running_loop().time() < deadline, "GetLoad polls go on while the node pushes its load"
+            before = polls()
         d.cfg.free_kv_pages = 17  # the node's load changes: the router learns it without a poll
         await eventually(lambda: w.ranks[0].report is not None and w.ranks[0].report.free_kv_pages == 17)
         await asyncio.sleep(0.3)  # 6 load intervals
