@@ -83,11 +83,7 @@ class OutputState:
         self.last_at = now
 
     def matched_stop(self) -> str | None:
-        d = self.detok
-        for s in d.stop:
-            if d.full.startswith(s, d.emitted):
-                return s
-        return None
+        return self.detok.matched_stop()
 
     def finish(
         self,
