@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import libucx
 import ucxx
@@ -39,6 +40,28 @@ class _RequestParam(ctypes.Structure):  # ucp_request_param_t with op_attr_mask 
                 ("memh", ctypes.c_void_p)]
 
 
+_ERR_HANDLER_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)  # (arg, ep, status)
+
+
+class _ErrHandler(ctypes.Structure):  # ucp_err_handler_t
+    _fields_ = [("cb", _ERR_HANDLER_CB), ("arg", ctypes.c_void_p)]
+
+
+class _SockAddr(ctypes.Structure):  # ucs_sock_addr_t
+    _fields_ = [("addr", ctypes.c_void_p), ("addrlen", ctypes.c_uint32)]
+
+
+class _EpParams(ctypes.Structure):  # ucp_ep_params_t (libucx 1.21)
+    _fields_ = [("field_mask", ctypes.c_uint64), ("address", ctypes.c_void_p), ("err_mode", ctypes.c_int),
+                ("err_handler", _ErrHandler), ("user_data", ctypes.c_void_p), ("flags", ctypes.c_uint),
+                ("sockaddr", _SockAddr), ("conn_request", ctypes.c_void_p), ("name", ctypes.c_char_p),
+                ("local_sockaddr", _SockAddr)]
+
+
+_EP_REMOTE_ADDRESS_AND_ERR_HANDLER = (1 << 0) | (1 << 2)  # UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | _ERR_HANDLER
+_OP_ATTR_FIELD_FLAGS, _EP_CLOSE_FLAG_FORCE = 1 << 4, 1 << 0
+
+
 def _sig(name: str, restype: type | None, *argtypes: type) -> ctypes._CFuncPtr:
     fn = getattr(_ucp, name)
     fn.restype, fn.argtypes = restype, list(argtypes)
@@ -55,6 +78,8 @@ _rkey_destroy = _sig("ucp_rkey_destroy", None, _vp)
 put = _sig("ucp_put_nbi", ctypes.c_int, _vp, _vp, _sz, _u64, _vp)
 """put(ep, source address, length, destination address, rkey) -> UCS_OK / UCS_INPROGRESS / error (< 0)."""
 _flush = _sig("ucp_ep_flush_nbx", _vp, _vp, ctypes.POINTER(_RequestParam))
+_ep_create = _sig("ucp_ep_create", ctypes.c_int, _vp, ctypes.POINTER(_EpParams), ctypes.POINTER(_vp))
+_ep_close = _sig("ucp_ep_close_nbx", _vp, _vp, ctypes.POINTER(_RequestParam))
 _check = _sig("ucp_request_check_status", ctypes.c_int, _vp)
 _cancel = _sig("ucp_request_cancel", None, _vp, _vp)
 _free = _sig("ucp_request_free", None, _vp)
@@ -126,6 +151,41 @@ class RemoteKey:
         if self.handle is not None:
             handle, self.handle = self.handle, None
             _rkey_destroy(handle)
+
+
+class Endpoint:
+    """An endpoint to a peer's worker address with no peer-failure error handling (so UCX may pick ``cma`` on one
+    host: libucx 1.21's cma has no peer-failure support, and an endpoint that asks for it gets tcp) but with an
+    error callback. Without the callback, a transport error on it (a PUT to a peer process that just died:
+    ``process_vm_writev ... No such process``) is unhandled and UCX aborts the whole process; with it, the endpoint
+    fails: its outstanding operations complete with the error and ``failed`` says which. Closed with ``close``."""
+
+    def __init__(self, worker_address: bytes) -> None:
+        self.failed: int | None = None  # the UCS status the endpoint failed with
+        self._cb = _ERR_HANDLER_CB(self._on_error)  # referenced until the endpoint is closed
+        address = ctypes.create_string_buffer(worker_address, len(worker_address))
+        params = _EpParams(field_mask=_EP_REMOTE_ADDRESS_AND_ERR_HANDLER, address=ctypes.addressof(address),
+                           err_handler=_ErrHandler(self._cb, None))
+        ep = _vp()
+        _check_ok(_ep_create(worker(), ctypes.byref(params), ctypes.byref(ep)), "ucp_ep_create")
+        self.handle: int | None = ep.value
+
+    def _on_error(self, _arg: int | None, _ep: int | None, status: int) -> None:
+        self.failed = status
+
+    def close(self, timeout_s: float) -> None:
+        """Force-close (outstanding operations complete with an error; no flush), progressing until it is done."""
+        if self.handle is None:
+            return
+        handle, self.handle = self.handle, None
+        req = _ep_close(handle, ctypes.byref(_RequestParam(op_attr_mask=_OP_ATTR_FIELD_FLAGS,
+                                                           flags=_EP_CLOSE_FLAG_FORCE)))
+        if req is None or _ERR_LAST <= ctypes.c_int64(req).value < 0:
+            return
+        end = time.monotonic() + timeout_s
+        while status(req) == UCS_INPROGRESS and time.monotonic() < end:
+            progress()
+        release(req)
 
 
 def flush(ep: int) -> int | None:

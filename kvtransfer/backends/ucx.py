@@ -23,7 +23,8 @@ peer's pool before any PUT (``onesided.write_segments``); the remote keys cover 
 Trust: as for ``nixl``: only peers that passed the control-plane handshake (cluster token) learn the keys.
 
 Failure: an error, a removed peer or a job over ``transfer_timeout_s`` aborts the endpoint and marks the peer
-broken (later jobs fail at once naming it); a dead peer's endpoint errors out through UCX's error handling.
+broken (later jobs fail at once naming it); a dead peer's endpoint errors out through UCX's error handling (the data
+endpoint's error callback: never an unhandled error, which UCX answers by aborting the process).
 
 GPU buffers: UCX moves device memory itself (cuda_copy, cuda_ipc, or RDMA with GPUDirect), never through a host
 copy made here. At start-up the backend checks that the process's UCX context has CUDA transports and otherwise
@@ -149,13 +150,15 @@ class _Connection:
 
     ``ep`` (through decode's listener, peer-failure error handling) carries the handshake and ends when either side
     drops the peer; a job fails if it is closed once its flush completed. ``data`` (from decode's worker address,
-    no peer-failure error handling) carries the PUTs: libucx 1.21's cma has no peer-failure support, so an endpoint
-    with it (every listener endpoint) gets no cma lane and PUTs go over tcp/lo (UCX_PROTO_INFO), ~2x slower than
-    NIXL's cma single-copy WRITE on one host. A dead decode still fails the flush (or the job's deadline aborts it)."""
+    no peer-failure error handling, ``ucp.Endpoint``) carries the PUTs: libucx 1.21's cma has no peer-failure
+    support, so an endpoint with it (every listener endpoint) gets no cma lane and PUTs go over tcp/lo
+    (UCX_PROTO_INFO), ~2x slower than NIXL's cma single-copy WRITE on one host. It has an error callback all the
+    same: a PUT into a decode process that just died fails the endpoint and the job (without one, UCX aborted the
+    prefill process); a decode that dies silently fails the flush or the job's deadline aborts it."""
 
     ep: Any
     target: _Target
-    data: Any = None
+    data: ucp.Endpoint | None = None
     rkeys: list[ucp.RemoteKey] = field(default_factory=list)
     open: bool = True
 
@@ -329,7 +332,7 @@ class UcxBackend(QueuedBackend):
             for rkey in conn.rkeys:
                 rkey.destroy()
             if conn.data is not None:
-                conn.data.abort()
+                conn.data.close(CALL_TIMEOUT_S)
             conn.ep.abort()
         for task, peer in list(self._serving.items()):
             if peer == key:
@@ -401,7 +404,8 @@ class UcxBackend(QueuedBackend):
                 torch.cuda.default_stream(self._device).synchronize()
             src, dst, length = (a.tolist() for a in segments)
             per_buffer = len(src) // len(conn.rkeys)  # segments are buffer-major, as many per buffer
-            ep, rkeys = conn.data.ucp_endpoint, [k.handle for k in conn.rkeys]
+            assert conn.data is not None and conn.data.handle is not None
+            ep, rkeys = conn.data.handle, [k.handle for k in conn.rkeys]
             for i, (s, d, n) in enumerate(zip(src, dst, length, strict=True)):  # NOTE: no await: conn stays open
                 status = ucp.put(ep, s, n, d, rkeys[i // per_buffer])
                 if status < 0:
@@ -414,7 +418,8 @@ class UcxBackend(QueuedBackend):
         """Until every PUT on ``conn`` is in the peer's memory; on any exit before that (error, cancellation) the
         endpoint is aborted and the flush request waited for, so no PUT of the job is left in flight."""
         try:
-            req = ucp.flush(conn.data.ucp_endpoint)
+            assert conn.data is not None and conn.data.handle is not None
+            req = ucp.flush(conn.data.handle)
         except ucp.UcpError as exc:
             raise TransferError(f"flush to {job.peer.instance_id}: {exc}") from exc
         if req is None:
@@ -453,15 +458,13 @@ class UcxBackend(QueuedBackend):
                 gone = self._closed or self._targets.get(key) is not target
             if gone:
                 raise TransferError("peer removed")
-            conn.data = await ucxx.create_endpoint_from_worker_address(
-                ucxx.get_ucx_address_from_buffer(bytes.fromhex(target.info.endpoint["worker"])),
-                endpoint_error_handling=False)
-            conn.rkeys = [ucp.RemoteKey(conn.data.ucp_endpoint, packed) for packed in target.rkeys]
+            conn.data = ucp.Endpoint(bytes.fromhex(target.info.endpoint["worker"]))
+            conn.rkeys = [ucp.RemoteKey(conn.data.handle, packed) for packed in target.rkeys]
         except BaseException:
             for rkey in conn.rkeys:
                 rkey.destroy()
             if conn.data is not None:
-                conn.data.abort()
+                conn.data.close(CALL_TIMEOUT_S)
             ep.abort()
             raise
         self._conns[key] = conn

@@ -5,7 +5,12 @@ Each test ends in Failed rooms with a reason naming the peer and the state (neve
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -33,6 +38,7 @@ from kvtransfer.testing import (
 
 pytestmark = pytest.mark.slow
 NUM_PAGES = 64
+ROOT = Path(__file__).resolve().parents[2]
 KILL_BACKENDS = ["tcp", "shm", "fake", "nccl", "ucx", "nixl", backend_param("mooncake")]
 FAULT_BACKENDS = ["tcp", "nixl", backend_param("mooncake")]  # the faults below: two-sided and one-sided planes
 
@@ -84,6 +90,52 @@ def receiver_killed_mid_transfer(backend: str, **overrides: object) -> None:
         child.kill()
         mgr.close()
         server.stop()
+
+
+# Pages of 32 KiB: a page run goes as one zero-copy PUT (cma on one host), straight into the decode process's memory.
+BIG_PAGES = {"page_size": 16, "heads": 8, "head_dim": 128}
+
+
+def receiver_killed_while_puts_are_in_flight(backend: str) -> None:
+    """Run in a child interpreter (a failing run aborts the process): decode (a grandchild) is SIGKILLed while the
+    second chunks' PUTs go to it; every room fails naming the peer, and this process lives on."""
+    pages = 256
+    plans = plan_rooms(8, pages, pages, pages_per_room=24, seed=1)
+    config = kv_config(backend)
+    server = BootstrapServer(config.cluster_token)
+    port = server.start()
+    mgr = KVManager(make_args(PREFILL_SEED, pages, **BIG_PAGES), config, PrefillRooms,
+                    bootstrap_addr=f"127.0.0.1:{port}")
+    child = Child(RoleSpec("decode", backend, plans, num_pages=pages, bootstrap_addr=f"127.0.0.1:{port}",
+                           args_overrides=BIG_PAGES))
+    try:
+        senders = {p.room: KVSender(mgr, p.room) for p in plans}
+        _wait(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders.values()), 20)
+        for plan in plans:
+            senders[plan.room].init(len(plan.src_pages), plan.slot)
+            senders[plan.room].send(plan.src_pages[: plan.chunks[0]])
+        time.sleep(1.0)  # the data connection is up and the first chunks landed
+        for plan in plans:
+            senders[plan.room].send(plan.src_pages[plan.chunks[0] :], last=True, metadata=plan.metadata())
+        time.sleep(0.002)
+        os.kill(child.proc.pid, signal.SIGKILL)  # not joined: the PUTs race the death
+        _wait(lambda: all(s.poll() == KVPoll.Failed for s in senders.values()), config.peer_dead_after_s + 5)
+        for sender in senders.values():
+            assert "decode/dp0/tp0" in sender.failure(), sender.failure()
+        _wait(lambda: all(s.is_quiesced() for s in senders.values()), 5)
+    finally:
+        child.kill()
+        mgr.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("backend", ["ucx", "nixl"])
+def test_receiver_killed_while_puts_are_in_flight_fails_rooms_and_the_sender_lives_on(backend: str) -> None:
+    """A PUT into a process that just died is a transport error on the endpoint; unhandled, UCX aborts the sender
+    (``ucx``'s data endpoints had no error callback: a killed decode node took its prefill node down with it)."""
+    code = f"from {__name__} import receiver_killed_while_puts_are_in_flight as run; run({backend!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"exit code {proc.returncode}: {proc.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("backend", KILL_BACKENDS)
