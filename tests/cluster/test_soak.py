@@ -47,4 +47,5 @@ def test_short_soak_loses_nothing_and_recovers_from_each_fault(model_path, tmp_p
     kill = report["faults"][1]
     restarted = (out.parent / "soak-up.log").read_text()
     assert f"{kill['victim']} restarted: pid" in restarted
+    assert checks["unexpected_restarts"] == [], restarted  # no node died of a fault it was not given
     assert Path(f"{out}-rss.png").stat().st_size > 0
