@@ -41,6 +41,9 @@ class _RequestParam(ctypes.Structure):  # ucp_request_param_t with op_attr_mask 
 
 
 _ERR_HANDLER_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)  # (arg, ep, status)
+# An endpoint's failure is handled once a callback is installed: UCX then fails the endpoint's operations with the
+# error, and they report it (a PUT's status, the flush request). Nothing more is needed from the callback itself.
+_ERROR_HANDLED = _ERR_HANDLER_CB(lambda _arg, _ep, _status: None)
 
 
 class _ErrHandler(ctypes.Structure):  # ucp_err_handler_t
@@ -158,20 +161,15 @@ class Endpoint:
     host: libucx 1.21's cma has no peer-failure support, and an endpoint that asks for it gets tcp) but with an
     error callback. Without the callback, a transport error on it (a PUT to a peer process that just died:
     ``process_vm_writev ... No such process``) is unhandled and UCX aborts the whole process; with it, the endpoint
-    fails: its outstanding operations complete with the error and ``failed`` says which. Closed with ``close``."""
+    fails: its outstanding and later operations complete with the error. Closed with ``close``."""
 
     def __init__(self, worker_address: bytes) -> None:
-        self.failed: int | None = None  # the UCS status the endpoint failed with
-        self._cb = _ERR_HANDLER_CB(self._on_error)  # referenced until the endpoint is closed
         address = ctypes.create_string_buffer(worker_address, len(worker_address))
         params = _EpParams(field_mask=_EP_REMOTE_ADDRESS_AND_ERR_HANDLER, address=ctypes.addressof(address),
-                           err_handler=_ErrHandler(self._cb, None))
+                           err_handler=_ErrHandler(_ERROR_HANDLED, None))
         ep = _vp()
         _check_ok(_ep_create(worker(), ctypes.byref(params), ctypes.byref(ep)), "ucp_ep_create")
         self.handle: int | None = ep.value
-
-    def _on_error(self, _arg: int | None, _ep: int | None, status: int) -> None:
-        self.failed = status
 
     def close(self, timeout_s: float) -> None:
         """Force-close (outstanding operations complete with an error; no flush), progressing until it is done."""
