@@ -61,65 +61,43 @@ def test_receiver_killed_mid_transfer_fails_sender_within_deadline(backend: str)
     receiver_killed_mid_transfer(backend)
 
 
-def receiver_killed_mid_transfer(backend: str, **overrides: object) -> None:
-    """Decode (a child) is SIGKILLed after the first chunks: every prefill room fails naming the peer within the
-    heartbeat deadline, and quiesces. ``overrides``: the transfer config of both sides (e.g. backend options)."""
-    plans = plan_rooms(4, NUM_PAGES, NUM_PAGES, pages_per_room=6, seed=1)
-    config = kv_config(backend, **overrides)
-    server = BootstrapServer(config.cluster_token)
-    port = server.start()
-    mgr = KVManager(make_args(PREFILL_SEED, NUM_PAGES), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
-    child = Child(RoleSpec("decode", backend, plans, num_pages=NUM_PAGES, bootstrap_addr=f"127.0.0.1:{port}",
-                           config_overrides=overrides))
-    try:
-        senders = {p.room: KVSender(mgr, p.room) for p in plans}
-        _wait(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders.values()), 10)
-        for plan in plans:
-            senders[plan.room].init(len(plan.src_pages), plan.slot)
-            senders[plan.room].send(plan.src_pages[: plan.chunks[0]])
-        child.kill()
-        killed = time.monotonic()
-        for plan in plans:
-            senders[plan.room].send(plan.src_pages[plan.chunks[0] :], last=True, metadata=plan.metadata())
-        _wait(lambda: all(s.poll() == KVPoll.Failed for s in senders.values()), config.peer_dead_after_s + 3)
-        assert time.monotonic() - killed < config.peer_dead_after_s + 3
-        for sender in senders.values():
-            assert "decode/dp0/tp0" in sender.failure(), sender.failure()
-        _wait(lambda: all(s.is_quiesced() for s in senders.values()), 5)
-    finally:
-        child.kill()
-        mgr.close()
-        server.stop()
-
-
 # Pages of 32 KiB: a page run goes as one zero-copy PUT (cma on one host), straight into the decode process's memory.
 BIG_PAGES = {"page_size": 16, "heads": 8, "head_dim": 128}
 
 
-def receiver_killed_while_puts_are_in_flight(backend: str) -> None:
-    """Run in a child interpreter (a failing run aborts the process): decode (a grandchild) is SIGKILLed while the
-    second chunks' PUTs go to it; every room fails naming the peer, and this process lives on."""
-    pages = 256
-    plans = plan_rooms(8, pages, pages, pages_per_room=24, seed=1)
-    config = kv_config(backend)
+def receiver_killed_mid_transfer(backend: str, *, puts_in_flight: bool = False, **overrides: object) -> None:
+    """Decode (a child) is SIGKILLed after the first chunks: every prefill room fails naming the peer within the
+    heartbeat deadline, and quiesces. ``overrides``: the transfer config of both sides (e.g. backend options).
+    ``puts_in_flight``: 32 KiB pages, and the kill lands 2 ms into the second chunks' transfers, not before them
+    (zero-copy PUTs into the dying process; run it in a child interpreter: a failing run aborts the process)."""
+    pages, args = (256, BIG_PAGES) if puts_in_flight else (NUM_PAGES, {})
+    plans = plan_rooms(8, pages, pages, pages_per_room=24, seed=1) if puts_in_flight else \
+        plan_rooms(4, pages, pages, pages_per_room=6, seed=1)
+    config = kv_config(backend, **overrides)
     server = BootstrapServer(config.cluster_token)
     port = server.start()
-    mgr = KVManager(make_args(PREFILL_SEED, pages, **BIG_PAGES), config, PrefillRooms,
-                    bootstrap_addr=f"127.0.0.1:{port}")
+    mgr = KVManager(make_args(PREFILL_SEED, pages, **args), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
     child = Child(RoleSpec("decode", backend, plans, num_pages=pages, bootstrap_addr=f"127.0.0.1:{port}",
-                           args_overrides=BIG_PAGES))
+                           config_overrides=overrides, args_overrides=args))
     try:
         senders = {p.room: KVSender(mgr, p.room) for p in plans}
         _wait(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders.values()), 20)
         for plan in plans:
             senders[plan.room].init(len(plan.src_pages), plan.slot)
             senders[plan.room].send(plan.src_pages[: plan.chunks[0]])
-        time.sleep(1.0)  # the data connection is up and the first chunks landed
+        if puts_in_flight:
+            time.sleep(1.0)  # the data connection is up and the first chunks landed
+        else:
+            child.kill()
+        killed = time.monotonic()
         for plan in plans:
             senders[plan.room].send(plan.src_pages[plan.chunks[0] :], last=True, metadata=plan.metadata())
-        time.sleep(0.002)
-        os.kill(child.proc.pid, signal.SIGKILL)  # not joined: the PUTs race the death
-        _wait(lambda: all(s.poll() == KVPoll.Failed for s in senders.values()), config.peer_dead_after_s + 5)
+        if puts_in_flight:
+            time.sleep(0.002)
+            os.kill(child.proc.pid, signal.SIGKILL)  # not joined: the PUTs race the death
+            killed = time.monotonic()
+        _wait(lambda: all(s.poll() == KVPoll.Failed for s in senders.values()), config.peer_dead_after_s + 3)
+        assert time.monotonic() - killed < config.peer_dead_after_s + 3
         for sender in senders.values():
             assert "decode/dp0/tp0" in sender.failure(), sender.failure()
         _wait(lambda: all(s.is_quiesced() for s in senders.values()), 5)
@@ -133,7 +111,7 @@ def receiver_killed_while_puts_are_in_flight(backend: str) -> None:
 def test_receiver_killed_while_puts_are_in_flight_fails_rooms_and_the_sender_lives_on(backend: str) -> None:
     """A PUT into a process that just died is a transport error on the endpoint; unhandled, UCX aborts the sender
     (``ucx``'s data endpoints had no error callback: a killed decode node took its prefill node down with it)."""
-    code = f"from {__name__} import receiver_killed_while_puts_are_in_flight as run; run({backend!r})"
+    code = f"from {__name__} import receiver_killed_mid_transfer as run; run({backend!r}, puts_in_flight=True)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"exit code {proc.returncode}: {proc.stderr[-3000:]}"
 
