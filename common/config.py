@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from common import env
+from common.cpu_cores import parse_core_sets
 from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
 from common.flags import above, add_flags, at_least, check_flags, config_values, flag, in_range, tcp_port
@@ -160,6 +161,10 @@ class ServerArgs:
                                     check=at_least(1))
     torch_num_threads: int | None = flag(None, "torch threads per scheduler rank (default: cores / dp-size)",
                                          group=MEMORY, check=at_least(1))
+    cpu_omp_threads_bind: str | None = flag(None, "CPU: the cores of each scheduler rank of this node, one set per "
+                                            "rank separated by '|' (e.g. 0-3|4-7 with --dp-size 2); a rank and its "
+                                            "torch threads run only on its set, and its torch threads default to "
+                                            "the set's size (SGLang's SGLANG_CPU_OMP_THREADS_BIND)", group=MEMORY)
     # Constrained decoding (common/engine/sampling/grammar.py): json_schema / regex / ebnf requests.
     grammar_backend: str = flag("xgrammar", "engine of json_schema / regex / ebnf requests; none refuses them",
                                 group=GRAMMAR, choices=GRAMMAR_BACKENDS)
@@ -221,6 +226,15 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if self.cpu_omp_threads_bind is not None:
+            if self.device != "cpu":
+                raise ConfigError(f"--cpu-omp-threads-bind binds CPU scheduler ranks to cores; it needs --device cpu, "
+                                  f"got --device {self.device}")
+            ranks = self.dp_size * len(self.tp_ranks_here)
+            if len(self.rank_core_sets) != ranks:
+                raise ConfigError(f"--cpu-omp-threads-bind {self.cpu_omp_threads_bind!r} gives "
+                                  f"{len(self.rank_core_sets)} core set(s) for this node's {ranks} scheduler rank(s) "
+                                  "(--dp-size x its tp ranks): one '|'-separated set per rank")
         if self.enable_torch_compile and self.tp_size > 1:
             raise ConfigError(f"--enable-torch-compile supports --tp-size 1 only, got --tp-size {self.tp_size} "
                               "(the compiled decode step has no collectives)")
@@ -277,6 +291,12 @@ class ServerArgs:
         if self.cuda_graph_max_bs is not None:
             return self.cuda_graph_max_bs
         return min(160, self.max_running_requests)
+
+    @property
+    def rank_core_sets(self) -> list[tuple[int, ...]]:
+        """``--cpu-omp-threads-bind`` parsed: rank ``dp * len(tp_ranks_here) + i`` runs on set number that (empty: no
+        binding)."""
+        return parse_core_sets(self.cpu_omp_threads_bind) if self.cpu_omp_threads_bind is not None else []
 
     @property
     def tp_ranks_here(self) -> range:

@@ -62,6 +62,7 @@ class Child:
     restarts: int = 0  # restarts in a row since the child was last up stable_s
     restart_at: float | None = None  # set while in backoff
     given_up: bool = False
+    affinity: tuple[int, ...] | None = None  # CPU cores of the process (its children inherit them); None: any
 
     def launch(self) -> None:
         """Start (or start again) the process; its output is appended to ``log``. Its own session, so a stop or a
@@ -69,6 +70,12 @@ class Child:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                          env=self.env)
+        if self.affinity is not None:
+            # NOTE: Popen returns once the child has exec'd; its interpreter is still starting up (imports take tens of
+            # ms) and has no other thread or child process yet, so all of them inherit the mask. A child that is
+            # gone already is the supervisor's to see.
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(self.proc.pid, self.affinity)
         self.started_at = time.monotonic()
 
     @property

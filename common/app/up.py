@@ -19,7 +19,8 @@ torch thread each) unless ``--torch-num-threads`` (every node) or ``--prefill-to
 ranks together do not oversubscribe them. Given threads that do (ranks with OpenMP teams among them) get a warning,
 and the nodes passive OpenMP waits unless ``OMP_WAIT_POLICY`` is set (``omp_wait_env``). When the ranks' torch threads
 leave no core for each rank's scheduler thread, the nodes run their forwards inline (``inline_forwards``) unless an
-overlap switch is given.
+overlap switch is given. ``--cpu-bind auto`` keeps each decode rank on cores of its own and everything else off them
+(``common/cpu_cores.py split_cores``; on the 2-core VM it measured no faster than the OS's placement).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import env
 from common.app.supervisor import Child, RestartPolicy, Supervisor
 from common.config import ServerArgs
+from common.cpu_cores import CoreSplit, format_core_list, split_cores
 from common.flags import add_flags, config_values, flag_argv
 from common.ports import pick_free_port
 from common.text.tokenizer import resolve_model_path
@@ -60,7 +62,7 @@ CUDA_MEM_FRACTION = 0.85
 # other flag of ``ServerArgs`` is a pass-through, declared once there and forwarded to every node as given.
 UP_SETS_PER_NODE = ("host", "advertise_host", "port", "metrics_port", "sglang_http_port", "mux_port",
                     "disaggregation_mode", "disaggregation_bootstrap_port", "base_gpu_id", "dist_init_addr", "nnodes",
-                    "node_rank", "tls_cert", "tls_key", "tls_ca",
+                    "node_rank", "tls_cert", "tls_key", "tls_ca", "cpu_omp_threads_bind",
                     "api_key_file")  # up's own --api-key-file reaches every process as PDCLUSTER_API_KEY
 # Pass-through flags ``up`` also reads: it forwards what it derives from them (resolved model path, the backend's
 # per-device default, each role's tp, each GPU node's memory share, the host's cores split over the CPU ranks by default).
@@ -80,6 +82,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: torch threads of each prefill rank (default --torch-num-threads, else the cores split)")
     p.add_argument("--decode-torch-num-threads", type=_positive, default=None,
                    help="CPU: torch threads of each decode rank (default --torch-num-threads, else the cores split)")
+    p.add_argument("--cpu-bind", choices=("none", "auto"), default="none",
+                   help="CPU P/D: auto gives each decode rank cores of its own (its torch threads', plus one for its "
+                        "scheduler thread when it overlaps; the nodes' --cpu-omp-threads-bind) and every other "
+                        "process of the cluster the rest, where that leaves at least one; none (default) leaves "
+                        "placement to the OS")
     p.add_argument("--prefill-policy", default=None,
                    help="the router's prefill worker policy (round_robin, random, power_of_two, cache_aware; default: "
                         "the router's, cache_aware)")
@@ -217,6 +224,13 @@ class LocalCluster:
                                    "duplicate GPUs); use shm or tcp, or give each node its own GPU")
         self.env = cluster_env()
         self.cores = len(os.sched_getaffinity(0))
+        self.core_split: CoreSplit | None = None
+        if self.device == "cpu" and ns.cpu_bind == "auto":
+            dp = self.node_given.get("dp_size", 1)
+            own = 0 if self.inline_forwards() else 1  # an overlapping rank's scheduler thread gets a core too
+            decode = {n: [self.torch_threads(n) + own] * (dp * self.tp_size[n]) for n in self.node_names
+                      if n.startswith("decode-")}
+            self.core_split = split_cores(sorted(os.sched_getaffinity(0)), decode, len(self.node_names) - len(decode))
         if self.device == "cpu":
             self.env |= omp_wait_env(self.rank_threads(), self.cores, dict(os.environ))
         self.api_key = ns.api_key or (env.read_secret_file(ns.api_key_file, "--api-key-file") if ns.api_key_file
@@ -241,7 +255,8 @@ class LocalCluster:
         log = self.log_dir / f"{name}.log"
         log.write_bytes(b"")
         child = Child(name, [sys.executable, "-m", "common.app.cli", *args],
-                      {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}, log, grpc_port, metrics_port)
+                      {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}, log, grpc_port, metrics_port,
+                      affinity=self.core_split.shared if self.core_split is not None else None)
         child.launch()
         self.children.append(child)
         return child
@@ -305,7 +320,21 @@ class LocalCluster:
             args += ["--metrics-port", str(metrics)]
         if self.inline_forwards():
             args.append("--disable-overlap-schedule")
+        if self.core_split is not None and (bind := self.core_split.bind_flag(name)) is not None:
+            args += ["--cpu-omp-threads-bind", bind]
         return args
+
+    def core_split_lines(self) -> list[str]:
+        """What ``up`` tells the user about CPU placement (nothing unless it splits the cores)."""
+        split = self.core_split
+        if split is None:
+            return []
+        lines = ["CPU placement (--cpu-bind auto):"]
+        for node, sets in split.decode.items():
+            ranks = "; ".join(f"rank {i} on core(s) {format_core_list(cores)}" for i, cores in enumerate(sets))
+            lines.append(f"  {node:<10} {ranks} (its own)")
+        lines.append(f"  the router, every node front and the other ranks share core(s) {format_core_list(split.shared)}")
+        return lines
 
     def start(self) -> None:
         router = ["router", "--model-path", self.model_path, "--host", "127.0.0.1",
@@ -436,7 +465,7 @@ def run_up(ns: argparse.Namespace) -> int:
                        (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated)) if count)
         print(f"starting: {ns.prefill} prefill + {ns.decode} decode node(s) on {cluster.device} ({tp}), model "
               f"{cluster.model_path}, KV over {cluster.backend}; logs in {cluster.log_dir}", flush=True)
-        for line in placement_lines(cluster.placement):
+        for line in placement_lines(cluster.placement) + cluster.core_split_lines():
             print(line, flush=True)
         if (line := cluster.oversubscription_line()) is not None:
             print(line, file=sys.stderr, flush=True)

@@ -118,8 +118,31 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def cpu_threads_per_rank(args: ServerArgs) -> int:
-    """Torch intra-op threads of each scheduler rank: ``--torch-num-threads``, or this host's cores split over the
-    node's ranks on it."""
-    return args.torch_num_threads or max(1, usable_cores() // (args.dp_size * len(args.tp_ranks_here)))
+def cpu_threads_per_rank(args: ServerArgs, cores: tuple[int, ...] | None = None) -> int:
+    """Torch intra-op threads of a scheduler rank: ``--torch-num-threads``, else the size of its core set
+    (``cores``; any rank's, the largest, when not given) under ``--cpu-omp-threads-bind``, else this host's cores
+    split over the node's ranks on it."""
+    if args.torch_num_threads:
+        return args.torch_num_threads
+    if cores is not None:
+        return len(cores)
+    if args.rank_core_sets:
+        return max(map(len, args.rank_core_sets))
+    return max(1, usable_cores() // (args.dp_size * len(args.tp_ranks_here)))
+
+
+def bind_rank_cores(args: ServerArgs, dp_rank: int, tp_rank: int) -> tuple[int, ...] | None:
+    """Under ``--cpu-omp-threads-bind``: pin this rank process to its core set (before torch starts its threads,
+    which inherit it) and return the set; None without the flag."""
+    sets = args.rank_core_sets
+    if not sets:
+        return None
+    here = args.tp_ranks_here
+    cores = sets[dp_rank * len(here) + (tp_rank - here.start)]
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as e:
+        raise ConfigError(f"--cpu-omp-threads-bind: cannot run DP rank {dp_rank} TP rank {tp_rank} on core(s) "
+                          f"{list(cores)} ({e.strerror}); this host lets it use {sorted(os.sched_getaffinity(0))}") from e
+    return cores
 

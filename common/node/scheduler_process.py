@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from common.config import ServerArgs
-from common.engine.device import bind_rank_device, cpu_threads_per_rank
+from common.engine.device import bind_rank_cores, bind_rank_device, cpu_threads_per_rank
 from common.engine.distributed import TPGroup, broadcast_inputs, init_tp_group
 from common.engine.scheduler import Scheduler
 from common.gc_freeze import freeze_startup_heap
@@ -56,7 +56,7 @@ def run_scheduler_process(
     # TP followers repeat the leader's decisions: their batch and request lines would only duplicate its log.
     level = args.log_level.upper() if tp_rank == 0 or args.log_level.lower() == "debug" else "WARNING"
     logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
-    torch.set_num_threads(cpu_threads_per_rank(args))
+    torch.set_num_threads(cpu_threads_per_rank(args, bind_rank_cores(args, dp_rank, tp_rank)))
     leader = tp_rank == 0
     ctx = zmq.Context()
     pull = push = None

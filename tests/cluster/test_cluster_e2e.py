@@ -280,6 +280,33 @@ def test_an_idle_cluster_sleeps(cluster) -> None:
     assert sum(used.values()) < 0.5, {p: round(u, 2) for p, u in used.items() if u > 0.01}
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to split")
+def test_up_cpu_bind_auto_keeps_the_decode_rank_on_cores_of_its_own(model_path) -> None:
+    """``up --cpu-bind auto``: the decode rank runs on cores no other process of the cluster uses (one here: its one
+    torch thread, forwards inline), the router, the fronts and the prefill rank share the rest, and it serves."""
+    from openai import OpenAI
+
+    def cmdline(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+    c = start_up(model_path, "--cpu-bind", "auto")
+    try:
+        assert "CPU placement (--cpu-bind auto):" in c.log.read_text()
+        ranks = [p for p in _process_tree(c.pids["decode-0"])[1:] if "resource_tracker" not in cmdline(p)]
+        own = set().union(*(os.sched_getaffinity(p) for p in ranks))
+        assert len(ranks) == 1 and own == {max(os.sched_getaffinity(0))}, (ranks, own)
+        others = [p for p in _process_tree(c.proc.pid)[1:] if p not in ranks]  # up itself is left to the OS
+        assert len(others) >= 4  # the router, 2 fronts, the prefill rank (and resource trackers)
+        assert {p: os.sched_getaffinity(p) for p in others} == {p: os.sched_getaffinity(0) - own for p in others}
+        out = OpenAI(base_url=c.base_url, api_key="x", timeout=60, max_retries=0).completions.create(
+            model=OpenAI(base_url=c.base_url, api_key="x").models.list().data[0].id, prompt="The quick brown fox",
+            max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens == 8
+    finally:
+        stop_up(c)
+    assert c.proc.returncode == 0, c.log.read_text()[-3000:]
+
+
 RESTART_TIMEOUT_S = 120
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import types
 
 import pytest
@@ -265,3 +266,88 @@ def test_up_runs_forwards_inline_when_scheduler_threads_have_no_core(tmp_path, m
     for name in cluster.node_names:
         args = _serve_args(cluster, name)
         assert args.disable_overlap_schedule == inline and args.enable_overlap_schedule == ("--enable-overlap-schedule" in nodes)
+
+
+@pytest.mark.parametrize(("cores", "nodes", "bind", "shared"), [
+    (2, (), {"decode-0": "1"}, (0,)),  # P/D, a thread each: the decode rank alone on core 1
+    (8, (), {"decode-0": "4,5,6,7"}, (0, 1, 2, 3)),
+    (8, ("--torch-num-threads", "2"), {"decode-0": "5,6,7"}, (0, 1, 2, 3, 4)),  # overlap: + its scheduler thread
+    (8, ("--decode", "2"), {"decode-0": "6,7", "decode-1": "4,5"}, (0, 1, 2, 3)),
+    (8, ("--dp-size", "2"), {"decode-0": "6,7|4,5"}, (0, 1, 2, 3)),  # one set per rank
+    (4, ("--prefill", "2"), {"decode-0": "3"}, (0, 1, 2)),
+    (2, ("--colocated", "1", "--prefill", "0", "--decode", "0"), None, None),  # no decode rank to keep apart
+    (2, ("--prefill", "0"), None, None),  # nothing else to keep off its cores
+    (2, ("--decode-torch-num-threads", "2"), None, None),  # the decode rank would take every core
+    (2, ("--cpu-bind", "none"), None, None),  # the last one given wins: up's default
+])
+def test_up_gives_each_decode_rank_cores_of_its_own(tmp_path, monkeypatch, cores: int, nodes: tuple[str, ...],
+                                                    bind: dict[str, str] | None,
+                                                    shared: tuple[int, ...] | None) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    cluster = LocalCluster(_up_ns("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path),
+                                  "--cpu-bind", "auto", *nodes))
+    split = cluster.core_split
+    assert (split.shared if split is not None else None) == shared
+    got = {n: a.cpu_omp_threads_bind for n in cluster.node_names
+           if (a := _serve_args(cluster, n)).cpu_omp_threads_bind is not None}
+    assert got == (bind or {})
+    lines = cluster.core_split_lines()
+    assert bool(lines) == (bind is not None)
+    if shared is not None:
+        assert lines[-1].endswith(f"share core(s) {','.join(map(str, shared))}")
+
+
+def test_up_leaves_cpu_placement_to_the_os_by_default(tmp_path, monkeypatch) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    cluster = LocalCluster(_up_ns("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path)))
+    assert cluster.core_split is None and cluster.core_split_lines() == []
+    assert _serve_args(cluster, "decode-0").cpu_omp_threads_bind is None
+
+
+@pytest.mark.parametrize(("bind", "error"), [
+    ("0|1", "gives 2 core set(s) for this node's 1 scheduler rank"),
+    ("0-x", "'0-x' is not a core number or a range"),
+    ("3-1", "the range '3-1' runs backwards"),
+    ("0,1,0", "names a core twice"),
+])
+def test_a_bad_cpu_omp_threads_bind_says_what_to_fix(bind: str, error: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        ServerArgs(cpu_omp_threads_bind=bind)
+    with pytest.raises(ConfigError, match="to two ranks"):
+        ServerArgs(cpu_omp_threads_bind="0-1|1", dp_size=2)
+    with pytest.raises(ConfigError, match="needs --device cpu"):
+        ServerArgs(cpu_omp_threads_bind="0", device="cuda")
+
+
+BIND_PROBE = """
+import os, sys
+from common.config import ServerArgs
+from common.engine.device import bind_rank_cores, cpu_threads_per_rank
+from common.errors import ConfigError
+args = ServerArgs(cpu_omp_threads_bind=sys.argv[1], dp_size=2)
+try:
+    cores = bind_rank_cores(args, 1, 0)
+except ConfigError as e:
+    print("error:", e)
+else:
+    print(sorted(os.sched_getaffinity(0)), cpu_threads_per_rank(args, cores))
+"""
+
+
+def test_a_rank_runs_on_its_core_set_with_as_many_torch_threads(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    last = max(os.sched_getaffinity(0))
+
+    def probe(bind: str) -> str:  # in a child: the binding is the process's own, for good
+        return subprocess.run([sys.executable, "-c", BIND_PROBE, bind], capture_output=True, text=True, timeout=120,
+                              check=True).stdout.strip()
+
+    assert probe(f"4000|{last}") == f"[{last}] 1"  # DP rank 1: the second set
+    assert probe(f"{last}|4000-4001") == "error: --cpu-omp-threads-bind: cannot run DP rank 1 TP rank 0 on core(s) " \
+        f"[4000, 4001] (Invalid argument); this host lets it use {sorted(os.sched_getaffinity(0))}"
