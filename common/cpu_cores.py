@@ -54,13 +54,14 @@ class CoreSplit:
 
 
 def split_cores(cores: list[int], decode_rank_threads: dict[str, list[int]], other_nodes: int) -> CoreSplit | None:
-    """Give each decode rank as many cores of its own as it has torch threads, from the top of ``cores``; the rest
+    """Give each decode rank as many cores of its own as ``decode_rank_threads`` asks (its torch threads, and its
+    scheduler thread where that overlaps the forward), from the top of ``cores``; the rest
     are shared by everything else. None where that does not apply: no decode node, nothing else to keep off them
     (no prefill or colocated node), or the decode ranks' threads would leave no core for the rest.
 
     Why: a decode rank's step bounds a P/D cluster on a small host, and every process the scheduler puts on its cores
     (the prefill rank's chunks, the router, the fronts) lengthens the step of the whole batch. Measured on the 2-core
-    VM: no faster than the OS's placement (benchmarks/README.md, 2026-11-28 13:23), hence opt-in."""
+    VM: no faster than the OS's placement (benchmarks/README.md, 2026-11-28 12:40–13:33), hence opt-in."""
     wanted = sum(sum(threads) for threads in decode_rank_threads.values())
     if not decode_rank_threads or other_nodes < 1 or wanted >= len(cores):
         return None

@@ -132,8 +132,9 @@ def cpu_threads_per_rank(args: ServerArgs, cores: tuple[int, ...] | None = None)
 
 
 def bind_rank_cores(args: ServerArgs, dp_rank: int, tp_rank: int) -> tuple[int, ...] | None:
-    """Under ``--cpu-omp-threads-bind``: pin this rank process to its core set (before torch starts its threads,
-    which inherit it) and return the set; None without the flag."""
+    """Under ``--cpu-omp-threads-bind``: pin the calling thread (Linux affinity is per thread) to the rank's core
+    set and return the set; None without the flag. Called before the rank starts its other threads (torch's among
+    them), which inherit it: in a rank process, its whole."""
     sets = args.rank_core_sets
     if not sets:
         return None
@@ -143,6 +144,7 @@ def bind_rank_cores(args: ServerArgs, dp_rank: int, tp_rank: int) -> tuple[int, 
         os.sched_setaffinity(0, cores)
     except OSError as e:
         raise ConfigError(f"--cpu-omp-threads-bind: cannot run DP rank {dp_rank} TP rank {tp_rank} on core(s) "
-                          f"{list(cores)} ({e.strerror}); this host lets it use {sorted(os.sched_getaffinity(0))}") from e
+                          f"{list(cores)} ({e.strerror}): name cores this host (or its container's cpuset) offers; "
+                          f"this process runs on {sorted(os.sched_getaffinity(0))}") from e
     return cores
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import ServerArgs
-from common.engine.device import rank_device
+from common.engine.device import bind_rank_cores, cpu_threads_per_rank, rank_device
 from common.engine.distributed import TPGroup, broadcast_inputs, host_store, init_tp_group
 from common.engine.model.config import ModelConfig
 from common.engine.sampling.params import SamplingParams
@@ -106,8 +106,11 @@ class Engine:
         # NOTE: torch's thread count is per thread (a new thread takes the process's last set_num_threads), and
         # torch.compile guards on it: the decode steps compiled here at start-up are served by the scheduler thread
         # with this same count, or every bucket would recompile on its first request.
-        if args.torch_num_threads:
-            torch.set_num_threads(args.torch_num_threads)
+        # The leader's --cpu-omp-threads-bind set pins this thread only; the scheduler thread started below (and
+        # the torch threads it starts) inherit it.
+        cores = bind_rank_cores(args, 0, args.tp_ranks_here.start)
+        if args.torch_num_threads or cores is not None:
+            torch.set_num_threads(cpu_threads_per_rank(args, cores))
         self._num_threads = torch.get_num_threads()
         tp = self._start_tp_group() if args.tp_size > 1 else None
         try:

@@ -350,4 +350,28 @@ def test_a_rank_runs_on_its_core_set_with_as_many_torch_threads(tmp_path) -> Non
 
     assert probe(f"4000|{last}") == f"[{last}] 1"  # DP rank 1: the second set
     assert probe(f"{last}|4000-4001") == "error: --cpu-omp-threads-bind: cannot run DP rank 1 TP rank 0 on core(s) " \
-        f"[4000, 4001] (Invalid argument); this host lets it use {sorted(os.sched_getaffinity(0))}"
+        "[4000, 4001] (Invalid argument): name cores this host (or its container's cpuset) offers; this process " \
+        f"runs on {sorted(os.sched_getaffinity(0))}"
+
+
+ENGINE_PROBE = """
+import os, sys, threading
+from common.node.engine import Engine
+with Engine(model_path=sys.argv[1], cpu_omp_threads_bind=sys.argv[2]) as engine:
+    out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    sched = next(t for t in threading.enumerate() if t.name == "pdcluster-scheduler")
+    print(sorted(os.sched_getaffinity(sched.native_id)), engine._num_threads, len(out.output_ids))
+"""
+
+
+def test_an_in_process_engine_runs_its_scheduler_on_the_leaders_core_set() -> None:
+    import subprocess
+    import sys
+
+    from tests.model_fixtures import make_tiny_model
+
+    last = max(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", ENGINE_PROBE, str(make_tiny_model("llama")), str(last)],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == f"[{last}] 1 2"
