@@ -341,3 +341,14 @@ def test_incompatible_layout_and_missing_token_are_refused_with_clear_errors(bac
         child.kill()
         wrong_token.close()
         mismatched.close()
+
+
+def test_killing_a_role_child_the_forkserver_reaped_already_is_not_an_error() -> None:
+    """``Child.kill`` after the child died: the forkserver reaps it, so ``is_alive()`` can still say True once its pid
+    is gone (seen in CI after the puts-in-flight kill above: ProcessLookupError from the test's cleanup)."""
+    child = Child(RoleSpec("prefill", "tcp", plan_rooms(1, NUM_PAGES, NUM_PAGES, pages_per_room=2, seed=3),
+                           num_pages=NUM_PAGES))
+    os.kill(child.proc.pid, signal.SIGKILL)
+    _wait(lambda: not Path(f"/proc/{child.proc.pid}").exists(), 10)  # reaped: the pid is gone
+    child.proc.is_alive = lambda: True  # the sentinel not read yet
+    child.kill()
