@@ -225,7 +225,10 @@ class LocalCluster:
         self.env = cluster_env()
         self.cores = len(os.sched_getaffinity(0))
         self.core_split: CoreSplit | None = None
-        if self.device == "cpu" and ns.cpu_bind == "auto":
+        if ns.cpu_bind == "auto" and self.device != "cpu":
+            raise ValueError(f"--cpu-bind auto places CPU scheduler ranks on cores; with --device {self.device} each "
+                             "node's ranks have GPUs of their own: drop it")
+        if ns.cpu_bind == "auto":
             dp = self.node_given.get("dp_size", 1)
             own = 0 if self.inline_forwards() else 1  # an overlapping rank's scheduler thread gets a core too
             decode = {n: [self.torch_threads(n) + own] * (dp * self.tp_size[n]) for n in self.node_names
@@ -323,6 +326,13 @@ class LocalCluster:
         if self.core_split is not None and (bind := self.core_split.bind_flag(name)) is not None:
             args += ["--cpu-omp-threads-bind", bind]
         return args
+
+    def cpu_bind_note(self) -> str | None:
+        """What ``up`` says when ``--cpu-bind auto`` was asked for and the layout leaves it nothing to do."""
+        if self.ns.cpu_bind != "auto" or self.core_split is not None:
+            return None
+        return (f"note: --cpu-bind auto leaves placement to the OS here: it needs a decode node beside another node, "
+                f"and decode ranks whose cores leave at least one of the {self.cores} to the rest")
 
     def core_split_lines(self) -> list[str]:
         """What ``up`` tells the user about CPU placement (nothing unless it splits the cores)."""
@@ -467,8 +477,9 @@ def run_up(ns: argparse.Namespace) -> int:
               f"{cluster.model_path}, KV over {cluster.backend}; logs in {cluster.log_dir}", flush=True)
         for line in placement_lines(cluster.placement) + cluster.core_split_lines():
             print(line, flush=True)
-        if (line := cluster.oversubscription_line()) is not None:
-            print(line, file=sys.stderr, flush=True)
+        for line in (cluster.oversubscription_line(), cluster.cpu_bind_note()):
+            if line is not None:
+                print(line, file=sys.stderr, flush=True)
         if cluster.inline_forwards():
             threads = cluster.rank_threads()
             print(f"{len(threads)} scheduler rank(s) with {sum(threads)} torch thread(s) on {cluster.cores} core(s): "

@@ -298,9 +298,9 @@ def test_up_cpu_bind_auto_keeps_the_decode_rank_on_cores_of_its_own(model_path) 
         others = [p for p in _process_tree(c.proc.pid)[1:] if p not in ranks]  # up itself is left to the OS
         assert len(others) >= 4  # the router, 2 fronts, the prefill rank (and resource trackers)
         assert {p: os.sched_getaffinity(p) for p in others} == {p: os.sched_getaffinity(0) - own for p in others}
-        out = OpenAI(base_url=c.base_url, api_key="x", timeout=60, max_retries=0).completions.create(
-            model=OpenAI(base_url=c.base_url, api_key="x").models.list().data[0].id, prompt="The quick brown fox",
-            max_tokens=8, temperature=0)
+        client = OpenAI(base_url=c.base_url, api_key="x", timeout=60, max_retries=0)
+        out = client.completions.create(model=client.models.list().data[0].id, prompt="The quick brown fox",
+                                        max_tokens=8, temperature=0)
         assert out.usage.completion_tokens == 8
     finally:
         stop_up(c)

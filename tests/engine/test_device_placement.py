@@ -308,6 +308,20 @@ def test_up_leaves_cpu_placement_to_the_os_by_default(tmp_path, monkeypatch) -> 
     assert _serve_args(cluster, "decode-0").cpu_omp_threads_bind is None
 
 
+def test_up_cpu_bind_auto_says_when_it_does_nothing_and_refuses_gpus(tmp_path, monkeypatch) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    base = ("--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path), "--cpu-bind", "auto")
+    split = LocalCluster(_up_ns(*base))
+    assert split.core_split is not None and split.cpu_bind_note() is None
+    lone = LocalCluster(_up_ns(*base, "--colocated", "1", "--prefill", "0", "--decode", "0"))
+    assert lone.core_split is None and "leaves placement to the OS here" in (lone.cpu_bind_note() or "")
+    assert LocalCluster(_up_ns(*base[:4])).cpu_bind_note() is None  # not asked for
+    with pytest.raises(ValueError, match="--cpu-bind auto places CPU scheduler ranks on cores; with --device cuda"):
+        LocalCluster(_up_ns(*base, "--device", "cuda", "--num-gpus", "2"))
+
+
 @pytest.mark.parametrize(("bind", "error"), [
     ("0|1", "gives 2 core set(s) for this node's 1 scheduler rank"),
     ("0-x", "'0-x' is not a core number or a range"),
