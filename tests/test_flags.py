@@ -20,7 +20,7 @@ from router.config import RouterConfig
 # RouterConfig fields set in code or built by router.cli from flags of its own (workers, keys, TLS files).
 ROUTER_NON_FLAGS = {"http_port", "workers", "retry_backoff_max_s", "health_failure_threshold", "rpc_timeout_s",
                     "prefix_block_tokens", "timing_keep", "timing_ttl_s", "default_max_tokens",
-                    "admin_token", "api_key", "tls"}
+                    "admin_token", "api_keys", "tls"}
 
 
 def test_docs_flags_md_is_generated_from_the_parsers() -> None:
