@@ -89,6 +89,8 @@ class HiCacheLoad(msgspec.Struct, kw_only=True):
     host_evicted_tokens: int = 0
     storage_read_bytes: int = 0
     storage_write_bytes: int = 0
+    storage: str = ""  # the storage tier's identity ("file:<directory>", "mooncake:<master>"); "" without one
+    hit_tokens: dict[str, int] = {}  # cached prompt tokens per tier (device, host, storage) at prefill start
 
 
 class QueueLoad(msgspec.Struct, kw_only=True):

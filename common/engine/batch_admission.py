@@ -156,6 +156,8 @@ def get_new_batch_prefill(sched: AdmissionState) -> ScheduleBatch | None:
         if not req.times.forward_start:
             req.times.forward_start = now
             req.cached_tokens = len(req.prefix_indices)
+            if hicache:
+                sched.tree_cache.stats.hit(req.cached_tokens, req.cached_tokens_host, req.cached_tokens_storage)
     batch = sched.new_batch(adder.can_run_list)
     batch.prepare_for_extend()
     batch.chunked_req = sched.chunked_req

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import prometheus_client
 import pytest
 
 from common.config import ServerArgs
@@ -58,6 +60,16 @@ def test_evicted_prefixes_come_back_from_the_host_with_the_same_outputs(engine_f
     assert [o.timing.cached_tokens_host for o in second] == [FULL] * 6
     report = engine.scheduler.tree_cache.hicache_report()
     assert report.load_bytes > 0 and report.write_bytes >= report.load_bytes
+    assert report.hit_tokens == {"device": 0, "host": 6 * FULL, "storage": 0}
+    if policy == "write_through":  # what /metrics shows of it (a dp_rank label no other test reports)
+        from common.node.metrics import observe_load
+
+        observe_load([msgspec.structs.replace(engine.get_load(), dp_rank=5200)])
+        sample = prometheus_client.REGISTRY.get_sample_value
+        assert sample("pdcluster_node_hicache_hit_tokens_total", {"tier": "host", "dp_rank": "5200"}) == 6 * FULL
+        assert sample("pdcluster_node_hicache_load_bytes_total", {"dp_rank": "5200"}) == report.load_bytes
+        assert sample("pdcluster_node_hicache_host_tokens", {"state": "total", "dp_rank": "5200"}) == 4 * 256
+        assert sample("pdcluster_node_hicache_bandwidth_bytes_per_second", {"direction": "load", "dp_rank": "5200"})
 
 
 def test_a_full_host_pool_evicts_its_least_recently_used_prefixes(engine_factory, model_path, expected) -> None:

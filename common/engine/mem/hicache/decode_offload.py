@@ -105,6 +105,7 @@ class HiHeldPrefixCache(HeldPrefixCache):
             assert rec.device is not None
             req.prefix_indices, req.last_node = rec.device, None  # its own pages, not the held prompt's
             req.extend_input_len = len(req.fill_ids) - len(rec.device)
+            req.cached_tokens_host = len(rec.device)
             return False
         if rec.job is not None:
             return True

@@ -264,6 +264,7 @@ class HiRadixCache(RadixCache):
         report = self.stats.report(self.host_pool.used_pages, self.host_pool.num_pages, self.page_size)
         if self.storage is not None:
             report.storage_read_bytes, report.storage_write_bytes = self.storage.read_bytes, self.storage.write_bytes
+            report.storage = self.storage.identity
         return report
 
     def _hit(self, node: HiTreeNode) -> None:

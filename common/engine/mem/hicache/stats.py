@@ -16,7 +16,15 @@ class HiCacheStats:
         self.host_evicted_pages = 0
         self.storage_read_bytes = 0
         self.storage_write_bytes = 0
+        self.hit_tokens = {"device": 0, "host": 0, "storage": 0}
         self._writes: list[CopyJob] = []  # submitted, not counted yet
+
+    def hit(self, cached: int, host: int, storage: int) -> None:
+        """A request starts its prefill with ``cached`` prompt tokens cached, of which ``host`` were loaded back from
+        the host tier and ``storage`` read from the store."""
+        self.hit_tokens["device"] += cached - host - storage
+        self.hit_tokens["host"] += host
+        self.hit_tokens["storage"] += storage
 
     def loaded(self, job: CopyJob) -> None:
         if job.ok:
@@ -50,4 +58,5 @@ class HiCacheStats:
             host_evicted_tokens=self.host_evicted_pages * page_size,
             storage_read_bytes=self.storage_read_bytes,
             storage_write_bytes=self.storage_write_bytes,
+            hit_tokens=dict(self.hit_tokens),
         )

@@ -77,6 +77,9 @@ class StorageTier:
         self.tp = tp
         self.seed = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).digest()
         self.backend = open_backend(options)
+        where = str(options.file_path.resolve()) if options.backend == "file" else (
+            options.backend_config["master_server_address"])
+        self.identity = f"{options.backend}:{where}"  # nodes that report the same one share their pages
         self.ops: dict[str, PrefetchOp] = {}  # rid -> its read, in start order
         self.tried: OrderedDict[str, int] = OrderedDict()  # rid -> tokens its read brought (its storage credit)
         self.read_bytes = 0
