@@ -85,6 +85,24 @@ def test_a_full_host_pool_evicts_its_least_recently_used_prefixes(engine_factory
     assert cache.hicache_report().host_evicted_tokens >= 2 * FULL
 
 
+def test_a_failed_load_is_recomputed_with_the_same_outputs(engine_factory, model_path, expected, monkeypatch) -> None:
+    from common.engine.mem.hicache.copy_engine import CopyEngine
+
+    copy = CopyEngine._copy_pages
+
+    def broken(self: CopyEngine, job: Any) -> Any:
+        if job.kind == "load":
+            raise OSError("injected: the host -> device copy failed")
+        return copy(self, job)
+
+    monkeypatch.setattr(CopyEngine, "_copy_pages", broken)
+    engine = engine_factory(model_path, **BASE, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    run(engine, PROMPTS)
+    second = run(engine, PROMPTS)
+    assert [o.output_ids for o in second] == expected
+    assert [o.cached_tokens for o in second] == [0] * 6
+
+
 def test_the_storage_tier_serves_another_node_and_recomputes_a_bad_page(engine_factory, model_path, expected,
                                                                         tmp_path) -> None:
     flags = {**BASE, "enable_hierarchical_cache": True, "hicache_ratio": 4.0, "hicache_storage_backend": "file",

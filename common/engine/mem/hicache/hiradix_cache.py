@@ -180,13 +180,11 @@ class HiRadixCache(RadixCache):
             x.loading = None
         if ok:
             return
-        logger.warning("a host -> device load of %d tokens failed: they will be recomputed",
+        logger.warning("a host -> device load of %d tokens failed: they leave the cache and are recomputed",
                        sum(len(x.key) for x in op.nodes))
-        for x in reversed(op.nodes):  # back to host-only (bottom first: the device subtree stays rooted)
-            if x.value is not None and not any(c.on_device for c in x.children.values()) and x.lock_ref == 0:
-                self.token_to_kv_pool_allocator.free(x.value)
-                self.evictable_size_ -= len(x.key)
-                x.value = None
+        top = op.nodes[0]
+        if top.parent is not None and top.lock_ref == 0:  # no request holds the run: drop it with what hangs below
+            self._delete_subtree(top)
 
     def _wait_load(self, node: HiTreeNode) -> None:
         """Finish the load bringing ``node`` back before its pages are handed out (insert of a chunked request)."""
