@@ -6,11 +6,10 @@ The scheduler sees the ``RadixCache`` calls plus two (``BasePrefixCache``'s hook
     init_load_back(req, quota)    after a request's match: start loading its host-resident continuation (and a
                                   storage prefetch of what follows); True = the request waits in the queue
 
-Write policies (``--hicache-write-policy``): ``write_through`` copies a node to the host when it is inserted,
+Write policies (``--hicache-write-policy``): ``write_through`` copies a node to the host at insert,
 ``write_through_selective`` on its second hit, ``write_back`` when the device evicts it. A device eviction keeps a
-node whose pages have a host copy (it becomes host-only; ``tree``); without one, a leaf is dropped, and a node
-with host-only children is written to the host first (its subtree stays reachable). The host pool evicts its
-least recently used host-only leaves.
+node with a host copy (host-only now; ``tree``); without one, a leaf is dropped and a node with host-only children
+is written first. The host pool evicts its least recently used host-only leaves.
 
 Page ownership under copies (``copy_engine``): a write's device pages are those of a node the job backs up; a
 device eviction waits for that job before freeing them. A load's device pages belong to nodes locked until the job
@@ -34,7 +33,7 @@ from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.hicache.copy_engine import CopyEngine, CopyJob, Fence
 from common.engine.mem.hicache.host_pool import HostKVPool
 from common.engine.mem.hicache.stats import HiCacheStats
-from common.engine.mem.hicache.tree import HiTreeNode, device_pages, split_host_fields
+from common.engine.mem.hicache.tree import HiTreeNode, device_pages, split_tiers
 from common.engine.mem.radix_cache import MatchResult, RadixCache
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.io_struct import HiCacheLoad
@@ -67,7 +66,7 @@ class HiRadixCache(RadixCache):
         super().__init__(req_to_token_pool, allocator, page_size)
 
     def reset(self) -> None:
-        for op in getattr(self, "ongoing_loads", []):
+        for op in self.ongoing_loads:
             op.job.wait()
         self.ongoing_loads = []
         self.host_pool.clear()
@@ -260,9 +259,9 @@ class HiRadixCache(RadixCache):
 
     def hicache_report(self) -> HiCacheLoad:
         report = self.stats.report(self.host_pool.used_pages, self.host_pool.num_pages, self.page_size)
-        if self.storage is not None:
-            report.storage_read_bytes, report.storage_write_bytes = self.storage.read_bytes, self.storage.write_bytes
-            report.storage = self.storage.identity
+        if (tier := self.storage) is not None:
+            report.storage_read_bytes, report.storage_write_bytes, report.storage = (
+                tier.read_bytes, tier.write_bytes, tier.identity)
         return report
 
     def _hit(self, node: HiTreeNode) -> None:
@@ -302,12 +301,10 @@ class HiRadixCache(RadixCache):
         while evicted < num_tokens and leaves:
             x = heapq.heappop(leaves)
             x.settle_backup(self.host_pool.free)
-            if x.host_pages is not None:
-                keep.append(x)
-            elif self.write_policy == "write_back" or x.children:
-                write.append(x)
-            else:
-                drop.append(x)
+            # a host copy: keep the node host-only; none: write it first (write_back, or its host-only subtree
+            # would hang from nothing), else drop it
+            (keep if x.host_pages is not None else write if self.write_policy == "write_back" or x.children
+             else drop).append(x)
             gone.add(x.id)
             evicted += len(x.key)
             parent = x.parent
@@ -389,11 +386,7 @@ class HiRadixCache(RadixCache):
         new = HiTreeNode()
         new.parent, new.key = parent, child.key[:split_len]
         new.lock_ref, new.last_access_time = child.lock_ref, child.last_access_time
-        if child.value is not None:
-            new.value, child.value = child.value[:split_len], child.value[split_len:]
-        else:
-            new.value = None
-        split_host_fields(new, child, split_len, self.page_size)
+        split_tiers(new, child, split_len, self.page_size)
         child.parent, child.key = new, child.key[split_len:]
         new.children[self._child_key(child.key)] = child
         parent.children[self._child_key(new.key)] = new

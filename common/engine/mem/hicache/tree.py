@@ -68,8 +68,12 @@ class HiTreeNode(TreeNode):
             self.host_pages = None
 
 
-def split_host_fields(new: HiTreeNode, child: HiTreeNode, split_len: int, page_size: int) -> None:
-    """``new`` takes the first ``split_len`` tokens of ``child``'s tier data (values are cut by the caller)."""
+def split_tiers(new: HiTreeNode, child: HiTreeNode, split_len: int, page_size: int) -> None:
+    """``new`` takes the first ``split_len`` tokens of ``child``'s pages on every tier, and its copy state."""
+    if child.value is not None:
+        new.value, child.value = child.value[:split_len], child.value[split_len:]
+    else:
+        new.value = None
     cut = split_len // page_size
     if child.host_pages is not None:
         new.host_pages, child.host_pages = child.host_pages[:cut], child.host_pages[cut:]
