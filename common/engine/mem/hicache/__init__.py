@@ -4,6 +4,7 @@ and a storage tier under that, shared by the nodes of one model.
     host_pool      HostKVPool: host copies of KV pages (bounded, LRU through the tree; pinned on CUDA)
     copy_engine    CopyEngine: device <-> host page batches on a thread (and CUDA stream) of its own
     tree           HiTreeNode: which tier each node's pages are on
+    host_tree      HostTierTree: the tree's host-side walks (host LRU eviction, storage pages joining the tree)
     hiradix_cache  HiRadixCache: the prefill / colocated node's tree (write policies, load back, eviction)
     storage_tier   StorageTier: prefetch and write-behind over a storage backend (``storage/``)
     decode_offload HiHeldPrefixCache: a decode node keeps retracted requests' KV on the host and restores it

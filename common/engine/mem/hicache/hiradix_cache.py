@@ -32,9 +32,10 @@ from common.engine.distributed import TPGroup
 from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.hicache.copy_engine import CopyEngine, CopyJob, Fence
 from common.engine.mem.hicache.host_pool import HostKVPool
+from common.engine.mem.hicache.host_tree import HostTierTree
 from common.engine.mem.hicache.stats import HiCacheStats
 from common.engine.mem.hicache.tree import HiTreeNode, device_pages, split_tiers
-from common.engine.mem.radix_cache import MatchResult, RadixCache
+from common.engine.mem.radix_cache import MatchResult
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.io_struct import HiCacheLoad
 
@@ -51,7 +52,7 @@ class LoadOp:
     nodes: list[HiTreeNode]  # a path, top first; the last is locked (its ancestors with it)
 
 
-class HiRadixCache(RadixCache):
+class HiRadixCache(HostTierTree):
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int, *,
                  host_pool: HostKVPool, copier: CopyEngine, write_policy: str, fence: Callable[[], Fence],
                  tp: TPGroup, storage: StorageTier | None = None) -> None:
@@ -63,6 +64,7 @@ class HiRadixCache(RadixCache):
         self.storage = storage
         self.stats = HiCacheStats()
         self.ongoing_loads: list[LoadOp] = []
+        self.fenced: list[HiTreeNode] = []  # nodes whose batch may still run (their fence is let go once it ran)
         super().__init__(req_to_token_pool, allocator, page_size)
 
     def reset(self) -> None:
@@ -171,6 +173,7 @@ class HiRadixCache(RadixCache):
             del self.ongoing_loads[: flags[0]]
         if self.storage is not None:
             self.storage.settle(self)
+        self.fenced = [x for x in self.fenced if x.pending_fence() is not None]  # drop the batches' futures
 
     def _finish_load(self, op: LoadOp, ok: bool) -> None:
         self.stats.loaded(op.job)
@@ -214,12 +217,13 @@ class HiRadixCache(RadixCache):
                 matched += n
             else:  # host-only: our pages become its device copy
                 child.value = value[:n].clone()
-                child.fence = self.fence()
+                self._fence(child)
                 self.evictable_size_ += n
             node, key, value = child, key[n:], value[n:]
         if key:
             new = HiTreeNode()
-            new.parent, new.key, new.value, new.fence = node, list(key), value.clone(), self.fence()
+            new.parent, new.key, new.value = node, list(key), value.clone()
+            self._fence(new)
             if self.storage is not None:
                 new.page_hashes = self.storage.page_keys(node, new.key)
             node.children[self._child_key(key)] = new
@@ -228,41 +232,18 @@ class HiRadixCache(RadixCache):
                 self.write_backup([new])
         return matched
 
-    def insert_host(self, prefix: list[int], tokens: list[int], host_pages: torch.Tensor, keys: list[bytes]) -> int:
-        """Pages read from storage join the tree as host-only nodes below ``prefix`` (still in the tree, any tier);
-        pages the tree has already are given to a node without a host copy or freed. Returns the tokens that
-        joined as new nodes."""
-        node, key = self.root_node, prefix
-        while key:
-            child = node.children.get(self._child_key(key))
-            n = self._key_match(child.key, key) if child is not None else 0
-            if child is None or n == 0:  # the path was evicted meanwhile: the pages have nowhere to hang
-                self.host_pool.free(host_pages)
-                return 0
-            node, key = (self._split_node(child, n) if n < len(child.key) else child), key[n:]
-        ps = self.page_size
-        while tokens and (child := node.children.get(self._child_key(tokens))) is not None:
-            n = self._key_match(child.key, tokens)
-            if n < len(child.key):
-                child = self._split_node(child, n)
-            if child.ready and child.host_pages is None:
-                child.host_pages = host_pages[: n // ps]
-            else:
-                self.host_pool.free(host_pages[: n // ps])
-            node, tokens, host_pages, keys = child, tokens[n:], host_pages[n // ps:], keys[n // ps:]
-        if tokens:
-            new = HiTreeNode()
-            new.parent, new.key, new.value = node, list(tokens), None
-            new.host_pages, new.page_hashes = host_pages, list(keys)
-            node.children[self._child_key(tokens)] = new
-        return len(tokens)
-
     def hicache_report(self) -> HiCacheLoad:
         report = self.stats.report(self.host_pool.used_pages, self.host_pool.num_pages, self.page_size)
         if (tier := self.storage) is not None:
             report.storage_read_bytes, report.storage_write_bytes, report.storage = (
                 tier.read_bytes, tier.write_bytes, tier.identity)
         return report
+
+    def _fence(self, node: HiTreeNode) -> None:
+        """``node``'s pages came from the batches launched so far: a copy of them waits for the last one."""
+        node.fence = self.fence()
+        if node.fence is not None:
+            self.fenced.append(node)
 
     def _hit(self, node: HiTreeNode) -> None:
         node.hit_count += 1
@@ -332,52 +313,6 @@ class HiRadixCache(RadixCache):
     def _device_leaf(self, x: HiTreeNode, gone: set[int] = frozenset()) -> bool:  # type: ignore[assignment]
         return x.ready and x.lock_ref == 0 and x.id not in gone and not any(
             c.on_device and c.id not in gone for c in x.children.values())
-
-    def _delete_subtree(self, x: HiTreeNode) -> None:
-        """Drop ``x`` and its (host-only) descendants from the tree, freeing their pages."""
-        stack = [x]
-        while stack:
-            y = stack.pop()
-            stack.extend(y.children.values())
-            if y.backup is not None:
-                y.backup.wait()  # the write still reads its device pages and fills its host pages
-                y.backup = None
-            if y.value is not None:
-                self.token_to_kv_pool_allocator.free(y.value)
-                self.evictable_size_ -= len(y.key)
-                y.value = None
-            if y.host_pages is not None:
-                self.host_pool.free(y.host_pages)
-                y.host_pages = None
-        assert x.parent is not None
-        del x.parent.children[self._child_key(x.key)]
-        x.parent = None
-
-    def alloc_host(self, num_pages: int) -> torch.Tensor | None:
-        pages = self.host_pool.alloc(num_pages)
-        if pages is None:
-            self.evict_host(num_pages - self.host_pool.available_pages)
-            pages = self.host_pool.alloc(num_pages)
-        return pages
-
-    def evict_host(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` host pages: least recently used host-only leaves first."""
-        leaves = [x for x in self._nodes() if self._host_leaf(x)]
-        heapq.heapify(leaves)
-        freed = 0
-        while freed < num_pages and leaves:
-            x = heapq.heappop(leaves)
-            parent = x.parent
-            freed += len(x.host_pages)  # type: ignore[arg-type]
-            self._delete_subtree(x)
-            if parent is not None and parent is not self.root_node and self._host_leaf(parent):
-                heapq.heappush(leaves, parent)
-        self.stats.host_evicted_pages += freed
-        return freed
-
-    @staticmethod
-    def _host_leaf(x: HiTreeNode) -> bool:
-        return x.host_only and not x.children and x.lock_ref == 0 and x.host_ref == 0
 
     # -- tree plumbing ---------------------------------------------------------------------------------------------
     def _split_node(self, child: HiTreeNode, split_len: int) -> HiTreeNode:  # type: ignore[override]
