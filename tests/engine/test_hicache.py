@@ -46,12 +46,13 @@ def run(engine: Any, prompts: list[list[int]]) -> list[Any]:
     return [engine.generate(input_ids=p, sampling_params=SP) for p in prompts]
 
 
-@pytest.mark.parametrize(("policy", "overlap"), [("write_through", False), ("write_back", True)])
+@pytest.mark.parametrize(("policy", "overlap", "layout", "io"), [
+    ("write_through", False, "layer_first", "kernel"), ("write_back", True, "page_first", "direct")])
 def test_evicted_prefixes_come_back_from_the_host_with_the_same_outputs(engine_factory, model_path, expected, policy,
-                                                                        overlap) -> None:
+                                                                        overlap, layout, io) -> None:
     engine = engine_factory(model_path, **BASE, enable_hierarchical_cache=True, hicache_ratio=4.0,
                             hicache_write_policy=policy, enable_overlap_schedule=overlap,
-                            disable_overlap_schedule=not overlap)
+                            disable_overlap_schedule=not overlap, hicache_mem_layout=layout, hicache_io_backend=io)
     first, second = run(engine, PROMPTS), run(engine, PROMPTS)
     assert [o.output_ids for o in first] == expected
     assert [o.output_ids for o in second] == expected
