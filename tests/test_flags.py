@@ -54,7 +54,8 @@ def _other_value(ff) -> object:
 
 PASS_THROUGH = [ff for ff in flag_fields(ServerArgs)
                 if ff.dest not in UP_SETS_PER_NODE + UP_DERIVES
-                and ff.dest not in ("device", "attention_backend", "enable_overlap_schedule")]
+                and ff.dest not in ("device", "attention_backend", "enable_overlap_schedule")
+                and not ff.dest.startswith("hicache_")]  # they need --enable-hierarchical-cache: the test below
 
 
 @pytest.mark.parametrize("ff", PASS_THROUGH, ids=lambda ff: ff.option)
@@ -72,6 +73,20 @@ def test_up_forwards_each_node_flag_it_is_given(ff, tmp_path) -> None:
     node = server_args_from_cli(build_parser().parse_args(cluster.node_args("decode-0", port=5000, bootstrap=5001)))
     assert getattr(node, ff.dest) == value
     assert getattr(ServerArgs(), ff.dest) != value
+
+
+def test_up_gives_decode_nodes_only_the_hicache_flags_they_take(tmp_path) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    argv = ["up", "--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path),
+            "--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-storage-backend", "file",
+            "--hicache-write-policy", "write_back"]
+    cluster = LocalCluster(build_parser().parse_args(argv))
+    nodes = {name: server_args_from_cli(build_parser().parse_args(cluster.node_args(name, port=5000, bootstrap=5001)))
+             for name in ("prefill-0", "decode-0")}
+    assert nodes["prefill-0"].hicache_storage_backend == "file" and nodes["prefill-0"].hicache_ratio == 3
+    assert nodes["decode-0"].hicache_storage_backend is None and nodes["decode-0"].hicache_ratio == 3
+    assert nodes["decode-0"].enable_hierarchical_cache and nodes["decode-0"].hicache_write_policy == "write_through"
 
 
 def test_up_refuses_a_bad_node_flag_before_starting_anything(tmp_path) -> None:

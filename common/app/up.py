@@ -58,6 +58,7 @@ from common.app.up_args import (
 from common.config import ServerArgs
 from common.cpu_cores import CoreSplit, format_core_list, split_cores
 from common.flags import config_values, flag_argv
+from common.hicache_flags import DECODE_REFUSES
 from common.ports import pick_free_port
 from common.text.tokenizer import resolve_model_path
 from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
@@ -256,9 +257,11 @@ class LocalCluster:
         ranks = self.node_given.get("dp_size", 1) * sum(self.tp_size.values())
         return max(1, self.cores // max(1, ranks))
 
-    def _node_flags(self) -> list[str]:
+    def _node_flags(self, role: str) -> list[str]:
         given = self.node_given
-        forwarded = {k: v for k, v in given.items() if k not in UP_DERIVES}
+        # A decode node's host tier takes no write policy or storage flags (common/hicache_flags.py).
+        skip = (*UP_DERIVES, *DECODE_REFUSES) if role == "decode" else UP_DERIVES
+        forwarded = {k: v for k, v in given.items() if k not in skip}
         if self.device == "cpu" and given.get("mem_fraction_static") is not None:
             forwarded["mem_fraction_static"] = given["mem_fraction_static"]  # GPU nodes get their placement's share
         flags = ["--model-path", self.model_path, "--host", "127.0.0.1", "--kv-transfer-backend", self.backend]
@@ -267,7 +270,7 @@ class LocalCluster:
     def node_args(self, name: str, port: int, bootstrap: int, metrics: int | None = None) -> list[str]:
         """``pdcluster serve`` arguments of node ``name`` (``<role>-<i>``; role ``null``: colocated)."""
         role = name.rsplit("-", 1)[0]
-        args = ["serve", *self._node_flags(), "--tp-size", str(self.tp_size[name]),
+        args = ["serve", *self._node_flags(role), "--tp-size", str(self.tp_size[name]),
                 "--torch-num-threads", str(self.torch_threads(name)), "--port", str(port),
                 "--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap)]
         place = self.placement.get(name)
