@@ -12,6 +12,16 @@ from common.cpu_cores import parse_core_sets
 from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
 from common.flags import above, add_flags, at_least, check_flags, config_values, flag, in_range, tcp_port
+from common.hicache_flags import (
+    IO_BACKENDS,
+    MEM_LAYOUTS,
+    PREFETCH_POLICIES,
+    STORAGE_BACKENDS,
+    WRITE_POLICIES,
+    StorageOptions,
+    check_hicache_flags,
+    parse_storage_options,
+)
 from common.kv_options import parse_options
 from common.wire.tls import TlsFiles
 
@@ -37,6 +47,7 @@ TP_MIN_TIMEOUT_S = 60.0  # TP rendezvous and collectives: ranks loading their sh
 MODEL, SERVER, DISAGG, MEMORY, COMPILE, PARALLEL = (
     "model", "server", "disaggregation", "memory and scheduling", "compiled decode steps", "parallelism")
 GRAMMAR = "constrained decoding"
+HICACHE = "hierarchical cache"
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 MUX_PORT_MEANING = ", 0 (any free port) or -1 (off)"
 
@@ -165,6 +176,33 @@ class ServerArgs:
                                             "rank separated by '|' (e.g. 0-3|4-7 with --dp-size 2); a rank and its "
                                             "torch threads run only on its set, and its torch threads default to "
                                             "the set's size (SGLang's SGLANG_CPU_OMP_THREADS_BIND)", group=MEMORY)
+    # Hierarchical cache (common/engine/mem/hicache/; SGLang's flags, checked in common/hicache_flags.py).
+    enable_hierarchical_cache: bool = flag(False, "a host-memory tier under the radix cache (prefill and colocated "
+                                           "nodes: evicted prefixes are kept on the host and loaded back; decode "
+                                           "nodes: retracted requests' KV is kept there and restored)", group=HICACHE)
+    hicache_ratio: float = flag(2.0, "host pool size as a multiple of the device KV pool (when --hicache-size is 0)",
+                                group=HICACHE, check=above(0))
+    hicache_size: int = flag(0, "host pool size in GB per rank (0: --hicache-ratio)", group=HICACHE,
+                             check=at_least(0))
+    hicache_write_policy: str = flag("write_through", "when device pages are copied to the host: write_through (at "
+                                     "insert), write_through_selective (on a node's second hit), write_back (at "
+                                     "eviction)", group=HICACHE, choices=WRITE_POLICIES)
+    hicache_io_backend: str = flag("kernel", "host<->device page copies: kernel (on CUDA one Triton gather/scatter for "
+                                   "every layer; the torch path on CPU) or direct (torch index ops per layer)", group=HICACHE,
+                                   choices=IO_BACKENDS)
+    hicache_mem_layout: str = flag("layer_first", "host pool layout: layer_first (like the device pool) or "
+                                   "page_first (each page's layers contiguous)", group=HICACHE, choices=MEM_LAYOUTS)
+    hicache_storage_backend: str | None = flag(
+        None, "a storage tier under the host pool, shared by nodes of one model: file (a directory) or mooncake (a "
+        "Mooncake store)", group=HICACHE, choices=STORAGE_BACKENDS)
+    hicache_storage_prefetch_policy: str = flag(
+        "best_effort", "a request whose prefix is being prefetched from storage: best_effort (is scheduled as "
+        "usual), wait_complete (waits for the prefetch), timeout (waits up to prefetch_timeout_base + "
+        "prefetch_timeout_per_ki_token per 1024 tokens)", group=HICACHE, choices=PREFETCH_POLICIES)
+    hicache_storage_backend_extra_config: str | None = flag(
+        None, "JSON object: prefetch_threshold (tokens), prefetch_timeout_base, prefetch_timeout_per_ki_token; file: "
+        "file_path (default <cache dir>/hicache); mooncake: master_server_address (required), local_hostname, "
+        "protocol, device_name, global_segment_size, local_buffer_size", group=HICACHE)
     # Constrained decoding (common/engine/sampling/grammar.py): json_schema / regex / ebnf requests.
     grammar_backend: str = flag("xgrammar", "engine of json_schema / regex / ebnf requests; none refuses them",
                                 group=GRAMMAR, choices=GRAMMAR_BACKENDS)
@@ -197,6 +235,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         check_flags(self)  # each flag's choices and check (declared on its field)
         parse_options(self.kv_transfer_backend, self.kv_transfer_option)
+        check_hicache_flags(self)
         if self.attention_backend == "triton" and self.device != "cuda" and not env.triton_interpret():
             raise ConfigError(
                 f"--attention-backend triton needs a CUDA device (got --device {self.device}); use "
@@ -268,6 +307,14 @@ class ServerArgs:
         """A decode node's requests with the same prompt (the choices of an ``n > 1`` request) share its full pages
         (``common.engine.mem.held_prefix_cache``): on unless --disable-radix-cache."""
         return not self.disable_radix_cache and self.disaggregation_mode == "decode"
+
+    @property
+    def hicache_storage(self) -> StorageOptions | None:
+        """``--hicache-storage-backend`` with its extra config (None: no storage tier)."""
+        if self.hicache_storage_backend is None:
+            return None
+        return parse_storage_options(self.hicache_storage_backend, self.hicache_storage_prefetch_policy,
+                                     self.hicache_storage_backend_extra_config)
 
     @property
     def is_disaggregated(self) -> bool:

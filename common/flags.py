@@ -139,7 +139,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, exclude: Iterable[s
     for ff in flag_fields(cls):
         if ff.dest in skip:
             continue
-        title = group_prefix + ff.meta.group
+        title = group_prefix + ff.meta.group if ff.meta.group else group_prefix.rstrip(": ")
         target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title) if title else parser)
         kw: dict[str, Any] = {"dest": ff.dest, "help": _help(ff)}
         if only_given:

@@ -215,6 +215,8 @@ class PrefillRole:
                 transfer=max(0.0, t.transfer_done - (t.first_token or t.transfer_done)) if t.transfer_done else 0.0,
                 transfer_bytes=sent_bytes if state == KVPoll.Success else 0,
                 e2e=time.monotonic() - t.arrival,
+                cached_tokens_host=req.cached_tokens_host,
+                cached_tokens_storage=req.cached_tokens_storage,
             ),
         )])
 

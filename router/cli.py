@@ -41,7 +41,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key", default=None,
                    help="bearer key of generation and model calls (visible in ps: prefer --api-key-file or "
                         "PDCLUSTER_API_KEY[_FILE]); default: open")
-    s.add_argument("--api-key-file", default=None, help="file whose first line is the API key")
+    s.add_argument("--api-key-file", default=None,
+                   help="file of API keys, one per line, each optionally followed by max_priority=N (that key's "
+                        "priority ceiling, over --max-client-priority)")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain: HTTP and gRPC listeners serve TLS")
     s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     s.add_argument("--tls-ca", default=None,
@@ -60,20 +62,20 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         http_port=None if ns.http_port < 0 else ns.http_port,
         workers=workers,
         **({"admin_token": ns.admin_token} if ns.admin_token is not None else {}),
-        api_key=api_key_from_args(ns),
+        api_keys=api_keys_from_args(ns),
         tls=TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca),
     )
 
 
-def api_key_from_args(ns: argparse.Namespace) -> str:
-    """--api-key, else --api-key-file, else PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else "" (open)."""
+def api_keys_from_args(ns: argparse.Namespace) -> tuple[env.ClientKey, ...]:
+    """--api-key, else --api-key-file, else PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else () (open)."""
     if ns.api_key is not None and ns.api_key_file is not None:
         raise ConfigError("give --api-key or --api-key-file, not both")
     if ns.api_key is not None:
-        return ns.api_key
+        return (env.ClientKey(ns.api_key),) if ns.api_key else ()
     if ns.api_key_file is not None:
-        return env.read_secret_file(ns.api_key_file, "--api-key-file")
-    return env.api_key()
+        return env.read_key_file(ns.api_key_file, "--api-key-file")
+    return env.api_keys()
 
 
 def run_router(ns: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from typing import Literal
 from common import env
 from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
-from common.flags import above, at_least, check_flags, flag, tcp_port
+from common.flags import Check, above, at_least, check_flags, flag, tcp_port
 from common.wire.tls import TlsFiles
 from router.tool_calls import TOOL_CALL_PARSERS
 
@@ -47,6 +47,11 @@ class WorkerSpec:
 
 ROUTING, FAILURES, LIMITS, PROCESS, SECURITY = "routing", "failures", "limits", "process", "client security"
 TOKENIZER = "tokenizer cache"
+
+
+def int32() -> Check:
+    low, high = env.PRIORITY_RANGE
+    return lambda v: None if v is None or low <= v <= high else f"must be an integer in [{low}, {high}], got {v}"
 
 
 @dataclass(frozen=True)
@@ -143,8 +148,17 @@ class RouterConfig:
                               "only HTTP/2)", group=PROCESS, choices=MUX_TRANSPORTS)
     # Admin RPCs and internal HTTP views need this bearer token (router/admin.py); "" refuses them all.
     admin_token: str = field(default_factory=env.admin_token, repr=False)
-    # Generation and model calls need this bearer key (router/client_auth.py); "" leaves them open.
-    api_key: str = field(default_factory=env.api_key, repr=False)
+    # Generation and model calls need one of these bearer keys, or the admin token (router/client_auth.py); none
+    # leaves them open. A key may carry its own priority ceiling (router/priority_policy.py).
+    api_keys: tuple[env.ClientKey, ...] = field(default_factory=env.api_keys, repr=False)
+    max_client_priority: int | None = flag(None, "the most urgent priority a client may ask for (a larger value is "
+                                           "more urgent, a smaller one when the decode nodes run "
+                                           "--schedule-low-priority-values-first); a key of --api-key-file may "
+                                           "carry its own (max_priority=N); the admin token has none; unset: no "
+                                           "ceiling", group=SECURITY, check=int32())
+    client_priority_over: str = flag("refuse", "a request more urgent than its client's ceiling: refuse (HTTP 400 / "
+                                     "INVALID_ARGUMENT naming the ceiling) or clamp (served at the ceiling)",
+                                     group=SECURITY, choices=("refuse", "clamp"))
     # TLS (common/wire/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels
     # to nodes verify each node's certificate against it and present tls.cert/tls.key (mutual TLS).
     tls: TlsFiles = field(default_factory=TlsFiles)

@@ -78,6 +78,13 @@ def final_to_proto(f: Final, index: int = 0) -> router_pb2.RouterGenerateRespons
     return router_pb2.RouterGenerateResponse(complete=c)
 
 
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            return value
+    return None
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, service: RouterService) -> None:
         self.service = service
@@ -111,6 +118,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 return_logprob=request.return_logprob,
                 top_logprobs_num=request.top_logprobs_num,
                 priority=request.priority if request.HasField("priority") else None,
+                authorization=_authorization(context),
                 timeout_s=remaining,
                 max_tokens_field="sampling_params.max_new_tokens",
                 **kw,

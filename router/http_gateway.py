@@ -54,8 +54,8 @@ class HttpGateway:
         self._rid_base = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
         middlewares = [client_gone_middleware, admin_middleware(service.cfg.admin_token)]
-        if service.cfg.api_key:
-            middlewares.insert(1, api_key_middleware(service.cfg.api_key))
+        if service.cfg.api_keys:
+            middlewares.insert(1, api_key_middleware(service.client_secrets))
         app = web.Application(client_max_size=service.cfg.max_request_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -136,7 +136,8 @@ class HttpGateway:
             prefix = "chatcmpl-" if api == "chat" else "cmpl-"
             rid = (request.headers.get("X-Request-ID") or parsed.request_id
                    or f"{prefix}{self._rid_base}{next(self._rid_seq):012x}")
-            req = await svc.build(ClientRequest(rid=rid, api=api, **kw))
+            req = await svc.build(ClientRequest(rid=rid, api=api, authorization=request.headers.get("Authorization"),
+                                                **kw))
         except PdclusterError as e:
             return error_response(e)
         # n > 1: one request per choice (own rid ``<rid>-<i>``, seed + i), routed and admitted like any other.

@@ -30,6 +30,7 @@ class ClientRequest:
     max_tokens_field: str = "max_tokens"  # the API's name for max_new_tokens, in error messages
     default_max_tokens: int | None = None  # None: "up to the context" (chat)
     priority: int | None = None  # priority scheduling on the nodes (None: the least urgent)
+    authorization: str | None = None  # the client's bearer header: its priority ceiling (router/priority_policy.py)
 
 
 @dataclass(slots=True)

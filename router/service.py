@@ -16,6 +16,7 @@ from router.errors import OverloadedError
 from router.inputs import InputProcessor, Tokenizer, config_context_len
 from router.metrics import RouterMetrics
 from router.monitor import Monitor
+from router.priority_policy import PriorityPolicy
 from router.request import ClientRequest, Delta, Final, GenRequest
 from router.tokenize_pool import TokenizePool
 from router.workers import Registry
@@ -49,6 +50,12 @@ class RouterService:
         self.core = RouterCore(cfg, self.inputs, hf, self.metrics, self.registry)
         self.monitor = Monitor(cfg, self.registry, self.metrics, self._infos_changed)
         self.drain = Drain()
+        self.priorities = PriorityPolicy(cfg)
+
+    @property
+    def client_secrets(self) -> tuple[str, ...]:
+        """What a client's bearer must be when API keys are on: a key, or the admin token."""
+        return tuple(k.key for k in self.cfg.api_keys) + ((self.cfg.admin_token,) if self.cfg.admin_token else ())
 
     async def start(self) -> None:
         for spec in self.cfg.workers:
@@ -70,6 +77,8 @@ class RouterService:
         (router/admission.py)."""
         try:
             with self.core.admission.tokenizing_one(len(self.core.active)):
+                client.priority = self.priorities.admit(
+                    client.priority, client.authorization, self.registry.low_priority_values_first())
                 return await self.inputs.build(client)
         except OverloadedError:
             self.metrics.requests.labels(client.api, "overloaded").inc()

@@ -137,6 +137,26 @@ def _assert_released(s: Any) -> None:
     )
     s.tree_cache.evict(total)
     assert s.allocator.available_size() == total
+    _assert_host_released(s.tree_cache)
+
+
+def _assert_host_released(cache: Any, timeout: float = 10.0) -> None:
+    """A hierarchical cache's host pool: once its copies and reads have settled, every page it holds belongs to a
+    host-only tree node (a decode node's: to no one), and evicting the host tier frees them all."""
+    from common.engine.mem.hicache.decode_offload import HiHeldPrefixCache
+    from common.engine.mem.hicache.hiradix_cache import HiRadixCache
+
+    if not isinstance(cache, HiRadixCache | HiHeldPrefixCache):
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (cache.offloads if isinstance(cache, HiHeldPrefixCache) else (
+            cache.ongoing_loads or (cache.storage is not None and cache.storage.ops))):
+        time.sleep(0.01)  # the scheduler's idle steps settle them
+    if isinstance(cache, HiRadixCache):
+        held = sum(len(n.host_pages) for n in cache._nodes() if n.host_pages is not None)
+        assert cache.host_pool.used_pages == held, f"host pages leaked: {cache.host_pool.used_pages} used, {held} held"
+        cache.evict_host(cache.host_pool.num_pages)
+    assert cache.host_pool.used_pages == 0, f"host pages leaked: {cache.host_pool.used_pages}"
 
 
 @pytest.fixture

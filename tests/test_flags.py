@@ -10,7 +10,8 @@ import pytest
 
 from common.app import flag_docs
 from common.app.cli import build_parser
-from common.app.up import UP_DERIVES, UP_SETS_PER_NODE, LocalCluster
+from common.app.up import LocalCluster
+from common.app.up_args import UP_DERIVES, UP_SETS_FOR_ROUTER, UP_SETS_PER_NODE, router_shares
 from common.config import ServerArgs, server_args_from_cli
 from common.errors import ConfigError
 from common.flags import flag_fields
@@ -20,7 +21,7 @@ from router.config import RouterConfig
 # RouterConfig fields set in code or built by router.cli from flags of its own (workers, keys, TLS files).
 ROUTER_NON_FLAGS = {"http_port", "workers", "retry_backoff_max_s", "health_failure_threshold", "rpc_timeout_s",
                     "prefix_block_tokens", "timing_keep", "timing_ttl_s", "default_max_tokens",
-                    "admin_token", "api_key", "tls"}
+                    "admin_token", "api_keys", "tls"}
 
 
 def test_docs_flags_md_is_generated_from_the_parsers() -> None:
@@ -53,7 +54,8 @@ def _other_value(ff) -> object:
 
 PASS_THROUGH = [ff for ff in flag_fields(ServerArgs)
                 if ff.dest not in UP_SETS_PER_NODE + UP_DERIVES
-                and ff.dest not in ("device", "attention_backend", "enable_overlap_schedule")]
+                and ff.dest not in ("device", "attention_backend", "enable_overlap_schedule")
+                and not ff.dest.startswith("hicache_")]  # they need --enable-hierarchical-cache: the test below
 
 
 @pytest.mark.parametrize("ff", PASS_THROUGH, ids=lambda ff: ff.option)
@@ -71,6 +73,20 @@ def test_up_forwards_each_node_flag_it_is_given(ff, tmp_path) -> None:
     node = server_args_from_cli(build_parser().parse_args(cluster.node_args("decode-0", port=5000, bootstrap=5001)))
     assert getattr(node, ff.dest) == value
     assert getattr(ServerArgs(), ff.dest) != value
+
+
+def test_up_gives_decode_nodes_only_the_hicache_flags_they_take(tmp_path) -> None:
+    from tests.model_fixtures import make_tiny_model
+
+    argv = ["up", "--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path),
+            "--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-storage-backend", "file",
+            "--hicache-write-policy", "write_back"]
+    cluster = LocalCluster(build_parser().parse_args(argv))
+    nodes = {name: server_args_from_cli(build_parser().parse_args(cluster.node_args(name, port=5000, bootstrap=5001)))
+             for name in ("prefill-0", "decode-0")}
+    assert nodes["prefill-0"].hicache_storage_backend == "file" and nodes["prefill-0"].hicache_ratio == 3
+    assert nodes["decode-0"].hicache_storage_backend is None and nodes["decode-0"].hicache_ratio == 3
+    assert nodes["decode-0"].enable_hierarchical_cache and nodes["decode-0"].hicache_write_policy == "write_through"
 
 
 def test_up_refuses_a_bad_node_flag_before_starting_anything(tmp_path) -> None:
@@ -128,3 +144,43 @@ def test_each_flag_group_is_one_section_per_command() -> None:
 ])
 def test_chunked_prefill_size_defaults_by_role_and_device(flags, chunk) -> None:
     assert ServerArgs(**flags).chunk_size == chunk
+
+
+ROUTER_PASS_THROUGH = [ff for ff in flag_fields(RouterConfig) if ff.dest not in (*UP_SETS_FOR_ROUTER, *router_shares())
+                       and ff.dest != "tls_server_name"]  # that one needs up's --tls-ca (mutual TLS)
+
+
+def test_up_forwards_every_router_flag_it_is_given_and_a_shared_flag_to_router_and_nodes(tmp_path) -> None:
+    from router.cli import add_router_args
+    from tests.model_fixtures import make_tiny_model
+
+    argv = ["up", "--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path), "--request-timeout", "77"]
+    for ff in ROUTER_PASS_THROUGH:
+        argv += [ff.option] if ff.kind is bool else [ff.option, str(_other_value(ff))]
+    cluster = LocalCluster(build_parser().parse_args(argv))
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    router = config_from_args(parser.parse_args(cluster.router_args()[1:]))
+    assert {ff.dest: getattr(router, ff.dest) for ff in ROUTER_PASS_THROUGH} == \
+        {ff.dest: _other_value(ff) for ff in ROUTER_PASS_THROUGH}
+    assert all(getattr(RouterConfig(), ff.dest) != _other_value(ff) for ff in ROUTER_PASS_THROUGH)
+    node = server_args_from_cli(build_parser().parse_args(cluster.node_args("decode-0", port=5000, bootstrap=5001)))
+    assert router.request_timeout_s == node.request_timeout == 77.0
+
+
+def test_up_reads_the_embedded_models_tool_calls_unless_told_otherwise(tmp_path, monkeypatch) -> None:
+    """The embedded model's chat template asks for <tool_call> blocks: a ``make up`` cluster answers ``tools`` with
+    the default tool_choice (auto) instead of a 400; another model gets no parser it may not speak."""
+    from common.app import up
+    from common.model_gen.tokenizer import CHAT_TEMPLATE
+    from tests.model_fixtures import make_tiny_model
+
+    assert "<tool_call>" in CHAT_TEMPLATE  # what qwen25 (hermes) reads
+    tiny = str(make_tiny_model("llama"))
+    monkeypatch.setattr(up, "resolve_model_path", lambda path: path or tiny)  # the embedded one, not generated here
+    base = ["up", "--log-dir", str(tmp_path)]
+    embedded = LocalCluster(build_parser().parse_args(base)).router_args()
+    assert embedded[embedded.index("--tool-call-parser") + 1] == "qwen25"
+    told = LocalCluster(build_parser().parse_args([*base, "--tool-call-parser", "llama3"])).router_args()
+    assert told[told.index("--tool-call-parser") + 1] == "llama3" and told.count("--tool-call-parser") == 1
+    assert "--tool-call-parser" not in LocalCluster(build_parser().parse_args([*base, "--model-path", tiny])).router_args()

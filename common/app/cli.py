@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "generate": ("common.app.cli:add_generate_args", "common.app.cli:run_generate", "generate a completion in-process"),
     "router": ("router.cli:add_router_args", "router.cli:run_router", "run the router (gRPC + OpenAI HTTP)"),
     "ray": ("deploy.ray.cli:add_ray_args", "deploy.ray.cli:run_ray", "deploy router, prefill and decode on Ray"),
-    "up": ("common.app.up:add_up_args", "common.app.up:run_up", "start a local cluster: router + prefill + decode nodes"),
+    "up": ("common.app.up_args:add_up_args", "common.app.up:run_up", "start a local cluster: router + prefill + decode nodes"),
     "bench": ("benchmarks.bench:add_bench_args", "benchmarks.bench:run_bench", "load-test the router (OpenAI or gRPC)"),
     "serve": ("common.config:add_server_args", "common.app.cli:run_serve", "run one node (colocated, prefill or decode)"),
 }

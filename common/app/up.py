@@ -4,7 +4,10 @@ Once ready it supervises them (common/app/supervisor.py): a child that dies - no
 exit code and log tail and restarted on the same ports with backoff, up to ``--max-restarts`` in a row.
 
 Nodes are started with ``pdcluster serve`` and the router with ``pdcluster router``: the same commands a user
-runs by hand, so this is only a launcher. Each child's output goes to ``--log-dir`` (default: a temp dir).
+runs by hand, so this is only a launcher. Each child's output goes to ``--log-dir`` (default: a temp dir). Every node
+flag and every router flag ``up`` does not set itself is forwarded as given (``common/app/up_args.py``); on the
+embedded model the router reads tool calls in its chat template's format unless ``--tool-call-parser`` says
+otherwise, so ``make up`` answers ``tools`` with the default ``tool_choice`` instead of a 400.
 
 Tensor parallelism: ``--tp-size`` for every node, ``--prefill-tp-size`` / ``--decode-tp-size`` per role over it;
 each node runs ``--dp-size`` x its tp scheduler rank processes. A tp the model cannot split is the node's own
@@ -44,9 +47,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import env
 from common.app.supervisor import Child, RestartPolicy, Supervisor
+from common.app.up_args import (
+    EMBEDDED_TOOL_CALL_PARSER,
+    UP_DERIVES,
+    UP_SETS_FOR_ROUTER,
+    node_tp_size,
+    router_config,
+    router_shares,
+)
 from common.config import ServerArgs
 from common.cpu_cores import CoreSplit, format_core_list, split_cores
-from common.flags import add_flags, config_values, flag_argv
+from common.flags import config_values, flag_argv
+from common.hicache_flags import DECODE_REFUSES
 from common.ports import pick_free_port
 from common.text.tokenizer import resolve_model_path
 from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
@@ -56,71 +68,6 @@ READY_TIMEOUT_S = 300.0
 SUPERVISE_INTERVAL_S = 0.5
 DEFAULT_BACKEND = {"cpu": "tcp", "cuda": "shm"}
 CUDA_MEM_FRACTION = 0.85
-
-
-# Node flags ``up`` sets per node, or cluster-wide through flags of its own (ports, modes, placement, TLS): every
-# other flag of ``ServerArgs`` is a pass-through, declared once there and forwarded to every node as given.
-UP_SETS_PER_NODE = ("host", "advertise_host", "port", "metrics_port", "sglang_http_port", "mux_port",
-                    "disaggregation_mode", "disaggregation_bootstrap_port", "base_gpu_id", "dist_init_addr", "nnodes",
-                    "node_rank", "tls_cert", "tls_key", "tls_ca", "cpu_omp_threads_bind",
-                    "api_key_file")  # up's own --api-key-file reaches every process as PDCLUSTER_API_KEY
-# Pass-through flags ``up`` also reads: it forwards what it derives from them (resolved model path, the backend's
-# per-device default, each role's tp, each GPU node's memory share, the host's cores split over the CPU ranks by default).
-UP_DERIVES = ("model_path", "kv_transfer_backend", "tp_size", "mem_fraction_static", "torch_num_threads")
-
-
-def add_up_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port")
-    p.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port")
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
-    p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
-    p.add_argument("--colocated", type=int, default=0, help="number of colocated (mode null) nodes")
-    p.add_argument("--num-gpus", type=int, default=None, help="cuda: GPUs to place nodes on (default: all visible)")
-    p.add_argument("--prefill-tp-size", type=_positive, default=None, help="prefill nodes' tp (default --tp-size)")
-    p.add_argument("--decode-tp-size", type=_positive, default=None, help="decode nodes' tp (default --tp-size)")
-    p.add_argument("--prefill-torch-num-threads", type=_positive, default=None,
-                   help="CPU: torch threads of each prefill rank (default --torch-num-threads, else the cores split)")
-    p.add_argument("--decode-torch-num-threads", type=_positive, default=None,
-                   help="CPU: torch threads of each decode rank (default --torch-num-threads, else the cores split)")
-    p.add_argument("--cpu-bind", choices=("none", "auto"), default="none",
-                   help="CPU P/D: auto gives each decode rank cores of its own (its torch threads', plus one for its "
-                        "scheduler thread when it overlaps; the nodes' --cpu-omp-threads-bind) and every other "
-                        "process of the cluster the rest, where that leaves at least one; none (default) leaves "
-                        "placement to the OS")
-    p.add_argument("--prefill-policy", default=None,
-                   help="the router's prefill worker policy (round_robin, random, power_of_two, cache_aware; default: "
-                        "the router's, cache_aware)")
-    p.add_argument("--log-dir", default=None, help="where each process writes its log")
-    p.add_argument("--metrics", action="store_true", help="give every node a Prometheus /metrics port")
-    s = p.add_argument_group("client security")
-    s.add_argument("--api-key", default=None,
-                   help="the router's client API key (handed to it through its environment, not its command line; "
-                        "default: PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else open)")
-    s.add_argument("--api-key-file", default=None, help="file whose first line is the API key")
-    s.add_argument("--tls-cert", default=None, help="PEM certificate (for 127.0.0.1): the router serves TLS")
-    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    s.add_argument("--tls-ca", default=None,
-                   help="PEM CA that signed --tls-cert: router <-> nodes mutual TLS, every process presenting it")
-    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
-                   help="restarts in a row of one dead child (node or router; backoff 1 s doubling to 30 s, reset "
-                        "after 60 s up) before up gives up on it and serves without it; 0: never restart. Giving "
-                        "up on the router stops the cluster")
-    p.add_argument("--demo", action="store_true", help="once ready, send example requests through the OpenAI API")
-    p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
-    add_flags(p, ServerArgs, exclude=UP_SETS_PER_NODE, only_given=True, group_prefix="every node: ")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def node_tp_size(ns: argparse.Namespace, role: str) -> int:
-    """A node's tp: its role's ``--<role>-tp-size``, else ``--tp-size``, else 1 (colocated nodes: ``--tp-size``)."""
-    own = getattr(ns, f"{role}_tp_size", None)
-    return own if own is not None else getattr(ns, "tp_size", ServerArgs.tp_size)
 
 
 def cluster_env() -> dict[str, str]:
@@ -201,11 +148,18 @@ class LocalCluster:
         self.ns = ns
         self.node_given = config_values(ServerArgs, ns)  # the node flags given to up, forwarded to every node
         ServerArgs(**self.node_given)  # the nodes' own checks, before anything starts
+        router_cls = router_config()
+        self.router_given = {k: v for k, v in config_values(router_cls, ns).items() if k not in UP_SETS_FOR_ROUTER}
+        self.router_given |= {r: self.node_given[n] for r, n in router_shares().items() if n in self.node_given}
+        if self.node_given.get("model_path") is None:  # the embedded model: its chat template's tool-call format
+            self.router_given.setdefault("tool_call_parser", EMBEDDED_TOOL_CALL_PARSER)
+        router_cls(**self.router_given, tls=TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca))  # its checks, before any start
         self.device = self.node_given.get("device", ServerArgs.device)
         self.model_path = str(resolve_model_path(self.node_given.get("model_path")))
         self.log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="pdcluster-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
+        self.sglang_ports: dict[str, int] = {}  # --sglang-http: each node's SGLang HTTP port
         self.backend = self.node_given.get("kv_transfer_backend") or DEFAULT_BACKEND[self.device]
         self.node_names = [f"{role}-{i}" for role, count in
                            (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated))
@@ -236,9 +190,10 @@ class LocalCluster:
             self.core_split = split_cores(sorted(os.sched_getaffinity(0)), decode, len(self.node_names) - len(decode))
         if self.device == "cpu":
             self.env |= omp_wait_env(self.rank_threads(), self.cores, dict(os.environ))
+        self.api_key_file = str(Path(ns.api_key_file).resolve()) if ns.api_key_file else None
         self.api_key = ns.api_key or (env.read_secret_file(ns.api_key_file, "--api-key-file") if ns.api_key_file
                                       else env.api_key())
-        if self.api_key:
+        if self.api_key:  # the router takes every key of a key file through --api-key-file; the nodes the first
             self.env["PDCLUSTER_API_KEY"] = self.api_key
         self.tls = TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca).check()
         self.node_tls = self.tls.grpc_channel_credentials() if self.tls.mutual else None
@@ -302,9 +257,11 @@ class LocalCluster:
         ranks = self.node_given.get("dp_size", 1) * sum(self.tp_size.values())
         return max(1, self.cores // max(1, ranks))
 
-    def _node_flags(self) -> list[str]:
+    def _node_flags(self, role: str) -> list[str]:
         given = self.node_given
-        forwarded = {k: v for k, v in given.items() if k not in UP_DERIVES}
+        # A decode node's host tier takes no write policy or storage flags (common/hicache_flags.py).
+        skip = (*UP_DERIVES, *DECODE_REFUSES) if role == "decode" else UP_DERIVES
+        forwarded = {k: v for k, v in given.items() if k not in skip}
         if self.device == "cpu" and given.get("mem_fraction_static") is not None:
             forwarded["mem_fraction_static"] = given["mem_fraction_static"]  # GPU nodes get their placement's share
         flags = ["--model-path", self.model_path, "--host", "127.0.0.1", "--kv-transfer-backend", self.backend]
@@ -313,7 +270,7 @@ class LocalCluster:
     def node_args(self, name: str, port: int, bootstrap: int, metrics: int | None = None) -> list[str]:
         """``pdcluster serve`` arguments of node ``name`` (``<role>-<i>``; role ``null``: colocated)."""
         role = name.rsplit("-", 1)[0]
-        args = ["serve", *self._node_flags(), "--tp-size", str(self.tp_size[name]),
+        args = ["serve", *self._node_flags(role), "--tp-size", str(self.tp_size[name]),
                 "--torch-num-threads", str(self.torch_threads(name)), "--port", str(port),
                 "--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap)]
         place = self.placement.get(name)
@@ -346,18 +303,25 @@ class LocalCluster:
         lines.append(f"  the router, every node front and the other ranks share core(s) {format_core_list(split.shared)}")
         return lines
 
+    def router_args(self) -> list[str]:
+        """``pdcluster router`` arguments, but its workers."""
+        args = ["router", "--model-path", self.model_path, "--host", "127.0.0.1", "--grpc-port",
+                str(self.ns.grpc_port), "--http-port", str(self.ns.http_port), *self.tls_flags("router"),
+                *flag_argv(router_config(), self.router_given)]
+        return args + (["--api-key-file", self.api_key_file] if self.api_key_file is not None else [])
+
     def start(self) -> None:
-        router = ["router", "--model-path", self.model_path, "--host", "127.0.0.1",
-                  "--grpc-port", str(self.ns.grpc_port), "--http-port", str(self.ns.http_port),
-                  *self.tls_flags("router")]
-        if self.ns.prefill_policy:
-            router += ["--prefill-policy", self.ns.prefill_policy]
+        router = self.router_args()
         nodes: list[Child] = []
         for name in self.node_names:
             role = name.rsplit("-", 1)[0]
             port, bootstrap = pick_free_port(), pick_free_port()
             metrics = pick_free_port() if self.ns.metrics else None
-            nodes.append(self._spawn(name, self.node_args(name, port, bootstrap, metrics), port, metrics))
+            args = self.node_args(name, port, bootstrap, metrics)
+            if self.ns.sglang_http:
+                self.sglang_ports[name] = pick_free_port()
+                args += ["--sglang-http-port", str(self.sglang_ports[name])]
+            nodes.append(self._spawn(name, args, port, metrics))
             flag = {"prefill": "--prefill", "decode": "--decode", "null": "--worker"}[role]
             router += [flag, f"127.0.0.1:{port}" + (f":{bootstrap}" if role == "prefill" else "")]
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -492,6 +456,8 @@ def run_up(ns: argparse.Namespace) -> int:
             return 1
         for child in cluster.children:
             metrics = f"  metrics http://127.0.0.1:{child.metrics_port}/metrics" if child.metrics_port else ""
+            sglang = cluster.sglang_ports.get(child.name)
+            metrics += f"  sglang http://127.0.0.1:{sglang}" if sglang else ""
             print(f"  {child.name:<10} pid {child.pid:<7} grpc 127.0.0.1:{child.grpc_port}{metrics}", flush=True)
         security = ", ".join(x for x in ("TLS" if cluster.tls.enabled else "", "mTLS to nodes" if cluster.tls.mutual
                                          else "", "API key required" if cluster.api_key else "") if x)

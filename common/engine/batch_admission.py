@@ -93,6 +93,9 @@ def merge_last_batch(sched: AdmissionState) -> None:
 
 def get_new_batch_prefill(sched: AdmissionState) -> ScheduleBatch | None:
     args = sched.args
+    hicache = args.enable_hierarchical_cache
+    if hicache:
+        sched.tree_cache.check_hicache_events()
     if sched.yield_to_role:  # the slot and pages a role's preemption freed are its head's at the next poll
         sched.yield_to_role = False
         if sched.chunked_req is None:
@@ -130,6 +133,8 @@ def get_new_batch_prefill(sched: AdmissionState) -> ScheduleBatch | None:
             sched.running_batch.batch_is_full = True
             break
         req.init_next_round_input(sched.tree_cache)
+        if hicache and sched.tree_cache.init_load_back(req, adder.load_quota(req)):
+            continue  # its prefix is coming back from the host or storage tier: it waits in the queue
         needs_slot = req.req_pool_idx is None
         result = adder.add_one_req(req)
         if needs_slot and adder.can_run_list and adder.can_run_list[-1] is req:
@@ -151,6 +156,8 @@ def get_new_batch_prefill(sched: AdmissionState) -> ScheduleBatch | None:
         if not req.times.forward_start:
             req.times.forward_start = now
             req.cached_tokens = len(req.prefix_indices)
+            if hicache:
+                sched.tree_cache.stats.hit(req.cached_tokens, req.cached_tokens_host, req.cached_tokens_storage)
     batch = sched.new_batch(adder.can_run_list)
     batch.prepare_for_extend()
     batch.chunked_req = sched.chunked_req

@@ -92,6 +92,8 @@ class Req:
         self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.last_node: Any = None  # radix tree node locked on behalf of this request
         self.cached_tokens = 0  # prompt tokens served from the cache (reported to the client)
+        self.cached_tokens_host = 0  # of those, loaded back from the host tier (hierarchical cache)
+        self.cached_tokens_storage = 0  # of those, prefetched from the storage tier
         self.kv_committed_len = 0  # tokens whose KV is written in req_to_token
 
         # Prefill progress.

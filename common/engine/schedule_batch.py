@@ -210,7 +210,7 @@ class ScheduleBatch:
 
     def release_req_memory(self, req: Req) -> None:
         """Give up a request's KV: its computed pages go to the prefix cache (evictable) or are freed, its slot too."""
-        self.tree_cache.cache_finished_req(req)
+        self.tree_cache.release_retracted(req)
 
     # -- composition -----------------------------------------------------------------------------------------------
     def filter_batch(self, keep: list[Req] | None = None, exclude: Req | None = None) -> None:

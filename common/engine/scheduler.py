@@ -38,9 +38,7 @@ from common.config import ServerArgs
 from common.engine import batch_admission, scheduler_metrics, scheduler_output
 from common.engine.admission import RequestIntake
 from common.engine.distributed import TPGroup
-from common.engine.mem.chunk_cache import ChunkCache
-from common.engine.mem.held_prefix_cache import HeldPrefixCache
-from common.engine.mem.radix_cache import RadixCache
+from common.engine.mem.hicache import build_prefix_cache
 from common.engine.model_runner import BatchResult, ModelRunner, PendingBatchResult
 from common.engine.overlap import overlap_schedule_on
 from common.engine.req import Req
@@ -79,12 +77,7 @@ class Scheduler:
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
         self.page_size = args.page_size
-        if args.use_radix_cache:
-            self.tree_cache: Any = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
-        elif args.shares_decode_prompts:
-            self.tree_cache = HeldPrefixCache(self.req_to_token_pool, self.allocator, self.page_size)
-        else:
-            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+        self.tree_cache: Any = build_prefix_cache(args, self.runner, self.tp, self.last_launched, self.model_config)
         self.out = OutputCollector(send_outputs, args.stream_interval)
         self.waiting_queue: list[Req] = []
         self.policy = SchedulePolicy(args, self.tree_cache, self.allocator, self.req_to_token_pool)
@@ -138,6 +131,7 @@ class Scheduler:
             self.forward_thread = None
         if self._grammar_compiler is not None:
             self._grammar_compiler.close()
+        self.tree_cache.close()
         self.role.close()
 
     # -- the loop: one iteration of the seeds' event_loop_normal / event_loop_overlap ------------------------------
@@ -217,6 +211,10 @@ class Scheduler:
             return False
         self.batch_result(self.awaited)
         return True
+
+    def last_launched(self) -> Future[PendingBatchResult] | None:
+        """The batch launched last, while it may still write KV (a hierarchical cache's copies wait for it)."""
+        return self.in_flight[1] if self.in_flight is not None else self.awaited
 
     def batch_result(self, future: Future[PendingBatchResult]) -> BatchResult:
         """A launched batch's result; the pages freed while it was in flight become allocatable.

@@ -18,6 +18,7 @@ import torch
 from common.io_struct import QueueLoad
 
 if TYPE_CHECKING:
+    from common.config import ServerArgs
     from common.engine.distributed import TPGroup
     from common.engine.mem.allocator import TokenToKVPoolAllocator
     from common.engine.mem.req_to_token_pool import ReqToTokenPool
@@ -124,6 +125,7 @@ class QueueCounting(Protocol):
 class MetricsSource(Protocol):
     """What the load report and the log lines read of the scheduler (``common.engine.scheduler.Scheduler``)."""
 
+    args: ServerArgs
     dp_rank: int
     tp: TPGroup
     page_size: int
@@ -179,6 +181,7 @@ def get_load(sched: MetricsSource) -> QueueLoad:
         queue_by_priority={"waiting": sched.policy.queue_by_priority(sched.waiting_queue),
                            "running": sched.policy.queue_by_priority(sched.running_batch.reqs)},
         preemptions=sched.policy.num_preempted,
+        hicache=sched.tree_cache.hicache_report() if sched.args.enable_hierarchical_cache else None,
     )
 
 

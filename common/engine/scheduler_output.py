@@ -29,6 +29,8 @@ def req_timing(req: Req) -> Timing:
     timing = Timing(
         ttft=max(0.0, first - t.arrival),
         e2e=max(0.0, t.finished - t.arrival) if t.finished else 0.0,
+        cached_tokens_host=req.cached_tokens_host,
+        cached_tokens_storage=req.cached_tokens_storage,
     )
     if t.transfer_done:  # decode node: the prompt's KV came from a prefill node
         timing.decode_queue = max(0.0, (t.bootstrapped or t.transfer_done) - t.queue_enter)

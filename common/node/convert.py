@@ -75,6 +75,7 @@ def timing_to_proto(t: Timing | None) -> common_pb2.Timing:
     return common_pb2.Timing(
         queue=t.queue, bootstrap=t.bootstrap, prefill=t.prefill, transfer=t.transfer,
         decode_queue=t.decode_queue, ttft=t.ttft, e2e=t.e2e, transfer_bytes=t.transfer_bytes,
+        cached_tokens_host=t.cached_tokens_host, cached_tokens_storage=t.cached_tokens_storage,
     )
 
 

@@ -228,6 +228,8 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
                     total_kv_pages=q.total_kv_pages, free_req_slots=q.free_req_slots,
                     total_req_slots=q.total_req_slots, token_usage=q.token_usage, evictable_tokens=q.evictable_tokens,
                     admissible_tokens=q.admissible_tokens, preempt_priority=q.preempt_priority,
+                    host_cache_tokens=q.hicache.host_tokens_total if q.hicache is not None else 0,
+                    cache_storage=q.hicache.storage if q.hicache is not None else "",
                 )
                 for q in loads
             ],

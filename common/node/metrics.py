@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from common.errors import ErrorCode
 from common.gap_histogram import GapHistogram
 from common.io_struct import PrefillDone, QueueLoad, TokenOut
+from common.node.hicache_metrics import observe_hicache
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ def observe_load(loads: list[QueueLoad]) -> None:
             QUEUE_LEN.labels(queue=name, dp_rank=rank).set(getattr(q, name))
         TOKEN_USAGE.labels(dp_rank=rank).set(q.token_usage)
         FREE_PAGES.labels(dp_rank=rank).set(q.free_kv_pages)
+        if q.hicache is not None:
+            observe_hicache(q.dp_rank, q.hicache)
 
 
 async def poll_load_forever(ranks: Any, interval: float = 1.0) -> None:

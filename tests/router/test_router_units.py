@@ -100,6 +100,24 @@ async def test_dp_rank_by_load_and_free_pages_never_by_room() -> None:
     assert pick_rank(w2, need_pages=10) == 1  # least queued
 
 
+async def test_dp_rank_is_the_least_loaded_whichever_rank_the_rotation_starts_at() -> None:
+    """Four ranks of different loads: the same rank, picked from every rotation start (rotation alone would give
+    four different ones). Load is the rank's queue first, then its in-flight tokens; a rank too full to hold the
+    request loses to a busier one that can."""
+    w = worker(1, dp=4)
+    w.set_load(worker_pb2.GetLoadResponse(ranks=[worker_pb2.RankLoad(dp_rank=r, free_kv_pages=100, waiting=q)
+                                                 for r, q in enumerate([3, 1, 5, 2])]))
+    assert [pick_rank(w, need_pages=1) for _ in range(4)] == [1, 1, 1, 1]
+    tokens = worker(2, dp=4, free=[100, 100, 100, 100])
+    for rank, n in enumerate([300, 100, 400, 50]):  # one request each: equal queues, different tokens
+        Lease(tokens, tokens.ranks[rank], tokens=n, pages=0)
+    assert [pick_rank(tokens, need_pages=1) for _ in range(4)] == [3, 3, 3, 3]
+    assert [pick_rank(tokens, need_pages=99) for _ in range(4)] == [3, 3, 3, 3]
+    tokens.set_load(worker_pb2.GetLoadResponse(ranks=[worker_pb2.RankLoad(dp_rank=r, free_kv_pages=f)
+                                                      for r, f in enumerate([100, 100, 100, 20])]))
+    assert [pick_rank(tokens, need_pages=50) for _ in range(4)] == [1, 1, 1, 1]  # rank 3 cannot hold 50 pages
+
+
 async def test_lease_reserves_pages_until_the_next_report() -> None:
     w = worker(1, free=[10])
     lease = Lease(w, w.ranks[0], tokens=32, pages=8)

@@ -72,7 +72,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue", "bootstrap", "prefill", "transfer", "decode_queue", "ttft", "e2e", "transfer_bytes")
+    __slots__ = ("queue", "bootstrap", "prefill", "transfer", "decode_queue", "ttft", "e2e", "transfer_bytes", "cached_tokens_host", "cached_tokens_storage")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,8 @@ class Timing(_message.Message):
     TTFT_FIELD_NUMBER: _ClassVar[int]
     E2E_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_HOST_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_STORAGE_FIELD_NUMBER: _ClassVar[int]
     queue: float
     bootstrap: float
     prefill: float
@@ -89,4 +91,6 @@ class Timing(_message.Message):
     ttft: float
     e2e: float
     transfer_bytes: int
-    def __init__(self, queue: _Optional[float] = ..., bootstrap: _Optional[float] = ..., prefill: _Optional[float] = ..., transfer: _Optional[float] = ..., decode_queue: _Optional[float] = ..., ttft: _Optional[float] = ..., e2e: _Optional[float] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
+    cached_tokens_host: int
+    cached_tokens_storage: int
+    def __init__(self, queue: _Optional[float] = ..., bootstrap: _Optional[float] = ..., prefill: _Optional[float] = ..., transfer: _Optional[float] = ..., decode_queue: _Optional[float] = ..., ttft: _Optional[float] = ..., e2e: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_storage: _Optional[int] = ...) -> None: ...

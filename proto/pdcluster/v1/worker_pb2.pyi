@@ -203,7 +203,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankLoad(_message.Message):
-    __slots__ = ("dp_rank", "running", "waiting", "bootstrap", "inflight", "prealloc", "transfer", "free_kv_pages", "total_kv_pages", "free_req_slots", "total_req_slots", "token_usage", "evictable_tokens", "admissible_tokens", "preempt_priority")
+    __slots__ = ("dp_rank", "running", "waiting", "bootstrap", "inflight", "prealloc", "transfer", "free_kv_pages", "total_kv_pages", "free_req_slots", "total_req_slots", "token_usage", "evictable_tokens", "admissible_tokens", "preempt_priority", "host_cache_tokens", "cache_storage")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,8 @@ class RankLoad(_message.Message):
     EVICTABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADMISSIBLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_STORAGE_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     running: int
     waiting: int
@@ -234,7 +236,9 @@ class RankLoad(_message.Message):
     evictable_tokens: int
     admissible_tokens: int
     preempt_priority: int
-    def __init__(self, dp_rank: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., bootstrap: _Optional[int] = ..., inflight: _Optional[int] = ..., prealloc: _Optional[int] = ..., transfer: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., free_req_slots: _Optional[int] = ..., total_req_slots: _Optional[int] = ..., token_usage: _Optional[float] = ..., evictable_tokens: _Optional[int] = ..., admissible_tokens: _Optional[int] = ..., preempt_priority: _Optional[int] = ...) -> None: ...
+    host_cache_tokens: int
+    cache_storage: str
+    def __init__(self, dp_rank: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., bootstrap: _Optional[int] = ..., inflight: _Optional[int] = ..., prealloc: _Optional[int] = ..., transfer: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., free_req_slots: _Optional[int] = ..., total_req_slots: _Optional[int] = ..., token_usage: _Optional[float] = ..., evictable_tokens: _Optional[int] = ..., admissible_tokens: _Optional[int] = ..., preempt_priority: _Optional[int] = ..., host_cache_tokens: _Optional[int] = ..., cache_storage: _Optional[str] = ...) -> None: ...
 
 class GetLoadResponse(_message.Message):
     __slots__ = ("ranks", "page_size")

@@ -1,0 +1,144 @@
+"""``CopyEngine``: moves batches of KV pages between the device pool and the host pool on a thread of its own (and a
+CUDA stream of its own), so no copy blocks the scheduler's step.
+
+    write(device_pages, host_pages, fence)   device -> host (write-through, write-back, a decode node's offload)
+    load(host_pages, device_pages, fence)    host -> device (a prefix coming back, a retracted request restored)
+
+Each job copies its whole batch with one gather and one scatter (``--hicache-io-backend kernel``: one launch for
+every layer, ``common.engine.kernels.kv_pages``; ``direct``: one torch index op per layer buffer), through a staging
+tensor the job owns. Jobs run in submission order.
+
+The fence (the hazard: ``common.engine.scheduler.Scheduler.step_overlap``): under the overlap schedule a batch may
+still be running when the scheduler hands its pages to a copy: a finished request's last page can still receive
+the in-flight batch's KV write, and a page freed outside result processing (an eviction) may still be written by
+it. So every job first waits for the batch launched last when it was submitted (its future; on CUDA the copy
+stream then waits on the device's default stream, which the forward enqueued its kernels on). A job's pages are
+owned by it until ``done``: the cache neither frees nor reuses them before (``hiradix_cache``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from common.engine.kernels.kv_pages import gather_pages, gather_pages_ref, scatter_pages, scatter_pages_ref
+from common.engine.mem.hicache.host_pool import HostKVPool
+from common.engine.mem.kv_pool import MHATokenToKVPool
+
+logger = logging.getLogger(__name__)
+
+Fence = Future[Any] | None  # the last launched batch's future when the job was submitted (None: nothing in flight)
+JOB_TIMEOUT_S = 60.0  # a copy of host memory that takes longer is broken: the waiter fails instead of hanging
+
+
+@dataclass(eq=False)
+class CopyJob:
+    kind: str  # "write" | "load"
+    device_pages: torch.Tensor
+    host_pages: torch.Tensor
+    fence: Fence
+    then: Callable[[torch.Tensor], None] | None = None  # write: runs on the copy thread with the staged pages
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    seconds: float = 0.0
+    nbytes: int = 0
+
+    def wait(self, timeout: float = JOB_TIMEOUT_S) -> bool:
+        """Whether the job completed without error (raises TimeoutError past ``timeout``)."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"a KV {self.kind} of {len(self.host_pages)} pages took over {timeout:.0f} s")
+        return self.error is None
+
+    @property
+    def ok(self) -> bool:
+        return self.done.is_set() and self.error is None
+
+
+class CopyEngine:
+    def __init__(self, device_pool: MHATokenToKVPool, host_pool: HostKVPool, io_backend: str) -> None:
+        self.host = host_pool
+        self.page_size = device_pool.page_size
+        self.device = device_pool.device
+        self.buffers = [b for layer in zip(device_pool.k_buffer, device_pool.v_buffer, strict=True) for b in layer]
+        self.kernel = io_backend == "kernel"
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._jobs: queue.Queue[CopyJob | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="pdcluster-hicache-copy", daemon=True)
+        self._thread.start()
+
+    def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor, fence: Fence,
+              then: Callable[[torch.Tensor], None] | None = None) -> CopyJob:
+        return self._submit(CopyJob("write", device_pages, host_pages, fence, then))
+
+    def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor, fence: Fence) -> CopyJob:
+        return self._submit(CopyJob("load", device_pages, host_pages, fence))
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=JOB_TIMEOUT_S)
+
+    def _submit(self, job: CopyJob) -> CopyJob:
+        if len(job.device_pages) != len(job.host_pages):
+            raise ValueError(f"a copy of {len(job.device_pages)} device pages to {len(job.host_pages)} host pages")
+        job.nbytes = len(job.host_pages) * self.host.bytes_per_page
+        self._jobs.put(job)
+        return job
+
+    # -- the copy thread -------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            start = time.monotonic()
+            try:
+                if job.fence is not None:
+                    job.fence.result()  # the forward of the batch launched last has been enqueued (or has run)
+                staged = self._copy(job)
+                if job.then is not None and staged is not None:
+                    job.then(staged)
+            except BaseException as e:  # the waiter sees it (a failed load falls back to recompute)
+                logger.exception("KV %s of %d pages failed", job.kind, len(job.host_pages))
+                job.error = e
+            job.seconds = time.monotonic() - start
+            job.done.set()
+
+    def _copy(self, job: CopyJob) -> torch.Tensor | None:
+        if self.stream is None:
+            return self._copy_pages(job)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_stream(torch.cuda.default_stream(self.device))
+            staged = self._copy_pages(job)
+            self.stream.synchronize()
+            return staged
+
+    def _copy_pages(self, job: CopyJob) -> torch.Tensor | None:
+        n, host = len(job.host_pages), self.host
+        device_pages = job.device_pages.to(self.device, non_blocking=True)
+        pinned = self.stream is not None
+        if job.kind == "write":
+            staging = host.empty_staging(n, pin=pinned)
+            if self.stream is None:
+                self._gather(device_pages, staging)
+            else:
+                on_device = torch.empty(staging.shape, dtype=staging.dtype, device=self.device)
+                self._gather(device_pages, on_device)
+                staging.copy_(on_device, non_blocking=True)
+                self.stream.synchronize()
+            host.scatter(job.host_pages, staging)
+            return staging
+        staging = host.empty_staging(n, pin=pinned)
+        host.gather(job.host_pages, staging)
+        self._scatter(device_pages, staging.to(self.device, non_blocking=True))
+        return None
+
+    def _gather(self, pages: torch.Tensor, out: torch.Tensor) -> None:
+        (gather_pages if self.kernel else gather_pages_ref)(self.buffers, pages, self.page_size, out)
+
+    def _scatter(self, pages: torch.Tensor, src: torch.Tensor) -> None:
+        (scatter_pages if self.kernel else scatter_pages_ref)(self.buffers, pages, self.page_size, src)
