@@ -167,12 +167,13 @@ def test_caches_stay_within_their_bounds_dropping_the_least_recently_used() -> N
     cache.encode("prompt 4")
     assert cache.l0_hits == hits + 1  # dropped
 
-    for i in range(50):
-        cache.encode(f"system {i}<|im_end|>user {i}<|im_end|>")
+    for i in range(50):  # "kept<|im_end|>" is used by every text, so it stays while older pieces go
+        cache.encode(f"kept<|im_end|>system {i}<|im_end|>user {i}<|im_end|>")
         assert 0 < cache.l1_bytes <= 2000
     assert cache.l1_entries < 100
+    assert cache.l1_misses == 1 + 2 * 50  # "kept" was encoded once
     misses = cache.l1_misses
-    cache.encode("system 49<|im_end|>user 0<|im_end|>")  # the newest piece is kept, an old one is not
+    cache.encode("kept<|im_end|>system 49<|im_end|>user 0<|im_end|>")  # only "user 0" was dropped
     assert cache.l1_misses == misses + 1
 
 
