@@ -1,5 +1,5 @@
 """The one place that reads environment variables. Every variable carries the ``PDCLUSTER_`` prefix, except the
-third-party switches read here on their owner's terms (``TRITON_INTERPRET``)."""
+third-party switches read or set here on their owner's terms (``TRITON_INTERPRET``, ``TOKENIZERS_PARALLELISM``)."""
 
 from __future__ import annotations
 
@@ -115,3 +115,9 @@ def tokenize_preload() -> str | None:
 def set_tokenize_preload(model_path: str) -> None:
     """Name the tokenizer for fork servers started from now on (they inherit this process's environment)."""
     os.environ.setdefault(TOKENIZE_PRELOAD, model_path)
+
+
+def serial_tokenizers() -> None:
+    """HF ``tokenizers``' own ``TOKENIZERS_PARALLELISM``, unless set: off, so a batch encode runs in the calling
+    thread (not handed to the library's thread pool while the caller waits) and a later fork is not warned about."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -46,6 +46,7 @@ class WorkerSpec:
 
 
 ROUTING, FAILURES, LIMITS, PROCESS, SECURITY = "routing", "failures", "limits", "process", "client security"
+TOKENIZER = "tokenizer cache"
 
 
 def int32() -> Check:
@@ -122,6 +123,18 @@ class RouterConfig:
                                  "(0: all inline)", group=LIMITS, check=at_least(0))
     tokenize_inline_bytes: int = flag(4 << 10, "prompts up to this many UTF-8 bytes are tokenized on the event loop",
                                       group=LIMITS, check=at_least(0))
+    # Tokenizer caches (router/tokenize_cache.py), named as sglang-router's. L0 lives in the router process (prompts
+    # tokenized inline); L1 there and in each tokenize worker, each bounded by --tokenizer-cache-l1-max-memory.
+    tokenizer_cache_enable_l0: bool = flag(False, "cache the token ids of whole prompts (exact text, up to 8192 "
+                                           "characters, least recently used dropped first)", group=TOKENIZER)
+    tokenizer_cache_l0_max_entries: int = flag(10_000, "prompts the L0 cache holds", group=TOKENIZER,
+                                               check=at_least(1))
+    tokenizer_cache_enable_l1: bool = flag(False, "cache the token ids of prompt pieces that end at a special token "
+                                           "(a system prompt, earlier chat turns): a prompt encodes only its new "
+                                           "pieces; refused for tokenizers where that could change the ids",
+                                           group=TOKENIZER)
+    tokenizer_cache_l1_max_memory: int = flag(50 << 20, "bytes the L1 cache holds, per process (the router and each "
+                                              "tokenize worker)", group=TOKENIZER, check=at_least(1))
     timing_keep: int = 1024  # /v1/requests/{id}/timing: last N requests ...
     timing_ttl_s: float = 300.0  # ... for at most this long
     default_max_tokens: int = 128  # gRPC requests without max_new_tokens (clamped to the context)
@@ -163,6 +176,13 @@ class RouterConfig:
         if self.prefix_block_tokens < 1:
             raise ConfigError(f"prefix_block_tokens must be >= 1, got {self.prefix_block_tokens}")
         self.tls.check()
+        for size, on in (("l0_max_entries", self.tokenizer_cache_enable_l0),
+                         ("l1_max_memory", self.tokenizer_cache_enable_l1)):
+            name = f"tokenizer_cache_{size}"
+            if not on and getattr(self, name) != RouterConfig.__dataclass_fields__[name].default:
+                level = size[:2]
+                raise ConfigError(f"--tokenizer-cache-{size.replace('_', '-')} sizes the {level.upper()} cache, "
+                                  f"which is off: add --tokenizer-cache-enable-{level}, or drop it")
         if self.tls_server_name is not None and not self.tls.mutual:
             raise ConfigError("--tls-server-name names the nodes' certificates: it needs --tls-ca (mutual TLS)")
         seen: set[str] = set()

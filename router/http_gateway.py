@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import uuid
 from typing import Any
@@ -49,6 +50,9 @@ class HttpGateway:
     def __init__(self, service: RouterService) -> None:
         self.service = service
         self.logprobs = oai.LogprobFormatter(service.core.tokenizer_hf)
+        # request ids: a random per-process part and a counter (unique across replicas; no uuid4 per request)
+        self._rid_base = uuid.uuid4().hex[:12]
+        self._rid_seq = itertools.count()
         middlewares = [client_gone_middleware, admin_middleware(service.cfg.admin_token)]
         if service.cfg.api_keys:
             middlewares.insert(1, api_key_middleware(service.client_secrets))
@@ -130,7 +134,8 @@ class HttpGateway:
                 kw = oai.completion_inputs(parsed, svc.cfg.max_n)
             plan = kw.pop("tool_plan", None)
             prefix = "chatcmpl-" if api == "chat" else "cmpl-"
-            rid = request.headers.get("X-Request-ID") or parsed.request_id or prefix + uuid.uuid4().hex[:24]
+            rid = (request.headers.get("X-Request-ID") or parsed.request_id
+                   or f"{prefix}{self._rid_base}{next(self._rid_seq):012x}")
             req = await svc.build(ClientRequest(rid=rid, api=api, authorization=request.headers.get("Authorization"),
                                                 **kw))
         except PdclusterError as e:

@@ -33,15 +33,20 @@ class RouterService:
         self.model_name = cfg.served_model_name or path.name
         self.metrics = RouterMetrics()
         self.registry = Registry(cfg)
+        l0_entries = cfg.tokenizer_cache_l0_max_entries if cfg.tokenizer_cache_enable_l0 else 0
+        l1_bytes = cfg.tokenizer_cache_l1_max_memory if cfg.tokenizer_cache_enable_l1 else 0
+        tokenizer = Tokenizer(hf, l0_entries, l1_bytes)
         self.inputs = InputProcessor(
-            Tokenizer(hf),
+            tokenizer,
             self.model_name,
             config_context_len(path),
             cfg.default_max_tokens,
             cfg.request_timeout_s,
-            TokenizePool(path, cfg.tokenize_workers) if cfg.tokenize_workers else None,
+            TokenizePool(path, cfg.tokenize_workers, l1_bytes=l1_bytes) if cfg.tokenize_workers else None,
             cfg.tokenize_inline_bytes,
         )
+        if tokenizer.cache is not None:
+            self.metrics.watch_tokenizer_cache(tokenizer.cache)
         self.core = RouterCore(cfg, self.inputs, hf, self.metrics, self.registry)
         self.monitor = Monitor(cfg, self.registry, self.metrics, self._infos_changed)
         self.drain = Drain()

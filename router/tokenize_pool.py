@@ -65,8 +65,10 @@ class _Worker:
 
 
 class TokenizePool:
-    def __init__(self, model_path: Path, size: int, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, model_path: Path, size: int, start_timeout_s: float = 120.0, l1_bytes: int = 0) -> None:
+        """``l1_bytes``: each worker's L1 tokenizer cache (router/tokenize_cache.py; 0: none)."""
         self.model_path = model_path
+        self.l1_bytes = l1_bytes
         self.size = size
         self.start_timeout_s = start_timeout_s
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
@@ -198,7 +200,7 @@ class TokenizePool:
         """A started worker that has loaded its tokenizer (its ready frame read), or raises."""
         ours, theirs = socket.socketpair()
         proc = _CTX.Process(
-            target=serve, args=(theirs, str(self.model_path)), name="pdcluster-tokenize", daemon=True
+            target=serve, args=(theirs, str(self.model_path), self.l1_bytes), name="pdcluster-tokenize", daemon=True
         )
         try:
             # NOTE: in a thread: the first start waits for the fork server to import transformers (seconds).
