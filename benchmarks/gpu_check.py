@@ -78,8 +78,8 @@ def _per_test_timeout() -> list[str]:
 
 
 def _parallel_tests() -> list[str]:
-    """4 xdist workers, whole files each, where pytest-xdist is installed (the GPU machines have it): tests/gpu took
-    126 s so on an H200 (2026-11-27) and more than 5 minutes one at a time."""
+    """4 xdist workers, whole files each, where pytest-xdist is installed (the GPU machines have it): one at a time
+    tests/gpu takes several times as long (benchmarks/pages/gpu_check.md)."""
     try:
         importlib.import_module("xdist")
     except ImportError:

@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rng = random.Random(0)
         prompts = [[rng.randrange(3, vocab) for _ in range(a.input_len)] for _ in range(a.num_requests)]
         # NOTE: the warm-up is as concurrent as the load (Triton specialises kernels on their integer arguments: a
-        # new batch size can mean a compile), and colocated runs last: on a fresh machine the first cluster met
-        # Triton's cold compile cache (2026-11-27: capture 9.2 s against 1.3 s, TTFT p99 1.3 s during the load).
+        # new batch size can mean a compile), and colocated runs last: on a fresh machine the first cluster meets
+        # Triton's cold compile cache (benchmarks/pages/gpu_check.md).
         warm = [[rng.randrange(3, vocab) for _ in range(a.input_len)] for _ in range(a.concurrency)]
         result: dict[str, Any] = {"args": vars(a), "runs": {}}
         plans = [(f"pd_{b}", ["--prefill", "1", "--decode", "1", "--kv-transfer-backend", b])

@@ -29,11 +29,11 @@ synchronized) and the raw TCP socket above (host memory). Targets: shm (CUDA IPC
 ``--inflight 1,4`` (cuda default; cpu: 1) also measures K requests in flight at once: K rooms sent back to back,
 timed from the first ``send`` to the last ``Success``, GB/s = K x 512 MiB over that time (the pools hold K + 1
 requests; the baseline is the same). One request alone measures the control path's fixed cost (two processes,
-a confirmation round trip: ~1.5 ms, three device copies' worth of a 512 MiB request on an H200); K in flight
+a confirmation round trip: several device copies' worth of a 512 MiB request on a GPU); K in flight
 measure the bandwidth a loaded decode node gets, the fixed cost overlapped with other requests' copies.
 
 ``--rounds N`` measures each backend and its baseline N times, alternating which goes first, and takes the median
-of the N paired ratios for the target (a single pair moves by +-20 % on a shared 2-core machine).
+of the N paired ratios for the target (a single pair moves by more than the targets' margins on a shared machine).
 
     python benchmarks/kv_transfer.py [--device cpu|cuda] [--backends tcp,shm,...] [--modes paged] [--reps 5]
                                      [--rounds 1] [--tokens 4096] [--option stage=always] [--json out.json]
@@ -63,10 +63,9 @@ from kvtransfer.registry import BACKENDS
 LAYERS, HEADS, HEAD_DIM, PAGE, RUN = 32, 8, 128, 16, 4
 SRC_SEED = 7
 # Both sides wait for the room's final state in a sleep-poll loop, as a scheduler does between its iterations. On
-# 2 cores the sender and the receiver each fill one, so a poller's CPU comes out of the transfer: measured, a
-# 0.2 ms poll costs 6.5 % of a core and a 0.5 ms one 3.2 % (the raw baselines block in recv instead); 1 ms costs
-# 1.6 %, and its resolution is under 1 % of a 512 MiB rep.
-POLL_S = 0.0001  # both sides poll for the final state: a 1 ms poll alone is 3x a 512 MiB device copy
+# 2 cores the sender and the receiver each fill one, so a poller's CPU comes out of the transfer (the raw baselines
+# block in recv instead); a shorter period costs more of it (benchmarks/pages/kv_transfer.md).
+POLL_S = 0.0001  # both sides poll for the final state: on a GPU a 1 ms poll alone outlasts a 512 MiB device copy
 
 
 @dataclass(frozen=True)
@@ -507,7 +506,7 @@ def main() -> int:
         # NOTE: each backend runs next to its own baseline, ``--rounds`` times (on a shared machine the load drifts
         # within minutes), nixl then ucx last: importing ucxx sets UCX_* variables in this process's environment
         # (UCX_MEMTYPE_CACHE=n, UCX_RNDV_THRESH=8192, ...) that NIXL's UCX here and in later children would read
-        # (measured: 0.3x); the environment is restored after every measurement, and ucx's UCX is already set up.
+        # (at a fraction of its speed); the environment is restored after every measurement, and ucx's UCX is set up.
         for backend in sorted(backends.split(","), key=lambda name: {"nixl": 1, "ucx": 2}.get(name, 0)):
             base = None if cuda else next((b for b, _, name, _ in TARGETS if name == backend), None)
             measured: dict[str, list[float]] = {backend: []}
@@ -527,7 +526,7 @@ def main() -> int:
                             raise
                         measured[name].append(float("nan"))
                         row[name] = f"error: {exc}"
-                    finally:  # importing ucxx writes UCX_* variables that NIXL's UCX would read (measured: 0.3x)
+                    finally:  # importing ucxx writes UCX_* variables that NIXL's UCX would read (it slows NIXL)
                         os.environ.clear()
                         os.environ.update(env)
                 print(f"{mode:10s} x{inflight} round {r}: " + ", ".join(f"{n} {v[-1]:.2f}" for n, v in measured.items()),

@@ -34,10 +34,9 @@ DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 # A prefill node's batch delays only the prompts queued behind it: on CPU, where a forward's cost grows with its
 # tokens from a few hundred on, small batches give the first prompts of a burst their first token sooner at the same
-# prefill throughput (P/D, c=32 bursts of 128-token prompts, 2-core host: TTFT p50 1.78 s at 2048 -> 0.56 s at 512,
-# 0.34 -> 0.25 s at 256 once first tokens left before the decode step; 2,000-token prompts no slower; prefill-rank
-# CPU per token unchanged; benchmarks/README.md "Serving path"). A colocated node's chunk also paces
-# the decode steps that wait for it, and a GPU's forward is flat in tokens far beyond 2048: both keep 2048.
+# prefill throughput and CPU per token (benchmarks/pages/serving_path.md, "Figures behind up's CPU defaults"). A
+# colocated node's chunk also paces the decode steps that wait for it, and a GPU's forward is flat in tokens far
+# beyond 2048: both keep 2048.
 DEFAULT_CHUNK = 2048
 CPU_PREFILL_NODE_CHUNK = 256
 UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")

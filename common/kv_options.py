@@ -47,8 +47,8 @@ KV_TRANSFER_OPTIONS: dict[str, dict[str, Option]] = {
     },
     "nccl": {"pack_bytes": Option("0", _integer(0))},
     "ucx": {
-        # UCX's own default. "sm,tcp" (the default before) left out cma single-copy puts on one host (0.5-0.9x raw
-        # NIXL on a quiet 2-core VM, vs 1.06-1.13x with "all") and every RDMA transport on a cluster.
+        # UCX's own default. "sm,tcp" (the default before) left out cma single-copy puts on one host (slower than raw
+        # NIXL: benchmarks/pages/kv_transfer.md) and every RDMA transport on a cluster.
         "ucx_tls": Option("all"),
         "ucx_progress_mode": Option("blocking", _one_of("blocking", "polling", "thread", "thread-polling")),
     },

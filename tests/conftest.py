@@ -22,7 +22,7 @@ TEST_CLUSTER_TOKEN = "pdcluster-test-secret-not-for-deployment"
 os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", TEST_CLUSTER_TOKEN)
 
 
-# The longest test files (wall seconds under ``make test``'s 3 workers on the 2-core CI machine, 2026-11-27),
+# The longest test files (approximate wall seconds under ``make test``'s 3 workers on the 2-core CI machine),
 # collected first: under its xdist workers (``--dist loadfile --no-loadscope-reorder``: whole files per worker,
 # handed out in collection order; xdist's default reorder would hand out the files with the most tests first) they
 # start at once instead of holding the run's tail while the other workers idle.
@@ -193,7 +193,7 @@ def model_path() -> Path:
 def colocated() -> Iterator[Any]:
     """A colocated tp 1 node on the tiny llama (``model_path``): the reference whose tokens the P/D, TP and cluster
     tests compare against. One per session (per xdist worker): the tests only send it greedy requests, and a node
-    start is seconds of both cores; idle, it costs about 1% of one."""
+    start is seconds of both cores; idle, it costs little."""
     from tests.model_fixtures import make_tiny_model
     from tests.node_helpers import start_node
 

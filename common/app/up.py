@@ -23,7 +23,7 @@ ranks together do not oversubscribe them. Given threads that do (ranks with Open
 and the nodes passive OpenMP waits unless ``OMP_WAIT_POLICY`` is set (``omp_wait_env``). When the ranks' torch threads
 leave no core for each rank's scheduler thread, the nodes run their forwards inline (``inline_forwards``) unless an
 overlap switch is given. ``--cpu-bind auto`` keeps each decode rank on cores of its own and everything else off them
-(``common/cpu_cores.py split_cores``; on the 2-core VM it measured no faster than the OS's placement).
+(``common/cpu_cores.py split_cores``; opt-in: see ``split_cores``).
 """
 
 from __future__ import annotations
@@ -84,11 +84,9 @@ def omp_wait_env(rank_threads: list[int], cores: int, environ: dict[str, str]) -
     """``OMP_WAIT_POLICY=PASSIVE`` for the nodes when their scheduler ranks' torch threads together oversubscribe the
     host's cores and some rank runs an OpenMP team ({} otherwise, or when the caller set the variable).
 
-    Each rank's libgomp team sizes its waits as if it were alone on the host: a worker spins some 300,000 times
-    after every parallel region before it sleeps, CPU that another rank on the same cores needs. Measured on 2
-    cores, P/D with the decode rank on 2 threads and the prefill rank on 1 (``benchmarks/serving_path``, 3 runs
-    each, medians, 2026-11-28): spinning waits 427 out tok/s, TTFT p50 1,004 ms, 4.19 CPU-s per 1,000 tokens;
-    passive waits 482 tok/s, 483 ms, 3.28 CPU-s (up's default split, one thread each: 505 tok/s)."""
+    Each rank's libgomp team sizes its waits as if it were alone on the host: a worker spins after every parallel
+    region before it sleeps, CPU that another rank on the same cores needs. Passive waits serve more tokens for
+    less CPU there (benchmarks/pages/serving_path.md, "Figures behind up's CPU defaults")."""
     if "OMP_WAIT_POLICY" in environ or not oversubscribed(rank_threads, cores):
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -228,9 +226,8 @@ class LocalCluster:
         """CPU, neither overlap switch given: whether the nodes run each forward inline (``--disable-overlap-schedule``)
         because the ranks' scheduler threads would have no core of their own (every rank's torch threads plus one
         scheduler thread per rank outnumber the cores). A node alone decides that for itself; only ``up`` sees the
-        other nodes' ranks on the same cores. Measured on 2 cores, P/D with a thread each (benchmarks/serving_path,
-        2026-11-28, two runs each, alternating): overlapping 524, 515 out tok/s, 2.80, 2.82 CPU-s per 1,000 tokens;
-        inline 549, 577 tok/s, 2.71, 2.57 CPU-s."""
+        other nodes' ranks on the same cores. Inline, such a cluster serves more tokens for less CPU
+        (benchmarks/pages/serving_path.md, "Figures behind up's CPU defaults")."""
         if self.device != "cpu" or self.node_given.get("enable_overlap_schedule") \
                 or self.node_given.get("disable_overlap_schedule"):
             return False

@@ -6,9 +6,10 @@ header's ``segment_pages`` > 0 says the payload is in the staged layout.
 
 Striping: a job of at least 2 x ``stripe_bytes`` is cut into up to ``streams`` stripes of consecutive pages
 (``split_runs``), each moved on its own connection by its own thread, so the copies into and out of the kernel run
-on several cores at once (one TCP stream is bound by one core's copy: on loopback two streams move ~1.2x the bytes
-of one). A stripe is a whole job on the wire (its own header and ack), so the decode side needs no stripe logic; the
-job is done when every stripe is, and a failed stripe fails the job only after the others have stopped.
+on several cores at once (one TCP stream is bound by one core's copy: on loopback two streams move more bytes than
+one, benchmarks/pages/kv_transfer.md). A stripe is a whole job on the wire (its own header and ack), so the decode
+side needs no stripe logic; the job is done when every stripe is, and a failed stripe fails the job only after the
+others have stopped.
 
 Settings (``--kv-transfer-option``, checked and defaulted in ``common.kv_options``): ``stage`` ("auto": stage when
 either side's buffers are on a GPU; "always": stage CPU buffers too, the same byte path CI runs), ``stage_bytes``

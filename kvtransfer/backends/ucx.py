@@ -152,7 +152,7 @@ class _Connection:
     drops the peer; a job fails if it is closed once its flush completed. ``data`` (from decode's worker address,
     no peer-failure error handling, ``ucp.Endpoint``) carries the PUTs: libucx 1.21's cma has no peer-failure
     support, so an endpoint with it (every listener endpoint) gets no cma lane and PUTs go over tcp/lo
-    (UCX_PROTO_INFO), ~2x slower than NIXL's cma single-copy WRITE on one host. It has an error callback all the
+    (UCX_PROTO_INFO), slower than NIXL's cma single-copy WRITE on one host. It has an error callback all the
     same: a PUT into a decode process that just died fails the endpoint and the job (without one, UCX aborted the
     prefill process); a decode that dies silently fails the flush or the job's deadline aborts it."""
 

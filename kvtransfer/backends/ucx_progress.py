@@ -4,8 +4,8 @@ is armed again once progressed.
 ucxx 0.52's ``BlockingMode`` arms the worker once: its ``_arm_worker`` task ends after the first successful arm and
 its fd callback never starts another, although the timeout task's comment says it does. After the first UCX event
 the fd stays readable for good, so the loop thread calls the callback on every iteration: it spins on a core and
-takes the GIL from the rank's scheduler thread (measured on a 2-core host, P/D over ``ucx``: the prefill rank's
-CPU per output token x3.9, its ``kv-ucx-loop`` thread 58 % of its samples, P/D throughput 0.46x ``tcp``'s).
+takes the GIL from the rank's scheduler thread (P/D over ``ucx`` served a fraction of ``tcp``'s tokens:
+benchmarks/pages/soak.md).
 
 ``install`` puts ``RearmingBlockingMode`` in its place (ucx-py's behaviour: every fd event progresses the worker
 and, unless an arm task is already running, starts one), before ucxx starts progress on a loop.
