@@ -1,5 +1,5 @@
 """Decode side: ``KVReceiver`` (the scheduler's per-request handle) and ``DecodeRooms`` (the manager's room logic,
-a ``rooms.Rooms``).
+a ``manager.Rooms``).
 
 Receiver lifecycle::
 
@@ -45,7 +45,7 @@ from kvtransfer.messages import (
 from kvtransfer.metadata import MetadataRecord
 from kvtransfer.pages import HeadSlice, pages_outside, source_plan
 from kvtransfer.poll import KVPoll
-from kvtransfer.rooms import RoomRecord
+from kvtransfer.room_record import RoomRecord
 
 if TYPE_CHECKING:
     from kvtransfer.manager import KVManager, Peer

@@ -1,5 +1,5 @@
 """Prefill side: ``KVSender`` (the scheduler's per-request handle) and ``PrefillRooms`` (the manager's room logic,
-a ``rooms.Rooms``).
+a ``manager.Rooms``).
 
 Sender lifecycle::
 
@@ -53,7 +53,7 @@ from kvtransfer.pages import (
     unheld_pairs,
 )
 from kvtransfer.poll import KVPoll
-from kvtransfer.rooms import RoomRecord
+from kvtransfer.room_record import RoomRecord
 
 if TYPE_CHECKING:
     from kvtransfer.manager import KVManager, Peer

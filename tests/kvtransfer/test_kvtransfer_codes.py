@@ -17,7 +17,7 @@ from kvtransfer.bootstrap import BootstrapServer
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import KVPoll
 from kvtransfer.receiver import DecodeRooms, KVReceiver
-from kvtransfer.rooms import RoomRecord
+from kvtransfer.room_record import RoomRecord
 from kvtransfer.sender import KVSender, PrefillRooms
 from kvtransfer.testing import (
     DECODE_SEED,

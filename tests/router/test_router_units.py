@@ -13,7 +13,7 @@ from router.breaker import CircuitBreaker
 from router.config import RouterConfig, WorkerSpec
 from router.policies import RouteHint, make_policy, pick_rank
 from router.prefix_index import PrefixIndex, block_hashes
-from router.rooms import RoomAllocator
+from router.room_allocator import RoomAllocator
 from router.timing_store import TimingStore
 from router.workers import Lease, Worker
 
