@@ -18,10 +18,10 @@ import time
 from kvtransfer import auth
 from kvtransfer.args import KVTransferConfig
 from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.decode_rooms import DecodeRooms, KVReceiver
 from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, encode
-from kvtransfer.receiver import DecodeRooms, KVReceiver
-from kvtransfer.sender import PrefillRooms
+from kvtransfer.prefill_rooms import PrefillRooms
 from kvtransfer.testing import DECODE_SEED, PREFILL_SEED, make_args
 
 SECRET = "benchmark-only-secret-value"

@@ -357,7 +357,7 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
     from kvtransfer.manager import KVManager
     from kvtransfer.metadata import MetadataRecord
     from kvtransfer.poll import KVPoll
-    from kvtransfer.sender import KVSender, PrefillRooms
+    from kvtransfer.prefill_rooms import KVSender, PrefillRooms
 
     server = BootstrapServer(config.cluster_token)
     port = server.start()
@@ -390,9 +390,9 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
 def bench_backend(backend: str, src_pages: list[int], dst_tables: list[list[int]], reps: int, src: KVArgs,
                   geom: Geometry, options: dict[str, str]) -> list[float]:
     """Seconds per rep: ``len(dst_tables)`` requests in flight at once, one per destination table."""
+    from kvtransfer.decode_rooms import DecodeRooms, KVReceiver
     from kvtransfer.manager import KVManager
     from kvtransfer.poll import KVPoll
-    from kvtransfer.receiver import DecodeRooms, KVReceiver
 
     config = replace(KVTransferConfig(backend=backend, cluster_token="bench"), transfer_timeout_s=120,
                      backend_options=options)

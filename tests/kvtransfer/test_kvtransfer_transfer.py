@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
 from kvtransfer.registry import BACKENDS
 from kvtransfer.testing import (
     DECODE_SEED,
