@@ -357,7 +357,8 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
     from kvtransfer.manager import KVManager
     from kvtransfer.metadata import MetadataRecord
     from kvtransfer.poll import KVPoll
-    from kvtransfer.prefill_rooms import KVSender, PrefillRooms
+    from kvtransfer.prefill_rooms import PrefillRooms
+    from kvtransfer.sender import KVSender
 
     server = BootstrapServer(config.cluster_token)
     port = server.start()
@@ -390,9 +391,10 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
 def bench_backend(backend: str, src_pages: list[int], dst_tables: list[list[int]], reps: int, src: KVArgs,
                   geom: Geometry, options: dict[str, str]) -> list[float]:
     """Seconds per rep: ``len(dst_tables)`` requests in flight at once, one per destination table."""
-    from kvtransfer.decode_rooms import DecodeRooms, KVReceiver
+    from kvtransfer.decode_rooms import DecodeRooms
     from kvtransfer.manager import KVManager
     from kvtransfer.poll import KVPoll
+    from kvtransfer.receiver import KVReceiver
 
     config = replace(KVTransferConfig(backend=backend, cluster_token="bench"), transfer_timeout_s=120,
                      backend_options=options)

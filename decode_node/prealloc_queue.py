@@ -37,9 +37,9 @@ from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_role import Engine
 from common.errors import ErrorCode
 from common.io_struct import GenerateReqInput
-from kvtransfer.decode_rooms import KVReceiver
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import GroupPolls, KVPoll
+from kvtransfer.receiver import KVReceiver
 
 
 class DecodePreallocQueue:

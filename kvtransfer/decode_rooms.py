@@ -1,15 +1,9 @@
-"""Decode side: ``KVReceiver`` (the scheduler's per-request handle) and ``DecodeRooms`` (the manager's room logic,
-a ``manager.Rooms``).
-
-Receiver lifecycle::
-
-    Bootstrapping --(topology + rank addresses from Bootstrap, handshake with every source rank)--> WaitingForInput
-      --(first ChunkDone)--> Transferring --(all chunks from every source + valid metadata)--> Success
-    any non-final state --(deadline, Status/Abort from prefill, peer lost, local abort)--> Failed
+"""Decode side: ``DecodeRooms``, the manager's room logic (a ``manager.Rooms``) behind each ``receiver.KVReceiver``,
+and its per-room record ``RecvRoom``.
 
 Resolution is event-driven on the control thread (``_pump``): bootstrap lookups run on the manager's executor and
-are cached per bootstrap address; a Hello goes out once per prefill rank start and every room waiting on it moves
-on when the HelloAck arrives. ``send_metadata`` may come before the handshake finished; its TransferInfo is sent
+are cached per bootstrap address; the handshake with each prefill rank start is ``decode_handshake``'s, and every
+room waiting on it moves on when it ends. ``send_metadata`` may come before the handshake finished; its TransferInfo is sent
 as soon as the sources are known. Invariant: after a local failure the room stays not-quiesced until every source
 that got a TransferInfo acked the Abort, died, or ``abort_ack_timeout_s`` passed.
 """
@@ -19,17 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import grpc
 
 from common.errors import ErrorCode
-from kvtransfer import auth
-from kvtransfer.args import Mode, incompatibility
+from kvtransfer.args import Mode
 from kvtransfer.backends.base import PeerKey, TransferJob
 from kvtransfer.bootstrap import BootstrapError, RankEntry
-from kvtransfer.handle import KVHandle
+from kvtransfer.decode_handshake import DecodeHandshakes
 from kvtransfer.messages import (
     Abort,
     AbortAck,
@@ -52,7 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HELLO_RESEND_S = 1.0
 LOOKUP_RETRY_S = 0.2
 # A peer silent this many heartbeat intervals may have restarted on the same address (a new epoch registered at its
 # bootstrap) or stalled: a new room binds to it only once a lookup made since then still names that start. Until
@@ -87,16 +79,6 @@ class RecvRoom(RoomRecord):
     metadata_ok: bool = False
 
 
-@dataclass
-class Connecting:
-    entry: RankEntry
-    hello_at: float
-    nonce: bytes  # our Hello's challenge
-    session: bytes = b""  # set once the prefill proved the secret and we sent our proof
-    prefill_epoch: int = 0
-    rooms: set[int] = field(default_factory=set)
-
-
 class DecodeRooms:
     mode: ClassVar[Mode] = "decode"
 
@@ -107,8 +89,7 @@ class DecodeRooms:
         self.ranks: dict[tuple[str, int, int], RankEntry] = {}  # (addr, dp, tp) -> entry
         self.looked_up: dict[tuple[str, int, int], float] = {}  # (addr, dp, tp) -> when a lookup last found it
         self.lookups: dict[tuple[str, int, int], float] = {}  # in flight (inf) or retry-after time
-        self.connecting: dict[str, Connecting] = {}  # instance_id -> handshake in progress
-        self.refused: dict[str, str] = {}  # instance_id@epoch -> why the prefill refused us
+        self.handshakes = DecodeHandshakes(mgr, self._pump_all)
 
     # ---- scheduler thread -------------------------------------------------------------------------------------
     def create(self, room: int, bootstrap_addr: str) -> RecvRoom:
@@ -159,54 +140,7 @@ class DecodeRooms:
 
     # ---- control thread ---------------------------------------------------------------------------------------
     def handshake(self, msg: Hello | HelloChallenge | HelloProof | HelloAck, frames: list[bytes]) -> None:
-        """Check the prefill's proof before proving ours; accept it on a HelloAck sealed with our session key."""
-        if isinstance(msg, HelloChallenge):
-            self._challenged(msg)
-            return
-        if not isinstance(msg, HelloAck):
-            return
-        with self.mgr.lock:
-            conn = self.connecting.get(msg.instance_id)
-            seq = None
-            if conn is not None and conn.session and msg.epoch == conn.prefill_epoch:
-                seq = auth.open_seal(conn.session, 0, frames)
-            refusal = conn is not None and not msg.accepted and msg.hello_nonce == conn.nonce  # a failed proof
-            if conn is None or (seq is None and not refusal):
-                self.mgr.auth_drops.add("bad_mac")
-                return
-            del self.connecting[msg.instance_id]
-            if not msg.accepted:
-                self.refused[msg.instance_id] = msg.reason
-            elif msg.layout is not None and (reason := incompatibility(msg.layout, self.mgr.layout)):
-                self.refused[msg.instance_id] = reason
-            else:
-                self.refused.pop(msg.instance_id, None)
-        if msg.accepted and seq is not None and msg.instance_id not in self.refused and msg.layout is not None:
-            self.mgr.accept_peer(PeerKey(msg.instance_id, msg.epoch), conn.entry.control_addr, msg.layout,
-                                 msg.endpoint, conn.session, recv_seq=seq)
-        self._pump_all()
-
-    def _challenged(self, msg: HelloChallenge) -> None:
-        secret = self.mgr.config.cluster_token
-        with self.mgr.lock:
-            conn = self.connecting.get(msg.instance_id)
-            if conn is None or msg.hello_nonce != conn.nonce or conn.session or msg.epoch < conn.entry.epoch:
-                self.mgr.auth_drops.add("unknown_handshake")
-                return
-            t = auth.transcript(self.mgr.instance_id, self.mgr.epoch, conn.nonce, msg.instance_id, msg.epoch,
-                                msg.nonce)
-            if not auth.check_proof(secret, "prefill", t, msg.proof):
-                self.mgr.auth_drops.add("bad_proof")
-                del self.connecting[msg.instance_id]
-                self.refused[msg.instance_id] = (f"cluster token mismatch: prefill rank {msg.instance_id} could not "
-                                                 "prove this cluster's secret")
-                log.warning("kv %s: %s", self.mgr.instance_id, self.refused[msg.instance_id])
-            else:
-                conn.session, conn.prefill_epoch = auth.session_key(secret, t), msg.epoch
-                self.mgr.control.send(conn.entry.control_addr, HelloProof(
-                    **self.mgr.stamp(), proof=auth.proof(secret, "decode", t)))
-                return
-        self._pump_all()
+        self.handshakes.handle(msg, frames)
 
     def handle(self, msg: AnyMessage, peer: Peer) -> None:
         now = time.monotonic()
@@ -360,7 +294,7 @@ class DecodeRooms:
                     rec.waiting_for = f"prefill rank dp={rec.dp_rank} tp={source.tp_rank} from bootstrap {addr}"
                     self._lookup(addr, rec.dp_rank, source.tp_rank, now)
                     continue
-                if (reason := self.refused.get(entry.instance_id)) is not None:
+                if (reason := self.handshakes.refused.get(entry.instance_id)) is not None:
                     self.fail(rec, ErrorCode.FAILED_PRECONDITION,
                               f"room {rec.room}: prefill rank {entry.instance_id} refused the handshake: "
                                    f"{reason}", now)
@@ -377,20 +311,11 @@ class DecodeRooms:
                     source.key = peer.key
                     continue
                 rec.waiting_for = f"the handshake with prefill rank {entry.instance_id}"
-                self._hello(entry, now)
+                self.handshakes.hello(entry, now)
             if all(s.key is not None for s in rec.sources):
                 rec.advance(KVPoll.WaitingForInput, now)
                 rec.waiting_for = "send_metadata() from the decode scheduler"
                 self._send_infos(rec)
-
-    def _hello(self, entry: RankEntry, now: float) -> None:
-        conn = self.connecting.get(entry.instance_id)
-        if conn is not None and now - conn.hello_at < HELLO_RESEND_S:
-            return
-        conn = self.connecting[entry.instance_id] = Connecting(entry, now, auth.new_nonce())
-        self.mgr.control.send(entry.control_addr, Hello(
-            **self.mgr.stamp(), control_addr=self.mgr.control.address, nonce=conn.nonce, layout=self.mgr.layout,
-            endpoint=self.mgr.endpoint))
 
     def _lookup(self, addr: str, dp_rank: int, tp_rank: int, now: float) -> None:
         key = (addr, dp_rank, tp_rank)
@@ -433,25 +358,3 @@ def bootstrap_error_code(error: BootstrapError) -> ErrorCode:
         return ErrorCode.FAILED_PRECONDITION
     return ErrorCode.UNAVAILABLE
 
-
-class KVReceiver(KVHandle[DecodeRooms]):
-    """The decode scheduler's handle on one request's transfer. Every method is non-blocking."""
-
-    def __init__(self, mgr: KVManager, bootstrap_room: int, bootstrap_addr: str) -> None:
-        super().__init__(mgr, bootstrap_room, DecodeRooms)
-        self._rec: RecvRoom = self._rooms.create(bootstrap_room, bootstrap_addr)
-
-    def init(self, prefill_dp_rank: int) -> None:
-        """Resolve the prefill rank(s) holding the KV and handshake with them (in the background)."""
-        self._rooms.init(self._rec, prefill_dp_rank)
-
-    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
-        """Destination page numbers (token order) and the metadata slot; sent to prefill once it is resolved. Page 0
-        (the padding page) marks a page this rank holds already: prefill moves nothing for it."""
-        self._rooms.send_metadata(self._rec, page_indices, metadata_slot)
-
-    def metadata(self) -> MetadataRecord:
-        """The record prefill delivered (valid after Success; its room is this room)."""
-        if self._rec.state != KVPoll.Success or self._rec.metadata_slot is None:
-            raise RuntimeError(f"room {self.room}: metadata read in state {self._rec.state.name}")
-        return self._mgr.metadata.read(self._rec.metadata_slot)

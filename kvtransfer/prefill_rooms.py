@@ -1,11 +1,5 @@
-"""Prefill side: ``KVSender`` (the scheduler's per-request handle) and ``PrefillRooms`` (the manager's room logic,
-a ``manager.Rooms``).
-
-Sender lifecycle::
-
-    Bootstrapping --(TransferInfo from every decode rank this rank serves)--> WaitingForInput
-      --send(chunk)--> Transferring --(last chunk's jobs done, final ChunkDone sent, decode confirmed)--> Success
-    any non-final state --(deadline, transfer error, peer lost, abort either side)--> Failed
+"""Prefill side: ``PrefillRooms``, the manager's room logic (a ``manager.Rooms``) behind each ``sender.KVSender``,
+and its per-room record ``SendRoom``.
 
 Chunk k of a room becomes one ``TransferJob`` per destination decode rank: this chunk's source pages paired with
 ``dst_pages[pages_sent : pages_sent + len(chunk)]`` of that rank's TransferInfo, coalesced into runs. Pairs whose
@@ -28,7 +22,6 @@ from common.errors import ErrorCode
 from kvtransfer import auth
 from kvtransfer.args import Mode, incompatibility
 from kvtransfer.backends.base import PeerKey, TransferJob
-from kvtransfer.handle import KVHandle
 from kvtransfer.messages import (
     Abort,
     AbortAck,
@@ -376,18 +369,3 @@ class PrefillRooms:
                                f"decode={len(target.info.dst_pages)} ({target.key.instance_id})", now)
                 return
 
-
-class KVSender(KVHandle[PrefillRooms]):
-    """The prefill scheduler's handle on one request's transfer. Every method is non-blocking."""
-
-    def __init__(self, mgr: KVManager, bootstrap_room: int) -> None:
-        super().__init__(mgr, bootstrap_room, PrefillRooms)
-        self._rec: SendRoom = self._rooms.create(bootstrap_room)
-
-    def init(self, num_pages: int, metadata_slot: int | None = None) -> None:
-        """Declare the request's total page count (must equal what decode allocated) and its metadata slot."""
-        self._rooms.init(self._rec, num_pages, metadata_slot)
-
-    def send(self, page_indices: Sequence[int], last: bool = False, metadata: MetadataRecord | None = None) -> None:
-        """Queue one chunk's pages (page numbers, in token order). The last chunk carries the metadata record."""
-        self._rooms.send(self._rec, page_indices, last, metadata)

@@ -170,7 +170,7 @@ def drive_senders(
     abort_rooms: list[int] | None = None,
 ) -> dict[int, tuple[int, str]]:
     """Run prefill senders for ``plans``, one chunk per room per round (rooms interleave); returns final states."""
-    from kvtransfer.prefill_rooms import KVSender
+    from kvtransfer.sender import KVSender
 
     senders = {p.room: KVSender(mgr, p.room) for p in plans}
     progress = {p.room: 0 for p in plans}
@@ -209,7 +209,7 @@ def drive_senders(
 
 
 def start_receivers(mgr, plans: list[RoomPlan], bootstrap_addr: str) -> dict:
-    from kvtransfer.decode_rooms import KVReceiver
+    from kvtransfer.receiver import KVReceiver
 
     receivers = {}
     for plan in plans:

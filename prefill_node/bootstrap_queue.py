@@ -13,7 +13,7 @@ from common.errors import ErrorCode
 from common.io_struct import GenerateReqInput
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import GroupPolls, KVPoll
-from kvtransfer.prefill_rooms import KVSender
+from kvtransfer.sender import KVSender
 
 
 class PrefillBootstrapQueue:

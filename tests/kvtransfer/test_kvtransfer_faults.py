@@ -21,7 +21,8 @@ from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, encode
 from kvtransfer.poll import KVPoll
-from kvtransfer.prefill_rooms import KVSender, PrefillRooms
+from kvtransfer.prefill_rooms import PrefillRooms
+from kvtransfer.sender import KVSender
 from kvtransfer.testing import (
     DECODE_SEED,
     PREFILL_SEED,

@@ -15,9 +15,10 @@ from common.config import ServerArgs
 from common.engine.mem.kv_pool import MHATokenToKVPool
 from common.engine.mem.pages import bytes_per_page, num_pages, req_pages
 from kvtransfer.args import KVArgs
-from kvtransfer.decode_rooms import DecodeRooms, KVReceiver
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.node import make_kv_manager
-from kvtransfer.prefill_rooms import KVSender
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.sender import KVSender
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +43,8 @@ def test_common_imports_nothing_of_kvtransfer() -> None:
 @pytest.mark.parametrize("module", ["manager", "room_record", "handle"])
 def test_shared_kv_modules_import_no_role_module(module: str) -> None:
     imported = imported_modules(ROOT / "kvtransfer" / f"{module}.py")
-    assert not imported & {"kvtransfer.prefill_rooms", "kvtransfer.decode_rooms", "kvtransfer.node"}
+    assert not imported & {"kvtransfer.sender", "kvtransfer.receiver", "kvtransfer.prefill_rooms", "kvtransfer.decode_rooms",
+                             "kvtransfer.node"}
 
 
 def tiny_runner(pool_heads: int, model_heads: int) -> SimpleNamespace:
