@@ -59,7 +59,7 @@ from ucxx.exceptions import UCXError
 from common.kv_options import option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends import ucp_rma as ucp
-from kvtransfer.backends import ucx_progress, wire
+from kvtransfer.backends import ucx_runtime, wire
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import memory_kind
 from kvtransfer.backends.onesided import RemotePool, pool_endpoint, write_segments
@@ -84,7 +84,7 @@ class _Runtime:
     def acquire(cls, tls: str, progress_mode: str, device: torch.device) -> asyncio.AbstractEventLoop:
         with cls._lock:
             if cls._loop is None:
-                ucx_progress.install()  # ucxx's own "blocking" mode spins after the first event
+                ucx_runtime.install()  # ucxx's own "blocking" mode spins after the first event
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(target=loop.run_forever, name="kv-ucx-loop", daemon=True)
                 thread.start()
