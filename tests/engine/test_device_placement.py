@@ -13,7 +13,8 @@ import torch
 
 import common.engine.device as device_mod
 from common.app.cli import build_parser
-from common.app.up import LocalCluster, place_nodes, placement_lines
+from common.app.placement import place_nodes, placement_lines
+from common.app.up import LocalCluster
 from common.config import ServerArgs
 from common.engine.device import CUDA_RESERVE_BYTES, gpu_id, kv_cache_bytes, rank_device
 from common.errors import ConfigError
@@ -113,7 +114,7 @@ def test_up_default_backend_and_node_flags_follow_the_device(tmp_path) -> None:
                               "--num-gpus", "1"))
     assert gpu.backend == "shm"
     assert gpu.placement["decode-0"].base_gpu_id == 0 and gpu.placement["decode-0"].mem_fraction_static == 0.425
-    flags = gpu._node_flags()
+    flags = gpu._node_flags("decode")
     assert flags[flags.index("--device") + 1] == "cuda"
     with pytest.raises(RuntimeError, match=r"nccl cannot pair two nodes on one GPU.*shm or tcp"):
         LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path), "--device", "cuda",
