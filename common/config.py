@@ -23,7 +23,7 @@ from common.hicache_flags import (
     parse_storage_options,
 )
 from common.kv_options import parse_options
-from common.wire.tls import TlsFiles
+from common.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
 KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "mooncake", "shm", "fake")
@@ -90,7 +90,7 @@ class ServerArgs:
     log_requests: bool = flag(False, "log each request's arrival and outcome (rid, room)", group=SERVER)
     event_loop: str = flag("auto", "the front process's event loop. auto: uvloop when installed, else asyncio's "
                            "loop", group=SERVER, choices=EVENT_LOOPS)
-    # The Worker gRPC listener (common/wire/tls.py).
+    # The Worker gRPC listener (common/tls.py).
     tls_cert: str | None = flag(None, "PEM certificate chain: the Worker gRPC port serves TLS", group=SERVER)
     tls_key: str | None = flag(None, "PEM private key of --tls-cert", group=SERVER)
     tls_ca: str | None = flag(None, "PEM CA bundle: mutual TLS, only callers with a certificate it signed (the "

@@ -30,13 +30,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from common.engine.io_struct import GenerateReqInput
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.pages import req_pages
 from common.engine.req import Req
 from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_role import Engine
 from common.errors import ErrorCode
-from common.io_struct import GenerateReqInput
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import GroupPolls, KVPoll
 from kvtransfer.receiver import KVReceiver

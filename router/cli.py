@@ -12,7 +12,7 @@ from common import env, event_loop
 from common.errors import ConfigError
 from common.flags import add_flags, arg_group, config_values
 from common.gc_freeze import SERVING_YOUNG_THRESHOLD, freeze_startup_heap
-from common.wire.tls import TlsFiles
+from common.tls import TlsFiles
 from router.config import SECURITY, RouterConfig, WorkerSpec
 
 if TYPE_CHECKING:

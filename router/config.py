@@ -9,7 +9,7 @@ from common import env
 from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
 from common.flags import Check, above, at_least, check_flags, flag, tcp_port
-from common.wire.tls import TlsFiles
+from common.tls import TlsFiles
 from router.tool_calls import TOOL_CALL_PARSERS
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -159,7 +159,7 @@ class RouterConfig:
     client_priority_over: str = flag("refuse", "a request more urgent than its client's ceiling: refuse (HTTP 400 / "
                                      "INVALID_ARGUMENT naming the ceiling) or clamp (served at the ceiling)",
                                      group=SECURITY, choices=("refuse", "clamp"))
-    # TLS (common/wire/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels
+    # TLS (common/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels
     # to nodes verify each node's certificate against it and present tls.cert/tls.key (mutual TLS).
     tls: TlsFiles = field(default_factory=TlsFiles)
     tls_server_name: str | None = flag(None, "name the nodes' certificates carry (default: the host of each node's "

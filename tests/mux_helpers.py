@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from common.io_struct import TokenOut
+from common.engine.io_struct import TokenOut
 from common.node.front import WorkerServicer
 from common.testing.mock_config import MockConfig
 from common.testing.mock_worker import MockWorker

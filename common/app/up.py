@@ -67,8 +67,8 @@ from common.flags import config_values, flag_argv
 from common.hicache_flags import DECODE_REFUSES
 from common.ports import pick_free_port
 from common.text.tokenizer import resolve_model_path
+from common.tls import TlsFiles
 from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
-from common.wire.tls import TlsFiles
 
 READY_TIMEOUT_S = 300.0
 SUPERVISE_INTERVAL_S = 0.5

@@ -13,8 +13,8 @@ from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
+from common.engine.io_struct import PrefillDone, QueueLoad, TokenOut
 from common.errors import ErrorCode
-from common.io_struct import PrefillDone, QueueLoad, TokenOut
 from common.node.hicache_metrics import observe_hicache
 from common.serving.gap_histogram import GapHistogram
 

@@ -36,9 +36,9 @@ from aiohttp.http_exceptions import BadHttpMessage
 
 from common import env
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from common.engine.sampling.params import for_choice
 from common.errors import ErrorCode, InvalidRequestError
-from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from common.node import front
 from common.node.http_guard import HttpGuard
 from common.node.sglang_openai import chat_to_generate, completion_to_generate

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.wire.tls import TlsFiles
+from common.tls import TlsFiles
 
 MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
 

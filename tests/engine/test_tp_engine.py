@@ -41,9 +41,9 @@ def _matrix_rank(tp: TPGroup, model: str) -> list[dict[str, Any]]:
     import msgspec
 
     from common.config import ServerArgs
+    from common.engine.io_struct import GenerateReqInput, TokenOut
     from common.engine.sampling.params import SamplingParams
     from common.engine.scheduler import Scheduler
-    from common.io_struct import GenerateReqInput, TokenOut
     from common.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)

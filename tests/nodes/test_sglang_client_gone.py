@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from common.config import ServerArgs
-from common.io_struct import GenerateReqInput, TokenOut
+from common.engine.io_struct import GenerateReqInput, TokenOut
 from common.node.sglang_http import SglangHttpServer
 from tests.http_helpers import close_before_head
 from tests.nodes.test_sglang_guard import _Recorder

@@ -3,8 +3,8 @@ storage traffic, since the rank started (the load report carries them; the front
 
 from __future__ import annotations
 
+from common.engine.io_struct import HiCacheLoad
 from common.engine.mem.hicache.copy_engine import CopyJob
-from common.io_struct import HiCacheLoad
 
 
 class HiCacheStats:
