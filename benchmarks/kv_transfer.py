@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from common.kv_options import KV_TRANSFER_OPTIONS
+from common.kv_backends import KV_TRANSFER_OPTIONS
 from kvtransfer.args import KVArgs, KVTransferConfig
 from kvtransfer.registry import BACKENDS
 

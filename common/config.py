@@ -22,7 +22,7 @@ from common.hicache_flags import (
     check_hicache_flags,
     parse_storage_options,
 )
-from common.kv_options import parse_options
+from common.kv_backends import parse_options
 from common.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
@@ -104,7 +104,7 @@ class ServerArgs:
                                     "cluster; UCX_TLS), mooncake, shm (same host), fake", group=DISAGG,
                                     choices=KV_TRANSFER_BACKENDS)
     kv_transfer_option: tuple[str, ...] = flag(
-        (), "a setting of the chosen backend, repeatable (common/kv_options.py): tcp streams=4 (connections per "
+        (), "a setting of the chosen backend, repeatable (common/kv_backends.py): tcp streams=4 (connections per "
         "peer), stripe_bytes, stage, stage_bytes; mooncake mooncake_protocol=rdma, mooncake_device; ucx ucx_tls, "
         "ucx_progress_mode; nixl progress_delay_us; nccl pack_bytes", group=DISAGG, metavar="KEY=VALUE")
     num_reserved_decode_tokens: int = flag(128, "decode nodes: KV headroom kept per active request before admitting "

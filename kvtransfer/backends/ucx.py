@@ -32,7 +32,7 @@ copy made here. At start-up the backend checks that the process's UCX context ha
 refuses with an error naming the missing support. The forward that wrote the pages (default stream) is
 synchronized before the PUTs read them.
 
-Settings (``--kv-transfer-option``, defaults in ``common.kv_options``): ``ucx_tls`` (default "all": UCX picks per peer and memory type,
+Settings (``--kv-transfer-option``, defaults in ``common.kv_backends``): ``ucx_tls`` (default "all": UCX picks per peer and memory type,
 InfiniBand and CUDA transports included, as NIXL leaves it; the user's ``UCX_TLS`` wins), ``ucx_progress_mode`` (default "blocking"). Both are per process:
 the first UCX backend of a process fixes them.
 """
@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import ucxx
 
-from common.kv_options import option
+from common.kv_backends import option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends import ucp_rma as ucp
 from kvtransfer.backends import wire

@@ -12,7 +12,7 @@ import torch
 
 from common.config import ServerArgs, add_server_args, server_args_from_cli
 from common.errors import ConfigError
-from common.kv_options import KV_TRANSFER_OPTIONS, int_option
+from common.kv_backends import KV_TRANSFER_OPTIONS, int_option
 from kvtransfer.backends.staging import DEFAULT_SEGMENT_BYTES, expand_pages
 from kvtransfer.node import kv_transfer_config
 from kvtransfer.pages import PageRun, split_runs
