@@ -56,9 +56,8 @@ from typing import Any
 
 import torch
 
-from common.kv_backends import KV_TRANSFER_OPTIONS
+from common.kv_backends import KV_TRANSFER_BACKENDS
 from kvtransfer.args import KVArgs, KVTransferConfig
-from kvtransfer.registry import BACKENDS
 
 LAYERS, HEADS, HEAD_DIM, PAGE, RUN = 32, 8, 128, 16, 4
 SRC_SEED = 7
@@ -483,9 +482,10 @@ def main() -> int:
         parser.error("--device cuda: no CUDA device visible")
     cuda = opts.device == "cuda"
     geom = Geometry(opts.tokens, "cuda:0" if cuda else "cpu", max(inflights))
-    backends = (opts.backends or ("shm,tcp" if cuda else ",".join(n for n in BACKENDS if n != "fake") + ",fake"))
+    backends = (opts.backends or ("shm,tcp" if cuda else ",".join(n for n in KV_TRANSFER_BACKENDS if n != "fake") + ",fake"))
     modes = opts.modes or ("paged" if cuda else "contiguous,paged")
-    unread = [k for k in options if not any(k in KV_TRANSFER_OPTIONS.get(b, ()) for b in backends.split(","))]
+    known = [KV_TRANSFER_BACKENDS[b].options for b in backends.split(",") if b in KV_TRANSFER_BACKENDS]
+    unread = [k for k in options if not any(k in opts for opts in known)]
     if unread:
         parser.error(f"--option {unread} is read by none of the backends {backends}")
     torch.set_num_threads(1)
@@ -521,7 +521,7 @@ def main() -> int:
                     try:
                         measured[name].append(baseline(name) if name == base else gbps(
                             bench_backend(backend, src_pages, dst_tables, opts.reps, src, geom,
-                                          {k: v for k, v in options.items() if k in KV_TRANSFER_OPTIONS[backend]}),
+                                          {k: v for k, v in options.items() if k in KV_TRANSFER_BACKENDS[backend].options}),
                             geom, inflight))
                     except Exception as exc:  # a backend's failure goes in the table; the other backends go on
                         if name == base:

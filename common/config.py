@@ -22,11 +22,10 @@ from common.hicache_flags import (
     check_hicache_flags,
     parse_storage_options,
 )
-from common.kv_backends import parse_options
+from common.kv_backends import KV_TRANSFER_BACKENDS, parse_options
 from common.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
-KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "mooncake", "shm", "fake")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_order)
@@ -102,7 +101,7 @@ class ServerArgs:
                                               "resolve ranks through", group=DISAGG, check=tcp_port())
     kv_transfer_backend: str = flag("tcp", "KV data plane: tcp (anywhere), nccl (gloo on CPU), ucx, nixl (RDMA "
                                     "cluster; UCX_TLS), mooncake, shm (same host), fake", group=DISAGG,
-                                    choices=KV_TRANSFER_BACKENDS)
+                                    choices=tuple(KV_TRANSFER_BACKENDS))
     kv_transfer_option: tuple[str, ...] = flag(
         (), "a setting of the chosen backend, repeatable (common/kv_backends.py): tcp streams=4 (connections per "
         "peer), stripe_bytes, stage, stage_bytes; mooncake mooncake_protocol=rdma, mooncake_device; ucx ucx_tls, "
