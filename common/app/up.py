@@ -43,6 +43,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import env
+from common.app.cluster_flags import ClusterShape
 from common.app.demo import run_demo
 from common.app.placement import (
     NodePlacement,
@@ -92,6 +93,7 @@ def _serving(port: int, tls: grpc.ChannelCredentials | None = None) -> bool:
 class LocalCluster:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
+        ClusterShape(**config_values(ClusterShape, ns))  # its checks (node counts, tp sizes)
         self.node_given = config_values(ServerArgs, ns)  # the node flags given to up, forwarded to every node
         ServerArgs(**self.node_given)  # the nodes' own checks, before anything starts
         router_cls = router_config()
