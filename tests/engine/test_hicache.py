@@ -156,6 +156,7 @@ def test_a_hung_load_and_a_hung_read_are_given_up_at_the_deadline(engine_factory
         assert not job.done.is_set() and not alloc._is_free[job.device_pages].any()
         assert alloc.available_size() + cache.evictable_size() == alloc.size - len(job.device_pages) * PAGE
         assert [op.expired for op in tier.ops.values()] == [True]
+        assert engine.get_load().hicache.timeouts == 2  # /metrics: pdcluster_node_hicache_timeouts_total
     finally:
         release.set()
 
@@ -238,6 +239,9 @@ def test_a_mooncake_store_serves_another_node(mooncake_master, engine_factory, m
 @pytest.mark.parametrize(("flags", "message"), [
     ({"hicache_ratio": 3.0}, "--hicache-ratio needs --enable-hierarchical-cache"),
     ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "drop --disable-radix-cache"),
+    ({"enable_hierarchical_cache": True, "hicache_size": 4, "hicache_ratio": 3.0}, "give one"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file",
+      "hicache_storage_backend_extra_config": '{"prefetch_timeout_base": 2}'}, "prefetch_timeout_base is read by"),
     ({"enable_hierarchical_cache": True, "hicache_storage_prefetch_policy": "timeout"},
      "--hicache-storage-prefetch-policy needs --hicache-storage-backend"),
     ({"enable_hierarchical_cache": True, "disaggregation_mode": "decode", "hicache_storage_backend": "file"},

@@ -140,6 +140,7 @@ class HiHeldPrefixCache(HeldPrefixCache):
                 if verdict == EXPIRED:
                     logger.warning("rid=%s: restoring its KV from the host ran past --hicache-load-timeout (%.1f s); "
                                    "it is recomputed", rec.req.rid, self.waits.timeout_s)
+                    self.stats.timeouts += 1
                     self._abandon(rec)
                 elif verdict != WAIT:
                     self._finish_restore(rec, verdict == OK)

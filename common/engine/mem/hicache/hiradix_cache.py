@@ -178,6 +178,7 @@ class HiRadixCache(HostTierTree):
                 if verdict == EXPIRED:
                     logger.warning("a host -> device load of %d tokens ran past --hicache-load-timeout (%.1f s): its "
                                    "request computes them", op.host_tokens + op.storage_tokens, self.waits.timeout_s)
+                    self.stats.timeouts += 1
                     self._abandon_load(op)
                 elif verdict != WAIT:
                     self._finish_load(op, verdict == OK)
@@ -262,6 +263,7 @@ class HiRadixCache(HostTierTree):
         if (tier := self.storage) is not None:
             report.storage_read_bytes, report.storage_write_bytes, report.storage = (
                 tier.read_bytes, tier.write_bytes, tier.identity)
+            report.storage_dropped_pages, report.timeouts = tier.dropped_pages, report.timeouts + tier.timeouts
         return report
 
     def _fence(self, node: HiTreeNode) -> None:

@@ -91,7 +91,8 @@ class StorageTier:
         self.tried: OrderedDict[str, int] = OrderedDict()  # rid -> tokens its read brought (its storage credit)
         self.read_bytes = 0
         self.write_bytes = 0
-        self.dropped_writes = 0
+        self.dropped_pages = 0  # not written behind: the queue held a host pool's worth already
+        self.timeouts = 0  # reads given up at --hicache-load-timeout
         self._pending_write_bytes = 0
         self._write_limit = host_pool.num_pages * host_pool.bytes_per_page
         self._lock = threading.Lock()
@@ -130,7 +131,7 @@ class StorageTier:
             nbytes = staging.numel() * staging.element_size()
             with self._lock:
                 if self._pending_write_bytes + nbytes > self._write_limit:
-                    self.dropped_writes += len(keys)
+                    self.dropped_pages += len(keys)
                     return
                 self._pending_write_bytes += nbytes
             self._writes.put((keys, staging))
@@ -221,6 +222,7 @@ class StorageTier:
                                    "its request computes them", len(op.keys), self.load_timeout)
                     op.expired = True
                     op.stop.set()
+                    self.timeouts += 1
                 continue
             del self.ops[op.rid]
             joined = cache.insert_host(op.prefix, op.tokens[: n * self.page_size], op.host_pages[:n], op.keys[:n])
