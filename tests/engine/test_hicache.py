@@ -134,7 +134,7 @@ def test_a_hung_load_and_a_hung_read_are_given_up_at_the_deadline(engine_factory
     monkeypatch.setattr(FileStorage, "get", hanging_get)
     # 20 host pages: after the six prompts, prompt 3 is on the host only and prompt 0 in the store only.
     engine = engine_factory(model_path, **BASE, enable_hierarchical_cache=True, hicache_ratio=1.25,
-                            hicache_load_timeout=0.5, hicache_storage_backend="file",
+                            hicache_load_timeout=1.0, hicache_storage_backend="file",
                             hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=(
                                 json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 16})))
     try:
