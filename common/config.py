@@ -190,6 +190,10 @@ class ServerArgs:
                                    choices=IO_BACKENDS)
     hicache_mem_layout: str = flag("layer_first", "host pool layout: layer_first (like the device pool) or "
                                    "page_first (each page's layers contiguous)", group=HICACHE, choices=MEM_LAYOUTS)
+    hicache_load_timeout: float = flag(
+        30.0, "seconds a request waits in the queue for its prefix to come back from the host or storage tier (a "
+        "load; a wait_complete or timeout prefetch); then it computes the prefix instead", group=HICACHE,
+        check=above(0))
     hicache_storage_backend: str | None = flag(
         None, "a storage tier under the host pool, shared by nodes of one model: file (a directory) or mooncake (a "
         "Mooncake store)", group=HICACHE, choices=STORAGE_BACKENDS)

@@ -5,9 +5,11 @@ stops the node before any model loads, and the parsed storage options the cache 
 (``common.engine.mem.hicache``). Every value either works or is refused here:
 
 - every ``--hicache-*`` flag needs ``--enable-hierarchical-cache``, and that needs the radix cache;
+- the host pool's size is ``--hicache-size`` or ``--hicache-ratio``, not both;
 - a decode node's host tier holds retracted requests' KV (``HiHeldPrefixCache``): it takes the pool's size, layout
   and copy backend, and refuses the write policy and the storage flags (it inserts no finished KV to write);
-- the storage flags need ``--hicache-storage-backend``; the extra config is a JSON object of the keys below.
+- the storage flags need ``--hicache-storage-backend``; the extra config is a JSON object of the keys below (the
+  prefetch timeouts only with ``--hicache-storage-prefetch-policy timeout``, the one policy that reads them).
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ def parse_storage_options(backend: str, prefetch_policy: str, extra: str | None)
         if not ok or isinstance(value, bool) or (kind in (int, float) and value < 0):
             raise ConfigError(f"{flag}: {key} must be a non-negative {kind.__name__}, got {value!r}")
         values[key] = value
+    timeouts = [key for key in values if key.startswith("prefetch_timeout")]
+    if timeouts and prefetch_policy != "timeout":
+        raise ConfigError(f"{flag}: {timeouts[0]} is read by --hicache-storage-prefetch-policy timeout only (got "
+                          f"{prefetch_policy}); drop it or choose that policy")
     merged = {key: values.get(key, default) for key, (_, default) in known.items()}
     if backend == "mooncake" and not merged["master_server_address"]:
         raise ConfigError(f"--hicache-storage-backend mooncake needs {flag} '{{\"master_server_address\": "
@@ -108,6 +114,8 @@ def check_hicache_flags(args: Any) -> None:
         return
     if args.disable_radix_cache:
         raise ConfigError("--enable-hierarchical-cache extends the radix cache: drop --disable-radix-cache")
+    if args.hicache_size and "hicache_ratio" in given:
+        raise ConfigError("--hicache-size and --hicache-ratio both size the host pool: give one")
     storage_only = ("hicache_storage_prefetch_policy", "hicache_storage_backend_extra_config")
     if args.hicache_storage_backend is None and any(name in given for name in storage_only):
         name = next(n for n in given if n in storage_only)

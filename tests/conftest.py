@@ -125,6 +125,7 @@ def assert_scheduler_pools_released(*schedulers: Any) -> None:
 
 
 def _assert_released(s: Any) -> None:
+    _wait_hicache_settled(s.tree_cache)
     free_slots = s.req_to_token_pool.available_size()
     assert free_slots == s.req_to_token_pool.size, (
         f"request slots leaked: {s.req_to_token_pool.size - free_slots}"
@@ -140,18 +141,29 @@ def _assert_released(s: Any) -> None:
     _assert_host_released(s.tree_cache)
 
 
-def _assert_host_released(cache: Any, timeout: float = 10.0) -> None:
-    """A hierarchical cache's host pool: once its copies and reads have settled, every page it holds belongs to a
-    host-only tree node (a decode node's: to no one), and evicting the host tier frees them all."""
+def _wait_hicache_settled(cache: Any, timeout: float = 10.0) -> None:
+    """A hierarchical cache's loads, reads and loads given up on (whose pages it still reserves) have ended: the
+    scheduler's idle steps settle them."""
     from common.engine.mem.hicache.decode_offload import HiHeldPrefixCache
     from common.engine.mem.hicache.hiradix_cache import HiRadixCache
 
     if not isinstance(cache, HiRadixCache | HiHeldPrefixCache):
         return
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and (cache.offloads if isinstance(cache, HiHeldPrefixCache) else (
-            cache.ongoing_loads or (cache.storage is not None and cache.storage.ops))):
-        time.sleep(0.01)  # the scheduler's idle steps settle them
+    while time.monotonic() < deadline and (cache.waits.stuck or (
+            cache.offloads if isinstance(cache, HiHeldPrefixCache) else (
+                cache.ongoing_loads or (cache.storage is not None and cache.storage.ops)))):
+        time.sleep(0.01)
+
+
+def _assert_host_released(cache: Any) -> None:
+    """A hierarchical cache's host pool (settled: ``_wait_hicache_settled``): every page it holds belongs to a
+    host-only tree node (a decode node's: to no one), and evicting the host tier frees them all."""
+    from common.engine.mem.hicache.decode_offload import HiHeldPrefixCache
+    from common.engine.mem.hicache.hiradix_cache import HiRadixCache
+
+    if not isinstance(cache, HiRadixCache | HiHeldPrefixCache):
+        return
     if isinstance(cache, HiRadixCache):
         held = sum(len(n.host_pages) for n in cache._nodes() if n.host_pages is not None)
         assert cache.host_pool.used_pages == held, f"host pages leaked: {cache.host_pool.used_pages} used, {held} held"

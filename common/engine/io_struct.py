@@ -89,6 +89,8 @@ class HiCacheLoad(msgspec.Struct, kw_only=True):
     host_evicted_tokens: int = 0
     storage_read_bytes: int = 0
     storage_write_bytes: int = 0
+    storage_dropped_pages: int = 0  # not written behind: the store's write queue was full
+    timeouts: int = 0  # loads and prefetches given up at --hicache-load-timeout (their requests computed the prefix)
     storage: str = ""  # the storage tier's identity ("file:<directory>", "mooncake:<master>"); "" without one
     hit_tokens: dict[str, int] = {}  # cached prompt tokens per tier (device, host, storage) at prefill start
 

@@ -6,7 +6,9 @@
     pdcluster_node_hicache_{load,write}_seconds_total    time those copies took (bytes / seconds: bandwidth)
     pdcluster_node_hicache_{load,write}_bandwidth_bytes_per_second   the same, over the rank's life
     pdcluster_node_hicache_storage_{read,write}_bytes_total
+    pdcluster_node_hicache_storage_dropped_pages_total   pages not written behind (the store's queue was full)
     pdcluster_node_hicache_host_evicted_tokens_total
+    pdcluster_node_hicache_timeouts_total                loads and prefetches given up at --hicache-load-timeout
     pdcluster_node_hicache_host_tokens{state=used|total}  host pool occupancy
 """
 
@@ -27,7 +29,10 @@ COUNTERS = {
         ("write_seconds", "Seconds spent on device -> host writes"),
         ("storage_read_bytes", "KV bytes read from the storage tier"),
         ("storage_write_bytes", "KV bytes written to the storage tier"),
+        ("storage_dropped_pages", "KV pages not written to the storage tier: its write queue was full"),
         ("host_evicted_tokens", "Tokens the host tier evicted (least recently used first)"),
+        ("timeouts", "Host loads and storage prefetches given up at --hicache-load-timeout (their requests computed "
+                     "the prefix instead)"),
     )
 }
 BANDWIDTH = Gauge("pdcluster_node_hicache_bandwidth_bytes_per_second", "Mean bandwidth of the host tier's copies "

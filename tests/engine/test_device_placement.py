@@ -114,7 +114,7 @@ def test_up_default_backend_and_node_flags_follow_the_device(tmp_path) -> None:
                               "--num-gpus", "1"))
     assert gpu.backend == "shm"
     assert gpu.placement["decode-0"].base_gpu_id == 0 and gpu.placement["decode-0"].mem_fraction_static == 0.425
-    flags = gpu._node_flags("decode")
+    flags = gpu._node_flags("prefill")
     assert flags[flags.index("--device") + 1] == "cuda"
     with pytest.raises(RuntimeError, match=r"nccl cannot pair two nodes on one GPU.*shm or tcp"):
         LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path), "--device", "cuda",

@@ -9,6 +9,7 @@ import json
 import random
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,7 +102,63 @@ def test_a_failed_load_is_recomputed_with_the_same_outputs(engine_factory, model
     run(engine, PROMPTS)
     second = run(engine, PROMPTS)
     assert [o.output_ids for o in second] == expected
-    assert [o.cached_tokens for o in second] == [0] * 6
+    assert [(o.cached_tokens, o.timing.cached_tokens_host) for o in second] == [(0, 0)] * 6
+
+
+def test_a_hung_load_and_a_hung_read_are_given_up_at_the_deadline(engine_factory, model_path, expected, monkeypatch,
+                                                                  tmp_path) -> None:
+    """--hicache-load-timeout: a request whose host load (then one whose wait_complete prefetch) hangs computes its
+    prompt once the deadline passes, while the copy and the read still hang; the load's device pages stay reserved
+    until it ends, and every pool comes back once both end (``engine_factory``)."""
+    from common.engine.mem.hicache.copy_engine import CopyEngine
+    from common.engine.mem.hicache.storage.file import FileStorage
+
+    armed, release, hung = threading.Event(), threading.Event(), []
+    copy, get = CopyEngine._copy_pages, FileStorage.get
+
+    def hang(what: str) -> None:
+        if armed.is_set() and not release.is_set():
+            hung.append(what)
+            release.wait(20)  # bounded: without the deadline the request waits this long, then finds a hit
+
+    def hanging_copy(self: CopyEngine, job: Any) -> Any:
+        if job.kind == "load":
+            hang("load")
+        return copy(self, job)
+
+    def hanging_get(self: FileStorage, key: str) -> Any:
+        hang("read")
+        return get(self, key)
+
+    monkeypatch.setattr(CopyEngine, "_copy_pages", hanging_copy)
+    monkeypatch.setattr(FileStorage, "get", hanging_get)
+    # 20 host pages: after the six prompts, prompt 3 is on the host only and prompt 0 in the store only.
+    engine = engine_factory(model_path, **BASE, enable_hierarchical_cache=True, hicache_ratio=1.25,
+                            hicache_load_timeout=1.0, hicache_storage_backend="file",
+                            hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=(
+                                json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 16})))
+    try:
+        assert [o.output_ids for o in run(engine, PROMPTS)] == expected
+        cache = engine.scheduler.tree_cache
+        tier = cache.storage
+        deadline = time.monotonic() + 30
+        while not all(tier.backend.exists(k.hex()) for k in tier.chain(tier.seed, PROMPTS[0][:FULL])):
+            assert time.monotonic() < deadline, "prompt 0 was not written to the store"
+            time.sleep(0.05)
+        armed.set()
+        outs = run(engine, [PROMPTS[3], PROMPTS[0]])
+        assert [o.output_ids for o in outs] == [expected[3], expected[0]]
+        assert [(o.cached_tokens, o.timing.cached_tokens_host, o.timing.cached_tokens_storage) for o in outs] == [
+            (0, 0, 0)] * 2
+        assert hung == ["load", "read"]  # answered while both still hang
+        [(job, _)] = cache.waits.abandoned
+        alloc = engine.scheduler.allocator  # every device page is free or cached but the hung load's
+        assert not job.done.is_set() and not alloc._is_free[job.device_pages].any()
+        assert alloc.available_size() + cache.evictable_size() == alloc.size - len(job.device_pages) * PAGE
+        assert [op.expired for op in tier.ops.values()] == [True]
+        assert engine.get_load().hicache.timeouts == 2  # /metrics: pdcluster_node_hicache_timeouts_total
+    finally:
+        release.set()
 
 
 def test_the_storage_tier_serves_another_node_and_recomputes_a_bad_page(engine_factory, model_path, expected,
@@ -182,6 +239,9 @@ def test_a_mooncake_store_serves_another_node(mooncake_master, engine_factory, m
 @pytest.mark.parametrize(("flags", "message"), [
     ({"hicache_ratio": 3.0}, "--hicache-ratio needs --enable-hierarchical-cache"),
     ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "drop --disable-radix-cache"),
+    ({"enable_hierarchical_cache": True, "hicache_size": 4, "hicache_ratio": 3.0}, "give one"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file",
+      "hicache_storage_backend_extra_config": '{"prefetch_timeout_base": 2}'}, "prefetch_timeout_base is read by"),
     ({"enable_hierarchical_cache": True, "hicache_storage_prefetch_policy": "timeout"},
      "--hicache-storage-prefetch-policy needs --hicache-storage-backend"),
     ({"enable_hierarchical_cache": True, "disaggregation_mode": "decode", "hicache_storage_backend": "file"},

@@ -1,10 +1,12 @@
 """A decode node's host tier (``HiHeldPrefixCache``), in this process (prefill and decode roles, TCP transfer on
 127.0.0.1, the overlap schedule on): a request retracted mid-decode keeps its KV on the host and resumes from it —
 one token extended, not its whole sequence recomputed — with the colocated node's tokens; the device and host pools
-come back whole (``pd_pair``)."""
+come back whole (``pd_pair``). A restore whose copy hangs is given up at --hicache-load-timeout: the request is
+recomputed, with the same tokens."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -54,8 +56,23 @@ def setup() -> Iterator[dict[str, Any]]:
     bootstrap.stop()
 
 
-def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatch) -> None:
-    with pd_pair(setup, monkeypatch, enable_hierarchical_cache=True, hicache_ratio=1.0) as (prefill, decode, out):
+@pytest.mark.parametrize("hang", [False, True], ids=["restored", "restore-hangs"])
+def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatch, hang) -> None:
+    """hang: the restore's copy hangs; past --hicache-load-timeout the request is recomputed instead (the same
+    tokens) while the copy still hangs, and the pages it fills stay reserved until it ends."""
+    from common.engine.mem.hicache.copy_engine import CopyEngine
+
+    release, copy = threading.Event(), CopyEngine._copy_pages
+
+    def hanging(self: CopyEngine, job: Any) -> Any:
+        if job.kind == "load" and hang:
+            release.wait(20)  # bounded: without the deadline the request waits this long, then is restored
+        return copy(self, job)
+
+    monkeypatch.setattr(CopyEngine, "_copy_pages", hanging)
+    timeout = {"hicache_load_timeout": 0.3} if hang else {}
+    with pd_pair(setup, monkeypatch, enable_hierarchical_cache=True, hicache_ratio=1.0, **timeout) as (
+            prefill, decode, out):
         msgs = requests(setup["port"])
         decode.step(msgs)
         prefill.step(msgs)
@@ -71,8 +88,19 @@ def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatc
         monkeypatch.setattr(decode, "worker_batch", record)
         live = running(decode)
         decode.preempt_running([live["r-0"]], live["r-1"])
-        drive(prefill, decode, idle(prefill, decode))
-        assert all(f.finish_reason == "length" for f in finals(out).values())
-        assert tokens_of(out) == setup["expected"]
-        assert extends == [("r-0", 1)], "the retracted request should resume from its host copy, not recompute"
-        assert decode.tree_cache.hicache_report().load_bytes > 0
+        try:
+            drive(prefill, decode, idle(prefill, decode))
+            assert all(f.finish_reason == "length" for f in finals(out).values())
+            assert tokens_of(out) == setup["expected"]
+            if not hang:
+                assert extends == [("r-0", 1)], "the retracted request should resume from its host copy"
+                assert decode.tree_cache.hicache_report().load_bytes > 0
+                return
+            assert {rid for rid, _ in extends} == {"r-0"} and sum(n for _, n in extends) > 1  # recomputed
+            [(job, _)] = decode.tree_cache.waits.abandoned
+            assert not job.done.is_set()  # answered while the restore still hangs
+            alloc = decode.allocator  # idle: every page is free but the hung copy's
+            assert alloc.available_size() == alloc.size - len(job.device_pages) * PAGE
+        finally:
+            release.set()
+        drive(prefill, decode, lambda: not decode.tree_cache.waits.stuck)  # then its pages come back

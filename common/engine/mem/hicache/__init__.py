@@ -2,7 +2,8 @@
 and a storage tier under that, shared by the nodes of one model.
 
     host_pool      HostKVPool: host copies of KV pages (bounded, LRU through the tree; pinned on CUDA)
-    copy_engine    CopyEngine: device <-> host page batches on a thread (and CUDA stream) of its own
+    copy_engine    CopyEngine: device <-> host page batches on threads (and CUDA streams) of its own
+    load_waits     LoadWaits: a queued request's deadline for its load; loads given up on (--hicache-load-timeout)
     tree           HiTreeNode: which tier each node's pages are on
     host_tree      HostTierTree: the tree's host-side walks (host LRU eviction, storage pages joining the tree)
     hiradix_cache  HiRadixCache: the prefill / colocated node's tree (write policies, load back, eviction)
@@ -57,16 +58,18 @@ def build_prefix_cache(args: ServerArgs, runner: ModelRunner, tp: TPGroup, fence
     if args.disaggregation_mode == "decode":
         from common.engine.mem.hicache.decode_offload import HiHeldPrefixCache
 
-        return HiHeldPrefixCache(slots, alloc, page, host_pool=host_pool, copier=copier, fence=fence, tp=tp)
+        return HiHeldPrefixCache(slots, alloc, page, host_pool=host_pool, copier=copier, fence=fence, tp=tp,
+                                 load_timeout=args.hicache_load_timeout)
     from common.engine.mem.hicache.hiradix_cache import HiRadixCache
 
     storage = None
     if args.hicache_storage is not None:
         from common.engine.mem.hicache.storage_tier import StorageTier
 
-        storage = StorageTier(args.hicache_storage, host_pool, page, tp, storage_fingerprint(args, model_config, tp))
-    return HiRadixCache(slots, alloc, page, host_pool=host_pool, copier=copier,
-                        write_policy=args.hicache_write_policy, fence=fence, tp=tp, storage=storage)
+        storage = StorageTier(args.hicache_storage, host_pool, page, tp, storage_fingerprint(args, model_config, tp),
+                              args.hicache_load_timeout)
+    return HiRadixCache(slots, alloc, page, host_pool=host_pool, copier=copier, write_policy=args.hicache_write_policy,
+                        fence=fence, tp=tp, load_timeout=args.hicache_load_timeout, storage=storage)
 
 
 def host_pool_pages(args: ServerArgs, runner: ModelRunner) -> int:

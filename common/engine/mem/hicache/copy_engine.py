@@ -1,12 +1,15 @@
-"""``CopyEngine``: moves batches of KV pages between the device pool and the host pool on a thread of its own (and a
-CUDA stream of its own), so no copy blocks the scheduler's step.
+"""``CopyEngine``: moves batches of KV pages between the device pool and the host pool on threads of its own (and
+CUDA streams of its own), so no copy blocks the scheduler's step.
 
     write(device_pages, host_pages, fence)   device -> host (write-through, write-back, a decode node's offload)
     load(host_pages, device_pages, fence)    host -> device (a prefix coming back, a retracted request restored)
 
 Each job copies its whole batch with one gather and one scatter (``--hicache-io-backend kernel``: one launch for
 every layer, ``common.engine.kernels.kv_pages``; ``direct``: one torch index op per layer buffer), through a staging
-tensor the job owns. Jobs run in submission order.
+tensor the job owns. Writes and loads run on a thread (and stream) each, in submission order per kind: a load that
+hangs holds up later loads only, never the writes an eviction waits for. The two never touch one page at once: a
+load reads host pages whose write has ended and fills device pages no write reads (``hiradix_cache``). A job
+cancelled before it starts ends without copying (``CopyCancelled``); one already copying runs to its end.
 
 The fence (the hazard: ``common.engine.scheduler.Scheduler.step_overlap``): under the overlap schedule a batch may
 still be running when the scheduler hands its pages to a copy: a finished request's last page can still receive
@@ -37,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 Fence = Future[Any] | None  # the last launched batch's future when the job was submitted (None: nothing in flight)
 JOB_TIMEOUT_S = 60.0  # a copy of host memory that takes longer is broken: the waiter fails instead of hanging
+KINDS = ("write", "load")
+
+
+class CopyCancelled(Exception):
+    """A job's waiter gave it up before it started (``CopyJob.cancel``)."""
 
 
 @dataclass(eq=False)
@@ -50,6 +58,7 @@ class CopyJob:
     error: BaseException | None = None
     seconds: float = 0.0
     nbytes: int = 0
+    cancelled: bool = False  # set by the scheduler thread, read by the copy thread before it starts
 
     def wait(self, timeout: float = JOB_TIMEOUT_S) -> bool:
         """Whether the job completed without error (raises TimeoutError past ``timeout``)."""
@@ -61,6 +70,10 @@ class CopyJob:
     def ok(self) -> bool:
         return self.done.is_set() and self.error is None
 
+    def cancel(self) -> None:
+        """Skip the copy if it has not started; ``done`` still tells when the job is over either way."""
+        self.cancelled = True
+
 
 class CopyEngine:
     def __init__(self, device_pool: MHATokenToKVPool, host_pool: HostKVPool, io_backend: str) -> None:
@@ -69,10 +82,13 @@ class CopyEngine:
         self.device = device_pool.device
         self.buffers = [b for layer in zip(device_pool.k_buffer, device_pool.v_buffer, strict=True) for b in layer]
         self.kernel = io_backend == "kernel"
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._jobs: queue.Queue[CopyJob | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="pdcluster-hicache-copy", daemon=True)
-        self._thread.start()
+        cuda = self.device.type == "cuda"
+        self.streams = {kind: torch.cuda.Stream(self.device) if cuda else None for kind in KINDS}
+        self._jobs: dict[str, queue.Queue[CopyJob | None]] = {kind: queue.Queue() for kind in KINDS}
+        self._threads = [threading.Thread(target=self._run, args=(kind,), name=f"pdcluster-hicache-{kind}",
+                                          daemon=True) for kind in KINDS]
+        for t in self._threads:
+            t.start()
 
     def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor, fence: Fence,
               then: Callable[[torch.Tensor], None] | None = None) -> CopyJob:
@@ -82,26 +98,33 @@ class CopyEngine:
         return self._submit(CopyJob("load", device_pages, host_pages, fence))
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=JOB_TIMEOUT_S)
+        for jobs in self._jobs.values():
+            jobs.put(None)
+        for t in self._threads:
+            t.join(timeout=JOB_TIMEOUT_S)
 
     def _submit(self, job: CopyJob) -> CopyJob:
         if len(job.device_pages) != len(job.host_pages):
             raise ValueError(f"a copy of {len(job.device_pages)} device pages to {len(job.host_pages)} host pages")
         job.nbytes = len(job.host_pages) * self.host.bytes_per_page
-        self._jobs.put(job)
+        self._jobs[job.kind].put(job)
         return job
 
     # -- the copy thread -------------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    def _run(self, kind: str) -> None:
+        jobs = self._jobs[kind]
+        while (job := jobs.get()) is not None:
             start = time.monotonic()
             try:
-                if job.fence is not None:
+                if not job.cancelled and job.fence is not None:
                     job.fence.result()  # the forward of the batch launched last has been enqueued (or has run)
+                if job.cancelled:
+                    raise CopyCancelled(f"a KV {job.kind} of {len(job.host_pages)} pages")
                 staged = self._copy(job)
                 if job.then is not None and staged is not None:
                     job.then(staged)
+            except CopyCancelled as e:
+                job.error = e
             except BaseException as e:  # the waiter sees it (a failed load falls back to recompute)
                 logger.exception("KV %s of %d pages failed", job.kind, len(job.host_pages))
                 job.error = e
@@ -109,27 +132,29 @@ class CopyEngine:
             job.done.set()
 
     def _copy(self, job: CopyJob) -> torch.Tensor | None:
-        if self.stream is None:
+        stream = self.streams[job.kind]
+        if stream is None:
             return self._copy_pages(job)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_stream(torch.cuda.default_stream(self.device))
             staged = self._copy_pages(job)
-            self.stream.synchronize()
+            stream.synchronize()
             return staged
 
     def _copy_pages(self, job: CopyJob) -> torch.Tensor | None:
         n, host = len(job.host_pages), self.host
         device_pages = job.device_pages.to(self.device, non_blocking=True)
-        pinned = self.stream is not None
+        stream = self.streams[job.kind]
+        pinned = stream is not None
         if job.kind == "write":
             staging = host.empty_staging(n, pin=pinned)
-            if self.stream is None:
+            if stream is None:
                 self._gather(device_pages, staging)
             else:
                 on_device = torch.empty(staging.shape, dtype=staging.dtype, device=self.device)
                 self._gather(device_pages, on_device)
                 staging.copy_(on_device, non_blocking=True)
-                self.stream.synchronize()
+                stream.synchronize()
             host.scatter(job.host_pages, staging)
             return staging
         staging = host.empty_staging(n, pin=pinned)

@@ -7,9 +7,12 @@ node. With it, the request's KV is copied to the host pool when it is retracted 
                         but the newest token's, which the resuming extend recomputes for its next logits); the
                         copy waits for the batch in flight (it may still write the last page), then the pages go
     init_load_back      at its turn in the waiting queue: fresh device pages, the host copy loaded into them (the
-                        request waits); once loaded, its prefix is those pages and it extends one token
+                        request waits, until --hicache-load-timeout); once loaded, its prefix is those pages and it
+                        extends one token
     check_hicache_events  finished loads become restorable; a restored request that was admitted owns its pages
-                        (the record goes); one that left first (an abort) has its pages freed
+                        (the record goes); one that left first (an abort) has its pages freed; a load past its
+                        deadline, or whose request left, is given up (``LoadWaits``: its pages stay reserved until
+                        its copy has ended) and the request is recomputed
 
 The host pool keeps the records of the most recent retractions: a retraction that finds it full drops the oldest
 records not being restored (those requests are recomputed). Outputs are those of an uninterrupted request: the
@@ -31,6 +34,7 @@ from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.hicache.copy_engine import CopyEngine, CopyJob, Fence
 from common.engine.mem.hicache.host_pool import HostKVPool
+from common.engine.mem.hicache.load_waits import EXPIRED, OK, WAIT, LoadWaits
 from common.engine.mem.hicache.stats import HiCacheStats
 from common.engine.mem.hicache.tree import device_pages
 from common.engine.mem.radix_cache import _req_slot
@@ -49,16 +53,19 @@ class Offload:
     num_tokens: int  # positions [0, num_tokens) are kept
     device: torch.Tensor | None = None  # slots of the restore (the request's prefix once loaded)
     job: CopyJob | None = None
+    deadline: float = 0.0  # of the restore's wait
     restored: bool = False
 
 
 class HiHeldPrefixCache(HeldPrefixCache):
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int, *,
-                 host_pool: HostKVPool, copier: CopyEngine, fence: Callable[[], Fence], tp: TPGroup) -> None:
+                 host_pool: HostKVPool, copier: CopyEngine, fence: Callable[[], Fence], tp: TPGroup,
+                 load_timeout: float) -> None:
         self.host_pool = host_pool
         self.copier = copier
         self.fence = fence
         self.tp = tp
+        self.waits = LoadWaits(tp, load_timeout)
         self.stats = HiCacheStats()
         self.offloads: dict[int, Offload] = {}  # id(req) -> its record, oldest retraction first
         self.restoring: list[Offload] = []  # loads in flight, in submission order
@@ -109,6 +116,9 @@ class HiHeldPrefixCache(HeldPrefixCache):
             return False
         if rec.job is not None:
             return True
+        if self.waits.stuck:  # the load thread is behind a restore given up on: recompute this one
+            self._drop(id(req), rec)
+            return False
         if mem_quota <= 0:
             return False
         slots = self.token_to_kv_pool_allocator.alloc(rec.num_tokens)
@@ -117,30 +127,44 @@ class HiHeldPrefixCache(HeldPrefixCache):
         assert rec.host_pages is not None
         rec.device = slots
         rec.job = self.copier.load(rec.host_pages, device_pages(slots, self.page_size), self.fence())
+        rec.deadline = self.waits.deadline()
         self.restoring.append(rec)
         return True
 
     def check_hicache_events(self) -> None:
-        if self.restoring:
-            done = 0
-            while done < len(self.restoring) and self.restoring[done].job.done.is_set():  # type: ignore[union-attr]
-                done += 1
-            flags = [done] + [int(r.job.ok) for r in self.restoring[:done]]  # type: ignore[union-attr]
-            if self.tp.tp_size > 1:
-                pad = [1] * (len(self.restoring) - done)
-                flags = self.tp.all_reduce_min(torch.tensor(flags + pad, dtype=torch.int64)).tolist()
-            for rec, ok in zip(self.restoring[: flags[0]], flags[1: flags[0] + 1], strict=True):
-                self._finish_restore(rec, bool(ok))
-            del self.restoring[: flags[0]]
+        if self.restoring or self.waits.stuck:
+            recs = self.restoring
+            verdicts = self.waits.poll([(r.job, r.deadline) for r in recs])  # type: ignore[misc]
+            self.restoring = [r for r, verdict in zip(recs, verdicts, strict=True) if verdict == WAIT]
+            for rec, verdict in zip(recs, verdicts, strict=True):
+                if verdict == EXPIRED:
+                    logger.warning("rid=%s: restoring its KV from the host ran past --hicache-load-timeout (%.1f s); "
+                                   "it is recomputed", rec.req.rid, self.waits.timeout_s)
+                    self.stats.timeouts += 1
+                    self._abandon(rec)
+                elif verdict != WAIT:
+                    self._finish_restore(rec, verdict == OK)
         for key, rec in list(self.offloads.items()):
             if rec.restored and not rec.req.is_retracted:
                 del self.offloads[key]  # admitted: the pages are the request's now
             elif rec.req.finished():  # it left while waiting (an abort): its pages go, once no copy uses them
                 if rec in self.restoring:
-                    assert rec.job is not None
-                    rec.job.wait()
                     self.restoring.remove(rec)
-                self._drop(key, rec)
+                    self._abandon(rec)
+                else:
+                    self._drop(key, rec)
+
+    def _abandon(self, rec: Offload) -> None:
+        """Stop waiting for ``rec``'s restore: the record goes; its pages once the copy has ended."""
+        assert rec.job is not None
+        device, host = rec.device, rec.host_pages
+
+        def release() -> None:
+            self.token_to_kv_pool_allocator.free(device)  # type: ignore[arg-type]
+            self.host_pool.free(host)  # type: ignore[arg-type]
+
+        self.waits.abandon(rec.job, release)
+        del self.offloads[id(rec.req)]
 
     def _finish_restore(self, rec: Offload, ok: bool) -> None:
         assert rec.job is not None and rec.host_pages is not None

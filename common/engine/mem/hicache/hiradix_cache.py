@@ -4,7 +4,8 @@ The scheduler sees the ``RadixCache`` calls plus two (``BasePrefixCache``'s hook
 
     check_hicache_events()        once per step: finished loads unlock their nodes, finished prefetches join the tree
     init_load_back(req, quota)    after a request's match: start loading its host-resident continuation (and a
-                                  storage prefetch of what follows); True = the request waits in the queue
+                                  storage prefetch of what follows); True = the request waits in the queue, until
+                                  the load ends or --hicache-load-timeout (``load_waits``)
 
 Write policies (``--hicache-write-policy``): ``write_through`` copies a node to the host at insert,
 ``write_through_selective`` on its second hit, ``write_back`` when the device evicts it. A device eviction keeps a
@@ -13,9 +14,11 @@ is written first. The host pool evicts its least recently used host-only leaves.
 
 Page ownership under copies (``copy_engine``): a write's device pages are those of a node the job backs up; a
 device eviction waits for that job before freeing them. A load's device pages belong to nodes locked until the job
-is done (``check_hicache_events``); its host pages to those nodes (host eviction skips locked nodes). Every job
-waits for the batch in flight when it was submitted. With TP, when a load counts as done is agreed over the group
-(the MIN of finished jobs), so every rank admits the same requests at the same step.
+is done (``check_hicache_events``); its host pages to those nodes (host eviction skips locked nodes). A load given
+up on (past its deadline, or overtaken by an insert of the same tokens: no step waits for a load) leaves its nodes
+host-only; its device pages stay reserved until its copy has ended (``LoadWaits``). Every job waits for the batch
+in flight when it was submitted. With TP, a load's verdict (done, failed, expired) is agreed over the group, so
+every rank admits the same requests at the same step.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.hicache.copy_engine import CopyEngine, CopyJob, Fence
 from common.engine.mem.hicache.host_pool import HostKVPool
 from common.engine.mem.hicache.host_tree import HostTierTree
+from common.engine.mem.hicache.load_waits import EXPIRED, OK, WAIT, LoadWaits
 from common.engine.mem.hicache.stats import HiCacheStats
 from common.engine.mem.hicache.tree import HiTreeNode, device_pages, split_tiers
 from common.engine.mem.radix_cache import MatchResult
@@ -50,27 +54,32 @@ logger = logging.getLogger(__name__)
 class LoadOp:
     job: CopyJob
     nodes: list[HiTreeNode]  # a path, top first; the last is locked (its ancestors with it)
+    req: Req  # the request it was started for: its tokens count as that request's host (storage) hits
+    host_tokens: int
+    storage_tokens: int
+    deadline: float
 
 
 class HiRadixCache(HostTierTree):
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int, *,
                  host_pool: HostKVPool, copier: CopyEngine, write_policy: str, fence: Callable[[], Fence],
-                 tp: TPGroup, storage: StorageTier | None = None) -> None:
+                 tp: TPGroup, load_timeout: float, storage: StorageTier | None = None) -> None:
         self.host_pool = host_pool
         self.copier = copier
         self.write_policy = write_policy
         self.fence = fence
         self.tp = tp
         self.storage = storage
+        self.waits = LoadWaits(tp, load_timeout)
         self.stats = HiCacheStats()
         self.ongoing_loads: list[LoadOp] = []
         self.fenced: list[HiTreeNode] = []  # nodes whose batch may still run (their fence is let go once it ran)
         super().__init__(req_to_token_pool, allocator, page_size)
 
     def reset(self) -> None:
-        for op in self.ongoing_loads:
-            op.job.wait()
-        self.ongoing_loads = []
+        for job in [op.job for op in self.ongoing_loads] + [job for job, _ in self.waits.abandoned]:
+            job.wait()
+        self.ongoing_loads, self.waits.abandoned = [], []
         self.host_pool.clear()
         super().reset()
         self.root_node = HiTreeNode()
@@ -125,7 +134,8 @@ class HiRadixCache(HostTierTree):
         if busy:
             return True
         waits = self.storage is not None and self.storage.prefetch_waits(self, req, key, len(key) - len(rest), node)
-        return bool(to_load and self._load_back(req, to_load, mem_quota)) or waits
+        loads = bool(to_load) and not self.waits.stuck and self._load_back(req, to_load, mem_quota)
+        return loads or waits
 
     def _load_back(self, req: Req, nodes: list[HiTreeNode], mem_quota: int) -> bool:
         """Start loading ``nodes`` (a host-only run below ``req.last_node``); False if it does not fit now."""
@@ -152,25 +162,26 @@ class HiRadixCache(HostTierTree):
             offset += len(x.key)
         self.evictable_size_ += n
         self.inc_lock_ref(nodes[-1])
-        self.ongoing_loads.append(LoadOp(job, nodes))
         storage_tokens = min(n, self.storage.take_credit(req.rid) if self.storage is not None else 0)
+        self.ongoing_loads.append(LoadOp(job, nodes, req, n - storage_tokens, storage_tokens, self.waits.deadline()))
         req.cached_tokens_storage += storage_tokens
         req.cached_tokens_host += n - storage_tokens
         return True
 
     # -- the step's events -----------------------------------------------------------------------------------------
     def check_hicache_events(self) -> None:
-        if self.ongoing_loads:
-            done = 0
-            while done < len(self.ongoing_loads) and self.ongoing_loads[done].job.done.is_set():
-                done += 1
-            flags = [done] + [int(op.job.ok) for op in self.ongoing_loads[:done]]
-            if self.tp.tp_size > 1:  # every rank settles the same loads, and fails one where any rank did
-                flags = self.tp.all_reduce_min(torch.tensor(flags + [1] * (len(self.ongoing_loads) - done),
-                                                            dtype=torch.int64)).tolist()
-            for op, ok in zip(self.ongoing_loads[: flags[0]], flags[1: flags[0] + 1], strict=True):
-                self._finish_load(op, bool(ok))
-            del self.ongoing_loads[: flags[0]]
+        if self.ongoing_loads or self.waits.stuck:
+            ops = self.ongoing_loads
+            verdicts = self.waits.poll([(op.job, op.deadline) for op in ops])
+            self.ongoing_loads = [op for op, verdict in zip(ops, verdicts, strict=True) if verdict == WAIT]
+            for op, verdict in zip(ops, verdicts, strict=True):
+                if verdict == EXPIRED:
+                    logger.warning("a host -> device load of %d tokens ran past --hicache-load-timeout (%.1f s): its "
+                                   "request computes them", op.host_tokens + op.storage_tokens, self.waits.timeout_s)
+                    self.stats.timeouts += 1
+                    self._abandon_load(op)
+                elif verdict != WAIT:
+                    self._finish_load(op, verdict == OK)
         if self.storage is not None:
             self.storage.settle(self)
         self.fenced = [x for x in self.fenced if x.pending_fence() is not None]  # drop the batches' futures
@@ -184,18 +195,33 @@ class HiRadixCache(HostTierTree):
             return
         logger.warning("a host -> device load of %d tokens failed: they leave the cache and are recomputed",
                        sum(len(x.key) for x in op.nodes))
+        self._uncount(op)
         top = op.nodes[0]
         if top.parent is not None and top.lock_ref == 0:  # no request holds the run: drop it with what hangs below
             self._delete_subtree(top)
 
-    def _wait_load(self, node: HiTreeNode) -> None:
-        """Finish the load bringing ``node`` back before its pages are handed out (insert of a chunked request)."""
-        for i, op in enumerate(self.ongoing_loads):
-            if node in op.nodes:
-                op.job.wait()
-                self._finish_load(op, op.job.ok)
-                del self.ongoing_loads[i]
-                return
+    def _abandon_load(self, op: LoadOp) -> None:
+        """Stop waiting for ``op``: its run is host-only again (its requests compute it, or an insert gives it
+        pages); the device pages it was given stay reserved until its copy has ended."""
+        self.dec_lock_ref(op.nodes[-1])
+        slots = torch.cat([x.value for x in op.nodes])  # type: ignore[misc]
+        for x in op.nodes:  # unlocked now: nothing but the load held the run
+            x.value, x.loading, x.fence = None, None, None
+            self.evictable_size_ -= len(x.key)
+        self.waits.abandon(op.job, lambda: self.token_to_kv_pool_allocator.free(slots))
+        self._uncount(op)
+
+    @staticmethod
+    def _uncount(op: LoadOp) -> None:
+        op.req.cached_tokens_host -= op.host_tokens
+        op.req.cached_tokens_storage -= op.storage_tokens
+
+    def _overtake_load(self, node: HiTreeNode) -> None:
+        """An insert reaches ``node`` while a load brings it back: the inserted pages serve instead (no step waits
+        for a copy)."""
+        op = next(op for op in self.ongoing_loads if node in op.nodes)
+        self.ongoing_loads.remove(op)
+        self._abandon_load(op)
 
     # -- insertion -------------------------------------------------------------------------------------------------
     def insert(self, key: list[int], value: torch.Tensor) -> int:
@@ -208,7 +234,7 @@ class HiRadixCache(HostTierTree):
         matched = 0
         while key and (child := node.children.get(self._child_key(key))) is not None:
             if child.loading is not None:
-                self._wait_load(child)
+                self._overtake_load(child)
             child.touch()
             n = self._key_match(child.key, key)
             if n < len(child.key):
@@ -237,6 +263,7 @@ class HiRadixCache(HostTierTree):
         if (tier := self.storage) is not None:
             report.storage_read_bytes, report.storage_write_bytes, report.storage = (
                 tier.read_bytes, tier.write_bytes, tier.identity)
+            report.storage_dropped_pages, report.timeouts = tier.dropped_pages, report.timeouts + tier.timeouts
         return report
 
     def _fence(self, node: HiTreeNode) -> None:

@@ -32,7 +32,9 @@ class HostKVPool:
         self.page_shape = (device_pool.page_size, device_pool.num_kv_heads, device_pool.head_dim)
         self.dtype = device_pool.dtype
         shape = ((self.num_buffers, num_pages) if layout == "layer_first" else (num_pages, self.num_buffers))
-        self.buffer = torch.zeros((*shape, *self.page_shape), dtype=self.dtype, pin_memory=pin)
+        # empty, not zeros: a host page is read only after a write (or a storage read) filled it, and an unpinned
+        # buffer commits its memory as it fills rather than at start-up
+        self.buffer = torch.empty((*shape, *self.page_shape), dtype=self.dtype, pin_memory=pin)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: lowest id handed out first
         self._is_free = [True] * num_pages
 

@@ -1,5 +1,6 @@
-"""What the hierarchical cache counts for ``/metrics``: bytes and seconds of its copies, its evictions and its
-storage traffic, since the rank started (the load report carries them; the front turns them into counters)."""
+"""What the hierarchical cache counts for ``/metrics``: bytes and seconds of its copies, its evictions, the loads
+it gave up on, since the rank started (the load report carries them, with the storage tier's traffic; the front
+turns them into counters)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ class HiCacheStats:
         self.write_bytes = 0
         self.write_seconds = 0.0
         self.host_evicted_pages = 0
-        self.storage_read_bytes = 0
-        self.storage_write_bytes = 0
+        self.timeouts = 0
         self.hit_tokens = {"device": 0, "host": 0, "storage": 0}
         self._writes: list[CopyJob] = []  # submitted, not counted yet
 
@@ -56,7 +56,6 @@ class HiCacheStats:
             write_bytes=self.write_bytes,
             write_seconds=self.write_seconds,
             host_evicted_tokens=self.host_evicted_pages * page_size,
-            storage_read_bytes=self.storage_read_bytes,
-            storage_write_bytes=self.storage_write_bytes,
+            timeouts=self.timeouts,
             hit_tokens=dict(self.hit_tokens),
         )

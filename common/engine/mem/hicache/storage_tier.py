@@ -9,7 +9,11 @@
                    next match loads them to the device like any host hit
     waiting        --hicache-storage-prefetch-policy: best_effort (the request is scheduled as usual; what the
                    read brings serves later requests), wait_complete (it waits for the read), timeout (it waits
-                   until prefetch_timeout_base + prefetch_timeout_per_ki_token per 1024 tokens, then the read stops)
+                   until prefetch_timeout_base + prefetch_timeout_per_ki_token per 1024 tokens, then the read stops
+                   at its next page). Whatever the policy, a request waits at most --hicache-load-timeout: then the
+                   read is given up (``expired``; the request computes its prompt) and told to stop; its host pages
+                   stay reserved until the reader has left it, and no new read starts meanwhile (it would queue
+                   behind that one)
 
 Keys: the hash chain of ``storage.base``, seeded with the storage fingerprint (model, serving dtype, page size, TP
 shard), so nodes of one model share pages and a different model never reads them. A record that fails its check
@@ -62,7 +66,9 @@ class PrefetchOp:
     tokens: list[int]  # the tokens it looks up, whole pages
     keys: list[bytes]
     host_pages: torch.Tensor
-    deadline: float
+    deadline: float  # the timeout policy's: the read stops at its next page
+    give_up: float  # --hicache-load-timeout: the request stops waiting
+    expired: bool = False  # given up on (agreed over the TP group)
     n_read: int = 0  # pages read so far (the reader's count)
     stop: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -70,8 +76,9 @@ class PrefetchOp:
 
 class StorageTier:
     def __init__(self, options: StorageOptions, host_pool: HostKVPool, page_size: int, tp: TPGroup,
-                 fingerprint: dict[str, Any]) -> None:
+                 fingerprint: dict[str, Any], load_timeout: float) -> None:
         self.options = options
+        self.load_timeout = load_timeout
         self.host_pool = host_pool
         self.page_size = page_size
         self.tp = tp
@@ -84,7 +91,8 @@ class StorageTier:
         self.tried: OrderedDict[str, int] = OrderedDict()  # rid -> tokens its read brought (its storage credit)
         self.read_bytes = 0
         self.write_bytes = 0
-        self.dropped_writes = 0
+        self.dropped_pages = 0  # not written behind: the queue held a host pool's worth already
+        self.timeouts = 0  # reads given up at --hicache-load-timeout
         self._pending_write_bytes = 0
         self._write_limit = host_pool.num_pages * host_pool.bytes_per_page
         self._lock = threading.Lock()
@@ -123,7 +131,7 @@ class StorageTier:
             nbytes = staging.numel() * staging.element_size()
             with self._lock:
                 if self._pending_write_bytes + nbytes > self._write_limit:
-                    self.dropped_writes += len(keys)
+                    self.dropped_pages += len(keys)
                     return
                 self._pending_write_bytes += nbytes
             self._writes.put((keys, staging))
@@ -151,7 +159,8 @@ class StorageTier:
         op = self.ops.get(req.rid)
         if op is None:
             remaining = len(key) - matched
-            if req.rid in self.tried or remaining < max(self.options.prefetch_threshold, self.page_size):
+            if req.rid in self.tried or remaining < max(self.options.prefetch_threshold, self.page_size) or any(
+                    o.expired for o in self.ops.values()):
                 return False
             self._remember(req.rid, 0)
             keys = self.chain(node.page_hashes[-1] if node.page_hashes else self.seed, key[matched:])
@@ -160,9 +169,13 @@ class StorageTier:
                 return False
             budget = self.options.prefetch_timeout_base + self.options.prefetch_timeout_per_ki_token * (
                 remaining / 1024)
-            op = PrefetchOp(req.rid, list(key[:matched]), list(key[matched:]), keys, host, time.monotonic() + budget)
+            now = time.monotonic()
+            op = PrefetchOp(req.rid, list(key[:matched]), list(key[matched:]), keys, host, now + budget,
+                            now + self.load_timeout)
             self.ops[req.rid] = op
             self._reads.put(op)
+        if op.expired:
+            return False
         policy = self.options.prefetch_policy
         if policy == "timeout" and time.monotonic() > op.deadline:
             op.stop.set()  # the reader stops at its next page; the request waits for that
@@ -196,12 +209,20 @@ class StorageTier:
         """Finished reads join the tree (each step)."""
         if not self.ops:
             return
-        ops = list(self.ops.values())
-        flags = [int(op.done.is_set()) for op in ops] + [op.n_read for op in ops]
+        ops, now = list(self.ops.values()), time.monotonic()
+        late = [-int(now > op.give_up) for op in ops]  # MIN of the negation: whether any rank is late
+        flags = [int(op.done.is_set()) for op in ops] + [op.n_read for op in ops] + late
         if self.tp.tp_size > 1:  # the same reads end with the same pages on every rank
             flags = self.tp.all_reduce_min(torch.tensor(flags, dtype=torch.int64)).tolist()
-        for op, done, n in zip(ops, flags[: len(ops)], flags[len(ops):], strict=True):
+        n_ops = len(ops)
+        for op, done, n, over in zip(ops, flags[:n_ops], flags[n_ops: 2 * n_ops], flags[2 * n_ops:], strict=True):
             if not done:
+                if over and not op.expired:
+                    logger.warning("hicache storage: a prefetch of %d pages ran past --hicache-load-timeout (%.1f s); "
+                                   "its request computes them", len(op.keys), self.load_timeout)
+                    op.expired = True
+                    op.stop.set()
+                    self.timeouts += 1
                 continue
             del self.ops[op.rid]
             joined = cache.insert_host(op.prefix, op.tokens[: n * self.page_size], op.host_pages[:n], op.keys[:n])
