@@ -22,11 +22,10 @@ from common.hicache_flags import (
     check_hicache_flags,
     parse_storage_options,
 )
-from common.kv_options import parse_options
-from common.wire.tls import TlsFiles
+from common.kv_backends import KV_TRANSFER_BACKENDS, parse_options
+from common.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
-KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "mooncake", "shm", "fake")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_order)
@@ -90,7 +89,7 @@ class ServerArgs:
     log_requests: bool = flag(False, "log each request's arrival and outcome (rid, room)", group=SERVER)
     event_loop: str = flag("auto", "the front process's event loop. auto: uvloop when installed, else asyncio's "
                            "loop", group=SERVER, choices=EVENT_LOOPS)
-    # The Worker gRPC listener (common/wire/tls.py).
+    # The Worker gRPC listener (common/tls.py).
     tls_cert: str | None = flag(None, "PEM certificate chain: the Worker gRPC port serves TLS", group=SERVER)
     tls_key: str | None = flag(None, "PEM private key of --tls-cert", group=SERVER)
     tls_ca: str | None = flag(None, "PEM CA bundle: mutual TLS, only callers with a certificate it signed (the "
@@ -102,9 +101,9 @@ class ServerArgs:
                                               "resolve ranks through", group=DISAGG, check=tcp_port())
     kv_transfer_backend: str = flag("tcp", "KV data plane: tcp (anywhere), nccl (gloo on CPU), ucx, nixl (RDMA "
                                     "cluster; UCX_TLS), mooncake, shm (same host), fake", group=DISAGG,
-                                    choices=KV_TRANSFER_BACKENDS)
+                                    choices=tuple(KV_TRANSFER_BACKENDS))
     kv_transfer_option: tuple[str, ...] = flag(
-        (), "a setting of the chosen backend, repeatable (common/kv_options.py): tcp streams=4 (connections per "
+        (), "a setting of the chosen backend, repeatable (common/kv_backends.py): tcp streams=4 (connections per "
         "peer), stripe_bytes, stage, stage_bytes; mooncake mooncake_protocol=rdma, mooncake_device; ucx ucx_tls, "
         "ucx_progress_mode; nixl progress_delay_us; nccl pack_bytes", group=DISAGG, metavar="KEY=VALUE")
     num_reserved_decode_tokens: int = flag(128, "decode nodes: KV headroom kept per active request before admitting "

@@ -22,6 +22,7 @@ import logging
 import time
 
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput, QueueLoad
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.pages import num_pages
 from common.engine.req import Req
@@ -32,7 +33,6 @@ from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine, LoopHooks
 from common.errors import KV_PEER_FAULT, ErrorCode
 from common.faults import inject
-from common.io_struct import GenerateReqInput, QueueLoad
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
 from kvtransfer.node import rank_transfer

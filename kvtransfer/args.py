@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from common import env
-from common.kv_options import check_options
+from common.kv_backends import check_options
 
 if TYPE_CHECKING:
     from common.engine.mem.kv_pool import MHATokenToKVPool

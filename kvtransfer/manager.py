@@ -56,7 +56,7 @@ class Peer:
 
 
 class Rooms(Protocol):
-    """One role's room logic (``sender.PrefillRooms``, ``receiver.DecodeRooms``), built by ``KVManager``.
+    """One role's room logic (``prefill_rooms.PrefillRooms``, ``decode_rooms.DecodeRooms``), built by ``KVManager``.
 
     Every method takes ``mgr.lock`` itself where it touches shared state; none blocks.
     """
@@ -94,8 +94,8 @@ class Rooms(Protocol):
 
 
 class KVManager:
-    """KV transfer endpoint of one scheduler rank; ``rooms`` is the role's room logic (``sender.PrefillRooms`` or
-    ``receiver.DecodeRooms``) and fixes ``mode`` ("prefill" or "decode")."""
+    """KV transfer endpoint of one scheduler rank; ``rooms`` is the role's room logic
+    (``prefill_rooms.PrefillRooms`` or ``decode_rooms.DecodeRooms``) and fixes ``mode`` ("prefill" or "decode")."""
 
     def __init__(self, args: KVArgs, config: KVTransferConfig, rooms: type[Rooms],
                  bootstrap_addr: str | None = None, dp_size: int = 1) -> None:

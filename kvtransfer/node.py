@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from common.engine.mem.pages import bytes_per_page
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager, Rooms
 from kvtransfer.poll import GroupPolls
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import PrefillRooms
+from kvtransfer.prefill_rooms import PrefillRooms
 
 if TYPE_CHECKING:
     from common.config import ServerArgs

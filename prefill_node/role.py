@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput, PrefillDone, QueueLoad, Timing
 from common.engine.mem.pages import num_pages, req_pages
 from common.engine.req import Finished, FinishReason, Req
 from common.engine.schedule_order import PriorityRules
@@ -27,7 +28,6 @@ from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine
 from common.errors import KV_PEER_FAULT, ErrorCode, internal_error_message
 from common.faults import inject
-from common.io_struct import GenerateReqInput, PrefillDone, QueueLoad, Timing
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
 from kvtransfer.node import rank_transfer
 from kvtransfer.poll import KVPoll

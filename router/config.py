@@ -9,7 +9,7 @@ from common import env
 from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
 from common.flags import Check, above, at_least, check_flags, flag, tcp_port
-from common.wire.tls import TlsFiles
+from common.tls import TlsFiles
 from router.tool_calls import TOOL_CALL_PARSERS
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -55,9 +55,46 @@ def int32() -> Check:
 
 
 @dataclass(frozen=True)
+class ClientSecurity:
+    """The flags that build ``RouterConfig.api_keys`` and ``RouterConfig.tls`` (``router.cli``), declared once:
+    ``pdcluster up`` takes them too (``common/app/up_args.py``) and hands them to its router (the CA, certificate and
+    key file to its nodes as well)."""
+
+    api_key: str | None = flag(None, "bearer key of generation and model calls (visible in ps: prefer --api-key-file "
+                               "or PDCLUSTER_API_KEY[_FILE]; up hands it to its router through the environment); "
+                               "default: PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else open", group=SECURITY)
+    api_key_file: str | None = flag(None, "file of API keys, one per line, each optionally followed by max_priority=N "
+                                    "(that key's priority ceiling, over --max-client-priority); up also gives the "
+                                    "first to the nodes' SGLang HTTP ports", group=SECURITY)
+    tls_cert: str | None = flag(None, "PEM certificate chain: the router's HTTP and gRPC listeners serve TLS",
+                                group=SECURITY)
+    tls_key: str | None = flag(None, "PEM private key of --tls-cert", group=SECURITY)
+    tls_ca: str | None = flag(None, "PEM CA bundle: mutual TLS to the nodes (their certificates must chain to it; "
+                              "the router presents --tls-cert; up gives every node the same files)", group=SECURITY)
+
+    def __post_init__(self) -> None:
+        check_flags(self)
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
+    def api_keys(self) -> tuple[env.ClientKey, ...]:
+        """--api-key, else --api-key-file, else PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else () (open)."""
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ConfigError("give --api-key or --api-key-file, not both")
+        if self.api_key is not None:
+            return (env.ClientKey(self.api_key),) if self.api_key else ()
+        if self.api_key_file is not None:
+            return env.read_key_file(self.api_key_file, "--api-key-file")
+        return env.api_keys()
+
+
+@dataclass(frozen=True)
 class RouterConfig:
-    """The router's flags, each declared once here (``common.flags``; ``router.cli`` adds the few flags that build
-    a field from several values: workers, HTTP port, keys, TLS files). Fields without ``flag()`` are set in code."""
+    """The router's flags, each declared once here (``common.flags``; ``ClientSecurity`` declares the keys and TLS files
+    and ``router.cli`` the few flags that build a field from several values: workers, HTTP port). Fields without
+    ``flag()`` are set in code."""
 
     model_path: str | None = flag(None, "local HF model folder (tokenizer, chat template, config.json); default: the "
                                   "embedded model")
@@ -159,7 +196,7 @@ class RouterConfig:
     client_priority_over: str = flag("refuse", "a request more urgent than its client's ceiling: refuse (HTTP 400 / "
                                      "INVALID_ARGUMENT naming the ceiling) or clamp (served at the ceiling)",
                                      group=SECURITY, choices=("refuse", "clamp"))
-    # TLS (common/wire/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels
+    # TLS (common/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels
     # to nodes verify each node's certificate against it and present tls.cert/tls.key (mutual TLS).
     tls: TlsFiles = field(default_factory=TlsFiles)
     tls_server_name: str | None = flag(None, "name the nodes' certificates carry (default: the host of each node's "

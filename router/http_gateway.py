@@ -18,9 +18,9 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from common.client_gone import client_gone_middleware
 from common.errors import PdclusterError
-from common.event_stream import EventStreamResponse, delimit_event_stream
+from common.serving.client_gone import client_gone_middleware
+from common.serving.event_stream import EventStreamResponse, delimit_event_stream
 from router import openai_protocol as oai
 from router.admin import admin_middleware
 from router.choices import choice_requests, merge_choices

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from common.gap_histogram import GapHistogram
-from common.loop_counter import LoopCounter
+from common.serving.gap_histogram import GapHistogram
+from common.serving.loop_counter import LoopCounter
 from router.tokenize_cache import TokenizerCache
 
 # Latency buckets from 1 ms to 2 min; ITL buckets finer at the low end.

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +17,7 @@ from common.app.up import LocalCluster
 from common.app.up_args import UP_DERIVES, UP_SETS_FOR_ROUTER, UP_SETS_PER_NODE, router_shares
 from common.config import ServerArgs, server_args_from_cli
 from common.errors import ConfigError
-from common.flags import flag_fields
+from common.flags import declared_by, flag_fields
 from router.cli import config_from_args
 from router.config import RouterConfig
 
@@ -24,11 +27,106 @@ ROUTER_NON_FLAGS = {"http_port", "workers", "retry_backoff_max_s", "health_failu
                     "admin_token", "api_keys", "tls"}
 
 
-def test_docs_flags_md_is_generated_from_the_parsers() -> None:
+def test_docs_flags_md_is_generated_from_the_parsers_of_every_command() -> None:
     assert flag_docs.main(["--check"]) == 0, "docs/flags.md is stale: run `python -m common.app.flag_docs`"
     text = flag_docs.render()
     for ff in flag_fields(ServerArgs) + flag_fields(RouterConfig):
         assert f"`{ff.option}`" in text
+    commands = [name for name, _, _ in flag_docs.commands(build_parser())]
+    assert {"pdcluster serve", "pdcluster router", "pdcluster up", "pdcluster ray up", "pdcluster generate",
+            "pdcluster make-model", "pdcluster bench"} <= set(commands)
+    for name, _, parser in flag_docs.commands(build_parser()):
+        section = text.split(f"## `{name}`\n")[1].split("\n## ")[0]
+        for action in parser._actions:
+            if action.dest != "help":
+                assert f"`{action.option_strings[0]}`" in section, (name, action.option_strings)
+
+
+# One flag, declared once: every option of every command comes from one declaration, a flag field (``common.flags``)
+# or an argument added by hand. A name may be declared again only by a field of another process's config (each
+# process declares its own; ``up`` hands one value to both: ``router_shares``), or where it means something else.
+ROOT = Path(__file__).resolve().parents[1]
+PROCESS_OF = {"common.config.ServerArgs": "node", "router.config.RouterConfig": "router",
+              "router.config.ClientSecurity": "router"}
+OTHER_MEANING = {  # (option, file of the argument added by hand) -> what it means there
+    ("--prefill", "router/cli.py"): "a prefill worker's address (up, ray up: how many prefill nodes)",
+    ("--decode", "router/cli.py"): "a decode worker's address (up, ray up: how many decode nodes)",
+    ("--grpc-port", "common/app/up_args.py"): "the gRPC port of the router up starts (its own default)",
+    ("--http-port", "common/app/up_args.py"): "the HTTP port of the router up starts (its own default)",
+    ("--seed", "common/app/cli.py"): "make-model: the random weights' seed",
+    ("--seed", "benchmarks/bench.py"): "bench: the workload's seed",
+    ("--out", "benchmarks/bench.py"): "bench: the results' path prefix (make-model: the model folder)",
+    ("--api-key", "benchmarks/bench.py"): "bench: the key the client sends",
+    ("--tls-ca", "benchmarks/bench.py"): "bench: the CA the client trusts the router's certificate with",
+    ("--request-timeout", "benchmarks/bench.py"): "bench: the client's timeout",
+}
+
+
+def declarations(parsers: list[argparse.ArgumentParser], sites: dict[int, str]) -> dict[str, set[str]]:
+    """Option -> where it is declared: ``module.Class.field`` for a flag field, else ``path:line`` of the
+    ``add_argument`` call (``sites``, by action id)."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for parser in parsers:
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    found[option].add(declared_by(action) or sites[id(action)])
+    return found
+
+
+def declared_twice(found: dict[str, set[str]]) -> list[str]:
+    twice = []
+    for option, where in sorted(found.items()):
+        rest = {w for w in where if (option, w.partition(":")[0]) not in OTHER_MEANING}
+        processes = [PROCESS_OF.get(w.rsplit(".", 1)[0]) for w in rest]
+        if len(rest) > 1 and (None in processes or len(set(processes)) < len(processes)):
+            twice.append(f"{option}: {sorted(rest)}")
+    return twice
+
+
+def record_sites(monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
+    """Where each argument added from now on was added (the first caller outside argparse and common/flags.py)."""
+    sites: dict[int, str] = {}
+    add = argparse._ActionsContainer.add_argument
+    skip = {argparse.__file__, str(ROOT / "common" / "flags.py")}
+
+    def recorded(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        action = add(self, *args, **kwargs)
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename in skip:
+            frame = frame.f_back  # type: ignore[assignment]
+        path = Path(frame.f_code.co_filename)
+        sites[id(action)] = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{frame.f_lineno}"
+        return action
+
+    monkeypatch.setattr(argparse._ActionsContainer, "add_argument", recorded)
+    return sites
+
+
+def test_every_flag_of_every_command_is_declared_once(monkeypatch) -> None:
+    sites = record_sites(monkeypatch)
+    found = declarations([p for _, _, p in flag_docs.commands(build_parser())], sites)
+    assert len(found) > 150 and declared_by(build_parser()._actions[0]) is None
+    assert declared_twice(found) == []
+    for option, path in OTHER_MEANING:  # no stale exception: each names an argument that is there
+        assert any(w.startswith(path + ":") for w in found[option]), (option, path)
+
+
+def test_a_flag_declared_twice_is_seen(monkeypatch) -> None:
+    """A hand-written copy of a flag field (as ``ray up`` had of seven node flags), or of another hand-written
+    argument (as ``up`` had of the router's security flags), is found; each process's own field is not."""
+    from common.config import add_server_args
+
+    sites = record_sites(monkeypatch)
+    node, copy, router = argparse.ArgumentParser(), argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_server_args(node)
+    copy.add_argument("--dp-size", type=int)
+    copy.add_argument("--admin-token")
+    from router.cli import add_router_args
+
+    add_router_args(router)
+    twice = declared_twice(declarations([node, copy, router], sites))
+    assert [t.split(":")[0] for t in twice] == ["--admin-token", "--dp-size"], twice
 
 
 def test_every_node_field_is_a_flag_and_router_fields_are_flags_or_listed() -> None:

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import logging
 import os
 import signal
 import ssl
@@ -39,13 +37,22 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import env
+from common.app.cluster_flags import ClusterShape
+from common.app.demo import run_demo
+from common.app.placement import (
+    NodePlacement,
+    omp_wait_env,
+    oversubscribed,
+    place_nodes,
+    placement_lines,
+    visible_gpus,
+)
 from common.app.supervisor import Child, RestartPolicy, Supervisor
 from common.app.up_args import (
     EMBEDDED_TOOL_CALL_PARSER,
@@ -61,8 +68,8 @@ from common.flags import config_values, flag_argv
 from common.hicache_flags import DECODE_REFUSES
 from common.ports import pick_free_port
 from common.text.tokenizer import resolve_model_path
+from common.tls import TlsFiles
 from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
-from common.wire.tls import TlsFiles
 
 READY_TIMEOUT_S = 300.0
 SUPERVISE_INTERVAL_S = 0.5
@@ -75,58 +82,6 @@ def cluster_env() -> dict[str, str]:
     return {CLUSTER_TOKEN_ENV: env.cluster_token() or generate_cluster_token()}
 
 
-def oversubscribed(rank_threads: list[int], cores: int) -> bool:
-    """The ranks' torch threads outnumber the cores and some rank runs an OpenMP team (one thread never spins)."""
-    return max(rank_threads, default=1) > 1 and sum(rank_threads) > cores
-
-
-def omp_wait_env(rank_threads: list[int], cores: int, environ: dict[str, str]) -> dict[str, str]:
-    """``OMP_WAIT_POLICY=PASSIVE`` for the nodes when their scheduler ranks' torch threads together oversubscribe the
-    host's cores and some rank runs an OpenMP team ({} otherwise, or when the caller set the variable).
-
-    Each rank's libgomp team sizes its waits as if it were alone on the host: a worker spins after every parallel
-    region before it sleeps, CPU that another rank on the same cores needs. Passive waits serve more tokens for
-    less CPU there (benchmarks/pages/serving_path.md, "Figures behind up's CPU defaults")."""
-    if "OMP_WAIT_POLICY" in environ or not oversubscribed(rank_threads, cores):
-        return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-@dataclass(frozen=True)
-class NodePlacement:
-    name: str
-    base_gpu_id: int
-    mem_fraction_static: float
-    shares_with: tuple[str, ...] = field(default=())
-    gpus: int = 1  # the node's dp x tp consecutive GPUs from base_gpu_id
-
-
-def place_nodes(names: list[str], dp_size: int, num_gpus: int, mem_fraction: float,
-                tp_size: dict[str, int] | None = None) -> list[NodePlacement]:
-    """GPUs of each node: ``dp_size`` x its tp (``tp_size[name]``, default 1) consecutive GPUs, its own when there
-    are enough for every node; otherwise nodes are dealt round-robin from GPU 0 (a node that would run past the
-    last GPU starts again at 0) and each splits the memory fraction by the node count of its busiest GPU."""
-    widths = {n: dp_size * (tp_size or {}).get(n, 1) for n in names}
-    for name, width in widths.items():
-        if width > num_gpus:
-            tp = (tp_size or {}).get(name, 1)
-            raise ValueError(f"{name} needs {width} GPUs per node (--dp-size {dp_size} x --tp-size {tp}) but "
-                             f"{num_gpus} are visible")
-    bases, cursor = {}, 0
-    for name in names:
-        if sum(widths.values()) > num_gpus and cursor + widths[name] > num_gpus:
-            cursor = 0
-        bases[name], cursor = cursor, cursor + widths[name]
-    gpus_of = {n: set(range(bases[n], bases[n] + widths[n])) for n in names}
-    out = []
-    for name in names:
-        others = tuple(n for n in names if n != name and gpus_of[n] & gpus_of[name])
-        busiest = max(1 + sum(g in gpus_of[n] for n in others) for g in gpus_of[name])
-        fraction = mem_fraction if busiest == 1 else round(mem_fraction / busiest, 4)
-        out.append(NodePlacement(name, bases[name], fraction, others, widths[name]))
-    return out
-
-
 def _serving(port: int, tls: grpc.ChannelCredentials | None = None) -> bool:
     address = f"127.0.0.1:{port}"
     channel = grpc.secure_channel(address, tls) if tls is not None else grpc.insecure_channel(address)
@@ -135,15 +90,10 @@ def _serving(port: int, tls: grpc.ChannelCredentials | None = None) -> bool:
     return False
 
 
-def _visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 class LocalCluster:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
+        ClusterShape(**config_values(ClusterShape, ns))  # its checks (node counts, tp sizes)
         self.node_given = config_values(ServerArgs, ns)  # the node flags given to up, forwarded to every node
         ServerArgs(**self.node_given)  # the nodes' own checks, before anything starts
         router_cls = router_config()
@@ -165,7 +115,7 @@ class LocalCluster:
         self.tp_size = {name: node_tp_size(ns, name.rsplit("-", 1)[0]) for name in self.node_names}
         self.placement: dict[str, NodePlacement] = {}
         if self.device == "cuda":
-            gpus = ns.num_gpus if ns.num_gpus is not None else _visible_gpus()
+            gpus = ns.num_gpus if ns.num_gpus is not None else visible_gpus()
             if gpus < 1:
                 raise RuntimeError("--device cuda but no GPU is visible; use --device cpu")
             frac = self.node_given.get("mem_fraction_static") or CUDA_MEM_FRACTION
@@ -372,43 +322,6 @@ class LocalCluster:
             child.wait(max(0.1, deadline - time.monotonic()))
             child.kill_group()
             child.wait(5)
-
-
-def placement_lines(placement: dict[str, NodePlacement]) -> list[str]:
-    """What ``up`` tells the user about GPU placement (nothing on CPU)."""
-    lines = []
-    for p in placement.values():
-        gpus = ", ".join(f"cuda:{p.base_gpu_id + g}" for g in range(p.gpus))
-        how = (f"shared with {', '.join(p.shares_with)}" if p.shares_with else "its own")
-        lines.append(f"  {p.name:<10} on {gpus} ({how}; --mem-fraction-static {p.mem_fraction_static})")
-    if placement:
-        shared = any(p.shares_with for p in placement.values())
-        lines.insert(0, "GPU placement: nodes share GPUs, memory split between them" if shared
-                     else "GPU placement: each node has its own GPU(s)")
-    return lines
-
-
-def run_demo(base_url: str, model_name: str, api_key: str = "", tls_ca: str | None = None) -> None:
-    from openai import DefaultHttpxClient, OpenAI
-
-    for name in ("httpx", "httpx2"):  # one INFO line per HTTP request would drown the demo's text
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-    http_client = DefaultHttpxClient(verify=ssl.create_default_context(cafile=tls_ca)) if tls_ca else None
-    client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key or "unused", timeout=60, http_client=http_client)
-    completion = client.completions.create(model=model_name, prompt="The quick brown fox", max_tokens=24,
-                                           temperature=0)
-    print(f"\n[completions] {completion.choices[0].text!r}")
-    print(f"  usage: {json.dumps(completion.usage.model_dump())}")
-    print("[chat, streamed] ", end="", flush=True)
-    stream = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "Tell me about disaggregated serving."}],
-        max_tokens=32, temperature=0.7, stream=True,
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            print(chunk.choices[0].delta.content, end="", flush=True)
-    print("\n")
 
 
 def run_up(ns: argparse.Namespace) -> int:

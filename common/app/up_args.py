@@ -1,13 +1,15 @@
-"""``pdcluster up``'s command line: its own flags, and which node and router flags it forwards (declared once, in the
-nodes' ``ServerArgs`` and the router's ``RouterConfig``) and which it sets itself."""
+"""``pdcluster up``'s command line: its own flags, the cluster's shape (``cluster_flags.ClusterShape``, shared with
+``pdcluster ray up``), and which node and router flags it forwards (declared once, in the nodes' ``ServerArgs`` and
+the router's ``RouterConfig`` and ``ClientSecurity``) and which it sets itself."""
 
 from __future__ import annotations
 
 import argparse
 
+from common.app.cluster_flags import SHAPE, ClusterShape
 from common.app.supervisor import RestartPolicy
 from common.config import ServerArgs
-from common.flags import add_flags, flag_fields
+from common.flags import add_flags, arg_group, flag_fields
 from common.refs import load_ref
 
 # Node flags ``up`` sets per node, or cluster-wide through flags of its own (ports, modes, placement, TLS): every
@@ -23,11 +25,16 @@ UP_SETS_FOR_ROUTER = ("host", "grpc_port", "model_path")
 # The router's --tool-call-parser for the embedded model (when no other is given): its chat template
 # (common/model_gen/tokenizer.py) asks for Qwen 2.5's <tool_call> blocks.
 EMBEDDED_TOOL_CALL_PARSER = "qwen25"
-ROUTER_CONFIG = "router.config:RouterConfig"  # a reference (common.refs): common imports no role package
+ROUTER_CONFIG = "router.config:RouterConfig"  # references (common.refs): common imports no role package
+ROUTER_SECURITY = "router.config:ClientSecurity"  # the router's keys and TLS files: up hands them to it (and nodes)
 
 
 def router_config() -> type:
     return load_ref(ROUTER_CONFIG)  # type: ignore[no-any-return]
+
+
+def router_security() -> type:
+    return load_ref(ROUTER_SECURITY)  # type: ignore[no-any-return]
 
 
 def router_shares() -> dict[str, str]:
@@ -43,12 +50,10 @@ UP_DERIVES = ("model_path", "kv_transfer_backend", "tp_size", "mem_fraction_stat
 def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port")
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
-    p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
-    p.add_argument("--colocated", type=int, default=0, help="number of colocated (mode null) nodes")
+    add_flags(p, ClusterShape)
+    arg_group(p, SHAPE).add_argument("--colocated", type=int, default=0,
+                                     help="number of colocated (mode null) nodes")
     p.add_argument("--num-gpus", type=int, default=None, help="cuda: GPUs to place nodes on (default: all visible)")
-    p.add_argument("--prefill-tp-size", type=_positive, default=None, help="prefill nodes' tp (default --tp-size)")
-    p.add_argument("--decode-tp-size", type=_positive, default=None, help="decode nodes' tp (default --tp-size)")
     p.add_argument("--prefill-torch-num-threads", type=_positive, default=None,
                    help="CPU: torch threads of each prefill rank (default --torch-num-threads, else the cores split)")
     p.add_argument("--decode-torch-num-threads", type=_positive, default=None,
@@ -63,17 +68,6 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sglang-http", action="store_true",
                    help="give every node an SGLang HTTP worker port (--sglang-http-port; the API key, if any, guards "
                         "it)")
-    s = p.add_argument_group("client security")
-    s.add_argument("--api-key", default=None,
-                   help="the router's client API key (handed to it through its environment, not its command line; "
-                        "default: PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else open)")
-    s.add_argument("--api-key-file", default=None,
-                   help="file of API keys, one per line, each optionally followed by max_priority=N: the router takes "
-                        "them all (--api-key-file), the nodes' SGLang HTTP ports the first")
-    s.add_argument("--tls-cert", default=None, help="PEM certificate (for 127.0.0.1): the router serves TLS")
-    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    s.add_argument("--tls-ca", default=None,
-                   help="PEM CA that signed --tls-cert: router <-> nodes mutual TLS, every process presenting it")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
                    help="restarts in a row of one dead child (node or router; backoff 1 s doubling to 30 s, reset "
                         "after 60 s up) before up gives up on it and serves without it; 0: never restart. Giving "
@@ -83,6 +77,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, ServerArgs, exclude=UP_SETS_PER_NODE, only_given=True, group_prefix="every node: ")
     add_flags(p, router_config(), exclude=(*UP_SETS_FOR_ROUTER, *router_shares()), only_given=True,
               group_prefix="router: ")
+    add_flags(p, router_security(), group_prefix="router: ")
 
 
 def _positive(text: str) -> int:

@@ -38,6 +38,7 @@ from common.config import ServerArgs
 from common.engine import batch_admission, scheduler_metrics, scheduler_output
 from common.engine.admission import RequestIntake
 from common.engine.distributed import TPGroup
+from common.engine.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 from common.engine.mem.hicache import build_prefix_cache
 from common.engine.model_runner import BatchResult, ModelRunner, PendingBatchResult
 from common.engine.overlap import overlap_schedule_on
@@ -52,7 +53,6 @@ from common.engine.scheduler_output import OutputCollector
 from common.engine.scheduler_role import ColocatedRole, SchedulerRole
 from common.errors import ErrorCode, internal_error_message
 from common.faults import inject
-from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 
 logger = logging.getLogger(__name__)
 

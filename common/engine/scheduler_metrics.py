@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from common.io_struct import QueueLoad
+from common.engine.io_struct import QueueLoad
 
 if TYPE_CHECKING:
     from common.config import ServerArgs

@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from common.engine.io_struct import Timing, TokenOut
 from common.engine.req import Req
 from common.engine.sampling.grammar import accept_grammar_token, finish_on_grammar
 from common.engine.sampling.stop import check_finished
 from common.engine.scheduler_metrics import MetricsSource, log_decode_stats
 from common.errors import ErrorCode
 from common.faults import inject
-from common.io_struct import Timing, TokenOut
 
 if TYPE_CHECKING:
     from common.engine.model_runner import BatchResult

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from common.config import ServerArgs
 from common.engine.distributed import TPGroup
+from common.engine.io_struct import GenerateReqInput, QueueLoad
 from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.radix_cache import BasePrefixCache
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
@@ -34,7 +35,6 @@ from common.engine.model_runner import ModelRunner
 from common.engine.req import Req
 from common.engine.scheduler_metrics import NO_DISAGG_QUEUES, DisaggQueueCounts
 from common.errors import ErrorCode
-from common.io_struct import GenerateReqInput, QueueLoad
 
 
 class Engine(Protocol):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
+from common.engine.io_struct import GenerateReqInput, Timing, TokenOut
 from common.engine.sampling.params import SamplingParams
 from common.errors import InvalidRequestError
-from common.io_struct import GenerateReqInput, Timing, TokenOut
 from pdcluster.v1 import common_pb2, worker_pb2
 
 _OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed",

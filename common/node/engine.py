@@ -23,11 +23,7 @@ import torch.distributed as dist
 from common.config import ServerArgs
 from common.engine.device import bind_rank_cores, cpu_threads_per_rank, rank_device
 from common.engine.distributed import TPGroup, broadcast_inputs, host_store, init_tp_group
-from common.engine.model.config import ModelConfig
-from common.engine.sampling.params import SamplingParams
-from common.engine.scheduler import Scheduler
-from common.errors import CapacityError, ConfigError, ErrorCode, InvalidRequestError, PdclusterError
-from common.io_struct import (
+from common.engine.io_struct import (
     AbortReq,
     GenerateReqInput,
     LoadOut,
@@ -37,6 +33,10 @@ from common.io_struct import (
     Timing,
     TokenOut,
 )
+from common.engine.model.config import ModelConfig
+from common.engine.sampling.params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.errors import CapacityError, ConfigError, ErrorCode, InvalidRequestError, PdclusterError
 from common.node.profiler import StepProfiler
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import load_tokenizer, resolve_model_path

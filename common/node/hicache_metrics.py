@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-from common.io_struct import HiCacheLoad
+from common.engine.io_struct import HiCacheLoad
 
 HIT_TOKENS = Counter("pdcluster_node_hicache_hit_tokens_total", "Cached prompt tokens by the tier that served them "
                      "(device, host, storage)", ["tier", "dp_rank"])

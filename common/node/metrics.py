@@ -13,10 +13,10 @@ from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
+from common.engine.io_struct import PrefillDone, QueueLoad, TokenOut
 from common.errors import ErrorCode
-from common.gap_histogram import GapHistogram
-from common.io_struct import PrefillDone, QueueLoad, TokenOut
 from common.node.hicache_metrics import observe_hicache
+from common.serving.gap_histogram import GapHistogram
 
 logger = logging.getLogger(__name__)
 

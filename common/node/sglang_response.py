@@ -16,10 +16,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from common.event_stream import delimit_event_stream
-from common.io_struct import PrefillDone, TokenOut
+from common.engine.io_struct import PrefillDone, TokenOut
 from common.node.sglang_openai import chat_body, chat_chunk, completion_body, completion_chunk
 from common.node.sglang_protocol import Logprobs, SglangRequest, finish_reason
+from common.serving.event_stream import delimit_event_stream
 from common.text.detokenizer import IncrementalDetokenizer
 
 

@@ -11,7 +11,7 @@ one, benchmarks/pages/kv_transfer.md). A stripe is a whole job on the wire (its 
 side needs no stripe logic; the job is done when every stripe is, and a failed stripe fails the job only after the
 others have stopped.
 
-Settings (``--kv-transfer-option``, checked and defaulted in ``common.kv_options``): ``stage`` ("auto": stage when
+Settings (``--kv-transfer-option``, checked and defaulted in ``common.kv_backends``): ``stage`` ("auto": stage when
 either side's buffers are on a GPU; "always": stage CPU buffers too, the same byte path CI runs), ``stage_bytes``
 (segment size, default 16 MiB), ``streams`` (connections per decode peer, 1..8, default 2), ``stripe_bytes``
 (smallest stripe, default 4 MiB).
@@ -49,7 +49,7 @@ import threading
 import msgspec
 import torch
 
-from common.kv_options import int_option, option
+from common.kv_backends import int_option, option
 from common.node.conn_budget import ConnectionBudget, Slot
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob

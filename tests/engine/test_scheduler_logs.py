@@ -145,9 +145,9 @@ def test_pd_roles_report_their_queues(llama, caplog, monkeypatch) -> None:
     import time
 
     from common.config import ServerArgs
+    from common.engine.io_struct import GenerateReqInput, PrefillDone, TokenOut
     from common.engine.sampling.params import SamplingParams
     from common.engine.scheduler import Scheduler
-    from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
     from common.text.tokenizer import load_tokenizer
     from decode_node.role import DecodeRole
     from kvtransfer.bootstrap import BootstrapServer

@@ -48,9 +48,9 @@ def _matrix_rank(tp: TPGroup, model: str) -> list[dict[str, Any]]:
     import msgspec
 
     from common.config import ServerArgs
+    from common.engine.io_struct import GenerateReqInput, TokenOut
     from common.engine.sampling.params import SamplingParams
     from common.engine.scheduler import Scheduler
-    from common.io_struct import GenerateReqInput, TokenOut
     from common.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
@@ -88,11 +88,11 @@ def _hicache_rank(tp: TPGroup, model: str) -> dict[str, Any]:
     import msgspec
 
     from common.config import ServerArgs
+    from common.engine.io_struct import GenerateReqInput, TokenOut
     from common.engine.mem.hicache.copy_engine import CopyEngine
     from common.engine.mem.hicache.load_waits import LoadWaits
     from common.engine.sampling.params import SamplingParams
     from common.engine.scheduler import Scheduler
-    from common.io_struct import GenerateReqInput, TokenOut
     from common.text.tokenizer import load_tokenizer
 
     delays = [SLOW_FIRST_S] if tp.tp_rank == 1 else []

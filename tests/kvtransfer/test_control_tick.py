@@ -7,9 +7,10 @@ from __future__ import annotations
 import time
 
 from common.errors import ErrorCode
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms, KVReceiver
+from kvtransfer.receiver import KVReceiver
 from kvtransfer.testing import DECODE_SEED, kv_config, make_args
 
 

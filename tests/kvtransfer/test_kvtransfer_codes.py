@@ -14,11 +14,13 @@ import pytest
 import kvtransfer.node
 from common.errors import ErrorCode
 from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms, KVReceiver
-from kvtransfer.rooms import RoomRecord
-from kvtransfer.sender import KVSender, PrefillRooms
+from kvtransfer.prefill_rooms import PrefillRooms
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.room_record import RoomRecord
+from kvtransfer.sender import KVSender
 from kvtransfer.testing import (
     DECODE_SEED,
     PREFILL_SEED,

@@ -15,8 +15,9 @@ from common.config import ServerArgs
 from common.engine.mem.kv_pool import MHATokenToKVPool
 from common.engine.mem.pages import bytes_per_page, num_pages, req_pages
 from kvtransfer.args import KVArgs
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.node import make_kv_manager
-from kvtransfer.receiver import DecodeRooms, KVReceiver
+from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,10 +40,11 @@ def test_common_imports_nothing_of_kvtransfer() -> None:
     assert not {p: m for p, m in offenders.items() if m}
 
 
-@pytest.mark.parametrize("module", ["manager", "rooms", "handle"])
+@pytest.mark.parametrize("module", ["manager", "room_record", "handle"])
 def test_shared_kv_modules_import_no_role_module(module: str) -> None:
     imported = imported_modules(ROOT / "kvtransfer" / f"{module}.py")
-    assert not imported & {"kvtransfer.sender", "kvtransfer.receiver", "kvtransfer.node"}
+    assert not imported & {"kvtransfer.sender", "kvtransfer.receiver", "kvtransfer.prefill_rooms", "kvtransfer.decode_rooms",
+                             "kvtransfer.node"}
 
 
 def tiny_runner(pool_heads: int, model_heads: int) -> SimpleNamespace:

@@ -15,8 +15,8 @@ from kvtransfer.backends.base import PeerInfo, PeerKey
 from kvtransfer.backends.streamio import send_frame
 from kvtransfer.backends.tcp import MAX_CONNS_PER_HOST, NONCE_BYTES
 from kvtransfer.backends.wire import ChunkHeader, DataHello, data_proof
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
-from kvtransfer.receiver import DecodeRooms
 from kvtransfer.testing import DECODE_SEED, TOKEN, kv_config, make_args
 
 

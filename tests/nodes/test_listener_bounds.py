@@ -21,7 +21,8 @@ import pytest
 from common.node import http_probe, ipc
 from common.node.conn_budget import HELLO_FRAME_BYTES, PRE_AUTH_PER_PEER, ConnectionBudget, Slot
 from common.node.mux_socket_server import MuxSocketServer
-from common.testing.mock_worker import MockConfig, MockWorker
+from common.testing.mock_config import MockConfig
+from common.testing.mock_worker import MockWorker
 from common.wire.mux_socket import MAX_FRAME_BYTES, connect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +97,8 @@ _SERVE = """
 import asyncio, sys
 from common.node import http_probe, ipc
 from common.node.mux_socket_server import MuxSocketServer
-from common.testing.mock_worker import MockConfig, MockWorker
+from common.testing.mock_config import MockConfig
+from common.testing.mock_worker import MockWorker
 
 async def main():
     server = MuxSocketServer(MockWorker(MockConfig(role="decode")), credential="the-credential")

@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput
 from common.engine.model.config import ModelConfig
 from common.engine.sampling.params import SamplingParams
-from common.io_struct import GenerateReqInput
 from common.node import front, http_guard
 from common.node.conn_budget import PRE_AUTH_PER_PEER, PRE_AUTH_TOTAL
 from common.node.sglang_http import SglangHttpServer

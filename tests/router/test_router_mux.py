@@ -10,9 +10,9 @@ from typing import Any
 import grpc
 import pytest
 
+from common.engine.io_struct import AbortReq
 from common.errors import ErrorCode
-from common.io_struct import AbortReq
-from common.testing.mock_worker import fake_tokens
+from common.testing.mock_requests import fake_tokens
 from common.wire.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink, MuxStream

@@ -13,7 +13,7 @@ from router.breaker import CircuitBreaker
 from router.config import RouterConfig, WorkerSpec
 from router.policies import RouteHint, make_policy, pick_rank
 from router.prefix_index import PrefixIndex, block_hashes
-from router.rooms import RoomAllocator
+from router.room_allocator import RoomAllocator
 from router.timing_store import TimingStore
 from router.workers import Lease, Worker
 
@@ -232,7 +232,7 @@ def test_prefix_index_and_timing_store() -> None:
 def test_the_loop_counter_exports_what_prometheus_client_would() -> None:
     from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-    from common.loop_counter import LoopCounter
+    from common.serving.loop_counter import LoopCounter
 
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     for name, labels in (("x_requests", ("api", "outcome")), ("x_tokens", ())):
@@ -254,7 +254,7 @@ def test_the_loop_counter_exports_what_prometheus_client_would() -> None:
 def test_the_itl_histogram_exports_what_prometheus_client_would() -> None:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from common.gap_histogram import GapHistogram
+    from common.serving.gap_histogram import GapHistogram
     from router.metrics import ITL_BUCKETS
 
     ours, theirs = CollectorRegistry(), CollectorRegistry()

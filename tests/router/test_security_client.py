@@ -19,8 +19,8 @@ from common.app.cli import main
 from common.env import ClientKey
 from common.errors import ConfigError
 from common.testing.mock_fleet import shared_model_dir
+from common.tls import TlsFiles
 from common.wire.mux_socket import connect
-from common.wire.tls import TlsFiles
 from common.wire.worker_auth import worker_credential
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.admin import bearer_metadata

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from common.engine.distributed import TPGroup
+    from common.engine.io_struct import GenerateReqInput
     from common.engine.sampling.grammar import GrammarCompiler
-    from common.io_struct import GenerateReqInput
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.distributed import TPGroup
+from common.engine.io_struct import HiCacheLoad
 from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.hicache.copy_engine import CopyEngine, CopyJob, Fence
@@ -38,7 +39,6 @@ from common.engine.mem.hicache.stats import HiCacheStats
 from common.engine.mem.hicache.tree import device_pages
 from common.engine.mem.radix_cache import _req_slot
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
-from common.io_struct import HiCacheLoad
 
 if TYPE_CHECKING:
     from common.engine.req import Req

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.distributed import TPGroup
+from common.engine.io_struct import HiCacheLoad
 from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.hicache.copy_engine import CopyEngine, CopyJob, Fence
 from common.engine.mem.hicache.host_pool import HostKVPool
@@ -41,7 +42,6 @@ from common.engine.mem.hicache.stats import HiCacheStats
 from common.engine.mem.hicache.tree import HiTreeNode, device_pages, split_tiers
 from common.engine.mem.radix_cache import MatchResult
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
-from common.io_struct import HiCacheLoad
 
 if TYPE_CHECKING:
     from common.engine.mem.hicache.storage_tier import StorageTier

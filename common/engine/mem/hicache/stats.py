@@ -4,8 +4,8 @@ turns them into counters)."""
 
 from __future__ import annotations
 
+from common.engine.io_struct import HiCacheLoad
 from common.engine.mem.hicache.copy_engine import CopyJob
-from common.io_struct import HiCacheLoad
 
 
 class HiCacheStats:
