@@ -80,3 +80,22 @@ def test_every_sampled_required_tool_call_parses_and_validates(engine_factory, m
         except (AssertionError, ValueError, KeyError, jsonschema.ValidationError) as e:
             bad.append((sp["seed"], out.text, str(e)[:120]))
     assert not bad, f"{len(bad)} of {len(reqs)} responses are not valid tool calls: {bad[:3]}"
+
+
+def test_calls_to_functions_with_unbounded_values_complete(engine_factory, model_path) -> None:
+    """Integers, strings and arrays without bounds: the call grammars bound them (router/tool_calls.py), so a call
+    ends however long the model would write. The model is kept from ever ending a value itself (every token with a
+    quote, comma or bracket is biased to -100): only the grammar's bounds end them."""
+    params = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"},
+                                               "xs": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["n", "s", "xs"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    plan = plan_of([tool], {"type": "function", "function": {"name": "f"}}, None)
+    engine = engine_factory(model_path)
+    closing = [t for t in range(len(engine.tokenizer)) if set(engine.tokenizer.decode([t])) & set('",]}')]
+    reqs = [(f"call f {seed}", {"max_new_tokens": 1024, "temperature": 1.0, "seed": seed, "json_schema": plan.grammar(),
+                                "logit_bias": dict.fromkeys(closing, -100.0)}) for seed in range(2)]
+    for out in run_all(engine, reqs):
+        assert out.finish_reason == "stop", f"ran to max_tokens: {out.text[:200]!r}"
+        _, [call] = plan.parse(out.text)
+        jsonschema.validate(json.loads(call.arguments), params)
