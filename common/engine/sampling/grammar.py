@@ -76,6 +76,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # submit runs on the scheduler thread, completions on the pool's
 
     def submit(self, key: tuple[str, str]) -> Future[Compiled]:
+        evicted = 0
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None and not fut.cancelled():
@@ -84,29 +85,35 @@ class GrammarCompiler:
                 return fut
             fut = self.pool.submit(key[0], key[1], self.any_whitespace)
             self._cache[key] = fut
+            evicted = self._evict()
         fut.add_done_callback(lambda f: self._account(key, f))
+        if evicted:
+            release_freed_memory()
         return fut
 
     def _account(self, key: tuple[str, str], fut: Future[Compiled]) -> None:
-        """A compile finished: count its bytes, then evict least-recently-used entries over the budgets. A compile
-        cancelled in the queue leaves the cache (a later request compiles it again); one stopped at its deadline
-        stays, so the same grammar fails at once instead of taking a worker for the whole deadline again."""
-        evicted = 0
+        """A compile finished (on the pool's thread): count its bytes. A compile cancelled in the queue leaves the
+        cache (a later request compiles it again); one stopped at its deadline stays, so the same grammar fails at
+        once instead of taking a worker for the whole deadline again."""
         with self._lock:
             if self._cache.get(key) is not fut:
                 return
             if fut.cancelled():
                 del self._cache[key]
-                return
-            if fut.exception() is None:
+            elif fut.exception() is None:
                 self.cached_bytes += fut.result().nbytes
-            while len(self._cache) > GRAMMAR_CACHE_ENTRIES or self.cached_bytes > GRAMMAR_CACHE_BYTES:
-                _, old = self._cache.popitem(last=False)
-                if old.done() and not old.cancelled() and old.exception() is None:
-                    self.cached_bytes -= old.result().nbytes
-                    evicted += 1
-        if evicted:
-            release_freed_memory()
+
+    def _evict(self) -> int:
+        """Drop least-recently-used entries over the budgets; how many held a compiled grammar. NOTE: only on the
+        scheduler thread (from ``submit``), so a grammar settled in ``GrammarQueue.pop_ready`` is still cached when
+        ``matcher`` builds the request in the same step."""
+        evicted = 0
+        while len(self._cache) > GRAMMAR_CACHE_ENTRIES or self.cached_bytes > GRAMMAR_CACHE_BYTES:
+            _, old = self._cache.popitem(last=False)
+            if old.done() and not old.cancelled() and old.exception() is None:
+                self.cached_bytes -= old.result().nbytes
+                evicted += 1
+        return evicted
 
     def matcher(self, key: tuple[str, str]) -> RequestGrammar:
         """A fresh matcher over the compiled grammar of ``key`` (which must be compiled: ``submit(key).done()``);
