@@ -73,10 +73,10 @@ def test_expensive_grammars_are_bounded_and_the_cluster_keeps_serving(tmp_path: 
             (deep_status, deep_body, deep_s), *slow = [f.result(timeout=180) for f in flood]
         assert deep_status == 400 and "at most 64 are allowed" in deep_body and deep_s < 5, (deep_status, deep_body)
         for status, body, seconds in slow:
-            # Stopped at the deadline (400), or waited that long for the node's one worker (504; the router may try
-            # again once): never a compile that runs on.
-            assert status in (400, 504) and "--grammar-compile-timeout" in body, (status, body)
-            assert seconds < 6 * TIMEOUT_S + 10, seconds
+            # Stopped at the deadline (400), or waited that long for the node's one worker (504; the router tries
+            # again, 503 once every attempt waited): never a compile that runs on to its end.
+            assert status in (400, 503, 504) and "--grammar-compile-timeout" in body, (status, body)
+            assert seconds < 10 * TIMEOUT_S + 20, seconds
         schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
                                                    "n": {"type": "integer", "minimum": 0, "maximum": 9}},
                   "required": ["name", "n"]}

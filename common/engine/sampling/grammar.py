@@ -44,7 +44,7 @@ __all__ = ["GrammarCompileAborted", "GrammarCompiler", "RequestGrammar", "tokeni
 logger = logging.getLogger(__name__)
 
 # Compiled grammars kept per rank (LRU; failures are cached too: the same source fails the same way), bounded in count
-# and in bytes (serialized size, a proxy for what a compiled grammar holds).
+# and in bytes (xgrammar's estimate of what a compiled grammar holds).
 GRAMMAR_CACHE_ENTRIES = 512
 GRAMMAR_CACHE_BYTES = 512 << 20
 

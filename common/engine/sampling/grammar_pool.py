@@ -1,7 +1,8 @@
 """``GrammarCompilePool``: one scheduler rank's grammar compiles, in worker processes, each bounded by a deadline.
 
     submit ──> queued ──> dispatcher thread: the next idle worker (started on demand, up to ``workers``)
-                 │          ──> compiled: the future's result is a ``Compiled`` (deserialized here)
+                 │          ──> compiled: the worker's converted grammar is compiled here again (the cheap stage);
+                 │              the future's result is a ``Compiled``
                  │          ──> not a valid grammar: the future fails with ``InvalidRequestError``
                  │          ──> still compiling ``timeout_s`` after it was handed over: the worker is SIGKILLed (its memory
                  │              goes with it) and the future fails with ``GrammarCompileAborted``; so does a
@@ -49,7 +50,7 @@ class GrammarCompileAborted(InvalidRequestError):
 @dataclass(frozen=True)
 class Compiled:
     grammar: xgrammar.CompiledGrammar
-    nbytes: int  # its serialized size: what the cache's memory budget counts
+    nbytes: int  # xgrammar's estimate of its size: what the cache's memory budget counts
 
 
 @dataclass
@@ -85,6 +86,7 @@ class GrammarCompilePool:
         self.workers = workers
         self.timeout_s = timeout_s
         self._info_json = info.serialize_json()
+        self._compiler: Any = None  # the rank's own compiler of the workers' grammars, built on the pool's thread
         self._queue: deque[_Job] = deque()
         self._pool: list[_Worker] = []  # changed by the dispatcher thread only, under the lock
         self._lock = threading.Lock()
@@ -239,6 +241,8 @@ class GrammarCompilePool:
     def _reply(self, worker: _Worker) -> None:
         import xgrammar as xgr
 
+        if self._compiler is None:
+            self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         job = worker.job
         try:
             status, payload, exiting = worker.conn.recv()
@@ -256,10 +260,16 @@ class GrammarCompilePool:
             self._lose(worker, "")
         if job is None:
             return
-        if status == "ok":
-            job.future.set_result(Compiled(xgr.CompiledGrammar.deserialize_json(payload, self.info), len(payload)))
-        else:
+        if status != "ok":
             job.future.set_exception(InvalidRequestError(payload))
+            return
+        try:
+            compiled = self._compiler.compile_grammar(xgr.Grammar.deserialize_json(payload))
+        except (RuntimeError, ValueError, MemoryError) as e:
+            job.future.set_exception(GrammarCompileAborted(f"the {job.kind} compiled in its worker but not in the "
+                                                           f"scheduler ({type(e).__name__}: {str(e)[:100]})"))
+            return
+        job.future.set_result(Compiled(compiled, compiled.memory_size_bytes))
 
     def _lose(self, worker: _Worker, message: str) -> None:
         """Kill ``worker`` and reap it; its compile, if any, fails with ``message``."""

@@ -1,7 +1,11 @@
 """A grammar compile worker: a child process of one scheduler rank that compiles grammars one at a time.
 
-    parent (GrammarCompilePool) ── (kind, source, any_whitespace) ──> worker: compile
-        <── ("ok", serialized grammar, exiting) or ("invalid", message for the client, exiting)
+    parent (GrammarCompilePool) ── (kind, source, any_whitespace) ──> worker: convert, then compile
+        <── ("ok", the converted grammar as JSON, exiting) or ("invalid", message for the client, exiting)
+
+The worker compiles too, so that the whole cost runs under its deadline and memory cap, but it hands back the
+converted grammar: small, where a compiled grammar's serialized tables can be a hundred times its size in memory.
+The pool compiles it again in the rank (the cheap stage of the two, already proven to finish).
 
 The worker is disposable: the pool SIGKILLs it when a compile passes its deadline (xgrammar cannot stop a compile any
 other way), and it exits by itself once a compile left its heap ``RECYCLE_BYTES`` larger than it started, so a big
@@ -38,21 +42,31 @@ def grammar_error_message(kind: str, exc: BaseException) -> str:
     return f"{kind} cannot be compiled into a grammar: {text[:500]}"
 
 
-def compile_grammar(compiler: xgr.GrammarCompiler, kind: str, source: str, any_whitespace: bool
-                    ) -> xgr.CompiledGrammar:
-    """Compile one grammar; ``InvalidRequestError`` naming the field and xgrammar's reason if it does not."""
+def to_grammar(kind: str, source: str, any_whitespace: bool) -> xgr.Grammar:
+    """``source`` converted into a grammar (JSON Schema, regex or EBNF); ``InvalidRequestError`` naming the field and
+    xgrammar's reason if it does not convert. The conversion is where expensive sources spend their time."""
     if kind == "json_schema":
         source = prepare_json_schema(source)
     try:
         if kind == "json_schema":
-            return compiler.compile_json_schema(source, any_whitespace=any_whitespace)
+            return xgr.Grammar.from_json_schema(source, any_whitespace=any_whitespace)
         if kind == "regex":
-            return compiler.compile_regex(source)
+            return xgr.Grammar.from_regex(source)
         if kind == "ebnf":
-            return compiler.compile_grammar(source)
+            return xgr.Grammar.from_ebnf(source)
     except (RuntimeError, ValueError, TypeError, MemoryError) as e:  # xgrammar's parse and conversion errors
         raise InvalidRequestError(grammar_error_message(kind, e)) from None
     raise InvalidRequestError(f"unknown grammar kind {kind!r}")
+
+
+def compile_grammar(compiler: xgr.GrammarCompiler, kind: str, source: str, any_whitespace: bool
+                    ) -> xgr.CompiledGrammar:
+    """Convert and compile one grammar (``to_grammar``, then the token-mask tables for ``compiler``'s vocabulary)."""
+    grammar = to_grammar(kind, source, any_whitespace)
+    try:
+        return compiler.compile_grammar(grammar)
+    except (RuntimeError, ValueError, TypeError, MemoryError) as e:
+        raise InvalidRequestError(grammar_error_message(kind, e)) from None
 
 
 def _heap_bytes() -> int:
@@ -81,11 +95,15 @@ def run_worker(conn: Connection, tokenizer_info_json: str) -> None:
         except (EOFError, OSError):
             return
         try:
-            reply = ("ok", compile_grammar(compiler, kind, source, any_whitespace).serialize_json())
+            grammar = to_grammar(kind, source, any_whitespace)
+            compiler.compile_grammar(grammar)  # the whole cost, under this process's deadline and memory cap
+            reply = ("ok", grammar.serialize_json())
         except InvalidRequestError as e:
             reply = ("invalid", str(e))
-        except MemoryError:
-            reply = ("invalid", f"{kind} needs more than {MEMORY_BUDGET_BYTES >> 20} MiB to compile; simplify it")
+        except (MemoryError, RuntimeError) as e:  # std::bad_alloc under the RLIMIT_DATA cap, or xgrammar's error
+            memory = isinstance(e, MemoryError) or "bad_alloc" in str(e)
+            reply = ("invalid", f"{kind} needs more than {MEMORY_BUDGET_BYTES >> 20} MiB to compile; simplify it"
+                     if memory else grammar_error_message(kind, e))
         exiting = _heap_bytes() - start > RECYCLE_BYTES
         conn.send((*reply, exiting))
         if exiting:
