@@ -1,7 +1,7 @@
 """``GrammarCompilePool``: one scheduler rank's grammar compiles, in worker processes, each bounded by a deadline.
 
     submit ──> queued ──> dispatcher thread: the next idle worker (started on demand, up to ``workers``)
-                 │          ──> compiled: the worker's converted grammar is compiled here again (the cheap stage);
+                 │          ──> compiled: the worker's converted grammar is compiled here again (it finished there);
                  │              the future's result is a ``Compiled``
                  │          ──> not a valid grammar: the future fails with ``InvalidRequestError``
                  │          ──> still compiling ``timeout_s`` after it was handed over: the worker is SIGKILLed (its memory

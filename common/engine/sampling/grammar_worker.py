@@ -4,8 +4,8 @@
         <── ("ok", the converted grammar as JSON, exiting) or ("invalid", message for the client, exiting)
 
 The worker compiles too, so that the whole cost runs under its deadline and memory cap, but it hands back the
-converted grammar: small, where a compiled grammar's serialized tables can be a hundred times its size in memory.
-The pool compiles it again in the rank (the cheap stage of the two, already proven to finish).
+converted grammar: small, where a compiled grammar's serialized tables can be many times its size in memory.
+The pool compiles it again in the rank, a compile the worker has just shown to finish within the deadline.
 
 The worker is disposable: the pool SIGKILLs it when a compile passes its deadline (xgrammar cannot stop a compile any
 other way), and it exits by itself once a compile left its heap ``RECYCLE_BYTES`` larger than it started, so a big
