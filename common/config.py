@@ -208,8 +208,11 @@ class ServerArgs:
     # Constrained decoding (common/engine/sampling/grammar.py): json_schema / regex / ebnf requests.
     grammar_backend: str = flag("xgrammar", "engine of json_schema / regex / ebnf requests; none refuses them",
                                 group=GRAMMAR, choices=GRAMMAR_BACKENDS)
-    grammar_compile_timeout: float = flag(30.0, "seconds a request waits for its grammar to compile before it fails",
+    grammar_compile_timeout: float = flag(30.0, "seconds a grammar may compile (then its compile is stopped and the "
+                                          "request refused) and a request may wait for a compile worker",
                                           group=GRAMMAR, check=above(0))
+    grammar_compile_workers: int = flag(2, "grammar compile processes per scheduler rank (started on demand; one "
+                                        "compile each at a time)", group=GRAMMAR, check=at_least(1))
     grammar_any_whitespace: bool = flag(False, "JSON schemas allow any whitespace between tokens (default: compact "
                                         "', ' and ': ' only, which keeps small models from looping on whitespace)",
                                         group=GRAMMAR)

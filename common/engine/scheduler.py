@@ -43,7 +43,7 @@ from common.engine.mem.hicache import build_prefix_cache
 from common.engine.model_runner import BatchResult, ModelRunner, PendingBatchResult
 from common.engine.overlap import overlap_schedule_on
 from common.engine.req import Req
-from common.engine.sampling.grammar import GrammarCompiler
+from common.engine.sampling.grammar import GrammarCompiler, tokenizer_info
 from common.engine.sampling.grammar_queue import GrammarQueue
 from common.engine.sampling.sampler import SamplingBatchInfo
 from common.engine.schedule_batch import ModelWorkerBatch, ScheduleBatch
@@ -118,10 +118,10 @@ class Scheduler:
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(
-                self.tokenizer, self.model_config.vocab_size, list(self.model_config.eos_token_ids),
-                any_whitespace=self.args.grammar_any_whitespace,
-            )
+            info = tokenizer_info(self.tokenizer, self.model_config.vocab_size, list(self.model_config.eos_token_ids))
+            self._grammar_compiler = GrammarCompiler(info, any_whitespace=self.args.grammar_any_whitespace,
+                                                     workers=self.args.grammar_compile_workers,
+                                                     timeout_s=self.args.grammar_compile_timeout)
         return self._grammar_compiler
 
     def close(self) -> None:
