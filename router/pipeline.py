@@ -25,22 +25,22 @@ import grpc
 
 from common.errors import CapacityError, InvalidRequestError
 from pdcluster.v1 import worker_pb2
-from router.admission import Admission, HeldRequests, NoRoom, NotAdmitted, hold_order
-from router.candidates import Candidates
+from router.attempts.legs import Aborter, ColocatedAttempt, PdAttempt
+from router.attempts.migration import ended_by, node_request
+from router.attempts.output import OutputState
 from router.choices import pin_fits
 from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
 from router.failure_log import FailureLog
-from router.inputs import InputProcessor
-from router.legs import Aborter, ColocatedAttempt, PdAttempt
+from router.fleet.candidates import Candidates
+from router.fleet.worker import Lease, Registry, Worker
+from router.intake.admission import Admission, HeldRequests, NoRoom, NotAdmitted, hold_order
+from router.intake.inputs import InputProcessor
 from router.metrics import RouterMetrics
-from router.migration import ended_by, node_request
-from router.output import OutputState
-from router.policies import Policy, RouteHint, make_policy, pick_rank
 from router.request import Delta, Final, GenRequest
-from router.room_allocator import RoomAllocator
+from router.routing.policies import Policy, RouteHint, make_policy, pick_rank
+from router.routing.room_allocator import RoomAllocator
 from router.timing_store import TimingStore
-from router.workers import Lease, Registry, Worker
 
 logger = logging.getLogger(__name__)
 

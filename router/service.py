@@ -10,16 +10,16 @@ from typing import Any
 from common.errors import InvalidRequestError
 from common.text.tokenizer import load_tokenizer, resolve_model_path
 from router.config import Role, RouterConfig, WorkerSpec
-from router.core import RouterCore
 from router.drain import Drain
 from router.errors import OverloadedError
-from router.inputs import InputProcessor, Tokenizer, config_context_len
+from router.fleet.monitor import Monitor
+from router.fleet.worker import Registry
+from router.intake.inputs import InputProcessor, Tokenizer, config_context_len
+from router.intake.priority_policy import PriorityPolicy
 from router.metrics import RouterMetrics
-from router.monitor import Monitor
-from router.priority_policy import PriorityPolicy
+from router.pipeline import RouterCore
 from router.request import ClientRequest, Delta, Final, GenRequest
-from router.tokenize_pool import TokenizePool
-from router.workers import Registry
+from router.tokenizer.pool import TokenizePool
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class RouterService:
 
     async def build(self, client: ClientRequest) -> GenRequest:
         """``client`` tokenized and checked, unless the router is full: then refused at once, before tokenizing
-        (router/admission.py)."""
+        (router/intake/admission.py)."""
         try:
             with self.core.admission.tokenizing_one(len(self.core.active)):
                 client.priority = self.priorities.admit(

@@ -1,15 +1,15 @@
 """Worker registry: one ``Worker`` per node address, with its channel, server info, load and in-flight counts.
 
-Load a policy sees for one DP rank = the node's last ``GetLoad`` report (polled by ``router.monitor``) plus what
+Load a policy sees for one DP rank = the node's last ``GetLoad`` report (polled by ``router.fleet.monitor``) plus what
 this router dispatched to the rank and has not yet finished (``RankState.inflight``). KV pages this router
 dispatched *since the last report* are subtracted from the reported free pages (``reserved_pages``); a new report
 resets that, because the node's own count then includes them.
 
-Membership: a worker gets no credential and no request before it proved the cluster secret (``router.membership``):
+Membership: a worker gets no credential and no request before it proved the cluster secret (``router.fleet.membership``):
 until ``admit`` its channel sends only ``ProveMembership`` and health checks, without the credential. Clients see a worker only by its ``name`` (``prefill-0``, ``decode-1``, ... in registration order); the
 address stays on the admin surface.
 
-Routing reads the registry's per-role views (``router.candidates``), which workers keep current: a write to a field
+Routing reads the registry's per-role views (``router.fleet.candidates``), which workers keep current: a write to a field
 that decides routability (``_Watched``) or a circuit closing/opening calls ``state_changed``; a change of free KV
 pages (a lease, its release, a load report, new server info) calls ``free_changed``.
 """
@@ -25,10 +25,10 @@ from grpc_health.v1 import health_pb2_grpc
 
 from common.wire.worker_auth import aio_worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
-from router.breaker import CircuitBreaker
-from router.candidates import Candidates, RoleView
 from router.config import Role, RouterConfig, WorkerSpec
-from router.mux import MuxLink
+from router.fleet.breaker import CircuitBreaker
+from router.fleet.candidates import Candidates, RoleView
+from router.mux.stream import MuxLink
 
 logger = logging.getLogger(__name__)
 

@@ -21,15 +21,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from common.errors import PdclusterError
 from common.serving.client_gone import client_gone_middleware
 from common.serving.event_stream import EventStreamResponse, delimit_event_stream
-from router import openai_protocol as oai
-from router.admin import admin_middleware
 from router.choices import choice_requests, merge_choices
-from router.client_auth import api_key_middleware
 from router.errors import http_status_of, retry_after_of
+from router.guards.admin import admin_middleware
+from router.guards.client_auth import api_key_middleware
+from router.openai import protocol as oai
+from router.openai.sse import DeltaEvents, SseSink, sse
+from router.openai.tool_calls import ToolPlan
 from router.request import ClientRequest, Delta, Final, GenRequest
 from router.service import RouterService
-from router.sse import DeltaEvents, SseSink, sse
-from router.tool_calls import ToolPlan
 
 _encode = msgspec.json.encode
 

@@ -11,9 +11,9 @@ import msgspec
 
 from common.errors import InvalidRequestError
 from pdcluster.v1 import common_pb2
-from router.openai_fields import grammar_of, refuse_unsupported, unknown_field_error
+from router.openai.fields import grammar_of, refuse_unsupported, unknown_field_error
+from router.openai.tool_calls import ToolPlan, plan_of
 from router.request import Final
-from router.tool_calls import ToolPlan, plan_of
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -57,7 +57,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: str | None = None  # extension: the id to use (default: generated)
     priority: int | None = None  # extension (SGLang's): priority scheduling on the nodes
     # Constrained output (docs/structured-output.md): OpenAI's response_format, SGLang's regex / ebnf extensions and
-    # vLLM's guided_* fields (router/openai_fields.py maps them).
+    # vLLM's guided_* fields (router/openai/fields.py maps them).
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None

@@ -12,11 +12,11 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router import cache_tiers
-from router.candidates import Candidates
 from router.config import RouterConfig
-from router.prefix_index import PrefixIndex, block_hashes
-from router.workers import Worker
+from router.fleet.candidates import Candidates
+from router.fleet.worker import Worker
+from router.routing import cache_tiers
+from router.routing.prefix_index import PrefixIndex, block_hashes
 
 
 @dataclass(slots=True)
@@ -94,7 +94,7 @@ class CacheAware(Policy):
     ``cache_threshold`` of the prompt, else the least loaded worker. Each rank's share of the index is bounded by
     the KV pool its node reports (``total_kv_pages * page_size`` tokens), so the index forgets as the node evicts.
     With a hierarchical cache the prefix is scored by the tier it likely sits in and the index keeps it as long as
-    the host tier can (``router.cache_tiers``).
+    the host tier can (``router.routing.cache_tiers``).
     """
 
     name = "cache_aware"

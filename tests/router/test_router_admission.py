@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from pdcluster.v1 import worker_pb2
-from router.admission import hold_order
+from router.fleet.facts import fleet_problem
+from router.intake.admission import hold_order
 from router.testing import eventually, fleet
-from router.worker_facts import fleet_problem
 
 
 def _decodes_sent(f) -> int:  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""The registry's incremental routing views (router/candidates.py): after any sequence of worker changes they answer
+"""The registry's incremental routing views (router/fleet/candidates.py): after any sequence of worker changes they answer
 exactly what a scan of every worker answers - routable workers (health, membership, errors, removal, circuit
 breaker with its clock, draining-by-removal) and the KV bound that lets a decision skip the per-worker KV filter."""
 
@@ -9,9 +9,9 @@ import random
 
 from pdcluster.v1 import worker_pb2
 from router.config import RouterConfig, WorkerSpec
-from router.core import RouterCore
+from router.fleet.worker import Lease, Registry, Worker
 from router.metrics import RouterMetrics
-from router.workers import Lease, Registry, Worker
+from router.pipeline import RouterCore
 
 PAGE = 4
 CFG = RouterConfig(cb_failure_threshold=2, cb_open_s=10.0)

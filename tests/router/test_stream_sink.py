@@ -19,8 +19,8 @@ from common.testing.mock_fleet import shared_model_dir
 from common.testing.mock_requests import fake_tokens
 from common.text.tokenizer import load_tokenizer
 from pdcluster.v1 import worker_pb2
-from router import sse
-from router.mux import MuxCall
+from router.mux.stream import MuxCall
+from router.openai import sse
 from router.request import Delta
 from router.testing import eventually, fleet
 from tests.http_helpers import close_before_head
@@ -344,7 +344,7 @@ async def test_a_sink_that_raises_ends_only_its_own_call() -> None:
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_prebuilt_events_are_the_bytes_of_the_chunk_they_stand_for(api: str) -> None:
-    from router import openai_protocol as oai
+    from router.openai import protocol as oai
 
     events = sse.DeltaEvents(api, 'cmpl-"x"', "mod\u00e9l", 17, 3, False, None, None)  # type: ignore[arg-type]
     for i in range(3):

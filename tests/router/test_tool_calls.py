@@ -1,4 +1,4 @@
-"""OpenAI tools on the chat API (router/tool_calls.py): validation of tools / tool_choice, the grammar that
+"""OpenAI tools on the chat API (router/openai/tool_calls.py): validation of tools / tool_choice, the grammar that
 enforces required and named calls, and the llama3 / hermes parsers (whole outputs and streamed hold-back)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 
 from common.errors import InvalidRequestError
-from router import openai_protocol as oai
-from router.tool_calls import plan_of
+from router.openai import protocol as oai
+from router.openai.tool_calls import plan_of
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
@@ -122,7 +122,7 @@ def test_a_call_cut_short_is_a_partial_call_never_content() -> None:
 
 
 def test_unbounded_values_get_default_bounds_in_call_grammars() -> None:
-    from router import tool_calls as tc
+    from router.openai import tool_calls as tc
 
     params = {"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 0}, "x": {"type": "number"}, "s": {"type": "string", "minLength": 300},
