@@ -39,7 +39,7 @@ from benchmarks.router_overhead import PROMPT, _closed_loop, _cpu_s, _cpu_split,
 from common.engine.sampling.params import SamplingParams  # noqa: E402
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from router.config import RouterConfig, WorkerSpec  # noqa: E402
-from router.fleet.worker import Registry  # noqa: E402
+from router.fleet.registry import Registry  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
 from router.pipeline import RouterCore  # noqa: E402
 from router.request import GenRequest  # noqa: E402

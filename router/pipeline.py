@@ -33,7 +33,8 @@ from router.config import Role, RouterConfig
 from router.errors import DeadlineError, LegError, OverloadedError, RouterError, UnavailableError
 from router.failure_log import FailureLog
 from router.fleet.candidates import Candidates
-from router.fleet.worker import Lease, Registry, Worker
+from router.fleet.registry import Registry
+from router.fleet.worker import Lease, Worker
 from router.intake.admission import Admission, HeldRequests, NoRoom, NotAdmitted, hold_order
 from router.intake.inputs import InputProcessor
 from router.metrics import RouterMetrics

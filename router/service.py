@@ -13,7 +13,7 @@ from router.config import Role, RouterConfig, WorkerSpec
 from router.drain import Drain
 from router.errors import OverloadedError
 from router.fleet.monitor import Monitor
-from router.fleet.worker import Registry
+from router.fleet.registry import Registry
 from router.intake.inputs import InputProcessor, Tokenizer, config_context_len
 from router.intake.priority_policy import PriorityPolicy
 from router.metrics import RouterMetrics

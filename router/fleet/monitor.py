@@ -31,7 +31,8 @@ from router.config import RouterConfig
 from router.fleet.breaker import HALF_OPEN, OPEN
 from router.fleet.facts import fleet_problem, info_problem, load_problem
 from router.fleet.membership import challenge
-from router.fleet.worker import Registry, Worker
+from router.fleet.registry import Registry
+from router.fleet.worker import Worker
 from router.metrics import RouterMetrics
 from router.mux.stream import LOAD_HEARTBEAT_S
 

@@ -9,7 +9,8 @@ import random
 
 from pdcluster.v1 import worker_pb2
 from router.config import RouterConfig, WorkerSpec
-from router.fleet.worker import Lease, Registry, Worker
+from router.fleet.registry import Registry
+from router.fleet.worker import Lease, Worker
 from router.metrics import RouterMetrics
 from router.pipeline import RouterCore
 
