@@ -23,7 +23,8 @@ from router.errors import RETRYABLE, LegError, scrub_internal
 from router.failure_log import FailureLog
 from router.fleet.worker import Worker
 from router.metrics import RouterMetrics
-from router.mux.stream import MuxCall, rpc_error
+from router.mux.io import rpc_error
+from router.mux.stream import MuxCall
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from router.mux.stream import LOAD_HEARTBEAT_S
 
 logger = logging.getLogger(__name__)
 CIRCUIT_VALUE = {HALF_OPEN: 1, OPEN: 2}
-# A pushed load report older than this (the node pushes at least every router.mux.stream.LOAD_HEARTBEAT_S) brings polls back.
+# A pushed load report older than this (the node pushes at least every LOAD_HEARTBEAT_S) brings polls back.
 PUSH_STALE_S = 3 * LOAD_HEARTBEAT_S
 
 

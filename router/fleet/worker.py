@@ -28,7 +28,7 @@ from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.config import Role, RouterConfig, WorkerSpec
 from router.fleet.breaker import CircuitBreaker
 from router.fleet.candidates import RoleView
-from router.mux.stream import MuxLink
+from router.mux.link import MuxLink
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from common.wire.mux_socket import FrameConnection, FrameError, connect
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
 from router.cli import add_router_args, config_from_args
 from router.config import RouterConfig
-from router.mux import stream as router_mux
+from router.mux import io as router_mux
 from router.testing import eventually, fleet
 from tests.mux_helpers import gen_req, linked, read_all
 
