@@ -26,6 +26,7 @@ from router.errors import http_status_of, retry_after_of
 from router.guards.admin import admin_middleware
 from router.guards.client_auth import api_key_middleware
 from router.openai import protocol as oai
+from router.openai import responses
 from router.openai.sse import DeltaEvents, SseSink, sse
 from router.openai.tool_calls import ToolPlan
 from router.request import ClientRequest, Delta, Final, GenRequest
@@ -43,13 +44,13 @@ def error_response(e: BaseException, headers: dict[str, str] | None = None) -> w
     retry_after = retry_after_of(e)
     if retry_after is not None:
         headers = {**(headers or {}), "Retry-After": str(max(1, math.ceil(retry_after)))}
-    return json_response(oai.error_body(str(e), status), status, headers)
+    return json_response(responses.error_body(str(e), status), status, headers)
 
 
 class HttpGateway:
     def __init__(self, service: RouterService) -> None:
         self.service = service
-        self.logprobs = oai.LogprobFormatter(service.core.tokenizer_hf)
+        self.logprobs = responses.LogprobFormatter(service.core.tokenizer_hf)
         # request ids: a random per-process part and a counter (unique across replicas; no uuid4 per request)
         self._rid_base = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
@@ -86,7 +87,7 @@ class HttpGateway:
         t = self.service.core.timings.get(rid)
         if t is None:
             return json_response(
-                oai.error_body(
+                responses.error_body(
                     f"no timing for request {rid!r}: unknown, not finished, or older than the last "
                     f"{self.service.cfg.timing_keep} requests / {self.service.cfg.timing_ttl_s:.0f} s",
                     404,
@@ -119,7 +120,7 @@ class HttpGateway:
         except web.HTTPRequestEntityTooLarge:
             limit = svc.cfg.max_request_bytes
             return json_response(
-                oai.error_body(
+                responses.error_body(
                     f"request body is larger than the router's limit of {limit} bytes (--max-request-bytes)",
                     413,
                 ),
@@ -144,7 +145,7 @@ class HttpGateway:
         choices = choice_requests(req, parsed.n)
         headers = {"X-Request-ID": rid}
         model = svc.model_name
-        created = oai.now_s()
+        created = responses.now_s()
         if not req.stream:
             finals: list[Final | None] = [None] * len(choices)
             try:
@@ -159,7 +160,7 @@ class HttpGateway:
             body = self._full_body(api, rid, done, model, created, req.top_logprobs_num, req.return_logprob)
             if plan is not None:
                 for i, f in enumerate(done):
-                    oai.put_tool_calls(body, plan, f.text, i)
+                    responses.put_tool_calls(body, plan, f.text, i)
             return json_response(body, headers=headers)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return await self._stream(request, api, rid, model, created, req.return_logprob, include_usage, headers,
@@ -168,12 +169,12 @@ class HttpGateway:
     def _full_body(
         self, api: str, rid: str, finals: list[Final], model: str, created: int, top_n: int, want_lp: bool
     ) -> dict[str, Any]:
-        make = oai.chat_body if api == "chat" else oai.completion_body
+        make = responses.chat_body if api == "chat" else responses.completion_body
         body = make(rid, model, created, [(f.text, f.finish_reason, self._logprobs_of(api, f, top_n, want_lp))
                                           for f in finals])
-        body["usage"] = oai.usage_of(finals)
-        body["pdcluster"] = oai.extension_of(finals[0]) if len(finals) == 1 else {
-            "choices": [oai.extension_of(f) for f in finals]}
+        body["usage"] = responses.usage_of(finals)
+        body["pdcluster"] = responses.extension_of(finals[0]) if len(finals) == 1 else {
+            "choices": [responses.extension_of(f) for f in finals]}
         return body
 
     def _logprobs_of(self, api: str, f: Final, top_n: int, want_lp: bool) -> dict[str, Any] | None:
@@ -220,7 +221,7 @@ class HttpGateway:
                         await resp.prepare(request)
                         if chat:
                             await resp.write(b"".join(
-                                sse(oai.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
+                                sse(responses.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
                                                     index=k))
                                 for k in range(n)))
                     if isinstance(ev, Delta):
@@ -232,13 +233,13 @@ class HttpGateway:
                         continue
                     finish, delta = ev.finish_reason, {}
                     if plan is not None:
-                        delta, finish = oai.tool_call_delta(plan, deltas.texts[i], deltas.sent[i], finish)
+                        delta, finish = responses.tool_call_delta(plan, deltas.texts[i], deltas.sent[i], finish)
                     last = (
-                        oai.chat_chunk(rid, model, created, delta, finish, index=i)
+                        responses.chat_chunk(rid, model, created, delta, finish, index=i)
                         if chat
-                        else oai.completion_chunk(rid, model, created, "", ev.finish_reason, index=i)
+                        else responses.completion_chunk(rid, model, created, "", ev.finish_reason, index=i)
                     )
-                    last["pdcluster"] = oai.extension_of(ev)
+                    last["pdcluster"] = responses.extension_of(ev)
                     finals.append(ev)
                     tail = [sse(last)]
                     if len(finals) < n:
@@ -251,7 +252,7 @@ class HttpGateway:
                             "created": created,
                             "model": model,
                             "choices": [],
-                            "usage": oai.usage_of(finals),
+                            "usage": responses.usage_of(finals),
                         }
                         tail.append(sse(usage))
                     tail.append(b"data: [DONE]\n\n")
@@ -260,7 +261,7 @@ class HttpGateway:
             except PdclusterError as e:
                 if not resp.prepared:
                     return error_response(e, headers)
-                await resp.write(sse(oai.error_body(str(e), http_status_of(e))))
+                await resp.write(sse(responses.error_body(str(e), http_status_of(e))))
         if resp.prepared:
             await resp.write_eof()
         return resp

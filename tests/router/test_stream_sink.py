@@ -344,12 +344,12 @@ async def test_a_sink_that_raises_ends_only_its_own_call() -> None:
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_prebuilt_events_are_the_bytes_of_the_chunk_they_stand_for(api: str) -> None:
-    from router.openai import protocol as oai
+    from router.openai import responses
 
     events = sse.DeltaEvents(api, 'cmpl-"x"', "mod\u00e9l", 17, 3, False, None, None)  # type: ignore[arg-type]
     for i in range(3):
         for text in ("a", ' q"\\\n\t', "\u00e9t\u00e9 \U0001f600", "\ufffd", "\x00z"):
-            chunk = (oai.chat_chunk('cmpl-"x"', "mod\u00e9l", 17, {"content": text}, None, None, index=i)
-                     if api == "chat" else oai.completion_chunk('cmpl-"x"', "mod\u00e9l", 17, text, None, None, index=i))
+            chunk = (responses.chat_chunk('cmpl-"x"', "mod\u00e9l", 17, {"content": text}, None, None, index=i)
+                     if api == "chat" else responses.completion_chunk('cmpl-"x"', "mod\u00e9l", 17, text, None, None, index=i))
             assert events.of(i, Delta(text, [1])) == sse.sse(chunk)
     assert events.of(0, Delta("", [1])) is None
