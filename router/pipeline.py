@@ -35,10 +35,11 @@ from router.failure_log import FailureLog
 from router.fleet.candidates import Candidates
 from router.fleet.registry import Registry
 from router.fleet.worker import Lease, Worker
-from router.intake.admission import Admission, HeldRequests, NoRoom, NotAdmitted, hold_order
+from router.intake.admission import Admission
 from router.intake.inputs import InputProcessor
 from router.metrics import RouterMetrics
 from router.request import Delta, Final, GenRequest
+from router.routing.hold import HeldRequests, NoRoom, NotAdmitted, hold_order
 from router.routing.policies import Policy, RouteHint, make_policy, pick_rank
 from router.routing.room_allocator import RoomAllocator
 from router.timing_store import TimingStore

@@ -13,7 +13,7 @@ import pytest
 
 from pdcluster.v1 import worker_pb2
 from router.fleet.facts import fleet_problem
-from router.intake.admission import hold_order
+from router.routing.hold import hold_order
 from router.testing import eventually, fleet
 
 
