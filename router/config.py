@@ -121,7 +121,7 @@ class RouterConfig:
     # Failures.
     max_retries: int = flag(3, "extra attempts after attempts that failed before producing a token", group=FAILURES,
                             check=at_least(0))
-    # The next attempt continues from the tokens so far (router/pipeline.py).
+    # The next attempt continues from the tokens so far (router/attempts/recovery.py).
     max_migrations: int = flag(2, "times a request whose decode/colocated leg failed after producing tokens "
                                "continues on another worker from those tokens (0: fail it)", group=FAILURES,
                                check=at_least(0))
@@ -130,7 +130,7 @@ class RouterConfig:
     retry_backoff_max_s: float = 1.0
     request_timeout_s: float = flag(300.0, "deadline of a request without a client deadline, seconds",
                                     group=FAILURES, name="request-timeout", check=above(0))
-    # router/pipeline.py _plan: a request is held while no decode worker's last report has room for it.
+    # router/routing/planner.py Planner.plan: a request is held while no decode worker's last report has room for it.
     admission_wait_s: float = flag(30.0, "seconds a request waits for a decode worker to report room for it (never "
                                    "sent to one whose last report says it cannot admit); then 429, never past its "
                                    "deadline", group=FAILURES, name="admission-wait", check=at_least(0))

@@ -36,12 +36,9 @@ class ClientRequest:
 @dataclass(slots=True)
 class RoutePin:
     """Where the choices of one ``n > 1`` request go (``router.choices``): the first one routed records its workers
-    and DP ranks, the others follow while those can take them. ``prefill`` None: a colocated worker."""
+    and DP ranks, the others follow while those can take them."""
 
-    worker: Any = None  # ``router.fleet.worker.Worker``: decode or colocated; None until the first choice is routed
-    rank: int = 0
-    prefill: Any = None
-    prefill_rank: int = 0
+    picks: list[tuple[Any, int]] = field(default_factory=list)  # (``Worker``, DP rank): P then D, or one colocated
 
 
 @dataclass(slots=True)

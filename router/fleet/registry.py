@@ -1,5 +1,6 @@
-"""``Registry``: the router's workers by address, and its per-role views (``router.fleet.candidates``) that routing
-reads. Mutated only on the event loop thread.
+"""``Registry``: the router's workers by address, and what routing reads of them: each role's routable workers
+(the per-role views, ``router.fleet.candidates``) and among those the candidates for one request (``candidates``).
+Mutated only on the event loop thread.
 
 Clients see a worker only by its ``name`` (``prefill-0``, ``decode-1``, ... in registration order, kept across
 deregistration); the address stays on the admin surface.
@@ -8,7 +9,7 @@ deregistration); the address stays on the admin surface.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from pdcluster.v1 import worker_pb2
 from router.config import Role, RouterConfig, WorkerSpec
@@ -16,6 +17,10 @@ from router.fleet.candidates import Candidates, RoleView
 from router.fleet.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+
+class NoRoom(Exception):
+    """Every routable decode worker's last report says it cannot admit the request now."""
 
 
 class Registry:
@@ -79,6 +84,32 @@ class Registry:
         same list is handed out until a worker of the role changes); O(1) plus O(workers with a non-closed circuit).
         """
         return self._views[role].routable()
+
+    def candidates(self, role: Role, failed: set[str], tokens: int, priority: int | None = None) -> Sequence[Worker]:
+        """Routable workers of ``role`` that can hold a request of ``tokens`` KV tokens (decode: only those, or those
+        where a request of ``priority`` may preempt a running one; ``NoRoom`` when none can), not yet failed for
+        this request if possible.
+
+        O(1) in the number of workers while none failed this request and the role's smallest free KV fits it (the
+        views keep both current); the per-worker filters run only when they can remove someone."""
+        ws: Sequence[Worker] = self.routable(role)
+        # NOTE: free >= pages_for(tokens) <=> free * page_size >= tokens, so min_free_tokens >= tokens: all fit.
+        # A decode worker whose last report cannot admit the request is never sent it, even when it is the only one
+        # or the only one that has not failed this request.
+        strict = role == "decode"
+        if (len(ws) > 1 or strict) and ws and self.min_free_tokens(role) < tokens:
+            fit = Candidates()
+            for w in ws:
+                free = w.free_pages()
+                if free is None or free >= w.pages_for(tokens) or (strict and w.can_preempt_for(priority)):
+                    fit.append(w)
+            if strict and not fit:
+                raise NoRoom(f"no decode worker reported room for the request's {tokens} prompt tokens "
+                             f"({len(ws)} routable)")
+            ws = fit or ws
+        if len(ws) > 1 and failed:
+            ws = Candidates(w for w in ws if w.address not in failed) or ws
+        return ws
 
     def request_capacity(self) -> int | None:
         """Requests the ready workers hold at most by their own limits (``ServerInfo.max_requests_per_rank``): a PD

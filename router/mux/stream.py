@@ -4,7 +4,7 @@ A ``MuxCall`` reads like the per-request ``grpc.aio`` call it replaces (``read``
 ``grpc.aio.EOF``; failures raise ``grpc.aio.AioRpcError`` with the node's code, message and trailing metadata;
 ``cancel`` makes a pending ``read`` raise ``CancelledError``), so the attempt code and its error mapping are shared.
 A call may also have a ``sink``: a function that takes the node's messages as they arrive, in the frame's callback,
-instead of waking the reader's task for each (a streamed token costs no task wake-up; ``router/pipeline.py``).
+instead of waking the reader's task for each (a streamed token costs no task wake-up; ``router/attempts/run.py``).
 
 Invariants: a call is in ``MuxStream.calls`` from its open until its terminal item (status, local deadline,
 cancel, or the stream's end) and gets exactly one terminal item; the sink is offered a message only while the reader

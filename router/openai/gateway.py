@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP gateway (aiohttp) over ``RouterService``.
+"""OpenAI-compatible HTTP gateway (aiohttp): a request's entry into the request pipeline (router/pipeline.py), and
+the plain endpoints over ``RouterService``.
 
 Streaming responses send their headers only with the first output, so every failure before the first token (after
 the router's retries) is a real HTTP status (400/503/504) rather than an error inside a 200 stream. A client that
@@ -21,7 +22,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from common.errors import PdclusterError
 from common.serving.client_gone import client_gone_middleware
 from common.serving.event_stream import EventStreamResponse, delimit_event_stream
-from router.choices import choice_requests, merge_choices
 from router.errors import http_status_of, retry_after_of
 from router.guards.admin import admin_middleware
 from router.guards.client_auth import api_key_middleware
@@ -50,7 +50,8 @@ def error_response(e: BaseException, headers: dict[str, str] | None = None) -> w
 class HttpGateway:
     def __init__(self, service: RouterService) -> None:
         self.service = service
-        self.logprobs = responses.LogprobFormatter(service.core.tokenizer_hf)
+        self.pipeline = service.pipeline
+        self.logprobs = responses.LogprobFormatter(service.inputs.tok.hf)
         # request ids: a random per-process part and a counter (unique across replicas; no uuid4 per request)
         self._rid_base = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
@@ -84,7 +85,7 @@ class HttpGateway:
 
     async def timing(self, request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
-        t = self.service.core.timings.get(rid)
+        t = self.pipeline.timings.get(rid)
         if t is None:
             return json_response(
                 responses.error_body(
@@ -137,26 +138,26 @@ class HttpGateway:
             prefix = "chatcmpl-" if api == "chat" else "cmpl-"
             rid = (request.headers.get("X-Request-ID") or parsed.request_id
                    or f"{prefix}{self._rid_base}{next(self._rid_seq):012x}")
-            req = await svc.build(ClientRequest(rid=rid, api=api, authorization=request.headers.get("Authorization"),
+            req = await self.pipeline.admit(ClientRequest(rid=rid, api=api, authorization=request.headers.get("Authorization"),
                                                 **kw))
         except PdclusterError as e:
             return error_response(e)
         # n > 1: one request per choice (own rid ``<rid>-<i>``, seed + i), routed and admitted like any other.
-        choices = choice_requests(req, parsed.n)
+        n = parsed.n
         headers = {"X-Request-ID": rid}
         model = svc.model_name
         created = responses.now_s()
         if not req.stream:
-            finals: list[Final | None] = [None] * len(choices)
+            finals: list[Final | None] = [None] * n
             try:
-                async with contextlib.aclosing(merge_choices([svc.generate(c) for c in choices])) as events:
+                async with contextlib.aclosing(self.pipeline.serve(req, n)) as events:
                     async for i, ev in events:
                         if isinstance(ev, Final):
                             finals[i] = ev
             except PdclusterError as e:
                 return error_response(e, headers)
             done = [f for f in finals if f is not None]
-            assert len(done) == len(choices)
+            assert len(done) == n
             body = self._full_body(api, rid, done, model, created, req.top_logprobs_num, req.return_logprob)
             if plan is not None:
                 for i, f in enumerate(done):
@@ -164,7 +165,7 @@ class HttpGateway:
             return json_response(body, headers=headers)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return await self._stream(request, api, rid, model, created, req.return_logprob, include_usage, headers,
-                                  choices, plan)
+                                  req, n, plan)
 
     def _full_body(
         self, api: str, rid: str, finals: list[Final], model: str, created: int, top_n: int, want_lp: bool
@@ -194,7 +195,8 @@ class HttpGateway:
         want_lp: bool,
         include_usage: bool,
         headers: dict[str, str],
-        choices: list[GenRequest],
+        req: GenRequest,
+        n: int,
         plan: ToolPlan | None = None,
     ) -> web.StreamResponse:
         """Stream the choices' events as SSE chunks; the choices' chunks interleave as their tokens arrive, each with
@@ -204,15 +206,14 @@ class HttpGateway:
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         delimit_event_stream(resp, request)
-        n = len(choices)
         chat = api == "chat"
         deltas = DeltaEvents(api, rid, model, created, n, want_lp, plan, self.logprobs)
         sink: SseSink | None = None
         if n == 1:  # with several, a choice's reader hands its events to the others' merge (``merge_choices``)
             task = asyncio.current_task()
             assert task is not None
-            sink = choices[0].delta_sink = SseSink(resp, deltas, task, request.transport)
-        events = merge_choices([self.service.generate(c) for c in choices])
+            sink = req.delta_sink = SseSink(resp, deltas, task, request.transport)  # n == 1: the only choice is req
+        events = self.pipeline.serve(req, n)
         finals: list[Final] = []
         async with contextlib.aclosing(events):
             try:

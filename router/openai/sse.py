@@ -1,6 +1,6 @@
 """The server-sent events of one streamed OpenAI response: ``DeltaEvents`` makes each delta's ``data:`` event, and
 ``SseSink`` writes them from a leg's message callback, so a streamed token does not wake the request's handler task
-(``router/pipeline.py``, ``MuxCall.sink``).
+(``router/attempts/run.py``, ``MuxCall.sink``).
 
 Invariants: a response's events go out in the order of its tokens, whichever of the two paths (the sink, or the
 handler reading the request's event stream) wrote each; the sink takes a delta only while the handler waits with

@@ -13,6 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from router.fleet.registry import NoRoom
+
 HoldOrder = tuple[float, float, int]
 Plan = TypeVar("Plan")
 
@@ -22,10 +24,6 @@ def hold_order(priority: int | None, arrival: float, low_values_first: bool, seq
     --schedule-low-priority-values-first; a request without a priority last), then arrival (FCFS), then ``seq``."""
     urgency = math.inf if priority is None else (priority if low_values_first else -priority)
     return (urgency, arrival, seq)
-
-
-class NoRoom(Exception):
-    """Every routable decode worker's last report says it cannot admit the request now."""
 
 
 class NotAdmitted(Exception):

@@ -50,7 +50,7 @@ async def test_router_legs_ride_the_offered_socket_unless_told_grpc(transport: s
             assert "Prefill" not in methods and "Decode" not in methods
         listed = {s["address"]: s for s in f.server.service.list_workers()}
         assert {(s["legs_transport"], s["mux_socket_error"]) for s in listed.values()} == {(transport, "")}
-        assert f.server.service.core.rooms.in_flight == set()
+        assert f.server.service.pipeline.planner.rooms.in_flight == set()
 
 
 async def test_an_unreachable_socket_leaves_the_legs_on_the_grpc_stream() -> None:

@@ -38,7 +38,7 @@ async def test_many_concurrent_pd_requests_ride_one_stream_per_worker() -> None:
             methods = [m for m, _ in w.calls]
             assert methods.count("Mux") == 1 and "Prefill" not in methods and "Decode" not in methods
         assert len(f.prefill[0].received("prefill")) == len(f.decode[0].received("decode")) == 48
-        assert f.server.service.core.rooms.in_flight == set()
+        assert f.server.service.pipeline.planner.rooms.in_flight == set()
 
 
 async def test_cancel_of_one_request_reaches_the_worker_and_leaves_the_others_running() -> None:

@@ -73,7 +73,7 @@ async def test_paced_tokens_are_written_by_the_sink_and_arrive_whole(layout: str
                                                     messages=[{"role": "user", "content": "hi"}])
         pieces = [c.choices[0].delta.content async for c in chat if c.choices and c.choices[0].delta.content]
         assert len(pieces) >= 8 and len(sink_writes) >= 20
-        await eventually(lambda: not f.server.service.core.active)
+        await eventually(lambda: not f.server.service.pipeline.active)
 
 
 @pytest.fixture
@@ -170,7 +170,7 @@ async def test_a_stop_string_in_a_sink_token_ends_the_request_and_aborts_both_le
         p, d = f.prefill[0], f.decode[0]
         await eventually(lambda: "stop-in-sink" in d.aborts and not d.active)
         assert "stop-in-sink" in p.aborts
-        assert f.server.service.core.rooms.in_flight == set()
+        assert f.server.service.pipeline.planner.rooms.in_flight == set()
 
 
 async def test_a_client_gone_mid_stream_aborts_both_legs(sink_writes: list[str]) -> None:
@@ -186,7 +186,7 @@ async def test_a_client_gone_mid_stream_aborts_both_legs(sink_writes: list[str])
         assert sink_writes  # the tokens after the first came through the sink
         p, d = f.prefill[0], f.decode[0]
         await eventually(lambda: "gone" in p.aborts and "gone" in d.aborts and not d.active)
-        await eventually(lambda: not f.server.service.core.active)
+        await eventually(lambda: not f.server.service.pipeline.active)
 
 
 async def test_a_client_gone_as_its_head_is_written_is_a_disconnect_not_a_server_error(
@@ -204,7 +204,7 @@ async def test_a_client_gone_as_its_head_is_written_is_a_disconnect_not_a_server
                 await resp.read()
         p, d = f.prefill[0], f.decode[0]
         await eventually(lambda: "gone-at-head" in p.aborts and "gone-at-head" in d.aborts and not d.active)
-        await eventually(lambda: not f.server.service.core.active)
+        await eventually(lambda: not f.server.service.pipeline.active)
     assert [r.getMessage() for r in caplog.records if r.name == "aiohttp.server"] == []
 
 
