@@ -10,11 +10,11 @@ from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
 from common.flags import Check, above, at_least, check_flags, flag, tcp_port
 from common.tls import TlsFiles
-from router.openai.tool_calls import TOOL_CALL_PARSERS
 
 Role = Literal["prefill", "decode", "colocated"]
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
 MUX_TRANSPORTS = ("socket", "grpc")
+TOOL_CALL_PARSERS = ("llama3", "hermes", "qwen25")  # router/openai/tool_calls.py reads each
 
 
 @dataclass(frozen=True)

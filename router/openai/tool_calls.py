@@ -38,7 +38,6 @@ from router.openai.tool_call_parse import (
     parse_required,
 )
 
-TOOL_CALL_PARSERS = ("llama3", "hermes", "qwen25")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Bounds the required / named grammars give what a function's schema leaves unbounded, so that a call always ends
 # (a random or looping model would otherwise write one value until max_tokens). docs/api.md states them.
