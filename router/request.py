@@ -30,7 +30,7 @@ class ClientRequest:
     max_tokens_field: str = "max_tokens"  # the API's name for max_new_tokens, in error messages
     default_max_tokens: int | None = None  # None: "up to the context" (chat)
     priority: int | None = None  # priority scheduling on the nodes (None: the least urgent)
-    authorization: str | None = None  # the client's bearer header: its priority ceiling (router/intake/priority_policy.py)
+    authorization: str | None = None  # the client's bearer: its priority ceiling (router/intake/priority_policy.py)
 
 
 @dataclass(slots=True)
@@ -66,8 +66,8 @@ class GenRequest:
 
 
 class DeltaSink(Protocol):
-    """A client stream that can take a delta synchronously (the HTTP gateway's SSE writer). The router core gives it
-    the deltas of the tokens a leg's sink took while the request's task waited (``router/attempts/legs.py``); the others,
+    """A client stream that can take a delta synchronously (the HTTP gateway's SSE writer). An attempt gives it the
+    deltas of the tokens a leg's sink took while the request's task waited (``router/attempts/run.py``); the others,
     and every delta while ``ready`` is False, still go through the request's event stream, in order."""
 
     def ready(self) -> bool: ...

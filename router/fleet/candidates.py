@@ -16,8 +16,8 @@ Invariants: ``routable()`` equals ``[w for w in workers if w.routable]``, or whe
 ``CapacityIndex.min_tokens()`` <= ``free_pages() * page_size`` of every worker of the role with a known count.
 Workers tell their view through ``Worker.state_changed`` and ``Worker.free_changed``; both run on the event loop.
 
-This module knows a worker only as ``ViewedWorker`` (what the views read of it), so ``router.fleet.worker``, which builds
-the views, is imported by nobody here: the views sit below the registry.
+This module knows a worker only as ``ViewedWorker`` (what the views read of it), so ``router.fleet.worker``, whose
+workers tell the views, is imported by nobody here: the views sit below the workers and the registry.
 """
 
 from __future__ import annotations

@@ -138,8 +138,8 @@ class HttpGateway:
             prefix = "chatcmpl-" if api == "chat" else "cmpl-"
             rid = (request.headers.get("X-Request-ID") or parsed.request_id
                    or f"{prefix}{self._rid_base}{next(self._rid_seq):012x}")
-            req = await self.pipeline.admit(ClientRequest(rid=rid, api=api, authorization=request.headers.get("Authorization"),
-                                                **kw))
+            req = await self.pipeline.admit(ClientRequest(
+                rid=rid, api=api, authorization=request.headers.get("Authorization"), **kw))
         except PdclusterError as e:
             return error_response(e)
         # n > 1: one request per choice (own rid ``<rid>-<i>``, seed + i), routed and admitted like any other.
@@ -222,8 +222,8 @@ class HttpGateway:
                         await resp.prepare(request)
                         if chat:
                             await resp.write(b"".join(
-                                sse(responses.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
-                                                    index=k))
+                                sse(responses.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                                         None, index=k))
                                 for k in range(n)))
                     if isinstance(ev, Delta):
                         data = deltas.of(i, ev)
