@@ -1,12 +1,12 @@
 """``Planner``: where one attempt of a request goes. A prefill worker P and a decode worker D (separate policies), or
-one colocated worker when no P/D pair can serve (PD pairs are preferred when both exist); a DP rank on each by load;
-a fresh bootstrap room for a P/D pair; a lease on each rank until the attempt ends (``release``).
+one colocated worker when no P/D pair can serve (a fleet with both kinds serves by P/D pairs); a DP rank on each by
+load; a fresh bootstrap room for a P/D pair; a lease on each rank until the attempt ends (``release``).
 
     plan    route, held (router/routing/hold.py) while every routable decode worker's last report says it cannot
             admit the request: until a report or a lease's release changes that, at most ``--admission-wait`` seconds
             and never past the request's deadline (then 429 / DEADLINE_EXCEEDED)
     route   each role's candidates (``Registry.candidates``: routable, with room, not failed by this request while
-            another is), then where the request's first routed choice went while those still fit (``RoutePin``,
+            another can take it), then where the request's first routed choice went while those still fit (``RoutePin``,
             n > 1), else each role's policy
 """
 
