@@ -54,6 +54,10 @@ class ForwardBatch:
     attn_backend: Any  # common.engine.model.attention.TorchAttentionBackend; metadata set by init_forward_metadata
     attn_metadata: Any = None
     future_slots: torch.Tensor | None = None  # int64 [bs] overlap: the ring slot each row's token is stored in
+    # bool [sum(extend_lens[i] ** 2)]: request i's [extend_len, extend_len] block (row-major, requests in order) says
+    # which of its new tokens each new token sees (a draft tree's ancestor mask; within the causal order); the cached
+    # prefix stays visible. ``positions`` then need not be consecutive. None: causal.
+    custom_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

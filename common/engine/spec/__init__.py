@@ -1,0 +1,1 @@
+"""Speculative decoding (``--speculative-algorithm``): draft heads, draft trees and their verification."""
