@@ -82,6 +82,7 @@ class DraftTree:
     parents: torch.Tensor  # int64 [bs, n]; -1 at the root
     depths: torch.Tensor  # int64 [bs, n]
     mask: torch.Tensor  # bool [bs, n, n]: ancestor-or-self
+    scores: torch.Tensor | None = None  # fp32 [bs, n]: the draft's path probability (1 at the root); None: unknown
 
     @property
     def num_nodes(self) -> int:
@@ -135,6 +136,7 @@ def build_tree(verified_ids: torch.Tensor, levels: DraftLevels, num_draft_tokens
         parents=parents,
         depths=depths,
         mask=ancestor_mask(parents, int(depths.max())),
+        scores=torch.cat([torch.ones(bs, 1, device=device), scores.gather(1, kept)], dim=1),
     )
 
 
