@@ -85,6 +85,12 @@ def draft_len(args: Any) -> int:
     return DEFAULT_NUM_STEPS.get(algo, 1)
 
 
+def accept_length(verify_steps: int, accepted_tokens: int) -> float:
+    """Tokens a request emitted per verify step (SGLang's accept length: its accepted drafts plus the target's own
+    token); 0 without verify steps."""
+    return 1.0 + accepted_tokens / verify_steps if verify_steps else 0.0
+
+
 def ngram_windows(args: Any) -> tuple[int, int]:
     """(shortest, longest) suffix of a request's tokens that NGRAM matches against its earlier tokens."""
     low = args.speculative_ngram_min_match_window_size
