@@ -35,6 +35,15 @@ def make_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
 
 
 @functools.cache
+def make_copy_model(arch: str = "llama") -> Path:
+    """``make_tiny_model(arch)`` with zeroed attention outputs: greedy decoding cycles and repeats spans of its
+    prompt (``common.model_gen.copy_model``)."""
+    from common.model_gen.copy_model import make_copy_model as write
+
+    return write(make_tiny_model(arch), _session_dir() / f"{arch}-tiny-copy")
+
+
+@functools.cache
 def load_tiny_model(arch: str = "llama", seed: int = 0) -> LlamaForCausalLM:
     """Our fp32 model for ``make_tiny_model(arch, seed)`` (shared: treat as read-only)."""
     return load_model(make_tiny_model(arch, seed))[0]

@@ -48,6 +48,7 @@ from common.config import ServerArgs
 from common.cpu_cores import CoreSplit, format_core_list, split_cores
 from common.flags import add_flags, config_values, flag_argv
 from common.ports import pick_free_port
+from common.speculative import SPECULATIVE_FLAGS
 from common.text.tokenizer import resolve_model_path
 from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 from common.wire.tls import TlsFiles
@@ -67,6 +68,7 @@ UP_SETS_PER_NODE = ("host", "advertise_host", "port", "metrics_port", "sglang_ht
 # Pass-through flags ``up`` also reads: it forwards what it derives from them (resolved model path, the backend's
 # per-device default, each role's tp, each GPU node's memory share, the host's cores split over the CPU ranks by default).
 UP_DERIVES = ("model_path", "kv_transfer_backend", "tp_size", "mem_fraction_static", "torch_num_threads")
+SPECULATIVE_NODE_FLAGS = ("speculative_algorithm", *SPECULATIVE_FLAGS)  # decode and colocated nodes only
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -302,9 +304,11 @@ class LocalCluster:
         ranks = self.node_given.get("dp_size", 1) * sum(self.tp_size.values())
         return max(1, self.cores // max(1, ranks))
 
-    def _node_flags(self) -> list[str]:
+    def _node_flags(self, role: str = "null") -> list[str]:
         given = self.node_given
-        forwarded = {k: v for k, v in given.items() if k not in UP_DERIVES}
+        # Speculative decoding speculates decode steps: a prefill node is not given its flags (it refuses them).
+        forwarded = {k: v for k, v in given.items()
+                     if k not in UP_DERIVES and not (role == "prefill" and k in SPECULATIVE_NODE_FLAGS)}
         if self.device == "cpu" and given.get("mem_fraction_static") is not None:
             forwarded["mem_fraction_static"] = given["mem_fraction_static"]  # GPU nodes get their placement's share
         flags = ["--model-path", self.model_path, "--host", "127.0.0.1", "--kv-transfer-backend", self.backend]
@@ -313,7 +317,7 @@ class LocalCluster:
     def node_args(self, name: str, port: int, bootstrap: int, metrics: int | None = None) -> list[str]:
         """``pdcluster serve`` arguments of node ``name`` (``<role>-<i>``; role ``null``: colocated)."""
         role = name.rsplit("-", 1)[0]
-        args = ["serve", *self._node_flags(), "--tp-size", str(self.tp_size[name]),
+        args = ["serve", *self._node_flags(role), "--tp-size", str(self.tp_size[name]),
                 "--torch-num-threads", str(self.torch_threads(name)), "--port", str(port),
                 "--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap)]
         place = self.placement.get(name)

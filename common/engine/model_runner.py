@@ -26,7 +26,7 @@ import torch
 from common.config import ServerArgs
 from common.engine.device import MAX_KV_TOKENS, kv_cache_bytes, rank_device, ship
 from common.engine.distributed import TPGroup
-from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.engine.forward_batch import ForwardBatch
 from common.engine.graph_runner import build_graph_runner
 from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.kv_pool import MHATokenToKVPool
@@ -173,6 +173,7 @@ class ModelRunner:
             prefix_lens_cpu=b.prefix_lens,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
+            spec_info=b.spec_info,
         )
 
     def forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
@@ -197,7 +198,7 @@ class ModelRunner:
         else:
             self.attn_backend.init_forward_metadata(fb)
             hidden = self.model.forward(fb)
-        if fb.forward_mode != ForwardMode.DECODE:
+        if not fb.forward_mode.logits_at_every_token():
             hidden = hidden[fb.last_token_indices()]
         logits = self.model.compute_logits(hidden)
         info = b.sampling_info or SamplingBatchInfo.from_reqs(b.reqs, self.model_config.vocab_size, self.device)

@@ -52,6 +52,7 @@ from common.engine.schedule_order import SchedulePolicy
 from common.engine.scheduler_metrics import DecodeLogInterval
 from common.engine.scheduler_output import OutputCollector
 from common.engine.scheduler_role import ColocatedRole, SchedulerRole
+from common.engine.spec import build_speculator
 from common.errors import ErrorCode, internal_error_message
 from common.faults import inject
 from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
@@ -79,6 +80,7 @@ class Scheduler:
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
         self.page_size = args.page_size
+        self.speculator = build_speculator(args, self.runner, dp_rank)  # None: --speculative-algorithm off
         if args.use_radix_cache:
             self.tree_cache: Any = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
         elif args.shares_decode_prompts:
@@ -116,7 +118,8 @@ class Scheduler:
 
     # -- construction helpers --------------------------------------------------------------------------------------
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache)
+        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache,
+                                      self.args.speculative_algorithm)
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -138,6 +141,8 @@ class Scheduler:
             self.forward_thread = None
         if self._grammar_compiler is not None:
             self._grammar_compiler.close()
+        if self.speculator is not None:
+            self.speculator.close()
         self.role.close()
 
     # -- the loop: one iteration of the seeds' event_loop_normal / event_loop_overlap ------------------------------
@@ -291,7 +296,8 @@ class Scheduler:
             inject("forward", req.rid)
         self.forward_ct += 1
         b = batch.get_model_worker_batch()
-        b.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.runner.device)
+        rows = batch.reqs if batch.spec_info is None else batch.spec_info.sampling_rows(batch.reqs)  # one per token
+        b.sampling_info = SamplingBatchInfo.from_reqs(rows, self.model_config.vocab_size, self.runner.device)
         return b
 
     def launch(self, batch: ScheduleBatch) -> Future[PendingBatchResult]:
