@@ -178,16 +178,20 @@ class ServerArgs:
     # Speculative decoding (common.speculative, common.engine.spec; docs/speculative.md).
     speculative_algorithm: str | None = flag(
         None, "draft tokens each decode step and verify them in one target forward: NGRAM (from the request's own "
-        "prompt and output, no model) or STANDALONE (a smaller draft model); EAGLE and EAGLE3 are not built yet",
+        "prompt and output, no model), STANDALONE (a smaller draft model), EAGLE / EAGLE3 (a draft head over the "
+        "target's hidden states; tree drafts with --speculative-eagle-topk > 1)",
         group=SPECULATIVE, choices=SPECULATIVE_ALGORITHMS)
     speculative_draft_model_path: str | None = flag(None, "STANDALONE: local folder of the draft model (the "
-                                                    "target's tokenizer)", group=SPECULATIVE)
-    speculative_num_steps: int | None = flag(None, "draft tokens per request per step (default 8 for NGRAM, 3 for "
-                                             "STANDALONE)", group=SPECULATIVE, check=at_least(1))
-    speculative_eagle_topk: int | None = flag(None, "draft branches per node; only 1 (linear drafts) is built",
-                                              group=SPECULATIVE, check=at_least(1))
+                                                    "target's tokenizer); EAGLE / EAGLE3: local folder of the draft "
+                                                    "head (the public EAGLE checkpoint layouts)", group=SPECULATIVE)
+    speculative_num_steps: int | None = flag(None, "draft tokens per request per step, the tree's depth for EAGLE "
+                                             "(default 8 for NGRAM, 3 for STANDALONE, EAGLE and EAGLE3)",
+                                             group=SPECULATIVE, check=at_least(1))
+    speculative_eagle_topk: int | None = flag(None, "EAGLE / EAGLE3: branches per draft node (default 1: linear "
+                                              "drafts; > 1: a tree)", group=SPECULATIVE, check=at_least(1))
     speculative_num_draft_tokens: int | None = flag(None, "tokens verified per request per step: "
-                                                    "--speculative-num-steps + 1", group=SPECULATIVE,
+                                                    "--speculative-num-steps + 1 with linear drafts; with a tree its "
+                                                    "best nodes (default steps * topk + 1)", group=SPECULATIVE,
                                                     check=at_least(2))
     speculative_ngram_min_match_window_size: int | None = flag(
         None, "NGRAM: shortest suffix of the request's tokens matched against its earlier tokens (default 2)",

@@ -4,9 +4,10 @@ The flags are fields of ``ServerArgs`` (``common.config``); ``check_speculative_
 ``draft_len`` the number of draft tokens a decode step proposes per request. The engine side is
 ``common.engine.spec``.
 
-Draft length: with ``--speculative-eagle-topk 1`` (linear drafts, the only kind built so far) a step verifies
-``--speculative-num-draft-tokens`` = ``--speculative-num-steps`` + 1 tokens (the last sampled token and its
-drafts). Give either; both must agree.
+Draft length: with ``--speculative-eagle-topk 1`` (linear drafts) a step verifies ``--speculative-num-draft-tokens``
+= ``--speculative-num-steps`` + 1 tokens (the last sampled token and its drafts). Give either; both must agree. With
+a tree (EAGLE / EAGLE3, topk > 1) the head drafts ``num_steps`` levels of ``topk`` branches and the step verifies
+the ``num_draft_tokens`` best nodes (the root included), at most 1 + topk + (num_steps - 1) * topk^2 of them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 from common.errors import ConfigError
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
-NOT_BUILT = ("EAGLE", "EAGLE3")
-DEFAULT_NUM_STEPS = {"NGRAM": 8, "STANDALONE": 3}
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE", *EAGLE_ALGORITHMS)
+DEFAULT_NUM_STEPS = {"NGRAM": 8, "STANDALONE": 3, "EAGLE": 3, "EAGLE3": 3}
 DEFAULT_NGRAM_MIN_WINDOW = 2
 DEFAULT_NGRAM_MAX_WINDOW = 12
 NGRAM_FLAGS = ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size")
@@ -36,24 +38,29 @@ def check_speculative_flags(args: Any) -> None:
     given = [f for f in SPECULATIVE_FLAGS if getattr(args, f) is not None]
     if algo is None:
         if given:
-            raise ConfigError(f"{_option(given[0])} needs --speculative-algorithm (NGRAM or STANDALONE)")
+            raise ConfigError(f"{_option(given[0])} needs --speculative-algorithm ({', '.join(SPECULATIVE_ALGORITHMS)})")
         return
-    if algo in NOT_BUILT:
-        raise ConfigError(f"--speculative-algorithm {algo} is not implemented yet; use NGRAM (no draft model) or "
-                          "STANDALONE (a smaller draft model with the target's tokenizer)")
-    if args.speculative_eagle_topk not in (None, 1):
-        raise ConfigError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: tree drafts (topk > 1) are not "
-                          "implemented yet; use 1 (linear drafts)")
+    topk = args.speculative_eagle_topk or 1
+    if topk > 1 and algo not in EAGLE_ALGORITHMS:
+        raise ConfigError(f"--speculative-eagle-topk {topk}: tree drafts are EAGLE's and EAGLE3's; {algo} drafts "
+                          "linearly (use 1 or leave it out)")
     steps, tokens = args.speculative_num_steps, args.speculative_num_draft_tokens
-    if steps is not None and tokens is not None and tokens != steps + 1:
+    if topk == 1 and steps is not None and tokens is not None and tokens != steps + 1:
         raise ConfigError(f"--speculative-num-draft-tokens ({tokens}) must be --speculative-num-steps + 1 "
                           f"({steps + 1}) with linear drafts (topk 1): it counts the last sampled token too; "
                           "give one of the two")
-    if algo == "STANDALONE" and not args.speculative_draft_model_path:
-        raise ConfigError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path (a local model "
-                          "folder with the target's tokenizer)")
-    if algo != "STANDALONE" and args.speculative_draft_model_path is not None:
-        raise ConfigError(f"--speculative-draft-model-path is for STANDALONE; {algo} drafts without a model")
+    if topk > 1:
+        most = tree_candidates(topk, draft_len(args)) + 1
+        if tokens is not None and tokens > most:
+            raise ConfigError(f"--speculative-num-draft-tokens ({tokens}) exceeds the {most} nodes a tree of "
+                              f"--speculative-num-steps {draft_len(args)} and --speculative-eagle-topk {topk} drafts "
+                              "(the root included)")
+    if algo in DRAFT_MODEL_ALGORITHMS and not args.speculative_draft_model_path:
+        what = "model folder with the target's tokenizer" if algo == "STANDALONE" else f"{algo} draft head folder"
+        raise ConfigError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path (a local {what})")
+    if algo not in DRAFT_MODEL_ALGORITHMS and args.speculative_draft_model_path is not None:
+        raise ConfigError(f"--speculative-draft-model-path is for STANDALONE, EAGLE and EAGLE3; {algo} drafts "
+                          "without a model")
     stray = [f for f in NGRAM_FLAGS if getattr(args, f) is not None]
     if algo != "NGRAM" and stray:
         raise ConfigError(f"{_option(stray[0])} is for --speculative-algorithm NGRAM, not {algo}")
@@ -68,8 +75,8 @@ def check_speculative_flags(args: Any) -> None:
         raise ConfigError("--speculative-algorithm runs without the overlap schedule (a step's drafts need the "
                           "previous step's accepted tokens): drop --enable-overlap-schedule or pass "
                           "--disable-overlap-schedule")
-    if algo == "STANDALONE" and args.tp_size > 1:
-        raise ConfigError(f"--speculative-algorithm STANDALONE supports --tp-size 1 only, got {args.tp_size} "
+    if algo in DRAFT_MODEL_ALGORITHMS and args.tp_size > 1:
+        raise ConfigError(f"--speculative-algorithm {algo} supports --tp-size 1 only, got {args.tp_size} "
                           "(the draft model is not sharded yet); NGRAM works with any --tp-size")
 
 
@@ -80,9 +87,25 @@ def draft_len(args: Any) -> int:
         return 0
     if args.speculative_num_steps is not None:
         return int(args.speculative_num_steps)
-    if args.speculative_num_draft_tokens is not None:
+    if args.speculative_num_draft_tokens is not None and (args.speculative_eagle_topk or 1) == 1:
         return int(args.speculative_num_draft_tokens) - 1
     return DEFAULT_NUM_STEPS.get(algo, 1)
+
+
+def tree_candidates(topk: int, num_steps: int) -> int:
+    """Draft tokens a tree of ``num_steps`` levels of ``topk`` branches chooses its nodes from."""
+    return topk + (num_steps - 1) * topk * topk
+
+
+def max_draft_tokens(args: Any) -> int:
+    """Draft tokens a request's verify holds at most: ``draft_len`` for a chain, ``num_draft_tokens - 1`` for a
+    tree (default ``num_steps * topk``)."""
+    k, topk = draft_len(args), args.speculative_eagle_topk or 1
+    if topk == 1:
+        return k
+    if args.speculative_num_draft_tokens is not None:
+        return int(args.speculative_num_draft_tokens) - 1
+    return min(k * topk, tree_candidates(topk, k))
 
 
 def accept_length(verify_steps: int, accepted_tokens: int) -> float:

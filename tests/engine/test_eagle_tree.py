@@ -9,7 +9,8 @@ import torch
 from common.engine.kernels.extend_attention import extend_attention_ref
 from common.engine.mem.kv_pool import MHATokenToKVPool
 from common.engine.spec.eagle_tree import DraftLevels, DraftTree, ancestor_mask, build_tree
-from common.engine.spec.tree_verify import compact_path_kv, verify_tree
+from common.engine.spec.path_kv import compact_path_kv, path_moves
+from common.engine.spec.verify import accepted_path
 from tests.model_fixtures import PagedHarness, hf_logits, load_tiny_model, make_tiny_model
 
 
@@ -137,46 +138,22 @@ def test_tree_verify_forward_matches_each_path() -> None:
         assert (logits[j] - want).abs().max() < 1e-3, f"node {j}"
 
 
-def test_verify_follows_the_longest_accepted_path() -> None:
-    #        0 -> 1(5) -> 3(7) -> 5(9)
-    #          -> 2(6) -> 4(8)
-    tree = DraftTree(
-        tokens=torch.tensor([[1, 5, 6, 7, 8, 9]] * 3),
-        parents=torch.tensor([[-1, 0, 0, 1, 2, 3]] * 3),
-        depths=torch.tensor([[0, 1, 1, 2, 2, 3]] * 3),
-        mask=ancestor_mask(torch.tensor([[-1, 0, 0, 1, 2, 3]] * 3), 3),
-    )
-    target = torch.tensor([
-        [6, 7, 8, 0, 42, 0],  # root -> 6 (node 2) -> 8 (node 4) -> the target's 42
-        [5, 7, 0, 9, 0, 43],  # the whole left branch, then 43
-        [4, 0, 0, 0, 0, 0],  # nothing accepted: the target's own 4
-    ])
-    res = verify_tree(tree, target)
-    assert res.paths == [[0, 2, 4], [0, 1, 3, 5], [0]]
-    assert res.tokens == [[6, 8, 42], [5, 7, 9, 43], [4]]
-    assert res.accept_lens == [2, 3, 0]
-
-
-def test_verify_sampled_preserves_the_target_distribution() -> None:
-    """A sampled target token at every node, on a 4-token vocab, 20000 trials as one batch: the first emitted token
-    follows the root's target distribution, and after an accepted child c the next follows c's, whatever the draft
-    proposes (drafts 2 and 0 under the root, 3 under node 1)."""
+def test_tree_verify_preserves_the_target_distribution() -> None:
+    """A sampled target token at every node, on a 4-token vocab, 20000 trials: the first emitted token follows the
+    root's target distribution, after an accepted child c the next follows c's, whatever the drafts (2 and 0 under
+    the root, 3 under the first), and the accepted lengths are what those laws give."""
     trials = 20000
-    parents = [-1, 0, 0, 1]
-    tokens = [1, 2, 0, 3]
+    tokens, parents = [2, 0, 3], [-1, -1, 0]
     q = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.1, 0.1, 0.3], [0.25] * 4, [0.7, 0.1, 0.1, 0.1]])
-    tree = DraftTree(torch.tensor([tokens] * trials), torch.tensor([parents] * trials),
-                     torch.tensor([[0, 1, 1, 2]] * trials), ancestor_mask(torch.tensor([parents] * trials), 2))
-    gen = torch.Generator().manual_seed(0)
-    sampled = torch.multinomial(q, trials, replacement=True, generator=gen).T  # [trials, 4]: node j's token
-    res = verify_tree(tree, sampled)
-    first = torch.tensor([t[0] for t in res.tokens])
-    _assert_distribution(first, q[0])
-    after_2 = torch.tensor([t[1] for t in res.tokens if t[0] == 2])
-    _assert_distribution(after_2, q[1])  # node 1 (token 2): its child proposes 3; the target says q[1]
-    assert all(len(t) == len(p) for t, p in zip(res.tokens, res.paths, strict=True))
-    # drafts accepted: 0 unless the root's token is 2 or 0; 2 when it is 2 and node 1's is 3
-    _assert_distribution(torch.tensor(res.accept_lens), torch.tensor([0.6, 0.3 * 0.7 + 0.1, 0.3 * 0.3]))
+    sampled = torch.multinomial(q, trials, replacement=True, generator=torch.Generator().manual_seed(0)).T.tolist()
+    emitted, accepted = [], []
+    for targets in sampled:  # targets[0] at the root, targets[j + 1] at draft j
+        path = accepted_path(targets, tokens, parents)
+        emitted.append([targets[0]] + [targets[j + 1] for j in path])
+        accepted.append(len(path))
+    _assert_distribution(torch.tensor([e[0] for e in emitted]), q[0])
+    _assert_distribution(torch.tensor([e[1] for e in emitted if e[0] == 2]), q[1])
+    _assert_distribution(torch.tensor(accepted), torch.tensor([0.6, 0.3 * 0.7 + 0.1, 0.3 * 0.3]))
 
 
 def _assert_distribution(samples: torch.Tensor, p: torch.Tensor) -> None:
@@ -188,20 +165,27 @@ def _assert_distribution(samples: torch.Tensor, p: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_compact_path_kv_moves_the_path_into_place(page_size: int) -> None:
+    """Two requests' verify rows (root + 4 drafts each); paths (1, 2, 3) and (0, 3): each path draft's KV ends at
+    the rows right after the root, in every layer, and nothing else changes."""
     pool = MHATokenToKVPool(16, page_size, torch.float32, 1, 2, 2)
     for buf in (*pool.k_buffer, *pool.v_buffer):
         buf.copy_(torch.arange(buf.numel(), dtype=torch.float32).view_as(buf))
     before = [buf.clone() for buf in (*pool.k_buffer, *pool.v_buffer)]
-    slots = torch.tensor([[page_size + i for i in range(5)], [page_size + 8 + i for i in range(5)]])
-    paths = [[0, 2, 3, 4], [0, 1, 4]]
-    compact_path_kv([pool], slots, paths)
+    slots = [[page_size + i for i in range(5)], [page_size + 8 + i for i in range(5)]]
+    paths = [[1, 2, 3], [0, 3]]
+    src, dst = [], []
+    for row, path in zip(slots, paths, strict=True):
+        s, d = path_moves(row, path)
+        src += s
+        dst += d
+    assert len(src) == 4  # draft 0 of the second request is in place already
+    compact_path_kv([pool], src, dst)
     for buf, old in zip((*pool.k_buffer, *pool.v_buffer), before, strict=True):
-        for b, path in enumerate(paths):
+        for row, path in zip(slots, paths, strict=True):
             for i, j in enumerate(path):
-                assert torch.equal(buf[slots[b, i]], old[slots[b, j]])
+                assert torch.equal(buf[row[1 + i]], old[row[1 + j]])
         untouched = torch.ones(buf.shape[0], dtype=torch.bool)
-        untouched[slots[0, 1:4]] = False
-        untouched[slots[1, 2]] = False
+        untouched[dst] = False
         assert torch.equal(buf[untouched], old[untouched])
 
 
@@ -209,3 +193,41 @@ def test_chain_is_a_linear_draft() -> None:
     tree = DraftTree.chain(torch.tensor([[4, 5, 6]]))
     assert tree.parents.tolist() == [[-1, 0, 1]] and tree.depths.tolist() == [[0, 1, 2]]
     assert torch.equal(tree.mask[0], torch.tril(torch.ones(3, 3, dtype=torch.bool)))
+
+
+class _EvenSums:
+    """A fake grammar: a token is allowed iff the running sum stays even; a mask row records the sum there."""
+
+    def __init__(self) -> None:
+        self.stack = [0]
+
+    def accept(self, token: int) -> bool:
+        if (self.stack[-1] + token) % 2:
+            return False
+        self.stack.append(self.stack[-1] + token)
+        return True
+
+    def rollback(self, n: int) -> None:
+        del self.stack[len(self.stack) - n :]
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].fill_(self.stack[-1])
+
+
+def test_tree_grammar_masks_prune_refused_subtrees() -> None:
+    """Each kept row's mask is the grammar's state after its path; a draft refused at its parent goes with its
+    subtree; the matcher ends where it started. ``limit_depth`` keeps what a request's cap allows."""
+    from types import SimpleNamespace
+
+    from common.engine.spec.tree import limit_depth, tree_grammar_masks, tree_positions_and_mask
+
+    tokens, parents = [2, 3, 4, 6, 1, 8], [-1, -1, 0, 0, 1, 2]  # 3 (odd) is refused: it and its child 1 go
+    g = _EvenSums()
+    masks, kept_t, kept_p = tree_grammar_masks(SimpleNamespace(grammar=g), tokens, parents, 64)
+    assert (kept_t, kept_p) == ([2, 4, 6, 8], [-1, 0, 0, 1])
+    assert masks[:, 0].tolist() == [0, 2, 6, 8, 14]  # root, then the running sums of the kept paths
+    assert g.stack == [0]
+    assert limit_depth(tokens, parents, 2) == ([2, 3, 4, 6, 1], [-1, -1, 0, 0, 1])
+    positions, mask = tree_positions_and_mask([10], [(kept_t, kept_p)])
+    assert positions == [10, 11, 12, 12, 13]
+    assert mask.view(5, 5)[4].tolist() == [True, True, True, False, True]

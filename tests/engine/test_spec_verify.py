@@ -129,8 +129,11 @@ def test_ngram_budget_follows_acceptance_and_pauses_after_misses() -> None:
 # -- flags ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("changes", "message"), [
     ({"speculative_num_steps": 3}, "--speculative-num-steps needs --speculative-algorithm"),
-    ({"speculative_algorithm": "EAGLE"}, "EAGLE is not implemented yet"),
-    ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "tree drafts"),
+    ({"speculative_algorithm": "EAGLE"}, "EAGLE needs --speculative-draft-model-path .a local EAGLE draft head"),
+    ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "tree drafts are EAGLE's"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/h", "speculative_eagle_topk": 2,
+      "speculative_num_steps": 2, "speculative_num_draft_tokens": 8}, "exceeds the 7 nodes"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/h", "tp_size": 2}, "--tp-size 1"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3, "speculative_num_draft_tokens": 5},
      "must be --speculative-num-steps \\+ 1"),
     ({"speculative_algorithm": "STANDALONE"}, "needs --speculative-draft-model-path"),

@@ -7,8 +7,10 @@ A decode step of the running batch becomes draft -> verify -> accept, inside the
     run_batch              one target forward over [last, drafts] per request, a sampled token at every position
     process_batch_result   each request's accepted run through append_token, token by token; rejected pages freed
 
-Modules: ``drafter`` (the interface), one module per algorithm (``ngram``, ``standalone``), ``verify`` (the accept
-rule and the sampling rows of the draft positions), ``info`` (``VerifyInput``), ``speculator`` (the step).
+Modules: ``drafter`` (the interface), one module per algorithm (``ngram``, ``standalone``, ``eagle``), ``verify``
+(the accept rule and the sampling rows of the draft positions), ``info`` (``VerifyInput``), ``speculator`` (the
+step), ``tree`` (tree drafts in the verify step). EAGLE's parts: ``eagle_model`` / ``eagle_loader`` (the head),
+``eagle_worker`` (its forwards), ``eagle_tree`` (top-k steps to a tree), ``path_kv`` (the accepted path's KV).
 Speculation runs without the overlap schedule; verify forwards run eagerly (CUDA graphs and compiled steps serve
 plain decode steps only, which stay as they were).
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from common.speculative import draft_len
+from common.speculative import draft_len, max_draft_tokens
 
 if TYPE_CHECKING:
     from common.config import ServerArgs
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 DRAFTERS = {
     "NGRAM": "common.engine.spec.ngram",
     "STANDALONE": "common.engine.spec.standalone",
+    "EAGLE": "common.engine.spec.eagle",
+    "EAGLE3": "common.engine.spec.eagle",
 }
 
 
@@ -43,4 +47,4 @@ def build_speculator(args: ServerArgs, runner: ModelRunner, dp_rank: int = 0) ->
         raise ValueError(f"--speculative-algorithm {algo} has no drafter (the flags' check refuses it)")
     k = draft_len(args)
     drafter = importlib.import_module(DRAFTERS[algo]).build_drafter(args, runner, k, dp_rank)
-    return Speculator(drafter, k, runner.model_config.vocab_size)
+    return Speculator(drafter, k, runner.model_config.vocab_size, max_draft_tokens(args))

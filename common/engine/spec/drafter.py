@@ -19,15 +19,13 @@ The contract, for the drafters built here and those to come:
   drafter that samples its drafts from a distribution q would need ``verify`` to compare p/q: not built.
 - State a drafter keeps per request lives on ``Req.spec_state`` (it goes with the request) or per request slot
   (``release`` frees it with the slot); whatever it holds of the KV kind is freed by ``release``.
-- Tree drafts (topk > 1, EAGLE): a drafter would return each request's nodes in topological order with their
-  parents; ``verify.accepted_path`` already walks a tree, while the verify forward needs the tree mask and per-node
-  positions from the attention backends, and the accepted path's KV must be moved into place before
-  ``trim_verified_kv`` (its rows are not a prefix of the request's rows).
-- Hidden-state drafters (EAGLE, EAGLE3) read the target's hidden states: the verify's at every position (the model
-  runner computes them for the logits of every position, ``ForwardMode.logits_at_every_token``; handing them out
-  with the batch result is that drafter's addition) and the prefill's; they would receive them with
-  ``on_verified`` and a prefill hook of their own, and a P/D prefill node would send the prompt's last hidden state
-  beside the KV as a versioned metadata extension.
+- Tree drafts (topk > 1, EAGLE): ``propose`` returns a ``TreeDrafts`` (each request's drafts in topological order
+  with their parents; ``common.engine.spec.tree``): the verify forward attends under the tree's ancestor mask at
+  per-draft positions, ``verify.accepted_path`` walks it, and the drafter moves the accepted path's KV to
+  consecutive positions right after the forward (before ``trim_verified_kv``; its rows are not a prefix).
+- Hidden-state drafters (EAGLE, EAGLE3) read the target's hidden states of every forward through the model
+  runner's ``spec_hook`` (``ModelRunner.set_spec_hook``), right after sampling: all rows' features (EAGLE3: the
+  captured layer inputs) and the sampled tokens; the drafter runs its own extend over the committed rows there.
 """
 
 from __future__ import annotations
@@ -35,11 +33,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
+    from common.engine.forward_batch import ForwardBatch
     from common.engine.req import Req
+    from common.engine.schedule_batch import ModelWorkerBatch
+    from common.engine.spec.tree import TreeDrafts
 
 
 class Drafter(Protocol):
-    def propose(self, reqs: list[Req], caps: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Req], caps: list[int]) -> list[list[int]] | TreeDrafts:
         """Draft tokens for each request of a decode step: at most ``caps[i]`` for request i (0: none asked).
 
         ``reqs[i]``'s tokens so far are ``all_ids()``; the KV of its last token is not written yet.
@@ -56,4 +59,16 @@ class Drafter(Protocol):
 
     def close(self) -> None:
         """Release what the drafter built (a draft model's pools)."""
+        ...
+
+
+class SpecHook(Protocol):
+    """What a hidden-state drafter hands the target's ``ModelRunner`` (``set_spec_hook``)."""
+
+    capture: frozenset[int]  # target layers whose input streams are the features (EAGLE3); empty: the final hidden
+
+    def after_forward(self, b: ModelWorkerBatch, fb: ForwardBatch, features: torch.Tensor,
+                      next_token_ids: torch.Tensor) -> None:
+        """A target forward ran: ``features`` [num_tokens, width] of every row, ``next_token_ids`` the sampled tokens
+        (one per request; one per row for a verify). Runs on the forward's thread before the results go out."""
         ...

@@ -82,7 +82,7 @@ class EagleWorker:
         positions = positions.to(device)
         rows = req_pool_indices.repeat_interleave(torch.tensor(ext, device=req_pool_indices.device))
         fb = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND,
+            forward_mode=ForwardMode.DRAFT_EXTEND,
             batch_size=len(ext), input_ids=input_ids.to(device, i64), positions=positions,
             out_cache_loc=req_to_token[rows.to(req_to_token.device), positions.to(req_to_token.device)].to(device),
             req_pool_indices=req_pool_indices.to(device), seq_lens=torch.tensor(seq_lens, dtype=i64, device=device),
