@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from common.engine.sampling.params import SamplingParams
 from common.engine.spec.eagle import EagleDrafter
 from common.engine.spec.tree import TreeDrafts
 from tests.engine.test_eagle_head import head_dir
@@ -69,11 +70,19 @@ def _scripted_trees(plain: dict[str, list[int]], vocab: int):
     return propose
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_accepted_tree_paths_off_the_first_branch_keep_the_output(tiny, monkeypatch, page_size: int) -> None:
+SEEDED = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.95, top_k=40, seed=7, frequency_penalty=0.5,
+                        presence_penalty=0.2, repetition_penalty=1.1)
+
+
+@pytest.mark.parametrize(("page_size", "sampled"), [(1, False), (16, True)])
+def test_accepted_tree_paths_off_the_first_branch_keep_the_output(tiny, monkeypatch, page_size: int,
+                                                                  sampled: bool) -> None:
     """Every step accepts 3 drafts whose rows are not the first 3: their KV must be moved into place (else the
-    next steps attend to the wrong drafts' KV and the output changes); a grammar prunes drafts it refuses."""
+    next steps attend to the wrong drafts' KV and the output changes); a grammar prunes drafts it refuses. Seeded
+    sampling with penalties draws the plain run's tokens: each row samples as if its own path were output."""
     reqs = [*_reqs(), gen("g", prompt(30, 9), greedy(24, regex="(the |cat |dog |a |on ){10,30}"))]
+    if sampled:
+        reqs = [gen(r.rid, r.input_ids, SEEDED) for r in reqs[:3]]
     plain, _ = run(tiny, reqs, page_size=page_size)
     monkeypatch.setattr(EagleDrafter, "propose", _scripted_trees(plain.ids, 1536))
     spec, _ = run(tiny, reqs, _eagle("EAGLE", num_steps=3, eagle_topk=2, num_draft_tokens=7), page_size=page_size)
@@ -140,3 +149,14 @@ def test_the_heads_state_follows_the_committed_tokens(tiny, monkeypatch) -> None
         sched.close()
     assert out.ids["r"] == plain.ids["r"]
     assert checked >= 3 and out.final["r"].spec_accepted_tokens >= 9
+
+
+def test_retracted_requests_recompute_their_heads_state(tiny) -> None:
+    """Over-committed admission forces retractions: a retracted request's state is dropped with its slot and rebuilt
+    by its recomputed prefill; outputs and pools as without speculation."""
+    reqs = [gen(f"r{i}", prompt(20 + 8 * i, 10 + i), greedy(28)) for i in range(5)]
+    small = {"max_total_tokens": 400, "page_size": 16, "together": True, "schedule_conservativeness": 0.05}
+    plain, _ = run(tiny, reqs, **small)
+    spec, sched = run(tiny, reqs, _eagle("EAGLE3", num_steps=2, eagle_topk=2, num_draft_tokens=4), **small)
+    assert sched.num_retracted > 0, "the KV budget was meant to force a retraction"
+    assert spec.ids == plain.ids
