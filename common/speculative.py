@@ -68,9 +68,10 @@ def check_speculative_flags(args: Any) -> None:
     if low > high:
         raise ConfigError(f"--speculative-ngram-min-match-window-size ({low}) must be <= "
                           f"--speculative-ngram-max-match-window-size ({high})")
-    if args.disaggregation_mode == "prefill":
-        raise ConfigError("--speculative-algorithm speculates decode steps: give it to decode nodes (and colocated "
-                          "ones); a prefill node computes only a request's first token")
+    if args.disaggregation_mode == "prefill" and algo not in EAGLE_ALGORITHMS:
+        raise ConfigError(f"--speculative-algorithm {algo} speculates decode steps: give it to decode nodes (and "
+                          "colocated ones); a prefill node computes only a request's first token (with EAGLE / "
+                          "EAGLE3 it also runs the draft head over the prompt, for the decode node's first step)")
     if args.enable_overlap_schedule:
         raise ConfigError("--speculative-algorithm runs without the overlap schedule (a step's drafts need the "
                           "previous step's accepted tokens): drop --enable-overlap-schedule or pass "

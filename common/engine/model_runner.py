@@ -42,7 +42,7 @@ from common.engine.sampling.sampler import (
     SamplingBatchInfo,
 )
 from common.engine.schedule_batch import ModelWorkerBatch
-from common.engine.spec.drafter import SpecHook
+from common.engine.spec.drafter import DraftKV, SpecHook
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,7 @@ class ModelRunner:
         )
         # A hidden-state drafter (EAGLE): told of every forward's features and sampled tokens (``set_spec_hook``).
         self.spec_hook: SpecHook | None = None
+        self.draft_kv: DraftKV | None = None  # a drafter's KV under this pool's slots (P/D sends it with the pool's)
         # Last: capturing/compiling runs the model over the pools built above.
         self.graph_runner = build_graph_runner(args, self.model, self.kv_pool, self.req_to_token_pool,
                                                self.attn_backend)

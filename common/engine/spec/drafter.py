@@ -30,15 +30,36 @@ The contract, for the drafters built here and those to come:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
     from common.engine.forward_batch import ForwardBatch
     from common.engine.req import Req
     from common.engine.schedule_batch import ModelWorkerBatch
     from common.engine.spec.tree import TreeDrafts
+
+
+@dataclass(frozen=True)
+class DraftHandoff:
+    """A request's draft state after its prompt, from a P/D prefill node to its decode node (the metadata
+    extension of ``kvtransfer.metadata``): EAGLE's top-k at the last prompt position and the head's feature there."""
+
+    topk_ids: tuple[int, ...]
+    topk_p: tuple[float, ...]
+    hidden: bytes  # float32 little-endian
+
+
+@dataclass(frozen=True)
+class DraftKV:
+    """KV a drafter keeps beside the target's under the target's slot numbering (EAGLE's head): in P/D it travels
+    with the target's layers, and both nodes must hold the same (``fingerprint``)."""
+
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (K, V) buffers shaped like the target pool's
+    state_dims: tuple[int, int]  # (topk, hidden) of the ``DraftHandoff`` the metadata carries
+    fingerprint: dict[str, str]
 
 
 class Drafter(Protocol):
@@ -59,6 +80,14 @@ class Drafter(Protocol):
 
     def close(self) -> None:
         """Release what the drafter built (a draft model's pools)."""
+        ...
+
+    def handoff(self, row: int) -> DraftHandoff | None:
+        """What a P/D decode node needs to draft for request slot ``row`` from its first step (None: nothing)."""
+        ...
+
+    def resume(self, row: int, handoff: DraftHandoff) -> None:
+        """Request slot ``row`` arrived from a prefill node with ``handoff`` (its KV with it)."""
         ...
 
 

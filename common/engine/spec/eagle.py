@@ -11,17 +11,21 @@ Per step of a request (``EagleWorker`` does the head's forwards)::
     propose:  the draft steps from each request's state -> chains, or ``TreeDrafts``
 
 The state of a request slot (top-k of its last row, the head's feature there) is valid from its first prefill chunk
-on; a request without one (a P/D decode node's first step) decodes one plain step, after which it has one.
+on. In P/D the prefill node runs the head too: the head's KV layer travels with the target's (``DraftKV``: the
+pool's slots below the scratch, the target's numbering) and the state with the metadata (``handoff`` / ``resume``),
+so the decode node drafts from its first step. A request without a state decodes one plain step, then has one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from common.engine.forward_batch import ForwardMode
+from common.engine.spec.drafter import DraftHandoff, DraftKV
 from common.engine.spec.eagle_loader import load_eagle_head
 from common.engine.spec.eagle_worker import DraftState, EagleWorker
 from common.engine.spec.path_kv import compact_path_kv, path_moves
@@ -59,6 +63,14 @@ class EagleDrafter:
                                 torch.zeros(slots, self.topk, dtype=torch.int64, device=device),
                                 torch.zeros(slots, self.head.hidden_size, dtype=runner.dtype, device=device))
         self.ready = [False] * slots
+        pool, n = self.worker.kv_pool, runner.kv_pool.k_buffer[0].shape[0]
+        shapes = sorted((k, tuple(v.shape)) for k, v in self.head.state_dict().items())
+        runner.draft_kv = DraftKV(
+            layers=((pool.k_buffer[0][:n], pool.v_buffer[0][:n]),),
+            state_dims=(self.topk, self.head.hidden_size),
+            fingerprint={"draft_head": f"{algo}:{hashlib.sha256(repr(shapes).encode()).hexdigest()}",
+                         "draft_topk": str(self.topk)},
+        )
         runner.set_spec_hook(self)
         runner.req_to_token_pool.on_free = self.release
         logger.info("%s draft head %s: %d steps, topk %d, %d tokens verified per request", algo, path, draft_len,
@@ -143,6 +155,20 @@ class EagleDrafter:
 
     def close(self) -> None:
         self.ready = [False] * len(self.ready)
+
+    def handoff(self, row: int) -> DraftHandoff | None:
+        if not self.ready[row]:
+            return None
+        hidden = self.state.hidden[row].float().cpu().numpy().astype("<f4").tobytes()
+        return DraftHandoff(tuple(self.state.topk_ids[row].tolist()), tuple(self.state.topk_p[row].tolist()), hidden)
+
+    def resume(self, row: int, handoff: DraftHandoff) -> None:
+        s = self.state
+        s.topk_ids[row] = torch.tensor(handoff.topk_ids, dtype=torch.int64, device=s.topk_ids.device)
+        s.topk_p[row] = torch.tensor(handoff.topk_p, dtype=torch.float32, device=s.topk_p.device)
+        hidden = torch.frombuffer(bytearray(handoff.hidden), dtype=torch.float32)
+        s.hidden[row] = hidden.to(s.hidden.device, s.hidden.dtype)
+        self.ready[row] = True
 
 
 def build_drafter(args: ServerArgs, runner: ModelRunner, draft_len: int, dp_rank: int) -> EagleDrafter:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from common.config import ServerArgs
     from common.engine.model_runner import ModelRunner
     from common.engine.req import Req
+    from common.engine.spec.drafter import DraftHandoff
 
 MAX_CANDIDATES = 8  # latest earlier occurrences of the min-window suffix compared for the longest match
 MAX_PAUSE = 8  # steps without drafting after consecutive fully rejected drafts
@@ -72,6 +73,12 @@ class NgramDrafter:
 
     def close(self) -> None:
         """Nothing built."""
+
+    def handoff(self, row: int) -> None:
+        """Nothing crosses P/D: the decode node drafts from the request's tokens."""
+
+    def resume(self, row: int, handoff: DraftHandoff) -> None:
+        """Never handed anything (``handoff``)."""
 
     def _state(self, req: Req) -> _NgramState:
         state = req.spec_state

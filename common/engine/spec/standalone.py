@@ -36,6 +36,7 @@ from common.errors import ConfigError
 if TYPE_CHECKING:
     from common.config import ServerArgs
     from common.engine.req import Req
+    from common.engine.spec.drafter import DraftHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,12 @@ class StandaloneDrafter:
     def close(self) -> None:
         for r in range(len(self.draft_lens)):
             self._truncate(r, 0)
+
+    def handoff(self, row: int) -> None:
+        """Nothing crosses P/D: the decode node drafts from the request's tokens."""
+
+    def resume(self, row: int, handoff: DraftHandoff) -> None:
+        """Never handed anything (``handoff``)."""
 
     # -- internals ---------------------------------------------------------------------------------------------------
     def _truncate(self, row: int, keep: int) -> None:
