@@ -48,7 +48,7 @@ from common.config import ServerArgs
 from common.cpu_cores import CoreSplit, format_core_list, split_cores
 from common.flags import add_flags, config_values, flag_argv
 from common.ports import pick_free_port
-from common.speculative import SPECULATIVE_FLAGS
+from common.speculative import EAGLE_ALGORITHMS, SPECULATIVE_FLAGS
 from common.text.tokenizer import resolve_model_path
 from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 from common.wire.tls import TlsFiles
@@ -68,7 +68,7 @@ UP_SETS_PER_NODE = ("host", "advertise_host", "port", "metrics_port", "sglang_ht
 # Pass-through flags ``up`` also reads: it forwards what it derives from them (resolved model path, the backend's
 # per-device default, each role's tp, each GPU node's memory share, the host's cores split over the CPU ranks by default).
 UP_DERIVES = ("model_path", "kv_transfer_backend", "tp_size", "mem_fraction_static", "torch_num_threads")
-SPECULATIVE_NODE_FLAGS = ("speculative_algorithm", *SPECULATIVE_FLAGS)  # decode and colocated nodes only
+SPECULATIVE_NODE_FLAGS = ("speculative_algorithm", *SPECULATIVE_FLAGS)  # decode and colocated nodes (EAGLE: all)
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -306,9 +306,11 @@ class LocalCluster:
 
     def _node_flags(self, role: str = "null") -> list[str]:
         given = self.node_given
-        # Speculative decoding speculates decode steps: a prefill node is not given its flags (it refuses them).
+        # Speculative decoding speculates decode steps: a prefill node is not given its flags (it refuses them),
+        # except EAGLE's, whose draft head runs over the prompt there (its KV and state go to the decode node).
+        eagle = given.get("speculative_algorithm") in EAGLE_ALGORITHMS
         forwarded = {k: v for k, v in given.items()
-                     if k not in UP_DERIVES and not (role == "prefill" and k in SPECULATIVE_NODE_FLAGS)}
+                     if k not in UP_DERIVES and not (role == "prefill" and k in SPECULATIVE_NODE_FLAGS and not eagle)}
         if self.device == "cpu" and given.get("mem_fraction_static") is not None:
             forwarded["mem_fraction_static"] = given["mem_fraction_static"]  # GPU nodes get their placement's share
         flags = ["--model-path", self.model_path, "--host", "127.0.0.1", "--kv-transfer-backend", self.backend]

@@ -123,3 +123,20 @@ def test_metadata_carries_the_draft_state_and_refuses_another_shape() -> None:
         MetadataBuffers(4, (2, 5)).write(0, rec)
     with pytest.raises(ValueError, match="this node holds top-0"):
         MetadataBuffers(4).write(0, rec)
+
+
+def test_up_gives_prefill_nodes_eagles_flags_and_no_others(tmp_path) -> None:
+    from common.app.cli import build_parser
+    from common.app.up import LocalCluster
+    from common.config import server_args_from_cli
+
+    def prefill_args(*spec: str) -> ServerArgs:
+        argv = ["up", "--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path), *spec]
+        cluster = LocalCluster(build_parser().parse_args(argv))
+        return server_args_from_cli(build_parser().parse_args(cluster.node_args("prefill-0", port=5002,
+                                                                                bootstrap=5001)))
+
+    eagle = prefill_args("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                         str(head_dir("EAGLE3")), "--speculative-eagle-topk", "2")
+    assert (eagle.speculative_algorithm, eagle.speculative_eagle_topk) == ("EAGLE3", 2)
+    assert prefill_args("--speculative-algorithm", "NGRAM").speculative_algorithm is None
