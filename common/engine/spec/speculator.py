@@ -35,7 +35,7 @@ class Speculator:
         caps = self.caps(reqs)
         if not any(caps) or not batch.check_verify_mem([1 + c for c in caps]):
             return False
-        drafts = self.drafter.propose(reqs, caps)
+        drafts = [d[:c] for d, c in zip(self.drafter.propose(reqs, caps), caps, strict=True)]
         masks = []
         for i, req in enumerate(reqs):
             if req.grammar is not None:
