@@ -11,6 +11,7 @@ from common.config import ServerArgs
 from common.engine.req import Req
 from common.engine.sampling.params import SamplingParams
 from common.engine.sampling.sampler import Sampler, SamplingBatchInfo
+from common.engine.spec import ngram
 from common.engine.spec.info import VerifyInput
 from common.engine.spec.ngram import NgramDrafter
 from common.engine.spec.verify import accept_length, accepted_path
@@ -111,7 +112,8 @@ def test_ngram_drafts_what_followed_the_longest_earlier_match_then_repeats_its_p
     assert drafter.propose([req_with(longest, 10)], [2]) == [[0, 2]]
 
 
-def test_ngram_budget_follows_acceptance_and_pauses_after_misses() -> None:
+def test_ngram_budget_follows_acceptance_and_pauses_after_misses(monkeypatch) -> None:
+    monkeypatch.setattr(ngram, "VERIFY_COST", 0.0)  # every draft is verified (the gate: the next test)
     drafter = NgramDrafter(draft_len=8, min_window=1, max_window=4)
     req = req_with([1, 2, 1, 2, 1, 2, 1], 7)
     assert len(drafter.propose([req], [8])[0]) == 8
@@ -119,11 +121,28 @@ def test_ngram_budget_follows_acceptance_and_pauses_after_misses() -> None:
     assert len(drafter.propose([req], [8])[0]) == 5  # 2 * accepted + 1
     drafter.on_verified(req, 5, 5)
     assert len(drafter.propose([req], [8])[0]) == 8  # doubled, capped at the draft length
-    drafter.on_verified(req, 8, 0)
+    drafter.on_verified(req, 8, 0)  # a miss: one step without drafts
+    assert drafter.propose([req], [8]) == [[]]
+    assert drafter.propose([req], [8]) == [[2]]
     drafter.on_verified(req, 1, 0)  # two misses in a row: two steps without drafts
     assert drafter.propose([req], [8]) == [[]] and drafter.propose([req], [8]) == [[]]
     assert drafter.propose([req], [8]) == [[2]]
+    drafter.on_verified(req, 1, 0)  # three: four
+    assert [drafter.propose([req], [8]) for _ in range(5)] == [[[]]] * 4 + [[[2]]]
     assert drafter.propose([req], [0]) == [[]]  # no cap, no draft
+
+
+def test_a_step_verifies_only_drafts_expected_to_pay_for_it() -> None:
+    drafter = NgramDrafter(draft_len=8, min_window=1, max_window=4)
+    looping = req_with([1, 2, 1, 2, 1, 2, 1], 7)
+    others = [req_with([10 + i, 20 + i, 30 + i], 3) for i in range(7)]  # nothing to draft
+    batch = [looping, *others]
+    assert drafter.propose(batch, [8] * 8)[0] == [2, 1, 2, 1, 2, 1, 2, 1]  # 8 tokens at rate 1: one per request
+    drafter.on_verified(looping, 8, 3)  # rate 0.69, budget 7: 4.8 expected tokens for 8 requests
+    assert drafter.propose(batch, [8] * 8) == [[]] * 8
+    state = looping.spec_state
+    assert state.rate == pytest.approx(0.6875 + ngram.REGAIN * 0.3125)  # a waiting draft regains rate
+    assert len(drafter.propose([looping], [8])[0]) == 7  # alone, the same draft pays for its verify
 
 
 # -- flags ----------------------------------------------------------------------------------------------------------

@@ -10,8 +10,14 @@ runs into the current suffix repeats with the match's period (a greedy decode th
 Per request (``Req.spec_state``): every token so far and, per ``min_window``-gram, the positions where it ends
 (appended as the request grows; built once over the prompt), plus the draft budget. The budget adapts to what the
 verify accepts: a fully accepted draft doubles it (up to ``draft_len``), a partly accepted one sets it to twice the
-accepted count plus one, and a draft with nothing accepted also pauses drafting for as many steps as such misses in
-a row (at most ``MAX_PAUSE``), so text the request does not repeat costs few verify positions.
+accepted count plus one, and a draft with nothing accepted also pauses drafting, for twice as many steps as after
+the previous miss in a row (1, 2, 4, ... ``MAX_PAUSE``), so text the request does not repeat costs few verify steps.
+
+A verify step costs every request of the batch (on CPU about one more decode step), so a step verifies only when
+its drafts are expected to add ``VERIFY_COST`` tokens per request of the batch: a request's expected gain is its
+draft's length times its acceptance rate (the share of its drafted tokens accepted, averaged over its recent
+verifies; 1 before the first). A request whose draft waits for such a step regains ``REGAIN`` of its rate's
+distance to 1 each time, so a low rate does not keep it from being tried again.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ if TYPE_CHECKING:
     from common.engine.spec.drafter import DraftHandoff
 
 MAX_CANDIDATES = 8  # latest earlier occurrences of the min-window suffix compared for the longest match
-MAX_PAUSE = 8  # steps without drafting after consecutive fully rejected drafts
+MAX_PAUSE = 32  # steps without drafting after consecutive fully rejected drafts (1, 2, 4, ... up to this)
+VERIFY_COST = 1.0  # expected accepted tokens per request of the batch that make a verify step worth its cost
+REGAIN = 0.05
 
 
 class _NgramState:
-    __slots__ = ("budget", "ends", "misses", "pause", "tokens")
+    __slots__ = ("budget", "ends", "misses", "pause", "rate", "tokens")
 
     def __init__(self, budget: int) -> None:
         self.tokens: list[int] = []
@@ -39,6 +47,7 @@ class _NgramState:
         self.budget = budget
         self.misses = 0  # consecutive drafts with nothing accepted
         self.pause = 0  # steps left without drafting
+        self.rate = 1.0  # accepted / drafted, averaged over its verifies (each new one weighs half)
 
 
 class NgramDrafter:
@@ -49,24 +58,31 @@ class NgramDrafter:
 
     def propose(self, reqs: list[Req], caps: list[int]) -> list[list[int]]:
         out: list[list[int]] = []
-        for req, cap in zip(reqs, caps, strict=True):
-            state = self._state(req)
+        states = [self._state(r) for r in reqs]
+        for state, cap in zip(states, caps, strict=True):
             if state.pause:
                 state.pause -= 1
                 out.append([])
             else:
                 out.append(self.lookup(state, min(cap, state.budget)) if cap else [])
-        return out
+        gain = sum(len(d) * state.rate for d, state in zip(out, states, strict=True))
+        if gain >= VERIFY_COST * len(reqs):
+            return out
+        for d, state in zip(out, states, strict=True):
+            if d:
+                state.rate += REGAIN * (1.0 - state.rate)
+        return [[] for _ in reqs]
 
     def on_verified(self, req: Req, drafted: int, accepted: int) -> None:
         state = req.spec_state
+        state.rate = 0.5 * (state.rate + accepted / drafted)
         if accepted == drafted:
             state.budget = min(self.draft_len, 2 * state.budget)
             state.misses = 0
         else:
             state.budget = min(self.draft_len, 2 * accepted + 1)
             state.misses = 0 if accepted else state.misses + 1
-            state.pause = min(state.misses, MAX_PAUSE)
+            state.pause = min(1 << (state.misses - 1), MAX_PAUSE) if state.misses else 0
 
     def release(self, rows: list[int]) -> None:
         """Nothing per slot: the state goes with the request."""

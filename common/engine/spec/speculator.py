@@ -43,7 +43,7 @@ class Speculator:
         proposed = self.drafter.propose(reqs, caps)
         if isinstance(proposed, TreeDrafts):
             return self._prepare_trees(batch, proposed, caps)
-        drafts = proposed
+        drafts = [d[:c] for d, c in zip(proposed, caps, strict=True)]
         masks = []
         for i, req in enumerate(reqs):
             if req.grammar is not None:
