@@ -90,10 +90,9 @@ class EagleDrafter:
         last = fb.last_token_indices()
         nxt = next_token_ids.to(ids.device).clone()
         for i, req in enumerate(b.reqs):
-            seq = b.seq_lens[i]
-            ahead = req.all_ids()
-            if seq < len(ahead):  # a prefill chunk that is not the last: the prompt goes on
-                nxt[i] = ahead[seq]
+            seq, prompt = b.seq_lens[i], len(req.origin_input_ids)
+            if seq < prompt + len(req.output_ids):  # a prefill chunk that is not the last: the tokens go on
+                nxt[i] = req.origin_input_ids[seq] if seq < prompt else req.output_ids[seq - prompt]
         ids[last] = nxt
         self._extend(ids, features, fb, b.prefix_lens, b.seq_lens)
 
