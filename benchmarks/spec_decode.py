@@ -100,12 +100,15 @@ def compare(model: str, kind: str, bs: int, args: argparse.Namespace, vocab: int
     finally:
         plain.shutdown()
         spec.shutdown()
-    assert rows["plain"][0]["outputs"] == rows["ngram"][0]["outputs"], "speculation changed the output"
+    same = rows["plain"][0]["outputs"] == rows["ngram"][0]["outputs"]
+    # NOTE: sampled draws walk the distribution sorted by probability: a verify's logits (an extend) and a decode's
+    # agree to rounding, which can reorder two tokens whose probabilities tie to rounding and change a draw.
+    assert same or SAMPLING[kind]["temperature"] > 0, "speculation changed the greedy output"
 
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in rows[name])
 
-    out = {"workload": kind, "batch": bs}
+    out: dict[str, Any] = {"workload": kind, "batch": bs, "outputs_equal": same}
     for name in rows:
         out[name] = {k: round(med(name, k), 3) for k in ("tokens_per_s", "itl_ms", "accept_length", "drafted_share")}
     out["speedup_tokens_per_s"] = round(out["ngram"]["tokens_per_s"] / out["plain"]["tokens_per_s"], 3)

@@ -19,8 +19,10 @@ one token (an n-gram lookup's or a greedy draft model's d_j). Rejection sampling
 min(1, p_j(d_j) / q_j(d_j)) = p_j(d_j), and on rejection draws from norm(max(p_j - q_j, 0)), which is p_j without
 d_j. Here d_j is accepted exactly when t_(j-1) ~ p_j equals it (probability p_j(d_j)), and otherwise the emitted
 token is t_(j-1) conditioned on differing from d_j: p_j without d_j. So every emitted token has the target's
-distribution given the tokens before it. Greedy requests emit exactly the plain decode's argmax tokens, and a seeded
-request exactly the tokens of its run without speculation (the same uniform for the same output step).
+distribution given the tokens before it. Greedy requests emit the plain decode's argmax tokens, and a seeded request
+the tokens of its run without speculation (the same uniform for the same output step) - up to rounding: a verify
+(an extend) computes the logits a decode step does to rounding, so a near tie (an argmax, or two tokens next to each
+other in the sorted order a sampled draw walks) can fall the other way.
 
 Tree drafts (``parents``, for drafters with topk > 1) are verified by the same rule walked down the tree: from the
 root (the last sampled token), the child whose token equals the target's sample at the current node is accepted;
