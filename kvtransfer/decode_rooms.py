@@ -243,7 +243,11 @@ class DecodeRooms:
         if slot is None or record.room != rec.room:
             self.fail(rec, ErrorCode.UNAVAILABLE, f"room {rec.room}: metadata record for room {record.room} (slot {slot})", now)
             return
-        self.mgr.metadata.write(slot, record)
+        try:
+            self.mgr.metadata.write(slot, record)
+        except ValueError as e:  # the prefill node's draft head is not this node's
+            self.fail(rec, ErrorCode.FAILED_PRECONDITION, str(e), now)
+            return
         if self.mgr.metadata.room_of(slot) != rec.room:
             self.fail(rec, ErrorCode.INTERNAL, f"room {rec.room}: context corruption: metadata slot {slot} holds room "
                            f"{self.mgr.metadata.room_of(slot)}", now)

@@ -108,7 +108,7 @@ class KVManager:
         self.epoch = time.time_ns()
         self.peers: dict[str, Peer] = {}  # instance_id -> the accepted start of that instance
         self.auth_drops = auth.DropCounter()  # control messages dropped as forged, replayed or unproven
-        self.metadata = MetadataBuffers(args.num_metadata_slots)
+        self.metadata = MetadataBuffers(args.num_metadata_slots, args.draft_state_dims)
         self.layout = args.layout(config.fingerprint)
         self._closed = False
         self._next_heartbeat = 0.0

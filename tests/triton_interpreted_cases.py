@@ -104,6 +104,43 @@ def extend_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, 
     return _check(out, ref, 1e-5 if dtype == torch.float32 else 2e-3)
 
 
+def extend_tree_case(page_size: int, window: int | None = None) -> float:
+    """A draft tree's verify: the kernel's custom-mask form (through ``TritonAttentionBackend``, which builds the
+    mask offsets) against the oracle; the tree must change the result (else a causal kernel would pass)."""
+    from common.engine.forward_batch import ForwardBatch, ForwardMode
+    from common.engine.kernels.extend_attention import extend_attention_ref
+    from common.engine.mem.kv_pool import MHATokenToKVPool
+    from common.engine.model.triton_backend import TritonAttentionBackend
+    from common.engine.spec.eagle_tree import ancestor_mask
+
+    prefix, extend = [5, 17, 0], [6, 4, 3]
+    d, kvh, heads = 32, KV_HEADS, 2 * KV_HEADS
+    lens = [p + e for p, e in zip(prefix, extend, strict=True)]
+    k_buf, v_buf, r2t, rpi = _pool(page_size, lens, kvh, d, torch.float32, seed=page_size + 7)
+    gen = torch.Generator().manual_seed(page_size)
+    masks, positions = [], []
+    for p, e in zip(prefix, extend, strict=True):
+        parents = torch.tensor([[-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, e)]])
+        mask = ancestor_mask(parents, e)[0]
+        masks.append(mask.reshape(-1))
+        positions.append(p + mask.sum(1) - 1)
+    mask, pos = torch.cat(masks), torch.cat(positions)
+    q = torch.randn(sum(extend), heads, d, generator=gen)
+    pool = MHATokenToKVPool(k_buf.shape[0] // page_size - 1, page_size, torch.float32, kvh, d, 1)
+    pool.k_buffer[0], pool.v_buffer[0] = k_buf, v_buf
+    out_loc = torch.cat([r2t[i + 1, p:n] for i, (p, n) in enumerate(zip(prefix, lens, strict=True))])
+    backend = TritonAttentionBackend(heads, kvh, d, window, "cpu")
+    fb = ForwardBatch(ForwardMode.EXTEND, 3, torch.zeros(sum(extend), dtype=torch.int64), pos, out_loc, rpi,
+                      torch.tensor(lens), torch.tensor(extend), torch.tensor(prefix), r2t, lens, extend, prefix, pool,
+                      backend, custom_mask=mask)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k_buf[out_loc].clone(), v_buf[out_loc].clone(), 0, fb).view_as(q)
+    ref = extend_attention_ref(q, k_buf, v_buf, r2t, rpi, prefix, extend, d**-0.5, window, mask, pos)
+    causal = extend_attention_ref(q, k_buf, v_buf, r2t, rpi, prefix, extend, d**-0.5, window)
+    assert (ref - causal).abs().max() > 1e-3, "the tree changed nothing"
+    return _check(out, ref, 1e-5)
+
+
 def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
     from common.engine.kernels.kv_pages import gather_pages_ref, scatter_pages_ref
     from common.engine.kernels.kv_pages_triton import gather_pages_triton, scatter_pages_triton
@@ -319,6 +356,8 @@ CASES["decode-window-split4"] = lambda: decode_case(16, 4, window=20, splits=4)
 CASES["decode-one-split"] = lambda: decode_case(16, 8, splits=1)
 CASES["extend-fp16-gqa4"] = lambda: extend_case(16, 4, F16)
 CASES["extend-window"] = lambda: extend_case(1, 4, window=12)
+CASES["extend-tree-page16"] = lambda: extend_tree_case(16)
+CASES["extend-tree-window"] = lambda: extend_tree_case(1, window=4)
 CASES["fused-layers-fp32"] = lambda: fused_layers_case(F32)
 CASES["fused-layers-fp16"] = lambda: fused_layers_case(F16)
 CASES["model-llama-page16"] = lambda: model_case("llama", 16)

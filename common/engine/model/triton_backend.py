@@ -5,7 +5,10 @@ Per forward, ``init_forward_metadata`` picks one kernel for the whole batch and 
     every extend_len == 1 (decode, or 1-token extends): paged decode attention, split-K over ``num_kv_splits`` runs
                                                         (a host int from ``seq_lens_cpu``);
     otherwise (prefill, mixed chunk + decodes):         paged extend attention, decodes as 1-token extends;
-                                                        ``q_start`` = exclusive cumsum of ``extend_lens`` (device).
+                                                        ``q_start`` = exclusive cumsum of ``extend_lens`` (device);
+                                                        with ``fb.custom_mask`` (a draft tree's verify) the
+                                                        kernel's tree form: ``mask_start`` = exclusive cumsum of
+                                                        ``extend_lens ** 2``.
 
 Both kernels read every key, cached prefix and new token alike, from ``req_to_token`` rows (token ``i`` of a request
 at slot ``req_to_token[row, i]``), so layers never copy K/V; ``forward`` writes the new K/V to the pool first.
@@ -30,6 +33,8 @@ class TritonAttnMetadata:
     num_kv_splits: int  # decode only
     q_start: torch.Tensor | None  # extend only: int64 [bs], first row of each request in q
     max_extend_len: int
+    custom_mask: torch.Tensor | None = None  # extend only: uint8 view of ``fb.custom_mask``
+    mask_start: torch.Tensor | None = None  # with custom_mask: int64 [bs], each request's first mask entry
 
 
 class TritonAttentionBackend:
@@ -74,7 +79,12 @@ class TritonAttentionBackend:
             fb.attn_metadata = TritonAttnMetadata(True, self.num_kv_splits(fb.seq_lens_cpu), None, 1)
         else:
             q_start = torch.cumsum(fb.extend_lens, 0) - fb.extend_lens
-            fb.attn_metadata = TritonAttnMetadata(False, 1, q_start, max(ext))
+            md = TritonAttnMetadata(False, 1, q_start, max(ext))
+            if fb.custom_mask is not None:
+                squares = fb.extend_lens * fb.extend_lens
+                md.custom_mask = fb.custom_mask.view(torch.uint8)
+                md.mask_start = torch.cumsum(squares, 0) - squares
+            fb.attn_metadata = md
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
@@ -99,5 +109,7 @@ class TritonAttentionBackend:
                 q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, md.q_start, fb.prefix_lens,
                 fb.extend_lens, md.max_extend_len, self.scale, self.sliding_window,
                 out=q.new_empty(q.shape[0], self.num_heads, self.head_dim),
+                custom_mask=md.custom_mask, mask_start=md.mask_start,
+                positions=fb.positions if md.custom_mask is not None else None,
             )
         return out.view(q.shape[0], -1)
