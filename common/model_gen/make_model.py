@@ -59,7 +59,7 @@ SIZES = {
     "tiny": SizeSpec(hidden=128, layers=3, heads=4, kv_heads=2, intermediate=256, vocab=1536, max_pos=2048),
     "small": SizeSpec(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, vocab=8192, max_pos=4096),
     # Llama-3.2-1B-shaped (the same generated tokenizer, so a smaller vocab): ~1.0 B parameters, ~2 GB in bf16.
-    "1b": SizeSpec(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=8192, max_pos=4096,
+    "1b": SizeSpec(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=8192, max_pos=131072,
                    dtype="bfloat16"),
     # Llama-3.1-8B-shaped (~8.0 B parameters, 16 GB in bf16): config and tokenizer only (the tokenizer padded with
     # filler tokens to the vocabulary), loaded with --load-format dummy.
