@@ -29,6 +29,7 @@ from common.tls import TlsFiles
 DisaggregationMode = Literal["null", "prefill", "decode"]
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_order)
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
@@ -61,6 +62,10 @@ class ServerArgs:
     model_path: str | None = flag(None, "local Hugging Face model folder (default: the embedded model, generated "
                                   "once into the cache dir)", group=MODEL)
     dtype: str = flag("float32", "weights and KV cache dtype", group=MODEL, choices=DTYPES)
+    load_format: str = flag("auto", "auto: the weights of the model folder's safetensors; dummy: seeded random "
+                            "weights made on each rank's device from config.json alone (a folder of config and "
+                            "tokenizer, e.g. make-model --size 8b: benchmarks at real shapes), the same on every "
+                            "node, rank and run; also a STANDALONE draft model's", group=MODEL, choices=LOAD_FORMATS)
     device: str = flag("cpu", "where the model and KV cache live (pick the GPU with --base-gpu-id, not cuda:N)",
                        group=MODEL, choices=DEVICES)
     base_gpu_id: int = flag(0, "cuda: first GPU of this node; rank (dp d, tp t) uses GPU base-gpu-id + d * tp-size "

@@ -62,9 +62,36 @@ def decode_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, 
     k_buf, v_buf, r2t, rpi = _pool(page_size, lens, kvh, d, dtype, seed=page_size * 10 + group)
     q = torch.randn(len(lens), kvh * group, d, generator=torch.Generator().manual_seed(group)).to(dtype)
     seq_lens = torch.tensor(lens)
-    out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, splits, window)
+    # 8 keys a split (the real minimum is 256): these short contexts still take several splits
+    out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, splits, window, page_size=page_size,
+                           min_keys_per_split=8)
     ref = decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, window)
     return _check(out, ref, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def decode_splits_case() -> float:
+    """Split-K by each request's own length in one grid (as a CUDA graph fixes it): a short request takes one split,
+    a long one one per ``min_keys_per_split`` keys up to the grid's, each a run of whole pages (``kv_splits``); the
+    merged output still matches the reference."""
+    from common.engine.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+        decode_attention_splits,
+        kv_splits,
+    )
+
+    lens, page, grid, min_keys, d = [3, 20, 70], 4, 8, 5, 16
+    k_buf, v_buf, r2t, rpi = _pool(page, lens, 1, d, torch.float32, seed=5)
+    q = torch.randn(len(lens), 2, d, generator=torch.Generator().manual_seed(5))
+    seq_lens = torch.tensor(lens)
+    _, lse = decode_attention_splits(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, grid, page_size=page,
+                                     min_keys_per_split=min_keys)
+    used = torch.isfinite(lse[:, 0]).sum(-1).tolist()
+    assert [len(kv_splits(n, grid, page, min_keys)) for n in lens] == used == [1, 3, 6], used  # [1, 5, 6] all 8 splits, [1, 4, 8] unaligned
+    assert kv_splits(70, grid, page, min_keys) == [(0, 12), (12, 24), (24, 36), (36, 48), (48, 60), (60, 70)]
+    out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, grid, page_size=page,
+                           min_keys_per_split=min_keys)
+    return _check(out, decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5), 1e-5)
 
 
 def paged_torch_case(page_size: int, group: int) -> float:
@@ -354,6 +381,7 @@ for _ps in (1, 16):
 CASES["decode-fp16-gqa4"] = lambda: decode_case(16, 4, F16)
 CASES["decode-window-split4"] = lambda: decode_case(16, 4, window=20, splits=4)
 CASES["decode-one-split"] = lambda: decode_case(16, 8, splits=1)
+CASES["decode-splits-by-length"] = decode_splits_case
 CASES["extend-fp16-gqa4"] = lambda: extend_case(16, 4, F16)
 CASES["extend-window"] = lambda: extend_case(1, 4, window=12)
 CASES["extend-tree-page16"] = lambda: extend_tree_case(16)
