@@ -23,11 +23,13 @@ from common.hicache_flags import (
     parse_storage_options,
 )
 from common.kv_backends import KV_TRANSFER_BACKENDS, parse_options
+from common.speculative import SPECULATIVE_ALGORITHMS, check_speculative_flags
 from common.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_order)
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
@@ -46,6 +48,7 @@ MODEL, SERVER, DISAGG, MEMORY, COMPILE, PARALLEL = (
     "model", "server", "disaggregation", "memory and scheduling", "compiled decode steps", "parallelism")
 GRAMMAR = "constrained decoding"
 HICACHE = "hierarchical cache"
+SPECULATIVE = "speculative decoding"
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 MUX_PORT_MEANING = ", 0 (any free port) or -1 (off)"
 
@@ -59,6 +62,10 @@ class ServerArgs:
     model_path: str | None = flag(None, "local Hugging Face model folder (default: the embedded model, generated "
                                   "once into the cache dir)", group=MODEL)
     dtype: str = flag("float32", "weights and KV cache dtype", group=MODEL, choices=DTYPES)
+    load_format: str = flag("auto", "auto: the weights of the model folder's safetensors; dummy: seeded random "
+                            "weights made on each rank's device from config.json alone (a folder of config and "
+                            "tokenizer, e.g. make-model --size 8b: benchmarks at real shapes), the same on every "
+                            "node, rank and run; also a STANDALONE draft model's", group=MODEL, choices=LOAD_FORMATS)
     device: str = flag("cpu", "where the model and KV cache live (pick the GPU with --base-gpu-id, not cuda:N)",
                        group=MODEL, choices=DEVICES)
     base_gpu_id: int = flag(0, "cuda: first GPU of this node; rank (dp d, tp t) uses GPU base-gpu-id + d * tp-size "
@@ -216,6 +223,30 @@ class ServerArgs:
     grammar_any_whitespace: bool = flag(False, "JSON schemas allow any whitespace between tokens (default: compact "
                                         "', ' and ': ' only, which keeps small models from looping on whitespace)",
                                         group=GRAMMAR)
+    # Speculative decoding (common.speculative, common.engine.spec; docs/speculative.md).
+    speculative_algorithm: str | None = flag(
+        None, "draft tokens each decode step and verify them in one target forward: NGRAM (from the request's own "
+        "prompt and output, no model), STANDALONE (a smaller draft model), EAGLE / EAGLE3 (a draft head over the "
+        "target's hidden states; tree drafts with --speculative-eagle-topk > 1)",
+        group=SPECULATIVE, choices=SPECULATIVE_ALGORITHMS)
+    speculative_draft_model_path: str | None = flag(None, "STANDALONE: local folder of the draft model (the "
+                                                    "target's tokenizer); EAGLE / EAGLE3: local folder of the draft "
+                                                    "head (the public EAGLE checkpoint layouts)", group=SPECULATIVE)
+    speculative_num_steps: int | None = flag(None, "draft tokens per request per step, the tree's depth for EAGLE "
+                                             "(default 8 for NGRAM, 3 for STANDALONE, EAGLE and EAGLE3)",
+                                             group=SPECULATIVE, check=at_least(1))
+    speculative_eagle_topk: int | None = flag(None, "EAGLE / EAGLE3: branches per draft node (default 1: linear "
+                                              "drafts; > 1: a tree)", group=SPECULATIVE, check=at_least(1))
+    speculative_num_draft_tokens: int | None = flag(None, "tokens verified per request per step: "
+                                                    "--speculative-num-steps + 1 with linear drafts; with a tree its "
+                                                    "best nodes (default steps * topk + 1)", group=SPECULATIVE,
+                                                    check=at_least(2))
+    speculative_ngram_min_match_window_size: int | None = flag(
+        None, "NGRAM: shortest suffix of the request's tokens matched against its earlier tokens (default 2)",
+        group=SPECULATIVE, check=at_least(1))
+    speculative_ngram_max_match_window_size: int | None = flag(
+        None, "NGRAM: longest suffix matched; the longest match wins (default 12)", group=SPECULATIVE,
+        check=at_least(1))
     # Compiled decode steps (common.engine.graph_runner): decode batches are padded to the next captured batch size.
     enable_torch_compile: bool = flag(False, "torch.compile the decode forward for batch sizes up to "
                                       "--torch-compile-max-bs (padded to the next bucket); compiled at start-up",
@@ -282,6 +313,7 @@ class ServerArgs:
         if self.enable_torch_compile and self.tp_size > 1:
             raise ConfigError(f"--enable-torch-compile supports --tp-size 1 only, got --tp-size {self.tp_size} "
                               "(the compiled decode step has no collectives)")
+        check_speculative_flags(self)
         self.tls  # noqa: B018  (TlsFiles checks which --tls-* flags go together; the files at start-up)
         if self.is_disaggregated and self.advertised_host in UNSPECIFIED_HOSTS:
             raise ConfigError(

@@ -156,6 +156,8 @@ class PrefillRole:
         pages = req_pages(self.engine.req_to_token_pool.req_to_token, req, req.kv_pages_sent,
                           len(req.origin_input_ids), self.page_size)
         top = req.output_top_logprobs[0][:MAX_TOP_LOGPROBS] if req.output_top_logprobs else []
+        spec = self.engine.speculator
+        draft = spec.drafter.handoff(req.req_pool_idx) if spec is not None and req.req_pool_idx is not None else None
         metadata = MetadataRecord(
             room=req.bootstrap_room,  # type: ignore[arg-type]
             first_token=req.output_ids[0],
@@ -163,6 +165,9 @@ class PrefillRole:
             cached_tokens=req.cached_tokens,
             top_ids=tuple(t for t, _ in top),
             top_logprobs=tuple(lp for _, lp in top),
+            draft_topk_ids=draft.topk_ids if draft else (),
+            draft_topk_p=draft.topk_p if draft else (),
+            draft_hidden=draft.hidden if draft else b"",
         )
         req.disagg_kv.send(pages, last=True, metadata=metadata)
         req.kv_pages_sent = total

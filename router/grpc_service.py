@@ -71,6 +71,8 @@ def final_to_proto(f: Final, index: int = 0) -> router_pb2.RouterGenerateRespons
         served_by=f.served_by,
         attempts=int(f.timing.get("attempts", 1)),  # type: ignore[arg-type]
     )
+    if f.spec is not None:
+        c.spec.CopyFrom(f.spec)
     if f.matched_token is not None:
         c.matched_token = f.matched_token
     elif f.matched_stop is not None:

@@ -101,6 +101,7 @@ class Final:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)
     node_timing: common_pb2.Timing | None = None  # merged P + D timing with router-measured ttft/e2e
+    spec: common_pb2.SpecDecoding | None = None  # speculative decoding on the (last) decode node, when it speculated
 
 
 def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:

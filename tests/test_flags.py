@@ -18,6 +18,7 @@ from common.app.up_args import UP_DERIVES, UP_SETS_FOR_ROUTER, UP_SETS_PER_NODE,
 from common.config import ServerArgs, server_args_from_cli
 from common.errors import ConfigError
 from common.flags import declared_by, flag_fields
+from common.speculative import SPECULATIVE_FLAGS
 from router.cli import config_from_args
 from router.config import RouterConfig
 
@@ -156,12 +157,19 @@ PASS_THROUGH = [ff for ff in flag_fields(ServerArgs)
                 and not ff.dest.startswith("hicache_")]  # they need --enable-hierarchical-cache: the test below
 
 
+# Flags that need another flag beside them (and the value they are given).
+COMPANIONS = {"speculative_draft_model_path": ["--speculative-algorithm", "STANDALONE"],
+              **{f: ["--speculative-algorithm", "NGRAM"] for f in SPECULATIVE_FLAGS if f != "speculative_draft_model_path"}}
+VALUES = {"speculative_eagle_topk": 1, "speculative_ngram_min_match_window_size": 3}
+
+
 @pytest.mark.parametrize("ff", PASS_THROUGH, ids=lambda ff: ff.option)
 def test_up_forwards_each_node_flag_it_is_given(ff, tmp_path) -> None:
     from tests.model_fixtures import make_tiny_model
 
-    value = _other_value(ff)
-    argv = ["up", "--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path)]
+    value = VALUES.get(ff.dest, _other_value(ff))
+    argv = ["up", "--model-path", str(make_tiny_model("llama")), "--log-dir", str(tmp_path),
+            *COMPANIONS.get(ff.dest, [])]
     if ff.kind is bool:
         argv.append(ff.option)
     else:
@@ -171,6 +179,9 @@ def test_up_forwards_each_node_flag_it_is_given(ff, tmp_path) -> None:
     node = server_args_from_cli(build_parser().parse_args(cluster.node_args("decode-0", port=5000, bootstrap=5001)))
     assert getattr(node, ff.dest) == value
     assert getattr(ServerArgs(), ff.dest) != value
+    prefill = server_args_from_cli(build_parser().parse_args(cluster.node_args("prefill-0", port=5002, bootstrap=5001)))
+    speculative = ff.dest.startswith("speculative_")  # decode steps only: a prefill node refuses the flags
+    assert getattr(prefill, ff.dest) == (getattr(ServerArgs(), ff.dest) if speculative else value)
 
 
 def test_up_gives_decode_nodes_only_the_hicache_flags_they_take(tmp_path) -> None:

@@ -6,7 +6,8 @@ running batch; this module forms both from the scheduler's queues.
                             decodes under ``--enable-mixed-chunk``), within --max-running-requests, free request
                             slots and the KV left after the running requests' reservation
     update_running_batch    the running batch, its finished requests filtered out, gets one more decode step's KV,
-                            else the newest requests are retracted to the front of the waiting queue
+                            else the newest requests are retracted to the front of the waiting queue; under
+                            speculative decoding the step verifies drafts when they are proposed and fit
     add_prebuilt            requests whose prompt KV and first token came from elsewhere join the running batch
 
 ``new_token_ratio``: the share of a running request's remaining ``max_new_tokens`` that admission keeps KV for.
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from common.config import ServerArgs
     from common.engine.scheduler_output import OutputCollector
     from common.engine.scheduler_role import SchedulerRole
+    from common.engine.spec.speculator import Speculator
 
 # NOTE: the scheduler's log lines keep its logger's name, which operators and tests filter on.
 logger = logging.getLogger("common.engine.scheduler")
@@ -60,6 +62,7 @@ class AdmissionState(MetricsSource, Protocol):
     preempted: list[Req]
     in_flight: object | None
     yield_to_role: bool
+    speculator: Speculator | None
 
     @property
     def role(self) -> SchedulerRole: ...
@@ -186,7 +189,8 @@ def update_running_batch(sched: AdmissionState, batch: ScheduleBatch) -> None:
         batch.batch_is_full = False
     else:
         sched.new_token_ratio = max(sched.new_token_ratio - sched.new_token_ratio_decay, sched.min_new_token_ratio)
-    batch.prepare_for_decode()
+    if sched.speculator is None or not sched.speculator.prepare(batch):  # draft -> TARGET_VERIFY, else decode
+        batch.prepare_for_decode()
 
 
 def preempt_running(sched: AdmissionState, victims: list[Req], head: Req) -> None:

@@ -75,6 +75,11 @@ class TokenOut(msgspec.Struct, tag=True, kw_only=True):
     error_code: ErrorCode | None = None  # for "abort": the gRPC status the client sees
     error_origin: str | None = None  # KV_PEER_FAULT: the failure was the KV transfer peer's, not this node's
     timing: Timing | None = None
+    # Speculative decoding, on the final message: verify steps that checked drafts of this request, the draft
+    # tokens proposed to it and how many of them it emitted (its accept length: 1 + accepted / verify steps).
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class HiCacheLoad(msgspec.Struct, kw_only=True):

@@ -109,6 +109,11 @@ class Req:
         self.stream = stream  # False: its outputs go out once, with its end (``OutputCollector``)
         self.sent_len = 0  # output tokens already streamed out
         self.grammar: Any = None  # RequestGrammar (common/engine/sampling/grammar.py) of a constrained request
+        # Speculative decoding (common.engine.spec): the drafter's own state of this request, and its counts.
+        self.spec_state: Any = None
+        self.spec_verify_ct = 0  # verify forwards that checked drafts of this request
+        self.spec_draft_tokens = 0  # draft tokens proposed to it
+        self.spec_accepted_tokens = 0  # of them, accepted (emitted)
 
         # Output.
         self.finished_reason: Finished | None = None

@@ -51,6 +51,7 @@ from common.engine.schedule_order import SchedulePolicy
 from common.engine.scheduler_metrics import DecodeLogInterval
 from common.engine.scheduler_output import OutputCollector
 from common.engine.scheduler_role import ColocatedRole, SchedulerRole
+from common.engine.spec import build_speculator
 from common.errors import ErrorCode, internal_error_message
 from common.faults import inject
 
@@ -77,6 +78,7 @@ class Scheduler:
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
         self.page_size = args.page_size
+        self.speculator = build_speculator(args, self.runner, dp_rank)  # None: --speculative-algorithm off
         self.tree_cache: Any = build_prefix_cache(args, self.runner, self.tp, self.last_launched, self.model_config)
         self.out = OutputCollector(send_outputs, args.stream_interval)
         self.waiting_queue: list[Req] = []
@@ -109,7 +111,8 @@ class Scheduler:
 
     # -- construction helpers --------------------------------------------------------------------------------------
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache)
+        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache,
+                                      self.args.speculative_algorithm)
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -132,6 +135,8 @@ class Scheduler:
         if self._grammar_compiler is not None:
             self._grammar_compiler.close()
         self.tree_cache.close()
+        if self.speculator is not None:
+            self.speculator.close()
         self.role.close()
 
     # -- the loop: one iteration of the seeds' event_loop_normal / event_loop_overlap ------------------------------
@@ -289,7 +294,8 @@ class Scheduler:
             inject("forward", req.rid)
         self.forward_ct += 1
         b = batch.get_model_worker_batch()
-        b.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.runner.device)
+        rows = batch.reqs if batch.spec_info is None else batch.spec_info.sampling_rows(batch.reqs)  # one per token
+        b.sampling_info = SamplingBatchInfo.from_reqs(rows, self.model_config.vocab_size, self.runner.device)
         return b
 
     def launch(self, batch: ScheduleBatch) -> Future[PendingBatchResult]:

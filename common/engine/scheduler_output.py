@@ -84,6 +84,8 @@ class OutputCollector:
             out.error_code = reason.code
             out.error_origin = reason.origin or None
         out.timing = req_timing(req)
+        out.spec_verify_ct, out.spec_draft_tokens = req.spec_verify_ct, req.spec_draft_tokens
+        out.spec_accepted_tokens = req.spec_accepted_tokens
         self.pending.append(out)
 
     def error(self, rid: str, message: str, code: ErrorCode) -> None:
@@ -129,7 +131,7 @@ def process_batch_result(sched: ResultState, batch: ScheduleBatch, result: Batch
             continue
         prefilled = is_prefill and id(req) not in decoding
         try:
-            append_token(sched, req, result, i)
+            append_tokens(sched, batch, req, result, i)
             if prefilled:
                 sched.role.on_prefill_done(req)
         except Exception as e:
@@ -142,6 +144,23 @@ def process_batch_result(sched: ResultState, batch: ScheduleBatch, result: Batch
     if not is_prefill:
         log_decode_stats(sched)
     sched.out.flush()
+
+
+def append_tokens(sched: ResultState, batch: ScheduleBatch, req: Req, result: BatchResult, i: int) -> None:
+    """Row i's token; in a verify step, request i's accepted run, token by token until one ends it (no token after a
+    stop is emitted), then the rejected drafts' KV is given back (``common.engine.spec.info``)."""
+    spec = batch.spec_info
+    if spec is None:
+        append_token(sched, req, result, i)
+        return
+    before = len(req.output_ids)
+    try:
+        for row in spec.accepted_rows(i, result.next_token_ids):
+            append_token(sched, req, result, row)
+            if req.finished():
+                break
+    finally:
+        spec.commit(batch, req, i, len(req.output_ids) - before, sched.decode_log)
 
 
 def append_token(sched: ResultState, req: Req, result: BatchResult, i: int) -> None:

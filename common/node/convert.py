@@ -7,6 +7,7 @@ import msgspec
 from common.engine.io_struct import GenerateReqInput, Timing, TokenOut
 from common.engine.sampling.params import SamplingParams
 from common.errors import InvalidRequestError
+from common.speculative import accept_length
 from pdcluster.v1 import common_pb2, worker_pb2
 
 _OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed",
@@ -108,6 +109,11 @@ def token_out_to_proto(out: TokenOut) -> worker_pb2.GenerateResponse:
         ),
         timing=timing_to_proto(out.timing),
     )
+    if out.spec_verify_ct:
+        fin.spec.CopyFrom(common_pb2.SpecDecoding(
+            verify_steps=out.spec_verify_ct, draft_tokens=out.spec_draft_tokens,
+            accepted_tokens=out.spec_accepted_tokens,
+            accept_length=accept_length(out.spec_verify_ct, out.spec_accepted_tokens)))
     if isinstance(out.matched_stop, int):
         fin.matched_token = out.matched_stop
     elif isinstance(out.matched_stop, str):

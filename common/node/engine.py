@@ -66,6 +66,10 @@ class GenerateOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     timing: Timing | None = None
+    # Speculative decoding: verify steps with drafts, draft tokens proposed, and of them accepted (0 when off).
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -93,7 +97,7 @@ class Engine:
         self.args = args
         self.model_path = str(resolve_model_path(args.model_path))
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model_config = ModelConfig.from_path(self.model_path)
+        self.model_config = ModelConfig.from_path(self.model_path, args.load_format)
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._states: dict[str, _RequestState] = {}
         self._lock = threading.Lock()
@@ -273,6 +277,8 @@ class Engine:
         delta = state.detok.add(msg.token_ids, final=final)
         if final:
             out.finish_reason, out.matched_stop, out.timing = msg.finish_reason, msg.matched_stop, msg.timing
+            out.spec_verify_ct, out.spec_draft_tokens = msg.spec_verify_ct, msg.spec_draft_tokens
+            out.spec_accepted_tokens = msg.spec_accepted_tokens
             out.text = state.detok.text
             with self._lock:
                 self._states.pop(msg.rid, None)

@@ -168,4 +168,5 @@ class OutputState:
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
             node_timing=merged,
+            spec=fin.spec if fin is not None and fin.HasField("spec") else None,
         )

@@ -26,6 +26,10 @@ def usage_of(finals: list[Final]) -> dict[str, Any]:
 
 def extension_of(f: Final) -> dict[str, Any]:
     ext: dict[str, Any] = {"timing": f.timing, "served_by": f.served_by}
+    if f.spec is not None:
+        s = f.spec
+        ext["spec_decoding"] = {"verify_steps": s.verify_steps, "draft_tokens": s.draft_tokens,
+                                "accepted_tokens": s.accepted_tokens, "accept_length": s.accept_length}
     if f.matched_stop is not None:
         ext["matched_stop"] = f.matched_stop
     elif f.matched_token is not None:

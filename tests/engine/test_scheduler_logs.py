@@ -233,6 +233,6 @@ def test_decode_interval_throughput_is_tokens_over_busy_wall_time(monkeypatch) -
         interval.tokens += 3
     assert due == [False, True, False, True]
     interval.retracted = 2
-    assert interval.take() == (12 / 2.0, 2)
-    interval.tokens = 5
-    assert interval.take() == (5 / 2.0, 0)
+    assert interval.take() == (12 / 2.0, 2, None)
+    interval.tokens, interval.verify_steps, interval.verify_tokens = 5, 2, 7
+    assert interval.take() == (5 / 2.0, 0, 3.5)

@@ -50,8 +50,8 @@ def test_shared_kv_modules_import_no_role_module(module: str) -> None:
 def tiny_runner(pool_heads: int, model_heads: int) -> SimpleNamespace:
     pool = MHATokenToKVPool(8, 4, torch.float32, pool_heads, 8, 2, "cpu")
     fingerprint = {"architecture": "TinyLlama", "num_layers": 2, "num_kv_heads": model_heads, "head_dim": 8}
-    return SimpleNamespace(kv_pool=pool, model_config=SimpleNamespace(num_kv_heads=model_heads,
-                                                                      fingerprint=lambda: fingerprint))
+    return SimpleNamespace(kv_pool=pool, draft_kv=None, model_config=SimpleNamespace(num_kv_heads=model_heads,
+                                                                                     fingerprint=lambda: fingerprint))
 
 
 def test_make_kv_manager_registers_the_tp_rank_with_the_model_total_of_kv_heads() -> None:

@@ -143,6 +143,10 @@ class RequestGrammar:
         """Advance over ``token``; False (state unchanged) if the grammar does not allow it here."""
         return bool(self.matcher.accept_token(token))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepts (speculative decoding checks drafts, then steps back)."""
+        self.matcher.rollback(num_tokens)
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 

@@ -71,6 +71,18 @@ class Usage(_message.Message):
     cached_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class SpecDecoding(_message.Message):
+    __slots__ = ("verify_steps", "draft_tokens", "accepted_tokens", "accept_length")
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    verify_steps: int
+    draft_tokens: int
+    accepted_tokens: int
+    accept_length: float
+    def __init__(self, verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accept_length: _Optional[float] = ...) -> None: ...
+
 class Timing(_message.Message):
     __slots__ = ("queue", "bootstrap", "prefill", "transfer", "decode_queue", "ttft", "e2e", "transfer_bytes", "cached_tokens_host", "cached_tokens_storage")
     QUEUE_FIELD_NUMBER: _ClassVar[int]

@@ -171,20 +171,22 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("last", "finish_reason", "matched_token", "matched_stop", "usage", "timing")
+    __slots__ = ("last", "finish_reason", "matched_token", "matched_stop", "usage", "timing", "spec")
     LAST_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     last: TokenChunk
     finish_reason: str
     matched_token: int
     matched_stop: str
     usage: _common_pb2.Usage
     timing: _common_pb2.Timing
-    def __init__(self, last: _Optional[_Union[TokenChunk, _Mapping]] = ..., finish_reason: _Optional[str] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ...) -> None: ...
+    spec: _common_pb2.SpecDecoding
+    def __init__(self, last: _Optional[_Union[TokenChunk, _Mapping]] = ..., finish_reason: _Optional[str] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., spec: _Optional[_Union[_common_pb2.SpecDecoding, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("rid",)
