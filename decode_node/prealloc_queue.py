@@ -33,8 +33,8 @@ import torch
 from common.engine.io_struct import GenerateReqInput
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.pages import req_pages
+from common.engine.priority import PriorityRules
 from common.engine.req import Req
-from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_role import Engine
 from common.errors import ErrorCode
 from kvtransfer.manager import KVManager

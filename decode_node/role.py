@@ -25,10 +25,10 @@ from common.config import ServerArgs
 from common.engine.io_struct import GenerateReqInput, QueueLoad
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.pages import num_pages
+from common.engine.priority import PriorityRules
 from common.engine.req import Req
 from common.engine.sampling.grammar import accept_grammar_token, finish_on_grammar
 from common.engine.sampling.stop import check_finished
-from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine, LoopHooks
 from common.engine.spec.drafter import DraftHandoff

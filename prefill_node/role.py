@@ -22,8 +22,8 @@ from typing import Any
 from common.config import ServerArgs
 from common.engine.io_struct import GenerateReqInput, PrefillDone, QueueLoad, Timing
 from common.engine.mem.pages import num_pages, req_pages
+from common.engine.priority import PriorityRules
 from common.engine.req import Finished, FinishReason, Req
-from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine
 from common.errors import KV_PEER_FAULT, ErrorCode, internal_error_message

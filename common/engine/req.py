@@ -83,7 +83,7 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.eos_token_ids = eos_token_ids
         self.bootstrap_room = bootstrap_room
-        self.priority = priority  # with priority scheduling (common.engine.schedule_order); 0 and unused without
+        self.priority = priority  # with priority scheduling (common.engine.schedule_policy); 0 and unused without
         self.arrival_seq = next(_arrivals)  # strictly increasing: ties in queue orders break by arrival
         self._prompt_key: tuple[int, int] | None = None
 

@@ -20,7 +20,7 @@ once batch k's result is obtained (``step_overlap``).
 
 This is the one loop of every role: the prefill and decode nodes hold a ``Scheduler`` and plug their queues in
 through the hooks of ``common.engine.scheduler_role.SchedulerRole``, asked at fixed points of ``step`` (see there).
-Its parts live beside it in ``common.engine``: request intake (``admission``), batch admission (``batch_admission``),
+Its parts live beside it in ``common.engine``: request intake (``request_intake``), batch admission (``prefill_manager``),
 result processing and outputs (``scheduler_output``), the load report and log lines (``scheduler_metrics``).
 """
 
@@ -35,19 +35,19 @@ from typing import Any
 import torch
 
 from common.config import ServerArgs
-from common.engine import batch_admission, scheduler_metrics, scheduler_output
-from common.engine.admission import RequestIntake
+from common.engine import prefill_manager, scheduler_metrics, scheduler_output
 from common.engine.distributed import TPGroup
 from common.engine.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 from common.engine.mem.hicache import build_prefix_cache
 from common.engine.model_runner import BatchResult, ModelRunner, PendingBatchResult
 from common.engine.overlap import overlap_schedule_on
 from common.engine.req import Req
+from common.engine.request_intake import RequestIntake
 from common.engine.sampling.grammar import GrammarCompiler, tokenizer_info
 from common.engine.sampling.grammar_queue import GrammarQueue
 from common.engine.sampling.sampler import SamplingBatchInfo
 from common.engine.schedule_batch import ModelWorkerBatch, ScheduleBatch
-from common.engine.schedule_order import SchedulePolicy
+from common.engine.schedule_policy import SchedulePolicy
 from common.engine.scheduler_metrics import DecodeLogInterval
 from common.engine.scheduler_output import OutputCollector
 from common.engine.scheduler_role import ColocatedRole, SchedulerRole
@@ -93,7 +93,7 @@ class Scheduler:
         self.reqs_by_rid: dict[str, Req] = {}
         self.preempted: list[Req] = []  # retracted by a role's queue; waiting from the next step (preempt_running)
         self.yield_to_role = False  # a role's queue preempted this step: no prefill takes what it freed
-        ratio = batch_admission.new_token_ratio_schedule(args.schedule_conservativeness)
+        ratio = prefill_manager.new_token_ratio_schedule(args.schedule_conservativeness)
         self.init_new_token_ratio, self.min_new_token_ratio, self.new_token_ratio_decay = ratio
         self.new_token_ratio = self.init_new_token_ratio
         self.forward_ct = 0
@@ -267,9 +267,9 @@ class Scheduler:
         for msg in self.grammar_queue.pop_ready(self.out.error):
             self.admit(msg)
 
-    # -- batching (``common.engine.batch_admission``) --------------------------------------------------------------
+    # -- batching (``common.engine.prefill_manager``) --------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        batch_admission.merge_last_batch(self)
+        prefill_manager.merge_last_batch(self)
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
@@ -280,10 +280,10 @@ class Scheduler:
         return None
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        return batch_admission.get_new_batch_prefill(self)
+        return prefill_manager.get_new_batch_prefill(self)
 
     def update_running_batch(self, batch: ScheduleBatch) -> None:
-        batch_admission.update_running_batch(self, batch)
+        prefill_manager.update_running_batch(self, batch)
 
     def run_batch(self, batch: ScheduleBatch) -> BatchResult:
         return self.runner.forward_and_sample(self.worker_batch(batch))
@@ -375,7 +375,7 @@ class Scheduler:
         return [*self.preempted, *self.waiting_queue, *([self.chunked_req] if self.chunked_req is not None else [])]
 
     def preempt_running(self, victims: list[Req], head: Req) -> None:
-        batch_admission.preempt_running(self, victims, head)
+        prefill_manager.preempt_running(self, victims, head)
 
     def running_reqs(self) -> list[Req]:
         return self.running_batch.reqs
@@ -404,7 +404,7 @@ class Scheduler:
         return gone
 
     def add_prebuilt(self, reqs: list[Req], take_first_token: Callable[[Req], None]) -> None:
-        batch_admission.add_prebuilt(self, reqs, take_first_token)
+        prefill_manager.add_prebuilt(self, reqs, take_first_token)
 
     # -- load (``common.engine.scheduler_metrics``) ----------------------------------------------------------------
     def get_load(self) -> QueueLoad:

@@ -25,8 +25,7 @@ if TYPE_CHECKING:
     from common.engine.req import Req
     from common.engine.sampling.grammar_queue import GrammarQueue
     from common.engine.schedule_batch import ScheduleBatch
-    from common.engine.schedule_order import SchedulePolicy
-    from common.engine.schedule_policy import PrefillAdder
+    from common.engine.schedule_policy import PrefillAdder, SchedulePolicy
 
 # NOTE: the log lines are the scheduler's: they keep its logger's name, which operators and tests filter on.
 logger = logging.getLogger("common.engine.scheduler")

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from common.config import ServerArgs
+from common.engine.priority import PriorityRules
 from common.engine.req import Req
 from common.engine.sampling.params import SamplingParams
-from common.engine.schedule_order import PriorityRules
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
 from kvtransfer.poll import KVPoll

@@ -19,7 +19,7 @@ from common.engine.mem.radix_cache import RadixCache
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.engine.req import Req
 from common.engine.sampling.params import SamplingParams
-from common.engine.schedule_order import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
+from common.engine.schedule_policy import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
 from common.engine.scheduler import Scheduler
 from common.errors import ConfigError, InvalidRequestError
 from common.text.tokenizer import load_tokenizer
