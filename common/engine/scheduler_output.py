@@ -5,14 +5,11 @@ per step (``OutputCollector``).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from common.engine.io_struct import Timing, TokenOut
 from common.engine.req import Req
-from common.engine.sampling.grammar import accept_grammar_token, finish_on_grammar
-from common.engine.sampling.stop import check_finished
 from common.engine.scheduler_metrics import MetricsSource, log_decode_stats
 from common.errors import ErrorCode
 from common.faults import inject
@@ -165,19 +162,11 @@ def append_tokens(sched: ResultState, batch: ScheduleBatch, req: Req, result: Ba
 
 def append_token(sched: ResultState, req: Req, result: BatchResult, i: int) -> None:
     inject("token", req.rid)
-    token = result.next_token_ids[i]
-    if not accept_grammar_token(req, token):
+    logprobs, top = result.logprobs, result.top_logprobs
+    if not req.take_token(result.next_token_ids[i], sched.tokenizer, None if logprobs is None else logprobs[i],
+                          None if top is None else top[i]):
         return
-    req.output_ids.append(token)
     sched.decode_log.tokens += 1
-    if not req.times.first_token:
-        req.times.first_token = time.monotonic()
-    if req.return_logprob and result.logprobs is not None:
-        req.output_logprobs.append(result.logprobs[i])
-        if result.top_logprobs is not None:
-            req.output_top_logprobs.append(result.top_logprobs[i])
-    check_finished(req, token, sched.tokenizer)
-    finish_on_grammar(req, token)
     if req.to_abort is not None and not req.finished():
         req.abort(req.to_abort)
     sched.out.stream_token(req)
