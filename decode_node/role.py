@@ -76,7 +76,7 @@ class DecodeRole(LoopHooks):
         load.preempt_priority = self.prealloc_queue.preempt_priority()
 
     def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
-        req = self.engine.find_req(rid)
+        req = self.engine.intake.find(rid)
         if req is None:
             return
         if self.prealloc_queue.remove(req):
@@ -129,7 +129,7 @@ class DecodeRole(LoopHooks):
         shared = self.prealloc_queue.shared_len(req)
         if self.prompts is not None and shared:
             self.prompts.cache_prompt(req, shared)  # landed: requests with this prompt share its full pages
-        spec = self.engine.speculator
+        spec = self.engine.decode.speculator
         if spec is not None and md.draft_topk_ids and req.req_pool_idx is not None:  # EAGLE: drafts from step 1
             spec.drafter.resume(req.req_pool_idx, DraftHandoff(md.draft_topk_ids, md.draft_topk_p, md.draft_hidden))
         top = list(zip(md.top_ids, md.top_logprobs, strict=True))

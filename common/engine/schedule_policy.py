@@ -1,5 +1,5 @@
 """``SchedulePolicy``: the order of the waiting queue (SGLang's ``calc_priority``), in-batch prefix caching and
-priority scheduling with preemption. ``Scheduler.get_new_batch_prefill`` calls ``prepare`` once per round, before
+priority scheduling with preemption. ``PrefillManager.next_batch`` calls ``prepare`` once per round, before
 ``PrefillAdder`` walks the queue::
 
     preempt   (--enable-priority-scheduling) the most urgent waiting request retracts running requests it beats by
