@@ -23,12 +23,14 @@ from common.hicache_flags import (
     parse_storage_options,
 )
 from common.kv_backends import KV_TRANSFER_BACKENDS, parse_options
+from common.parallel_flags import check_parallel_flags
 from common.speculative import SPECULATIVE_ALGORITHMS, check_speculative_flags
 from common.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_policy)
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
@@ -61,6 +63,10 @@ class ServerArgs:
     model_path: str | None = flag(None, "local Hugging Face model folder (default: the embedded model, generated "
                                   "once into the cache dir)", group=MODEL)
     dtype: str = flag("float32", "weights and KV cache dtype", group=MODEL, choices=DTYPES)
+    load_format: str = flag("auto", "auto: the weights of the model folder's safetensors; dummy: seeded random "
+                            "weights made on each rank's device from config.json alone (a folder of config and "
+                            "tokenizer, e.g. make-model --size 8b: benchmarks at real shapes), the same on every "
+                            "node, rank and run; also a STANDALONE draft model's", group=MODEL, choices=LOAD_FORMATS)
     device: str = flag("cpu", "where the model and KV cache live (pick the GPU with --base-gpu-id, not cuda:N)",
                        group=MODEL, choices=DEVICES)
     base_gpu_id: int = flag(0, "cuda: first GPU of this node; rank (dp d, tp t) uses GPU base-gpu-id + d * tp-size "
@@ -282,32 +288,7 @@ class ServerArgs:
             )
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--node-rank must be in [0, --nnodes) with --nnodes >= 1, got --nnodes {self.nnodes} "
-                              f"--node-rank {self.node_rank}")
-        if self.nnodes > 1:
-            if not self.dist_init_addr:
-                raise ConfigError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, the "
-                                  "same on every node)")
-            if self.dp_size != 1 or self.tp_size % self.nnodes:
-                raise ConfigError(f"--nnodes {self.nnodes} spans one TP group over hosts: it needs --dp-size 1 and a "
-                                  f"--tp-size divisible by it, got --dp-size {self.dp_size} --tp-size {self.tp_size}")
-        if self.dist_init_addr is not None:
-            host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
-        if self.cpu_omp_threads_bind is not None:
-            if self.device != "cpu":
-                raise ConfigError(f"--cpu-omp-threads-bind binds CPU scheduler ranks to cores; it needs --device cpu, "
-                                  f"got --device {self.device}")
-            ranks = self.dp_size * len(self.tp_ranks_here)
-            if len(self.rank_core_sets) != ranks:
-                raise ConfigError(f"--cpu-omp-threads-bind {self.cpu_omp_threads_bind!r} gives "
-                                  f"{len(self.rank_core_sets)} core set(s) for this node's {ranks} scheduler rank(s) "
-                                  "(--dp-size x its tp ranks): one '|'-separated set per rank")
-        if self.enable_torch_compile and self.tp_size > 1:
-            raise ConfigError(f"--enable-torch-compile supports --tp-size 1 only, got --tp-size {self.tp_size} "
-                              "(the compiled decode step has no collectives)")
+        check_parallel_flags(self)
         check_speculative_flags(self)
         self.tls  # noqa: B018  (TlsFiles checks which --tls-* flags go together; the files at start-up)
         if self.is_disaggregated and self.advertised_host in UNSPECIFIED_HOSTS:

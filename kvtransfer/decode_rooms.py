@@ -90,6 +90,7 @@ class DecodeRooms:
         self.looked_up: dict[tuple[str, int, int], float] = {}  # (addr, dp, tp) -> when a lookup last found it
         self.lookups: dict[tuple[str, int, int], float] = {}  # in flight (inf) or retry-after time
         self.handshakes = DecodeHandshakes(mgr, self._pump_all)
+        self.confirmations: dict[PeerKey, list[int]] = {}  # rooms whose Success each peer has not been sent yet
 
     # ---- scheduler thread -------------------------------------------------------------------------------------
     def create(self, room: int, bootstrap_addr: str) -> RecvRoom:
@@ -235,8 +236,17 @@ class DecodeRooms:
         if rec.state == KVPoll.Transferring and rec.metadata_ok and all(s.complete for s in rec.sources or ()):
             rec.advance(KVPoll.Success, now)
             for s in rec.sources or ():
-                if s.key is not None:
-                    self.mgr.send_to(s.key, Status(**self.mgr.stamp(), room=rec.room, state=KVPoll.Success))
+                if s.key is not None:  # sent by flush, with the other rooms the same messages completed
+                    self.confirmations.setdefault(s.key, []).append(rec.room)
+
+    def flush(self) -> None:
+        """Control thread, after the messages that arrived together: each peer's Success confirmations in one Status
+        (rooms in flight at once complete in bursts; one message each was a round trip's worth of host work)."""
+        with self.mgr.lock:
+            pending, self.confirmations = self.confirmations, {}
+            for key, rooms in pending.items():
+                self.mgr.send_to(key, Status(**self.mgr.stamp(), room=rooms[0], rooms=rooms[1:],
+                                             state=KVPoll.Success))
 
     def _land_metadata(self, rec: RecvRoom, record: MetadataRecord, now: float) -> None:
         slot = rec.metadata_slot

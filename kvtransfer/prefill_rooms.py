@@ -244,13 +244,21 @@ class PrefillRooms:
                     rec.abort_from = peer.key
                     if not self.fail(rec, msg.code, reason, now) and rec.quiesced:
                         self.mgr.send_to(peer.key, AbortAck(**self.mgr.stamp(), room=msg.room))
-            elif isinstance(msg, Status) and rec is not None and msg.state == KVPoll.Success:
-                target = rec.targets.get(peer.key)
-                if target is not None and target.final_sent:
-                    target.confirmed = True
-                    if all(t.confirmed for t in rec.targets.values()):
-                        rec.advance(KVPoll.Success, now)
+            elif isinstance(msg, Status) and msg.state == KVPoll.Success:
+                for room in (msg.room, *msg.rooms):
+                    self._confirmed(self.rooms.get(room), peer, now)
             # AbortAck from decode: nothing of ours is in flight any more; the room is already quiesced.
+
+    def _confirmed(self, rec: SendRoom | None, peer: Peer, now: float) -> None:
+        """``peer`` has every chunk of ``rec`` and its record; the room succeeds once every target has."""
+        target = None if rec is None else rec.targets.get(peer.key)
+        if rec is not None and target is not None and target.final_sent:
+            target.confirmed = True
+            if all(t.confirmed for t in rec.targets.values()):
+                rec.advance(KVPoll.Success, now)
+
+    def flush(self) -> None:
+        """Nothing is batched on this side."""
 
     def job_done(self, job: TransferJob, error: str | None) -> None:
         now = time.monotonic()

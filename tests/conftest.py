@@ -29,10 +29,10 @@ os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", TEST_CLUSTER_TOKEN)
 LONGEST_FILES = (
     "tests/deploy/test_deploy_ray.py",  # ~220 s (its Ray cluster starts in 40-140 s)
     "tests/nodes/test_tp_nodes.py",  # ~170 s
-    "tests/deploy/test_gpu_check_dry_run.py",  # ~140 s, one test
     "tests/nodes/test_nodes.py",  # ~120 s
     "tests/cluster/test_soak.py",  # ~80 s
     "tests/engine/test_triton_kernels.py",  # ~70 s
+    "tests/deploy/test_gpu_check_dry_run.py",  # one test, ~20 CPU s (its steps forked from one process)
     "tests/cluster/test_stall_cluster.py",
     "tests/cluster/test_structured_output_cluster.py",
     "tests/cluster/test_tp_cluster.py",

@@ -62,9 +62,36 @@ def decode_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, 
     k_buf, v_buf, r2t, rpi = _pool(page_size, lens, kvh, d, dtype, seed=page_size * 10 + group)
     q = torch.randn(len(lens), kvh * group, d, generator=torch.Generator().manual_seed(group)).to(dtype)
     seq_lens = torch.tensor(lens)
-    out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, splits, window)
+    # 8 keys a split (the real minimum is 256): these short contexts still take several splits
+    out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, splits, window, page_size=page_size,
+                           min_keys_per_split=8)
     ref = decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, window)
     return _check(out, ref, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def decode_splits_case() -> float:
+    """Split-K by each request's own length in one grid (as a CUDA graph fixes it): a short request takes one split,
+    a long one one per ``min_keys_per_split`` keys up to the grid's, each a run of whole pages (``kv_splits``); the
+    merged output still matches the reference."""
+    from common.engine.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+        decode_attention_splits,
+        kv_splits,
+    )
+
+    lens, page, grid, min_keys, d = [3, 20, 70], 4, 8, 5, 16
+    k_buf, v_buf, r2t, rpi = _pool(page, lens, 1, d, torch.float32, seed=5)
+    q = torch.randn(len(lens), 2, d, generator=torch.Generator().manual_seed(5))
+    seq_lens = torch.tensor(lens)
+    _, lse = decode_attention_splits(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, grid, page_size=page,
+                                     min_keys_per_split=min_keys)
+    used = torch.isfinite(lse[:, 0]).sum(-1).tolist()
+    assert [len(kv_splits(n, grid, page, min_keys)) for n in lens] == used == [1, 3, 6], used  # [1, 5, 6] all 8 splits, [1, 4, 8] unaligned
+    assert kv_splits(70, grid, page, min_keys) == [(0, 12), (12, 24), (24, 36), (36, 48), (48, 60), (60, 70)]
+    out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, grid, page_size=page,
+                           min_keys_per_split=min_keys)
+    return _check(out, decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5), 1e-5)
 
 
 def paged_torch_case(page_size: int, group: int) -> float:
@@ -223,123 +250,11 @@ def fused_layers_case(dtype: torch.dtype) -> float:
     return max(worst, _check(fl.silu_and_mul(gate_up), fl.silu_and_mul_ref(gate_up), tol))
 
 
-def model_case(arch: str, page_size: int, first_len: int = 26) -> float:
-    """Tiny model, triton backend vs torch backend: prefill, a shared-prefix extend, then 2 decode steps."""
-    from common.engine.model.triton_backend import TritonAttentionBackend
-    from tests.model_fixtures import PagedHarness, load_tiny_model
+def _whole(name: str, *args: object, **kwargs: object) -> float:
+    """A whole-model case (tests/triton_interpreted_model_cases.py, which reuses ``_check`` from here)."""
+    from tests import triton_interpreted_model_cases
 
-    model = load_tiny_model(arch)
-    prompts = [[(7 * i + 3 * j) % 1000 + 5 for j in range(n)] for i, n in enumerate((first_len, 11))]
-    worst = 0.0
-    runs = []
-    for backend in ("torch", "triton"):
-        h = PagedHarness(model, page_size, num_pages=1024 // page_size, max_reqs=4)
-        h.backend = model.make_attn_backend(backend)
-        model.use_triton_kernels(backend == "triton")
-        assert isinstance(h.backend, TritonAttentionBackend) == (backend == "triton")
-        h.add("a")
-        h.add("b")
-        steps = [h.forward([("a", prompts[0]), ("b", prompts[1])])]
-        h.add("c", share_prefix_of="a", prefix_len=16)
-        steps.append(h.forward([("c", [*prompts[0][16:], 9, 8, 7])]))  # prefix hit: extend after 16 cached tokens
-        for t in range(2):
-            steps.append(h.forward([("a", [11 + t]), ("b", [12 + t]), ("c", [13 + t])]))
-        runs.append(steps)
-    model.use_triton_kernels(False)
-    for torch_step, triton_step in zip(*runs, strict=True):
-        for a, b in zip(torch_step, triton_step, strict=True):
-            worst = max(worst, _check(b, a, 1e-4))
-    return worst
-
-
-def engine_case() -> float:
-    """The engine with ``attention_backend="triton"`` (interpreted) generates what the torch backend generates.
-    The second request arrives once the first is decoding, so (with --enable-mixed-chunk, chunk 32) its prefill
-    chunks run in mixed batches beside that decode; its second chunk continues a cached prefix."""
-    import asyncio
-
-    from common.node.engine import Engine
-    from tests.conftest import assert_pools_released
-    from tests.model_fixtures import make_tiny_model
-
-    prompts = [[(5 * i + j) % 900 + 3 for j in range(n)] for i, n in enumerate((21, 40))]
-    max_new = (6, 3)
-
-    async def run(engine: Engine) -> list[list[int]]:
-        async def one(i: int, started: asyncio.Event | None) -> list[int]:
-            ids: list[int] = []
-            params = {"max_new_tokens": max_new[i], "temperature": 0.0, "ignore_eos": True}
-            async for chunk in engine.generate_stream(input_ids=prompts[i], sampling_params=params):
-                ids.extend(chunk.token_ids)
-                if started is not None:
-                    started.set()
-            return ids
-
-        started = asyncio.Event()
-        first = asyncio.create_task(one(0, started))
-        await asyncio.wait_for(started.wait(), timeout=60)
-        second = await one(1, None)
-        return [await first, second]
-
-    outs = {}
-    for backend in ("torch", "triton"):
-        engine = Engine(model_path=str(make_tiny_model("llama")), attention_backend=backend, page_size=16,
-                        max_total_tokens=4096, max_running_requests=8, chunked_prefill_size=32,
-                        enable_mixed_chunk=True)
-        try:
-            backend_obj = engine.scheduler.runner.attn_backend
-            assert type(backend_obj).__name__ == ("TritonAttentionBackend" if backend == "triton" else
-                                                  "TorchAttentionBackend")
-            init = backend_obj.init_forward_metadata
-            seen: list[list[int]] = []
-            backend_obj.init_forward_metadata = lambda fb, init=init, seen=seen: (
-                seen.append(list(fb.extend_lens_cpu)), init(fb))[1]
-            outs[backend] = asyncio.run(run(engine))
-            if backend == "triton":  # interpreted steps are slow: the first request is surely still decoding
-                assert any(1 in ext and max(ext) > 1 for ext in seen), f"no mixed batch among {seen}"
-            assert_pools_released(engine)
-        finally:
-            engine.shutdown()
-    assert outs["triton"] == outs["torch"], f"triton {outs['triton']} != torch {outs['torch']}"
-    return 0.0
-
-
-def graph_runner_case(arch: str) -> float:
-    """CUDA-graph mode of ``DecodeGraphRunner`` without CUDA: each bucket's "graph" re-runs the function it would
-    capture on the static batch (fixed split count, padding rows on the padding row/slot), and the start-up check
-    must find every bucket within 1e-5 (of the logits' scale) of eager Triton decode; the check's pages and rows are left clean."""
-    from common.config import ServerArgs
-    from common.engine import graph_runner
-    from common.engine.mem.kv_pool import MHATokenToKVPool
-    from common.engine.mem.req_to_token_pool import ReqToTokenPool
-    from tests.model_fixtures import load_tiny_model
-
-    class Replay:
-        def __init__(self, run: Callable[[], object]) -> None:
-            self.replay = run
-
-    class EagerCapture(graph_runner.DecodeGraphRunner):
-        def _capture(self, bs: int) -> None:
-            fn, fb = self._capture_inputs(bs)
-            out = fn(self.model, fb).clone()
-            self._graph_out[bs] = out
-            self._graphs[bs] = Replay(lambda: out.copy_(fn(self.model, fb)))  # type: ignore[assignment]
-
-    graph_runner.VERIFY_RTOL[torch.float32] = 1e-5
-    model = load_tiny_model(arch)
-    model.use_triton_kernels()  # as the CUDA runner has it
-    cfg = model.config
-    pool = MHATokenToKVPool(32, 16, torch.float32, model.num_local_kv_heads, cfg.head_dim, cfg.num_layers)
-    r2t = ReqToTokenPool(5, cfg.context_len)
-    args = ServerArgs(attention_backend="triton", cuda_graph_max_bs=4, max_running_requests=4)
-    runner = EagerCapture(args, model, pool, r2t, model.make_attn_backend("triton"), True, 0)
-    with torch.inference_mode():
-        runner.warm_up()  # raises when a bucket is off
-    assert runner.buckets == [1, 2, 4], runner.buckets
-    assert all(not buf[16:].any() for buf in pool.k_buffer + pool.v_buffer), "the check left K/V on pages >= 1"
-    assert not r2t.req_to_token.any()
-    model.use_triton_kernels(False)
-    return 0.0
+    return getattr(triton_interpreted_model_cases, name)(*args, **kwargs)
 
 
 F32, F16 = torch.float32, torch.float16
@@ -354,16 +269,17 @@ for _ps in (1, 16):
 CASES["decode-fp16-gqa4"] = lambda: decode_case(16, 4, F16)
 CASES["decode-window-split4"] = lambda: decode_case(16, 4, window=20, splits=4)
 CASES["decode-one-split"] = lambda: decode_case(16, 8, splits=1)
+CASES["decode-splits-by-length"] = decode_splits_case
 CASES["extend-fp16-gqa4"] = lambda: extend_case(16, 4, F16)
 CASES["extend-window"] = lambda: extend_case(1, 4, window=12)
 CASES["extend-tree-page16"] = lambda: extend_tree_case(16)
 CASES["extend-tree-window"] = lambda: extend_tree_case(1, window=4)
 CASES["fused-layers-fp32"] = lambda: fused_layers_case(F32)
 CASES["fused-layers-fp16"] = lambda: fused_layers_case(F16)
-CASES["model-llama-page16"] = lambda: model_case("llama", 16)
-CASES["model-mistral-window"] = lambda: model_case("mistral", 16, first_len=56)  # tiny window: 48
-CASES["engine-llama"] = engine_case
-CASES["graph-runner-llama"] = lambda: graph_runner_case("llama")
+CASES["model-llama-page16"] = lambda: _whole("model_case", "llama", 16)
+CASES["model-mistral-window"] = lambda: _whole("model_case", "mistral", 16, first_len=56)  # tiny window: 48
+CASES["engine-llama"] = lambda: _whole("engine_case")
+CASES["graph-runner-llama"] = lambda: _whole("graph_runner_case", "llama")
 
 
 def main(out_path: str) -> None:

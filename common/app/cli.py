@@ -26,8 +26,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 
 def add_make_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "mistral"), default=None, help="default: llama")
-    p.add_argument("--size", choices=("tiny", "small", "1b"), default=None,
-                   help="default: small; 1b: Llama-3.2-1B-shaped, random bf16 weights (~2 GB), for GPU benchmarks")
+    p.add_argument("--size", choices=("tiny", "small", "1b", "8b"), default=None,
+                   help="default: small; 1b: Llama-3.2-1B-shaped, random bf16 weights (~2 GB); 8b: Llama-3.1-8B-shaped, "
+                        "config and tokenizer only (serve it with --load-format dummy); for GPU benchmarks")
+    p.add_argument("--no-weights", action="store_true",
+                   help="config and tokenizer only, no model.safetensors: serve the folder with --load-format dummy")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--eagle-head", choices=("EAGLE", "EAGLE3"), default=None,
@@ -56,7 +59,8 @@ def run_make_model(ns: argparse.Namespace) -> int:
         raise ConfigError("--target is the model a draft head is for; pass it with --eagle-head")
     from common.model_gen.make_model import make_model
 
-    path = make_model(ns.arch or "llama", ns.size or "small", Path(ns.out), seed=ns.seed)
+    path = make_model(ns.arch or "llama", ns.size or "small", Path(ns.out), seed=ns.seed,
+                      weights=False if ns.no_weights else None)
     print(path)
     return 0
 

@@ -34,13 +34,8 @@ from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.engine.model.config import ModelConfig
 from common.engine.model.loader import load_model
 from common.engine.overlap import FutureTokenMap
-from common.engine.sampling.sampler import (
-    HostSample,
-    HostSampleCopy,
-    SampleOutput,
-    Sampler,
-    SamplingBatchInfo,
-)
+from common.engine.sampling.sample_output import HostSample, HostSampleCopy, SampleOutput
+from common.engine.sampling.sampler import Sampler, SamplingBatchInfo
 from common.engine.schedule_batch import ModelWorkerBatch
 from common.engine.spec.drafter import DraftKV, SpecHook
 
@@ -104,7 +99,8 @@ class ModelRunner:
         self.dtype = DTYPES[args.dtype]
         self.device = rank_device(args, dp_rank, self.tp.tp_rank)
         torch.manual_seed(args.seed)
-        self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device, tp=self.tp)
+        self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device, tp=self.tp,
+                                                   load_format=args.load_format)
         cfg = self.model_config
         kv_heads = self.model.num_local_kv_heads
         num_pages = kv_pool_pages(args, cfg, self.dtype, self.device, kv_heads)

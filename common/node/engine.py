@@ -97,7 +97,7 @@ class Engine:
         self.args = args
         self.model_path = str(resolve_model_path(args.model_path))
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model_config = ModelConfig.from_path(self.model_path)
+        self.model_config = ModelConfig.from_path(self.model_path, args.load_format)
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._states: dict[str, _RequestState] = {}
         self._lock = threading.Lock()
