@@ -31,7 +31,7 @@ DisaggregationMode = Literal["null", "prefill", "decode"]
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_order)
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_policy)
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 # A prefill node's batch delays only the prompts queued behind it: on CPU, where a forward's cost grows with its
@@ -162,7 +162,7 @@ class ServerArgs:
                                 check=at_least(1))
     schedule_conservativeness: float = flag(1.0, "> 1 reserves more KV for future tokens (fewer retractions)",
                                             group=MEMORY, check=above(0))
-    # Waiting-queue order and priority scheduling (common.engine.schedule_order; docs/scheduling.md).
+    # Waiting-queue order and priority scheduling (common.engine.schedule_policy; docs/scheduling.md).
     schedule_policy: str = flag("fcfs", "order of the waiting queue: fcfs, lpm (longest cached prefix first; fcfs "
                                 "beyond 128 waiting), dfs-weight (radix subtrees by waiting weight), lof (longest "
                                 "output first), random", group=MEMORY, choices=SCHEDULE_POLICIES)

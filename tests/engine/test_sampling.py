@@ -13,7 +13,7 @@ from common.engine.sampling import sampler as sampler_module
 from common.engine.sampling.params import SamplingParams
 from common.engine.sampling.penalties import PenaltyState
 from common.engine.sampling.sampler import Sampler, SamplingBatchInfo, draw_in_window, top_k_sorted
-from common.engine.sampling.stop import check_finished, stop_prefix_holdback, trim_stop_string
+from common.engine.sampling.stop import stop_prefix_holdback, trim_stop_string
 from common.errors import InvalidRequestError
 
 V = 64
@@ -488,8 +488,7 @@ def tokenizer() -> Tokenizer:
 def feed(req: Req, tokens: list[int], tokenizer: Tokenizer) -> int:
     """Append tokens one at a time as the scheduler does; return how many were consumed before finishing."""
     for n, t in enumerate(tokens, 1):
-        req.output_ids.append(t)
-        check_finished(req, t, tokenizer)
+        req.take_token(t, tokenizer)
         if req.finished():
             return n
     return len(tokens)

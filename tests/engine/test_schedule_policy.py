@@ -19,7 +19,7 @@ from common.engine.mem.radix_cache import RadixCache
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.engine.req import Req
 from common.engine.sampling.params import SamplingParams
-from common.engine.schedule_order import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
+from common.engine.schedule_policy import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
 from common.engine.scheduler import Scheduler
 from common.errors import ConfigError, InvalidRequestError
 from common.text.tokenizer import load_tokenizer
@@ -297,7 +297,7 @@ def test_high_priority_preempts_a_running_low_one_with_identical_outputs(llama, 
         d.run(until=lambda: len(d.outs.get("low", [])) >= 5)
         d.submit([("high", high)], priority=100, **sp)
         d.run()
-        assert d.scheduler.policy.num_preempted == 1
+        assert d.scheduler.prefill.policy.num_preempted == 1
         assert d.done == ["high", "low"], "the urgent request did not run first"
         assert not d.errors
         assert d.outs == alone.outs
@@ -339,7 +339,7 @@ def test_decode_prealloc_head_preempts_running_low_ones_with_identical_outputs(l
         alone.close()
     d = Driver(llama, **flags)
     s = d.scheduler
-    rules = s.policy
+    rules = s.prefill.policy
     queue = DecodePreallocQueue(s, SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4)), 8,  # type: ignore[arg-type]
                                 SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), rules)  # type: ignore[arg-type]
     admitted: list[Req] = []
@@ -356,7 +356,7 @@ def test_decode_prealloc_head_preempts_running_low_ones_with_identical_outputs(l
     try:
         d.submit(lows, priority=0, max_new_tokens=24)
         d.run(until=lambda: all(len(d.outs.get(rid, [])) >= 4 for rid, _ in lows))
-        running = len(s.running_batch.reqs)
+        running = len(s.decode.running_batch.reqs)
         budget = queue.allocatable_tokens(running + 1)
         assert queue.preempt_priority() == 10  # what the router is told: priority > 0 + the threshold preempts
         # short of the budget by more than the few tokens the running requests' shrinking reservation gives back
@@ -387,7 +387,7 @@ def test_decode_prealloc_preempts_once_per_urgent_request_when_slot_bound(llama)
     d = Driver(llama, enable_priority_scheduling=True, disable_radix_cache=True, max_running_requests=4)
     s = d.scheduler
     queue = DecodePreallocQueue(s, SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4)), 8,  # type: ignore[arg-type]
-                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), s.policy)  # type: ignore[arg-type]
+                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), s.prefill.policy)  # type: ignore[arg-type]
     admitted: list[Req] = []
     s.role.poll = lambda: admitted.extend(queue.pop_preallocated(0)[0])  # type: ignore[method-assign]
     try:
@@ -398,7 +398,7 @@ def test_decode_prealloc_preempts_once_per_urgent_request_when_slot_bound(llama)
             head.disagg_kv = _ResolvedReceiver()
             queue.queue.append(head)
             d.run(until=lambda head=head: head in admitted, max_steps=3)
-        assert s.policy.num_preempted == 2
+        assert s.prefill.policy.num_preempted == 2
     finally:
         for req in admitted:  # the urgent requests' KV never arrives here: give their slots and pages back
             s.tree_cache.cache_finished_req(req)
@@ -416,14 +416,14 @@ def test_decode_prealloc_does_not_preempt_within_the_threshold(llama) -> None:
     d = Driver(llama, enable_priority_scheduling=True, max_total_tokens=320, disable_radix_cache=True)
     s = d.scheduler
     queue = DecodePreallocQueue(s, SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4)), 8,  # type: ignore[arg-type]
-                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), s.policy)  # type: ignore[arg-type]
+                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), s.prefill.policy)  # type: ignore[arg-type]
     try:
         d.submit([("low", [11] * 40)], priority=0, max_new_tokens=12)
         d.run(until=lambda: len(d.outs.get("low", [])) >= 3)
         head = Req("near", [7] * (queue.allocatable_tokens(2) - PS + 1), SamplingParams(), priority=10)
         head.disagg_kv = _ResolvedReceiver()
         queue.queue.append(head)
-        assert queue.pop_preallocated(0) == ([], []) and s.policy.num_preempted == 0 and not s.preempted
+        assert queue.pop_preallocated(0) == ([], []) and s.prefill.policy.num_preempted == 0 and not s.prefill.preempted
         assert queue.preempt_priority() == 10 and not head.priority > 10
         queue.queue.clear()
         d.run()
@@ -439,7 +439,7 @@ def test_priority_within_the_threshold_does_not_preempt(llama) -> None:
         d.run(until=lambda: len(d.outs.get("low", [])) >= 3)
         d.submit([("high", [12] * 20)], priority=10, max_new_tokens=4)
         d.run()
-        assert d.scheduler.policy.num_preempted == 0
+        assert d.scheduler.prefill.policy.num_preempted == 0
         assert d.done == ["low", "high"]
     finally:
         d.close()
