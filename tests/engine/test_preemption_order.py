@@ -15,7 +15,7 @@ from common.engine.req import Req
 from common.engine.sampling.params import SamplingParams
 from decode_node.prealloc_queue import DecodePreallocQueue
 from kvtransfer.poll import KVPoll
-from tests.engine.test_schedule_policy import Driver, _ResolvedReceiver
+from tests.engine.scheduler_driver import Driver, ResolvedReceiver
 from tests.model_fixtures import make_tiny_model
 
 # Arrival order a < b < c < d; priorities mixed. The least urgent are a and c (0), the newest of them c: a victim
@@ -68,7 +68,7 @@ def _decode_queue(d: Driver) -> tuple[DecodePreallocQueue, list[Req]]:
 
 def _arrive(queue: DecodePreallocQueue, rid: str, prompt_len: int, priority: int | None = None) -> Req:
     req = Req(rid, [7] * prompt_len, SamplingParams(max_new_tokens=4), priority=priority)
-    req.disagg_kv = _ResolvedReceiver()
+    req.disagg_kv = ResolvedReceiver()
     queue.queue.append(req)
     return req
 
