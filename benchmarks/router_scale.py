@@ -1,7 +1,7 @@
 """Router at scale: 2, 8, 32 and 64 mock workers (half prefill, half decode) behind one router.
 
 Two measurements per fleet size N:
-  decide  the routing decision in this process, on one thread: ``RouterCore._route`` (candidates with free KV,
+  decide  the routing decision in this process, on one thread: ``Planner.route`` (candidates with free KV,
           the prefill policy, the decode policy, DP ranks, leases, a bootstrap room) over a registry of N workers
           holding load reports, with ``--window`` decisions outstanding (their leases released oldest first, so
           in-flight counts move). Decisions/s = decisions / wall time of that loop.
@@ -37,12 +37,13 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.router_overhead import PROMPT, _closed_loop, _cpu_s, _cpu_split, _pin, _spawn, _stop  # noqa: E402
 from common.engine.sampling.params import SamplingParams  # noqa: E402
+from common.serving.drain_rate import DrainRate  # noqa: E402
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from router.config import RouterConfig, WorkerSpec  # noqa: E402
-from router.core import RouterCore  # noqa: E402
+from router.fleet.registry import Registry  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
 from router.request import GenRequest  # noqa: E402
-from router.workers import Registry  # noqa: E402
+from router.routing.planner import Planner  # noqa: E402
 
 PAGE_SIZE = 16
 
@@ -98,7 +99,7 @@ async def measure_decisions(n_workers: int, decisions: int, window: int, kv_page
         w.set_load(worker_pb2.GetLoadResponse(page_size=PAGE_SIZE, ranks=[worker_pb2.RankLoad(
             dp_rank=0, running=rng.randrange(0, 8), waiting=rng.randrange(0, 4), free_kv_pages=free,
             total_kv_pages=kv_pages, token_usage=1 - free / kv_pages)]))
-    core = RouterCore(cfg, None, None, RouterMetrics(), registry)  # type: ignore[arg-type]  # routing only
+    planner = Planner(cfg, registry, RouterMetrics(), DrainRate())
     prompts = _prompts(512, 8, 256, rng)
     now = time.monotonic()
     reqs = [GenRequest(f"r{i}", "grpc", p, SamplingParams(max_new_tokens=64), common_pb2.SamplingParams(),
@@ -110,14 +111,11 @@ async def measure_decisions(n_workers: int, decisions: int, window: int, kv_page
     def run(n: int) -> None:
         for i in range(n):
             req = reqs[i % len(reqs)]
-            plan = core._route(req, none, len(req.input_ids))
+            plan = planner.route(req, none, len(req.input_ids))
             spread[plan.worker.address] = spread.get(plan.worker.address, 0) + 1
             outstanding.append(plan)
             if len(outstanding) > window:
-                old = outstanding.popleft()
-                for lease in old.leases:
-                    lease.release()
-                core.rooms.release(old.room)
+                planner.release(outstanding.popleft())
 
     run(min(decisions, 2000))  # warm-up: fills the prefix index
     spread.clear()
@@ -125,10 +123,7 @@ async def measure_decisions(n_workers: int, decisions: int, window: int, kv_page
     run(decisions)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     while outstanding:
-        old = outstanding.popleft()
-        for lease in old.leases:
-            lease.release()
-        core.rooms.release(old.room)
+        planner.release(outstanding.popleft())
     inflight = sum(w.inflight for w in registry)
     await registry.close()
     return {"decisions": decisions, "decisions_per_s": round(decisions / wall),

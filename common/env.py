@@ -108,7 +108,7 @@ TOKENIZE_PRELOAD = "PDCLUSTER_TOKENIZE_PRELOAD"
 
 def tokenize_preload() -> str | None:
     """The model folder whose tokenizer the router's tokenize fork server loads once (``PDCLUSTER_TOKENIZE_PRELOAD``;
-    set by the router itself, router/tokenize_pool.py), so each forked worker starts with it loaded."""
+    set by the router itself, router/tokenizer/pool.py), so each forked worker starts with it loaded."""
     return os.environ.get(TOKENIZE_PRELOAD) or None
 
 

@@ -11,7 +11,7 @@ import grpc
 
 from common import env
 from pdcluster.v1 import router_pb2, router_pb2_grpc
-from router.admin import bearer_metadata
+from router.guards.admin import bearer_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class RouterRegistrar:
         self.rpc_timeout = rpc_timeout
         self._channel = grpc.insecure_channel(router_address)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._auth = bearer_metadata(env.admin_token())  # the router's admin credential (router/admin.py)
+        self._auth = bearer_metadata(env.admin_token())  # the router's admin credential (router/guards/admin.py)
         self.registered: dict[str, WorkerInfo] = {}
 
     def register(self, w: WorkerInfo) -> None:

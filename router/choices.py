@@ -4,7 +4,8 @@
                            samples with seed + i (reproducible, and the choices differ); an unseeded one draws each
                            choice from the nodes' shared generator
                       ──> each admitted and migrated like any request, and routed to the same workers and DP ranks
-                          (one ``RoutePin``: the first routed choice's, while they can take the others), so that
+                          (one ``RoutePin``: the first routed choice's, while they can take the others:
+                          router/routing/planner.py), so that
                           - the prompt is prefilled once: on a prefill or colocated worker the others wait for it in
                             the radix cache, whatever the schedule policy (``common.engine.schedule_policy``)
                           - a decode worker receives and holds the prompt's full pages once: the others wait for the
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 from common.engine.sampling.params import for_choice
@@ -33,15 +34,6 @@ def choice_requests(req: GenRequest, n: int) -> list[GenRequest]:
         return [req]
     pinned = dataclasses.replace(req, pin=RoutePin())
     return [choice_request(pinned, i) for i in range(n)]
-
-
-def pin_fits(pin: RoutePin, failed: set[str], workers: Sequence[Any], prefills: Sequence[Any] | None = None) -> bool:
-    """Whether a choice can go where its request's first routed choice went: the same kind of plan (P/D or
-    colocated), every pinned worker still a candidate (routable, with room), and none failed this choice."""
-    if pin.worker is None or (pin.prefill is None) != (prefills is None):
-        return False
-    pinned = [(pin.worker, pin.rank, workers)] + ([(pin.prefill, pin.prefill_rank, prefills)] if prefills else [])
-    return all(w.address not in failed and rank < len(w.ranks) and w in ws for w, rank, ws in pinned)
 
 
 def choice_request(req: GenRequest, i: int) -> GenRequest:

@@ -10,11 +10,11 @@ from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
 from common.flags import Check, above, at_least, check_flags, flag, tcp_port
 from common.tls import TlsFiles
-from router.tool_calls import TOOL_CALL_PARSERS
 
 Role = Literal["prefill", "decode", "colocated"]
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
 MUX_TRANSPORTS = ("socket", "grpc")
+TOOL_CALL_PARSERS = ("llama3", "hermes", "qwen25")  # router/openai/tool_calls.py reads each
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class RouterConfig:
     # Failures.
     max_retries: int = flag(3, "extra attempts after attempts that failed before producing a token", group=FAILURES,
                             check=at_least(0))
-    # The next attempt continues from the tokens so far (router/core.py).
+    # The next attempt continues from the tokens so far (router/attempts/recovery.py).
     max_migrations: int = flag(2, "times a request whose decode/colocated leg failed after producing tokens "
                                "continues on another worker from those tokens (0: fail it)", group=FAILURES,
                                check=at_least(0))
@@ -130,7 +130,7 @@ class RouterConfig:
     retry_backoff_max_s: float = 1.0
     request_timeout_s: float = flag(300.0, "deadline of a request without a client deadline, seconds",
                                     group=FAILURES, name="request-timeout", check=above(0))
-    # router/core.py _plan: a request is held while no decode worker's last report has room for it.
+    # router/routing/planner.py Planner.plan: a request is held while no decode worker's last report has room for it.
     admission_wait_s: float = flag(30.0, "seconds a request waits for a decode worker to report room for it (never "
                                    "sent to one whose last report says it cannot admit); then 429, never past its "
                                    "deadline", group=FAILURES, name="admission-wait", check=at_least(0))
@@ -155,12 +155,12 @@ class RouterConfig:
     max_n: int = flag(8, "most choices (n) one OpenAI request may ask for; each choice is served as its own request "
                       "(seed + i)", group=LIMITS, check=at_least(1))
     # Prompts (text, or all chat message contents) over tokenize_inline_bytes UTF-8 bytes are tokenized in one of
-    # tokenize_workers processes (router/tokenize_pool.py), never on the event loop.
+    # tokenize_workers processes (router/tokenizer/pool.py), never on the event loop.
     tokenize_workers: int = flag(2, "processes that tokenize prompts over --tokenize-inline-bytes off the event loop "
                                  "(0: all inline)", group=LIMITS, check=at_least(0))
     tokenize_inline_bytes: int = flag(4 << 10, "prompts up to this many UTF-8 bytes are tokenized on the event loop",
                                       group=LIMITS, check=at_least(0))
-    # Tokenizer caches (router/tokenize_cache.py), named as sglang-router's. L0 lives in the router process (prompts
+    # Tokenizer caches (router/tokenizer/cache.py), named as sglang-router's. L0 lives in the router process (prompts
     # tokenized inline); L1 there and in each tokenize worker, each bounded by --tokenizer-cache-l1-max-memory.
     tokenizer_cache_enable_l0: bool = flag(False, "cache the token ids of whole prompts (exact text, up to 8192 "
                                            "characters, least recently used dropped first)", group=TOKENIZER)
@@ -183,10 +183,10 @@ class RouterConfig:
     mux_transport: str = flag("socket", "request legs to a node: socket (its Mux socket when it offers one, else its "
                               "gRPC Mux stream) or grpc (always the gRPC stream, e.g. through a proxy that passes "
                               "only HTTP/2)", group=PROCESS, choices=MUX_TRANSPORTS)
-    # Admin RPCs and internal HTTP views need this bearer token (router/admin.py); "" refuses them all.
+    # Admin RPCs and internal HTTP views need this bearer token (router/guards/admin.py); "" refuses them all.
     admin_token: str = field(default_factory=env.admin_token, repr=False)
-    # Generation and model calls need one of these bearer keys, or the admin token (router/client_auth.py); none
-    # leaves them open. A key may carry its own priority ceiling (router/priority_policy.py).
+    # Generation and model calls need one of these bearer keys, or the admin token (router/guards/client_auth.py); none
+    # leaves them open. A key may carry its own priority ceiling (router/intake/priority_policy.py).
     api_keys: tuple[env.ClientKey, ...] = field(default_factory=env.api_keys, repr=False)
     max_client_priority: int | None = flag(None, "the most urgent priority a client may ask for (a larger value is "
                                            "more urgent, a smaller one when the decode nodes run "

@@ -1,4 +1,5 @@
-"""``pdcluster.v1.Router`` servicer: proto <-> internal types at the boundary; the work is in ``RouterService``."""
+"""``pdcluster.v1.Router`` servicer: proto <-> internal types at the boundary; a request's work is in the request
+pipeline (router/pipeline.py), worker administration in ``RouterService``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import grpc
 
 from common.errors import InvalidRequestError, PdclusterError
 from pdcluster.v1 import router_pb2, router_pb2_grpc
-from router.choices import choice_requests, merge_choices
 from router.errors import retry_after_of, status_of
 from router.request import ClientRequest, Delta, Final
 from router.service import RouterService
@@ -90,6 +90,7 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, service: RouterService) -> None:
         self.service = service
+        self.pipeline = service.pipeline
         # request ids: a random per-process prefix + a counter (unique across replicas; no uuid4 per request)
         self._rid_prefix = f"gen-{uuid.uuid4().hex[:12]}-"
         self._rid_seq = itertools.count()
@@ -111,7 +112,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not 1 <= n <= self.service.cfg.max_n:
                 raise InvalidRequestError(
                     f"n must be between 1 and {self.service.cfg.max_n} on this router (--max-n), got {n}")
-            req = await self.service.build(ClientRequest(
+            req = await self.pipeline.admit(ClientRequest(
                 rid=request.request_id or f"{self._rid_prefix}{next(self._rid_seq)}",
                 api="grpc",
                 sampling=sampling_from_proto(request),
@@ -125,8 +126,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 max_tokens_field="sampling_params.max_new_tokens",
                 **kw,
             ))
-            choices = choice_requests(req, n)
-            async with contextlib.aclosing(merge_choices([self.service.generate(c) for c in choices])) as events:
+            async with contextlib.aclosing(self.pipeline.serve(req, n)) as events:
                 async for i, ev in events:
                     if isinstance(ev, Delta):
                         yield router_pb2.RouterGenerateResponse(

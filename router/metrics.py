@@ -13,7 +13,7 @@ from prometheus_client.registry import Collector
 
 from common.serving.gap_histogram import GapHistogram
 from common.serving.loop_counter import LoopCounter
-from router.tokenize_cache import TokenizerCache
+from router.tokenizer.cache import TokenizerCache
 
 # Latency buckets from 1 ms to 2 min; ITL buckets finer at the low end.
 LATENCY_BUCKETS = (

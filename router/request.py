@@ -30,18 +30,15 @@ class ClientRequest:
     max_tokens_field: str = "max_tokens"  # the API's name for max_new_tokens, in error messages
     default_max_tokens: int | None = None  # None: "up to the context" (chat)
     priority: int | None = None  # priority scheduling on the nodes (None: the least urgent)
-    authorization: str | None = None  # the client's bearer header: its priority ceiling (router/priority_policy.py)
+    authorization: str | None = None  # the client's bearer: its priority ceiling (router/intake/priority_policy.py)
 
 
 @dataclass(slots=True)
 class RoutePin:
     """Where the choices of one ``n > 1`` request go (``router.choices``): the first one routed records its workers
-    and DP ranks, the others follow while those can take them. ``prefill`` None: a colocated worker."""
+    and DP ranks, the others follow while those can take them."""
 
-    worker: Any = None  # ``router.workers.Worker``: decode or colocated; None until the first choice is routed
-    rank: int = 0
-    prefill: Any = None
-    prefill_rank: int = 0
+    picks: list[tuple[Any, int]] = field(default_factory=list)  # (``Worker``, DP rank): P then D, or one colocated
 
 
 @dataclass(slots=True)
@@ -69,8 +66,8 @@ class GenRequest:
 
 
 class DeltaSink(Protocol):
-    """A client stream that can take a delta synchronously (the HTTP gateway's SSE writer). The router core gives it
-    the deltas of the tokens a leg's sink took while the request's task waited (``router/legs.py``); the others,
+    """A client stream that can take a delta synchronously (the HTTP gateway's SSE writer). An attempt gives it the
+    deltas of the tokens a leg's sink took while the request's task waited (``router/attempts/run.py``); the others,
     and every delta while ``ready`` is False, still go through the request's event stream, in order."""
 
     def ready(self) -> bool: ...
@@ -98,7 +95,7 @@ class Final:
     completion_tokens: int
     cached_tokens: int
     served_by: str
-    timing: dict[str, Any]  # router/output.py ``OutputState.finish`` documents the keys
+    timing: dict[str, Any]  # router/attempts/output.py ``OutputState.finish`` documents the keys
     matched_token: int | None = None
     matched_stop: str | None = None
     logprobs: list[float] = field(default_factory=list)

@@ -13,12 +13,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdcluster.v1 import router_pb2, router_pb2_grpc
-from router.admin import AdminInterceptor
-from router.client_auth import ApiKeyInterceptor
 from router.config import RouterConfig
-from router.grpc_guard import ParseGuard
 from router.grpc_service import RouterServicer
-from router.http_gateway import HttpGateway
+from router.guards.admin import AdminInterceptor
+from router.guards.client_auth import ApiKeyInterceptor
+from router.guards.grpc_guard import ParseGuard
+from router.openai.gateway import HttpGateway
 from router.service import RouterService
 
 logger = logging.getLogger(__name__)

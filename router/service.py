@@ -1,25 +1,24 @@
-"""``RouterService``: the router's state and plain functions behind both client APIs (gRPC and HTTP)."""
+"""``RouterService``: the router's parts, built once (tokenizer, input processing, the worker registry and its
+monitor, the request pipeline, the drain), and the plain functions behind both APIs' worker administration. Both
+client APIs (gRPC and HTTP) send requests through ``pipeline`` (router/pipeline.py)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from common.errors import InvalidRequestError
 from common.text.tokenizer import load_tokenizer, resolve_model_path
 from router.config import Role, RouterConfig, WorkerSpec
-from router.core import RouterCore
 from router.drain import Drain
-from router.errors import OverloadedError
-from router.inputs import InputProcessor, Tokenizer, config_context_len
+from router.fleet.monitor import Monitor
+from router.fleet.registry import Registry
+from router.intake.inputs import InputProcessor, config_context_len
 from router.metrics import RouterMetrics
-from router.monitor import Monitor
-from router.priority_policy import PriorityPolicy
-from router.request import ClientRequest, Delta, Final, GenRequest
-from router.tokenize_pool import TokenizePool
-from router.workers import Registry
+from router.pipeline import RequestPipeline
+from router.tokenizer.pool import TokenizePool
+from router.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +46,9 @@ class RouterService:
         )
         if tokenizer.cache is not None:
             self.metrics.watch_tokenizer_cache(tokenizer.cache)
-        self.core = RouterCore(cfg, self.inputs, hf, self.metrics, self.registry)
-        self.monitor = Monitor(cfg, self.registry, self.metrics, self._infos_changed)
         self.drain = Drain()
-        self.priorities = PriorityPolicy(cfg)
+        self.pipeline = RequestPipeline(cfg, self.inputs, self.registry, self.metrics, self.drain)
+        self.monitor = Monitor(cfg, self.registry, self.metrics, self._infos_changed)
 
     @property
     def client_secrets(self) -> tuple[str, ...]:
@@ -65,29 +63,10 @@ class RouterService:
 
     async def stop(self) -> None:
         await self.monitor.stop()
-        await self.core.aborter.drain(self.cfg.rpc_timeout_s)
-        self.core.failures.close()
-        self.core.aborter.failures.close()
+        await self.pipeline.stop()
         await self.registry.close()
         if self.inputs.pool is not None:
             await self.inputs.pool.close()
-
-    async def build(self, client: ClientRequest) -> GenRequest:
-        """``client`` tokenized and checked, unless the router is full: then refused at once, before tokenizing
-        (router/admission.py)."""
-        try:
-            with self.core.admission.tokenizing_one(len(self.core.active)):
-                client.priority = self.priorities.admit(
-                    client.priority, client.authorization, self.registry.low_priority_values_first())
-                return await self.inputs.build(client)
-        except OverloadedError:
-            self.metrics.requests.labels(client.api, "overloaded").inc()
-            raise
-
-    def generate(self, req: GenRequest) -> AsyncIterator[Delta | Final]:
-        """Deltas (streaming requests only), then exactly one Final; or raises a typed error. Refused while the
-        router drains (router/drain.py)."""
-        return self.drain.guard(req.rid, self.core.generate(req))
 
     def _infos_changed(self) -> None:
         self.inputs.worker_context_len = self.registry.context_len()
@@ -108,7 +87,7 @@ class RouterService:
     def deregister(self, address: str) -> bool:
         found = self.registry.remove(address)
         if found:
-            self.core.forget_worker(address)
+            self.pipeline.planner.forget_worker(address)
             self._infos_changed()
         return found
 

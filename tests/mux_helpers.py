@@ -16,7 +16,7 @@ from common.node.front import WorkerServicer
 from common.testing.mock_config import MockConfig
 from common.testing.mock_worker import MockWorker
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from router.mux import MuxLink
+from router.mux.link import MuxLink
 
 
 def gen_req(rid: str, ids: list[int], n: int = 4) -> worker_pb2.GenerateRequest:

@@ -5,6 +5,8 @@
 - inside ``common``, the rooms import downwards only: ``engine`` knows nothing of the node front, the wire or the
   commands; ``wire``, ``text`` and ``serving`` know only the shared modules at ``common``'s top;
 - ``common``'s top holds only basics, which import none of its rooms (its sub-packages);
+- the router's rooms import downwards only (mux, tokenizer, guards <- fleet <- routing <- attempts; intake, openai)
+  and none imports the entries at the router's top;
 - no two modules of the project import each other, directly or around a longer circle, counting every import that
   runs or is read when a module loads (module level, under ``if``/``try``, ``if TYPE_CHECKING:`` included); an
   import inside a function body is not counted.
@@ -23,6 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("prefill_node", "decode_node", "router")
 PROJECT_PACKAGES = (*ROLES, "common", "kvtransfer", "deploy", "benchmarks", "tests")
 
+ROUTER_ROOMS = ("router.mux", "router.fleet", "router.routing", "router.attempts", "router.intake", "router.tokenizer",
+                "router.openai", "router.guards")
+ROUTER_ENTRIES = ("router.pipeline", "router.service", "router.server", "router.grpc_service", "router.cli",
+                  "router.testing")
+
+
+def other_rooms(room: str) -> tuple[str, ...]:
+    return tuple(r for r in ROUTER_ROOMS if r != room)
+
+
 # package (or room) -> top-level names and common rooms it must never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "prefill_node": ("decode_node", "router", "deploy", "benchmarks"),
@@ -36,6 +48,21 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "common/node": ("common.app", "common.testing"),
     "common/serving": ("common.engine", "common.node", "common.wire", "common.text", "common.app", "common.testing",
                        "common.model_gen"),
+    # The router's rooms import downwards only: mux, tokenizer and guards know no other room; fleet (over mux) knows
+    # nothing of routing; routing (over fleet) nothing of attempts; intake and openai nothing of the fleet. No room
+    # imports the entries at the router's top (the pipeline, the service, the servers, the CLI).
+    "router/mux": (*other_rooms("router.mux"), *ROUTER_ENTRIES),
+    "router/tokenizer": (*other_rooms("router.tokenizer"), *ROUTER_ENTRIES),
+    "router/guards": (*other_rooms("router.guards"), *ROUTER_ENTRIES),
+    "router/fleet": ("router.routing", "router.attempts", "router.intake", "router.openai", "router.guards",
+                     "router.tokenizer", *ROUTER_ENTRIES),
+    "router/routing": ("router.attempts", "router.intake", "router.openai", "router.guards", "router.tokenizer",
+                       *ROUTER_ENTRIES),
+    "router/attempts": ("router.intake", "router.openai", "router.guards", "router.tokenizer", *ROUTER_ENTRIES),
+    "router/intake": ("router.mux", "router.fleet", "router.routing", "router.attempts", "router.openai",
+                      *ROUTER_ENTRIES),
+    "router/openai": ("router.mux", "router.fleet", "router.routing", "router.attempts", "router.intake",
+                      "router.tokenizer", "router.server", "router.grpc_service", "router.cli", "router.testing"),
 }
 
 

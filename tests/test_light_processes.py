@@ -16,7 +16,7 @@ HEAVY = ("torch", "transformers")
 PROCESS_MODULES = {
     "node front": ["common.node.serve", "common.node.front", "common.node.sglang_http", "prefill_node.servicer",
                    "decode_node.servicer"],
-    "router": ["router.server", "router.service", "router.tokenize_worker"],
+    "router": ["router.server", "router.service", "router.tokenizer.worker"],
     "pdcluster command and up supervisor": ["common.app.cli", "common.app.up", "common.app.up_args", "common.app.supervisor"],
 }
 

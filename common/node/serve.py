@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 NODE_SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
-    # The router pings every 10 s while it holds a Mux stream (router/workers.py CHANNEL_OPTIONS): accept that
+    # The router pings every 10 s while it holds a Mux stream (router/fleet/worker.py CHANNEL_OPTIONS): accept that
     # (gRPC's default minimum is 5 min; more frequent pings would get the connection closed as abusive).
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),

@@ -10,7 +10,7 @@ class EventStreamResponse(web.StreamResponse):
     holds the head back until the first body write when ``_send_headers_immediately`` is False, as its
     ``web.Response`` does. An aiohttp without that switch sends the head at ``prepare``, as before.
 
-    Invariant: nothing may be written into the transport past aiohttp's writer (``router.sse.SseSink``) until a write
+    Invariant: nothing may be written into the transport past aiohttp's writer (``router.openai.sse.SseSink``) until a write
     through the response went out, or it would precede the head."""
 
     _send_headers_immediately = False

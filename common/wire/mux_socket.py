@@ -30,7 +30,7 @@ HELLO_TIMEOUT_S = 5.0  # for the router's hello on a new connection, and for the
 MAX_FRAME_BYTES = FRAME_BYTES + (256 << 10)  # a frame's messages stop at FRAME_BYTES; room for their envelopes
 # A host that stops answering (gone, partitioned) loses the connection within about 15 s at the TCP level: idle
 # probes, and a bound on unacknowledged data. (A stopped process whose kernel still answers is the router's
-# application-level keepalive's job: router/mux.py SocketMuxIO.)
+# application-level keepalive's job: router/mux/io.py SocketMuxIO.)
 TCP_OPTIONS = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 1), ("TCP_USER_TIMEOUT", 15_000))
 _HEADER = struct.Struct(">I")
 

@@ -91,9 +91,9 @@ async def test_decode_killed_mid_stream_migrates_token_identical(model_path) -> 
             assert logprobs == pytest.approx(list(base[-1].complete.logprobs), abs=1e-3)
             assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(PROMPT), N)
             survivor = d2 if victim is d1 else d1
-            names = {a: w.name for a, w in server.service.core.registry.workers.items()}
+            names = {a: w.name for a, w in server.service.registry.workers.items()}
             assert done.served_by.endswith(names[survivor.addr]) and done.attempts == 2
-            timing = server.service.core.timings.get("victim")
+            timing = server.service.pipeline.timings.get("victim")
             assert timing is not None and timing["migrations"] == 1
             (mig,) = timing["migrated"]
             assert mig["failed"] == names[victim.addr] and mig["leg"] == "decode"

@@ -54,7 +54,7 @@ def test_no_secret_value_is_committed(overlay: str) -> None:
 
 
 def router_admin_token_ref(docs: list[dict[str, Any]]) -> dict[str, str]:
-    """Where the router's admin token comes from: PDCLUSTER_ADMIN_TOKEN, else the cluster secret (router/admin.py)."""
+    """Where the router's admin token comes from: PDCLUSTER_ADMIN_TOKEN, else the cluster secret (router/guards/admin.py)."""
     (router,) = [c for t in pod_templates(docs) for c in t.spec["containers"] if c["name"] == "router"]
     assert not any(a.startswith("--admin-token") for a in (*router.get("command", []), *router.get("args", [])))
     env = {e["name"]: e for e in router.get("env", [])}

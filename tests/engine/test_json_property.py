@@ -10,7 +10,7 @@ from typing import Any
 
 import jsonschema
 
-from router.tool_calls import plan_of
+from router.openai.tool_calls import plan_of
 from tests.engine.test_structured_output import run_all
 
 PROPERTY_SCHEMAS: list[dict[str, Any]] = [
@@ -83,7 +83,7 @@ def test_every_sampled_required_tool_call_parses_and_validates(engine_factory, m
 
 
 def test_calls_to_functions_with_unbounded_values_complete(engine_factory, model_path) -> None:
-    """Integers, strings and arrays without bounds: the call grammars bound them (router/tool_calls.py), so a call
+    """Integers, strings and arrays without bounds: the call grammars bound them (router/openai/tool_calls.py), so a call
     ends however long the model would write. The model is kept from ever ending a value itself (every token with a
     quote, comma or bracket is biased to -100): only the grammar's bounds end them."""
     params = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"},

@@ -11,7 +11,7 @@ from common.node.convert import token_out_to_proto
 from common.node.metrics import observe_final
 from pdcluster.v1 import common_pb2
 from router.grpc_service import final_to_proto
-from router.openai_protocol import extension_of
+from router.openai.responses import extension_of
 from router.request import Final
 
 

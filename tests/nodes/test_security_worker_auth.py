@@ -9,7 +9,7 @@ import pytest
 from common.node.worker_mux import MuxServing
 from common.wire.worker_auth import WorkerAuthInterceptor, aio_worker_channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
-from router.mux import MuxLink
+from router.mux.link import MuxLink
 
 
 class _Servicer(MuxServing, worker_pb2_grpc.WorkerServicer):

@@ -1,11 +1,11 @@
-"""``cache_aware`` with hierarchical caches (``router.cache_tiers``): a rank's host tier keeps its routed prefixes
+"""``cache_aware`` with hierarchical caches (``router.routing.cache_tiers``): a rank's host tier keeps its routed prefixes
 in the index longer, a prefix is scored by the tier it likely sits in (device > host > a shared store), and a store
 shared by ranks makes a prefix routed to one a hit on the others."""
 
 from __future__ import annotations
 
 from pdcluster.v1 import worker_pb2
-from router.policies import RouteHint, make_policy
+from router.routing.policies import RouteHint, make_policy
 from tests.router.test_router_units import CFG, worker
 
 BLOCK = 4  # CFG.prefix_block_tokens; the workers' page size is 4 too

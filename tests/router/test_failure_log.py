@@ -74,7 +74,7 @@ def test_kinds_held_at_once_are_bounded(caplog: pytest.LogCaptureFixture, monkey
 
 
 async def test_an_outage_logs_its_first_failure_then_a_count(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="router.core")
+    caplog.set_level(logging.WARNING, logger="router.pipeline")
     async with fleet(prefill=1, decode=1) as f:
         await f.prefill[0].stop()
         await eventually(lambda: not any(w.healthy for w in f.server.service.registry if w.role == "prefill"))
@@ -85,7 +85,7 @@ async def test_an_outage_logs_its_first_failure_then_a_count(caplog: pytest.LogC
                 await client.completions.create(model="mock-model", prompt="hi", max_tokens=2)
 
         await asyncio.gather(*(fail() for _ in range(20)))
-    lines = [r.getMessage() for r in caplog.records if r.name == "router.core"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.pipeline"]
     assert len(lines) == 2, lines  # the first request's line, and the count the router's stop wrote
     assert "failed: UNAVAILABLE: no routable prefill worker" in lines[0]
     assert lines[1].startswith("19 more requests failed the same way")
@@ -95,7 +95,7 @@ async def test_aborts_that_fail_alike_log_once_then_a_count(caplog: pytest.LogCa
     """Every abort sent to a stalled node fails the same way: one line, then a count, not a line per request."""
     import grpc
 
-    from router.legs import Aborter
+    from router.attempts.legs import Aborter
     from router.metrics import RouterMetrics
 
     class _Stub:
@@ -106,13 +106,13 @@ async def test_aborts_that_fail_alike_log_once_then_a_count(caplog: pytest.LogCa
     class _Worker:
         address, role, stub = "127.0.0.1:1", "prefill", _Stub()
 
-    caplog.set_level(logging.WARNING, logger="router.legs")
+    caplog.set_level(logging.WARNING, logger="router.attempts.legs")
     aborter = Aborter(1.0, RouterMetrics())
     for i in range(30):
         aborter.abort(_Worker(), f"r{i}")  # type: ignore[arg-type]
     await aborter.drain(5.0)
     aborter.failures.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "router.legs"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.attempts.legs"]
     assert lines == ["[rid=r0] Abort failed: DEADLINE_EXCEEDED: on 127.0.0.1:1: Deadline Exceeded",
                      "29 more Abort calls failed the same way within 10 s (the last: rid=r29): DEADLINE_EXCEEDED: "
                      "on 127.0.0.1:1: Deadline Exceeded"], lines

@@ -23,9 +23,9 @@ from common.testing.mock_worker import MockWorker
 from common.wire import mux_socket
 from common.wire.mux_socket import FrameConnection, FrameError, connect
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
-from router import mux as router_mux
 from router.cli import add_router_args, config_from_args
 from router.config import RouterConfig
+from router.mux import io as router_mux
 from router.testing import eventually, fleet
 from tests.mux_helpers import gen_req, linked, read_all
 
@@ -50,7 +50,7 @@ async def test_router_legs_ride_the_offered_socket_unless_told_grpc(transport: s
             assert "Prefill" not in methods and "Decode" not in methods
         listed = {s["address"]: s for s in f.server.service.list_workers()}
         assert {(s["legs_transport"], s["mux_socket_error"]) for s in listed.values()} == {(transport, "")}
-        assert f.server.service.core.rooms.in_flight == set()
+        assert f.server.service.pipeline.planner.rooms.in_flight == set()
 
 
 async def test_an_unreachable_socket_leaves_the_legs_on_the_grpc_stream() -> None:

@@ -119,3 +119,16 @@ async def test_n_choices_go_to_one_prefill_and_one_decode_rank() -> None:
                     where.setdefault(rec["rid"].rsplit("-", 1)[0], set()).add((i, rec["rank"]))
             assert sorted(where) == ["pin-a", "pin-b"], where
             assert all(len(places) == 1 for places in where.values()), where
+
+
+async def test_n_choices_go_to_one_colocated_rank() -> None:
+    """Without a P/D pair the choices share one colocated worker and DP rank (``RoutePin`` with one pick), though the
+    policy alone would spread them."""
+    async with fleet(prefill=0, decode=0, colocated=2, common={"dp_size": 2}, prefill_policy="round_robin") as f, \
+            aiohttp.ClientSession() as http:
+        body = {"model": "mock-model", "prompt": "hello there", "max_tokens": 3, "n": 4, "seed": 5}
+        async with http.post(f.server.http_url + "/v1/completions", json=body, headers={"X-Request-ID": "pin-c"}) as r:
+            assert r.status == 200, await r.text()
+        places = {(i, rec["rank"]) for i, w in enumerate(f.colocated) for rec in w.received("generate")}
+        assert len(places) == 1, places
+        assert sum(len(w.received("generate")) for w in f.colocated) == 4

@@ -1,4 +1,4 @@
-"""The OpenAI surface's fields (router/openai_fields.py): unknown ones are a 400 naming them, harmless ones are
+"""The OpenAI surface's fields (router/openai/fields.py): unknown ones are a 400 naming them, harmless ones are
 accepted, refused ones are a 400 unless they hold their no-op value, and vLLM's guided_* fields map onto the grammar
 engine."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from common.errors import InvalidRequestError
-from router import openai_fields
-from router import openai_protocol as oai
+from router.openai import fields as openai_fields
+from router.openai import protocol as oai
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -100,7 +100,7 @@ async def test_router_inflight_limit_answers_429() -> None:
     async with fleet(prefill=1, decode=1, common={"itl": 0.05}, max_inflight_requests=2) as f:
         stub = f.stub()
         running = [asyncio.ensure_future(_collect(stub, gen(f"slow{i}", n=20))) for i in range(2)]
-        await eventually(lambda: len(f.server.service.core.active) == 2)
+        await eventually(lambda: len(f.server.service.pipeline.active) == 2)
         async with aiohttp.ClientSession() as s:
             body = {"model": "mock-model", "prompt": "hi", "max_tokens": 2}
             async with s.post(f.server.http_url + "/v1/completions", json=body) as r:

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from common.serving.drain_rate import DrainRate
-from router.admission import Admission
 from router.errors import OverloadedError
+from router.intake.admission import Admission
 from router.testing import eventually, fleet
 
 CORPUS = (Path(__file__).resolve().parents[2] / "common" / "model_gen" / "corpus.txt").read_text().split()

@@ -11,9 +11,9 @@ import tracemalloc
 
 from pdcluster.v1 import worker_pb2
 from router.config import RouterConfig, WorkerSpec
-from router.policies import RouteHint, make_policy
-from router.prefix_index import PrefixIndex, block_hashes
-from router.workers import Lease, Worker
+from router.fleet.worker import Lease, Worker
+from router.routing.policies import RouteHint, make_policy
+from router.routing.prefix_index import PrefixIndex, block_hashes
 
 CFG = RouterConfig(workers=(), prefix_block_tokens=16)
 

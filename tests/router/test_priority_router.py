@@ -15,7 +15,7 @@ from common.env import ClientKey
 from common.errors import InvalidRequestError
 from pdcluster.v1 import common_pb2, router_pb2
 from router.config import RouterConfig
-from router.priority_policy import PriorityPolicy
+from router.intake.priority_policy import PriorityPolicy
 from router.testing import fleet
 
 

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from pdcluster.v1 import worker_pb2
-from router.admission import hold_order
+from router.fleet.facts import fleet_problem
+from router.routing.hold import hold_order
 from router.testing import eventually, fleet
-from router.worker_facts import fleet_problem
 
 
 def _decodes_sent(f) -> int:  # type: ignore[no-untyped-def]
@@ -50,7 +50,7 @@ async def test_a_request_no_decode_worker_can_admit_gets_429_after_the_admission
 
 async def _hold(f, client, priorities: list[int | None]) -> list[asyncio.Future]:  # type: ignore[no-untyped-def]
     """Send one request per priority (request i asks for 2 + i tokens), each held before the next is sent."""
-    held = f.server.service.core.held
+    held = f.server.service.pipeline.planner.held
     tasks = []
     for i, priority in enumerate(priorities):
         extra = {} if priority is None else {"extra_body": {"priority": priority}}
@@ -101,7 +101,7 @@ async def test_a_held_request_behind_a_more_urgent_one_still_gets_its_clear_erro
             with pytest.raises(openai.RateLimitError) as e:
                 await asyncio.wait_for(t, 10)
             assert "--admission-wait" in str(e.value) and int(e.value.response.headers["Retry-After"]) >= 1
-        assert len(f.server.service.core.held) == 0 and _decodes_sent(f) == 0
+        assert len(f.server.service.pipeline.planner.held) == 0 and _decodes_sent(f) == 0
     async with fleet(prefill=1, decode=[{"admissible_tokens": 0}], admission_wait_s=30.0,
                      request_timeout_s=0.8) as f:
         reg = f.server.service.registry
@@ -111,7 +111,7 @@ async def test_a_held_request_behind_a_more_urgent_one_still_gets_its_clear_erro
             with pytest.raises(openai.APIStatusError) as e:
                 await asyncio.wait_for(t, 10)
             assert e.value.status_code == 504 and "request deadline exceeded while" in str(e.value)
-        assert len(f.server.service.core.held) == 0 and _decodes_sent(f) == 0
+        assert len(f.server.service.pipeline.planner.held) == 0 and _decodes_sent(f) == 0
 
 
 def test_decode_workers_that_disagree_on_the_priority_order_are_refused() -> None:

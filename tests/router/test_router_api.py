@@ -13,7 +13,7 @@ from common.testing.mock_fleet import shared_model_dir
 from common.testing.mock_requests import fake_tokens
 from common.text.tokenizer import load_tokenizer
 from pdcluster.v1 import common_pb2, router_pb2
-from router.admin import bearer_metadata
+from router.guards.admin import bearer_metadata
 from router.testing import eventually, fleet
 
 ADMIN = bearer_metadata(os.environ["PDCLUSTER_CLUSTER_TOKEN"])  # the router's admin token defaults to it

@@ -1,4 +1,4 @@
-"""The registry's incremental routing views (router/candidates.py): after any sequence of worker changes they answer
+"""The registry's incremental routing views (router/fleet/candidates.py): after any sequence of worker changes they answer
 exactly what a scan of every worker answers - routable workers (health, membership, errors, removal, circuit
 breaker with its clock, draining-by-removal) and the KV bound that lets a decision skip the per-worker KV filter."""
 
@@ -9,9 +9,8 @@ import random
 
 from pdcluster.v1 import worker_pb2
 from router.config import RouterConfig, WorkerSpec
-from router.core import RouterCore
-from router.metrics import RouterMetrics
-from router.workers import Lease, Registry, Worker
+from router.fleet.registry import Registry
+from router.fleet.worker import Lease, Worker
 
 PAGE = 4
 CFG = RouterConfig(cb_failure_threshold=2, cb_open_s=10.0)
@@ -119,19 +118,18 @@ async def test_candidates_filter_kv_by_prompt_length_and_failed_workers() -> Non
     a, b, c = (_ready(reg, "decode", p) for p in (1, 2, 3))
     for w, free in ((a, 100), (b, 10), (c, 100)):
         w.set_load(worker_pb2.GetLoadResponse(page_size=PAGE, ranks=[_report(free)]))
-    core = RouterCore(CFG, None, None, RouterMetrics(), reg)  # type: ignore[arg-type]  # routing only
-    assert core._candidates("decode", set(), 40) == [a, b, c]  # 10 pages hold 40 tokens
-    assert core._candidates("decode", set(), 41) == [a, c]  # one token more: b cannot hold it
-    assert core._candidates("decode", {a.address}, 41) == [c]
+    assert reg.candidates("decode", set(), 40) == [a, b, c]  # 10 pages hold 40 tokens
+    assert reg.candidates("decode", set(), 41) == [a, c]  # one token more: b cannot hold it
+    assert reg.candidates("decode", {a.address}, 41) == [c]
     # The only one not failed cannot hold it: a failed one that can is tried again (b's report says no room).
-    assert core._candidates("decode", {a.address, c.address}, 41) == [a, c]
+    assert reg.candidates("decode", {a.address, c.address}, 41) == [a, c]
     lease = Lease(c, c.ranks[0], tokens=400, pages=95)  # c has 5 left until its next report
-    assert core._candidates("decode", set(), 41) == [a]
+    assert reg.candidates("decode", set(), 41) == [a]
     c.set_load(worker_pb2.GetLoadResponse(page_size=PAGE, ranks=[_report(100)]))  # the report includes them
-    assert core._candidates("decode", set(), 41) == [a, c]
+    assert reg.candidates("decode", set(), 41) == [a, c]
     lease.release()
     b.healthy = False
-    assert core._candidates("decode", set(), 41) == [a, c]
+    assert reg.candidates("decode", set(), 41) == [a, c]
     await reg.close()
 
 

@@ -66,7 +66,7 @@ async def test_sigterm_drains_streams_refuses_new_ones_then_aborts_the_rest() ->
         p, d = f.prefill[0], f.decode[0]
         await eventually(lambda: "long" in p.aborts and "long" in d.aborts)  # both legs, through the abort path
         await asyncio.wait_for(serving, 10)
-        assert "short" not in d.aborts and not d.active and f.server.service.core.active == set()
+        assert "short" not in d.aborts and not d.active and f.server.service.pipeline.active == set()
 
 
 def test_drain_timeout_flag_reaches_the_config_and_is_checked() -> None:

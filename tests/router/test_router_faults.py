@@ -88,8 +88,8 @@ async def test_client_cancel_mid_stream_aborts_both_legs() -> None:
         call.cancel()
         p, d = f.prefill[0], f.decode[0]
         await eventually(lambda: "cancel-me" in p.aborts and "cancel-me" in d.aborts)
-        await eventually(lambda: not d.active and f.server.service.core.active == set())
-        assert f.server.service.core.rooms.in_flight == set()
+        await eventually(lambda: not d.active and f.server.service.pipeline.active == set())
+        assert f.server.service.pipeline.planner.rooms.in_flight == set()
 
 
 async def test_http_client_disconnect_aborts_both_legs() -> None:
@@ -222,7 +222,7 @@ async def test_concurrent_requests_get_unique_rooms_and_finish() -> None:
         assert all(r.usage.completion_tokens == 2 for r in rs)
         rooms = [r["room"] for w in f.prefill for r in w.received("prefill")]
         assert len(rooms) == 64 == len(set(rooms))
-        assert f.server.service.core.rooms.in_flight == set()
+        assert f.server.service.pipeline.planner.rooms.in_flight == set()
         assert all(w.inflight == 0 for w in f.server.service.registry)
 
 

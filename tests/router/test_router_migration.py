@@ -43,9 +43,9 @@ async def test_stream_continues_on_another_decode_worker_with_each_token_once() 
         assert cont["rid"] == "m1#1" and cont["input_ids"] == ids + want[:3]
         assert (cont["prior_output_len"], cont["max_new_tokens"], cont["min_new_tokens"]) == (3, 7, 2)
         assert [r["prior_output_len"] for r in bad.received("decode")] == [0]
-        names = {a: w.name for a, w in f.server.service.core.registry.workers.items()}
+        names = {a: w.name for a, w in f.server.service.registry.workers.items()}
         assert done.served_by.endswith(names[good.address])
-        timing = f.server.service.core.timings.get("m1")
+        timing = f.server.service.pipeline.timings.get("m1")
         assert timing is not None and timing["migrations"] == 1
         (mig,) = timing["migrated"]
         assert (mig["after_tokens"], mig["failed"], mig["leg"], mig["code"]) == (

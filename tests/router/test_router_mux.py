@@ -1,4 +1,4 @@
-"""Worker.Mux: the router's one multiplexed stream per worker (router/mux.py) over the node-side adapter
+"""Worker.Mux: the router's one multiplexed stream per worker (router/mux/) over the node-side adapter
 (common/node/worker_mux.py), against in-process mock workers and a node front over fake ranks."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from common.errors import ErrorCode
 from common.testing.mock_requests import fake_tokens
 from common.wire.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
-from router.mux import MuxLink, MuxStream
+from router.mux.link import MuxLink
+from router.mux.stream import MuxStream
 from router.testing import eventually, fleet
 from tests.mux_helpers import fake_ranks_front, gen_req, linked, read_all
 
@@ -37,7 +38,7 @@ async def test_many_concurrent_pd_requests_ride_one_stream_per_worker() -> None:
             methods = [m for m, _ in w.calls]
             assert methods.count("Mux") == 1 and "Prefill" not in methods and "Decode" not in methods
         assert len(f.prefill[0].received("prefill")) == len(f.decode[0].received("decode")) == 48
-        assert f.server.service.core.rooms.in_flight == set()
+        assert f.server.service.pipeline.planner.rooms.in_flight == set()
 
 
 async def test_cancel_of_one_request_reaches_the_worker_and_leaves_the_others_running() -> None:
@@ -253,7 +254,7 @@ class _MuteMux(worker_pb2_grpc.WorkerServicer):
 
 
 async def test_a_node_that_never_answers_a_new_stream_fails_its_open_in_time(monkeypatch) -> None:
-    monkeypatch.setattr("router.mux.OPEN_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("router.mux.link.OPEN_TIMEOUT_S", 0.5)
     servicer = _MuteMux()
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

@@ -1,4 +1,4 @@
-"""Large prompts tokenize off the router's event loop (router/tokenize_pool.py) and never stall other requests."""
+"""Large prompts tokenize off the router's event loop (router/tokenizer/pool.py) and never stall other requests."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from common.text.tokenizer import load_tokenizer
 from pdcluster.v1 import router_pb2
 from router.request import ClientRequest
 from router.testing import eventually, fleet
-from router.tokenizer import Tokenizer
+from router.tokenizer.tokenizer import Tokenizer
 
 BIG = 3_900_000  # bytes: ~2.4M tokens of the mock tokenizer, ~7 s to encode on a loaded 2-core machine
 # The mock's context raised so BIG prompts fit (and its KV, so the mock accepts them).

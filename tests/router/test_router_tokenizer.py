@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import load_tokenizer
-from router.tokenizer import Tokenizer
+from router.tokenizer.tokenizer import Tokenizer
 from tests.model_fixtures import make_tiny_model
 
 TEXT = ("Hello, world! caf\u00e9 \u4f60\u597d\uff0c\u4e16\u754c \U0001f600\U0001f44d\U0001f3fd "

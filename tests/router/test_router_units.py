@@ -9,13 +9,13 @@ import pytest
 
 from common.errors import ConfigError
 from pdcluster.v1 import worker_pb2
-from router.breaker import CircuitBreaker
 from router.config import RouterConfig, WorkerSpec
-from router.policies import RouteHint, make_policy, pick_rank
-from router.prefix_index import PrefixIndex, block_hashes
-from router.room_allocator import RoomAllocator
+from router.fleet.breaker import CircuitBreaker
+from router.fleet.worker import Lease, Worker
+from router.routing.policies import RouteHint, make_policy, pick_rank
+from router.routing.prefix_index import PrefixIndex, block_hashes
+from router.routing.room_allocator import RoomAllocator
 from router.timing_store import TimingStore
-from router.workers import Lease, Worker
 
 CFG = RouterConfig(prefix_block_tokens=4, balance_abs_threshold=4, balance_rel_threshold=1.5)
 

@@ -23,8 +23,8 @@ from common.tls import TlsFiles
 from common.wire.mux_socket import connect
 from common.wire.worker_auth import worker_credential
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.admin import bearer_metadata
 from router.config import RouterConfig, WorkerSpec
+from router.guards.admin import bearer_metadata
 from router.server import RouterServer
 from router.testing import FAST, eventually, fleet
 from tests.tls_helpers import TestCa

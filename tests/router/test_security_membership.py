@@ -16,8 +16,8 @@ from common.testing.mock_config import MockConfig
 from common.testing.mock_worker import MockWorker
 from common.wire.worker_auth import WorkerAuthInterceptor, new_nonce, proof_matches
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
-from router.admin import bearer_metadata
-from router.membership import challenge
+from router.fleet.membership import challenge
+from router.guards.admin import bearer_metadata
 from router.testing import eventually, fleet
 
 ADMIN = bearer_metadata(os.environ["PDCLUSTER_CLUSTER_TOKEN"])

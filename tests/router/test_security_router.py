@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from pdcluster.v1 import common_pb2, router_pb2
-from router.admin import bearer_metadata
+from router.guards.admin import bearer_metadata
 from router.testing import fleet
 
 

@@ -19,8 +19,8 @@ from common.testing.mock_fleet import shared_model_dir
 from common.testing.mock_requests import fake_tokens
 from common.text.tokenizer import load_tokenizer
 from pdcluster.v1 import worker_pb2
-from router import sse
-from router.mux import MuxCall
+from router.mux.stream import MuxCall
+from router.openai import sse
 from router.request import Delta
 from router.testing import eventually, fleet
 from tests.http_helpers import close_before_head
@@ -73,7 +73,7 @@ async def test_paced_tokens_are_written_by_the_sink_and_arrive_whole(layout: str
                                                     messages=[{"role": "user", "content": "hi"}])
         pieces = [c.choices[0].delta.content async for c in chat if c.choices and c.choices[0].delta.content]
         assert len(pieces) >= 8 and len(sink_writes) >= 20
-        await eventually(lambda: not f.server.service.core.active)
+        await eventually(lambda: not f.server.service.pipeline.active)
 
 
 @pytest.fixture
@@ -170,7 +170,7 @@ async def test_a_stop_string_in_a_sink_token_ends_the_request_and_aborts_both_le
         p, d = f.prefill[0], f.decode[0]
         await eventually(lambda: "stop-in-sink" in d.aborts and not d.active)
         assert "stop-in-sink" in p.aborts
-        assert f.server.service.core.rooms.in_flight == set()
+        assert f.server.service.pipeline.planner.rooms.in_flight == set()
 
 
 async def test_a_client_gone_mid_stream_aborts_both_legs(sink_writes: list[str]) -> None:
@@ -186,7 +186,7 @@ async def test_a_client_gone_mid_stream_aborts_both_legs(sink_writes: list[str])
         assert sink_writes  # the tokens after the first came through the sink
         p, d = f.prefill[0], f.decode[0]
         await eventually(lambda: "gone" in p.aborts and "gone" in d.aborts and not d.active)
-        await eventually(lambda: not f.server.service.core.active)
+        await eventually(lambda: not f.server.service.pipeline.active)
 
 
 async def test_a_client_gone_as_its_head_is_written_is_a_disconnect_not_a_server_error(
@@ -204,7 +204,7 @@ async def test_a_client_gone_as_its_head_is_written_is_a_disconnect_not_a_server
                 await resp.read()
         p, d = f.prefill[0], f.decode[0]
         await eventually(lambda: "gone-at-head" in p.aborts and "gone-at-head" in d.aborts and not d.active)
-        await eventually(lambda: not f.server.service.core.active)
+        await eventually(lambda: not f.server.service.pipeline.active)
     assert [r.getMessage() for r in caplog.records if r.name == "aiohttp.server"] == []
 
 
@@ -344,12 +344,12 @@ async def test_a_sink_that_raises_ends_only_its_own_call() -> None:
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_prebuilt_events_are_the_bytes_of_the_chunk_they_stand_for(api: str) -> None:
-    from router import openai_protocol as oai
+    from router.openai import responses
 
     events = sse.DeltaEvents(api, 'cmpl-"x"', "mod\u00e9l", 17, 3, False, None, None)  # type: ignore[arg-type]
     for i in range(3):
         for text in ("a", ' q"\\\n\t', "\u00e9t\u00e9 \U0001f600", "\ufffd", "\x00z"):
-            chunk = (oai.chat_chunk('cmpl-"x"', "mod\u00e9l", 17, {"content": text}, None, None, index=i)
-                     if api == "chat" else oai.completion_chunk('cmpl-"x"', "mod\u00e9l", 17, text, None, None, index=i))
+            chunk = (responses.chat_chunk('cmpl-"x"', "mod\u00e9l", 17, {"content": text}, None, None, index=i)
+                     if api == "chat" else responses.completion_chunk('cmpl-"x"', "mod\u00e9l", 17, text, None, None, index=i))
             assert events.of(i, Delta(text, [1])) == sse.sse(chunk)
     assert events.of(0, Delta("", [1])) is None

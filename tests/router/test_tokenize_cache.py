@@ -1,4 +1,4 @@
-"""The router's tokenizer caches (router/tokenize_cache.py): a cached encode is the uncached encode, for every
+"""The router's tokenizer caches (router/tokenizer/cache.py): a cached encode is the uncached encode, for every
 tokenizer shape the cache accepts, on texts built to cut at and around added tokens; L1 is refused where cutting
 could change the ids; both levels stay within their bounds; a chat turn encodes only its new pieces."""
 
@@ -15,9 +15,9 @@ from common.errors import ConfigError
 from common.model_gen.tokenizer import CORPUS_PATH, train_tokenizer_json
 from common.text.tokenizer import load_tokenizer
 from router.config import RouterConfig
-from router.tokenize_cache import TokenizerCache, isolating_tokens, l1_refusal
-from router.tokenize_worker import worker_tokenizer
-from router.tokenizer import Tokenizer as RouterTokenizer
+from router.tokenizer.cache import TokenizerCache, isolating_tokens, l1_refusal
+from router.tokenizer.tokenizer import Tokenizer as RouterTokenizer
+from router.tokenizer.worker import worker_tokenizer
 from tests.model_fixtures import make_tiny_model
 
 CORPUS = CORPUS_PATH.read_text(encoding="utf-8").splitlines(keepends=True)[:3000]

@@ -1,4 +1,4 @@
-"""OpenAI tools on the chat API (router/tool_calls.py): validation of tools / tool_choice, the grammar that
+"""OpenAI tools on the chat API (router/openai/tool_calls.py): validation of tools / tool_choice, the grammar that
 enforces required and named calls, and the llama3 / hermes parsers (whole outputs and streamed hold-back)."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import jsonschema
 import pytest
 
 from common.errors import InvalidRequestError
-from router import openai_protocol as oai
-from router.tool_calls import plan_of
+from router.openai import protocol as oai
+from router.openai import responses
+from router.openai.tool_calls import plan_of
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
@@ -55,7 +56,7 @@ def test_streaming_holds_back_only_what_may_be_a_call() -> None:
     llama = plan_of([WEATHER], "auto", "llama3")
     assert llama.holds_back('  {"name"') == 0 and llama.holds_back("Sure") == 4
     assert plan_of([WEATHER], "required", None).holds_back("[{") == 0
-    delta, finish = oai.tool_call_delta(hermes, 'Hi <tool_call>{"name": "get_weather", "arguments": {}}', 3,
+    delta, finish = responses.tool_call_delta(hermes, 'Hi <tool_call>{"name": "get_weather", "arguments": {}}', 3,
                                         "stop")
     assert finish == "tool_calls" and delta["tool_calls"][0]["function"]["name"] == "get_weather"
     assert delta["tool_calls"][0]["index"] == 0
@@ -100,8 +101,8 @@ def test_a_call_cut_short_is_a_partial_call_never_content() -> None:
     for text, name, args in [('[{"name": "get_time", "parameters": {"tz": 1', "get_time", '{"tz": 1'),
                              ('[{"name": "get_time", "parameters": {"tz": 1}}, {"name": "get_we', "get_we", ""),
                              ("[", "", "")]:
-        body = oai.chat_body("r", "m", 0, [(text, "length", None)])
-        oai.put_tool_calls(body, required, text)
+        body = responses.chat_body("r", "m", 0, [(text, "length", None)])
+        responses.put_tool_calls(body, required, text)
         choice = body["choices"][0]
         assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
         last = choice["message"]["tool_calls"][-1]["function"]
@@ -109,7 +110,7 @@ def test_a_call_cut_short_is_a_partial_call_never_content() -> None:
     named = plan_of([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     content, calls = named.parse('{"city": "Pa')
     assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Pa')]
-    delta, finish = oai.tool_call_delta(named, '{"city": "Pa', 0, "length")
+    delta, finish = responses.tool_call_delta(named, '{"city": "Pa', 0, "length")
     assert finish == "length" and delta["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
     # auto: a call by the parser's own rule that does not parse is still a call; text that is not one is content.
     hermes = plan_of([WEATHER], "auto", "hermes")
@@ -122,7 +123,7 @@ def test_a_call_cut_short_is_a_partial_call_never_content() -> None:
 
 
 def test_unbounded_values_get_default_bounds_in_call_grammars() -> None:
-    from router import tool_calls as tc
+    from router.openai import tool_calls as tc
 
     params = {"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 0}, "x": {"type": "number"}, "s": {"type": "string", "minLength": 300},

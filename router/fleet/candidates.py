@@ -16,8 +16,8 @@ Invariants: ``routable()`` equals ``[w for w in workers if w.routable]``, or whe
 ``CapacityIndex.min_tokens()`` <= ``free_pages() * page_size`` of every worker of the role with a known count.
 Workers tell their view through ``Worker.state_changed`` and ``Worker.free_changed``; both run on the event loop.
 
-This module knows a worker only as ``ViewedWorker`` (what the views read of it), so ``router.workers``, which builds
-the views, is imported by nobody here: the views sit below the registry.
+This module knows a worker only as ``ViewedWorker`` (what the views read of it), so ``router.fleet.worker``, whose
+workers tell the views, is imported by nobody here: the views sit below the workers and the registry.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from collections.abc import Iterable
 from typing import Generic, Protocol, TypeVar
 
 from pdcluster.v1 import worker_pb2
-from router.breaker import CircuitBreaker
+from router.fleet.breaker import CircuitBreaker
 
 
 class ViewedWorker(Protocol):
-    """What the views read of a worker (``router.workers.Worker`` is the one kind the registry holds)."""
+    """What the views read of a worker (``router.fleet.worker.Worker`` is the one kind the registry holds)."""
 
     seq: int  # registration order
     address: str

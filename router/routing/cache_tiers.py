@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from router.prefix_index import PrefixIndex
-from router.workers import Worker
+from router.fleet.worker import Worker
+from router.routing.prefix_index import PrefixIndex
 
 HOST_WEIGHT = 0.75
 STORAGE_WEIGHT = 0.5

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP gateway (aiohttp) over ``RouterService``.
+"""OpenAI-compatible HTTP gateway (aiohttp): a request's entry into the request pipeline (router/pipeline.py), and
+the plain endpoints over ``RouterService``.
 
 Streaming responses send their headers only with the first output, so every failure before the first token (after
 the router's retries) is a real HTTP status (400/503/504) rather than an error inside a 200 stream. A client that
@@ -21,15 +22,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from common.errors import PdclusterError
 from common.serving.client_gone import client_gone_middleware
 from common.serving.event_stream import EventStreamResponse, delimit_event_stream
-from router import openai_protocol as oai
-from router.admin import admin_middleware
-from router.choices import choice_requests, merge_choices
-from router.client_auth import api_key_middleware
 from router.errors import http_status_of, retry_after_of
+from router.guards.admin import admin_middleware
+from router.guards.client_auth import api_key_middleware
+from router.openai import protocol as oai
+from router.openai import responses
+from router.openai.sse import DeltaEvents, SseSink, sse
+from router.openai.tool_calls import ToolPlan
 from router.request import ClientRequest, Delta, Final, GenRequest
 from router.service import RouterService
-from router.sse import DeltaEvents, SseSink, sse
-from router.tool_calls import ToolPlan
 
 _encode = msgspec.json.encode
 
@@ -43,13 +44,14 @@ def error_response(e: BaseException, headers: dict[str, str] | None = None) -> w
     retry_after = retry_after_of(e)
     if retry_after is not None:
         headers = {**(headers or {}), "Retry-After": str(max(1, math.ceil(retry_after)))}
-    return json_response(oai.error_body(str(e), status), status, headers)
+    return json_response(responses.error_body(str(e), status), status, headers)
 
 
 class HttpGateway:
     def __init__(self, service: RouterService) -> None:
         self.service = service
-        self.logprobs = oai.LogprobFormatter(service.core.tokenizer_hf)
+        self.pipeline = service.pipeline
+        self.logprobs = responses.LogprobFormatter(service.inputs.tok.hf)
         # request ids: a random per-process part and a counter (unique across replicas; no uuid4 per request)
         self._rid_base = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
@@ -83,10 +85,10 @@ class HttpGateway:
 
     async def timing(self, request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
-        t = self.service.core.timings.get(rid)
+        t = self.pipeline.timings.get(rid)
         if t is None:
             return json_response(
-                oai.error_body(
+                responses.error_body(
                     f"no timing for request {rid!r}: unknown, not finished, or older than the last "
                     f"{self.service.cfg.timing_keep} requests / {self.service.cfg.timing_ttl_s:.0f} s",
                     404,
@@ -119,7 +121,7 @@ class HttpGateway:
         except web.HTTPRequestEntityTooLarge:
             limit = svc.cfg.max_request_bytes
             return json_response(
-                oai.error_body(
+                responses.error_body(
                     f"request body is larger than the router's limit of {limit} bytes (--max-request-bytes)",
                     413,
                 ),
@@ -136,44 +138,44 @@ class HttpGateway:
             prefix = "chatcmpl-" if api == "chat" else "cmpl-"
             rid = (request.headers.get("X-Request-ID") or parsed.request_id
                    or f"{prefix}{self._rid_base}{next(self._rid_seq):012x}")
-            req = await svc.build(ClientRequest(rid=rid, api=api, authorization=request.headers.get("Authorization"),
-                                                **kw))
+            req = await self.pipeline.admit(ClientRequest(
+                rid=rid, api=api, authorization=request.headers.get("Authorization"), **kw))
         except PdclusterError as e:
             return error_response(e)
         # n > 1: one request per choice (own rid ``<rid>-<i>``, seed + i), routed and admitted like any other.
-        choices = choice_requests(req, parsed.n)
+        n = parsed.n
         headers = {"X-Request-ID": rid}
         model = svc.model_name
-        created = oai.now_s()
+        created = responses.now_s()
         if not req.stream:
-            finals: list[Final | None] = [None] * len(choices)
+            finals: list[Final | None] = [None] * n
             try:
-                async with contextlib.aclosing(merge_choices([svc.generate(c) for c in choices])) as events:
+                async with contextlib.aclosing(self.pipeline.serve(req, n)) as events:
                     async for i, ev in events:
                         if isinstance(ev, Final):
                             finals[i] = ev
             except PdclusterError as e:
                 return error_response(e, headers)
             done = [f for f in finals if f is not None]
-            assert len(done) == len(choices)
+            assert len(done) == n
             body = self._full_body(api, rid, done, model, created, req.top_logprobs_num, req.return_logprob)
             if plan is not None:
                 for i, f in enumerate(done):
-                    oai.put_tool_calls(body, plan, f.text, i)
+                    responses.put_tool_calls(body, plan, f.text, i)
             return json_response(body, headers=headers)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return await self._stream(request, api, rid, model, created, req.return_logprob, include_usage, headers,
-                                  choices, plan)
+                                  req, n, plan)
 
     def _full_body(
         self, api: str, rid: str, finals: list[Final], model: str, created: int, top_n: int, want_lp: bool
     ) -> dict[str, Any]:
-        make = oai.chat_body if api == "chat" else oai.completion_body
+        make = responses.chat_body if api == "chat" else responses.completion_body
         body = make(rid, model, created, [(f.text, f.finish_reason, self._logprobs_of(api, f, top_n, want_lp))
                                           for f in finals])
-        body["usage"] = oai.usage_of(finals)
-        body["pdcluster"] = oai.extension_of(finals[0]) if len(finals) == 1 else {
-            "choices": [oai.extension_of(f) for f in finals]}
+        body["usage"] = responses.usage_of(finals)
+        body["pdcluster"] = responses.extension_of(finals[0]) if len(finals) == 1 else {
+            "choices": [responses.extension_of(f) for f in finals]}
         return body
 
     def _logprobs_of(self, api: str, f: Final, top_n: int, want_lp: bool) -> dict[str, Any] | None:
@@ -193,7 +195,8 @@ class HttpGateway:
         want_lp: bool,
         include_usage: bool,
         headers: dict[str, str],
-        choices: list[GenRequest],
+        req: GenRequest,
+        n: int,
         plan: ToolPlan | None = None,
     ) -> web.StreamResponse:
         """Stream the choices' events as SSE chunks; the choices' chunks interleave as their tokens arrive, each with
@@ -203,15 +206,14 @@ class HttpGateway:
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         delimit_event_stream(resp, request)
-        n = len(choices)
         chat = api == "chat"
         deltas = DeltaEvents(api, rid, model, created, n, want_lp, plan, self.logprobs)
         sink: SseSink | None = None
         if n == 1:  # with several, a choice's reader hands its events to the others' merge (``merge_choices``)
             task = asyncio.current_task()
             assert task is not None
-            sink = choices[0].delta_sink = SseSink(resp, deltas, task, request.transport)
-        events = merge_choices([self.service.generate(c) for c in choices])
+            sink = req.delta_sink = SseSink(resp, deltas, task, request.transport)  # n == 1: the only choice is req
+        events = self.pipeline.serve(req, n)
         finals: list[Final] = []
         async with contextlib.aclosing(events):
             try:
@@ -220,8 +222,8 @@ class HttpGateway:
                         await resp.prepare(request)
                         if chat:
                             await resp.write(b"".join(
-                                sse(oai.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
-                                                    index=k))
+                                sse(responses.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                                         None, index=k))
                                 for k in range(n)))
                     if isinstance(ev, Delta):
                         data = deltas.of(i, ev)
@@ -232,13 +234,13 @@ class HttpGateway:
                         continue
                     finish, delta = ev.finish_reason, {}
                     if plan is not None:
-                        delta, finish = oai.tool_call_delta(plan, deltas.texts[i], deltas.sent[i], finish)
+                        delta, finish = responses.tool_call_delta(plan, deltas.texts[i], deltas.sent[i], finish)
                     last = (
-                        oai.chat_chunk(rid, model, created, delta, finish, index=i)
+                        responses.chat_chunk(rid, model, created, delta, finish, index=i)
                         if chat
-                        else oai.completion_chunk(rid, model, created, "", ev.finish_reason, index=i)
+                        else responses.completion_chunk(rid, model, created, "", ev.finish_reason, index=i)
                     )
-                    last["pdcluster"] = oai.extension_of(ev)
+                    last["pdcluster"] = responses.extension_of(ev)
                     finals.append(ev)
                     tail = [sse(last)]
                     if len(finals) < n:
@@ -251,7 +253,7 @@ class HttpGateway:
                             "created": created,
                             "model": model,
                             "choices": [],
-                            "usage": oai.usage_of(finals),
+                            "usage": responses.usage_of(finals),
                         }
                         tail.append(sse(usage))
                     tail.append(b"data: [DONE]\n\n")
@@ -260,7 +262,7 @@ class HttpGateway:
             except PdclusterError as e:
                 if not resp.prepared:
                     return error_response(e, headers)
-                await resp.write(sse(oai.error_body(str(e), http_status_of(e))))
+                await resp.write(sse(responses.error_body(str(e), http_status_of(e))))
         if resp.prepared:
             await resp.write_eof()
         return resp

@@ -1,6 +1,6 @@
 """Which OpenAI request fields this router serves, ignores on purpose, maps, or refuses (docs/api.md).
 
-Every field a request may carry is declared on its msgspec struct (router/openai_protocol.py), and the structs forbid
+Every field a request may carry is declared on its msgspec struct (router/openai/protocol.py), and the structs forbid
 unknown fields: a field that is neither served nor listed here is a 400 naming it, never a silent drop.
 
     harmless      accepted and ignored: they change nothing a client gets back (``HARMLESS``)

@@ -1,8 +1,8 @@
 """Worker-selection policies (one table, name -> class) and DP-rank choice by load.
 
 A policy picks a worker among the routable candidates of one role; it may also name the DP rank (``cache_aware``
-does: each rank has its own radix cache). Otherwise ``pick_rank`` chooses the rank by load. The rank is never
-derived from the bootstrap room.
+does: each rank has its own radix cache). Otherwise ``pick_rank`` chooses the rank by load (``choose`` does both).
+The rank is never derived from the bootstrap room.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router import cache_tiers
-from router.candidates import Candidates
 from router.config import RouterConfig
-from router.prefix_index import PrefixIndex, block_hashes
-from router.workers import Worker
+from router.fleet.candidates import Candidates
+from router.fleet.worker import Worker
+from router.routing import cache_tiers
+from router.routing.prefix_index import PrefixIndex, block_hashes
 
 
 @dataclass(slots=True)
@@ -94,7 +94,7 @@ class CacheAware(Policy):
     ``cache_threshold`` of the prompt, else the least loaded worker. Each rank's share of the index is bounded by
     the KV pool its node reports (``total_kv_pages * page_size`` tokens), so the index forgets as the node evicts.
     With a hierarchical cache the prefix is scored by the tier it likely sits in and the index keeps it as long as
-    the host tier can (``router.cache_tiers``).
+    the host tier can (``router.routing.cache_tiers``).
     """
 
     name = "cache_aware"
@@ -163,6 +163,16 @@ POLICY_TABLE: dict[str, Callable[[RouterConfig, random.Random], Policy]] = {
 
 def make_policy(name: str, cfg: RouterConfig, rng: random.Random | None = None) -> Policy:
     return POLICY_TABLE[name](cfg, rng or random.Random())
+
+
+def choose(policy: Policy, workers: Sequence[Worker], hint: RouteHint, tokens: int) -> tuple[Worker, int]:
+    """``policy``'s pick among ``workers`` and its DP rank (the policy's, else by load for a request of ``tokens`` KV
+    tokens: ``pick_rank``), told to the policy."""
+    w, rank = policy.pick(workers, hint)
+    if rank is None:
+        rank = pick_rank(w, w.pages_for(tokens))
+    policy.routed(w, rank, hint)
+    return w, rank
 
 
 def pick_rank(worker: Worker, need_pages: int | None) -> int:

@@ -7,7 +7,8 @@ health interval, not after the whole cool-down.
 Only worker faults count (transport errors, crashes, timeouts), never a client's bad input.
 
 ``on_change`` is called whenever the circuit closes or leaves closed (the registry keeps its routable views by
-it, ``router.candidates``); the timed moves among open and half-open need no call: such a worker is asked each time.
+it, ``router.fleet.candidates``); the timed moves among open and half-open need no call: such a worker is asked each
+time.
 """
 
 from __future__ import annotations

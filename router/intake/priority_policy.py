@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from common.env import PRIORITY_RANGE
 from common.errors import InvalidRequestError
-from router.client_auth import accepted
 from router.config import RouterConfig
+from router.guards.client_auth import accepted
 
 FLAG = "the router's --max-client-priority"
 

@@ -15,8 +15,8 @@ from typing import BinaryIO
 from common import env
 from common.errors import InvalidRequestError
 from common.text.tokenizer import load_tokenizer
-from router.tokenize_messages import HEADER_BYTES, JOB_DECODER, TokenizeJob, TokenizeResult, frame
-from router.tokenizer import Tokenizer
+from router.tokenizer.messages import HEADER_BYTES, JOB_DECODER, TokenizeJob, TokenizeResult, frame
+from router.tokenizer.tokenizer import Tokenizer
 
 
 def _preload() -> tuple[str, Tokenizer] | None:

@@ -3,7 +3,7 @@ need ``authorization: Bearer <key>`` (OpenAI HTTP header or gRPC metadata) with 
 compared in constant time (every key is compared).
 
 Open without it: health and liveness (probes), gRPC health and reflection. The admin surface has its own bearer
-token (``router/admin.py``) and is not opened by an API key. No key leaves the client surface open.
+token (``router/guards/admin.py``) and is not opened by an API key. No key leaves the client surface open.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from aiohttp import web
 
-from router.admin import ADMIN_PATHS, ADMIN_PREFIXES, ADMIN_RPCS, bearer_ok
+from router.guards.admin import ADMIN_PATHS, ADMIN_PREFIXES, ADMIN_RPCS, bearer_ok
 
 ROUTER_SERVICE = "/pdcluster.v1.Router/"
 OPEN_PATHS = frozenset({"/health", "/liveness"})

@@ -10,7 +10,7 @@ into ``tool_calls``.
 The tools are rendered by the model's chat template (``tools=`` of ``apply_chat_template``). Under ``required`` and a
 named function the grammar makes the output parse, so even a random-weight model returns valid calls; values the
 functions leave unbounded get default bounds (``bounded``) so a call always ends. An output cut by max_tokens is
-still read as (partial) calls with finish_reason "length" (router/tool_call_parse.py), never as content.
+still read as (partial) calls with finish_reason "length" (router/openai/tool_call_parse.py), never as content.
 
 Parsers (``--tool-call-parser``):
 - ``llama3``: the whole output is one JSON object ``{"name": ..., "parameters"|"arguments": {...}}``, or several
@@ -29,7 +29,7 @@ from typing import Any
 
 from common.engine.sampling.json_schema import walk
 from common.errors import InvalidRequestError
-from router.tool_call_parse import (
+from router.openai.tool_call_parse import (
     ToolCall,
     hermes_holds_back,
     parse_hermes,
@@ -38,7 +38,6 @@ from router.tool_call_parse import (
     parse_required,
 )
 
-TOOL_CALL_PARSERS = ("llama3", "hermes", "qwen25")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Bounds the required / named grammars give what a function's schema leaves unbounded, so that a call always ends
 # (a random or looping model would otherwise write one value until max_tokens). docs/api.md states them.

@@ -1,8 +1,8 @@
 """Background monitoring of every registered worker: server info, grpc.health.v1 checks, load reports.
 
-- A worker becomes routable once it proved the cluster secret (``router.membership``; before that it is sent no
+- A worker becomes routable once it proved the cluster secret (``router.fleet.membership``; before that it is sent no
   credential and no request), then ``GetServerInfo`` answered, its mode matches its role and its facts are sane
-  and agree with the fleet's (``router.worker_facts``) (``probe``). Load reports are checked the same way.
+  and agree with the fleet's (``router.fleet.facts``) (``probe``). Load reports are checked the same way.
 - A worker that turns unhealthy must prove membership again before it is routable (a process that took over its
   address after it died gets nothing).
 - Health: every ``health_interval_s``; ``health_failure_threshold`` failures in a row mark it unhealthy, one
@@ -27,17 +27,18 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from pdcluster.v1 import worker_pb2
-from router.breaker import HALF_OPEN, OPEN
 from router.config import RouterConfig
-from router.membership import challenge
+from router.fleet.breaker import HALF_OPEN, OPEN
+from router.fleet.facts import fleet_problem, info_problem, load_problem
+from router.fleet.membership import challenge
+from router.fleet.registry import Registry
+from router.fleet.worker import Worker
 from router.metrics import RouterMetrics
-from router.mux import LOAD_HEARTBEAT_S
-from router.worker_facts import fleet_problem, info_problem, load_problem
-from router.workers import Registry, Worker
+from router.mux.stream import LOAD_HEARTBEAT_S
 
 logger = logging.getLogger(__name__)
 CIRCUIT_VALUE = {HALF_OPEN: 1, OPEN: 2}
-# A pushed load report older than this (the node pushes at least every router.mux.LOAD_HEARTBEAT_S) brings polls back.
+# A pushed load report older than this (the node pushes at least every LOAD_HEARTBEAT_S) brings polls back.
 PUSH_STALE_S = 3 * LOAD_HEARTBEAT_S
 
 

@@ -21,9 +21,10 @@ from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from pdcluster.v1 import worker_pb2
 from router.errors import RETRYABLE, LegError, scrub_internal
 from router.failure_log import FailureLog
+from router.fleet.worker import Worker
 from router.metrics import RouterMetrics
-from router.mux import MuxCall, rpc_error
-from router.workers import Worker
+from router.mux.io import rpc_error
+from router.mux.stream import MuxCall
 
 logger = logging.getLogger(__name__)
 

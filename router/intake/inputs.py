@@ -16,9 +16,9 @@ from typing import Any
 from common.engine.sampling.params import SamplingParams
 from common.errors import CapacityError, InvalidRequestError
 from router.request import ClientRequest, GenRequest, sampling_to_proto
-from router.tokenize_messages import ChatMessage, TokenizeJob
-from router.tokenize_pool import TokenizePool
-from router.tokenizer import Tokenizer
+from router.tokenizer.messages import ChatMessage, TokenizeJob
+from router.tokenizer.pool import TokenizePool
+from router.tokenizer.tokenizer import Tokenizer
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 

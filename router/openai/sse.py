@@ -1,6 +1,6 @@
 """The server-sent events of one streamed OpenAI response: ``DeltaEvents`` makes each delta's ``data:`` event, and
 ``SseSink`` writes them from a leg's message callback, so a streamed token does not wake the request's handler task
-(``router/core.py``, ``MuxCall.sink``).
+(``router/attempts/run.py``, ``MuxCall.sink``).
 
 Invariants: a response's events go out in the order of its tokens, whichever of the two paths (the sink, or the
 handler reading the request's event stream) wrote each; the sink takes a delta only while the handler waits with
@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from router import openai_protocol as oai
+from router.openai import responses
+from router.openai.tool_calls import ToolPlan
 from router.request import Delta
-from router.tool_calls import ToolPlan
 
 _encode = msgspec.json.encode
 _MARK = "\x00pdcluster-text\x00"
@@ -38,7 +38,7 @@ class DeltaEvents:
     ``sent`` are each choice's output so far and how much of it went out as content."""
 
     def __init__(self, api: str, rid: str, model: str, created: int, n: int, want_lp: bool, plan: ToolPlan | None,
-                 logprobs: oai.LogprobFormatter) -> None:
+                 logprobs: responses.LogprobFormatter) -> None:
         self.chat = api == "chat"
         self.rid, self.model, self.created = rid, model, created
         self.want_lp, self.plan, self.logprobs = want_lp, plan, logprobs
@@ -46,7 +46,7 @@ class DeltaEvents:
         self.texts, self.sent = [""] * n, [0] * n
         # Without logprobs, choice i's event is heads[i] + the text as JSON + TAIL: the bytes ``sse`` makes of
         # the same chunk, built once (the text's key is last but for the two nulls).
-        make = oai.chat_chunk if self.chat else oai.completion_chunk
+        make = responses.chat_chunk if self.chat else responses.completion_chunk
         content: Any = {"content": _MARK} if self.chat else _MARK
         self.heads = [sse(make(rid, model, created, content, None, None, index=i)).split(_MARK_JSON)[0]
                       for i in range(n)]
@@ -73,8 +73,8 @@ class DeltaEvents:
                 return self.heads[i] + _encode(piece) + _CHAT_TAIL
             return self.heads[i] + _encode(ev.text) + _TAIL
         if self.chat:
-            return sse(oai.chat_chunk(self.rid, self.model, self.created, {"content": piece}, None, lp, index=i))
-        return sse(oai.completion_chunk(self.rid, self.model, self.created, ev.text, None, lp, index=i))
+            return sse(responses.chat_chunk(self.rid, self.model, self.created, {"content": piece}, None, lp, index=i))
+        return sse(responses.completion_chunk(self.rid, self.model, self.created, ev.text, None, lp, index=i))
 
 
 class SseSink:

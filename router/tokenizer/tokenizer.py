@@ -1,7 +1,7 @@
 """``Tokenizer``: the HF tokenizer with a fast path into the Rust tokenizer (and its caches,
-router/tokenize_cache.py), plus the byte bound of its tokens.
+router/tokenizer/cache.py), plus the byte bound of its tokens.
 
-Imported by the router and by its tokenize worker processes (router/tokenize_worker.py), so it imports no gRPC.
+Imported by the router and by its tokenize worker processes (router/tokenizer/worker.py), so it imports no gRPC.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from common.errors import ConfigError, InvalidRequestError
-from router.tokenize_cache import TokenizerCache
+from router.tokenizer.cache import TokenizerCache
 
 
 class Tokenizer:

@@ -2,7 +2,7 @@
 
 Processes, not threads: the HF ``tokenizers`` encode holds the GIL (a thread encoding a multi-MB prompt stalls the
 event loop's thread: benchmarks/pages/prompt_storm.md), and only a process can be stopped mid-encode.
-Workers are forked from a fork server (see ``_CTX``) and talk over a socketpair (router/tokenize_messages.py).
+Workers are forked from a fork server (see ``_CTX``) and talk over a socketpair (router/tokenizer/messages.py).
 
 Slots: ``size`` workers, each idle (in ``_idle``), busy (one job), or starting. A job that ends early (client gone,
 deadline) kills its worker and starts a replacement, so its slot never stays held by work nobody wants. Workers
@@ -24,8 +24,8 @@ from pathlib import Path
 from common import env
 from common.errors import InvalidRequestError
 from router.errors import DeadlineError, RouterError, UnavailableError
-from router.tokenize_messages import HEADER_BYTES, RESULT_DECODER, TokenizeJob, TokenizeResult, frame
-from router.tokenize_worker import serve
+from router.tokenizer.messages import HEADER_BYTES, RESULT_DECODER, TokenizeJob, TokenizeResult, frame
+from router.tokenizer.worker import serve
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # replacement worker starts with it loaded. NOTE: like every multiprocessing child, each worker imports the main
 # module unless it is run as ``python -m pkg`` / ``pkg.__main__`` (keep ``if __name__ == "__main__"`` guards).
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["router.tokenize_worker"])
+_CTX.set_forkserver_preload(["router.tokenizer.worker"])
 
 PIPE_LIMIT = 16 << 20  # asyncio stream buffer; frames are read with readexactly, so larger ones still pass
 START_BACKOFF_S = (0.5, 30.0)
@@ -66,7 +66,7 @@ class _Worker:
 
 class TokenizePool:
     def __init__(self, model_path: Path, size: int, start_timeout_s: float = 120.0, l1_bytes: int = 0) -> None:
-        """``l1_bytes``: each worker's L1 tokenizer cache (router/tokenize_cache.py; 0: none)."""
+        """``l1_bytes``: each worker's L1 tokenizer cache (router/tokenizer/cache.py; 0: none)."""
         self.model_path = model_path
         self.l1_bytes = l1_bytes
         self.size = size
