@@ -2,11 +2,18 @@
 
 Tensor parallelism: a column-parallel layer is a plain ``Linear`` over this rank's output rows (the loader reads
 those rows); ``RowParallelLinear`` holds this rank's input columns and sums the partial outputs over the group.
+
+CPU GEMMs: ``Linear.pack_for_cpu`` reorders an fp32 weight once into oneDNN's blocked layout and the layer then
+multiplies through oneDNN (``torch.ops.mkldnn._linear_pointwise``, what inductor emits for frozen CPU linears)
+instead of ``F.linear``'s BLAS call, which re-packs the weight on every call and, where the BLAS picks a narrower
+code path than the CPU has (MKL on non-Intel CPUs), runs at a fraction of the CPU's FLOPs. The two sum in a
+different order: results agree to fp32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from types import ModuleType
 
 import torch
@@ -14,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.engine.distributed import TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -24,8 +33,33 @@ def fused_layers() -> ModuleType:
     return module
 
 
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] fp32 on CPU in oneDNN's layout for ``onednn_linear``; None where this torch has no
+    oneDNN linear or its result on a probe input is not ``F.linear``'s to fp32 rounding (then keep ``F.linear``)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        ref = F.linear(probe, weight)
+        got = onednn_linear(probe, packed, None)
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        logger.warning("oneDNN linear unavailable (%s): CPU GEMMs stay on F.linear", e)
+        return None
+    err = (got - ref).abs().max().item()
+    if not err <= 1e-5 * max(1.0, ref.abs().max().item()):
+        logger.warning("oneDNN linear off by %.3g on a probe: CPU GEMMs stay on F.linear", err)
+        return None
+    return packed
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b), W: [out_features, in_features] (HF layout)."""
+    """y = x W^T (+ b), W: [out_features, in_features] (HF layout). After ``pack_for_cpu`` ``weight`` is that
+    matrix in oneDNN's layout (an opaque tensor of the same shape, ``is_mkldnn``; only ``onednn_linear`` reads it)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
@@ -39,9 +73,27 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        self.packed = False
+
+    def pack_for_cpu(self) -> bool:
+        """Multiply through oneDNN from now on, the weight kept in its layout only (``onednn_pack``); False (and
+        nothing changed) where that is not available."""
+        if self.packed:
+            return True
+        packed = onednn_pack(self.weight)
+        if packed is None:
+            return False
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.packed = True
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed:
+            return onednn_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -57,8 +109,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y.add_(self.bias)
 
 
