@@ -1,6 +1,7 @@
 """CPU GEMMs through oneDNN (``Linear.pack_for_cpu`` / ``LlamaForCausalLM.pack_cpu_weights``): which weights are
 packed, that the packed forward computes what ``F.linear`` does, and that a oneDNN linear failing its probe is not
-used. (Logits against transformers through the packed weights: tests/engine/test_models.py.)"""
+used; and the MLP's row blocks of a long CPU forward. (Logits against transformers through the packed weights:
+tests/engine/test_models.py.)"""
 
 from __future__ import annotations
 
@@ -59,3 +60,18 @@ def test_a_onednn_linear_that_fails_its_probe_is_not_used(monkeypatch: pytest.Mo
 def test_only_fp32_cpu_weights_are_packed() -> None:
     model = load_model(make_tiny_model("llama"), dtype=torch.bfloat16)[0]
     assert model.pack_cpu_weights() == 0
+
+
+def test_a_long_cpu_forward_runs_the_mlp_in_row_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of 3 blocks (the last one short) give what one call over all rows gives."""
+    mlp = load_model(make_tiny_model("llama"))[0].model.layers[0].mlp
+    x = torch.randn(40, mlp.gate_up_proj.weight.shape[1], generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = mlp(x)
+        calls = []
+        inner = mlp._forward
+        monkeypatch.setattr(mlp, "_forward", lambda rows: calls.append(rows.shape[0]) or inner(rows))
+        monkeypatch.setattr(layers, "MLP_BLOCK_BYTES", 16 * 2 * mlp.intermediate * x.element_size())
+        got = mlp(x)
+    assert calls == [16, 16, 8]
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)

@@ -142,6 +142,9 @@ class RMSNorm(nn.Module):
         return self.forward(residual), residual
 
 
+MLP_BLOCK_BYTES = 8 << 20  # gate|up activations per row block of a long CPU forward (GatedMLP.forward)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate and up fused as rows [0, I) and [I, 2I) of gate_up_proj.
     ``intermediate`` is this rank's share I (its gate rows | its up rows); down_proj reduces over the group."""
@@ -156,6 +159,18 @@ class GatedMLP(nn.Module):
         self.fused = False  # silu(gate) * up in one Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]. On CPU a long forward (a prefill) runs in row blocks of at most ``MLP_BLOCK_BYTES`` of
+        gate|up each: rows are independent, and the blocks' intermediates stay in cache and in the allocator's
+        reused memory instead of fresh pages faulted in by every op (larger blocks are mmapped per allocation)."""
+        rows = max(1, MLP_BLOCK_BYTES // (2 * self.intermediate * x.element_size()))
+        if x.device.type != "cpu" or x.shape[0] <= rows:
+            return self._forward(x)
+        out = torch.empty_like(x)
+        for s in range(0, x.shape[0], rows):
+            out[s : s + rows] = self._forward(x[s : s + rows])
+        return out
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return self.down_proj(fused_layers().silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
