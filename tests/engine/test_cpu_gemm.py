@@ -5,6 +5,8 @@ tests/engine/test_models.py.)"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -44,7 +46,14 @@ def test_every_gemm_weight_is_packed_and_computes_what_f_linear_does(arch: str) 
     assert torch.equal(_logits(packed, x), got)
 
 
-def test_a_onednn_linear_that_fails_its_probe_is_not_used(monkeypatch: pytest.MonkeyPatch,
+@pytest.fixture
+def fresh_probe() -> Iterator[None]:
+    layers.onednn_linear_ok.cache_clear()
+    yield
+    layers.onednn_linear_ok.cache_clear()
+
+
+def test_a_onednn_linear_that_fails_its_probe_is_not_used(monkeypatch: pytest.MonkeyPatch, fresh_probe: None,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     model = load_model(make_tiny_model("llama"))[0]
     x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -57,9 +66,16 @@ def test_a_onednn_linear_that_fails_its_probe_is_not_used(monkeypatch: pytest.Mo
     assert torch.equal(_logits(model, x), want)
 
 
-def test_only_fp32_cpu_weights_are_packed() -> None:
-    model = load_model(make_tiny_model("llama"), dtype=torch.bfloat16)[0]
-    assert model.pack_cpu_weights() == 0
+def test_bf16_weights_are_packed_where_onednn_has_bf16_kernels_and_fp16_never() -> None:
+    bf16 = load_model(make_tiny_model("llama"), dtype=torch.bfloat16)[0]
+    x = torch.randn(3, bf16.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = _logits(bf16, x)
+    packed = bf16.pack_cpu_weights()
+    assert packed == (len([m for m in bf16.modules() if isinstance(m, Linear)])
+                      if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 0)
+    got = _logits(bf16, x)
+    assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+    assert load_model(make_tiny_model("llama"), dtype=torch.float16)[0].pack_cpu_weights() == 0
 
 
 def test_a_long_cpu_forward_runs_the_mlp_in_row_blocks(monkeypatch: pytest.MonkeyPatch) -> None:

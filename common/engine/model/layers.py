@@ -3,11 +3,11 @@
 Tensor parallelism: a column-parallel layer is a plain ``Linear`` over this rank's output rows (the loader reads
 those rows); ``RowParallelLinear`` holds this rank's input columns and sums the partial outputs over the group.
 
-CPU GEMMs: ``Linear.pack_for_cpu`` reorders an fp32 weight once into oneDNN's blocked layout and the layer then
-multiplies through oneDNN (``torch.ops.mkldnn._linear_pointwise``, what inductor emits for frozen CPU linears)
-instead of ``F.linear``'s BLAS call, which re-packs the weight on every call and, where the BLAS picks a narrower
-code path than the CPU has (MKL on non-Intel CPUs), runs at a fraction of the CPU's FLOPs. The two sum in a
-different order: results agree to fp32 rounding, not bit for bit.
+CPU GEMMs: ``Linear.pack_for_cpu`` reorders an fp32 or bf16 weight once into oneDNN's blocked layout and the layer
+then multiplies through oneDNN (``torch.ops.mkldnn._linear_pointwise``, what inductor emits for frozen CPU
+linears) instead of ``F.linear``'s call, which re-packs the weight on every call and in fp32 goes to the BLAS
+(MKL), which on non-Intel CPUs runs a narrower code path than the CPU has. In fp32 the two sum in a different
+order: results agree to fp32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -33,24 +33,39 @@ def fused_layers() -> ModuleType:
     return module
 
 
-def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` [out, in] fp32 on CPU in oneDNN's layout for ``onednn_linear``; None where this torch has no
-    oneDNN linear or its result on a probe input is not ``F.linear``'s to fp32 rounding (then keep ``F.linear``)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
+# The probe's tolerance per dtype packed (|oneDNN - F.linear| <= tol * max(1, max |F.linear|)): the dtype's rounding.
+ONEDNN_PROBE_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@functools.cache
+def onednn_linear_ok(dtype: torch.dtype) -> bool:
+    """Whether this torch's oneDNN linear runs ``dtype`` on this CPU (bf16: where oneDNN has native bf16 kernels)
+    and agrees with ``F.linear`` on a probe; logs why not (once per dtype)."""
+    if dtype not in ONEDNN_PROBE_TOL or not torch.backends.mkldnn.is_available():
+        return False
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        ref = F.linear(probe, weight)
-        got = onednn_linear(probe, packed, None)
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+        gen = torch.Generator().manual_seed(0)
+        w, x = torch.randn(48, 40, generator=gen).to(dtype), torch.randn(3, 40, generator=gen).to(dtype)
+        ref = F.linear(x, w).float()
+        got = onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(w, None), None).float()
     except (RuntimeError, AttributeError, NotImplementedError) as e:
-        logger.warning("oneDNN linear unavailable (%s): CPU GEMMs stay on F.linear", e)
-        return None
+        logger.warning("oneDNN linear unavailable for %s (%s): CPU GEMMs stay on F.linear", dtype, e)
+        return False
     err = (got - ref).abs().max().item()
-    if not err <= 1e-5 * max(1.0, ref.abs().max().item()):
-        logger.warning("oneDNN linear off by %.3g on a probe: CPU GEMMs stay on F.linear", err)
+    if not err <= ONEDNN_PROBE_TOL[dtype] * max(1.0, ref.abs().max().item()):
+        logger.warning("oneDNN linear off by %.3g on a %s probe: CPU GEMMs stay on F.linear", err, dtype)
+        return False
+    return True
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] on CPU in oneDNN's layout for ``onednn_linear``; None where ``onednn_linear_ok`` says
+    no for its dtype (then keep ``F.linear``)."""
+    if weight.device.type != "cpu" or not onednn_linear_ok(weight.dtype):
         return None
-    return packed
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

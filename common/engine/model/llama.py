@@ -172,10 +172,10 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fused_rotary = on and layer.self_attn.q_norm is None
 
     def pack_cpu_weights(self) -> int:
-        """CPU fp32: every GEMM weight (the LM head included) into oneDNN's layout (``Linear.pack_for_cpu``), for
-        the eager forward only (a compiled step traces ``F.linear``). A tied LM head gets a packed copy of the
+        """CPU fp32 / bf16: every GEMM weight (the LM head included) into oneDNN's layout (``Linear.pack_for_cpu``),
+        for the eager forward only (a compiled step traces ``F.linear``). A tied LM head gets a packed copy of the
         embedding (the lookup keeps the original). Returns how many weights were packed: 0 where oneDNN is not
-        available, the forward unchanged."""
+        available for the dtype, the forward unchanged."""
         packed = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
         if self.lm_head is None and self.tied_head_packed is None:
             self.tied_head_packed = onednn_pack(self.model.embed_tokens.weight)
