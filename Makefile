@@ -43,8 +43,7 @@ up: $(STAMP)
 
 # TEST_WORKERS pytest-xdist workers, each taking whole test files (--dist loadfile: a module's cluster or node fixture
 # starts once; --no-loadscope-reorder: the longest files go first, tests/conftest.py LONGEST_FILES, not the files with
-# the most tests). On the 2-core CI machine a fresh-clone .ci/run took 10.2-11.5 min on 3 workers (tests 8:23-9:20,
-# install + checks 1:47-2:32; four runs, 2026-11-27 18:29-19:23) and ~20 min in one process (TEST_WORKERS=0).
+# the most tests). 3 workers suit the 2-core CI machine (its timings: docs/testing.md); TEST_WORKERS=0 runs one process.
 # PDCLUSTER_TEST_CPU=<dir> writes the CPU seconds each test file took.
 TEST_WORKERS ?= 3
 

@@ -18,10 +18,11 @@ import time
 from kvtransfer import auth
 from kvtransfer.args import KVTransferConfig
 from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, encode
-from kvtransfer.receiver import DecodeRooms, KVReceiver
-from kvtransfer.sender import PrefillRooms
+from kvtransfer.prefill_rooms import PrefillRooms
+from kvtransfer.receiver import KVReceiver
 from kvtransfer.testing import DECODE_SEED, PREFILL_SEED, make_args
 
 SECRET = "benchmark-only-secret-value"
@@ -41,7 +42,7 @@ def handshake_ms(peers: int) -> list[float]:
             receiver = KVReceiver(decode, 1000 + i, f"127.0.0.1:{port}")
             receiver.init(0)
             end = time.monotonic() + 10
-            while prefill.instance_id not in rooms.connecting and time.monotonic() < end:  # type: ignore[union-attr]
+            while prefill.instance_id not in rooms.handshakes.connecting and time.monotonic() < end:  # type: ignore[union-attr]
                 time.sleep(0.00002)
             start = time.perf_counter()
             while prefill.instance_id not in decode.peers and time.monotonic() < end:

@@ -71,11 +71,18 @@ def _peak_bandwidth_gbs(device: str) -> float | None:
     return next((bw for key, bw in PEAK_BANDWIDTH_GBS.items() if key in name), None)
 
 
-def _weight_bytes(model_path: str, dtype: str) -> int:
-    """Bytes of every weight of the model folder once loaded in ``dtype``."""
+def _weight_bytes(model_path: str, dtype: str, load_format: str = "auto") -> int:
+    """Bytes of every weight of the model folder once loaded in ``dtype`` (dummy: of the config's model)."""
     import torch
     from safetensors import safe_open
 
+    if load_format == "dummy":
+        from common.engine.model.config import ModelConfig
+        from common.engine.model.llama import LlamaForCausalLM
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(ModelConfig.from_path(model_path, "dummy"), device="meta")
+        return sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     numel = 0
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -102,13 +109,18 @@ class _Ours:
 
 
 class _HF:
-    def __init__(self, model_path: str, device: str, dtype: str, static: bool = False) -> None:
+    def __init__(self, model_path: str, device: str, dtype: str, static: bool = False, dummy: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
         self.device = device
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        if dummy:  # the weights our engine's --load-format dummy makes, built on the device from the config
+            from common.model_gen.hf_dummy import hf_dummy_model
+
+            self.model = hf_dummy_model(model_path, getattr(torch, dtype), device)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
         self.pad = self.model.generation_config.pad_token_id or 0
         # A static cache makes transformers compile the decode forward (its auto-compile, on by default on cuda).
         self.cache = {"cache_implementation": "static"} if static else {}
@@ -132,6 +144,13 @@ class _HF:
         return 0.0
 
 
+def _runner(side: str, model_path: str, engine_args: dict[str, Any]) -> _Ours | _HF:
+    if side.startswith("ours"):
+        return _Ours(model_path, engine_args)
+    return _HF(model_path, engine_args["device"], engine_args["dtype"], static=side == "hf_static",
+               dummy=engine_args.get("load_format") == "dummy")
+
+
 def _worker(side: str, model_path: str, threads: int, engine_args: dict[str, Any], conn: Any,
             root: str | None = None) -> None:
     """Serve ("run", prompts, max_new) -> (seconds, outputs) and ("rss",) -> MiB until ("stop",). ``root``: a
@@ -141,10 +160,7 @@ def _worker(side: str, model_path: str, threads: int, engine_args: dict[str, Any
     import torch
 
     torch.set_num_threads(threads)
-    if side.startswith("ours"):
-        runner: _Ours | _HF = _Ours(model_path, engine_args)
-    else:
-        runner = _HF(model_path, engine_args["device"], engine_args["dtype"], static=side == "hf_static")
+    runner = _runner(side, model_path, engine_args)
     conn.send("ready")
     while True:
         msg = conn.recv()
@@ -195,6 +211,36 @@ def _profile(runner: _Ours | _HF, prompts: list[list[int]], max_new: int) -> dic
         "top_by_device_time": avg.table(sort_by=device_key, row_limit=15, max_name_column_width=60),
         "top_by_cpu_time": avg.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60),
     }
+
+
+class _LocalSide:
+    """A side in this process (``--in-process``: the dry run's sides, where each process start costs more than the
+    workload); peak RSS is then this process's, shared by every side."""
+
+    def __init__(self, side: str, model_path: str, threads: int, engine_args: dict[str, Any]) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        self.runner = _runner(side, model_path, engine_args)
+        self.last_comm_s = 0.0
+
+    def run(self, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
+        secs, outs, self.last_comm_s = self.run_timed(prompts, max_new)
+        return secs, outs
+
+    def run_timed(self, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]], float]:
+        t0, comm0 = time.perf_counter(), self.runner.comm_seconds()
+        outs = self.runner.run(prompts, max_new)
+        return time.perf_counter() - t0, outs, self.runner.comm_seconds() - comm0
+
+    def profile(self, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+        return _profile(self.runner, prompts, max_new)
+
+    def peak_rss_mib(self) -> float:
+        return _peak_rss_mib()
+
+    def stop(self) -> None:
+        self.runner.close()
 
 
 class _Side:
@@ -277,8 +323,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--disable-cuda-graph", action="store_true", help="our engine: no CUDA graphs on cuda")
     p.add_argument("--baseline-eager", action="store_true",
                    help="+ our engine without compile and CUDA graphs (the 'ours_eager' side)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: the generated folder holds no weights; ours loads --load-format dummy, HF builds the "
+                        "same weights from the config (common/model_gen/hf_dummy.py)")
+    p.add_argument("--skip-hf-dynamic", action="store_true",
+                   help="no HF generate with its dynamic cache (needs --hf-static: outputs are compared with it)")
     p.add_argument("--hf-static", action="store_true",
                    help="+ HF generate with a static cache (transformers compiles its decode step: 'hf_static')")
+    p.add_argument("--in-process", action="store_true",
+                   help="every side in this process instead of one process each (the CPU dry run: process starts "
+                        "would cost more than its workload; peak RSS is then shared)")
     p.add_argument("--warmup-full", action="store_true",
                    help="warm every side up with the full workload (compiles and captures every shape) before timing")
     p.add_argument("--profile-steps", type=int, default=0,
@@ -296,9 +350,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from common.model_gen.make_model import make_model
 
         tmp = tempfile.TemporaryDirectory(prefix="pdc-bench-")
-        model_path = str(make_model("llama", a.model_size, Path(tmp.name), seed=0))
+        model_path = str(make_model("llama", a.model_size, Path(tmp.name), seed=0,
+                                    weights=False if a.load_format == "dummy" else None))
+    if a.skip_hf_dynamic and not a.hf_static:
+        p.error("--skip-hf-dynamic needs --hf-static (the side outputs are compared with)")
     hf_cfg = AutoConfig.from_pretrained(model_path)
-    weight_bytes = _weight_bytes(model_path, a.dtype)
+    weight_bytes = _weight_bytes(model_path, a.dtype, a.load_format)
     vocab = hf_cfg.vocab_size
     n, lin, lout = a.num_prompts, a.input_len, a.output_len
     # Room for every request at once, plus a partial page each; the prefix cache evicts older repeats' prompts.
@@ -317,6 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch_compile_max_bs": a.torch_compile_max_bs,
         "cuda_graph_max_bs": a.cuda_graph_max_bs,
         "disable_cuda_graph": a.disable_cuda_graph,
+        "load_format": a.load_format,
     }
     machine = _machine(a.threads)
     print(f"model {model_path} (hidden {hf_cfg.hidden_size}, layers {hf_cfg.num_hidden_layers}, vocab {vocab})")
@@ -325,19 +383,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"machine: {machine}")
 
     ours_args = engine_args | ({"enable_overlap_schedule": True} if a.compare_overlap else {})
-    sides = {"ours": _Side("ours", model_path, a.threads, ours_args)}
+    make_side = _LocalSide if a.in_process else _Side
+    sides = {"ours": make_side("ours", model_path, a.threads, ours_args)}
     if a.tp_size > 1:
         per_rank = max(1, a.threads // a.tp_size)
-        sides = {"ours_tp": _Side("ours_tp", model_path, per_rank,
+        sides = {"ours_tp": make_side("ours_tp", model_path, per_rank,
                                   engine_args | {"tp_size": a.tp_size, "torch_num_threads": per_rank}), **sides}
     if a.compare_overlap:
-        sides["ours_normal"] = _Side("ours", model_path, a.threads, engine_args | {"disable_overlap_schedule": True})
+        sides["ours_normal"] = make_side("ours", model_path, a.threads, engine_args | {"disable_overlap_schedule": True})
     if a.baseline_eager:
-        sides["ours_eager"] = _Side("ours_eager", model_path, a.threads,
+        sides["ours_eager"] = make_side("ours_eager", model_path, a.threads,
                                     engine_args | {"enable_torch_compile": False, "disable_cuda_graph": True})
-    sides["hf"] = _Side("hf", model_path, a.threads, engine_args)
+    if not a.skip_hf_dynamic:
+        sides["hf"] = make_side("hf", model_path, a.threads, engine_args)
     if a.hf_static:
-        sides["hf_static"] = _Side("hf_static", model_path, a.threads, engine_args)
+        sides["hf_static"] = make_side("hf_static", model_path, a.threads, engine_args)
     comm_s: list[float] = []
     tp_agree: list[float] = []
     eager_outs: list[tuple[list[list[int]], list[list[int]]]] = []
@@ -361,7 +421,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if any(len(o) != lout for o in outs[k]):
                     raise RuntimeError(f"{k} returned fewer than {lout} tokens for some prompt")
                 decode_s[k].append(secs)
-            agree.append(sum(x == y for x, y in zip(outs["ours"], outs["hf"], strict=True)) / n)
+            ref = outs["hf"] if "hf" in outs else outs["hf_static"]
+            agree.append(sum(x == y for x, y in zip(outs["ours"], ref, strict=True)) / n)
             if "ours_eager" in outs:
                 eager_outs.append((outs["ours"], outs["ours_eager"]))
             if "ours_tp" in outs:
@@ -402,9 +463,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "engine_args": engine_args,
         "machine": machine | {"loadavg_end": os.getloadavg()[0]},
         "ours": summary("ours"),
-        "hf": summary("hf"),
         "identical_output_fraction": agree,
     }
+    if "hf" in sides:
+        result["hf"] = summary("hf")
+        result["ratio"] = result["ours"]["output_tok_per_s"] / result["hf"]["output_tok_per_s"]
     if "hf_static" in sides:
         result["hf_static"] = summary("hf_static")
         result["ratio_vs_hf_static"] = result["ours"]["output_tok_per_s"] / result["hf_static"]["output_tok_per_s"]
@@ -421,12 +484,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "ours_eager" in sides:
         result["ours_eager"] = summary("ours_eager")
         result["ratio_vs_eager"] = result["ours"]["output_tok_per_s"] / result["ours_eager"]["output_tok_per_s"]
-    result["ratio"] = result["ours"]["output_tok_per_s"] / result["hf"]["output_tok_per_s"]
     peak = a.peak_bandwidth_gbs or _peak_bandwidth_gbs(a.device)
     result["weight_bytes"] = weight_bytes
     result["peak_bandwidth_gbs"] = peak
     result["weight_read_floor_ms"] = weight_bytes / (peak * 1e9) * 1e3 if peak else None
-    rows = [("ours", result["ours"]), ("hf generate", result["hf"])]
+    rows = [("ours", result["ours"])] + ([("hf generate", result["hf"])] if "hf" in result else [])
     if "hf_static" in result:
         rows.append(("hf static", result["hf_static"]))
     if "ours_tp" in result:
@@ -439,7 +501,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, r in rows:
         pre = f"{r['prefill_tok_per_s']:14.0f}" if "prefill_tok_per_s" in r else f"{'-':>14}"
         print(f"{name:<12} {r['output_tok_per_s']:10.0f} {pre} {r['peak_rss_mib']:13.0f}")
-    print(f"ratio ours / hf (output tok/s): {result['ratio']:.2f}x  (target >= 1.5x)")
+    if "ratio" in result:
+        print(f"ratio ours / hf (output tok/s): {result['ratio']:.2f}x  (target >= 1.5x)")
     if "ours_tp" in result:
         print(f"ratio ours tp {a.tp_size} / ours tp 1 (output tok/s): {result['tp_ratio_vs_tp1']:.2f}x; "
               f"TP collectives take {result['ours_tp']['comm_share_median']:.0%} of the tp {a.tp_size} run (median)")

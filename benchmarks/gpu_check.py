@@ -5,26 +5,31 @@
     python -m benchmarks.gpu_check --dry-run --out /tmp/x # the same plumbing on CPU, tiny sizes (in make test)
 
 Steps, in order of value; each runs in a child process with its own deadline (cut to what is left of
-``--budget-s``), and a failed step is recorded while the next one still runs:
+``--budget-s``), and a failed step is recorded while the next one still runs. By default (issue 50's check, sized
+to fit the budget on an H200) scale, pd, kv, engine, tests; host, kvtrace and compile on request (``--steps``):
 
     env     GPU, driver, torch/triton/transformers versions, which optional packages load
+    scale   benchmarks/model_scale.py: 8B- and 1B-shaped llamas (bf16, --load-format dummy): the decode step at
+            batch 1/8/64/256 x context 1k/8k, each against its floor (weights + KV read / the card's copy
+            bandwidth), prefill of a 4k and a 16k prompt (tokens/s, MFU); a profiler table per missed target
+    pd      benchmarks/gpu_pd.py: pdcluster up 1 prefill + 1 decode over shm and over tcp, then colocated, on the one
+            GPU, 8B dummy weights, a mixed load (prompts 512..4k, outputs 128..512, 64 at once) through the OpenAI
+            API; throughput and TTFT against colocated; texts identical to colocated; pools back; start-up seconds
+    kv      benchmarks/kv_transfer.py --device cuda: a 512 MiB paged request, alone and 4 in flight, over shm
+            (CUDA IPC) against an in-process device copy; nixl (VRAM) too where its wheel loads
+    engine  benchmarks/engine_throughput.py: colocated engine, 1B-shaped llama bf16 (dummy weights), 64 x 128 ->
+            128 greedy, with CUDA graphs, against HF generate with a static cache, compiled (hf_static, the same
+            weights), both warmed up with the full workload; decode step ms beside the card's weight-read floor;
+            a torch profiler table of our decode steps
     tests   pytest tests/gpu (engine vs transformers, Triton kernels, CUDA graphs, GPU KV transfers, PD on one GPU)
-    engine  benchmarks/engine_throughput.py: colocated engine, 1B-shaped llama bf16, 64 x 128 -> 128 greedy, with
-            CUDA graphs (ours) and without (ours_eager), against HF generate (dynamic cache) and HF generate with a
-            static cache, compiled (hf_static), all warmed up with the full workload; decode step ms beside the
-            card's weight-read floor; a torch profiler table of our decode steps
     host    benchmarks/host_step.py: the engine step's decode at batch 64, each scheduler/forward function's thread
             CPU time per step (where the host time of a host-bound step goes)
-    kv      benchmarks/kv_transfer.py --device cuda: a 512 MiB paged request, alone and 4 in flight, over shm
-            (CUDA IPC) against an in-process device copy, tcp (staged) against raw loopback TCP, nixl (VRAM) where
-            its wheel loads
-    pd      benchmarks/gpu_pd.py: pdcluster up colocated, then 1 prefill + 1 decode over shm and over tcp on the
-            one GPU; c=32 streamed greedy load through the OpenAI API; texts identical to colocated; pools back;
-            start-up seconds and the KV pool each node chose
     kvtrace benchmarks/kvtrace/phases.py --run: one 512 MiB shm request at a time with the control path traced;
             where a request's time goes, phase by phase, across both processes (the shm target's lever)
     compile (GPU only) the engine step's workload with our decode steps compiled inside the CUDA graphs
             (--enable-torch-compile) against HF static+compiled
+
+The dry run (``--dry-run``, in ``make test``) runs every step but compile on CPU at tiny sizes.
 
 Writes ``<step>.log`` and ``<step>.json`` per step, ``summary.json`` (everything) and ``summary.md`` (one page,
 targets marked) under ``--out``, and prints progress as it goes.
@@ -37,12 +42,15 @@ import importlib
 import json
 import os
 import platform
+import resource
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +58,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.forked_steps import ForkedProcess, in_child, preload  # noqa: E402
 from benchmarks.gpu_summary import summarize  # noqa: E402
 
 OPTIONAL_MODULES = ("msgspec", "zmq", "grpc", "triton", "transformers", "nixl", "ucxx", "mooncake.engine", "ray")
@@ -78,13 +87,18 @@ def _per_test_timeout() -> list[str]:
 
 
 def _parallel_tests() -> list[str]:
-    """4 xdist workers, whole files each, where pytest-xdist is installed (the GPU machines have it): tests/gpu took
-    126 s so on an H200 (2026-11-27) and more than 5 minutes one at a time."""
+    """4 xdist workers, whole files each, where pytest-xdist is installed (the GPU machines have it): one at a time
+    tests/gpu takes several times as long (benchmarks/pages/gpu_check.md)."""
     try:
         importlib.import_module("xdist")
     except ImportError:
         return []
     return ["-n", "4", "--dist", "loadfile"]
+
+
+STEPS = ("scale", "pd", "kv", "engine", "tests", "host", "kvtrace", "compile")
+DEFAULT_STEPS = "scale,pd,kv,engine,tests"  # fits --budget-s on an H200 (benchmarks/pages/gpu_check.md)
+DRY_RUN_STEPS = "scale,pd,kv,engine,tests,host,kvtrace"  # every step's code path (compile: GPU only)
 
 
 def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
@@ -94,49 +108,61 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
     tests = Step("tests", [*py, "pytest", "-v", "-p", "no:cacheprovider", "-rA", "--durations=15", "tests/gpu",
                            "--junitxml", junit, "--deselect", "tests/gpu/test_benchmark_cuda.py",
                            *_per_test_timeout(), *parallel, *shlex.split(a.pytest_args)], 150)
-    if a.dry_run:
+    if a.dry_run:  # the same code paths on CPU at tiny sizes, each step as lean as its path allows
+        scale_sizes = ["--device", "cpu", "--dtype", "float32", "--model-size", "tiny", "--batches", "1,4",
+                       "--contexts", "32,96", "--prefill", "64", "--steps", "2", "--profile-misses", "1"]
         engine_sizes = ["--device", "cpu", "--dtype", "float32", "--model-size", "tiny", "--num-prompts", "4",
                         "--input-len", "16", "--output-len", "8", "--repeats", "1", "--threads", "1",
-                        "--profile-steps", "4"]
-        host_sizes = ["--device", "cpu", "--null-forward", "--batch", "8", "--input-len", "16", "--output-len", "16",
+                        "--profile-steps", "4", "--in-process"]
+        host_sizes = ["--device", "cpu", "--null-forward", "--batch", "8", "--input-len", "16", "--output-len", "8",
                       "--repeats", "1"]
-        kv_sizes = ["--device", "cpu", "--backends", "shm,tcp", "--tokens", "64", "--reps", "1", "--rounds", "1",
-                    "--inflight", "1,2"]
+        kv_sizes = ["--device", "cpu", "--backends", "shm", "--tokens", "64", "--reps", "1", "--rounds", "1",
+                    "--inflight", "2"]
         # The tiny llama and a 4096-token KV pool per node (the CPU default sizes the pool from free RAM: GiBs to
-        # allocate and zero per node, for 8 requests of 40 tokens).
-        pd_sizes = ["--device", "cpu", "--backends", "tcp", "--num-requests", "8", "--input-len", "32",
-                    "--output-len", "8", "--concurrency", "4", "--model-size", "tiny",
-                    "--node-flag=--max-total-tokens=4096"]
-        trace_sizes = ["--device", "cpu", "--tokens", "64", "--reps", "6"]
+        # allocate and zero per node, for a few short requests).
+        pd_sizes = ["--device", "cpu", "--dtype", "float32", "--backends", "tcp", "--model-size", "tiny",
+                    "--num-requests", "6", "--input-len", "16", "--input-len-max", "48", "--output-len", "4",
+                    "--output-len-max", "8", "--concurrency", "3", "--node-flag=--max-total-tokens=4096"]
+        trace_sizes = ["--device", "cpu", "--tokens", "64", "--reps", "4"]
     else:
+        scale_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "8b", "--model-size", "1b"]
         engine_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "1b", "--num-prompts", "64",
                         "--input-len", "128", "--output-len", "128", "--repeats", "2", "--threads", "8",
                         "--profile-steps", "16"]
         host_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "1b", "--batch", "64",
                       "--input-len", "128", "--output-len", "128", "--repeats", "2", "--threads", "8"]
-        backends = "shm,tcp" + (",nixl" if a.modules.get("nixl") else "")
-        kv_sizes = ["--device", "cuda", "--backends", backends, "--reps", "3", "--rounds", "2"]
-        pd_sizes = ["--device", "cuda", "--backends", "shm,tcp"]
+        backends = "shm" + (",nixl" if a.modules.get("nixl") else "")
+        kv_sizes = ["--device", "cuda", "--backends", backends, "--reps", "3", "--rounds", "1"]
+        # The issue's mixed workload at 8B: prompts 512..4k, outputs 128..512, 64 at once.
+        pd_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--backends", "shm,tcp", "--model-size", "8b",
+                    "--num-requests", "64", "--input-len", "512", "--input-len-max", "4096", "--output-len", "128",
+                    "--output-len-max", "512", "--concurrency", "64"]
         trace_sizes = ["--device", "cuda", "--reps", "12"]
-    pd_sizes += ["--log-dir", str(out / "pd_logs")]
-    return [
+    pd_sizes += ["--load-format", "dummy", "--log-dir", str(out / "pd_logs")]
+    engine_sizes += ["--load-format", "dummy", "--hf-static", "--skip-hf-dynamic"]
+    steps = [
+        Step("scale", [*py, "benchmarks.model_scale", *scale_sizes, "--json", str(out / "scale.json")], 140),
+        Step("pd", [*py, "benchmarks.gpu_pd", *pd_sizes, "--json", str(out / "pd.json")], 180),
+        Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 60),
+        Step("engine", [*py, "benchmarks.engine_throughput", *engine_sizes, "--warmup-full", "--json",
+                        str(out / "engine.json")], 120),
         tests,
-        Step("engine", [*py, "benchmarks.engine_throughput", *engine_sizes, "--baseline-eager", "--hf-static",
-                        "--warmup-full", "--json", str(out / "engine.json")], 165),
         Step("host", [*py, "benchmarks.host_step", *host_sizes, "--json", str(out / "host.json")], 120),
-        Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 150),
-        Step("pd", [*py, "benchmarks.gpu_pd", *pd_sizes, "--json", str(out / "pd.json")], 150),
         Step("kvtrace", [*py, "benchmarks.kvtrace.phases", "--run", "--backend", "shm", *trace_sizes, "--timeout",
                          "80", "--json", str(out / "kvtrace.json")], 90),
-        # Last and GPU only (inductor's CPU compile of even the tiny model outlasts the dry run): our decode steps
-        # compiled and captured (--enable-torch-compile), the lever the first GPU run's profile points at.
-        *([] if a.dry_run else [Step("compile", [
-            *py, "benchmarks.engine_throughput", *engine_sizes, "--enable-torch-compile", "--torch-compile-max-bs",
-            "64", "--hf-static", "--warmup-full", "--json", str(out / "compile.json")], 240)]),
     ]
+    # GPU only (inductor's CPU compile of even the tiny model outlasts the dry run): our decode steps compiled and
+    # captured (--enable-torch-compile) against HF static + compiled.
+    if not a.dry_run:
+        steps.append(Step("compile", [*py, "benchmarks.engine_throughput", *engine_sizes, "--enable-torch-compile",
+                                      "--torch-compile-max-bs", "64", "--warmup-full", "--json",
+                                      str(out / "compile.json")], 240))
+    return steps
 
 
-def run_step(step: Step, out: Path, deadline: float) -> None:
+def run_step(step: Step, out: Path, deadline: float, measure_cpu: bool = True, fork: bool = False) -> None:
+    """Run ``step`` to its deadline; ``measure_cpu``: record its processes' CPU seconds (only right when no other
+    step runs at the same time); ``fork``: start it by fork from this process (``forked_steps``: the CPU dry run)."""
     timeout = min(step.timeout_s, deadline - time.monotonic())
     log = out / f"{step.name}.log"
     if timeout < 5:
@@ -145,10 +171,13 @@ def run_step(step: Step, out: Path, deadline: float) -> None:
         return
     print(f"[{step.name}] python {' '.join(step.argv)}  (deadline {timeout:.0f} s)", flush=True)
     t0 = time.monotonic()
+    cpu0 = _children_cpu_s()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, *step.argv], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                start_new_session=True)
+        proc: subprocess.Popen[bytes] | ForkedProcess = (
+            ForkedProcess(step.argv, log, ROOT) if fork else
+            subprocess.Popen([sys.executable, *step.argv], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                             start_new_session=True))
         try:
             rc: int | None = proc.wait(timeout)
             timed_out = False
@@ -164,13 +193,21 @@ def run_step(step: Step, out: Path, deadline: float) -> None:
     seconds = time.monotonic() - t0
     status = "timeout" if timed_out else ("ok" if rc == 0 else "failed")
     tail = log.read_text(errors="replace")[-3000:]
-    step.result = {"status": status, "rc": rc, "seconds": round(seconds, 1), "log": log.name, "log_tail": tail}
+    # CPU seconds of the step's processes (reaped ones: a step's children are waited for by their parents)
+    step.result = {"status": status, "rc": rc, "seconds": round(seconds, 1),
+                   "cpu_s": round(_children_cpu_s() - cpu0, 1) if measure_cpu else None, "log": log.name,
+                   "log_tail": tail}
     result_file = out / f"{step.name}.json"
     if result_file.is_file():
         step.result["data"] = json.loads(result_file.read_text())
     if step.name == "tests":
         step.result["data"] = junit_counts(out / "tests.xml", tail)
-    print(f"[{step.name}] {status} in {seconds:.0f} s (rc {rc})", flush=True)
+    print(f"[{step.name}] {status} in {seconds:.0f} s, {step.result['cpu_s']} CPU s (rc {rc})", flush=True)
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def junit_counts(path: Path, tail: str) -> dict[str, Any]:
@@ -233,7 +270,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "gpu_check"))
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the same plumbing, no GPU needed")
     p.add_argument("--budget-s", type=float, default=420.0, help="the whole check's deadline (seconds)")
-    p.add_argument("--steps", default="tests,engine,host,kv,pd,kvtrace,compile", help="which steps, comma-separated")
+    p.add_argument("--steps", default=None, help=f"which steps, comma-separated, of {','.join(STEPS)} (default: "
+                   f"{DEFAULT_STEPS}; dry run: {DRY_RUN_STEPS})")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="steps run at once: the CPU dry run's steps are independent (on a GPU they share the device "
+                        "and its timings: keep 1)")
     p.add_argument("--pytest-args", default="", help="more pytest arguments for the tests step (e.g. -k EXPR)")
     p.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS", help="a step's own deadline")
     p.add_argument("--commit", default=os.environ.get("PDCLUSTER_COMMIT") or _git_commit(), help="recorded in the summary")
@@ -242,12 +283,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    env_info = environment()
+    # The dry run forks its steps from this process with their modules imported once (forked_steps: one thread,
+    # so the environment, whose imports start threads, is read in a child).
+    fork = a.dry_run and a.jobs == 1
+    if fork:
+        os.environ["PYTHONUNBUFFERED"] = "1"
+        preload()
+    env_info = in_child(environment) if fork else environment()
     a.modules = env_info["modules"]
     print(f"[env] {json.dumps(env_info)}", flush=True)
     if not a.dry_run and not env_info["cuda_available"]:
         print("no CUDA device here: run with --dry-run on CPU", file=sys.stderr)
-    wanted = [s for s in a.steps.split(",") if s]
+    wanted = [s for s in (a.steps or (DRY_RUN_STEPS if a.dry_run else DEFAULT_STEPS)).split(",") if s]
+    unknown = sorted(set(wanted) - set(STEPS))
+    if unknown:
+        p.error(f"--steps: unknown {unknown}; the steps are {', '.join(STEPS)}")
     steps = [s for s in steps_for(a, out) if s.name in wanted]
     for spec in a.timeout:
         name, _, seconds = spec.partition("=")
@@ -256,10 +306,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 s.timeout_s = float(seconds)
     result: dict[str, Any] = {"started": started, "commit": a.commit, "dry_run": a.dry_run, "budget_s": a.budget_s,
                               "env": env_info, "steps": {}}
-    for step in steps:
-        run_step(step, out, deadline)
-        result["steps"][step.name] = step.result
-        (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    lock = threading.Lock()
+
+    def run(step: Step) -> None:
+        run_step(step, out, deadline, measure_cpu=a.jobs == 1, fork=fork)
+        with lock:  # what ran so far survives a kill, in step order
+            result["steps"] = {s.name: s.result for s in steps if s.result}
+            (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+
+    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+        list(pool.map(run, steps))
     result["seconds"] = round(a.budget_s - (deadline - time.monotonic()), 1)
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     page = summarize(result)

@@ -5,9 +5,13 @@ Per cluster: seconds from ``up`` to its ready line, each node's KV pool (from it
 each node's KV pages and request slots before and after the load (all must come back: free, or held
 only by the prefix cache), and the load's figures: ``--num-requests``
 prompts of ``--input-len`` random token ids, ``--output-len`` tokens each (``ignore_eos``), ``--concurrency`` at
-once, streamed. Each PD run's texts are compared with the colocated run's, prompt by prompt.
+once, streamed; a mixed workload with ``--input-len-max`` / ``--output-len-max``: each request's lengths drawn
+uniformly between the two (seeded, the same for every cluster). Each PD run's texts are compared with the colocated
+run's, prompt by prompt.
 
     python -m benchmarks.gpu_pd --device cuda --backends shm,tcp --json out.json
+    python3 -m benchmarks.gpu_pd --device cuda --dtype bfloat16 --model-size 8b --load-format dummy \
+        --input-len 512 --input-len-max 4096 --output-len 128 --output-len-max 512 --concurrency 64 --json out.json
     python -m benchmarks.gpu_pd --device cpu --backends tcp --num-requests 8 --output-len 8 --model-size tiny  # dry run
 
 No ``openai`` package here (GPU machines lack it): the client is ``aiohttp`` reading the SSE stream itself.
@@ -104,8 +108,8 @@ async def _one(session: Any, url: str, body: dict[str, Any], timeout_s: float) -
     return {"ok": True, "text": "".join(text), "ttft_s": ttft, "seconds": time.perf_counter() - t0, "chunks": chunks}
 
 
-async def drive(http_port: int, prompts: list[list[int]], warm: list[list[int]], output_len: int, concurrency: int,
-                timeout_s: float) -> dict[str, Any]:
+async def drive(http_port: int, prompts: list[list[int]], warm: list[list[int]], outputs: list[int], warm_output: int,
+                concurrency: int, timeout_s: float) -> dict[str, Any]:
     import aiohttp
 
     base = f"http://127.0.0.1:{http_port}/v1"
@@ -114,7 +118,7 @@ async def drive(http_port: int, prompts: list[list[int]], warm: list[list[int]],
             model = (await r.json())["data"][0]["id"]
         gate = asyncio.Semaphore(concurrency)
 
-        async def send(ids: list[int]) -> dict[str, Any]:
+        async def send(ids: list[int], output_len: int) -> dict[str, Any]:
             body = {"model": model, "prompt": ids, "max_tokens": output_len, "temperature": 0, "stream": True,
                     "ignore_eos": True}
             async with gate:
@@ -122,9 +126,9 @@ async def drive(http_port: int, prompts: list[list[int]], warm: list[list[int]],
 
         # Warm-up, as concurrent as the load: first-use costs (kernel compiles for new batch shapes, first transfers
         # to a peer) stay out of the figures. Other prompts than the load's, so no prefix-cache hit carries over.
-        await asyncio.gather(*(send(p) for p in warm))
+        await asyncio.gather(*(send(p, warm_output) for p in warm))
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(send(p) for p in prompts))
+        results = await asyncio.gather(*(send(p, n) for p, n in zip(prompts, outputs, strict=True)))
         wall = time.perf_counter() - t0
     ok = [r for r in results if r["ok"]]
     ttfts = sorted(r["ttft_s"] for r in ok if r["ttft_s"] is not None)
@@ -132,6 +136,7 @@ async def drive(http_port: int, prompts: list[list[int]], warm: list[list[int]],
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
         "wall_s": wall, "request_per_s": len(ok) / wall,
+        "output_tok_per_s": sum(n for r, n in zip(results, outputs, strict=True) if r["ok"]) / wall,
         "ttft_p50_ms": 1e3 * statistics.median(ttfts) if ttfts else None,
         "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
         "texts": [r.get("text") for r in results],
@@ -139,9 +144,9 @@ async def drive(http_port: int, prompts: list[list[int]], warm: list[list[int]],
 
 
 def run_cluster(name: str, up_args: list[str], a: argparse.Namespace, prompts: list[list[int]],
-                warm: list[list[int]], work: Path) -> dict[str, Any]:
+                outputs: list[int], warm: list[list[int]], work: Path) -> dict[str, Any]:
     cluster = UpCluster([*up_args, "--model-path", a.model_path, "--device", a.device, "--dtype", a.dtype,
-                         *a.node_flag],
+                         "--load-format", a.load_format, *a.node_flag],
                         work / f"{name}.log", free_port(), free_port())
     out: dict[str, Any] = {"name": name}
     t0 = time.monotonic()
@@ -153,7 +158,7 @@ def run_cluster(name: str, up_args: list[str], a: argparse.Namespace, prompts: l
         ports = {n: int(p) for n, p in CHILD_GRPC.findall(log) if n != "router"}
         out["nodes"] = {n: node_facts(work / name / f"{n}.log") for n in ports}
         out["pools_before"] = {n: pool_state(p) for n, p in ports.items()}
-        out["load"] = asyncio.run(drive(cluster.http_port, prompts, warm, a.output_len, a.concurrency,
+        out["load"] = asyncio.run(drive(cluster.http_port, prompts, warm, outputs, a.output_len, a.concurrency,
                                         a.request_timeout))
         deadline = time.monotonic() + POOLS_BACK_TIMEOUT_S
         while True:
@@ -186,10 +191,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--model-path", default=None, help="default: generate the --model-size llama (seed 0)")
     p.add_argument("--model-size", default="small", help="the generated llama's size (tiny for the CPU dry run)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="the nodes' --load-format (dummy: the generated folder holds no weights)")
     p.add_argument("--backends", default="shm,tcp")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--input-len-max", type=int, default=None, help="mixed workload: prompts up to this long")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len-max", type=int, default=None, help="mixed workload: outputs up to this long")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--node-flag", action="append", default=[], help="one more flag for every node (repeatable)")
@@ -205,22 +214,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if a.model_path is None:
             from common.model_gen.make_model import make_model
 
-            a.model_path = str(make_model("llama", a.model_size, Path(tmp) / "model", seed=0))
+            a.model_path = str(make_model("llama", a.model_size, Path(tmp) / "model", seed=0,
+                                          weights=False if a.load_format == "dummy" else None))
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(a.model_path).vocab_size
         rng = random.Random(0)
-        prompts = [[rng.randrange(3, vocab) for _ in range(a.input_len)] for _ in range(a.num_requests)]
+        lens = [rng.randint(a.input_len, a.input_len_max or a.input_len) for _ in range(a.num_requests)]
+        outputs = [rng.randint(a.output_len, a.output_len_max or a.output_len) for _ in range(a.num_requests)]
+        prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
         # NOTE: the warm-up is as concurrent as the load (Triton specialises kernels on their integer arguments: a
-        # new batch size can mean a compile), and colocated runs last: on a fresh machine the first cluster met
-        # Triton's cold compile cache (2026-11-27: capture 9.2 s against 1.3 s, TTFT p99 1.3 s during the load).
+        # new batch size can mean a compile), and colocated runs last: on a fresh machine the first cluster meets
+        # Triton's cold compile cache (benchmarks/pages/gpu_check.md).
         warm = [[rng.randrange(3, vocab) for _ in range(a.input_len)] for _ in range(a.concurrency)]
         result: dict[str, Any] = {"args": vars(a), "runs": {}}
         plans = [(f"pd_{b}", ["--prefill", "1", "--decode", "1", "--kv-transfer-backend", b])
                  for b in a.backends.split(",") if b]
         plans += [("colocated", ["--prefill", "0", "--decode", "0", "--colocated", "1"])]
         for name, up_args in plans:
-            result["runs"][name] = run_cluster(name, up_args, a, prompts, warm, work)
+            result["runs"][name] = run_cluster(name, up_args, a, prompts, outputs, warm, work)
             Path(a.json).write_text(json.dumps(result, indent=2) + "\n")  # what ran so far survives a kill
     want = result["runs"]["colocated"].get("load", {}).get("texts")
     for name, run in result["runs"].items():

@@ -37,14 +37,14 @@ def sampling_step(model_path: str, bs: int, steps: int, repeats: int) -> dict[st
     import torch
 
     from common.engine.req import Req
-    from common.engine.sampling.grammar import GrammarCompiler
+    from common.engine.sampling.grammar import GrammarCompiler, tokenizer_info
     from common.engine.sampling.params import SamplingParams
     from common.engine.sampling.sampler import Sampler, SamplingBatchInfo
     from common.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_path)
     vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
-    compiler = GrammarCompiler(tok, vocab, [tok.eos_token_id], any_whitespace=False)
+    compiler = GrammarCompiler(tokenizer_info(tok, vocab, [tok.eos_token_id]), any_whitespace=False)
     key = ("regex", ENDLESS)
     compiler.submit(key).result(timeout=60)
     sp = SamplingParams(temperature=0.0, regex=ENDLESS)

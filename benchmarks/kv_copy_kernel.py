@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.kv_transfer import HEAD_DIM, HEADS, LAYERS, PAGE, Geometry, page_tables
+from benchmarks.kv_workload import HEAD_DIM, HEADS, LAYERS, PAGE, Geometry, page_tables
 from common.engine.kernels.kv_pages import buffer_table, copy_pages_ref
 
 

@@ -10,8 +10,8 @@ Each backend: prefill ``KVManager`` in a child process, decode ``KVManager`` her
 side from ``send(all pages, last=True)`` to the sender's ``Success`` (which needs decode's confirmation that every
 byte and the metadata landed). GB/s = 536,870,912 B / seconds (1 GB = 1e9 B). Median of ``--reps`` after one
 warm-up. Baselines in the same run: ``ctypes.memmove`` of the same runs in one thread, and a raw TCP socket
-(``sendmsg``/``recvmsg_into`` of the same runs, 64 iovecs per call, no flags: ``_raw_send_views`` /
-``_raw_recv_views``, fixed here so a change to the backend's loops never moves its baseline) between two processes; with the ``nixl``
+(``sendmsg``/``recvmsg_into`` of the same runs, 64 iovecs per call, no flags) between two processes (the baselines:
+``kv_baselines.py``, fixed there so a change to a backend's loops never moves its baseline); with the ``nixl``
 or ``ucx`` backend, raw NIXL too: two agents in two processes, one ``initialize_xfer("WRITE")`` of the same page runs
 (every layer, K and V) + ``transfer`` + ``check_xfer_state`` until DONE per rep (the handle is built inside the timed
 region, as a new request's page table needs; UCX transports from ``UCX_TLS``); with the ``mooncake`` backend, raw
@@ -29,11 +29,11 @@ synchronized) and the raw TCP socket above (host memory). Targets: shm (CUDA IPC
 ``--inflight 1,4`` (cuda default; cpu: 1) also measures K requests in flight at once: K rooms sent back to back,
 timed from the first ``send`` to the last ``Success``, GB/s = K x 512 MiB over that time (the pools hold K + 1
 requests; the baseline is the same). One request alone measures the control path's fixed cost (two processes,
-a confirmation round trip: ~1.5 ms, three device copies' worth of a 512 MiB request on an H200); K in flight
+a confirmation round trip: several device copies' worth of a 512 MiB request on a GPU); K in flight
 measure the bandwidth a loaded decode node gets, the fixed cost overlapped with other requests' copies.
 
 ``--rounds N`` measures each backend and its baseline N times, alternating which goes first, and takes the median
-of the N paired ratios for the target (a single pair moves by +-20 % on a shared 2-core machine).
+of the N paired ratios for the target (a single pair moves by more than the targets' margins on a shared machine).
 
     python benchmarks/kv_transfer.py [--device cpu|cuda] [--backends tcp,shm,...] [--modes paged] [--reps 5]
                                      [--rounds 1] [--tokens 4096] [--option stage=always] [--json out.json]
@@ -42,312 +42,31 @@ of the N paired ratios for the target (a single pair moves by +-20 % on a shared
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import multiprocessing as mp
 import os
-import random
-import socket
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 
-from common.kv_options import KV_TRANSFER_OPTIONS
+from benchmarks.kv_baselines import (
+    bench_device_copy,
+    bench_memcpy,
+    bench_raw_mooncake,
+    bench_raw_nixl,
+    bench_raw_tcp,
+)
+from benchmarks.kv_workload import PAGE, RUN, SRC_SEED, Geometry, make_pool, page_tables, runs_of
+from common.kv_backends import KV_TRANSFER_BACKENDS
 from kvtransfer.args import KVArgs, KVTransferConfig
-from kvtransfer.registry import BACKENDS
 
-LAYERS, HEADS, HEAD_DIM, PAGE, RUN = 32, 8, 128, 16, 4
-SRC_SEED = 7
 # Both sides wait for the room's final state in a sleep-poll loop, as a scheduler does between its iterations. On
-# 2 cores the sender and the receiver each fill one, so a poller's CPU comes out of the transfer: measured, a
-# 0.2 ms poll costs 6.5 % of a core and a 0.5 ms one 3.2 % (the raw baselines block in recv instead); 1 ms costs
-# 1.6 %, and its resolution is under 1 % of a 512 MiB rep.
-POLL_S = 0.0001  # both sides poll for the final state: a 1 ms poll alone is 3x a 512 MiB device copy
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Requests of ``tokens`` tokens out of a pool of ``slots`` + 1 requests' pages (plus the padding page), on
-    ``device``: up to ``slots`` requests in flight on disjoint destination pages."""
-
-    tokens: int = 4096
-    device: str = "cpu"
-    slots: int = 1
-
-    @property
-    def req_pages(self) -> int:
-        return self.tokens // PAGE
-
-    @property
-    def pool_pages(self) -> int:
-        return (self.slots + 1) * self.req_pages
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * LAYERS * self.tokens * HEADS * HEAD_DIM * 2
-
-
-def make_pool(seed: int | None, geom: Geometry, device: str | None = None) -> KVArgs:
-    device = device or geom.device
-    g = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    shape = (geom.pool_pages * PAGE, HEADS, HEAD_DIM)
-
-    def buf() -> torch.Tensor:
-        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
-        if g is not None:
-            t.view(torch.int16).random_(-(2**15), 2**15 - 1, generator=g)
-        else:
-            t.zero_()
-        return t
-
-    return KVArgs(tuple(buf() for _ in range(LAYERS)), tuple(buf() for _ in range(LAYERS)), page_size=PAGE,
-                  total_kv_heads=HEADS, num_metadata_slots=16)
-
-
-def page_tables(mode: str, seed: int, geom: Geometry, inflight: int = 1) -> tuple[list[int], list[list[int]]]:
-    """The source pages and ``inflight`` disjoint destination tables of one request each."""
-    n = geom.req_pages
-    if mode == "contiguous":
-        return list(range(1, n + 1)), [list(range(1 + k * n, 1 + (k + 1) * n)) for k in range(inflight)]
-    rng = random.Random(seed)
-    slots = [1 + RUN * k for k in range((geom.pool_pages - 1) // RUN)]
-
-    def table(count: int) -> list[int]:
-        return [start + i for start in rng.sample(slots, count // RUN) for i in range(RUN)]
-
-    dst = table(inflight * n)
-    return table(n), [dst[k * n:(k + 1) * n] for k in range(inflight)]
-
-
-def runs_of(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    from kvtransfer.pages import coalesce_runs
-    return [(r.src_page, r.dst_page, r.num_pages) for r in coalesce_runs(src, dst)]
-
-
-def bench_memcpy(src: KVArgs, dst: KVArgs, runs: list[tuple[int, int, int]], reps: int) -> list[float]:
-    item = src.item_len
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        for s_buf, d_buf in zip((*src.k_buffers, *src.v_buffers), (*dst.k_buffers, *dst.v_buffers), strict=True):
-            sp, dp = s_buf.data_ptr(), d_buf.data_ptr()
-            for s, d, n in runs:
-                ctypes.memmove(dp + d * item, sp + s * item, n * item)
-        times.append(time.perf_counter() - t0)
-    return times[1:]
-
-
-def bench_device_copy(geom: Geometry, reps: int) -> list[float]:
-    """In-process device-to-device copy of the request's bytes (one contiguous copy, synchronized)."""
-    src = torch.empty(geom.nbytes, dtype=torch.uint8, device=geom.device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return times[1:]
-
-
-# ---- raw TCP baseline ---------------------------------------------------------------------------------------------
-def _views(args: KVArgs, pages: list[tuple[int, int]]) -> list[memoryview]:
-    item = args.item_len
-    out = []
-    for buf in (*args.k_buffers, *args.v_buffers):
-        mv = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
-        out += [mv[p * item:(p + n) * item] for p, n in pages]
-    return out
-
-
-def _raw_recv_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """The raw baseline's receive: ``recvmsg_into`` of up to 64 views per call, no flags (what the tcp backend did
-    before it asked for MSG_WAITALL), each call returning what has landed."""
-    i, off = 0, 0
-    while i < len(views):
-        batch = views[i:i + 64]
-        if off:
-            batch[0] = batch[0][off:]
-        got = sock.recvmsg_into(batch)[0]
-        if got == 0:
-            raise ConnectionError("connection closed by peer")
-        while got and i < len(views):
-            rest = len(views[i]) - off
-            if got >= rest:
-                got, i, off = got - rest, i + 1, 0
-            else:
-                off, got = off + got, 0
-
-
-def _raw_send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """The raw baseline's send: ``sendmsg`` of up to 64 views per call (a blocking socket queues them all)."""
-    i, off = 0, 0
-    while i < len(views):
-        batch = views[i:i + 64]
-        if off:
-            batch[0] = batch[0][off:]
-        sent = sock.sendmsg(batch)
-        while sent and i < len(views):
-            rest = len(views[i]) - off
-            if sent >= rest:
-                sent, i, off = sent - rest, i + 1, 0
-            else:
-                off, sent = off + sent, 0
-
-
-def _raw_receiver(port_q: mp.Queue, runs: list[tuple[int, int, int]], reps: int, geom: Geometry) -> None:
-    dst = make_pool(None, geom, "cpu")
-    views = _views(dst, [(d, n) for _, d, n in runs])
-    server = socket.create_server(("127.0.0.1", 0))
-    port_q.put(server.getsockname()[1])
-    conn, _ = server.accept()
-    for _ in range(reps + 1):
-        _raw_recv_views(conn, views)
-        conn.sendall(b"k")
-    conn.close()
-
-
-def bench_raw_tcp(src: KVArgs, runs: list[tuple[int, int, int]], reps: int, geom: Geometry) -> list[float]:
-    """Host memory to host memory over loopback (``src`` must be a CPU pool)."""
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()
-    proc = ctx.Process(target=_raw_receiver, args=(q, runs, reps, geom), daemon=True)
-    proc.start()
-    sock = socket.create_connection(("127.0.0.1", q.get(timeout=120)))
-    views = _views(src, [(s, n) for s, _, n in runs])
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        _raw_send_views(sock, views)
-        sock.recv(1)
-        times.append(time.perf_counter() - t0)
-    sock.close()
-    proc.join(30)
-    return times[1:]
-
-
-# ---- raw NIXL baseline ---------------------------------------------------------------------------------------------
-def _kv_list(args: KVArgs) -> list[torch.Tensor]:
-    return [buf for pair in zip(args.k_buffers, args.v_buffers, strict=True) for buf in pair]
-
-
-def _nixl_agent(name: str) -> Any:  # nixl is imported only when the nixl baseline runs
-    from nixl._api import nixl_agent, nixl_agent_config
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
-
-
-def _raw_nixl_target(out: mp.Queue, done: mp.Queue, geom: Geometry) -> None:
-    bufs = _kv_list(make_pool(None, geom, "cpu"))
-    agent = _nixl_agent("bench-raw-target")
-    reg = agent.register_memory(bufs, backends=["UCX"])
-    out.put((agent.get_agent_metadata(), [b.data_ptr() for b in bufs]))
-    done.get(timeout=600)
-    agent.deregister_memory(reg)
-
-
-def bench_raw_nixl(src: KVArgs, runs: list[tuple[int, int, int]], reps: int, geom: Geometry) -> list[float]:
-    """Agent-to-agent WRITE of the same page runs with NIXL's own API (CPU pools, two processes)."""
-    import numpy as np
-    bufs = _kv_list(src)
-    agent = _nixl_agent("bench-raw-initiator")
-    reg = agent.register_memory(bufs, backends=["UCX"])
-    ctx = mp.get_context("spawn")
-    out, done = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_raw_nixl_target, args=(out, done, geom), daemon=True)
-    proc.start()
-    try:
-        metadata, dst_bases = out.get(timeout=120)
-        peer = agent.add_remote_agent(metadata)
-        item = src.item_len
-        local = np.array([(b.data_ptr() + s * item, n * item, 0) for b in bufs for s, _, n in runs], dtype=np.uint64)
-        remote = np.array([(b + d * item, n * item, 0) for b in dst_bases for _, d, n in runs], dtype=np.uint64)
-        times = []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
-                                           agent.get_xfer_descs(remote, "DRAM"), peer)
-            state = agent.transfer(handle)
-            end = time.monotonic() + 120
-            while state == "PROC" and time.monotonic() < end:
-                state = agent.check_xfer_state(handle)
-            times.append(time.perf_counter() - t0)
-            agent.release_xfer_handle(handle)
-            if state != "DONE":
-                raise RuntimeError(f"raw NIXL WRITE ended in state {state}")
-        agent.remove_remote_agent(peer)
-        return times[1:]
-    finally:
-        done.put("done")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-        agent.deregister_memory(reg)
-
-
-# ---- raw Mooncake baseline -----------------------------------------------------------------------------------------
-def _mooncake_engine(geom: Geometry) -> tuple[Any, KVArgs, list[int]]:
-    """A Mooncake engine (P2P handshake, TCP protocol) with a zeroed CPU pool registered, and the buffers' bases."""
-    import os
-    os.environ.setdefault("GLOG_minloglevel", "1")
-    from mooncake.engine import TransferEngine
-    engine = TransferEngine()
-    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError("raw Mooncake: the transfer engine did not start")
-    pool = make_pool(None, geom, "cpu")
-    bufs = _kv_list(pool)
-    bases = [b.data_ptr() for b in bufs]
-    if engine.batch_register_memory(bases, [b.numel() * b.element_size() for b in bufs]) != 0:
-        raise RuntimeError("raw Mooncake: registering the pool failed")
-    return engine, pool, bases
-
-
-def _raw_mooncake_target(out: mp.Queue, done: mp.Queue, geom: Geometry) -> None:
-    engine, _pool, bases = _mooncake_engine(geom)
-    out.put((f"127.0.0.1:{engine.get_rpc_port()}", bases))
-    done.get(timeout=600)
-    engine.batch_unregister_memory(bases)
-
-
-def bench_raw_mooncake(src: KVArgs, runs: list[tuple[int, int, int]], reps: int, geom: Geometry) -> list[float]:
-    """``batch_transfer_sync_write`` of the same page runs (every layer, K and V) with Mooncake's own API, between
-    two processes; ``src``'s bytes are copied into a pool registered with the initiator's engine."""
-    from kvtransfer.backends.mooncake import MAX_BATCH
-    engine, pool, bases = _mooncake_engine(geom)
-    for s_buf, d_buf in zip(_kv_list(src), _kv_list(pool), strict=True):
-        d_buf.copy_(s_buf)
-    ctx = mp.get_context("spawn")
-    out, done = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_raw_mooncake_target, args=(out, done, geom), daemon=True)
-    proc.start()
-    try:
-        session, dst_bases = out.get(timeout=120)
-        item = src.item_len
-        local = [b + s * item for b in bases for s, _, n in runs]
-        remote = [b + d * item for b in dst_bases for _, d, n in runs]
-        lengths = [n * item for _ in bases for _, _, n in runs]
-        times = []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            for i in range(0, len(local), MAX_BATCH):  # the engine refuses larger batches
-                ret = engine.batch_transfer_sync_write(session, local[i:i + MAX_BATCH], remote[i:i + MAX_BATCH],
-                                                       lengths[i:i + MAX_BATCH])
-                if ret != 0:
-                    break
-            times.append(time.perf_counter() - t0)
-            if ret != 0:
-                raise RuntimeError(f"raw Mooncake WRITE failed ({ret})")
-        return times[1:]
-    finally:
-        done.put("done")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-        engine.batch_unregister_memory(bases)
+# 2 cores the sender and the receiver each fill one, so a poller's CPU comes out of the transfer (the raw baselines
+# block in recv instead); a shorter period costs more of it (benchmarks/pages/kv_transfer.md).
+POLL_S = 0.0001  # both sides poll for the final state: on a GPU a 1 ms poll alone outlasts a 512 MiB device copy
 
 
 # ---- backends -------------------------------------------------------------------------------------------------------
@@ -358,7 +77,8 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
     from kvtransfer.manager import KVManager
     from kvtransfer.metadata import MetadataRecord
     from kvtransfer.poll import KVPoll
-    from kvtransfer.sender import KVSender, PrefillRooms
+    from kvtransfer.prefill_rooms import PrefillRooms
+    from kvtransfer.sender import KVSender
 
     server = BootstrapServer(config.cluster_token)
     port = server.start()
@@ -391,9 +111,10 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
 def bench_backend(backend: str, src_pages: list[int], dst_tables: list[list[int]], reps: int, src: KVArgs,
                   geom: Geometry, options: dict[str, str]) -> list[float]:
     """Seconds per rep: ``len(dst_tables)`` requests in flight at once, one per destination table."""
+    from kvtransfer.decode_rooms import DecodeRooms
     from kvtransfer.manager import KVManager
     from kvtransfer.poll import KVPoll
-    from kvtransfer.receiver import DecodeRooms, KVReceiver
+    from kvtransfer.receiver import KVReceiver
 
     config = replace(KVTransferConfig(backend=backend, cluster_token="bench"), transfer_timeout_s=120,
                      backend_options=options)
@@ -482,9 +203,10 @@ def main() -> int:
         parser.error("--device cuda: no CUDA device visible")
     cuda = opts.device == "cuda"
     geom = Geometry(opts.tokens, "cuda:0" if cuda else "cpu", max(inflights))
-    backends = (opts.backends or ("shm,tcp" if cuda else ",".join(n for n in BACKENDS if n != "fake") + ",fake"))
+    backends = (opts.backends or ("shm,tcp" if cuda else ",".join(n for n in KV_TRANSFER_BACKENDS if n != "fake") + ",fake"))
     modes = opts.modes or ("paged" if cuda else "contiguous,paged")
-    unread = [k for k in options if not any(k in KV_TRANSFER_OPTIONS.get(b, ()) for b in backends.split(","))]
+    known = [KV_TRANSFER_BACKENDS[b].options for b in backends.split(",") if b in KV_TRANSFER_BACKENDS]
+    unread = [k for k in options if not any(k in opts for opts in known)]
     if unread:
         parser.error(f"--option {unread} is read by none of the backends {backends}")
     torch.set_num_threads(1)
@@ -507,7 +229,7 @@ def main() -> int:
         # NOTE: each backend runs next to its own baseline, ``--rounds`` times (on a shared machine the load drifts
         # within minutes), nixl then ucx last: importing ucxx sets UCX_* variables in this process's environment
         # (UCX_MEMTYPE_CACHE=n, UCX_RNDV_THRESH=8192, ...) that NIXL's UCX here and in later children would read
-        # (measured: 0.3x); the environment is restored after every measurement, and ucx's UCX is already set up.
+        # (at a fraction of its speed); the environment is restored after every measurement, and ucx's UCX is set up.
         for backend in sorted(backends.split(","), key=lambda name: {"nixl": 1, "ucx": 2}.get(name, 0)):
             base = None if cuda else next((b for b, _, name, _ in TARGETS if name == backend), None)
             measured: dict[str, list[float]] = {backend: []}
@@ -520,14 +242,14 @@ def main() -> int:
                     try:
                         measured[name].append(baseline(name) if name == base else gbps(
                             bench_backend(backend, src_pages, dst_tables, opts.reps, src, geom,
-                                          {k: v for k, v in options.items() if k in KV_TRANSFER_OPTIONS[backend]}),
+                                          {k: v for k, v in options.items() if k in KV_TRANSFER_BACKENDS[backend].options}),
                             geom, inflight))
                     except Exception as exc:  # a backend's failure goes in the table; the other backends go on
                         if name == base:
                             raise
                         measured[name].append(float("nan"))
                         row[name] = f"error: {exc}"
-                    finally:  # importing ucxx writes UCX_* variables that NIXL's UCX would read (measured: 0.3x)
+                    finally:  # importing ucxx writes UCX_* variables that NIXL's UCX would read (it slows NIXL)
                         os.environ.clear()
                         os.environ.update(env)
                 print(f"{mode:10s} x{inflight} round {r}: " + ", ".join(f"{n} {v[-1]:.2f}" for n, v in measured.items()),

@@ -58,8 +58,8 @@ async def serve_fleet(prefill: int, decode: int, colocated: int, service_time: f
 
     workers = await start_fleet(prefill, decode, colocated, service_time=service_time, total_kv_pages=kv_pages,
                                 page_size=PAGE_SIZE, chunk_tokens=chunk_tokens)
-    # A gen-2 collection of this process's start-up heap paused all N mocks for 100-135 ms at a time (in the direct
-    # and the routed phases alike): noise in both p99s, not the router's. The router freezes its own the same way.
+    # A gen-2 collection of this process's start-up heap paused all N mocks at a time (in the direct and the routed
+    # phases alike): noise in both p99s, not the router's. The router freezes its own the same way.
     freeze_startup_heap()
     print(json.dumps({role: [w.address for w in workers if w.cfg.role == role]
                       for role in ("prefill", "decode", "colocated")}), flush=True)

@@ -14,7 +14,7 @@ Workload: the generated ``small`` Llama (seed 0), ``--num-requests`` prompts of 
   colocated        ``pdcluster up --colocated 1`` (defaults: on CPU every core to its one rank)
   pd               ``pdcluster up`` defaults: router + 1 prefill + 1 decode node
   colocated_tuned  ``up --colocated 1 --torch-num-threads <cores>`` (not run unless named)
-  colocated_1thread  ``up --colocated 1 --torch-num-threads 1`` (up's CPU default before 2026-11-27; not run unless named)
+  colocated_1thread  ``up --colocated 1 --torch-num-threads 1`` (up's CPU default before 7a6f42e; not run unless named)
 
 Online runs are a closed loop of ``--concurrency`` streamed ``/v1/completions`` through the router's OpenAI API
 (the ``pdcluster bench`` client), after a warm-up of ``--concurrency`` short requests. Around the timed window the
@@ -102,7 +102,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _up_args(a: argparse.Namespace, config: str) -> list[str]:
     topo = {"pd": ["--prefill", "1", "--decode", "1"],
             "colocated_tuned": ["--torch-num-threads", str(os.cpu_count() or 1)],
-            "colocated_1thread": ["--torch-num-threads", "1"]}.get(config, [])  # up's default before 2026-11-27
+            "colocated_1thread": ["--torch-num-threads", "1"]}.get(config, [])  # up's default before 7a6f42e
     if config.startswith("colocated"):
         topo = ["--prefill", "0", "--decode", "0", "--colocated", "1", *topo]
     return ["--model-path", a.model_path, *topo, "--max-total-tokens", str(a.max_total_tokens), *a.up_flag]

@@ -12,22 +12,32 @@ from common.cpu_cores import parse_core_sets
 from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
 from common.flags import above, add_flags, at_least, check_flags, config_values, flag, in_range, tcp_port
-from common.kv_options import parse_options
-from common.wire.tls import TlsFiles
+from common.hicache_flags import (
+    IO_BACKENDS,
+    MEM_LAYOUTS,
+    PREFETCH_POLICIES,
+    STORAGE_BACKENDS,
+    WRITE_POLICIES,
+    StorageOptions,
+    check_hicache_flags,
+    parse_storage_options,
+)
+from common.kv_backends import KV_TRANSFER_BACKENDS, parse_options
+from common.speculative import SPECULATIVE_ALGORITHMS, check_speculative_flags
+from common.tls import TlsFiles
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
-KV_TRANSFER_BACKENDS = ("tcp", "nccl", "ucx", "nixl", "mooncake", "shm", "fake")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_order)
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 # A prefill node's batch delays only the prompts queued behind it: on CPU, where a forward's cost grows with its
 # tokens from a few hundred on, small batches give the first prompts of a burst their first token sooner at the same
-# prefill throughput (P/D, c=32 bursts of 128-token prompts, 2-core host: TTFT p50 1.78 s at 2048 -> 0.56 s at 512,
-# 0.34 -> 0.25 s at 256 once first tokens left before the decode step; 2,000-token prompts no slower; prefill-rank
-# CPU per token unchanged; benchmarks/README.md "Serving path"). A colocated node's chunk also paces
-# the decode steps that wait for it, and a GPU's forward is flat in tokens far beyond 2048: both keep 2048.
+# prefill throughput and CPU per token (benchmarks/pages/serving_path.md, "Figures behind up's CPU defaults"). A
+# colocated node's chunk also paces the decode steps that wait for it, and a GPU's forward is flat in tokens far
+# beyond 2048: both keep 2048.
 DEFAULT_CHUNK = 2048
 CPU_PREFILL_NODE_CHUNK = 256
 UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")
@@ -37,6 +47,8 @@ TP_MIN_TIMEOUT_S = 60.0  # TP rendezvous and collectives: ranks loading their sh
 MODEL, SERVER, DISAGG, MEMORY, COMPILE, PARALLEL = (
     "model", "server", "disaggregation", "memory and scheduling", "compiled decode steps", "parallelism")
 GRAMMAR = "constrained decoding"
+HICACHE = "hierarchical cache"
+SPECULATIVE = "speculative decoding"
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 MUX_PORT_MEANING = ", 0 (any free port) or -1 (off)"
 
@@ -50,6 +62,10 @@ class ServerArgs:
     model_path: str | None = flag(None, "local Hugging Face model folder (default: the embedded model, generated "
                                   "once into the cache dir)", group=MODEL)
     dtype: str = flag("float32", "weights and KV cache dtype", group=MODEL, choices=DTYPES)
+    load_format: str = flag("auto", "auto: the weights of the model folder's safetensors; dummy: seeded random "
+                            "weights made on each rank's device from config.json alone (a folder of config and "
+                            "tokenizer, e.g. make-model --size 8b: benchmarks at real shapes), the same on every "
+                            "node, rank and run; also a STANDALONE draft model's", group=MODEL, choices=LOAD_FORMATS)
     device: str = flag("cpu", "where the model and KV cache live (pick the GPU with --base-gpu-id, not cuda:N)",
                        group=MODEL, choices=DEVICES)
     base_gpu_id: int = flag(0, "cuda: first GPU of this node; rank (dp d, tp t) uses GPU base-gpu-id + d * tp-size "
@@ -80,7 +96,7 @@ class ServerArgs:
     log_requests: bool = flag(False, "log each request's arrival and outcome (rid, room)", group=SERVER)
     event_loop: str = flag("auto", "the front process's event loop. auto: uvloop when installed, else asyncio's "
                            "loop", group=SERVER, choices=EVENT_LOOPS)
-    # The Worker gRPC listener (common/wire/tls.py).
+    # The Worker gRPC listener (common/tls.py).
     tls_cert: str | None = flag(None, "PEM certificate chain: the Worker gRPC port serves TLS", group=SERVER)
     tls_key: str | None = flag(None, "PEM private key of --tls-cert", group=SERVER)
     tls_ca: str | None = flag(None, "PEM CA bundle: mutual TLS, only callers with a certificate it signed (the "
@@ -92,9 +108,9 @@ class ServerArgs:
                                               "resolve ranks through", group=DISAGG, check=tcp_port())
     kv_transfer_backend: str = flag("tcp", "KV data plane: tcp (anywhere), nccl (gloo on CPU), ucx, nixl (RDMA "
                                     "cluster; UCX_TLS), mooncake, shm (same host), fake", group=DISAGG,
-                                    choices=KV_TRANSFER_BACKENDS)
+                                    choices=tuple(KV_TRANSFER_BACKENDS))
     kv_transfer_option: tuple[str, ...] = flag(
-        (), "a setting of the chosen backend, repeatable (common/kv_options.py): tcp streams=4 (connections per "
+        (), "a setting of the chosen backend, repeatable (common/kv_backends.py): tcp streams=4 (connections per "
         "peer), stripe_bytes, stage, stage_bytes; mooncake mooncake_protocol=rdma, mooncake_device; ucx ucx_tls, "
         "ucx_progress_mode; nixl progress_delay_us; nccl pack_bytes", group=DISAGG, metavar="KEY=VALUE")
     num_reserved_decode_tokens: int = flag(128, "decode nodes: KV headroom kept per active request before admitting "
@@ -165,14 +181,72 @@ class ServerArgs:
                                             "rank separated by '|' (e.g. 0-3|4-7 with --dp-size 2); a rank and its "
                                             "torch threads run only on its set, and its torch threads default to "
                                             "the set's size (SGLang's SGLANG_CPU_OMP_THREADS_BIND)", group=MEMORY)
+    # Hierarchical cache (common/engine/mem/hicache/; SGLang's flags, checked in common/hicache_flags.py).
+    enable_hierarchical_cache: bool = flag(False, "a host-memory tier under the radix cache (prefill and colocated "
+                                           "nodes: evicted prefixes are kept on the host and loaded back; decode "
+                                           "nodes: retracted requests' KV is kept there and restored)", group=HICACHE)
+    hicache_ratio: float = flag(2.0, "host pool size as a multiple of the device KV pool (when --hicache-size is 0)",
+                                group=HICACHE, check=above(0))
+    hicache_size: int = flag(0, "host pool size in GB per rank (0: --hicache-ratio)", group=HICACHE,
+                             check=at_least(0))
+    hicache_write_policy: str = flag("write_through", "when device pages are copied to the host: write_through (at "
+                                     "insert), write_through_selective (on a node's second hit), write_back (at "
+                                     "eviction)", group=HICACHE, choices=WRITE_POLICIES)
+    hicache_io_backend: str = flag("kernel", "host<->device page copies: kernel (on CUDA one Triton gather/scatter for "
+                                   "every layer; the torch path on CPU) or direct (torch index ops per layer)", group=HICACHE,
+                                   choices=IO_BACKENDS)
+    hicache_mem_layout: str = flag("layer_first", "host pool layout: layer_first (like the device pool) or "
+                                   "page_first (each page's layers contiguous)", group=HICACHE, choices=MEM_LAYOUTS)
+    hicache_load_timeout: float = flag(
+        30.0, "seconds a request waits in the queue for its prefix to come back from the host or storage tier (a "
+        "load; a wait_complete or timeout prefetch); then it computes the prefix instead", group=HICACHE,
+        check=above(0))
+    hicache_storage_backend: str | None = flag(
+        None, "a storage tier under the host pool, shared by nodes of one model: file (a directory) or mooncake (a "
+        "Mooncake store)", group=HICACHE, choices=STORAGE_BACKENDS)
+    hicache_storage_prefetch_policy: str = flag(
+        "best_effort", "a request whose prefix is being prefetched from storage: best_effort (is scheduled as "
+        "usual), wait_complete (waits for the prefetch), timeout (waits up to prefetch_timeout_base + "
+        "prefetch_timeout_per_ki_token per 1024 tokens)", group=HICACHE, choices=PREFETCH_POLICIES)
+    hicache_storage_backend_extra_config: str | None = flag(
+        None, "JSON object: prefetch_threshold (tokens), prefetch_timeout_base, prefetch_timeout_per_ki_token; file: "
+        "file_path (default <cache dir>/hicache); mooncake: master_server_address (required), local_hostname, "
+        "protocol, device_name, global_segment_size, local_buffer_size", group=HICACHE)
     # Constrained decoding (common/engine/sampling/grammar.py): json_schema / regex / ebnf requests.
     grammar_backend: str = flag("xgrammar", "engine of json_schema / regex / ebnf requests; none refuses them",
                                 group=GRAMMAR, choices=GRAMMAR_BACKENDS)
-    grammar_compile_timeout: float = flag(30.0, "seconds a request waits for its grammar to compile before it fails",
+    grammar_compile_timeout: float = flag(30.0, "seconds a grammar may compile (then its compile is stopped and the "
+                                          "request refused) and a request may wait for a compile worker",
                                           group=GRAMMAR, check=above(0))
+    grammar_compile_workers: int = flag(2, "grammar compile processes per scheduler rank (started on demand; one "
+                                        "compile each at a time)", group=GRAMMAR, check=at_least(1))
     grammar_any_whitespace: bool = flag(False, "JSON schemas allow any whitespace between tokens (default: compact "
                                         "', ' and ': ' only, which keeps small models from looping on whitespace)",
                                         group=GRAMMAR)
+    # Speculative decoding (common.speculative, common.engine.spec; docs/speculative.md).
+    speculative_algorithm: str | None = flag(
+        None, "draft tokens each decode step and verify them in one target forward: NGRAM (from the request's own "
+        "prompt and output, no model), STANDALONE (a smaller draft model), EAGLE / EAGLE3 (a draft head over the "
+        "target's hidden states; tree drafts with --speculative-eagle-topk > 1)",
+        group=SPECULATIVE, choices=SPECULATIVE_ALGORITHMS)
+    speculative_draft_model_path: str | None = flag(None, "STANDALONE: local folder of the draft model (the "
+                                                    "target's tokenizer); EAGLE / EAGLE3: local folder of the draft "
+                                                    "head (the public EAGLE checkpoint layouts)", group=SPECULATIVE)
+    speculative_num_steps: int | None = flag(None, "draft tokens per request per step, the tree's depth for EAGLE "
+                                             "(default 8 for NGRAM, 3 for STANDALONE, EAGLE and EAGLE3)",
+                                             group=SPECULATIVE, check=at_least(1))
+    speculative_eagle_topk: int | None = flag(None, "EAGLE / EAGLE3: branches per draft node (default 1: linear "
+                                              "drafts; > 1: a tree)", group=SPECULATIVE, check=at_least(1))
+    speculative_num_draft_tokens: int | None = flag(None, "tokens verified per request per step: "
+                                                    "--speculative-num-steps + 1 with linear drafts; with a tree its "
+                                                    "best nodes (default steps * topk + 1)", group=SPECULATIVE,
+                                                    check=at_least(2))
+    speculative_ngram_min_match_window_size: int | None = flag(
+        None, "NGRAM: shortest suffix of the request's tokens matched against its earlier tokens (default 2)",
+        group=SPECULATIVE, check=at_least(1))
+    speculative_ngram_max_match_window_size: int | None = flag(
+        None, "NGRAM: longest suffix matched; the longest match wins (default 12)", group=SPECULATIVE,
+        check=at_least(1))
     # Compiled decode steps (common.engine.graph_runner): decode batches are padded to the next captured batch size.
     enable_torch_compile: bool = flag(False, "torch.compile the decode forward for batch sizes up to "
                                       "--torch-compile-max-bs (padded to the next bucket); compiled at start-up",
@@ -197,6 +271,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         check_flags(self)  # each flag's choices and check (declared on its field)
         parse_options(self.kv_transfer_backend, self.kv_transfer_option)
+        check_hicache_flags(self)
         if self.attention_backend == "triton" and self.device != "cuda" and not env.triton_interpret():
             raise ConfigError(
                 f"--attention-backend triton needs a CUDA device (got --device {self.device}); use "
@@ -238,6 +313,7 @@ class ServerArgs:
         if self.enable_torch_compile and self.tp_size > 1:
             raise ConfigError(f"--enable-torch-compile supports --tp-size 1 only, got --tp-size {self.tp_size} "
                               "(the compiled decode step has no collectives)")
+        check_speculative_flags(self)
         self.tls  # noqa: B018  (TlsFiles checks which --tls-* flags go together; the files at start-up)
         if self.is_disaggregated and self.advertised_host in UNSPECIFIED_HOSTS:
             raise ConfigError(
@@ -268,6 +344,14 @@ class ServerArgs:
         """A decode node's requests with the same prompt (the choices of an ``n > 1`` request) share its full pages
         (``common.engine.mem.held_prefix_cache``): on unless --disable-radix-cache."""
         return not self.disable_radix_cache and self.disaggregation_mode == "decode"
+
+    @property
+    def hicache_storage(self) -> StorageOptions | None:
+        """``--hicache-storage-backend`` with its extra config (None: no storage tier)."""
+        if self.hicache_storage_backend is None:
+            return None
+        return parse_storage_options(self.hicache_storage_backend, self.hicache_storage_prefetch_policy,
+                                     self.hicache_storage_backend_extra_config)
 
     @property
     def is_disaggregated(self) -> bool:

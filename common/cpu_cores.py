@@ -60,8 +60,8 @@ def split_cores(cores: list[int], decode_rank_threads: dict[str, list[int]], oth
     (no prefill or colocated node), or the decode ranks' threads would leave no core for the rest.
 
     Why: a decode rank's step bounds a P/D cluster on a small host, and every process the scheduler puts on its cores
-    (the prefill rank's chunks, the router, the fronts) lengthens the step of the whole batch. Measured on the 2-core
-    VM: no faster than the OS's placement (benchmarks/README.md, 2026-11-28 12:40–13:33), hence opt-in."""
+    (the prefill rank's chunks, the router, the fronts) lengthens the step of the whole batch. Opt-in: on a 2-core
+    host it was no faster than the OS's own placement (benchmarks/pages/serving_path.md)."""
     wanted = sum(sum(threads) for threads in decode_rank_threads.values())
     if not decode_rank_threads or other_nodes < 1 or wanted >= len(cores):
         return None

@@ -1,9 +1,10 @@
 """The one place that reads environment variables. Every variable carries the ``PDCLUSTER_`` prefix, except the
-third-party switches read here on their owner's terms (``TRITON_INTERPRET``)."""
+third-party switches read or set here on their owner's terms (``TRITON_INTERPRET``, ``TOKENIZERS_PARALLELISM``)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import ConfigError
@@ -29,24 +30,68 @@ def admin_token() -> str:
     return os.environ.get("PDCLUSTER_ADMIN_TOKEN", "") or cluster_token()
 
 
-def api_key() -> str:
-    """The router's client API key (``PDCLUSTER_API_KEY``, or the file named by ``PDCLUSTER_API_KEY_FILE``); ""
-    when unset: generation is open to whoever reaches the router."""
+def api_keys() -> tuple[ClientKey, ...]:
+    """The router's client API keys (``PDCLUSTER_API_KEY``: one key; or the key file named by
+    ``PDCLUSTER_API_KEY_FILE``); () when unset: generation is open to whoever reaches the router."""
     key = os.environ.get("PDCLUSTER_API_KEY", "")
     path = os.environ.get("PDCLUSTER_API_KEY_FILE", "")
-    return key or (read_secret_file(path, "PDCLUSTER_API_KEY_FILE") if path else "")
+    if key:
+        return (ClientKey(key),)
+    return read_key_file(path, "PDCLUSTER_API_KEY_FILE") if path else ()
+
+
+def api_key() -> str:
+    """The first of ``api_keys`` ("" when unset): the one key a node's SGLang HTTP port takes."""
+    keys = api_keys()
+    return keys[0].key if keys else ""
+
+
+@dataclass(frozen=True)
+class ClientKey:
+    """One key of an API key file. ``max_priority``: the most urgent priority a request under it may ask for (None:
+    the router's ``--max-client-priority``)."""
+
+    key: str
+    max_priority: int | None = None
+
+
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # priority travels as a protobuf int32
+
+
+def read_key_file(path: str, name: str) -> tuple[ClientKey, ...]:
+    """An API key file, so no key appears in a command line: one key per line, optionally followed by
+    ``max_priority=N``; blank lines and lines starting with ``#`` are skipped. ConfigError (naming the file and
+    line) when it cannot be read, holds no key, or a line does not parse."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{name} {path}: cannot read it ({e.strerror or e})") from None
+    keys: list[ClientKey] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        ceiling = None
+        for extra in fields[1:]:
+            what, _, value = extra.partition("=")
+            try:
+                ceiling = int(value) if what == "max_priority" else None
+            except ValueError:
+                ceiling = None
+            if ceiling is None or not PRIORITY_RANGE[0] <= ceiling <= PRIORITY_RANGE[1]:
+                raise ConfigError(f"{name} {path} line {n}: expected 'KEY' or 'KEY max_priority=N' with N an "
+                                  f"integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {extra!r} after the key")
+        keys.append(ClientKey(fields[0], ceiling))
+    if not keys:
+        raise ConfigError(f"{name} {path}: the file holds no key")
+    if len({k.key for k in keys}) < len(keys):
+        raise ConfigError(f"{name} {path}: a key is listed twice")
+    return tuple(keys)
 
 
 def read_secret_file(path: str, name: str) -> str:
-    """A secret kept in a file (first line, stripped), so it never appears in a command line; ConfigError when the
-    file cannot be read or is empty."""
-    try:
-        text = Path(path).read_text().strip()
-    except OSError as e:
-        raise ConfigError(f"{name} {path}: cannot read it ({e.strerror or e})") from None
-    if not text:
-        raise ConfigError(f"{name} {path}: the file is empty")
-    return text.splitlines()[0].strip()
+    """The first key of an API key file (``read_key_file``)."""
+    return read_key_file(path, name)[0].key
 
 
 def log_level() -> str:
@@ -70,3 +115,9 @@ def tokenize_preload() -> str | None:
 def set_tokenize_preload(model_path: str) -> None:
     """Name the tokenizer for fork servers started from now on (they inherit this process's environment)."""
     os.environ.setdefault(TOKENIZE_PRELOAD, model_path)
+
+
+def serial_tokenizers() -> None:
+    """HF ``tokenizers``' own ``TOKENIZERS_PARALLELISM``, unless set: off, so a batch encode runs in the calling
+    thread (not handed to the library's thread pool while the caller waits) and a later fork is not warned about."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,6 +1,5 @@
 """The event loop a server process runs on: uvloop when installed (as vLLM's and SGLang's servers do), else
-asyncio's own. Measured on the router (router_overhead, c = 32, four paired runs on a shared 2-core machine): CPU
-per request -8 to -14 % (gRPC) and -10 to 0 % (HTTP streaming) on uvloop.
+asyncio's own: less CPU per request in the router (benchmarks/pages/router_overhead.md).
 """
 
 from __future__ import annotations

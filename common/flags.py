@@ -27,6 +27,7 @@ from typing import Any, Literal
 from common.errors import ConfigError
 
 Check = Callable[[Any], str | None]  # the value -> None if fine, else what is wrong ("must be >= 1")
+DECLARED_BY = "pdcluster_declared_by"  # the attribute of an argparse action naming its flag field
 
 
 @dataclass(frozen=True)
@@ -129,34 +130,41 @@ def _kind(hint: Any) -> tuple[type, bool, tuple[Any, ...]]:
     return hint, False, ()
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, exclude: Iterable[str] = (),
-              only_given: bool = False, group_prefix: str = "") -> None:
-    """Add ``cls``'s flags to ``parser``, grouped by ``Flag.group`` (titles prefixed by ``group_prefix``).
-    ``only_given``: a flag left off the command line is absent from the namespace (a launcher forwards only what
-    it was given)."""
-    skip = set(exclude)
-    groups: dict[str, Any] = {}
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, exclude: Iterable[str] = (), only: Iterable[str] | None = None,
+              only_given: bool = False, group_prefix: str = "", show_defaults: bool = True) -> None:
+    """Add ``cls``'s flags to ``parser`` (those in ``only`` when given, but ``exclude``), grouped by ``Flag.group``
+    (titles prefixed by ``group_prefix``; a title already in ``parser`` is that group). ``only_given``: a flag left
+    off the command line is absent from the namespace (a launcher forwards only what it was given).
+    ``show_defaults``: the help says each flag's default (off where another default applies, e.g. a spec's).
+    Each argument records the field that declared it (``declared_by``)."""
+    skip, keep = set(exclude), None if only is None else set(only)
     for ff in flag_fields(cls):
-        if ff.dest in skip:
+        if ff.dest in skip or (keep is not None and ff.dest not in keep):
             continue
-        title = group_prefix + ff.meta.group
-        target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title) if title else parser)
-        kw: dict[str, Any] = {"dest": ff.dest, "help": _help(ff)}
+        title = group_prefix + ff.meta.group if ff.meta.group else group_prefix.rstrip(": ")
+        target: argparse._ActionsContainer = arg_group(parser, title) if title else parser
+        kw: dict[str, Any] = {"dest": ff.dest, "help": _help(ff) if show_defaults else ff.meta.help}
         if only_given:
             kw["default"] = argparse.SUPPRESS
         if ff.kind is bool:
             assert ff.default is False, f"{ff.option}: a switch defaults to off (name it --disable-... instead)"
-            target.add_argument(ff.option, action="store_true", **kw)
-            continue
-        if ff.repeatable:
-            kw.update(action="append", default=kw.get("default", []))
-        elif not only_given:
-            kw["default"] = ff.default
-        if ff.choices:
-            kw["choices"] = ff.choices
-        if ff.meta.metavar:
-            kw["metavar"] = ff.meta.metavar
-        target.add_argument(ff.option, type=ff.kind, **kw)
+            action = target.add_argument(ff.option, action="store_true", **kw)
+        else:
+            if ff.repeatable:
+                kw.update(action="append", default=kw.get("default", []))
+            elif not only_given:
+                kw["default"] = ff.default
+            if ff.choices:
+                kw["choices"] = ff.choices
+            if ff.meta.metavar:
+                kw["metavar"] = ff.meta.metavar
+            action = target.add_argument(ff.option, type=ff.kind, **kw)
+        setattr(action, DECLARED_BY, f"{cls.__module__}.{cls.__qualname__}.{ff.dest}")
+
+
+def declared_by(action: argparse.Action) -> str | None:
+    """``module.Class.field`` of the flag field that declared ``action`` (None: an argument added by hand)."""
+    return getattr(action, DECLARED_BY, None)
 
 
 def _help(ff: FlagField) -> str:

@@ -1,10 +1,9 @@
 """Keep the garbage collector off the start-up heap of a long-running process, and off in-flight requests.
 
 A process that imported torch, transformers and grpc holds a few hundred thousand long-lived objects, and a
-generation-2 collection traverses all of them: measured 110 ms per full collection (230k objects) in a process with
-a scheduler rank's imports, on the 2-core CI machine. Such a collection fires once enough new objects survived, at
-whatever the process is doing then: in the router it held the event loop ~130 ms (router_overhead's p99); in a rank
-it would stall a step (none fired in a 1,920-request tiny-model run, so there it is insurance).
+generation-2 collection traverses all of them. Such a collection fires once enough new objects survived, at whatever
+the process is doing then: in the router it held the event loop long enough to be router_overhead's p99; in a rank
+it would stall a step (there it is insurance). Figures: benchmarks/pages/router_overhead.md.
 ``freeze_startup_heap`` moves everything alive at the end of start-up to the permanent generation (the collector
 never scans it again; reference counting still frees those objects), so later collections only traverse what
 serving allocated.
@@ -13,9 +12,8 @@ An event-loop server (the router, a node's front) also raises the young generati
 (``SERVING_YOUNG_THRESHOLD``): every in-flight request holds a few dozen tracked objects (coroutines, async
 generators, futures, frames) for its whole life, and with CPython's default (a collection every 700 net allocations)
 each collection traversed the same ~2,000 in-flight objects again and promoted them to be traversed once more in
-generation 1. Measured in the router under sglang_router_compare's load (c=32, 16-token streams, 2-core VM): 60 µs
-of collections per request at 700, 18 at 20,000; the longest pause 7 ms (a generation-2 collection) at 700, 11 ms
-at 20,000.
+generation 1. At 20,000 the router spends a fraction of the collection time per request at a similar longest pause
+(benchmarks/pages/sglang_router_compare.md).
 """
 
 from __future__ import annotations

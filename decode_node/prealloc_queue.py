@@ -9,7 +9,7 @@ block new admissions until they are back)::
 Shared prompts (``prompts``, the rank's ``HeldPrefixCache``; off with --disable-radix-cache): a request whose
 prompt's full pages (all but the last page: each sequence writes its own tokens after the prompt) are held for
 other requests matches and locks them, allocates only the rest and sends page 0 for the held ones (prefill moves
-nothing for them, ``kvtransfer.sender``); its budget counts only the rest. A request whose prompt is the same as
+nothing for them, ``kvtransfer.prefill_rooms``); its budget counts only the rest. A request whose prompt is the same as
 one in transit here waits (not blocking the queue) until that one's KV has landed and joined the cache, or left:
 one transfer of a repeated prompt's shared pages at a time. That wait ends at the latest half a
 ``--bootstrap-timeout`` after the request arrived (its prefill peer waits that long for destination pages): it then
@@ -30,13 +30,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from common.engine.io_struct import GenerateReqInput
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.pages import req_pages
 from common.engine.req import Req
 from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_role import Engine
 from common.errors import ErrorCode
-from common.io_struct import GenerateReqInput
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import GroupPolls, KVPoll
 from kvtransfer.receiver import KVReceiver

@@ -22,6 +22,7 @@ import logging
 import time
 
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput, QueueLoad
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.pages import num_pages
 from common.engine.req import Req
@@ -30,9 +31,9 @@ from common.engine.sampling.stop import check_finished
 from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine, LoopHooks
+from common.engine.spec.drafter import DraftHandoff
 from common.errors import KV_PEER_FAULT, ErrorCode
 from common.faults import inject
-from common.io_struct import GenerateReqInput, QueueLoad
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
 from kvtransfer.node import rank_transfer
@@ -130,6 +131,9 @@ class DecodeRole(LoopHooks):
         shared = self.prealloc_queue.shared_len(req)
         if self.prompts is not None and shared:
             self.prompts.cache_prompt(req, shared)  # landed: requests with this prompt share its full pages
+        spec = self.engine.speculator
+        if spec is not None and md.draft_topk_ids and req.req_pool_idx is not None:  # EAGLE: drafts from step 1
+            spec.drafter.resume(req.req_pool_idx, DraftHandoff(md.draft_topk_ids, md.draft_topk_p, md.draft_hidden))
         if not accept_grammar_token(req, md.first_token):  # the grammar's matcher starts from P's token
             return
         req.output_ids.append(md.first_token)

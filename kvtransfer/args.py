@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from common import env
-from common.kv_options import check_options
+from common.kv_backends import check_options
 
 if TYPE_CHECKING:
     from common.engine.mem.kv_pool import MHATokenToKVPool
@@ -62,6 +62,7 @@ class KVArgs:
     dp_rank: int = 0
     num_metadata_slots: int = 256
     layer_ids: tuple[int, ...] = ()  # global layer ids; default 0..num_layers-1
+    draft_state_dims: tuple[int, int] = (0, 0)  # EAGLE: (topk, hidden) of the draft state metadata carries
 
     def __post_init__(self) -> None:
         if not self.k_buffers or len(self.k_buffers) != len(self.v_buffers):
@@ -78,11 +79,16 @@ class KVArgs:
 
     @classmethod
     def from_pool(cls, pool: MHATokenToKVPool, *, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0,
-                  total_kv_heads: int | None = None, num_metadata_slots: int = 256) -> KVArgs:
-        """KVArgs over an ``MHATokenToKVPool`` (its tensors are shared, not copied)."""
-        return cls(k_buffers=tuple(pool.k_buffer), v_buffers=tuple(pool.v_buffer), page_size=pool.page_size,
+                  total_kv_heads: int | None = None, num_metadata_slots: int = 256,
+                  extra_layers: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+                  draft_state_dims: tuple[int, int] = (0, 0)) -> KVArgs:
+        """KVArgs over an ``MHATokenToKVPool`` (its tensors are shared, not copied). ``extra_layers``: (K, V) buffers
+        with the pool's slot numbering that travel after its layers (an EAGLE head's KV)."""
+        return cls(k_buffers=(*pool.k_buffer, *(k for k, _ in extra_layers)),
+                   v_buffers=(*pool.v_buffer, *(v for _, v in extra_layers)), page_size=pool.page_size,
                    total_kv_heads=total_kv_heads or pool.num_kv_heads * tp_size, tp_rank=tp_rank,
-                   tp_size=tp_size, dp_rank=dp_rank, num_metadata_slots=num_metadata_slots)
+                   tp_size=tp_size, dp_rank=dp_rank, num_metadata_slots=num_metadata_slots,
+                   draft_state_dims=draft_state_dims)
 
     @property
     def num_layers(self) -> int:

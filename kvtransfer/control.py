@@ -2,7 +2,8 @@
 
 A single control thread owns every socket. Other threads hand it work through ``send`` (a message to an address)
 and ``call_soon`` (a callable run on the control thread), both thread-safe and non-blocking. ``on_message`` and
-``on_tick`` run on the control thread; ``on_tick`` returns how long the next one may wait (``tick_s`` while rooms
+``on_tick`` run on the control thread (and ``on_drained``, after the messages that arrived together were handled,
+where the handlers' batched replies go out); ``on_tick`` returns how long the next one may wait (``tick_s`` while rooms
 are open, up to the next heartbeat when idle: an idle rank's control thread wakes once a second, not 50 times) and
 ``tick_soon`` (any thread) brings the next one forward; an exception in them is logged and the thread goes on (a dead control
 thread would hang every room of the rank).
@@ -29,8 +30,10 @@ log = logging.getLogger(__name__)
 
 class ControlPlane:
     def __init__(self, host: str, port: int, on_message: Callable[[AnyMessage, list[bytes]], None],
-                 on_tick: Callable[[], float | None], tick_s: float = 0.02, advertise_host: str = "") -> None:
+                 on_tick: Callable[[], float | None], tick_s: float = 0.02, advertise_host: str = "",
+                 on_drained: Callable[[], None] | None = None) -> None:
         self._on_message = on_message
+        self._on_drained = on_drained
         self._on_tick = on_tick
         self._tick_s = tick_s
         self._next_tick = 0.0  # control thread only (monotonic time)
@@ -123,6 +126,8 @@ class ControlPlane:
                 self._guarded(self._do, item)
             if self._router in ready:
                 self._receive_all()
+                if self._on_drained is not None:
+                    self._guarded(self._on_drained)
             if time.monotonic() >= self._next_tick:
                 wait = self._guarded(self._on_tick)
                 wait = min(max(wait, self._tick_s), 1.0) if isinstance(wait, float | int) else self._tick_s

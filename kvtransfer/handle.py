@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 from common.errors import ErrorCode
 from kvtransfer.manager import KVManager, Rooms
 from kvtransfer.poll import KVPoll
-from kvtransfer.rooms import RoomRecord
+from kvtransfer.room_record import RoomRecord
 
 RoomsT = TypeVar("RoomsT", bound=Rooms)
 

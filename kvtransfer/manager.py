@@ -56,7 +56,7 @@ class Peer:
 
 
 class Rooms(Protocol):
-    """One role's room logic (``sender.PrefillRooms``, ``receiver.DecodeRooms``), built by ``KVManager``.
+    """One role's room logic (``prefill_rooms.PrefillRooms``, ``decode_rooms.DecodeRooms``), built by ``KVManager``.
 
     Every method takes ``mgr.lock`` itself where it touches shared state; none blocks.
     """
@@ -85,6 +85,9 @@ class Rooms(Protocol):
     def peer_lost(self, key: PeerKey, reason: str) -> None:
         """The peer died or restarted: fail the rooms it serves (UNAVAILABLE)."""
 
+    def flush(self) -> None:
+        """The control thread handled the messages that arrived together: send what they made it batch."""
+
     def tick(self, now: float) -> bool:
         """The periodic sweep: deadlines, retries, forgetting old rooms. True while a room is open (its deadlines
         and retries need the short tick); False lets the control thread sleep until the next heartbeat."""
@@ -94,8 +97,8 @@ class Rooms(Protocol):
 
 
 class KVManager:
-    """KV transfer endpoint of one scheduler rank; ``rooms`` is the role's room logic (``sender.PrefillRooms`` or
-    ``receiver.DecodeRooms``) and fixes ``mode`` ("prefill" or "decode")."""
+    """KV transfer endpoint of one scheduler rank; ``rooms`` is the role's room logic
+    (``prefill_rooms.PrefillRooms`` or ``decode_rooms.DecodeRooms``) and fixes ``mode`` ("prefill" or "decode")."""
 
     def __init__(self, args: KVArgs, config: KVTransferConfig, rooms: type[Rooms],
                  bootstrap_addr: str | None = None, dp_size: int = 1) -> None:
@@ -108,14 +111,14 @@ class KVManager:
         self.epoch = time.time_ns()
         self.peers: dict[str, Peer] = {}  # instance_id -> the accepted start of that instance
         self.auth_drops = auth.DropCounter()  # control messages dropped as forged, replayed or unproven
-        self.metadata = MetadataBuffers(args.num_metadata_slots)
+        self.metadata = MetadataBuffers(args.num_metadata_slots, args.draft_state_dims)
         self.layout = args.layout(config.fingerprint)
         self._closed = False
         self._next_heartbeat = 0.0
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kv-{mode}-bootstrap")
         self._clients: dict[str, BootstrapClient] = {}
         self.control = ControlPlane(config.host, config.control_port, self._on_message, self._on_tick,
-                                    advertise_host=config.advertise_host)
+                                    advertise_host=config.advertise_host, on_drained=self._on_drained)
         self.instance_id = f"{mode}/dp{args.dp_rank}/tp{args.tp_rank}@{self.control.address}"
         self.backend = backend_class(config.backend)(args, config, mode, self, PeerKey(self.instance_id, self.epoch))
         self.endpoint = self.backend.endpoint()
@@ -212,6 +215,9 @@ class KVManager:
             peer.last_seen = time.monotonic()
         if not isinstance(msg, Heartbeat):
             self.rooms.handle(msg, peer)
+
+    def _on_drained(self) -> None:
+        self.rooms.flush()
 
     def _on_tick(self) -> float:
         """Seconds the next tick may wait: the control plane's short tick while a room is open, else until the

@@ -14,7 +14,9 @@ Flow of one room (D = decode rank, P = prefill rank)::
     P -> D  ChunkDone(room, chunk_id, ...)        after the data plane put each chunk in D's pages;
                                                   the last one carries num_chunks and the MetadataRecord
     either  Abort(room, code, reason) -> AbortAck(room) the acker has no transfer of that room in flight any more
-    D -> P  Status(room, Success)                 D has every chunk and a valid record; P's sender: -> Success
+    D -> P  Status(room, Success, rooms)          D has every chunk and a valid record; P's sender: -> Success
+                                                  (``rooms``: more rooms confirmed at once, one message per peer
+                                                  for every room completed by the messages D handled together)
     P -> D  Status(room, Failed, code, reason)    P failed the room (transfer error, deadline)
     both    Heartbeat                             every heartbeat_interval_s to every accepted peer
 """
@@ -27,7 +29,7 @@ from common.errors import ErrorCode
 from kvtransfer.args import KVLayout
 from kvtransfer.metadata import MetadataRecord
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class ControlMessage(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -93,6 +95,7 @@ class Status(ControlMessage, tag="status"):
 
     room: int
     state: int
+    rooms: list[int] = []  # Success: more rooms confirmed by this one message (decode batches its confirmations)
     reason: str = ""
     code: ErrorCode = ErrorCode.UNAVAILABLE  # of a Failed state: the failure's code, which the peer's room takes
 

@@ -136,7 +136,7 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[PageRun], pag
               heads: HeadSlice | None = None) -> None:
     """Copy page runs (and a head slice) between two [num_slots, kv_heads, head_dim] buffers as slice copies.
 
-    Slices, not ``index_select``: on CPU a gather is 3-5x slower than copying contiguous runs.
+    Slices, not ``index_select``: on CPU a gather is slower than copying contiguous runs.
     """
     for run in runs:
         s0, d0, n = run.src_page * page_size, run.dst_page * page_size, run.num_pages * page_size

@@ -229,9 +229,9 @@ def wait_final(handles: dict, deadline_s: float) -> dict[int, tuple[int, str]]:
 
 def _role_main(spec: RoleSpec, out: mp.Queue) -> None:
     from kvtransfer.bootstrap import BootstrapServer
+    from kvtransfer.decode_rooms import DecodeRooms
     from kvtransfer.manager import KVManager
-    from kvtransfer.receiver import DecodeRooms
-    from kvtransfer.sender import PrefillRooms
+    from kvtransfer.prefill_rooms import PrefillRooms
 
     config = kv_config(spec.backend, **spec.config_overrides)
     if spec.role == "prefill":
@@ -285,7 +285,7 @@ def wait_restart_noticeable(mgr, instance_id: str, timeout_s: float = 5.0) -> No
     ``SUSPECT_HEARTBEATS``), so that a room made now looks the rank up afresh. A node's restart takes seconds; a
     harness child restarts in a fraction of one, and a room made sooner would bind to the dead start and fail with
     it."""
-    from kvtransfer.receiver import SUSPECT_HEARTBEATS
+    from kvtransfer.decode_rooms import SUSPECT_HEARTBEATS
 
     window = (SUSPECT_HEARTBEATS + 0.5) * mgr.config.heartbeat_interval_s
     end = time.monotonic() + timeout_s
@@ -354,8 +354,8 @@ def transfer_interleaved_rooms(backend: str, config_overrides: dict[str, object]
     is touched. ``check(decode_manager)`` runs as soon as every room has landed, while the prefill child lingers
     (the byte comparisons after it hold this process's GIL for seconds: on a loaded machine the child may declare
     this side silent meanwhile and drop its connections)."""
+    from kvtransfer.decode_rooms import DecodeRooms
     from kvtransfer.manager import KVManager
-    from kvtransfer.receiver import DecodeRooms
 
     overrides = config_overrides or {}
     plans = plan_rooms(64, num_pages, num_pages, pages_per_room=5, seed=seed)

@@ -6,11 +6,11 @@ import time
 
 import msgspec
 
+from common.engine.io_struct import GenerateReqInput
 from common.engine.mem.pages import num_pages
 from common.engine.req import Req
 from common.engine.scheduler_role import Engine
 from common.errors import ErrorCode
-from common.io_struct import GenerateReqInput
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import GroupPolls, KVPoll
 from kvtransfer.sender import KVSender

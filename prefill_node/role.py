@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput, PrefillDone, QueueLoad, Timing
 from common.engine.mem.pages import num_pages, req_pages
 from common.engine.req import Finished, FinishReason, Req
 from common.engine.schedule_order import PriorityRules
@@ -27,7 +28,6 @@ from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine
 from common.errors import KV_PEER_FAULT, ErrorCode, internal_error_message
 from common.faults import inject
-from common.io_struct import GenerateReqInput, PrefillDone, QueueLoad, Timing
 from kvtransfer.metadata import MAX_TOP_LOGPROBS, MetadataRecord
 from kvtransfer.node import rank_transfer
 from kvtransfer.poll import KVPoll
@@ -156,6 +156,8 @@ class PrefillRole:
         pages = req_pages(self.engine.req_to_token_pool.req_to_token, req, req.kv_pages_sent,
                           len(req.origin_input_ids), self.page_size)
         top = req.output_top_logprobs[0][:MAX_TOP_LOGPROBS] if req.output_top_logprobs else []
+        spec = self.engine.speculator
+        draft = spec.drafter.handoff(req.req_pool_idx) if spec is not None and req.req_pool_idx is not None else None
         metadata = MetadataRecord(
             room=req.bootstrap_room,  # type: ignore[arg-type]
             first_token=req.output_ids[0],
@@ -163,6 +165,9 @@ class PrefillRole:
             cached_tokens=req.cached_tokens,
             top_ids=tuple(t for t, _ in top),
             top_logprobs=tuple(lp for _, lp in top),
+            draft_topk_ids=draft.topk_ids if draft else (),
+            draft_topk_p=draft.topk_p if draft else (),
+            draft_hidden=draft.hidden if draft else b"",
         )
         req.disagg_kv.send(pages, last=True, metadata=metadata)
         req.kv_pages_sent = total
@@ -215,6 +220,8 @@ class PrefillRole:
                 transfer=max(0.0, t.transfer_done - (t.first_token or t.transfer_done)) if t.transfer_done else 0.0,
                 transfer_bytes=sent_bytes if state == KVPoll.Success else 0,
                 e2e=time.monotonic() - t.arrival,
+                cached_tokens_host=req.cached_tokens_host,
+                cached_tokens_storage=req.cached_tokens_storage,
             ),
         )])
 

@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 
 from common.config import ServerArgs
+from common.engine.io_struct import PrefillDone
 from common.errors import InvalidRequestError
-from common.io_struct import PrefillDone
 from common.node.convert import request_from_proto, timing_to_proto
 from common.node.front import WorkerServicer
 from kvtransfer.bootstrap import BootstrapServer

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
-from common.drain_rate import DrainRate
+from common.serving.drain_rate import DrainRate
 from router.errors import OverloadedError
 
 

@@ -8,12 +8,11 @@ import logging
 import signal
 from typing import TYPE_CHECKING
 
-from common import env, event_loop
+from common import event_loop
 from common.errors import ConfigError
 from common.flags import add_flags, arg_group, config_values
 from common.gc_freeze import SERVING_YOUNG_THRESHOLD, freeze_startup_heap
-from common.wire.tls import TlsFiles
-from router.config import SECURITY, RouterConfig, WorkerSpec
+from router.config import ClientSecurity, RouterConfig, WorkerSpec
 
 if TYPE_CHECKING:
     from router.server import RouterServer
@@ -23,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, RouterConfig)
+    add_flags(p, ClientSecurity)
     # Flags that build a field from several values, or act on the process rather than the config.
     w = arg_group(p, "workers")
     w.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT[:BOOTSTRAP_PORT]",
@@ -37,16 +37,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token", default=None,
                    help="bearer token of the admin RPCs and /metrics, /v1/workers, timing lookups "
                         "(default: PDCLUSTER_ADMIN_TOKEN, else the cluster secret)")
-    s = arg_group(p, SECURITY)
-    s.add_argument("--api-key", default=None,
-                   help="bearer key of generation and model calls (visible in ps: prefer --api-key-file or "
-                        "PDCLUSTER_API_KEY[_FILE]); default: open")
-    s.add_argument("--api-key-file", default=None, help="file whose first line is the API key")
-    s.add_argument("--tls-cert", default=None, help="PEM certificate chain: HTTP and gRPC listeners serve TLS")
-    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    s.add_argument("--tls-ca", default=None,
-                   help="PEM CA bundle: mutual TLS to the nodes (their certificates must chain to it; the router "
-                        "presents --tls-cert)")
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
@@ -55,25 +45,15 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         + [WorkerSpec.parse(a, "decode") for a in ns.decode]
         + [WorkerSpec.parse(a, "colocated") for a in ns.worker]
     )
+    security = ClientSecurity(**config_values(ClientSecurity, ns))
     return RouterConfig(
         **config_values(RouterConfig, ns),
         http_port=None if ns.http_port < 0 else ns.http_port,
         workers=workers,
         **({"admin_token": ns.admin_token} if ns.admin_token is not None else {}),
-        api_key=api_key_from_args(ns),
-        tls=TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca),
+        api_keys=security.api_keys(),
+        tls=security.tls,
     )
-
-
-def api_key_from_args(ns: argparse.Namespace) -> str:
-    """--api-key, else --api-key-file, else PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else "" (open)."""
-    if ns.api_key is not None and ns.api_key_file is not None:
-        raise ConfigError("give --api-key or --api-key-file, not both")
-    if ns.api_key is not None:
-        return ns.api_key
-    if ns.api_key_file is not None:
-        return env.read_secret_file(ns.api_key_file, "--api-key-file")
-    return env.api_key()
 
 
 def run_router(ns: argparse.Namespace) -> int:

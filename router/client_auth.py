@@ -1,8 +1,9 @@
-"""The client API key (``--api-key``, ``--api-key-file``, ``PDCLUSTER_API_KEY[_FILE]``): generation and model calls
-need ``authorization: Bearer <key>`` (OpenAI HTTP header or gRPC metadata), compared in constant time.
+"""The client API keys (``--api-key``, ``--api-key-file``, ``PDCLUSTER_API_KEY[_FILE]``): generation and model calls
+need ``authorization: Bearer <key>`` (OpenAI HTTP header or gRPC metadata) with one of them or the admin token,
+compared in constant time (every key is compared).
 
 Open without it: health and liveness (probes), gRPC health and reflection. The admin surface has its own bearer
-token (``router/admin.py``) and is not opened by the API key. An empty key leaves the client surface open.
+token (``router/admin.py``) and is not opened by an API key. No key leaves the client surface open.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ MISSING = "missing API key: send 'Authorization: Bearer <key>' (the router's --a
 WRONG = "incorrect API key: send 'Authorization: Bearer <key>' with the router's --api-key"
 
 
+def accepted(header: str | None, secrets: tuple[str, ...]) -> bool:
+    return sum(bearer_ok(header, s) for s in secrets) > 0  # no early exit: the time says nothing of which key
+
+
 def refusal(header: str | None) -> str:
     return MISSING if not header else WRONG
 
@@ -30,10 +35,10 @@ def unauthenticated_body(message: str) -> dict[str, dict[str, str | None]]:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses the client RPCs of ``pdcluster.v1.Router`` (Generate, ListModels) without the API key."""
+    """Refuses the client RPCs of ``pdcluster.v1.Router`` (Generate, ListModels) without one of ``secrets``."""
 
-    def __init__(self, key: str) -> None:
-        self._key = key
+    def __init__(self, secrets: tuple[str, ...]) -> None:
+        self._secrets = secrets
 
     async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         method = handler_call_details.method
@@ -41,7 +46,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(handler_call_details)
         header = dict(handler_call_details.invocation_metadata or ()).get("authorization")
         header = header if isinstance(header, str) else None
-        if bearer_ok(header, self._key):
+        if accepted(header, self._secrets):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         message = refusal(header)
@@ -60,14 +65,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                                                    handler.response_serializer if handler else None)
 
 
-def api_key_middleware(key: str) -> Callable:
+def api_key_middleware(secrets: tuple[str, ...]) -> Callable:
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         path = request.path
         if path in OPEN_PATHS or path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES):
             return await handler(request)
         header = request.headers.get("Authorization")
-        if not bearer_ok(header, key):
+        if not accepted(header, secrets):
             return web.json_response(unauthenticated_body(refusal(header)), status=401,
                                      headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)

@@ -8,8 +8,8 @@ from typing import Literal
 from common import env
 from common.errors import ConfigError
 from common.event_loop import EVENT_LOOPS
-from common.flags import above, at_least, check_flags, flag, tcp_port
-from common.wire.tls import TlsFiles
+from common.flags import Check, above, at_least, check_flags, flag, tcp_port
+from common.tls import TlsFiles
 from router.tool_calls import TOOL_CALL_PARSERS
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -46,12 +46,55 @@ class WorkerSpec:
 
 
 ROUTING, FAILURES, LIMITS, PROCESS, SECURITY = "routing", "failures", "limits", "process", "client security"
+TOKENIZER = "tokenizer cache"
+
+
+def int32() -> Check:
+    low, high = env.PRIORITY_RANGE
+    return lambda v: None if v is None or low <= v <= high else f"must be an integer in [{low}, {high}], got {v}"
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """The flags that build ``RouterConfig.api_keys`` and ``RouterConfig.tls`` (``router.cli``), declared once:
+    ``pdcluster up`` takes them too (``common/app/up_args.py``) and hands them to its router (the CA, certificate and
+    key file to its nodes as well)."""
+
+    api_key: str | None = flag(None, "bearer key of generation and model calls (visible in ps: prefer --api-key-file "
+                               "or PDCLUSTER_API_KEY[_FILE]; up hands it to its router through the environment); "
+                               "default: PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else open", group=SECURITY)
+    api_key_file: str | None = flag(None, "file of API keys, one per line, each optionally followed by max_priority=N "
+                                    "(that key's priority ceiling, over --max-client-priority); up also gives the "
+                                    "first to the nodes' SGLang HTTP ports", group=SECURITY)
+    tls_cert: str | None = flag(None, "PEM certificate chain: the router's HTTP and gRPC listeners serve TLS",
+                                group=SECURITY)
+    tls_key: str | None = flag(None, "PEM private key of --tls-cert", group=SECURITY)
+    tls_ca: str | None = flag(None, "PEM CA bundle: mutual TLS to the nodes (their certificates must chain to it; "
+                              "the router presents --tls-cert; up gives every node the same files)", group=SECURITY)
+
+    def __post_init__(self) -> None:
+        check_flags(self)
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
+    def api_keys(self) -> tuple[env.ClientKey, ...]:
+        """--api-key, else --api-key-file, else PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else () (open)."""
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ConfigError("give --api-key or --api-key-file, not both")
+        if self.api_key is not None:
+            return (env.ClientKey(self.api_key),) if self.api_key else ()
+        if self.api_key_file is not None:
+            return env.read_key_file(self.api_key_file, "--api-key-file")
+        return env.api_keys()
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The router's flags, each declared once here (``common.flags``; ``router.cli`` adds the few flags that build
-    a field from several values: workers, HTTP port, keys, TLS files). Fields without ``flag()`` are set in code."""
+    """The router's flags, each declared once here (``common.flags``; ``ClientSecurity`` declares the keys and TLS files
+    and ``router.cli`` the few flags that build a field from several values: workers, HTTP port). Fields without
+    ``flag()`` are set in code."""
 
     model_path: str | None = flag(None, "local HF model folder (tokenizer, chat template, config.json); default: the "
                                   "embedded model")
@@ -117,6 +160,18 @@ class RouterConfig:
                                  "(0: all inline)", group=LIMITS, check=at_least(0))
     tokenize_inline_bytes: int = flag(4 << 10, "prompts up to this many UTF-8 bytes are tokenized on the event loop",
                                       group=LIMITS, check=at_least(0))
+    # Tokenizer caches (router/tokenize_cache.py), named as sglang-router's. L0 lives in the router process (prompts
+    # tokenized inline); L1 there and in each tokenize worker, each bounded by --tokenizer-cache-l1-max-memory.
+    tokenizer_cache_enable_l0: bool = flag(False, "cache the token ids of whole prompts (exact text, up to 8192 "
+                                           "characters, least recently used dropped first)", group=TOKENIZER)
+    tokenizer_cache_l0_max_entries: int = flag(10_000, "prompts the L0 cache holds", group=TOKENIZER,
+                                               check=at_least(1))
+    tokenizer_cache_enable_l1: bool = flag(False, "cache the token ids of prompt pieces that end at a special token "
+                                           "(a system prompt, earlier chat turns): a prompt encodes only its new "
+                                           "pieces; refused for tokenizers where that could change the ids",
+                                           group=TOKENIZER)
+    tokenizer_cache_l1_max_memory: int = flag(50 << 20, "bytes the L1 cache holds, per process (the router and each "
+                                              "tokenize worker)", group=TOKENIZER, check=at_least(1))
     timing_keep: int = 1024  # /v1/requests/{id}/timing: last N requests ...
     timing_ttl_s: float = 300.0  # ... for at most this long
     default_max_tokens: int = 128  # gRPC requests without max_new_tokens (clamped to the context)
@@ -130,9 +185,18 @@ class RouterConfig:
                               "only HTTP/2)", group=PROCESS, choices=MUX_TRANSPORTS)
     # Admin RPCs and internal HTTP views need this bearer token (router/admin.py); "" refuses them all.
     admin_token: str = field(default_factory=env.admin_token, repr=False)
-    # Generation and model calls need this bearer key (router/client_auth.py); "" leaves them open.
-    api_key: str = field(default_factory=env.api_key, repr=False)
-    # TLS (common/wire/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels
+    # Generation and model calls need one of these bearer keys, or the admin token (router/client_auth.py); none
+    # leaves them open. A key may carry its own priority ceiling (router/priority_policy.py).
+    api_keys: tuple[env.ClientKey, ...] = field(default_factory=env.api_keys, repr=False)
+    max_client_priority: int | None = flag(None, "the most urgent priority a client may ask for (a larger value is "
+                                           "more urgent, a smaller one when the decode nodes run "
+                                           "--schedule-low-priority-values-first); a key of --api-key-file may "
+                                           "carry its own (max_priority=N); the admin token has none; unset: no "
+                                           "ceiling", group=SECURITY, check=int32())
+    client_priority_over: str = flag("refuse", "a request more urgent than its client's ceiling: refuse (HTTP 400 / "
+                                     "INVALID_ARGUMENT naming the ceiling) or clamp (served at the ceiling)",
+                                     group=SECURITY, choices=("refuse", "clamp"))
+    # TLS (common/tls.py): the client listeners (HTTP and gRPC) serve tls.cert/tls.key; with tls.ca the channels
     # to nodes verify each node's certificate against it and present tls.cert/tls.key (mutual TLS).
     tls: TlsFiles = field(default_factory=TlsFiles)
     tls_server_name: str | None = flag(None, "name the nodes' certificates carry (default: the host of each node's "
@@ -149,6 +213,13 @@ class RouterConfig:
         if self.prefix_block_tokens < 1:
             raise ConfigError(f"prefix_block_tokens must be >= 1, got {self.prefix_block_tokens}")
         self.tls.check()
+        for size, on in (("l0_max_entries", self.tokenizer_cache_enable_l0),
+                         ("l1_max_memory", self.tokenizer_cache_enable_l1)):
+            name = f"tokenizer_cache_{size}"
+            if not on and getattr(self, name) != RouterConfig.__dataclass_fields__[name].default:
+                level = size[:2]
+                raise ConfigError(f"--tokenizer-cache-{size.replace('_', '-')} sizes the {level.upper()} cache, "
+                                  f"which is off: add --tokenizer-cache-enable-{level}, or drop it")
         if self.tls_server_name is not None and not self.tls.mutual:
             raise ConfigError("--tls-server-name names the nodes' certificates: it needs --tls-ca (mutual TLS)")
         seen: set[str] = set()

@@ -38,7 +38,7 @@ from router.migration import ended_by, node_request
 from router.output import OutputState
 from router.policies import Policy, RouteHint, make_policy, pick_rank
 from router.request import Delta, Final, GenRequest
-from router.rooms import RoomAllocator
+from router.room_allocator import RoomAllocator
 from router.timing_store import TimingStore
 from router.workers import Lease, Registry, Worker
 

@@ -71,11 +71,20 @@ def final_to_proto(f: Final, index: int = 0) -> router_pb2.RouterGenerateRespons
         served_by=f.served_by,
         attempts=int(f.timing.get("attempts", 1)),  # type: ignore[arg-type]
     )
+    if f.spec is not None:
+        c.spec.CopyFrom(f.spec)
     if f.matched_token is not None:
         c.matched_token = f.matched_token
     elif f.matched_stop is not None:
         c.matched_stop = f.matched_stop
     return router_pb2.RouterGenerateResponse(complete=c)
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            return value
+    return None
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -111,6 +120,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 return_logprob=request.return_logprob,
                 top_logprobs_num=request.top_logprobs_num,
                 priority=request.priority if request.HasField("priority") else None,
+                authorization=_authorization(context),
                 timeout_s=remaining,
                 max_tokens_field="sampling_params.max_new_tokens",
                 **kw,

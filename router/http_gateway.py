@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import uuid
 from typing import Any
@@ -17,9 +18,9 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from common.client_gone import client_gone_middleware
 from common.errors import PdclusterError
-from common.event_stream import EventStreamResponse, delimit_event_stream
+from common.serving.client_gone import client_gone_middleware
+from common.serving.event_stream import EventStreamResponse, delimit_event_stream
 from router import openai_protocol as oai
 from router.admin import admin_middleware
 from router.choices import choice_requests, merge_choices
@@ -49,9 +50,12 @@ class HttpGateway:
     def __init__(self, service: RouterService) -> None:
         self.service = service
         self.logprobs = oai.LogprobFormatter(service.core.tokenizer_hf)
+        # request ids: a random per-process part and a counter (unique across replicas; no uuid4 per request)
+        self._rid_base = uuid.uuid4().hex[:12]
+        self._rid_seq = itertools.count()
         middlewares = [client_gone_middleware, admin_middleware(service.cfg.admin_token)]
-        if service.cfg.api_key:
-            middlewares.insert(1, api_key_middleware(service.cfg.api_key))
+        if service.cfg.api_keys:
+            middlewares.insert(1, api_key_middleware(service.client_secrets))
         app = web.Application(client_max_size=service.cfg.max_request_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -130,8 +134,10 @@ class HttpGateway:
                 kw = oai.completion_inputs(parsed, svc.cfg.max_n)
             plan = kw.pop("tool_plan", None)
             prefix = "chatcmpl-" if api == "chat" else "cmpl-"
-            rid = request.headers.get("X-Request-ID") or parsed.request_id or prefix + uuid.uuid4().hex[:24]
-            req = await svc.build(ClientRequest(rid=rid, api=api, **kw))
+            rid = (request.headers.get("X-Request-ID") or parsed.request_id
+                   or f"{prefix}{self._rid_base}{next(self._rid_seq):012x}")
+            req = await svc.build(ClientRequest(rid=rid, api=api, authorization=request.headers.get("Authorization"),
+                                                **kw))
         except PdclusterError as e:
             return error_response(e)
         # n > 1: one request per choice (own rid ``<rid>-<i>``, seed + i), routed and admitted like any other.

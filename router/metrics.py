@@ -5,10 +5,15 @@ Names: ``pdcluster_router_<what>_<unit>``; latencies in seconds, counters end in
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from collections.abc import Iterator
 
-from common.gap_histogram import GapHistogram
-from common.loop_counter import LoopCounter
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from common.serving.gap_histogram import GapHistogram
+from common.serving.loop_counter import LoopCounter
+from router.tokenize_cache import TokenizerCache
 
 # Latency buckets from 1 ms to 2 min; ITL buckets finer at the low end.
 LATENCY_BUCKETS = (
@@ -96,6 +101,31 @@ class RouterMetrics:
             for api in ("grpc", "completions", "chat"):
                 self.requests.labels(api, outcome)
 
+    def watch_tokenizer_cache(self, cache: TokenizerCache) -> None:
+        """Export the router process's tokenizer cache (its counts are read at each scrape)."""
+        self.registry.register(_TokenizerCacheCollector(cache))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+
+
+class _TokenizerCacheCollector(Collector):
+    def __init__(self, cache: TokenizerCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        c, p = self.cache, "pdcluster_router_tokenizer_cache_"
+        lookups = CounterMetricFamily(p + "lookups", "Tokenizer cache lookups in the router process, by level "
+                                      "(L0: whole prompts; L1: prompt pieces) and result", labels=("level", "result"))
+        for level, hits, misses in (("l0", c.l0_hits, c.l0_misses), ("l1", c.l1_hits, c.l1_misses)):
+            lookups.add_metric([level, "hit"], hits)
+            lookups.add_metric([level, "miss"], misses)
+        yield lookups
+        entries = GaugeMetricFamily(p + "entries", "Entries in the router process's tokenizer cache, by level",
+                                    labels=("level",))
+        entries.add_metric(["l0"], c.l0_entries)
+        entries.add_metric(["l1"], c.l1_entries)
+        yield entries
+        yield GaugeMetricFamily(p + "l1_bytes", "Bytes held by the router process's L1 tokenizer cache",
+                                value=c.l1_bytes)

@@ -278,10 +278,17 @@ class MuxStream:
             self._receive(msg)
 
     def _receive(self, msg: worker_pb2.MuxMessage) -> None:
-        whole = self.parts.whole(msg)
+        kind = msg.WhichOneof("kind")
+        if kind == "response":  # a streamed token's way: first and short
+            c = self.calls.get(msg.stream_id)
+            if c is not None:
+                c._deliver(msg.response)
+            return
+        whole = self.parts.whole(msg) if kind == "fragment" else msg
         if whole is None:
             return
-        kind = whole.WhichOneof("kind")
+        if whole is not msg:
+            kind = whole.WhichOneof("kind")
         if kind == "load":
             self.load_at = self.loop.time()
             if self.on_load is not None:

@@ -11,56 +11,29 @@ import msgspec
 
 from common.errors import InvalidRequestError
 from pdcluster.v1 import common_pb2
+from router.openai_fields import grammar_of, refuse_unsupported, unknown_field_error
 from router.request import Final
 from router.tool_calls import ToolPlan, plan_of
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's stream padding against side channels: none here, harmless
 
 
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str = ""
     description: str | None = None
     schema: dict[str, Any] | bool | None = None
     strict: bool | None = None  # enforced either way: the grammar allows only outputs that validate
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: str
     json_schema: JsonSchemaFormat | None = None
 
 
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
-
-
-def grammar_of(r: _Common) -> dict[str, str]:
-    """The sampling field (json_schema, regex or ebnf) a request's response_format / regex / ebnf asks for."""
-    out: dict[str, str] = {}
-    f = r.response_format
-    if f is not None:
-        if f.type == "json_object":
-            out["json_schema"] = JSON_OBJECT_SCHEMA
-        elif f.type == "json_schema":
-            if f.json_schema is None or f.json_schema.schema is None:
-                raise InvalidRequestError(
-                    'response_format.json_schema.schema is required with response_format.type "json_schema"'
-                )
-            out["json_schema"] = msgspec.json.encode(f.json_schema.schema).decode()
-        elif f.type != "text":
-            raise InvalidRequestError(
-                f'response_format.type must be "text", "json_object" or "json_schema", got {f.type!r}'
-            )
-    for name in ("regex", "ebnf"):
-        value = getattr(r, name)
-        if value is not None:
-            out[name] = value
-    if len(out) > 1:
-        raise InvalidRequestError(f"set at most one of response_format, regex, ebnf; got {', '.join(out)}")
-    return out
-
-
-class _Common(msgspec.Struct, kw_only=True):
+class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = ""
     max_tokens: int | None = None
     temperature: float | None = None
@@ -83,12 +56,24 @@ class _Common(msgspec.Struct, kw_only=True):
     best_of: int | None = None
     request_id: str | None = None  # extension: the id to use (default: generated)
     priority: int | None = None  # extension (SGLang's): priority scheduling on the nodes
-    # Constrained output (docs/structured-output.md): OpenAI's response_format, and SGLang's regex / ebnf extensions.
+    # Constrained output (docs/structured-output.md): OpenAI's response_format, SGLang's regex / ebnf extensions and
+    # vLLM's guided_* fields (router/openai_fields.py maps them).
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
-    # OpenAI fields that would change the result and are not served here: a request carrying one is a 400 naming
-    # it (``refuse_unsupported``), never a silent drop. docs/api.md lists them.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Harmless (openai_fields.HARMLESS): accepted, change nothing here.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Not served (openai_fields.REFUSED): a 400 naming the field unless it holds its no-op value; a field declared
+    # nowhere is a 400 from forbid_unknown_fields. docs/api.md lists them.
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -96,6 +81,13 @@ class _Common(msgspec.Struct, kw_only=True):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+    verbosity: Any = None
+    chat_template_kwargs: Any = None
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    lora_path: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -105,12 +97,16 @@ class CompletionRequest(_Common, kw_only=True):
     suffix: str | None = None
 
 
-class ChatMessageIn(msgspec.Struct, kw_only=True):
+class ChatMessageIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, rendered by the chat template
     tool_call_id: str | None = None  # a tool turn: which call it answers
     name: str | None = None
+    reasoning_content: str | None = None  # an earlier assistant turn's reasoning, for templates that render it
+    # What an earlier response's message carries back (OpenAI SDKs resend it whole): nothing a template renders.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -136,27 +132,9 @@ def decode(body: bytes, cls: type[CompletionRequest] | type[ChatRequest]) -> Any
     except RecursionError:
         raise InvalidRequestError("request body is nested too deeply") from None
     except msgspec.ValidationError as e:
-        raise InvalidRequestError(f"invalid request body: {e}") from e
+        raise unknown_field_error(e) or InvalidRequestError(f"invalid request body: {e}") from e
     except msgspec.DecodeError as e:
         raise InvalidRequestError(f"request body is not valid JSON: {e}") from e
-
-
-UNSUPPORTED_FIELDS = (
-    "functions",
-    "function_call",
-    "modalities",
-    "audio",
-    "prediction",
-    "reasoning_effort",
-    "web_search_options",
-)
-
-
-def refuse_unsupported(r: _Common) -> None:
-    """A 400 naming the first field the client set that this router does not serve."""
-    for name in UNSUPPORTED_FIELDS:
-        if getattr(r, name) is not None:
-            raise InvalidRequestError(f"{name} is not supported by this server; remove it (see docs/api.md)")
 
 
 def _common_checks(r: _Common, max_n: int) -> None:
@@ -269,7 +247,7 @@ def chat_inputs(r: ChatRequest, max_n: int, tool_call_parser: str | None = None)
         msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
         if m.tool_calls is not None:
             msg["tool_calls"] = [_call_for_template(c) for c in m.tool_calls]
-        for extra in ("tool_call_id", "name"):
+        for extra in ("tool_call_id", "name", "reasoning_content"):
             if getattr(m, extra) is not None:
                 msg[extra] = getattr(m, extra)
         messages.append(msg)
@@ -329,6 +307,10 @@ def usage_of(finals: list[Final]) -> dict[str, Any]:
 
 def extension_of(f: Final) -> dict[str, Any]:
     ext: dict[str, Any] = {"timing": f.timing, "served_by": f.served_by}
+    if f.spec is not None:
+        s = f.spec
+        ext["spec_decoding"] = {"verify_steps": s.verify_steps, "draft_tokens": s.draft_tokens,
+                                "accepted_tokens": s.accepted_tokens, "accept_length": s.accept_length}
     if f.matched_stop is not None:
         ext["matched_stop"] = f.matched_stop
     elif f.matched_token is not None:
@@ -382,8 +364,8 @@ class LogprobFormatter:
 
 
 def put_tool_calls(body: dict[str, Any], plan: ToolPlan, text: str, index: int = 0) -> None:
-    """A finished chat body's choice ``index`` read into ``tool_calls`` (finish_reason "tool_calls") when its
-    content holds any."""
+    """A finished chat body's choice ``index`` read into ``tool_calls`` when its output holds any: finish_reason
+    "tool_calls", or "length" for calls cut by max_tokens (returned partial)."""
     content, calls = plan.parse(text)
     if not calls:
         return

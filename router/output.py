@@ -18,6 +18,8 @@ def timing_dict(t: common_pb2.Timing | None) -> dict[str, float]:
         return {}
     d = {f: getattr(t, f) for f in TIMING_FIELDS}
     d["transfer_bytes"] = t.transfer_bytes
+    if t.cached_tokens_host or t.cached_tokens_storage:  # a hierarchical cache's hits below the device
+        d["cached_tokens_host"], d["cached_tokens_storage"] = t.cached_tokens_host, t.cached_tokens_storage
     return d
 
 
@@ -122,6 +124,7 @@ class OutputState:
         src = p_t if p_t is not None else (d_t if not migrations else None)
         if src is not None:
             merged.queue, merged.bootstrap, merged.prefill = src.queue, src.bootstrap, src.prefill
+            merged.cached_tokens_host, merged.cached_tokens_storage = src.cached_tokens_host, src.cached_tokens_storage
         # NOTE: after a migration ``d_t`` is a later attempt's: its transfer and queue are not part of the TTFT.
         if d_t is not None and not migrations:
             merged.transfer, merged.decode_queue = d_t.transfer, d_t.decode_queue
@@ -165,4 +168,5 @@ class OutputState:
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
             node_timing=merged,
+            spec=fin.spec if fin is not None and fin.HasField("spec") else None,
         )

@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from router import cache_tiers
 from router.candidates import Candidates
 from router.config import RouterConfig
 from router.prefix_index import PrefixIndex, block_hashes
@@ -92,6 +93,8 @@ class CacheAware(Policy):
     least loaded worker. Otherwise the (worker, rank) holding the longest routed prefix if it covers at least
     ``cache_threshold`` of the prompt, else the least loaded worker. Each rank's share of the index is bounded by
     the KV pool its node reports (``total_kv_pages * page_size`` tokens), so the index forgets as the node evicts.
+    With a hierarchical cache the prefix is scored by the tier it likely sits in and the index keeps it as long as
+    the host tier can (``router.cache_tiers``).
     """
 
     name = "cache_aware"
@@ -99,6 +102,7 @@ class CacheAware(Policy):
     def __init__(self, cfg: RouterConfig, rng: random.Random) -> None:
         self.cfg = cfg
         self.index = PrefixIndex(cfg.prefix_block_tokens, cfg.prefix_tree_blocks)
+        self.stores: dict[str, str] = {}  # tenant -> the storage tier it reported (hierarchical cache), if any
 
     def pick(self, workers: Sequence[Worker], hint: RouteHint) -> tuple[Worker, int | None]:
         if len(workers) > 1:
@@ -111,16 +115,22 @@ class CacheAware(Policy):
         matched = self.index.match(hashes) if hashes else {}
         if matched:
             by_address = workers.by_address() if isinstance(workers, Candidates) else {w.address: w for w in workers}
-            best: tuple[int, int] = (0, 0)
+            best: tuple[float, int] = (0.0, 0)
             choice: tuple[Worker, int] | None = None
             for tenant, m in matched.items():
                 address, _, rank = tenant.rpartition("#")
                 w = by_address.get(address)
                 if w is None or int(rank) >= len(w.ranks):
                     continue
-                key = (m, -w.ranks[int(rank)].queued())
+                score = cache_tiers.tiered_depth(self.index, tenant, hashes, m, w, int(rank))
+                key = (score, -w.ranks[int(rank)].queued())
                 if choice is None or key > best:
                     best, choice = key, (w, int(rank))
+            stored = cache_tiers.stored_depths(matched, self.stores) if self.stores else {}
+            for w, rank, score in cache_tiers.storage_candidates(workers, stored) if stored else ():
+                key = (score, -w.ranks[rank].queued())
+                if key > best:
+                    best, choice = key, (w, rank)
             if choice is not None and best[0] / len(hashes) >= self.cfg.cache_threshold:
                 return choice
         return _least(workers), None
@@ -130,13 +140,17 @@ class CacheAware(Policy):
         if not hashes:
             return
         tenant = _tenant(worker, rank)
-        report = worker.ranks[rank].report if rank < len(worker.ranks) else None
-        if report is not None and report.total_kv_pages > 0:
-            self.index.set_capacity(tenant, report.total_kv_pages * worker.page_size)
+        capacity = cache_tiers.index_capacity(worker, rank)  # the device pool, and a hierarchical cache's host tier
+        if capacity is not None:
+            self.index.set_capacity(tenant, capacity)
+        if store := cache_tiers.store_of(worker, rank):
+            self.stores[tenant] = store
         self.index.insert(tenant, hashes)
 
     def forget(self, address: str) -> None:
         self.index.remove_tenant_prefix(address + "#")
+        for tenant in [t for t in self.stores if t.startswith(address + "#")]:
+            del self.stores[tenant]
 
 
 POLICY_TABLE: dict[str, Callable[[RouterConfig, random.Random], Policy]] = {

@@ -5,7 +5,8 @@ A prompt is cut into blocks of ``block_tokens`` token ids; block ``i`` is named 
 node's radix cache likely holds, from routing decisions only.
 
     holders:  block hash -> bitmask of the tenants holding it (bit = the tenant's slot)
-    lru[t]:   tenant t's block hashes, least recently routed first
+    lru[t]:   tenant t's block hashes, least recently routed first, each with the tenant's clock when last routed
+    clock[t]: blocks routed to tenant t so far (``age``: how many were routed there after a given block)
 
 Invariants: ``h in lru[t]`` <=> bit ``slot[t]`` of ``holders[h]`` is set; no ``holders`` value is 0;
 ``len(lru[t]) <= capacity(t)``. A tenant's capacity follows its node's KV pool (``set_capacity``: the node can
@@ -41,10 +42,11 @@ class PrefixIndex:
         self.block_tokens = block_tokens
         self.max_blocks = max_blocks  # per tenant, whatever its node reports
         self.holders: dict[int, int] = {}
-        self.lru: dict[str, OrderedDict[int, None]] = {}
+        self.lru: dict[str, OrderedDict[int, int]] = {}
         self.slot: dict[str, int] = {}
         self.by_slot: dict[int, str] = {}
         self.capacity: dict[str, int] = {}
+        self.clock: dict[str, int] = {}
         self._free_slots: list[int] = []
 
     def set_capacity(self, tenant: str, tokens: int) -> None:
@@ -81,13 +83,20 @@ class PrefixIndex:
             self.slot[tenant], self.by_slot[slot] = slot, tenant
         bit = 1 << self.slot[tenant]
         holders = self.holders
+        clock = self.clock.get(tenant, 0)
         for h in reversed(hashes):  # leaf first: the root ends most recent
             if h in lru:
                 lru.move_to_end(h)
             else:
-                lru[h] = None
                 holders[h] = holders.get(h, 0) | bit
+            lru[h] = clock
+            clock += 1
+        self.clock[tenant] = clock
         self._evict(tenant)
+
+    def age(self, tenant: str, h: int) -> int:
+        """Blocks routed to ``tenant`` since block ``h`` was (the node evicts the oldest first); ``h`` is held."""
+        return self.clock[tenant] - self.lru[tenant][h]
 
     def size(self, tenant: str) -> int:
         return len(self.lru.get(tenant, ()))
@@ -99,6 +108,7 @@ class PrefixIndex:
     def remove_tenant(self, tenant: str) -> None:
         lru = self.lru.pop(tenant, None)
         self.capacity.pop(tenant, None)
+        self.clock.pop(tenant, None)
         if lru is None:
             return
         slot = self.slot.pop(tenant)

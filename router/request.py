@@ -30,6 +30,7 @@ class ClientRequest:
     max_tokens_field: str = "max_tokens"  # the API's name for max_new_tokens, in error messages
     default_max_tokens: int | None = None  # None: "up to the context" (chat)
     priority: int | None = None  # priority scheduling on the nodes (None: the least urgent)
+    authorization: str | None = None  # the client's bearer header: its priority ceiling (router/priority_policy.py)
 
 
 @dataclass(slots=True)
@@ -103,6 +104,7 @@ class Final:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)
     node_timing: common_pb2.Timing | None = None  # merged P + D timing with router-measured ttft/e2e
+    spec: common_pb2.SpecDecoding | None = None  # speculative decoding on the (last) decode node, when it speculated
 
 
 def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:

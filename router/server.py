@@ -41,8 +41,8 @@ class RouterServer:
         cfg = self.cfg
         # NOTE: the credential checks come before ParseGuard: an unauthenticated request is never parsed.
         guards: list[grpc.aio.ServerInterceptor] = [AdminInterceptor(cfg.admin_token), ParseGuard()]
-        if cfg.api_key:
-            guards.insert(0, ApiKeyInterceptor(cfg.api_key))
+        if cfg.api_keys:
+            guards.insert(0, ApiKeyInterceptor(self.service.client_secrets))
         server = grpc.aio.server(
             interceptors=guards,
             options=[
@@ -89,7 +89,7 @@ class RouterServer:
             self.grpc_port,
             f"{cfg.host}:{self.http_port}" if self._http else "off",
             ("on, mutual to nodes" if cfg.tls.mutual else "on") if cfg.tls.enabled else "off",
-            "required" if cfg.api_key else "off",
+            "required" if cfg.api_keys else "off",
             self.service.model_name,
             cfg.prefill_policy,
             cfg.decode_policy,

@@ -16,6 +16,7 @@ from router.errors import OverloadedError
 from router.inputs import InputProcessor, Tokenizer, config_context_len
 from router.metrics import RouterMetrics
 from router.monitor import Monitor
+from router.priority_policy import PriorityPolicy
 from router.request import ClientRequest, Delta, Final, GenRequest
 from router.tokenize_pool import TokenizePool
 from router.workers import Registry
@@ -32,18 +33,29 @@ class RouterService:
         self.model_name = cfg.served_model_name or path.name
         self.metrics = RouterMetrics()
         self.registry = Registry(cfg)
+        l0_entries = cfg.tokenizer_cache_l0_max_entries if cfg.tokenizer_cache_enable_l0 else 0
+        l1_bytes = cfg.tokenizer_cache_l1_max_memory if cfg.tokenizer_cache_enable_l1 else 0
+        tokenizer = Tokenizer(hf, l0_entries, l1_bytes)
         self.inputs = InputProcessor(
-            Tokenizer(hf),
+            tokenizer,
             self.model_name,
             config_context_len(path),
             cfg.default_max_tokens,
             cfg.request_timeout_s,
-            TokenizePool(path, cfg.tokenize_workers) if cfg.tokenize_workers else None,
+            TokenizePool(path, cfg.tokenize_workers, l1_bytes=l1_bytes) if cfg.tokenize_workers else None,
             cfg.tokenize_inline_bytes,
         )
+        if tokenizer.cache is not None:
+            self.metrics.watch_tokenizer_cache(tokenizer.cache)
         self.core = RouterCore(cfg, self.inputs, hf, self.metrics, self.registry)
         self.monitor = Monitor(cfg, self.registry, self.metrics, self._infos_changed)
         self.drain = Drain()
+        self.priorities = PriorityPolicy(cfg)
+
+    @property
+    def client_secrets(self) -> tuple[str, ...]:
+        """What a client's bearer must be when API keys are on: a key, or the admin token."""
+        return tuple(k.key for k in self.cfg.api_keys) + ((self.cfg.admin_token,) if self.cfg.admin_token else ())
 
     async def start(self) -> None:
         for spec in self.cfg.workers:
@@ -65,6 +77,8 @@ class RouterService:
         (router/admission.py)."""
         try:
             with self.core.admission.tokenizing_one(len(self.core.active)):
+                client.priority = self.priorities.admit(
+                    client.priority, client.authorization, self.registry.low_priority_values_first())
                 return await self.inputs.build(client)
         except OverloadedError:
             self.metrics.requests.labels(client.api, "overloaded").inc()

@@ -80,7 +80,7 @@ class DeltaEvents:
 class SseSink:
     """The ``DeltaSink`` (``router/request.py``) of a one-choice streamed response: writes a delta's event at once.
 
-    A chunked response (``common.event_stream``) whose transport has room takes the event as one HTTP chunk written
+    A chunked response (``common.serving.event_stream``) whose transport has room takes the event as one HTTP chunk written
     straight into the transport: the bytes ``StreamResponse.write`` would send, without its four Python frames per
     token. Else ``StreamResponse.write``, a coroutine that suspends only to drain a full transport, is run here up
     to that point (the event is in the transport by then). A suspended write finishes in a task of its own, and the

@@ -13,8 +13,10 @@ from typing import Any
 import grpc
 from openai import AsyncOpenAI
 
+from common.testing.mock_config import MockConfig
 from common.testing.mock_fleet import shared_model_dir
-from common.testing.mock_worker import MockConfig, MockHub, MockWorker
+from common.testing.mock_requests import MockHub
+from common.testing.mock_worker import MockWorker
 from pdcluster.v1 import router_pb2_grpc
 from router.config import RouterConfig, WorkerSpec
 from router.server import RouterServer

@@ -1,7 +1,7 @@
 """``TokenizePool``: a bounded set of tokenize worker processes, so large prompts never tokenize on the event loop.
 
-Processes, not threads: the HF ``tokenizers`` encode holds the GIL (measured: a 1 ms sleeper on the event loop's
-thread saw 0.5 s gaps while another thread encoded a 3.6 MB prompt), and only a process can be stopped mid-encode.
+Processes, not threads: the HF ``tokenizers`` encode holds the GIL (a thread encoding a multi-MB prompt stalls the
+event loop's thread: benchmarks/pages/prompt_storm.md), and only a process can be stopped mid-encode.
 Workers are forked from a fork server (see ``_CTX``) and talk over a socketpair (router/tokenize_messages.py).
 
 Slots: ``size`` workers, each idle (in ``_idle``), busy (one job), or starting. A job that ends early (client gone,
@@ -39,7 +39,7 @@ _CTX.set_forkserver_preload(["router.tokenize_worker"])
 PIPE_LIMIT = 16 << 20  # asyncio stream buffer; frames are read with readexactly, so larger ones still pass
 START_BACKOFF_S = (0.5, 30.0)
 JOB_ATTEMPTS = 2
-LIST_SLICE = 1 << 16  # token ids turned into Python ints per event-loop turn (~3 ms)
+LIST_SLICE = 1 << 16  # token ids turned into Python ints per event-loop turn (a few ms of the loop)
 
 
 class _Worker:
@@ -65,8 +65,10 @@ class _Worker:
 
 
 class TokenizePool:
-    def __init__(self, model_path: Path, size: int, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, model_path: Path, size: int, start_timeout_s: float = 120.0, l1_bytes: int = 0) -> None:
+        """``l1_bytes``: each worker's L1 tokenizer cache (router/tokenize_cache.py; 0: none)."""
         self.model_path = model_path
+        self.l1_bytes = l1_bytes
         self.size = size
         self.start_timeout_s = start_timeout_s
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
@@ -102,7 +104,7 @@ class TokenizePool:
         packed.frombytes(result.ids)
         if sys.byteorder != "little":
             packed.byteswap()
-        # NOTE: in slices, yielding between them: one tolist() of 2.2M ids held the loop ~100 ms.
+        # NOTE: in slices, yielding between them: one tolist() of a multi-MB prompt's ids would hold the loop.
         ids: list[int] = []
         for start in range(0, len(packed), LIST_SLICE):
             ids.extend(packed[start : start + LIST_SLICE].tolist())
@@ -198,7 +200,7 @@ class TokenizePool:
         """A started worker that has loaded its tokenizer (its ready frame read), or raises."""
         ours, theirs = socket.socketpair()
         proc = _CTX.Process(
-            target=serve, args=(theirs, str(self.model_path)), name="pdcluster-tokenize", daemon=True
+            target=serve, args=(theirs, str(self.model_path), self.l1_bytes), name="pdcluster-tokenize", daemon=True
         )
         try:
             # NOTE: in a thread: the first start waits for the fork server to import transformers (seconds).

@@ -28,12 +28,17 @@ def _preload() -> tuple[str, Tokenizer] | None:
 PRELOADED = _preload()
 
 
-def serve(sock: socket.socket, model_path: str) -> None:
+def worker_tokenizer(model_path: str, l1_bytes: int) -> Tokenizer:
+    """The preloaded tokenizer (when it is the model's), with an L1 cache of ``l1_bytes`` (0: none) of its own."""
+    preloaded = PRELOADED[1] if PRELOADED is not None and PRELOADED[0] == model_path else None
+    if preloaded is not None and not l1_bytes:
+        return preloaded
+    return Tokenizer(preloaded.hf if preloaded is not None else load_tokenizer(model_path), l1_max_bytes=l1_bytes)
+
+
+def serve(sock: socket.socket, model_path: str, l1_bytes: int = 0) -> None:
     """The worker process's entry point."""
-    if PRELOADED is not None and PRELOADED[0] == model_path:
-        tok = PRELOADED[1]
-    else:
-        tok = Tokenizer(load_tokenizer(model_path))
+    tok = worker_tokenizer(model_path, l1_bytes)
     with sock, sock.makefile("rb") as inp, sock.makefile("wb") as out:
         run(tok, inp, out)
 

@@ -1,4 +1,5 @@
-"""``Tokenizer``: the HF tokenizer with a fast path into the Rust tokenizer, plus the byte bound of its tokens.
+"""``Tokenizer``: the HF tokenizer with a fast path into the Rust tokenizer (and its caches,
+router/tokenize_cache.py), plus the byte bound of its tokens.
 
 Imported by the router and by its tokenize worker processes (router/tokenize_worker.py), so it imports no gRPC.
 """
@@ -10,21 +11,32 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from common.errors import InvalidRequestError
+from common.errors import ConfigError, InvalidRequestError
+from router.tokenize_cache import TokenizerCache
 
 
 class Tokenizer:
-    """The HF tokenizer, with a fast path straight into the Rust tokenizer when it encodes identically."""
+    """The HF tokenizer, with a fast path straight into the Rust tokenizer when it encodes identically (its
+    offset-free batch encode: nothing here reads offsets)."""
 
-    def __init__(self, hf: Any) -> None:
+    def __init__(self, hf: Any, l0_max_entries: int = 0, l1_max_bytes: int = 0) -> None:
+        """``l0_max_entries`` / ``l1_max_bytes``: the ``TokenizerCache`` levels (0: off)."""
         self.hf = hf
         self.vocab_size = len(hf)
         self.has_chat_template = bool(getattr(hf, "chat_template", None))
         backend = getattr(hf, "backend_tokenizer", None)
         probe = "Hello, world! 12 \u00e9t\u00e9 \U0001f600\n  x"
         self._fast = (
-            backend if backend is not None and backend.encode(probe).ids == hf.encode(probe) else None
+            backend if backend is not None
+            and backend.encode_batch_fast([probe])[0].ids == backend.encode(probe).ids == hf.encode(probe)
+            else None
         )
+        self.cache: TokenizerCache | None = None
+        if l0_max_entries or l1_max_bytes:
+            if self._fast is None:
+                raise ConfigError("--tokenizer-cache-enable-l0 / -l1 need the model's tokenizer.json read by the "
+                                  "Rust tokenizer (this model's tokenizer is not); drop the flags")
+            self.cache = TokenizerCache(self._fast, l0_max_entries, l1_max_bytes)
         ids = [*hf.encode(probe), *range(min(self.vocab_size, 64))]
         same = backend is not None and all(
             backend.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
@@ -47,8 +59,10 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def encode(self, text: str) -> list[int]:
+        if self.cache is not None:
+            return self.cache.encode(text, True)
         if self._fast is not None:
-            return self._fast.encode(text).ids
+            return self._fast.encode_batch_fast([text])[0].ids
         return self.hf.encode(text)
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -58,8 +72,10 @@ class Tokenizer:
             Exception
         ) as e:  # jinja raises anything (TemplateError, TypeError) on input the template rejects
             raise InvalidRequestError(f"messages: the model's chat template rejected them: {e}") from e
+        if self.cache is not None:
+            return self.cache.encode(text, False)
         if self._fast is not None:
-            return self._fast.encode(text, add_special_tokens=False).ids
+            return self._fast.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return self.hf.encode(text, add_special_tokens=False)
 
     def max_bytes_per_token(self) -> int | None:

@@ -8,7 +8,9 @@ into ``tool_calls``.
     {function f}  json_schema: f's parameters                  the JSON is f's arguments
 
 The tools are rendered by the model's chat template (``tools=`` of ``apply_chat_template``). Under ``required`` and a
-named function the grammar makes the output parse, so even a random-weight model returns valid calls.
+named function the grammar makes the output parse, so even a random-weight model returns valid calls; values the
+functions leave unbounded get default bounds (``bounded``) so a call always ends. An output cut by max_tokens is
+still read as (partial) calls with finish_reason "length" (router/tool_call_parse.py), never as content.
 
 Parsers (``--tool-call-parser``):
 - ``llama3``: the whole output is one JSON object ``{"name": ..., "parameters"|"arguments": {...}}``, or several
@@ -19,31 +21,35 @@ Parsers (``--tool-call-parser``):
 
 from __future__ import annotations
 
+import copy
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from common.engine.sampling.json_schema import walk
 from common.errors import InvalidRequestError
+from router.tool_call_parse import (
+    ToolCall,
+    hermes_holds_back,
+    parse_hermes,
+    parse_llama3,
+    parse_named,
+    parse_required,
+)
 
 TOOL_CALL_PARSERS = ("llama3", "hermes", "qwen25")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
-
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            out["index"] = index
-        return out
+# Bounds the required / named grammars give what a function's schema leaves unbounded, so that a call always ends
+# (a random or looping model would otherwise write one value until max_tokens). docs/api.md states them.
+MAX_STRING_LENGTH = 256  # a string without maxLength, pattern, format, enum or const
+MAX_ITEMS = 16  # an array without maxItems; also the calls of one required output
+MAX_PROPERTIES = 16  # a free-form object (no properties, or additionalProperties allowed): keys beyond the named
+MAX_KEY_LENGTH = 64  # a free-form object's keys
+JSON_SAFE_INTEGER = 2**53 - 1  # integers and numbers without bounds: the range every JSON parser reads exactly
+_SCALAR = {"anyOf": [{"type": "string", "maxLength": MAX_STRING_LENGTH},
+                     {"type": "number", "minimum": -JSON_SAFE_INTEGER, "maximum": JSON_SAFE_INTEGER},
+                     {"type": "boolean"}, {"type": "null"}]}  # what a free-form value may be
 
 
 @dataclass(frozen=True)
@@ -60,33 +66,31 @@ class ToolPlan:
         return self.mode != "none"
 
     def grammar(self) -> str | None:
-        """The json_schema the nodes enforce, or None (auto, none)."""
-        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
+        """The json_schema the nodes enforce, or None (auto, none). Values the functions leave unbounded get the
+        bounds above."""
+        params = {t["function"]["name"]: bounded(t["function"].get("parameters")) for t in self.tools}
         if self.mode == "named":
             assert self.named is not None
             return json.dumps(params[self.named])
         if self.mode == "required":
             calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                       "required": ["name", "parameters"]} for name, schema in params.items()]
-            return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+            return json.dumps({"type": "array", "minItems": 1, "maxItems": MAX_ITEMS, "items": {"anyOf": calls}})
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a finished output; no calls found: (text, [])."""
+        """(content, tool calls) of an output; text that is not a call by the mode's rule: (text, []). A call cut
+        short (or, under auto, written broken) is returned partial, never as content."""
         if self.mode == "none":
             return text, []
         if self.mode == "named":
             assert self.named is not None
-            return None, [ToolCall(self.named, _compact(text))] if _is_json(text) else []
+            return None, [parse_named(self.named, text)]
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except ValueError:
-                return text, []
-            return None, [ToolCall(i["name"], json.dumps(i["parameters"])) for i in items]
+            return None, parse_required(text)
         if self.parser in ("hermes", "qwen25"):
-            return _parse_hermes(text)
-        return _parse_llama3(text)
+            return parse_hermes(text)
+        return parse_llama3(text)
 
     def holds_back(self, text: str) -> int:
         """Streaming: how many characters at the start of ``text`` (the output so far) may go out as content now;
@@ -96,15 +100,47 @@ class ToolPlan:
         if self.mode == "none":
             return len(text)
         if self.parser in ("hermes", "qwen25"):
-            start = text.find(_HERMES_START)
-            if start >= 0:
-                return start
-            for k in range(min(len(_HERMES_START) - 1, len(text)), 0, -1):  # a partial marker at the end
-                if _HERMES_START.startswith(text[-k:]):
-                    return len(text) - k
-            return len(text)
+            return hermes_holds_back(text)
         stripped = text.lstrip()
         return 0 if not stripped or stripped.startswith("{") else len(text)
+
+
+def bounded(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A function's parameters schema with the default bounds where it leaves a value unbounded (a copy). No
+    parameters: the empty object."""
+    if not parameters:
+        return {"type": "object", "properties": {}}
+    schema = copy.deepcopy(parameters)
+    walk(schema, _bound)
+    return schema
+
+
+def _bound(node: dict[str, Any], path: str) -> None:
+    types = node.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    if "enum" in node or "const" in node:
+        return
+    if not types and not any(k in node for k in ("anyOf", "oneOf", "allOf", "$ref", "not", "properties", "items",
+                                                 "prefixItems", "pattern", "format", "minLength", "maxLength")):
+        node.update(copy.deepcopy(_SCALAR))  # any value
+        return
+    if "string" in types and not any(k in node for k in ("maxLength", "pattern", "format")):
+        node["maxLength"] = max(MAX_STRING_LENGTH, node.get("minLength", 0))
+    if types & {"integer", "number"}:
+        if "maximum" not in node and "exclusiveMaximum" not in node:
+            node["maximum"] = JSON_SAFE_INTEGER
+        if "minimum" not in node and "exclusiveMinimum" not in node:
+            node["minimum"] = -JSON_SAFE_INTEGER
+    if "array" in types and "maxItems" not in node:
+        node["maxItems"] = max(MAX_ITEMS, node.get("minItems", 0))
+    if "object" in types:
+        extra = node.get("additionalProperties")
+        if extra is True or ("properties" not in node and extra is None):
+            node["additionalProperties"] = copy.deepcopy(_SCALAR)
+        if extra is not False and ("properties" not in node or extra is not None):
+            node.setdefault("maxProperties", len(node.get("properties", {})) + MAX_PROPERTIES)
+            longest = max((len(k) for k in node.get("properties", {})), default=0)
+            node.setdefault("propertyNames", {"type": "string", "maxLength": max(MAX_KEY_LENGTH, longest)})
 
 
 def plan_of(tools: list[dict[str, Any]] | None, tool_choice: Any, parser: str | None) -> ToolPlan | None:
@@ -145,56 +181,3 @@ def plan_of(tools: list[dict[str, Any]] | None, tool_choice: Any, parser: str | 
                                   '--tool-call-parser (llama3, hermes), or use tool_choice "required" or a named '
                                   "function")
     return ToolPlan(mode, tuple(tools), named, parser)
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _compact(text: str) -> str:
-    return json.dumps(json.loads(text))
-
-
-def _call_of(obj: Any) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], json.dumps(args))
-
-
-def _parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
-    stripped = text.strip()
-    if not stripped.startswith("{"):
-        return text, []
-    calls = []
-    for part in stripped.split(";"):
-        try:
-            call = _call_of(json.loads(part))
-        except ValueError:
-            return text, []
-        if call is None:
-            return text, []
-        calls.append(call)
-    return None, calls
-
-
-def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    start = text.find(_HERMES_START)
-    if start < 0:
-        return text, []
-    calls = []
-    for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[start:], flags=re.S):
-        try:
-            call = _call_of(json.loads(block))
-        except ValueError:
-            continue
-        if call is not None:
-            calls.append(call)
-    if not calls:
-        return text, []
-    content = text[:start].strip()
-    return content or None, calls

@@ -388,9 +388,10 @@ class Registry:
         return None if not groups or None in groups else sum(groups)  # type: ignore[arg-type]
 
     def low_priority_values_first(self) -> bool:
-        """Whether the decode workers run --schedule-low-priority-values-first (their fleet agrees on it)."""
-        return any(w.info.schedule_low_priority_values_first for w in self._views["decode"].workers
-                   if w.info is not None)
+        """Whether the decode (or colocated) workers run --schedule-low-priority-values-first (a fleet agrees on
+        it)."""
+        return any(w.info.schedule_low_priority_values_first for role in ("decode", "colocated")
+                   for w in self._views[role].workers if w.info is not None)
 
     async def wait_room_change(self, role: Role, timeout: float) -> None:
         await self._views[role].wait_room_change(timeout)

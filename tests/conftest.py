@@ -22,17 +22,17 @@ TEST_CLUSTER_TOKEN = "pdcluster-test-secret-not-for-deployment"
 os.environ.setdefault("PDCLUSTER_CLUSTER_TOKEN", TEST_CLUSTER_TOKEN)
 
 
-# The longest test files (wall seconds under ``make test``'s 3 workers on the 2-core CI machine, 2026-11-27),
+# The longest test files (approximate wall seconds under ``make test``'s 3 workers on the 2-core CI machine),
 # collected first: under its xdist workers (``--dist loadfile --no-loadscope-reorder``: whole files per worker,
 # handed out in collection order; xdist's default reorder would hand out the files with the most tests first) they
 # start at once instead of holding the run's tail while the other workers idle.
 LONGEST_FILES = (
     "tests/deploy/test_deploy_ray.py",  # ~220 s (its Ray cluster starts in 40-140 s)
     "tests/nodes/test_tp_nodes.py",  # ~170 s
-    "tests/deploy/test_gpu_check_dry_run.py",  # ~140 s, one test
     "tests/nodes/test_nodes.py",  # ~120 s
     "tests/cluster/test_soak.py",  # ~80 s
     "tests/engine/test_triton_kernels.py",  # ~70 s
+    "tests/deploy/test_gpu_check_dry_run.py",  # one test, ~20 CPU s (its steps forked from one process)
     "tests/cluster/test_stall_cluster.py",
     "tests/cluster/test_structured_output_cluster.py",
     "tests/cluster/test_tp_cluster.py",
@@ -125,6 +125,7 @@ def assert_scheduler_pools_released(*schedulers: Any) -> None:
 
 
 def _assert_released(s: Any) -> None:
+    _wait_hicache_settled(s.tree_cache)
     free_slots = s.req_to_token_pool.available_size()
     assert free_slots == s.req_to_token_pool.size, (
         f"request slots leaked: {s.req_to_token_pool.size - free_slots}"
@@ -137,6 +138,37 @@ def _assert_released(s: Any) -> None:
     )
     s.tree_cache.evict(total)
     assert s.allocator.available_size() == total
+    _assert_host_released(s.tree_cache)
+
+
+def _wait_hicache_settled(cache: Any, timeout: float = 10.0) -> None:
+    """A hierarchical cache's loads, reads and loads given up on (whose pages it still reserves) have ended: the
+    scheduler's idle steps settle them."""
+    from common.engine.mem.hicache.decode_offload import HiHeldPrefixCache
+    from common.engine.mem.hicache.hiradix_cache import HiRadixCache
+
+    if not isinstance(cache, HiRadixCache | HiHeldPrefixCache):
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (cache.waits.stuck or (
+            cache.offloads if isinstance(cache, HiHeldPrefixCache) else (
+                cache.ongoing_loads or (cache.storage is not None and cache.storage.ops)))):
+        time.sleep(0.01)
+
+
+def _assert_host_released(cache: Any) -> None:
+    """A hierarchical cache's host pool (settled: ``_wait_hicache_settled``): every page it holds belongs to a
+    host-only tree node (a decode node's: to no one), and evicting the host tier frees them all."""
+    from common.engine.mem.hicache.decode_offload import HiHeldPrefixCache
+    from common.engine.mem.hicache.hiradix_cache import HiRadixCache
+
+    if not isinstance(cache, HiRadixCache | HiHeldPrefixCache):
+        return
+    if isinstance(cache, HiRadixCache):
+        held = sum(len(n.host_pages) for n in cache._nodes() if n.host_pages is not None)
+        assert cache.host_pool.used_pages == held, f"host pages leaked: {cache.host_pool.used_pages} used, {held} held"
+        cache.evict_host(cache.host_pool.num_pages)
+    assert cache.host_pool.used_pages == 0, f"host pages leaked: {cache.host_pool.used_pages}"
 
 
 @pytest.fixture
@@ -173,7 +205,7 @@ def model_path() -> Path:
 def colocated() -> Iterator[Any]:
     """A colocated tp 1 node on the tiny llama (``model_path``): the reference whose tokens the P/D, TP and cluster
     tests compare against. One per session (per xdist worker): the tests only send it greedy requests, and a node
-    start is seconds of both cores; idle, it costs about 1% of one."""
+    start is seconds of both cores; idle, it costs little."""
     from tests.model_fixtures import make_tiny_model
     from tests.node_helpers import start_node
 

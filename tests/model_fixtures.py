@@ -35,6 +35,15 @@ def make_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
 
 
 @functools.cache
+def make_copy_model(arch: str = "llama") -> Path:
+    """``make_tiny_model(arch)`` with zeroed attention outputs: greedy decoding cycles and repeats spans of its
+    prompt (``common.model_gen.copy_model``)."""
+    from common.model_gen.copy_model import make_copy_model as write
+
+    return write(make_tiny_model(arch), _session_dir() / f"{arch}-tiny-copy")
+
+
+@functools.cache
 def load_tiny_model(arch: str = "llama", seed: int = 0) -> LlamaForCausalLM:
     """Our fp32 model for ``make_tiny_model(arch, seed)`` (shared: treat as read-only), its GEMM weights packed for
     oneDNN as ``ModelRunner`` packs them on CPU (``pack_cpu_weights``)."""
@@ -109,9 +118,12 @@ class PagedHarness:
         self.reqs[rid] = req
 
     def forward(
-        self, batch: list[tuple[str, list[int]]], mode: ForwardMode | None = None
+        self, batch: list[tuple[str, list[int]]], mode: ForwardMode | None = None,
+        positions: list[int] | None = None, custom_mask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """Run one forward over ``(request id, new tokens)`` pairs; returns each request's logits [n_new, vocab]."""
+        """Run one forward over ``(request id, new tokens)`` pairs; returns each request's logits [n_new, vocab].
+        ``positions``/``custom_mask``: a draft tree's verify (``ForwardBatch.custom_mask``); the new tokens still
+        take the slots of consecutive positions."""
         ids, pos, locs, ext, pre, seq = [], [], [], [], [], []
         for rid, new in batch:
             req = self.reqs[rid]
@@ -139,7 +151,7 @@ class PagedHarness:
             forward_mode=mode,
             batch_size=len(batch),
             input_ids=torch.tensor(ids, dtype=i64),
-            positions=torch.tensor(pos, dtype=i64),
+            positions=torch.tensor(pos if positions is None else positions, dtype=i64),
             out_cache_loc=torch.tensor(locs, dtype=i64),
             req_pool_indices=torch.tensor([self.reqs[rid].row for rid, _ in batch], dtype=i64),
             seq_lens=torch.tensor(seq, dtype=i64),
@@ -151,6 +163,7 @@ class PagedHarness:
             prefix_lens_cpu=pre,
             kv_pool=self.pool,
             attn_backend=self.backend,
+            custom_mask=custom_mask,
         )
         self.last_batch = fb
         with torch.inference_mode():

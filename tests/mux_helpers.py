@@ -11,9 +11,10 @@ from typing import Any
 
 import grpc
 
-from common.io_struct import TokenOut
+from common.engine.io_struct import TokenOut
 from common.node.front import WorkerServicer
-from common.testing.mock_worker import MockConfig, MockWorker
+from common.testing.mock_config import MockConfig
+from common.testing.mock_worker import MockWorker
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.mux import MuxLink
 

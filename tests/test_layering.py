@@ -3,7 +3,8 @@
 - ``prefill_node``, ``decode_node`` and ``router`` never import each other;
 - ``kvtransfer`` imports no role and not the router; ``common`` imports none of them and not ``kvtransfer``;
 - inside ``common``, the rooms import downwards only: ``engine`` knows nothing of the node front, the wire or the
-  commands; ``wire`` and ``text`` know only the shared modules at ``common``'s top;
+  commands; ``wire``, ``text`` and ``serving`` know only the shared modules at ``common``'s top;
+- ``common``'s top holds only basics, which import none of its rooms (its sub-packages);
 - no two modules of the project import each other, directly or around a longer circle, counting every import that
   runs or is read when a module loads (module level, under ``if``/``try``, ``if TYPE_CHECKING:`` included); an
   import inside a function body is not counted.
@@ -33,6 +34,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "common/text": ("common.node.engine", "common.node", "common.wire", "common.app", "common.testing"),
     "common/wire": ("common.node.engine", "common.node", "common.app", "common.text", "common.testing"),
     "common/node": ("common.app", "common.testing"),
+    "common/serving": ("common.engine", "common.node", "common.wire", "common.text", "common.app", "common.testing",
+                       "common.model_gen"),
 }
 
 
@@ -62,6 +65,31 @@ def violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
 def test_package_imports_only_what_the_layering_allows(package: str) -> None:
     assert (ROOT / package).is_dir(), f"{package} is gone: update FORBIDDEN"
     assert violations(package, FORBIDDEN[package]) == []
+
+
+def common_rooms(root: Path) -> tuple[str, ...]:
+    """``common``'s rooms: its sub-packages, as module names."""
+    return tuple(sorted(f"common.{p.name}" for p in (root / "common").iterdir() if (p / "__init__.py").is_file()))
+
+
+def basics_importing_rooms(root: Path) -> list[str]:
+    """Each import of a room by a module at ``common``'s top (a basic)."""
+    rooms = common_rooms(root)
+    return [f"{path.relative_to(root)} imports {name}" for path in sorted((root / "common").glob("*.py"))
+            for name in sorted(imported_modules(path)) if any(name == r or name.startswith(r + ".") for r in rooms)]
+
+
+def test_common_basics_import_no_room() -> None:
+    assert {"common.engine", "common.node", "common.wire"} <= set(common_rooms(ROOT)), "rooms not found: checker broken"
+    assert basics_importing_rooms(ROOT) == []
+
+
+def test_the_checker_sees_a_basic_importing_a_room(tmp_path: Path) -> None:
+    (tmp_path / "common" / "wire").mkdir(parents=True)
+    (tmp_path / "common" / "wire" / "__init__.py").write_text("")
+    (tmp_path / "common" / "basic.py").write_text("from common.errors import E\nfrom common.wire.tls import T\n")
+    assert basics_importing_rooms(tmp_path) == ["common/basic.py imports common.wire.tls",
+                                                "common/basic.py imports common.wire.tls.T"]
 
 
 def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ PROCESS_MODULES = {
     "node front": ["common.node.serve", "common.node.front", "common.node.sglang_http", "prefill_node.servicer",
                    "decode_node.servicer"],
     "router": ["router.server", "router.service", "router.tokenize_worker"],
-    "pdcluster command and up supervisor": ["common.app.cli", "common.app.up", "common.app.supervisor"],
+    "pdcluster command and up supervisor": ["common.app.cli", "common.app.up", "common.app.up_args", "common.app.supervisor"],
 }
 
 

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from common.wire.tls import TlsFiles
+from common.tls import TlsFiles
 
 
 @dataclass(frozen=True)

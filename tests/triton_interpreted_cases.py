@@ -62,9 +62,36 @@ def decode_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, 
     k_buf, v_buf, r2t, rpi = _pool(page_size, lens, kvh, d, dtype, seed=page_size * 10 + group)
     q = torch.randn(len(lens), kvh * group, d, generator=torch.Generator().manual_seed(group)).to(dtype)
     seq_lens = torch.tensor(lens)
-    out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, splits, window)
+    # 8 keys a split (the real minimum is 256): these short contexts still take several splits
+    out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, splits, window, page_size=page_size,
+                           min_keys_per_split=8)
     ref = decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, window)
     return _check(out, ref, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def decode_splits_case() -> float:
+    """Split-K by each request's own length in one grid (as a CUDA graph fixes it): a short request takes one split,
+    a long one one per ``min_keys_per_split`` keys up to the grid's, each a run of whole pages (``kv_splits``); the
+    merged output still matches the reference."""
+    from common.engine.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+        decode_attention_splits,
+        kv_splits,
+    )
+
+    lens, page, grid, min_keys, d = [3, 20, 70], 4, 8, 5, 16
+    k_buf, v_buf, r2t, rpi = _pool(page, lens, 1, d, torch.float32, seed=5)
+    q = torch.randn(len(lens), 2, d, generator=torch.Generator().manual_seed(5))
+    seq_lens = torch.tensor(lens)
+    _, lse = decode_attention_splits(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, grid, page_size=page,
+                                     min_keys_per_split=min_keys)
+    used = torch.isfinite(lse[:, 0]).sum(-1).tolist()
+    assert [len(kv_splits(n, grid, page, min_keys)) for n in lens] == used == [1, 3, 6], used  # [1, 5, 6] all 8 splits, [1, 4, 8] unaligned
+    assert kv_splits(70, grid, page, min_keys) == [(0, 12), (12, 24), (24, 36), (36, 48), (48, 60), (60, 70)]
+    out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5, grid, page_size=page,
+                           min_keys_per_split=min_keys)
+    return _check(out, decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, d**-0.5), 1e-5)
 
 
 def paged_torch_case(page_size: int, group: int) -> float:
@@ -102,6 +129,43 @@ def extend_case(page_size: int, group: int, dtype: torch.dtype = torch.float32, 
                            window, block_m=32, block_n=16)
     ref = extend_attention_ref(q, k_buf, v_buf, r2t, rpi, prefix, extend, d**-0.5, window)
     return _check(out, ref, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def extend_tree_case(page_size: int, window: int | None = None) -> float:
+    """A draft tree's verify: the kernel's custom-mask form (through ``TritonAttentionBackend``, which builds the
+    mask offsets) against the oracle; the tree must change the result (else a causal kernel would pass)."""
+    from common.engine.forward_batch import ForwardBatch, ForwardMode
+    from common.engine.kernels.extend_attention import extend_attention_ref
+    from common.engine.mem.kv_pool import MHATokenToKVPool
+    from common.engine.model.triton_backend import TritonAttentionBackend
+    from common.engine.spec.eagle_tree import ancestor_mask
+
+    prefix, extend = [5, 17, 0], [6, 4, 3]
+    d, kvh, heads = 32, KV_HEADS, 2 * KV_HEADS
+    lens = [p + e for p, e in zip(prefix, extend, strict=True)]
+    k_buf, v_buf, r2t, rpi = _pool(page_size, lens, kvh, d, torch.float32, seed=page_size + 7)
+    gen = torch.Generator().manual_seed(page_size)
+    masks, positions = [], []
+    for p, e in zip(prefix, extend, strict=True):
+        parents = torch.tensor([[-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, e)]])
+        mask = ancestor_mask(parents, e)[0]
+        masks.append(mask.reshape(-1))
+        positions.append(p + mask.sum(1) - 1)
+    mask, pos = torch.cat(masks), torch.cat(positions)
+    q = torch.randn(sum(extend), heads, d, generator=gen)
+    pool = MHATokenToKVPool(k_buf.shape[0] // page_size - 1, page_size, torch.float32, kvh, d, 1)
+    pool.k_buffer[0], pool.v_buffer[0] = k_buf, v_buf
+    out_loc = torch.cat([r2t[i + 1, p:n] for i, (p, n) in enumerate(zip(prefix, lens, strict=True))])
+    backend = TritonAttentionBackend(heads, kvh, d, window, "cpu")
+    fb = ForwardBatch(ForwardMode.EXTEND, 3, torch.zeros(sum(extend), dtype=torch.int64), pos, out_loc, rpi,
+                      torch.tensor(lens), torch.tensor(extend), torch.tensor(prefix), r2t, lens, extend, prefix, pool,
+                      backend, custom_mask=mask)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k_buf[out_loc].clone(), v_buf[out_loc].clone(), 0, fb).view_as(q)
+    ref = extend_attention_ref(q, k_buf, v_buf, r2t, rpi, prefix, extend, d**-0.5, window, mask, pos)
+    causal = extend_attention_ref(q, k_buf, v_buf, r2t, rpi, prefix, extend, d**-0.5, window)
+    assert (ref - causal).abs().max() > 1e-3, "the tree changed nothing"
+    return _check(out, ref, 1e-5)
 
 
 def kv_pages_case(page_size: int, dtype: torch.dtype) -> float:
@@ -317,8 +381,11 @@ for _ps in (1, 16):
 CASES["decode-fp16-gqa4"] = lambda: decode_case(16, 4, F16)
 CASES["decode-window-split4"] = lambda: decode_case(16, 4, window=20, splits=4)
 CASES["decode-one-split"] = lambda: decode_case(16, 8, splits=1)
+CASES["decode-splits-by-length"] = decode_splits_case
 CASES["extend-fp16-gqa4"] = lambda: extend_case(16, 4, F16)
 CASES["extend-window"] = lambda: extend_case(1, 4, window=12)
+CASES["extend-tree-page16"] = lambda: extend_tree_case(16)
+CASES["extend-tree-window"] = lambda: extend_tree_case(1, window=4)
 CASES["fused-layers-fp32"] = lambda: fused_layers_case(F32)
 CASES["fused-layers-fp16"] = lambda: fused_layers_case(F16)
 CASES["model-llama-page16"] = lambda: model_case("llama", 16)

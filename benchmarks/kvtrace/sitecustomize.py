@@ -23,8 +23,8 @@ import time
 from types import ModuleType
 from typing import Any
 
-TARGETS = {"kvtransfer.sender", "kvtransfer.receiver", "kvtransfer.control", "kvtransfer.manager",
-           "kvtransfer.backends.workers", "kvtransfer.backends.shm", "kvtransfer.backends.shm_cuda",
+TARGETS = {"kvtransfer.sender", "kvtransfer.prefill_rooms", "kvtransfer.decode_rooms", "kvtransfer.control",
+           "kvtransfer.manager", "kvtransfer.backends.workers", "kvtransfer.backends.shm", "kvtransfer.backends.shm_cuda",
            "kvtransfer.backends.tcp", "common.engine.kernels.kv_pages_triton"}
 
 
@@ -57,9 +57,10 @@ def _patch(out: Any, name: str, mod: ModuleType) -> None:
         _wrap(out, mod.PeerWorkers, "_report", "workers._report")  # the landing's wait, then on_job_done
     elif name == "kvtransfer.sender":
         _wrap(out, mod.KVSender, "send", "KVSender.send")
+    elif name == "kvtransfer.prefill_rooms":
         _wrap(out, mod.PrefillRooms, "job_done", "job_done")
         _wrap(out, mod.PrefillRooms, "handle", "prefill.handle")
-    elif name == "kvtransfer.receiver":
+    elif name == "kvtransfer.decode_rooms":
         _wrap(out, mod.DecodeRooms, "_chunk_done", "decode._chunk_done")
     elif name == "kvtransfer.control":
         _wrap(out, mod.ControlPlane, "_do", "control._do")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-KINDS = ("fixed", "random", "mixed", "shared-prefix")
+KINDS = ("fixed", "random", "mixed", "shared-prefix", "multi-turn")
 WORDS = ("the", "a", "cluster", "token", "cache", "page", "router", "node", "decode", "prefill", "batch", "time")
 
 
@@ -38,8 +38,9 @@ class WorkloadConfig:
     long_output_len: int = 8
     long_every: int = 10  # mixed: every k-th request is a long prompt (periodic, not random)
     chat: bool = False  # mixed: the short requests are chat turns
-    groups: int = 4  # shared-prefix: number of prefixes
-    prefix_len: int = 256
+    groups: int = 4  # shared-prefix: number of prefixes; multi-turn: of system prompts
+    prefix_len: int = 256  # multi-turn: about this many tokens of system prompt
+    turns: int = 4  # multi-turn: user turns per conversation (each request carries the conversation so far)
     token_id_range: tuple[int, int] = field(default=(100, 1500))
     seed: int = 0
 
@@ -50,8 +51,8 @@ class WorkloadConfig:
             raise ValueError("num_requests, input_len and output_len must be >= 1")
         if not 0 <= self.range_ratio <= 1:
             raise ValueError("range_ratio must be in [0, 1]")
-        if self.long_every < 1 or self.groups < 1:
-            raise ValueError("long_every and groups must be >= 1")
+        if self.long_every < 1 or self.groups < 1 or self.turns < 1:
+            raise ValueError("long_every, groups and turns must be >= 1")
 
 
 def _ids(rng: random.Random, n: int, lo_hi: tuple[int, int]) -> list[int]:
@@ -63,8 +64,28 @@ def _text(rng: random.Random, n_tokens: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(max(1, n_tokens // 2)))
 
 
+def _multi_turn(cfg: WorkloadConfig, rng: random.Random) -> list[RequestSpec]:
+    """Chat conversations of ``turns`` user turns (about ``input_len`` tokens each, answered by about
+    ``output_len`` tokens of assistant text), each opening with one of ``groups`` shared system prompts; a turn's
+    request carries the conversation so far. Ordered turn by turn (every conversation's first turn, then every
+    second ...), as many users talking at once."""
+    systems = [_text(rng, cfg.prefix_len) for _ in range(cfg.groups)]
+    convs = [[{"role": "system", "content": rng.choice(systems)}] for _ in range(-(-cfg.num_requests // cfg.turns))]
+    out: list[RequestSpec] = []
+    for _ in range(cfg.turns):
+        for conv in convs:
+            if len(out) == cfg.num_requests:
+                return out
+            conv.append({"role": "user", "content": _text(rng, cfg.input_len)})
+            out.append(RequestSpec(len(out), [], cfg.output_len, "chat", messages=list(conv)))
+            conv.append({"role": "assistant", "content": _text(rng, cfg.output_len)})
+    return out
+
+
 def make_workload(cfg: WorkloadConfig) -> list[RequestSpec]:
     rng = random.Random(cfg.seed)
+    if cfg.kind == "multi-turn":
+        return _multi_turn(cfg, rng)
     ids_range = cfg.token_id_range
     lo_len = max(1, round(cfg.input_len * (1 - cfg.range_ratio)))
     lo_out = max(1, round(cfg.output_len * (1 - cfg.range_ratio)))

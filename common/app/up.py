@@ -4,7 +4,10 @@ Once ready it supervises them (common/app/supervisor.py): a child that dies - no
 exit code and log tail and restarted on the same ports with backoff, up to ``--max-restarts`` in a row.
 
 Nodes are started with ``pdcluster serve`` and the router with ``pdcluster router``: the same commands a user
-runs by hand, so this is only a launcher. Each child's output goes to ``--log-dir`` (default: a temp dir).
+runs by hand, so this is only a launcher. Each child's output goes to ``--log-dir`` (default: a temp dir). Every node
+flag and every router flag ``up`` does not set itself is forwarded as given (``common/app/up_args.py``); on the
+embedded model the router reads tool calls in its chat template's format unless ``--tool-call-parser`` says
+otherwise, so ``make up`` answers ``tools`` with the default ``tool_choice`` instead of a 400.
 
 Tensor parallelism: ``--tp-size`` for every node, ``--prefill-tp-size`` / ``--decode-tp-size`` per role over it;
 each node runs ``--dp-size`` x its tp scheduler rank processes. A tp the model cannot split is the node's own
@@ -20,15 +23,13 @@ ranks together do not oversubscribe them. Given threads that do (ranks with Open
 and the nodes passive OpenMP waits unless ``OMP_WAIT_POLICY`` is set (``omp_wait_env``). When the ranks' torch threads
 leave no core for each rank's scheduler thread, the nodes run their forwards inline (``inline_forwards``) unless an
 overlap switch is given. ``--cpu-bind auto`` keeps each decode rank on cores of its own and everything else off them
-(``common/cpu_cores.py split_cores``; on the 2-core VM it measured no faster than the OS's placement).
+(``common/cpu_cores.py split_cores``; opt-in: see ``split_cores``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import logging
 import os
 import signal
 import ssl
@@ -36,21 +37,40 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import env
+from common.app.cluster_flags import ClusterShape
+from common.app.demo import run_demo
+from common.app.placement import (
+    NodePlacement,
+    omp_wait_env,
+    oversubscribed,
+    place_nodes,
+    placement_lines,
+    visible_gpus,
+)
 from common.app.supervisor import Child, RestartPolicy, Supervisor
+from common.app.up_args import (
+    EMBEDDED_TOOL_CALL_PARSER,
+    UP_DERIVES,
+    UP_SETS_FOR_ROUTER,
+    node_tp_size,
+    router_config,
+    router_shares,
+)
 from common.config import ServerArgs
 from common.cpu_cores import CoreSplit, format_core_list, split_cores
-from common.flags import add_flags, config_values, flag_argv
+from common.flags import config_values, flag_argv
+from common.hicache_flags import DECODE_REFUSES
 from common.ports import pick_free_port
+from common.speculative import EAGLE_ALGORITHMS, SPECULATIVE_FLAGS
 from common.text.tokenizer import resolve_model_path
+from common.tls import TlsFiles
 from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
-from common.wire.tls import TlsFiles
 
 READY_TIMEOUT_S = 300.0
 SUPERVISE_INTERVAL_S = 0.5
@@ -58,128 +78,9 @@ DEFAULT_BACKEND = {"cpu": "tcp", "cuda": "shm"}
 CUDA_MEM_FRACTION = 0.85
 
 
-# Node flags ``up`` sets per node, or cluster-wide through flags of its own (ports, modes, placement, TLS): every
-# other flag of ``ServerArgs`` is a pass-through, declared once there and forwarded to every node as given.
-UP_SETS_PER_NODE = ("host", "advertise_host", "port", "metrics_port", "sglang_http_port", "mux_port",
-                    "disaggregation_mode", "disaggregation_bootstrap_port", "base_gpu_id", "dist_init_addr", "nnodes",
-                    "node_rank", "tls_cert", "tls_key", "tls_ca", "cpu_omp_threads_bind",
-                    "api_key_file")  # up's own --api-key-file reaches every process as PDCLUSTER_API_KEY
-# Pass-through flags ``up`` also reads: it forwards what it derives from them (resolved model path, the backend's
-# per-device default, each role's tp, each GPU node's memory share, the host's cores split over the CPU ranks by default).
-UP_DERIVES = ("model_path", "kv_transfer_backend", "tp_size", "mem_fraction_static", "torch_num_threads")
-
-
-def add_up_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port")
-    p.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port")
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
-    p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
-    p.add_argument("--colocated", type=int, default=0, help="number of colocated (mode null) nodes")
-    p.add_argument("--num-gpus", type=int, default=None, help="cuda: GPUs to place nodes on (default: all visible)")
-    p.add_argument("--prefill-tp-size", type=_positive, default=None, help="prefill nodes' tp (default --tp-size)")
-    p.add_argument("--decode-tp-size", type=_positive, default=None, help="decode nodes' tp (default --tp-size)")
-    p.add_argument("--prefill-torch-num-threads", type=_positive, default=None,
-                   help="CPU: torch threads of each prefill rank (default --torch-num-threads, else the cores split)")
-    p.add_argument("--decode-torch-num-threads", type=_positive, default=None,
-                   help="CPU: torch threads of each decode rank (default --torch-num-threads, else the cores split)")
-    p.add_argument("--cpu-bind", choices=("none", "auto"), default="none",
-                   help="CPU P/D: auto gives each decode rank cores of its own (its torch threads', plus one for its "
-                        "scheduler thread when it overlaps; the nodes' --cpu-omp-threads-bind) and every other "
-                        "process of the cluster the rest, where that leaves at least one; none (default) leaves "
-                        "placement to the OS")
-    p.add_argument("--prefill-policy", default=None,
-                   help="the router's prefill worker policy (round_robin, random, power_of_two, cache_aware; default: "
-                        "the router's, cache_aware)")
-    p.add_argument("--log-dir", default=None, help="where each process writes its log")
-    p.add_argument("--metrics", action="store_true", help="give every node a Prometheus /metrics port")
-    s = p.add_argument_group("client security")
-    s.add_argument("--api-key", default=None,
-                   help="the router's client API key (handed to it through its environment, not its command line; "
-                        "default: PDCLUSTER_API_KEY / PDCLUSTER_API_KEY_FILE, else open)")
-    s.add_argument("--api-key-file", default=None, help="file whose first line is the API key")
-    s.add_argument("--tls-cert", default=None, help="PEM certificate (for 127.0.0.1): the router serves TLS")
-    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    s.add_argument("--tls-ca", default=None,
-                   help="PEM CA that signed --tls-cert: router <-> nodes mutual TLS, every process presenting it")
-    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
-                   help="restarts in a row of one dead child (node or router; backoff 1 s doubling to 30 s, reset "
-                        "after 60 s up) before up gives up on it and serves without it; 0: never restart. Giving "
-                        "up on the router stops the cluster")
-    p.add_argument("--demo", action="store_true", help="once ready, send example requests through the OpenAI API")
-    p.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo requests")
-    add_flags(p, ServerArgs, exclude=UP_SETS_PER_NODE, only_given=True, group_prefix="every node: ")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def node_tp_size(ns: argparse.Namespace, role: str) -> int:
-    """A node's tp: its role's ``--<role>-tp-size``, else ``--tp-size``, else 1 (colocated nodes: ``--tp-size``)."""
-    own = getattr(ns, f"{role}_tp_size", None)
-    return own if own is not None else getattr(ns, "tp_size", ServerArgs.tp_size)
-
-
 def cluster_env() -> dict[str, str]:
     """The cluster secret handed to every child: the caller's if set, else a fresh one for this cluster."""
     return {CLUSTER_TOKEN_ENV: env.cluster_token() or generate_cluster_token()}
-
-
-def oversubscribed(rank_threads: list[int], cores: int) -> bool:
-    """The ranks' torch threads outnumber the cores and some rank runs an OpenMP team (one thread never spins)."""
-    return max(rank_threads, default=1) > 1 and sum(rank_threads) > cores
-
-
-def omp_wait_env(rank_threads: list[int], cores: int, environ: dict[str, str]) -> dict[str, str]:
-    """``OMP_WAIT_POLICY=PASSIVE`` for the nodes when their scheduler ranks' torch threads together oversubscribe the
-    host's cores and some rank runs an OpenMP team ({} otherwise, or when the caller set the variable).
-
-    Each rank's libgomp team sizes its waits as if it were alone on the host: a worker spins some 300,000 times
-    after every parallel region before it sleeps, CPU that another rank on the same cores needs. Measured on 2
-    cores, P/D with the decode rank on 2 threads and the prefill rank on 1 (``benchmarks/serving_path``, 3 runs
-    each, medians, 2026-11-28): spinning waits 427 out tok/s, TTFT p50 1,004 ms, 4.19 CPU-s per 1,000 tokens;
-    passive waits 482 tok/s, 483 ms, 3.28 CPU-s (up's default split, one thread each: 505 tok/s)."""
-    if "OMP_WAIT_POLICY" in environ or not oversubscribed(rank_threads, cores):
-        return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-@dataclass(frozen=True)
-class NodePlacement:
-    name: str
-    base_gpu_id: int
-    mem_fraction_static: float
-    shares_with: tuple[str, ...] = field(default=())
-    gpus: int = 1  # the node's dp x tp consecutive GPUs from base_gpu_id
-
-
-def place_nodes(names: list[str], dp_size: int, num_gpus: int, mem_fraction: float,
-                tp_size: dict[str, int] | None = None) -> list[NodePlacement]:
-    """GPUs of each node: ``dp_size`` x its tp (``tp_size[name]``, default 1) consecutive GPUs, its own when there
-    are enough for every node; otherwise nodes are dealt round-robin from GPU 0 (a node that would run past the
-    last GPU starts again at 0) and each splits the memory fraction by the node count of its busiest GPU."""
-    widths = {n: dp_size * (tp_size or {}).get(n, 1) for n in names}
-    for name, width in widths.items():
-        if width > num_gpus:
-            tp = (tp_size or {}).get(name, 1)
-            raise ValueError(f"{name} needs {width} GPUs per node (--dp-size {dp_size} x --tp-size {tp}) but "
-                             f"{num_gpus} are visible")
-    bases, cursor = {}, 0
-    for name in names:
-        if sum(widths.values()) > num_gpus and cursor + widths[name] > num_gpus:
-            cursor = 0
-        bases[name], cursor = cursor, cursor + widths[name]
-    gpus_of = {n: set(range(bases[n], bases[n] + widths[n])) for n in names}
-    out = []
-    for name in names:
-        others = tuple(n for n in names if n != name and gpus_of[n] & gpus_of[name])
-        busiest = max(1 + sum(g in gpus_of[n] for n in others) for g in gpus_of[name])
-        fraction = mem_fraction if busiest == 1 else round(mem_fraction / busiest, 4)
-        out.append(NodePlacement(name, bases[name], fraction, others, widths[name]))
-    return out
 
 
 def _serving(port: int, tls: grpc.ChannelCredentials | None = None) -> bool:
@@ -190,22 +91,24 @@ def _serving(port: int, tls: grpc.ChannelCredentials | None = None) -> bool:
     return False
 
 
-def _visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 class LocalCluster:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
+        ClusterShape(**config_values(ClusterShape, ns))  # its checks (node counts, tp sizes)
         self.node_given = config_values(ServerArgs, ns)  # the node flags given to up, forwarded to every node
         ServerArgs(**self.node_given)  # the nodes' own checks, before anything starts
+        router_cls = router_config()
+        self.router_given = {k: v for k, v in config_values(router_cls, ns).items() if k not in UP_SETS_FOR_ROUTER}
+        self.router_given |= {r: self.node_given[n] for r, n in router_shares().items() if n in self.node_given}
+        if self.node_given.get("model_path") is None:  # the embedded model: its chat template's tool-call format
+            self.router_given.setdefault("tool_call_parser", EMBEDDED_TOOL_CALL_PARSER)
+        router_cls(**self.router_given, tls=TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca))  # its checks, before any start
         self.device = self.node_given.get("device", ServerArgs.device)
         self.model_path = str(resolve_model_path(self.node_given.get("model_path")))
         self.log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="pdcluster-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
+        self.sglang_ports: dict[str, int] = {}  # --sglang-http: each node's SGLang HTTP port
         self.backend = self.node_given.get("kv_transfer_backend") or DEFAULT_BACKEND[self.device]
         self.node_names = [f"{role}-{i}" for role, count in
                            (("prefill", ns.prefill), ("decode", ns.decode), ("null", ns.colocated))
@@ -213,7 +116,7 @@ class LocalCluster:
         self.tp_size = {name: node_tp_size(ns, name.rsplit("-", 1)[0]) for name in self.node_names}
         self.placement: dict[str, NodePlacement] = {}
         if self.device == "cuda":
-            gpus = ns.num_gpus if ns.num_gpus is not None else _visible_gpus()
+            gpus = ns.num_gpus if ns.num_gpus is not None else visible_gpus()
             if gpus < 1:
                 raise RuntimeError("--device cuda but no GPU is visible; use --device cpu")
             frac = self.node_given.get("mem_fraction_static") or CUDA_MEM_FRACTION
@@ -236,9 +139,10 @@ class LocalCluster:
             self.core_split = split_cores(sorted(os.sched_getaffinity(0)), decode, len(self.node_names) - len(decode))
         if self.device == "cpu":
             self.env |= omp_wait_env(self.rank_threads(), self.cores, dict(os.environ))
+        self.api_key_file = str(Path(ns.api_key_file).resolve()) if ns.api_key_file else None
         self.api_key = ns.api_key or (env.read_secret_file(ns.api_key_file, "--api-key-file") if ns.api_key_file
                                       else env.api_key())
-        if self.api_key:
+        if self.api_key:  # the router takes every key of a key file through --api-key-file; the nodes the first
             self.env["PDCLUSTER_API_KEY"] = self.api_key
         self.tls = TlsFiles(ns.tls_cert, ns.tls_key, ns.tls_ca).check()
         self.node_tls = self.tls.grpc_channel_credentials() if self.tls.mutual else None
@@ -273,9 +177,8 @@ class LocalCluster:
         """CPU, neither overlap switch given: whether the nodes run each forward inline (``--disable-overlap-schedule``)
         because the ranks' scheduler threads would have no core of their own (every rank's torch threads plus one
         scheduler thread per rank outnumber the cores). A node alone decides that for itself; only ``up`` sees the
-        other nodes' ranks on the same cores. Measured on 2 cores, P/D with a thread each (benchmarks/serving_path,
-        2026-11-28, two runs each, alternating): overlapping 524, 515 out tok/s, 2.80, 2.82 CPU-s per 1,000 tokens;
-        inline 549, 577 tok/s, 2.71, 2.57 CPU-s."""
+        other nodes' ranks on the same cores. Inline, such a cluster serves more tokens for less CPU
+        (benchmarks/pages/serving_path.md, "Figures behind up's CPU defaults")."""
         if self.device != "cpu" or self.node_given.get("enable_overlap_schedule") \
                 or self.node_given.get("disable_overlap_schedule"):
             return False
@@ -302,9 +205,17 @@ class LocalCluster:
         ranks = self.node_given.get("dp_size", 1) * sum(self.tp_size.values())
         return max(1, self.cores // max(1, ranks))
 
-    def _node_flags(self) -> list[str]:
+    def _node_flags(self, role: str) -> list[str]:
         given = self.node_given
-        forwarded = {k: v for k, v in given.items() if k not in UP_DERIVES}
+        # A decode node's host tier takes no write policy or storage flags (common/hicache_flags.py). Speculative
+        # decoding speculates decode steps: a prefill node is not given its flags (it refuses them), except EAGLE's,
+        # whose draft head runs over the prompt there (its KV and state go to the decode node).
+        skip = set(UP_DERIVES)
+        if role == "decode":
+            skip.update(DECODE_REFUSES)
+        if role == "prefill" and given.get("speculative_algorithm") not in EAGLE_ALGORITHMS:
+            skip.update(("speculative_algorithm", *SPECULATIVE_FLAGS))
+        forwarded = {k: v for k, v in given.items() if k not in skip}
         if self.device == "cpu" and given.get("mem_fraction_static") is not None:
             forwarded["mem_fraction_static"] = given["mem_fraction_static"]  # GPU nodes get their placement's share
         flags = ["--model-path", self.model_path, "--host", "127.0.0.1", "--kv-transfer-backend", self.backend]
@@ -313,7 +224,7 @@ class LocalCluster:
     def node_args(self, name: str, port: int, bootstrap: int, metrics: int | None = None) -> list[str]:
         """``pdcluster serve`` arguments of node ``name`` (``<role>-<i>``; role ``null``: colocated)."""
         role = name.rsplit("-", 1)[0]
-        args = ["serve", *self._node_flags(), "--tp-size", str(self.tp_size[name]),
+        args = ["serve", *self._node_flags(role), "--tp-size", str(self.tp_size[name]),
                 "--torch-num-threads", str(self.torch_threads(name)), "--port", str(port),
                 "--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap)]
         place = self.placement.get(name)
@@ -346,18 +257,25 @@ class LocalCluster:
         lines.append(f"  the router, every node front and the other ranks share core(s) {format_core_list(split.shared)}")
         return lines
 
+    def router_args(self) -> list[str]:
+        """``pdcluster router`` arguments, but its workers."""
+        args = ["router", "--model-path", self.model_path, "--host", "127.0.0.1", "--grpc-port",
+                str(self.ns.grpc_port), "--http-port", str(self.ns.http_port), *self.tls_flags("router"),
+                *flag_argv(router_config(), self.router_given)]
+        return args + (["--api-key-file", self.api_key_file] if self.api_key_file is not None else [])
+
     def start(self) -> None:
-        router = ["router", "--model-path", self.model_path, "--host", "127.0.0.1",
-                  "--grpc-port", str(self.ns.grpc_port), "--http-port", str(self.ns.http_port),
-                  *self.tls_flags("router")]
-        if self.ns.prefill_policy:
-            router += ["--prefill-policy", self.ns.prefill_policy]
+        router = self.router_args()
         nodes: list[Child] = []
         for name in self.node_names:
             role = name.rsplit("-", 1)[0]
             port, bootstrap = pick_free_port(), pick_free_port()
             metrics = pick_free_port() if self.ns.metrics else None
-            nodes.append(self._spawn(name, self.node_args(name, port, bootstrap, metrics), port, metrics))
+            args = self.node_args(name, port, bootstrap, metrics)
+            if self.ns.sglang_http:
+                self.sglang_ports[name] = pick_free_port()
+                args += ["--sglang-http-port", str(self.sglang_ports[name])]
+            nodes.append(self._spawn(name, args, port, metrics))
             flag = {"prefill": "--prefill", "decode": "--decode", "null": "--worker"}[role]
             router += [flag, f"127.0.0.1:{port}" + (f":{bootstrap}" if role == "prefill" else "")]
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -413,43 +331,6 @@ class LocalCluster:
             child.wait(5)
 
 
-def placement_lines(placement: dict[str, NodePlacement]) -> list[str]:
-    """What ``up`` tells the user about GPU placement (nothing on CPU)."""
-    lines = []
-    for p in placement.values():
-        gpus = ", ".join(f"cuda:{p.base_gpu_id + g}" for g in range(p.gpus))
-        how = (f"shared with {', '.join(p.shares_with)}" if p.shares_with else "its own")
-        lines.append(f"  {p.name:<10} on {gpus} ({how}; --mem-fraction-static {p.mem_fraction_static})")
-    if placement:
-        shared = any(p.shares_with for p in placement.values())
-        lines.insert(0, "GPU placement: nodes share GPUs, memory split between them" if shared
-                     else "GPU placement: each node has its own GPU(s)")
-    return lines
-
-
-def run_demo(base_url: str, model_name: str, api_key: str = "", tls_ca: str | None = None) -> None:
-    from openai import DefaultHttpxClient, OpenAI
-
-    for name in ("httpx", "httpx2"):  # one INFO line per HTTP request would drown the demo's text
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-    http_client = DefaultHttpxClient(verify=ssl.create_default_context(cafile=tls_ca)) if tls_ca else None
-    client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key or "unused", timeout=60, http_client=http_client)
-    completion = client.completions.create(model=model_name, prompt="The quick brown fox", max_tokens=24,
-                                           temperature=0)
-    print(f"\n[completions] {completion.choices[0].text!r}")
-    print(f"  usage: {json.dumps(completion.usage.model_dump())}")
-    print("[chat, streamed] ", end="", flush=True)
-    stream = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "Tell me about disaggregated serving."}],
-        max_tokens=32, temperature=0.7, stream=True,
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            print(chunk.choices[0].delta.content, end="", flush=True)
-    print("\n")
-
-
 def run_up(ns: argparse.Namespace) -> int:
     try:
         cluster = LocalCluster(ns)
@@ -492,6 +373,8 @@ def run_up(ns: argparse.Namespace) -> int:
             return 1
         for child in cluster.children:
             metrics = f"  metrics http://127.0.0.1:{child.metrics_port}/metrics" if child.metrics_port else ""
+            sglang = cluster.sglang_ports.get(child.name)
+            metrics += f"  sglang http://127.0.0.1:{sglang}" if sglang else ""
             print(f"  {child.name:<10} pid {child.pid:<7} grpc 127.0.0.1:{child.grpc_port}{metrics}", flush=True)
         security = ", ".join(x for x in ("TLS" if cluster.tls.enabled else "", "mTLS to nodes" if cluster.tls.mutual
                                          else "", "API key required" if cluster.api_key else "") if x)

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from common.engine.io_struct import GenerateReqInput
 from common.engine.model.config import ModelConfig
 from common.engine.req import Req
 from common.engine.scheduler_output import OutputCollector
 from common.errors import CapacityError, ErrorCode, InvalidRequestError, internal_error_message
 from common.faults import inject
-from common.io_struct import GenerateReqInput
 
 if TYPE_CHECKING:
     from common.engine.sampling.grammar_queue import GrammarQueue

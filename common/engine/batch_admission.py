@@ -6,7 +6,8 @@ running batch; this module forms both from the scheduler's queues.
                             decodes under ``--enable-mixed-chunk``), within --max-running-requests, free request
                             slots and the KV left after the running requests' reservation
     update_running_batch    the running batch, its finished requests filtered out, gets one more decode step's KV,
-                            else the newest requests are retracted to the front of the waiting queue
+                            else the newest requests are retracted to the front of the waiting queue; under
+                            speculative decoding the step verifies drafts when they are proposed and fit
     add_prebuilt            requests whose prompt KV and first token came from elsewhere join the running batch
 
 ``new_token_ratio``: the share of a running request's remaining ``max_new_tokens`` that admission keeps KV for.
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from common.config import ServerArgs
     from common.engine.scheduler_output import OutputCollector
     from common.engine.scheduler_role import SchedulerRole
+    from common.engine.spec.speculator import Speculator
 
 # NOTE: the scheduler's log lines keep its logger's name, which operators and tests filter on.
 logger = logging.getLogger("common.engine.scheduler")
@@ -60,6 +62,7 @@ class AdmissionState(MetricsSource, Protocol):
     preempted: list[Req]
     in_flight: object | None
     yield_to_role: bool
+    speculator: Speculator | None
 
     @property
     def role(self) -> SchedulerRole: ...
@@ -93,6 +96,9 @@ def merge_last_batch(sched: AdmissionState) -> None:
 
 def get_new_batch_prefill(sched: AdmissionState) -> ScheduleBatch | None:
     args = sched.args
+    hicache = args.enable_hierarchical_cache
+    if hicache:
+        sched.tree_cache.check_hicache_events()
     if sched.yield_to_role:  # the slot and pages a role's preemption freed are its head's at the next poll
         sched.yield_to_role = False
         if sched.chunked_req is None:
@@ -130,6 +136,8 @@ def get_new_batch_prefill(sched: AdmissionState) -> ScheduleBatch | None:
             sched.running_batch.batch_is_full = True
             break
         req.init_next_round_input(sched.tree_cache)
+        if hicache and sched.tree_cache.init_load_back(req, adder.load_quota(req)):
+            continue  # its prefix is coming back from the host or storage tier: it waits in the queue
         needs_slot = req.req_pool_idx is None
         result = adder.add_one_req(req)
         if needs_slot and adder.can_run_list and adder.can_run_list[-1] is req:
@@ -151,6 +159,8 @@ def get_new_batch_prefill(sched: AdmissionState) -> ScheduleBatch | None:
         if not req.times.forward_start:
             req.times.forward_start = now
             req.cached_tokens = len(req.prefix_indices)
+            if hicache:
+                sched.tree_cache.stats.hit(req.cached_tokens, req.cached_tokens_host, req.cached_tokens_storage)
     batch = sched.new_batch(adder.can_run_list)
     batch.prepare_for_extend()
     batch.chunked_req = sched.chunked_req
@@ -179,7 +189,8 @@ def update_running_batch(sched: AdmissionState, batch: ScheduleBatch) -> None:
         batch.batch_is_full = False
     else:
         sched.new_token_ratio = max(sched.new_token_ratio - sched.new_token_ratio_decay, sched.min_new_token_ratio)
-    batch.prepare_for_decode()
+    if sched.speculator is None or not sched.speculator.prepare(batch):  # draft -> TARGET_VERIFY, else decode
+        batch.prepare_for_decode()
 
 
 def preempt_running(sched: AdmissionState, victims: list[Req], head: Req) -> None:

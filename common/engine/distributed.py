@@ -23,8 +23,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from common.engine.io_struct import SchedulerInput
 from common.errors import ConfigError
-from common.io_struct import SchedulerInput
 
 _inputs_encoder = msgspec.msgpack.Encoder()
 _inputs_decoder = msgspec.msgpack.Decoder(list[SchedulerInput])

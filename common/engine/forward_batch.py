@@ -27,12 +27,25 @@ class ForwardMode(enum.IntEnum):
     DECODE = 2  # one new token per request
     MIXED = 3  # a prefill chunk plus running decode requests (extend_len 1 each) in one pass
     IDLE = 4  # nothing to run (DP ranks keep step with their peers)
+    # Speculative decoding (common.engine.spec): the target verifies each request's drafts as an extend of its last
+    # token and its drafts, with logits at every position; the draft model extends over tokens it has not seen.
+    TARGET_VERIFY = 5
+    DRAFT_EXTEND = 6
 
     def is_extend(self) -> bool:
+        """A prefill (chunk) from the scheduler's view: its requests join the running batch afterwards."""
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def logits_at_every_token(self) -> bool:
+        """Every new token's logits are sampled (a decode's one token, a verify's drafts), not only each request's
+        last."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
 
 @dataclass
@@ -54,6 +67,11 @@ class ForwardBatch:
     attn_backend: Any  # common.engine.model.attention.TorchAttentionBackend; metadata set by init_forward_metadata
     attn_metadata: Any = None
     future_slots: torch.Tensor | None = None  # int64 [bs] overlap: the ring slot each row's token is stored in
+    # bool [sum(extend_lens[i] ** 2)]: request i's [extend_len, extend_len] block (row-major, requests in order) says
+    # which of its new tokens each new token sees (a draft tree's ancestor mask; within the causal order); the cached
+    # prefix stays visible. ``positions`` then need not be consecutive. None: causal.
+    custom_mask: torch.Tensor | None = None
+    spec_info: Any = None  # speculative decoding: the batch's VerifyInput (common.engine.spec.info)
 
     @property
     def num_tokens(self) -> int:

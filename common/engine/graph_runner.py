@@ -15,7 +15,8 @@ dropped. Modes, picked once from ``ServerArgs``:
 
 - CUDA graphs (cuda, default unless ``--disable-cuda-graph``; needs the triton attention backend): one graph per
   bucket up to ``--cuda-graph-max-bs``, captured at start-up; the Triton decode kernel reads ``req_to_token`` (fixed
-  address) through the static ``req_pool_indices``/``seq_lens``, with ``num_kv_splits`` fixed per bucket. With
+  address) through the static ``req_pool_indices``/``seq_lens``, with the grid's ``num_kv_splits`` fixed per bucket
+  (each request's own split count follows its length on the device). With
   ``--enable-torch-compile`` the captured forward is the compiled one (buckets up to ``--torch-compile-max-bs``).
 - torch.compile without graphs (any device): the forward compiled per bucket (batch dims static) over
   ``PaddedDecodeBackend``, whose page-table width (pages of the longest request) is the one dynamic dim.
@@ -208,8 +209,9 @@ class DecodeGraphRunner:
         from common.engine.model.triton_backend import TritonAttnMetadata
 
         backend = self.eager_backend
-        # NOTE: a graph fixes the grid: num_kv_splits comes from occupancy alone (empty splits are skipped).
-        splits = backend.num_kv_splits([1 << 30] * bs)  # type: ignore[attr-defined]
+        # NOTE: a graph fixes the grid (by batch size alone); each request still takes the splits its own length
+        # asks for, on the device (common/engine/kernels/decode_attention.py).
+        splits = backend.grid_kv_splits(bs)  # type: ignore[attr-defined]
         fb = self._static_batch(bs, backend, TritonAttnMetadata(True, splits, None, 1))
         fn = self._compiled if self._compiled is not None and bs <= self.compile_max_bs else _decode_hidden
         self._pad(0, bs)

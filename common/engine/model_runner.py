@@ -26,7 +26,7 @@ import torch
 from common.config import ServerArgs
 from common.engine.device import MAX_KV_TOKENS, kv_cache_bytes, rank_device, ship
 from common.engine.distributed import TPGroup
-from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.engine.forward_batch import ForwardBatch
 from common.engine.graph_runner import build_graph_runner
 from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.kv_pool import MHATokenToKVPool
@@ -42,6 +42,7 @@ from common.engine.sampling.sampler import (
     SamplingBatchInfo,
 )
 from common.engine.schedule_batch import ModelWorkerBatch
+from common.engine.spec.drafter import DraftKV, SpecHook
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,8 @@ class ModelRunner:
         self.dtype = DTYPES[args.dtype]
         self.device = rank_device(args, dp_rank, self.tp.tp_rank)
         torch.manual_seed(args.seed)
-        self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device, tp=self.tp)
+        self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device, tp=self.tp,
+                                                   load_format=args.load_format)
         if self.device.type == "cpu" and not args.enable_torch_compile:
             self.model.pack_cpu_weights()  # compiled steps trace the plain weights
         cfg = self.model_config
@@ -130,6 +132,9 @@ class ModelRunner:
                 kv_heads, cfg.head_dim, cfg.num_layers, self.dtype) / 2**20,
             args.max_running_requests,
         )
+        # A hidden-state drafter (EAGLE): told of every forward's features and sampled tokens (``set_spec_hook``).
+        self.spec_hook: SpecHook | None = None
+        self.draft_kv: DraftKV | None = None  # a drafter's KV under this pool's slots (P/D sends it with the pool's)
         # Last: capturing/compiling runs the model over the pools built above.
         self.graph_runner = build_graph_runner(args, self.model, self.kv_pool, self.req_to_token_pool,
                                                self.attn_backend)
@@ -140,8 +145,11 @@ class ModelRunner:
 
     def _forward_batch(self, b: ModelWorkerBatch) -> ForwardBatch:
         i64 = torch.int64
+        tree = b.spec_info.tree_inputs() if b.spec_info is not None else None
         if b.forward_mode.is_decode():
             positions = torch.tensor([s - 1 for s in b.seq_lens], dtype=i64)
+        elif tree is not None:
+            positions = torch.tensor(tree[0], dtype=i64)
         else:
             positions = torch.cat([torch.arange(p, s, dtype=i64) for p, s in zip(b.prefix_lens, b.seq_lens,
                                                                                  strict=True)])
@@ -175,7 +183,13 @@ class ModelRunner:
             prefix_lens_cpu=b.prefix_lens,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
+            spec_info=b.spec_info,
+            custom_mask=None if tree is None else tree[1].to(self.device),
         )
+
+    def set_spec_hook(self, hook: SpecHook) -> None:
+        """From now on every forward runs eagerly (no CUDA graph) and ends with ``hook.after_forward``."""
+        self.spec_hook = hook
 
     def forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
         return self.launch(b).wait()
@@ -194,16 +208,22 @@ class ModelRunner:
 
     def _forward_and_sample(self, b: ModelWorkerBatch) -> SampleOutput:
         fb = self._forward_batch(b)
-        if self.graph_runner is not None and self.graph_runner.can_run(fb):
-            hidden = self.graph_runner.forward(fb)
+        hook = self.spec_hook
+        if hook is None and self.graph_runner is not None and self.graph_runner.can_run(fb):
+            hidden = features = self.graph_runner.forward(fb)
         else:
             self.attn_backend.init_forward_metadata(fb)
-            hidden = self.model.forward(fb)
-        if fb.forward_mode != ForwardMode.DECODE:
+            if hook is not None and hook.capture:
+                hidden, features = self.model.forward_capture(fb, hook.capture)
+            else:
+                hidden = features = self.model.forward(fb)
+        if not fb.forward_mode.logits_at_every_token():
             hidden = hidden[fb.last_token_indices()]
         logits = self.model.compute_logits(hidden)
         info = b.sampling_info or SamplingBatchInfo.from_reqs(b.reqs, self.model_config.vocab_size, self.device)
         sample = self.sampler(logits, info)
+        if hook is not None:
+            hook.after_forward(b, fb, features, sample.next_token_ids)
         if fb.future_slots is not None:
             self.future_tokens.store(fb.future_slots, sample.next_token_ids)
         return sample

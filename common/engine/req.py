@@ -92,6 +92,8 @@ class Req:
         self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.last_node: Any = None  # radix tree node locked on behalf of this request
         self.cached_tokens = 0  # prompt tokens served from the cache (reported to the client)
+        self.cached_tokens_host = 0  # of those, loaded back from the host tier (hierarchical cache)
+        self.cached_tokens_storage = 0  # of those, prefetched from the storage tier
         self.kv_committed_len = 0  # tokens whose KV is written in req_to_token
 
         # Prefill progress.
@@ -107,6 +109,11 @@ class Req:
         self.stream = stream  # False: its outputs go out once, with its end (``OutputCollector``)
         self.sent_len = 0  # output tokens already streamed out
         self.grammar: Any = None  # RequestGrammar (common/engine/sampling/grammar.py) of a constrained request
+        # Speculative decoding (common.engine.spec): the drafter's own state of this request, and its counts.
+        self.spec_state: Any = None
+        self.spec_verify_ct = 0  # verify forwards that checked drafts of this request
+        self.spec_draft_tokens = 0  # draft tokens proposed to it
+        self.spec_accepted_tokens = 0  # of them, accepted (emitted)
 
         # Output.
         self.finished_reason: Finished | None = None

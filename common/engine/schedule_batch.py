@@ -43,6 +43,8 @@ class ModelWorkerBatch:
     sampling_info: Any = None  # SamplingBatchInfo built on the scheduler thread (None: the runner builds it)
     future_slots: list[int] | None = None  # overlap: the ring slot each row's token is stored in
     has_placeholders: bool = False  # overlap: input_ids holds placeholders of tokens still being sampled
+    spec_algorithm: str | None = None  # speculative decoding (--speculative-algorithm), None: off
+    spec_info: Any = None  # a TARGET_VERIFY batch's VerifyInput (common.engine.spec.info)
 
 
 class ScheduleBatch:
@@ -52,6 +54,7 @@ class ScheduleBatch:
         req_to_token_pool: ReqToTokenPool,
         allocator: TokenToKVPoolAllocator,
         tree_cache: Any,
+        spec_algorithm: str | None = None,
     ) -> None:
         self.reqs = reqs
         self.req_to_token_pool = req_to_token_pool
@@ -67,10 +70,13 @@ class ScheduleBatch:
         self.decoding_reqs: list[Req] = []  # the running requests folded into a MIXED batch
         self.future_slots: list[int] | None = None  # overlap: each row's ring slot, set when launched
         self.batch_is_full = False
+        self.spec_algorithm = spec_algorithm  # --speculative-algorithm (None: off)
+        self.spec_info: Any = None  # this step's VerifyInput when forward_mode is TARGET_VERIFY, else None
 
     @classmethod
-    def init_new(cls, reqs: list[Req], req_to_token_pool: Any, allocator: Any, tree_cache: Any) -> ScheduleBatch:
-        return cls(reqs, req_to_token_pool, allocator, tree_cache)
+    def init_new(cls, reqs: list[Req], req_to_token_pool: Any, allocator: Any, tree_cache: Any,
+                 spec_algorithm: str | None = None) -> ScheduleBatch:
+        return cls(reqs, req_to_token_pool, allocator, tree_cache, spec_algorithm)
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -161,6 +167,7 @@ class ScheduleBatch:
 
     def prepare_for_decode(self) -> None:
         self.forward_mode = ForwardMode.DECODE
+        self.spec_info = None
         reqs = self.reqs
         self.input_ids = [r.next_input_id() for r in reqs]
         seq_lens = [r.kv_committed_len + 1 for r in reqs]
@@ -175,6 +182,49 @@ class ScheduleBatch:
         self.seq_lens = seq_lens
         self.prefix_lens = [s - 1 for s in seq_lens]
         self.extend_lens = [1] * len(reqs)
+
+    # -- speculative decoding (common.engine.spec.info: the verify's KV layout) -------------------------------------
+    def check_verify_mem(self, extend_lens: list[int]) -> bool:
+        """Whether each request can extend by ``extend_lens[i]`` tokens (its last one and its drafts)."""
+        ps = self.allocator.page_size
+        need = ps * sum(-(-(r.kv_committed_len + n) // ps) - -(-r.kv_committed_len // ps)
+                        for r, n in zip(self.reqs, extend_lens, strict=True))
+        self._evict_for(need)
+        return self.allocator.available_size() >= need
+
+    def prepare_for_verify(self, spec_info: Any) -> None:
+        """A ``TARGET_VERIFY`` step: each request extends by its last token and its drafts (``check_verify_mem``
+        first). ``trim_verified_kv`` gives back what the verify rejects."""
+        self.forward_mode = ForwardMode.TARGET_VERIFY
+        self.spec_info = spec_info
+        reqs, ext = self.reqs, spec_info.extend_lens
+        committed = [r.kv_committed_len for r in reqs]
+        seq_lens = [c + n for c, n in zip(committed, ext, strict=True)]
+        out = self.allocator.alloc_extend(committed, seq_lens, self._last_locs(reqs, committed))
+        if out is None:
+            raise RuntimeError("KV cache out of memory in a verify step; check_verify_mem must run first")
+        input_ids: list[int] = []
+        offsets: list[int] = []
+        for req, drafts, c, s in zip(reqs, spec_info.drafts, committed, seq_lens, strict=True):
+            offsets.append(len(input_ids))
+            self.req_to_token_pool.write(req.req_pool_idx, c, out[len(input_ids) : len(input_ids) + s - c])
+            input_ids.append(req.next_input_id())
+            input_ids.extend(drafts)
+            req.kv_committed_len = s
+        spec_info.committed, spec_info.offsets = committed, offsets
+        self.input_ids = input_ids
+        self.out_cache_loc = out
+        self.seq_lens = seq_lens
+        self.prefix_lens = committed
+        self.extend_lens = ext
+
+    def trim_verified_kv(self, req: Req, keep: int) -> None:
+        """After a verify: the request's KV is its first ``keep`` positions; the pages wholly past them are freed."""
+        ps = self.allocator.page_size
+        first_free = -(-keep // ps) * ps
+        if first_free < req.kv_committed_len:
+            self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, first_free:req.kv_committed_len])
+        req.kv_committed_len = keep
 
     def retract_decode(self) -> tuple[list[Req], float]:
         """Free requests (fewest outputs, longest prompts first) until the rest can decode for a while.
@@ -210,7 +260,7 @@ class ScheduleBatch:
 
     def release_req_memory(self, req: Req) -> None:
         """Give up a request's KV: its computed pages go to the prefix cache (evictable) or are freed, its slot too."""
-        self.tree_cache.cache_finished_req(req)
+        self.tree_cache.release_retracted(req)
 
     # -- composition -----------------------------------------------------------------------------------------------
     def filter_batch(self, keep: list[Req] | None = None, exclude: Req | None = None) -> None:
@@ -221,8 +271,10 @@ class ScheduleBatch:
 
     def copy(self) -> ScheduleBatch:
         """What processing a launched batch's results needs, frozen while the scheduler prepares the next one."""
-        batch = ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.allocator, self.tree_cache)
+        batch = ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.allocator, self.tree_cache,
+                              self.spec_algorithm)
         batch.forward_mode = self.forward_mode
+        batch.spec_info = self.spec_info
         batch.chunked_req = self.chunked_req
         batch.decoding_reqs = self.decoding_reqs
         batch.future_slots = self.future_slots
@@ -243,4 +295,6 @@ class ScheduleBatch:
             reqs=self.reqs,
             return_logprob=self.return_logprob,
             future_slots=self.future_slots,
+            spec_algorithm=self.spec_algorithm,
+            spec_info=self.spec_info,
         )

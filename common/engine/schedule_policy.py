@@ -90,6 +90,13 @@ class PrefillAdder:
         self._update_budget(req, req.extend_input_len, 0 if truncated else self._max_new(req), cache_hit=False)
         return req if truncated else None
 
+    def load_quota(self, req: Req) -> int:
+        """KV slots left once ``req`` is counted in whole (as ``add_one_req`` counts it): a load of its prefix from a
+        lower tier starts only when this is positive (loaded tokens replace tokens it would compute)."""
+        if req.sits_out:
+            return 0
+        return self.rem_total_tokens - req.extend_input_len - self._max_new(req)
+
     @staticmethod
     def _max_new(req: Req) -> int:
         return min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)

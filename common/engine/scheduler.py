@@ -38,13 +38,12 @@ from common.config import ServerArgs
 from common.engine import batch_admission, scheduler_metrics, scheduler_output
 from common.engine.admission import RequestIntake
 from common.engine.distributed import TPGroup
-from common.engine.mem.chunk_cache import ChunkCache
-from common.engine.mem.held_prefix_cache import HeldPrefixCache
-from common.engine.mem.radix_cache import RadixCache
+from common.engine.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
+from common.engine.mem.hicache import build_prefix_cache
 from common.engine.model_runner import BatchResult, ModelRunner, PendingBatchResult
 from common.engine.overlap import overlap_schedule_on
 from common.engine.req import Req
-from common.engine.sampling.grammar import GrammarCompiler
+from common.engine.sampling.grammar import GrammarCompiler, tokenizer_info
 from common.engine.sampling.grammar_queue import GrammarQueue
 from common.engine.sampling.sampler import SamplingBatchInfo
 from common.engine.schedule_batch import ModelWorkerBatch, ScheduleBatch
@@ -52,9 +51,9 @@ from common.engine.schedule_order import SchedulePolicy
 from common.engine.scheduler_metrics import DecodeLogInterval
 from common.engine.scheduler_output import OutputCollector
 from common.engine.scheduler_role import ColocatedRole, SchedulerRole
+from common.engine.spec import build_speculator
 from common.errors import ErrorCode, internal_error_message
 from common.faults import inject
-from common.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +78,8 @@ class Scheduler:
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
         self.page_size = args.page_size
-        if args.use_radix_cache:
-            self.tree_cache: Any = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
-        elif args.shares_decode_prompts:
-            self.tree_cache = HeldPrefixCache(self.req_to_token_pool, self.allocator, self.page_size)
-        else:
-            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+        self.speculator = build_speculator(args, self.runner, dp_rank)  # None: --speculative-algorithm off
+        self.tree_cache: Any = build_prefix_cache(args, self.runner, self.tp, self.last_launched, self.model_config)
         self.out = OutputCollector(send_outputs, args.stream_interval)
         self.waiting_queue: list[Req] = []
         self.policy = SchedulePolicy(args, self.tree_cache, self.allocator, self.req_to_token_pool)
@@ -116,7 +111,8 @@ class Scheduler:
 
     # -- construction helpers --------------------------------------------------------------------------------------
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache)
+        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache,
+                                      self.args.speculative_algorithm)
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -125,10 +121,10 @@ class Scheduler:
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(
-                self.tokenizer, self.model_config.vocab_size, list(self.model_config.eos_token_ids),
-                any_whitespace=self.args.grammar_any_whitespace,
-            )
+            info = tokenizer_info(self.tokenizer, self.model_config.vocab_size, list(self.model_config.eos_token_ids))
+            self._grammar_compiler = GrammarCompiler(info, any_whitespace=self.args.grammar_any_whitespace,
+                                                     workers=self.args.grammar_compile_workers,
+                                                     timeout_s=self.args.grammar_compile_timeout)
         return self._grammar_compiler
 
     def close(self) -> None:
@@ -138,6 +134,9 @@ class Scheduler:
             self.forward_thread = None
         if self._grammar_compiler is not None:
             self._grammar_compiler.close()
+        self.tree_cache.close()
+        if self.speculator is not None:
+            self.speculator.close()
         self.role.close()
 
     # -- the loop: one iteration of the seeds' event_loop_normal / event_loop_overlap ------------------------------
@@ -218,6 +217,10 @@ class Scheduler:
         self.batch_result(self.awaited)
         return True
 
+    def last_launched(self) -> Future[PendingBatchResult] | None:
+        """The batch launched last, while it may still write KV (a hierarchical cache's copies wait for it)."""
+        return self.in_flight[1] if self.in_flight is not None else self.awaited
+
     def batch_result(self, future: Future[PendingBatchResult]) -> BatchResult:
         """A launched batch's result; the pages freed while it was in flight become allocatable.
 
@@ -291,7 +294,8 @@ class Scheduler:
             inject("forward", req.rid)
         self.forward_ct += 1
         b = batch.get_model_worker_batch()
-        b.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.runner.device)
+        rows = batch.reqs if batch.spec_info is None else batch.spec_info.sampling_rows(batch.reqs)  # one per token
+        b.sampling_info = SamplingBatchInfo.from_reqs(rows, self.model_config.vocab_size, self.runner.device)
         return b
 
     def launch(self, batch: ScheduleBatch) -> Future[PendingBatchResult]:

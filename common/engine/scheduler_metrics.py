@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from common.io_struct import QueueLoad
+from common.engine.io_struct import QueueLoad
 
 if TYPE_CHECKING:
+    from common.config import ServerArgs
     from common.engine.distributed import TPGroup
     from common.engine.mem.allocator import TokenToKVPoolAllocator
     from common.engine.mem.req_to_token_pool import ReqToTokenPool
@@ -63,6 +64,7 @@ class DecodeStats:
     retracted_req: int
     gen_throughput: float
     queues: DisaggQueueCounts = NO_DISAGG_QUEUES
+    accept_len: float | None = None  # speculative decoding: tokens emitted per request per verify step
 
 
 def format_prefill_line(s: PrefillStats) -> str:
@@ -78,6 +80,8 @@ def format_prefill_line(s: PrefillStats) -> str:
 
 def format_decode_line(s: DecodeStats) -> str:
     line = f"Decode batch. #running-req: {s.running_req}, #token: {s.token}, token usage: {s.token_usage:.2f}, "
+    if s.accept_len is not None:
+        line += f"accept len: {s.accept_len:.2f}, "
     q = s.queues
     if q.prealloc is not None or q.transfer is not None:
         line += f"#prealloc-req: {q.prealloc or 0}, #transfer-req: {q.transfer or 0}, "
@@ -97,6 +101,8 @@ class DecodeLogInterval:
         self.decode_steps = 0
         self.tokens = 0
         self.retracted = 0
+        self.verify_steps = 0  # speculative decoding: (request, verify step) pairs with drafts
+        self.verify_tokens = 0  # tokens they emitted
         self.since = time.monotonic()
 
     def on_decode_step(self) -> bool:
@@ -108,13 +114,15 @@ class DecodeLogInterval:
         """The rank is idle: the next interval starts now (the step cadence is kept)."""
         self.since, self.tokens = time.monotonic(), 0
 
-    def take(self) -> tuple[float, int]:
-        """(gen throughput in token/s, retractions) over the interval; starts the next interval."""
+    def take(self) -> tuple[float, int, float | None]:
+        """(gen throughput in token/s, retractions, accept length or None without verify steps) over the interval;
+        starts the next interval."""
         now = time.monotonic()
         throughput = self.tokens / max(now - self.since, 1e-6)
         retracted = self.retracted
-        self.since, self.tokens, self.retracted = now, 0, 0
-        return throughput, retracted
+        accept_len = self.verify_tokens / self.verify_steps if self.verify_steps else None
+        self.since, self.tokens, self.retracted, self.verify_steps, self.verify_tokens = now, 0, 0, 0, 0
+        return throughput, retracted, accept_len
 
 
 class QueueCounting(Protocol):
@@ -124,6 +132,7 @@ class QueueCounting(Protocol):
 class MetricsSource(Protocol):
     """What the load report and the log lines read of the scheduler (``common.engine.scheduler.Scheduler``)."""
 
+    args: ServerArgs
     dp_rank: int
     tp: TPGroup
     page_size: int
@@ -136,6 +145,7 @@ class MetricsSource(Protocol):
     chunked_req: Req | None
     grammar_queue: GrammarQueue
     decode_log: DecodeLogInterval
+    speculator: object | None
 
     @property
     def max_total_num_tokens(self) -> int: ...
@@ -179,6 +189,7 @@ def get_load(sched: MetricsSource) -> QueueLoad:
         queue_by_priority={"waiting": sched.policy.queue_by_priority(sched.waiting_queue),
                            "running": sched.policy.queue_by_priority(sched.running_batch.reqs)},
         preemptions=sched.policy.num_preempted,
+        hicache=sched.tree_cache.hicache_report() if sched.args.enable_hierarchical_cache else None,
     )
 
 
@@ -201,7 +212,7 @@ def log_decode_stats(sched: MetricsSource) -> None:
     """One line every ``--decode-log-interval`` decode steps, with the interval's gen throughput."""
     if not sched.decode_log.on_decode_step():
         return
-    throughput, retracted = sched.decode_log.take()
+    throughput, retracted, accept_len = sched.decode_log.take()
     if not logger.isEnabledFor(logging.INFO):
         return
     logger.info(format_decode_line(DecodeStats(
@@ -211,4 +222,5 @@ def log_decode_stats(sched: MetricsSource) -> None:
         retracted_req=retracted,
         gen_throughput=throughput,
         queues=sched.role.queue_counts(),
+        accept_len=(accept_len or 1.0) if sched.speculator is not None else None,
     )))

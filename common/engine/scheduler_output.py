@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from common.engine.io_struct import Timing, TokenOut
 from common.engine.req import Req
 from common.engine.sampling.grammar import accept_grammar_token, finish_on_grammar
 from common.engine.sampling.stop import check_finished
 from common.engine.scheduler_metrics import MetricsSource, log_decode_stats
 from common.errors import ErrorCode
 from common.faults import inject
-from common.io_struct import Timing, TokenOut
 
 if TYPE_CHECKING:
     from common.engine.model_runner import BatchResult
@@ -29,6 +29,8 @@ def req_timing(req: Req) -> Timing:
     timing = Timing(
         ttft=max(0.0, first - t.arrival),
         e2e=max(0.0, t.finished - t.arrival) if t.finished else 0.0,
+        cached_tokens_host=req.cached_tokens_host,
+        cached_tokens_storage=req.cached_tokens_storage,
     )
     if t.transfer_done:  # decode node: the prompt's KV came from a prefill node
         timing.decode_queue = max(0.0, (t.bootstrapped or t.transfer_done) - t.queue_enter)
@@ -82,6 +84,8 @@ class OutputCollector:
             out.error_code = reason.code
             out.error_origin = reason.origin or None
         out.timing = req_timing(req)
+        out.spec_verify_ct, out.spec_draft_tokens = req.spec_verify_ct, req.spec_draft_tokens
+        out.spec_accepted_tokens = req.spec_accepted_tokens
         self.pending.append(out)
 
     def error(self, rid: str, message: str, code: ErrorCode) -> None:
@@ -127,7 +131,7 @@ def process_batch_result(sched: ResultState, batch: ScheduleBatch, result: Batch
             continue
         prefilled = is_prefill and id(req) not in decoding
         try:
-            append_token(sched, req, result, i)
+            append_tokens(sched, batch, req, result, i)
             if prefilled:
                 sched.role.on_prefill_done(req)
         except Exception as e:
@@ -140,6 +144,23 @@ def process_batch_result(sched: ResultState, batch: ScheduleBatch, result: Batch
     if not is_prefill:
         log_decode_stats(sched)
     sched.out.flush()
+
+
+def append_tokens(sched: ResultState, batch: ScheduleBatch, req: Req, result: BatchResult, i: int) -> None:
+    """Row i's token; in a verify step, request i's accepted run, token by token until one ends it (no token after a
+    stop is emitted), then the rejected drafts' KV is given back (``common.engine.spec.info``)."""
+    spec = batch.spec_info
+    if spec is None:
+        append_token(sched, req, result, i)
+        return
+    before = len(req.output_ids)
+    try:
+        for row in spec.accepted_rows(i, result.next_token_ids):
+            append_token(sched, req, result, row)
+            if req.finished():
+                break
+    finally:
+        spec.commit(batch, req, i, len(req.output_ids) - before, sched.decode_log)
 
 
 def append_token(sched: ResultState, req: Req, result: BatchResult, i: int) -> None:

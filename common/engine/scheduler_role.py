@@ -27,14 +27,15 @@ from typing import Any, Protocol
 
 from common.config import ServerArgs
 from common.engine.distributed import TPGroup
+from common.engine.io_struct import GenerateReqInput, QueueLoad
 from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.radix_cache import BasePrefixCache
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.engine.model_runner import ModelRunner
 from common.engine.req import Req
 from common.engine.scheduler_metrics import NO_DISAGG_QUEUES, DisaggQueueCounts
+from common.engine.spec.speculator import Speculator
 from common.errors import ErrorCode
-from common.io_struct import GenerateReqInput, QueueLoad
 
 
 class Engine(Protocol):
@@ -50,6 +51,7 @@ class Engine(Protocol):
     req_to_token_pool: ReqToTokenPool
     allocator: TokenToKVPoolAllocator
     tree_cache: BasePrefixCache  # the prefix cache every release goes through (a decode node shares prompts in it)
+    speculator: Speculator | None  # --speculative-algorithm's (P/D: what the drafter hands from prefill to decode)
 
     def build_req(self, msg: GenerateReqInput) -> Req | None:
         """A validated ``Req``, or None after the request was answered with an error."""

@@ -2,7 +2,8 @@
 
 Output folder: config.json, generation_config.json, model.safetensors (fp32; bf16 for ``1b``), tokenizer.json,
 tokenizer_config.json (ChatML chat template), special_tokens_map.json. Same (arch, size, seed) -> byte-identical
-files within one environment.
+files within one environment. Without weights (``weights=False``; always for ``8b``) the folder has no
+model.safetensors: it is loaded with ``--load-format dummy`` (seeded random weights made on the device).
 
 Weights are scaled so that greedy decoding is not a near-tie (checked on a few prompts with HF's own forward).
 """
@@ -51,24 +52,34 @@ class SizeSpec:
     vocab: int
     max_pos: int
     dtype: str = "float32"  # of the saved weights (and config.dtype)
+    weights: bool = True  # False: config and tokenizer only, for --load-format dummy
 
 
 SIZES = {
     "tiny": SizeSpec(hidden=128, layers=3, heads=4, kv_heads=2, intermediate=256, vocab=1536, max_pos=2048),
     "small": SizeSpec(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, vocab=8192, max_pos=4096),
     # Llama-3.2-1B-shaped (the same generated tokenizer, so a smaller vocab): ~1.0 B parameters, ~2 GB in bf16.
-    "1b": SizeSpec(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=8192, max_pos=4096,
+    "1b": SizeSpec(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=8192, max_pos=131072,
                    dtype="bfloat16"),
+    # Llama-3.1-8B-shaped (~8.0 B parameters, 16 GB in bf16): config and tokenizer only (the tokenizer padded with
+    # filler tokens to the vocabulary), loaded with --load-format dummy.
+    "8b": SizeSpec(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, max_pos=131072,
+                   dtype="bfloat16", weights=False),
 }
 
 
-def make_model(arch: str, size: str, out_dir: Path, seed: int = 0) -> Path:
-    """Write a model folder to ``out_dir`` (created; existing files overwritten) and return it."""
+def make_model(arch: str, size: str, out_dir: Path, seed: int = 0, weights: bool | None = None) -> Path:
+    """Write a model folder to ``out_dir`` (created; existing files overwritten) and return it. ``weights`` False:
+    no model.safetensors (load with ``--load-format dummy``); None: the size's default."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     spec = SIZES[size]
+    if weights and not spec.weights:
+        raise ValueError(f"size {size} is written without weights (config and tokenizer); load it with "
+                         "--load-format dummy")
+    weights = spec.weights if weights is None else weights
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok_ids = write_tokenizer_files(out_dir, spec.vocab, spec.max_pos)
@@ -81,11 +92,14 @@ def make_model(arch: str, size: str, out_dir: Path, seed: int = 0) -> Path:
         "do_sample": False,
     }
     (out_dir / "generation_config.json").write_text(json.dumps(gen_config, indent=2, sort_keys=True) + "\n")
-    weights = _init_weights(config, seed)
-    weights = _ensure_margin(config, weights, out_dir)
+    (out_dir / "model.safetensors").unlink(missing_ok=True)  # a config-only folder over an old one
+    if not weights:
+        return out_dir
+    tensors = _init_weights(config, seed)
+    tensors = _ensure_margin(config, tensors, out_dir)
     if spec.dtype != "float32":
-        weights = {name: t.to(getattr(torch, spec.dtype)) for name, t in weights.items()}
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        tensors = {name: t.to(getattr(torch, spec.dtype)) for name, t in tensors.items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors writes 0600; images may run as another user
     return out_dir
 

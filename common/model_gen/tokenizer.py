@@ -57,10 +57,28 @@ def train_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str(pretty=True)
 
 
+def pad_vocab(tok_json: str, vocab_size: int) -> str:
+    """The tokenizer with filler tokens ``<|tN|>`` (N: the id) appended up to ``vocab_size`` ids: no merge makes
+    them, so encoding is unchanged, but every id a model of that vocabulary samples decodes to text (an unknown id
+    would decode to nothing)."""
+    data = json.loads(tok_json)
+    vocab: dict[str, int] = data["model"]["vocab"]
+    taken = set(vocab) | {t["content"] for t in data.get("added_tokens", [])}
+    next_id = max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))]) + 1
+    for i in range(next_id, vocab_size):
+        token = f"<|t{i}|>"
+        if token in taken:
+            raise ValueError(f"filler token {token} is already in the vocabulary")
+        vocab[token] = i
+    return json.dumps(data, ensure_ascii=False)
+
+
 def write_tokenizer_files(out_dir: Path, vocab_size: int, max_len: int) -> dict[str, int]:
     """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json; return special token ids by name
-    (plus ``vocab_size``: the trained vocabulary's actual size)."""
+    (plus ``vocab_size``: the vocabulary's size: ``vocab_size``, with filler tokens past what the corpus trains)."""
     tok_json = train_tokenizer_json(vocab_size)
+    if Tokenizer.from_str(tok_json).get_vocab_size() < vocab_size:
+        tok_json = pad_vocab(tok_json, vocab_size)
     (out_dir / "tokenizer.json").write_text(tok_json, encoding="utf-8")
     tok = Tokenizer.from_str(tok_json)
     ids = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}

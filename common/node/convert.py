@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
+from common.engine.io_struct import GenerateReqInput, Timing, TokenOut
 from common.engine.sampling.params import SamplingParams
 from common.errors import InvalidRequestError
-from common.io_struct import GenerateReqInput, Timing, TokenOut
+from common.speculative import accept_length
 from pdcluster.v1 import common_pb2, worker_pb2
 
 _OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed",
@@ -75,6 +76,7 @@ def timing_to_proto(t: Timing | None) -> common_pb2.Timing:
     return common_pb2.Timing(
         queue=t.queue, bootstrap=t.bootstrap, prefill=t.prefill, transfer=t.transfer,
         decode_queue=t.decode_queue, ttft=t.ttft, e2e=t.e2e, transfer_bytes=t.transfer_bytes,
+        cached_tokens_host=t.cached_tokens_host, cached_tokens_storage=t.cached_tokens_storage,
     )
 
 
@@ -107,6 +109,11 @@ def token_out_to_proto(out: TokenOut) -> worker_pb2.GenerateResponse:
         ),
         timing=timing_to_proto(out.timing),
     )
+    if out.spec_verify_ct:
+        fin.spec.CopyFrom(common_pb2.SpecDecoding(
+            verify_steps=out.spec_verify_ct, draft_tokens=out.spec_draft_tokens,
+            accepted_tokens=out.spec_accepted_tokens,
+            accept_length=accept_length(out.spec_verify_ct, out.spec_accepted_tokens)))
     if isinstance(out.matched_stop, int):
         fin.matched_token = out.matched_stop
     elif isinstance(out.matched_stop, str):

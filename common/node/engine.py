@@ -23,11 +23,7 @@ import torch.distributed as dist
 from common.config import ServerArgs
 from common.engine.device import bind_rank_cores, cpu_threads_per_rank, rank_device
 from common.engine.distributed import TPGroup, broadcast_inputs, host_store, init_tp_group
-from common.engine.model.config import ModelConfig
-from common.engine.sampling.params import SamplingParams
-from common.engine.scheduler import Scheduler
-from common.errors import CapacityError, ConfigError, ErrorCode, InvalidRequestError, PdclusterError
-from common.io_struct import (
+from common.engine.io_struct import (
     AbortReq,
     GenerateReqInput,
     LoadOut,
@@ -37,6 +33,10 @@ from common.io_struct import (
     Timing,
     TokenOut,
 )
+from common.engine.model.config import ModelConfig
+from common.engine.sampling.params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.errors import CapacityError, ConfigError, ErrorCode, InvalidRequestError, PdclusterError
 from common.node.profiler import StepProfiler
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import load_tokenizer, resolve_model_path
@@ -66,6 +66,10 @@ class GenerateOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     timing: Timing | None = None
+    # Speculative decoding: verify steps with drafts, draft tokens proposed, and of them accepted (0 when off).
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -93,7 +97,7 @@ class Engine:
         self.args = args
         self.model_path = str(resolve_model_path(args.model_path))
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model_config = ModelConfig.from_path(self.model_path)
+        self.model_config = ModelConfig.from_path(self.model_path, args.load_format)
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._states: dict[str, _RequestState] = {}
         self._lock = threading.Lock()
@@ -292,6 +296,8 @@ class Engine:
         delta = state.detok.add(msg.token_ids, final=final)
         if final:
             out.finish_reason, out.matched_stop, out.timing = msg.finish_reason, msg.matched_stop, msg.timing
+            out.spec_verify_ct, out.spec_draft_tokens = msg.spec_verify_ct, msg.spec_draft_tokens
+            out.spec_accepted_tokens = msg.spec_accepted_tokens
             out.text = state.detok.text
             with self._lock:
                 self._states.pop(msg.rid, None)

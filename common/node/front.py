@@ -19,14 +19,14 @@ from typing import Any
 import grpc
 
 from common.config import ServerArgs
-from common.drain_rate import DrainRate
+from common.engine.io_struct import AbortReq, GenerateReqInput, TokenOut
 from common.engine.model.config import ModelConfig
 from common.errors import FAULT_METADATA_KEY, ErrorCode, InvalidRequestError
-from common.io_struct import AbortReq, GenerateReqInput, TokenOut
 from common.node.convert import request_from_proto, token_out_to_proto
 from common.node.metrics import observe_final, observe_itl
 from common.node.ranks import RankClient
 from common.node.worker_mux import MuxServing
+from common.serving.drain_rate import DrainRate
 from common.wire.worker_auth import MIN_NONCE_BYTES, ChallengeRefused, answer_challenge
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
@@ -228,6 +228,8 @@ class WorkerServicer(MuxServing, worker_pb2_grpc.WorkerServicer):
                     total_kv_pages=q.total_kv_pages, free_req_slots=q.free_req_slots,
                     total_req_slots=q.total_req_slots, token_usage=q.token_usage, evictable_tokens=q.evictable_tokens,
                     admissible_tokens=q.admissible_tokens, preempt_priority=q.preempt_priority,
+                    host_cache_tokens=q.hicache.host_tokens_total if q.hicache is not None else 0,
+                    cache_storage=q.hicache.storage if q.hicache is not None else "",
                 )
                 for q in loads
             ],

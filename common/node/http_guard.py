@@ -5,8 +5,9 @@ bounds of ``common/node/conn_budget.py``.
   ``sglang-router --api-key KEY`` sends it to its workers). A refused request's body is never read. No key: open,
   as SGLang's workers are (a warning at start).
 - A connection counts as unauthenticated from its accept until its first request whose key matched (no key: its
-  first whole request head); while it does, it holds a slot of a ``ConnectionBudget`` (per peer host and in all:
-  over it, closed at once) and is closed if it is still unauthenticated ``HELLO_DEADLINE_S`` after its accept.
+  first whole request head); while it does, it holds a slot of a ``ConnectionBudget`` (per peer host and in all: at
+  a bound an older unauthenticated connection is closed to make room) and is closed if it is still unauthenticated
+  ``HELLO_DEADLINE_S`` after its accept.
 
 Invariant: a connection's budget slot is released exactly once: on its first authenticated request, at its
 deadline, or when it closes.
@@ -21,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from common.node.conn_budget import HELLO_DEADLINE_S, ConnectionBudget, peer_host
+from common.node.conn_budget import HELLO_DEADLINE_S, ConnectionBudget, Slot, peer_host
 from common.node.sglang_response import error_response
 from common.wire.security import bearer_ok
 
@@ -36,7 +37,7 @@ class HttpGuard:
     def __init__(self, api_key: str, budget: ConnectionBudget | None = None) -> None:
         self.api_key = api_key
         self.budget = budget or ConnectionBudget("the SGLang HTTP port (--sglang-http-port)")
-        self._pending: dict[Any, tuple[str, asyncio.TimerHandle]] = {}  # transport -> (peer host, deadline)
+        self._pending: dict[Any, tuple[Slot, asyncio.TimerHandle]] = {}  # transport -> (budget slot, deadline)
 
     def attach(self, server: web.Server) -> None:
         """Count ``server``'s connections (the runner's, after ``setup``)."""
@@ -46,12 +47,9 @@ class HttpGuard:
 
         def connection_made(handler: Any, transport: Any) -> None:
             made(handler, transport)
-            host = peer_host(transport.get_extra_info("peername"))
-            if not self.budget.admit(host):
-                transport.abort()
-                return
+            slot = self.budget.admit(peer_host(transport.get_extra_info("peername")), transport.abort)
             timer = asyncio.get_running_loop().call_later(HELLO_DEADLINE_S, self._expire, transport)
-            self._pending[transport] = (host, timer)
+            self._pending[transport] = (slot, timer)
 
         def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
             self._settle(handler.transport)

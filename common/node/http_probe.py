@@ -5,14 +5,16 @@
 drains: readiness (gRPC health) is what turns off then. The server runs in daemon threads; the check only reads
 the ``RankClient``'s heartbeat times, so a busy event loop cannot make it hang.
 
-The port has no credential: every connection counts against a ``ConnectionBudget`` (per peer host and in all; over
-it, closed at once) until it ends, and each socket read or write has ``HELLO_DEADLINE_S`` (a silent or trickling
-client loses its thread instead of holding it).
+The port has no credential: every connection holds a slot of a ``ConnectionBudget`` (per peer host and in all; at a
+bound the oldest connection is closed to make room) until it ends, and each socket read or write has
+``HELLO_DEADLINE_S`` (a silent or trickling client loses its thread instead of holding it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import socketserver
 import threading
 from collections.abc import Callable, Iterable
@@ -21,7 +23,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
-from common.node.conn_budget import HELLO_DEADLINE_S, ConnectionBudget, peer_host
+from common.node.conn_budget import HELLO_DEADLINE_S, ConnectionBudget, Slot, peer_host
 
 LivenessCheck = Callable[[], str | None]  # None: live; otherwise why not
 
@@ -31,9 +33,11 @@ class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
     block_on_close = False
     request_queue_size = 128  # the listen backlog (socketserver: 5): a burst of connects is not held in SYN retries
     budget = ConnectionBudget("the metrics port (--metrics-port)")  # replaced per server in start_probe_server
+    slots: dict[Any, Slot]  # request socket -> its slot, from the accept to the end of its thread
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
-        return self.budget.admit(peer_host(client_address))
+        self.slots[request] = self.budget.admit(peer_host(client_address), lambda: _drop(request))
+        return True
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a client that went silent (timed out) or away: nothing to report per connection
@@ -42,7 +46,13 @@ class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.budget.release(peer_host(client_address))
+            self.budget.release(self.slots.pop(request))
+
+
+def _drop(request: socket.socket) -> None:
+    """End a reclaimed connection: its thread's blocked read returns at once and the thread ends."""
+    with contextlib.suppress(OSError):
+        request.shutdown(socket.SHUT_RDWR)
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -86,5 +96,6 @@ def start_probe_server(port: int, host: str, liveness: LivenessCheck) -> WSGISer
     """Serve ``/metrics`` and ``/liveness`` on ``host:port`` from a daemon thread; ``shutdown()`` stops it."""
     server = make_server(host, port, probe_app(liveness), _ThreadingWSGIServer, handler_class=_QuietHandler)
     server.budget = ConnectionBudget("the metrics port (--metrics-port)")
+    server.slots = {}
     threading.Thread(target=server.serve_forever, name="pdcluster-probe-http", daemon=True).start()
     return server

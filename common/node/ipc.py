@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from common.io_struct import SchedulerInput, SchedulerOutput
+from common.engine.io_struct import SchedulerInput, SchedulerOutput
 
 _in_encoder = msgspec.msgpack.Encoder()
 _in_decoder = msgspec.msgpack.Decoder(SchedulerInput)

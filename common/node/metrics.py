@@ -13,9 +13,11 @@ from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
+from common.engine.io_struct import PrefillDone, QueueLoad, TokenOut
 from common.errors import ErrorCode
-from common.gap_histogram import GapHistogram
-from common.io_struct import PrefillDone, QueueLoad, TokenOut
+from common.node.hicache_metrics import observe_hicache
+from common.serving.gap_histogram import GapHistogram
+from common.speculative import accept_length
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,14 @@ TRANSFER_BYTES = Histogram("pdcluster_node_kv_transfer_bytes", "KV bytes moved f
 TRANSFER_BANDWIDTH = Histogram("pdcluster_node_kv_transfer_bandwidth_bytes_per_second",
                                "KV bytes over transfer time of one request",
                                buckets=tuple(float(10**i) for i in range(5, 12)))
+SPEC_ACCEPT_LENGTH = Histogram("pdcluster_node_spec_accept_length", "Speculative decoding, per request: tokens "
+                               "emitted per verify step (1 + accepted drafts / verify steps)",
+                               buckets=(1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 16.0))
+SPEC_DRAFT_TOKENS = Counter("pdcluster_node_spec_draft_tokens_total", "Speculative decoding: draft tokens proposed")
+SPEC_ACCEPTED_TOKENS = Counter("pdcluster_node_spec_accepted_tokens_total",
+                               "Speculative decoding: draft tokens accepted (emitted)")
+SPEC_VERIFY_STEPS = Counter("pdcluster_node_spec_verify_steps_total",
+                            "Speculative decoding: (request, verify step) pairs that checked drafts")
 REQUESTS = Counter("pdcluster_node_requests_total", "Finished requests by outcome", ["outcome"])
 FAILURES = Counter("pdcluster_node_failures_total", "Failed requests by kind (bootstrap, transfer, ...)",
                    ["kind", "code"])
@@ -69,6 +79,11 @@ def observe_final(out: Any) -> None:
         if code is not None and code != ErrorCode.CANCELLED:
             kind = "bootstrap" if "bootstrap" in (out.error or "").lower() else "transfer"
             FAILURES.labels(kind=kind if code != ErrorCode.INVALID_ARGUMENT else "invalid", code=code).inc()
+        if isinstance(out, TokenOut) and out.spec_verify_ct:
+            SPEC_ACCEPT_LENGTH.observe(accept_length(out.spec_verify_ct, out.spec_accepted_tokens))
+            SPEC_DRAFT_TOKENS.inc(out.spec_draft_tokens)
+            SPEC_ACCEPTED_TOKENS.inc(out.spec_accepted_tokens)
+            SPEC_VERIFY_STEPS.inc(out.spec_verify_ct)
         t = out.timing
         if t is None:
             return
@@ -115,6 +130,8 @@ def observe_load(loads: list[QueueLoad]) -> None:
             QUEUE_LEN.labels(queue=name, dp_rank=rank).set(getattr(q, name))
         TOKEN_USAGE.labels(dp_rank=rank).set(q.token_usage)
         FREE_PAGES.labels(dp_rank=rank).set(q.free_kv_pages)
+        if q.hicache is not None:
+            observe_hicache(q.dp_rank, q.hicache)
 
 
 async def poll_load_forever(ranks: Any, interval: float = 1.0) -> None:

@@ -2,9 +2,10 @@
 cluster credential becomes one ``MuxSession``, exactly as a ``Worker.Mux`` gRPC stream would.
 
 Invariants: a connection serves no request before its hello was accepted, and is dropped when no hello arrives
-within ``HELLO_TIMEOUT_S``; before the hello, a frame is at most ``HELLO_FRAME_BYTES`` and the connection counts
-against the listener's ``ConnectionBudget`` (per peer host and in all; over it, closed at once); a connection that ends (either side, or ``stop``) cancels every handler running on it,
-as the gRPC stream's end does.
+within ``HELLO_TIMEOUT_S``; before the hello, a frame is at most ``HELLO_FRAME_BYTES`` and the connection holds a
+slot of the listener's ``ConnectionBudget`` (per peer host and in all; at a bound an older connection without a
+hello is closed to make room); a connection that ends (either side, or ``stop``) cancels every handler running on
+it, as the gRPC stream's end does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from common.node.conn_budget import HELLO_FRAME_BYTES, ConnectionBudget, peer_host
+from common.node.conn_budget import HELLO_FRAME_BYTES, ConnectionBudget, Slot, peer_host
 from common.node.worker_mux import MuxSession
 from common.wire.mux_socket import HELLO_TIMEOUT_S, MAX_FRAME_BYTES, FrameConnection
 from common.wire.security import same_secret
@@ -56,22 +57,19 @@ class _Accepted:
         self.conn.on_frame, self.conn.on_lost = self._hello, self._lost_before_hello
         self.conn.on_made = self._made
         self.conn.max_frame_bytes = HELLO_FRAME_BYTES
-        self.host: str | None = None  # set while this connection holds a slot of the server's budget
+        self.slot: Slot | None = None  # its hold on the server's budget until the hello
         self.session: MuxSession | None = None
         self.timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._no_hello)
 
     def _made(self) -> None:
         assert self.conn.transport is not None
-        host = peer_host(self.conn.transport.get_extra_info("peername"))
-        if self.server.budget.admit(host):
-            self.host = host
-        else:
-            self.conn.close()
+        self.slot = self.server.budget.admit(peer_host(self.conn.transport.get_extra_info("peername")),
+                                             self.conn.close)
 
     def _release(self) -> None:
-        if self.host is not None:
-            self.server.budget.release(self.host)
-            self.host = None
+        if self.slot is not None:
+            self.server.budget.release(self.slot)
+            self.slot = None
 
     def _no_hello(self) -> None:
         if self.session is None:

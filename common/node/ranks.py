@@ -21,8 +21,7 @@ import zmq
 import zmq.asyncio
 
 from common.config import ServerArgs
-from common.errors import ErrorCode
-from common.io_struct import (
+from common.engine.io_struct import (
     LoadOut,
     LoadReq,
     QueueLoad,
@@ -32,6 +31,7 @@ from common.io_struct import (
     ShutdownReq,
     TokenOut,
 )
+from common.errors import ErrorCode
 from common.node.ipc import IpcAddrs, decode_outputs, encode
 
 logger = logging.getLogger(__name__)

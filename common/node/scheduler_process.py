@@ -23,9 +23,9 @@ import zmq
 from common.config import ServerArgs
 from common.engine.device import bind_rank_cores, bind_rank_device, cpu_threads_per_rank
 from common.engine.distributed import TPGroup, broadcast_inputs, init_tp_group
+from common.engine.io_struct import RankHeartbeat, RankReady, SchedulerInput, ShutdownReq
 from common.engine.scheduler import Scheduler
 from common.gc_freeze import freeze_startup_heap
-from common.io_struct import RankHeartbeat, RankReady, SchedulerInput, ShutdownReq
 from common.node.ipc import IpcAddrs, decode_input, encode
 from common.node.roles import make_role
 from common.text.tokenizer import load_tokenizer

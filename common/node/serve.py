@@ -57,7 +57,7 @@ class NodeServer:
         self.ranks = RankClient(self.args, self.model_path)
         self.ranks.spawn()
         try:
-            self.model_config = ModelConfig.from_path(self.model_path)
+            self.model_config = ModelConfig.from_path(self.model_path, self.args.load_format)
         except BaseException:
             self.ranks.kill()
             raise

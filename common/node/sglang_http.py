@@ -35,11 +35,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from common import env
-from common.client_gone import client_gone_middleware
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from common.engine.sampling.params import for_choice
 from common.errors import ErrorCode, InvalidRequestError
-from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from common.node import front
 from common.node.http_guard import HttpGuard
 from common.node.sglang_openai import chat_to_generate, completion_to_generate
@@ -55,6 +54,7 @@ from common.node.sglang_response import (
     full_choices,
     stream_choices,
 )
+from common.serving.client_gone import client_gone_middleware
 from common.text.tokenizer import load_tokenizer
 from common.wire.worker_auth import new_nonce, proof_matches
 from pdcluster.v1 import bootstrap_pb2, bootstrap_pb2_grpc

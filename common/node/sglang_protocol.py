@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
+from common.engine.io_struct import TokenOut
 from common.engine.sampling.params import SamplingParams
 from common.errors import InvalidRequestError
-from common.io_struct import TokenOut
 
 U64_LIMIT = 2**64  # bootstrap_room is a uint64 on our Worker API (sglang-router draws a u63)
 

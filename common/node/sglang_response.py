@@ -16,10 +16,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from common.event_stream import delimit_event_stream
-from common.io_struct import PrefillDone, TokenOut
+from common.engine.io_struct import PrefillDone, TokenOut
 from common.node.sglang_openai import chat_body, chat_chunk, completion_body, completion_chunk
 from common.node.sglang_protocol import Logprobs, SglangRequest, finish_reason
+from common.serving.event_stream import delimit_event_stream
+from common.speculative import accept_length
 from common.text.detokenizer import IncrementalDetokenizer
 
 
@@ -83,6 +84,9 @@ class SglangResponse:
                         prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
             if out.finish_reason is not None:
                 meta["completion_tokens"] = out.completion_tokens
+                if out.spec_verify_ct:  # SGLang's names
+                    meta.update(spec_verify_ct=out.spec_verify_ct,
+                                spec_accept_length=accept_length(out.spec_verify_ct, out.spec_accepted_tokens))
         if self.req.return_logprob:
             meta.update(self.logprobs.fields(self.req.top_logprobs_num))
         return meta

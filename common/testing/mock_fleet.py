@@ -15,7 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common.testing.mock_worker import MockConfig, MockHub, MockWorker
+from common.testing.mock_config import MockConfig
+from common.testing.mock_requests import MockHub
+from common.testing.mock_worker import MockWorker
 
 # -- a model folder the router can load (tokenizer + config.json) ---------------------------------------------
 _MODEL_DIR: Path | None = None

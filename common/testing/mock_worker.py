@@ -6,7 +6,7 @@
   leg; ``Decode`` streams nothing before the matching prefill finished, and checks that it was sent the prefill
   node's bootstrap address and prefill DP rank. Either side fails when the other does not come within
   ``pair_timeout``; an abort on one side fails the other.
-- Output tokens are a deterministic function of the input ids (``fake_tokens``); a request with
+- Output tokens are a deterministic function of the input ids (``mock_requests.fake_tokens``); a request with
   ``prior_output_len`` continues the sequence its prompt started.
 - Faults: fail the next N Prefill calls, die before the first token, die after K tokens, report no free KV pages,
   hang, or stop serving health.
@@ -21,10 +21,8 @@ A fleet of them in one process, and the model folder a router in front of them l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -34,93 +32,19 @@ from common.errors import FAULT_METADATA_KEY, KV_PEER_FAULT
 from common.node.mux_socket_server import MuxSocketServer
 from common.node.worker_mux import MuxServing
 from common.ports import pick_free_port
-from common.wire.tls import TlsFiles
+from common.testing.mock_config import MODE, MockConfig
+from common.testing.mock_requests import (
+    Aborted,
+    Active,
+    MockHub,
+    fake_tokens,
+    pause,
+    stream_tokens,
+    take,
+    until,
+)
 from common.wire.worker_auth import METADATA_KEY, ChallengeRefused, answer_challenge
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-
-MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
-FIRST_TOKEN = 5  # ids below are special tokens of the test tokenizer
-
-
-def fake_tokens(input_ids: list[int], n: int, vocab_size: int, prior: int = 0) -> list[int]:
-    """The mock model: n output ids, a deterministic function of the prompt. ``prior``: the last ``prior`` input
-    ids are earlier outputs (a migrated request), so the output continues the prompt's sequence after them."""
-    prompt = input_ids[: len(input_ids) - prior]
-    base = (sum(prompt) * 2654435761 + len(prompt)) & 0xFFFFFFFF
-    span = vocab_size - FIRST_TOKEN
-    return [FIRST_TOKEN + (base + i * 40503) % span for i in range(prior, prior + n)]
-
-
-@dataclass
-class MockConfig:
-    role: str
-    service_time: float = 0.0  # prefill (or colocated generate) time to first token, seconds
-    itl: float = 0.0  # seconds between output chunks
-    chunk_tokens: int = 1  # tokens per streamed chunk
-    dp_size: int = 1
-    page_size: int = 16
-    context_len: int = 2048
-    vocab_size: int = 1536
-    total_kv_pages: int = 4096
-    free_kv_pages: int | None = None  # report this many free pages on every rank (None: total - in use)
-    admissible_tokens: int | None = None  # decode: report this admission budget on every rank (None: unset)
-    preempt_priority: int | None = None  # decode: report this preemption bound on every rank (None: unset)
-    max_requests_per_rank: int = 0  # ServerInfo's request limit per DP rank (0: none reported; not enforced)
-    schedule_low_priority_values_first: bool = False  # reported in ServerInfo (the router's hold order)
-    model_name: str = "mock-model"
-    report_bootstrap_port: bool = True
-    pair_timeout: float = 5.0
-    fail_prefill: int = 0  # fail the next N Prefill calls (-1: every one) with ``fail_code``
-    fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
-    fail_message: str = "injected prefill failure"
-    die_before_first_token: int = 0  # the next N Decode/Generate calls fail before any token (-1: every one)
-    die_after_tokens: int | None = None  # Decode/Generate fail after streaming this many tokens ...
-    die_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE  # ... with this status
-    die_before_finished: bool = False  # Decode/Generate stream every token, then fail instead of sending Finished
-    kv_peer_fault: int = 0  # the next N Decode calls fail once paired, blaming their KV peer (as a real decode does)
-    hang: bool = False  # never answer Prefill/Decode/Generate (until cancelled)
-    tls: TlsFiles | None = None  # serve the Worker port over (m)TLS, as a node with --tls-cert/--tls-key[/--tls-ca]
-    secret: str | None = None  # cluster secret its membership proofs use (None: the environment's)
-    serve_mux: bool = True  # False: answer Worker.Mux UNIMPLEMENTED, as a node built before Mux does
-    mux_socket: bool = True  # offer a Mux socket (common/wire/mux_socket.py) on the Mux stream, as a node does by default
-
-
-@dataclass
-class Room:
-    decode_arrived: asyncio.Event = field(default_factory=asyncio.Event)
-    prefill_done: asyncio.Future[tuple[int, int, str, int]] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
-
-class MockHub:
-    """The rendezvous of the mocks in one process, by bootstrap room (stands in for the KV transfer)."""
-
-    def __init__(self) -> None:
-        self.rooms: dict[int, Room] = {}
-
-    def room(self, room: int) -> Room:
-        r = self.rooms.get(room)
-        if r is None:
-            r = self.rooms[room] = Room()
-        return r
-
-    def fail(self, room: int, why: str) -> None:
-        r = self.rooms.get(room)
-        if r is not None and not r.prefill_done.done():
-            r.prefill_done.set_exception(RuntimeError(why))
-
-
-class Aborted(Exception):
-    pass
-
-
-@dataclass
-class Active:
-    rid: str
-    rank: int
-    pages: int
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class _CallRecorder(grpc.aio.ServerInterceptor):
@@ -219,30 +143,6 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
         a = self.active[req.rid] = Active(req.rid, rank, pages)
         return a
 
-    async def _sleep(self, a: Active, seconds: float) -> None:
-        if a.aborted.is_set():
-            raise Aborted
-        if seconds > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(a.aborted.wait(), seconds)
-                raise Aborted
-
-    async def _until(self, a: Active, fut: asyncio.Future[Any], timeout: float, own: bool = False) -> Any:
-        """``fut``'s result, unless aborted first (Aborted) or ``timeout`` passes (TimeoutError). ``own``: cancel
-        ``fut`` when giving up on it."""
-        waiter = asyncio.ensure_future(a.aborted.wait())
-        try:
-            done, _ = await asyncio.wait({fut, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-            if own and not fut.done():
-                fut.cancel()
-        if waiter in done or a.aborted.is_set():
-            raise Aborted
-        if fut not in done:
-            raise TimeoutError
-        return fut.result()
-
     def _cached(self, rank: int, ids: list[int], insert: bool) -> int:
         ps, blocks, h = self.cfg.page_size, self.cache[rank], 0
         hashes = []
@@ -262,12 +162,6 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
         if not 0 <= rank < self.cfg.dp_size:
             return f"{name} {rank} out of range for dp_size {self.cfg.dp_size}"
         return None
-
-    @staticmethod
-    def _take(counter: int) -> tuple[bool, int]:
-        if counter == 0:
-            return False, 0
-        return True, counter if counter < 0 else counter - 1
 
     # -- Worker API ------------------------------------------------------------------------------------------
     async def Mux(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
@@ -289,15 +183,15 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room is required")
             if (bad := self._check_rank(rank, "prefill_dp_rank")) is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
-            fail, self.cfg.fail_prefill = self._take(self.cfg.fail_prefill)
+            fail, self.cfg.fail_prefill = take(self.cfg.fail_prefill)
             if fail:
                 await context.abort(self.cfg.fail_code, self.cfg.fail_message)
             if self.cfg.hang:
-                await self._sleep(a, 3600)
+                await pause(a, 3600)
             room = self.hub.room(request.bootstrap_room)
             t0 = time.monotonic()
             try:
-                await self._until(
+                await until(
                     a, asyncio.ensure_future(room.decode_arrived.wait()), self.cfg.pair_timeout, own=True
                 )
             except TimeoutError:
@@ -305,7 +199,7 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
                     grpc.StatusCode.DEADLINE_EXCEEDED, "bootstrap timed out: no decode leg came"
                 )
             t1 = time.monotonic()
-            await self._sleep(a, self.cfg.service_time)
+            await pause(a, self.cfg.service_time)
             cached = self._cached(rank, list(req.input_ids), insert=True)
             first = fake_tokens(list(req.input_ids), 1, self.cfg.vocab_size, req.prior_output_len)[0]
             if not room.prefill_done.done():
@@ -348,7 +242,7 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
             room.decode_arrived.set()
             t0 = time.monotonic()
             try:
-                _first, cached, paddr, prank = await self._until(a, room.prefill_done, self.cfg.pair_timeout)
+                _first, cached, paddr, prank = await until(a, room.prefill_done, self.cfg.pair_timeout)
             except TimeoutError:
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "waiting for KV timed out: no prefill leg"
@@ -363,12 +257,12 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
                     f"bootstrap mismatch: sent {request.bootstrap_addr}/rank "
                     f"{request.prefill_dp_rank}, prefill ran on {paddr}/rank {prank}",
                 )
-            peer_fault, self.cfg.kv_peer_fault = self._take(self.cfg.kv_peer_fault)
+            peer_fault, self.cfg.kv_peer_fault = take(self.cfg.kv_peer_fault)
             if peer_fault:
                 context.set_trailing_metadata(((FAULT_METADATA_KEY, KV_PEER_FAULT),))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: the prefill peer went silent")
             transfer = time.monotonic() - t0
-            async for msg in self._tokens(a, req, context, cached, common_pb2.Timing(transfer=transfer)):
+            async for msg in stream_tokens(self.cfg, a, req, context, cached, common_pb2.Timing(transfer=transfer)):
                 yield msg
         except Aborted:
             await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
@@ -387,9 +281,9 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
                 )
             if (bad := self._check_rank(rank, "dp_rank")) is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
-            await self._sleep(a, self.cfg.service_time)
+            await pause(a, self.cfg.service_time)
             cached = self._cached(rank, list(request.input_ids), insert=True)
-            async for msg in self._tokens(a, request, context, cached, common_pb2.Timing()):
+            async for msg in stream_tokens(self.cfg, a, request, context, cached, common_pb2.Timing()):
                 yield msg
         except Aborted:
             await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
@@ -397,62 +291,6 @@ class MockWorker(MuxServing, worker_pb2_grpc.WorkerServicer):
             self.active.pop(request.rid, None)
             if context.cancelled():
                 self.cancelled.append(request.rid)
-
-    async def _tokens(
-        self,
-        a: Active,
-        req: worker_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext,
-        cached: int,
-        timing: common_pb2.Timing,
-    ) -> Any:
-        cfg = self.cfg
-        die, cfg.die_before_first_token = self._take(cfg.die_before_first_token)
-        if die:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: worker died before the first token")
-        if cfg.hang:
-            await self._sleep(a, 3600)
-        n = req.sampling_params.max_new_tokens if req.sampling_params.HasField("max_new_tokens") else 128
-        ids = fake_tokens(list(req.input_ids), n, cfg.vocab_size, req.prior_output_len)
-        stop_ids = set(req.sampling_params.stop_token_ids)
-        reason, matched = "length", None
-        for i, t in enumerate(ids):
-            if t in stop_ids:
-                ids, reason, matched = ids[: i + 1], "stop", t
-                break
-        sent = 0
-        while len(ids) - sent > cfg.chunk_tokens:
-            if cfg.die_after_tokens is not None and sent >= cfg.die_after_tokens:
-                await context.abort(cfg.die_code, f"injected: worker died after {sent} tokens")
-            yield worker_pb2.GenerateResponse(chunk=self._chunk(req, ids[sent : sent + cfg.chunk_tokens]))
-            sent += cfg.chunk_tokens
-            await self._sleep(a, cfg.itl)
-        if cfg.die_before_finished:
-            yield worker_pb2.GenerateResponse(chunk=self._chunk(req, ids[sent:]))
-            await context.abort(cfg.die_code, "injected: worker died before its Finished message")
-        fin = worker_pb2.Finished(
-            last=self._chunk(req, ids[sent:]),
-            finish_reason=reason,
-            usage=common_pb2.Usage(
-                prompt_tokens=len(req.input_ids), completion_tokens=len(ids), cached_tokens=cached
-            ),
-            timing=timing,
-        )
-        if matched is not None:
-            fin.matched_token = matched
-        yield worker_pb2.GenerateResponse(finished=fin)
-
-    @staticmethod
-    def _chunk(req: worker_pb2.GenerateRequest, ids: list[int]) -> worker_pb2.TokenChunk:
-        c = worker_pb2.TokenChunk(token_ids=ids)
-        if req.return_logprob or req.top_logprobs_num:
-            c.logprobs.extend(-0.5 - (t % 7) / 10 for t in ids)
-            for t in ids if req.top_logprobs_num else ():
-                c.top_logprobs.add(
-                    token_ids=[t, (t + 1) % 1000 + FIRST_TOKEN][: req.top_logprobs_num],
-                    logprobs=[-0.5 - (t % 7) / 10, -3.0][: req.top_logprobs_num],
-                )
-        return c
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
         self.aborts.append(request.rid)

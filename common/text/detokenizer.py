@@ -39,7 +39,7 @@ class IncrementalDetokenizer:
     """Invariant: the text handed out is ``"".join(self._out)``; ``_pending`` holds the decoded characters after it
     (held back as a possible stop string's start, or the stop string and what follows once stopped). Each token's
     work is bounded by its window and the longest stop string, not by the text so far (a growing ``str`` copied at
-    every token made a 100k-token stream's last tokens ~3x as costly as its first)."""
+    every token made a long stream's later tokens costlier: benchmarks/pages/serving_path.md)."""
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: tuple[str, ...] = ()) -> None:
         self._decode = _decoder(tokenizer, skip_special_tokens)

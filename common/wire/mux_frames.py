@@ -2,8 +2,9 @@
 
 Invariants: messages of one stream_id are written in the order they were queued; a message over
 ``FRAGMENT_BYTES`` goes out as fragments of at most that size, one fragment of each large message per frame, so a
-small message queued behind a large one waits for at most one fragment per large message in flight, never for the
-whole large message. One frame carries everything small that was queued when the writer woke (up to
+small message of another stream queued behind a large one waits for at most one fragment per large message in
+flight, never for the whole large message; what its own stream queues behind it goes out after its last fragment
+(one item per frame). One frame carries everything small that was queued when the writer woke (up to
 ``FRAME_BYTES``).
 """
 
@@ -32,6 +33,8 @@ class FrameWriter:
         self._on_error = on_error
         self._small: deque[tuple[worker_pb2.MuxMessage, int]] = deque()
         self._large: deque[deque[worker_pb2.MuxMessage]] = deque()  # per large message, its remaining fragments
+        # stream_id -> its lane in _large: a large message's fragments still to go, then what its stream queued after
+        self._lanes: dict[int, deque[worker_pb2.MuxMessage]] = {}
         self._wake = asyncio.Event()
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -40,12 +43,16 @@ class FrameWriter:
         if self._closed:
             return
         size = msg.ByteSize()
+        sid = msg.stream_id
+        lane = self._lanes.get(sid)
         if size <= FRAGMENT_BYTES:
-            self._small.append((msg, size))
+            if lane is None:
+                self._small.append((msg, size))
+            else:
+                lane.append(msg)  # behind its stream's large message
         else:
             data = msg.SerializeToString()
-            sid = msg.stream_id
-            pieces = deque(
+            pieces = (
                 worker_pb2.MuxMessage(
                     stream_id=sid,
                     fragment=worker_pb2.MuxFragment(
@@ -54,7 +61,10 @@ class FrameWriter:
                 )
                 for i in range(0, len(data), FRAGMENT_BYTES)
             )
-            self._large.append(pieces)
+            if lane is None:
+                self._large.append(self._lanes.setdefault(sid, deque(pieces)))
+            else:
+                lane.extend(pieces)
         self._wake.set()
 
     def send_first(self, msg: worker_pb2.MuxMessage) -> None:
@@ -73,12 +83,15 @@ class FrameWriter:
                     frame = worker_pb2.MuxFrame()
                     out = frame.messages
                     budget = FRAME_BYTES
-                    for _ in range(min(len(self._large), MAX_FRAGMENTS)):  # one fragment each, rotating
+                    for _ in range(min(len(self._large), MAX_FRAGMENTS)):  # one item of each lane, rotating
                         pieces = self._large.popleft()
-                        out.append(pieces.popleft())
+                        item = pieces.popleft()
+                        out.append(item)
                         budget -= FRAGMENT_BYTES
                         if pieces:
                             self._large.append(pieces)
+                        else:
+                            del self._lanes[item.stream_id]
                     small = self._small
                     while small and budget >= small[0][1]:
                         msg, size = small.popleft()
@@ -95,6 +108,7 @@ class FrameWriter:
         self._closed = True
         self._small.clear()
         self._large.clear()
+        self._lanes.clear()
         self._task.cancel()
 
 

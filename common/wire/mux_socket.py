@@ -1,9 +1,10 @@
 """The Mux socket: ``Worker.Mux``'s stream on a plain (or TLS) TCP connection, framed as a 4-byte big-endian length
 and a serialized ``MuxFrame`` (see ``proto/pdcluster/v1/worker.proto``, rpc Mux).
 
-Why: a grpc.aio stream write costs the router about 20 % of its CPU per request (two legs, each a frame each way);
-a transport write of the same bytes costs a few microseconds. The gRPC Mux stream stays the way a router learns of
-the socket (its initial metadata) and the fallback when the socket cannot be reached.
+Why: grpc.aio's stream write was the largest single cost in the router's CPU per request (two legs, each a frame
+each way), where a transport write of the same bytes is one syscall (benchmarks/pages/router_overhead.md). The gRPC
+Mux stream stays the way a router learns of the socket (its initial metadata) and the fallback when the socket cannot
+be reached.
 
 Invariants: a connection delivers frames in order, each exactly once, until it is lost; ``on_lost`` is called
 exactly once; a frame over ``MAX_FRAME_BYTES`` or one that does not parse loses the connection (the peer is not

@@ -13,7 +13,14 @@ import argparse
 import contextlib
 import json
 
+from common.app.cluster_flags import SHAPE, ClusterShape
+from common.config import ServerArgs
+from common.flags import add_flags, arg_group, config_values
 from deploy.spec import SPEC_PATH, load_spec
+
+# Node flags ``ray up`` takes (declared in ``ServerArgs``): given, each overrides the spec's value for every node.
+RAY_NODE_FLAGS = ("model_path", "dp_size", "tp_size", "kv_transfer_backend", "max_total_tokens")
+OVER_SPEC = "over the spec: "
 
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
@@ -32,16 +39,12 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
             continue
         s.add_argument("--spec", default=str(SPEC_PATH), help="cluster spec YAML")
         s.add_argument("--profile", default=None, help="a profile of the spec (e.g. cpu-dev, gpu-single-node)")
-        s.add_argument("--prefill", type=int, default=None, help="prefill replicas (default: the spec's)")
-        s.add_argument("--decode", type=int, default=None, help="decode replicas (default: the spec's)")
-        s.add_argument("--routers", type=int, default=None, help="router replicas (default: the spec's)")
-        s.add_argument("--dp-size", type=int, default=None, help="DP ranks per node (default: the spec's)")
-        s.add_argument("--tp-size", type=int, default=None, help="TP ranks per DP replica of both node roles")
-        s.add_argument("--prefill-tp-size", type=int, default=None, help="prefill nodes' TP size (over --tp-size)")
-        s.add_argument("--decode-tp-size", type=int, default=None, help="decode nodes' TP size (over --tp-size)")
-        s.add_argument("--model-path", default=None, help="model folder present on every Ray node")
-        s.add_argument("--kv-transfer-backend", default=None)
-        s.add_argument("--max-total-tokens", type=int, default=None)
+        # The cluster's shape and the node flags, declared once (ClusterShape, ServerArgs); a flag left off keeps
+        # the spec's value. A --model-path must be present on every Ray node.
+        add_flags(s, ClusterShape, only_given=True, group_prefix=OVER_SPEC, show_defaults=False)
+        arg_group(s, OVER_SPEC + SHAPE).add_argument("--routers", type=int, default=None, help="router replicas")
+        add_flags(s, ServerArgs, only=RAY_NODE_FLAGS, only_given=True, group_prefix=OVER_SPEC + "every node: ",
+                  show_defaults=False)
         s.add_argument("--pin", choices=("resources", "labels", "none"), default="resources",
                        help="role pinning: custom resource 'prefill'/'decode', node label pdcluster.io/role, none")
         s.add_argument("--node-cpus", type=float, default=1.0, help="Ray CPUs reserved per node replica")
@@ -51,13 +54,18 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The spec, with what the command line gave over it (each flag checked as ``up`` and the nodes check it)."""
     spec = load_spec(ns.spec, ns.profile)
-    counts = {k: v for k, v in (("prefill", ns.prefill), ("decode", ns.decode), ("router", ns.routers)) if v is not None}
-    flags = {k: v for k, v in (("dp_size", ns.dp_size), ("kv_transfer_backend", ns.kv_transfer_backend),
-                               ("max_total_tokens", ns.max_total_tokens)) if v is not None}
+    shape = config_values(ClusterShape, ns)
+    node = config_values(ServerArgs, ns)
+    ClusterShape(**shape)
+    ServerArgs(**node)
+    counts = {k: v for k, v in (("prefill", shape.get("prefill")), ("decode", shape.get("decode")),
+                                ("router", ns.routers)) if v is not None}
+    tp_size, model_path = node.pop("tp_size", None), node.pop("model_path", None)
     tp = {role: size for role in ("prefill", "decode")
-          if (size := _first_set(getattr(ns, f"{role}_tp_size"), ns.tp_size)) is not None}
-    return spec.with_counts(**counts).with_tp(**tp).with_flags(model_path=ns.model_path, **flags)
+          if (size := _first_set(shape.get(f"{role}_tp_size"), tp_size)) is not None}
+    return spec.with_counts(**counts).with_tp(**tp).with_flags(model_path=model_path, **node)
 
 
 def _first_set(*values: int | None) -> int | None:
@@ -69,6 +77,7 @@ def run_ray(ns: argparse.Namespace) -> int:
 
     from deploy.ray import deployer
 
+    spec = spec_from_args(ns) if ns.ray_command == "up" else None  # a bad flag stops it before Ray starts
     if ns.address == "local":
         ray.init(namespace=ns.namespace, include_dashboard=False)
     else:
@@ -77,7 +86,8 @@ def run_ray(ns: argparse.Namespace) -> int:
         if ns.ray_command == "up":
             opts = deployer.RayOptions(namespace=ns.namespace, pin=ns.pin, node_cpus=ns.node_cpus,
                                        gpus_per_rank=ns.gpus_per_rank, start_timeout_s=ns.start_timeout)
-            out: object = deployer.up(spec_from_args(ns), opts)
+            assert spec is not None
+            out: object = deployer.up(spec, opts)
         elif ns.ray_command == "down":
             out = {"removed": deployer.down(ns.namespace)}
         elif ns.ray_command == "supervise":

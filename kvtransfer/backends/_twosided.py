@@ -133,8 +133,8 @@ def destination_messages(args: KVArgs, header: ChunkHeader) -> list[Message]:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; on CPU through numpy (single-threaded): torch's copy of small bf16 slices measured ~10x
-    slower here (0.27 vs 2.8 GB/s, 2 loaded cores). Both are views whose last dimension is contiguous."""
+    """``dst.copy_(src)``; on CPU through numpy (single-threaded): torch's copy of small bf16 slices is far slower
+    (benchmarks/pages/kv_transfer.md). Both are views whose last dimension is contiguous."""
     if dst.device.type == "cpu":
         np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
     else:

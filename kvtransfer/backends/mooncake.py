@@ -29,7 +29,7 @@ import threading
 
 import numpy as np
 
-from common.kv_options import option
+from common.kv_backends import option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import memory_kind

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.kv_options import int_option
+from common.kv_backends import int_option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import memory_kind

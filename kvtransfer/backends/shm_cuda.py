@@ -185,8 +185,8 @@ class CudaIpcBackend(QueuedBackend):
 
     # ---- prefill worker thread ----------------------------------------------------------------------------------
     def _move(self, job: TransferJob) -> Landing | None:
-        """Enqueue the job's copies on the peer's stream; the host work here is the fixed cost of every job (a
-        512 MiB request's copy takes ~0.27 ms on an H200), so the checks and tables are per pool, not per job."""
+        """Enqueue the job's copies on the peer's stream; the host work here is the fixed cost of every job (on a
+        GPU it rivals the copy itself: benchmarks/pages/kv_transfer.md), so the checks and tables are per pool."""
         with self._lock:
             pool, failed = self._pools.get(job.peer), self._failed.get(job.peer)
         if pool is None:

@@ -6,11 +6,12 @@ header's ``segment_pages`` > 0 says the payload is in the staged layout.
 
 Striping: a job of at least 2 x ``stripe_bytes`` is cut into up to ``streams`` stripes of consecutive pages
 (``split_runs``), each moved on its own connection by its own thread, so the copies into and out of the kernel run
-on several cores at once (one TCP stream is bound by one core's copy: on loopback two streams move ~1.2x the bytes
-of one). A stripe is a whole job on the wire (its own header and ack), so the decode side needs no stripe logic; the
-job is done when every stripe is, and a failed stripe fails the job only after the others have stopped.
+on several cores at once (one TCP stream is bound by one core's copy: on loopback two streams move more bytes than
+one, benchmarks/pages/kv_transfer.md). A stripe is a whole job on the wire (its own header and ack), so the decode
+side needs no stripe logic; the job is done when every stripe is, and a failed stripe fails the job only after the
+others have stopped.
 
-Settings (``--kv-transfer-option``, checked and defaulted in ``common.kv_options``): ``stage`` ("auto": stage when
+Settings (``--kv-transfer-option``, checked and defaulted in ``common.kv_backends``): ``stage`` ("auto": stage when
 either side's buffers are on a GPU; "always": stage CPU buffers too, the same byte path CI runs), ``stage_bytes``
 (segment size, default 16 MiB), ``streams`` (connections per decode peer, 1..8, default 2), ``stripe_bytes``
 (smallest stripe, default 4 MiB).
@@ -28,13 +29,17 @@ The ack is what makes ``on_job_done(job, None)`` mean "in the destination pages"
 
 Listener bounds: nothing is allocated for a connection before its DataHello proves the secret for an accepted peer
 (the hello frame is capped at ``MAX_HELLO_BYTES`` and must arrive within ``HELLO_TIMEOUT_S``); a frame never exceeds
-``max_frame_bytes`` and a payload never exceeds what its header's destination runs hold; at most
-``MAX_CONNS_PER_HOST`` connections per remote host and ``MAX_CONNS`` in all (one reader thread each).
+``max_frame_bytes`` and a payload never exceeds what its header's destination runs hold. Until its hello, a connection
+holds a slot of a ``ConnectionBudget`` (``MAX_CONNS_PER_HOST`` per remote host, ``MAX_CONNS`` in all; at a bound the
+oldest unproven connection is closed to make room), so unproven connections cannot lock a prefill rank out; proven
+ones are at most ``MAX_CONNS`` (one reader thread each).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hmac
 import logging
 import secrets
@@ -44,7 +49,8 @@ import threading
 import msgspec
 import torch
 
-from common.kv_options import int_option, option
+from common.kv_backends import int_option, option
+from common.node.conn_budget import ConnectionBudget, Slot
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.staging import PageStager, expand_pages
@@ -67,8 +73,14 @@ log = logging.getLogger(__name__)
 NONCE_BYTES = 16
 MAX_HELLO_BYTES = 1024
 HELLO_TIMEOUT_S = 5.0
-MAX_CONNS_PER_HOST = 32  # e.g. 8 prefill ranks on one host x 2 streams each, twice over
-MAX_CONNS = 128
+MAX_CONNS_PER_HOST = 32  # unproven, e.g. 8 prefill ranks on one host x 2 streams each, twice over
+MAX_CONNS = 128  # unproven; and proven
+
+
+def _unblock(sock: socket.socket) -> None:
+    """End a connection whose slot was reclaimed: its reader's blocked read returns and the reader closes it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -96,7 +108,8 @@ class TcpBackend(QueuedBackend):
         self._peers: dict[PeerKey, PeerInfo] = {}
         self._socks: dict[tuple[PeerKey, int], socket.socket] = {}  # prefill: connection per (decode peer, stream)
         self._accepted: dict[socket.socket, PeerKey | None] = {}  # decode: connections by sending peer
-        self._conns_by_host: dict[str, int] = {}  # decode: open connections (proven or not) per remote host
+        self._unproven = ConnectionBudget("the tcp KV data port", MAX_CONNS_PER_HOST, MAX_CONNS)  # decode
+        self._proven = 0  # decode: connections whose hello proved an accepted peer
         # A header lists at most one run per page; msgpack needs < 32 bytes per run.
         self.max_frame_bytes = 4096 + 32 * args.num_pages
         self.refused_connections = 0
@@ -277,20 +290,9 @@ class TcpBackend(QueuedBackend):
                 sock, remote = self._listener.accept()
             except OSError:
                 return
-            host = str(remote[0])
-            with self._lock:
-                admit = (self._conns_by_host.get(host, 0) < MAX_CONNS_PER_HOST
-                         and sum(self._conns_by_host.values()) < MAX_CONNS)
-                if admit:
-                    self._conns_by_host[host] = self._conns_by_host.get(host, 0) + 1
-                else:
-                    self.refused_connections += 1
-            if not admit:
-                log.warning("kv tcp: refused a data connection from %s (connection limit)", host)
-                shutdown(sock)
-                continue
+            slot = self._unproven.admit(str(remote[0]), functools.partial(_unblock, sock))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(sock, host), name="kv-tcp-recv", daemon=True).start()
+            threading.Thread(target=self._serve, args=(sock, slot), name="kv-tcp-recv", daemon=True).start()
 
     def _authenticate(self, sock: socket.socket) -> PeerKey:
         """Challenge the connecting side; it must prove the cluster secret as a peer the control plane accepted."""
@@ -306,13 +308,21 @@ class TcpBackend(QueuedBackend):
             raise TransferError(f"data connection claiming {hello.instance_id} did not prove the cluster secret")
         return PeerKey(hello.instance_id, hello.epoch)
 
-    def _serve(self, sock: socket.socket, host: str) -> None:
+    def _serve(self, sock: socket.socket, slot: Slot) -> None:
+        proven = False
         try:
             key = self._authenticate(sock)
             with self._lock:
                 if self._closed or key not in self._peers:
                     raise TransferError(f"data connection from {key.instance_id} which passed no handshake")
+                if self._proven >= MAX_CONNS:
+                    self.refused_connections += 1
+                    raise TransferError(f"data connection from {key.instance_id}: {MAX_CONNS} proven connections "
+                                        "are open already")
                 self._accepted[sock] = key
+                self._proven += 1
+                proven = True
+            self._unproven.release(slot)
             while True:
                 header = recv_frame(sock, self.max_frame_bytes)
                 if not isinstance(header, ChunkHeader):
@@ -322,11 +332,10 @@ class TcpBackend(QueuedBackend):
         except (OSError, ConnectionError, TransferError, msgspec.DecodeError) as exc:
             log.debug("kv tcp: data connection closed: %s", exc)
         finally:
+            self._unproven.release(slot)
             with self._lock:
                 self._accepted.pop(sock, None)
-                self._conns_by_host[host] -= 1
-                if not self._conns_by_host[host]:
-                    del self._conns_by_host[host]
+                self._proven -= proven
             shutdown(sock)
 
     def _receive_chunk(self, sock: socket.socket, header: ChunkHeader) -> str:

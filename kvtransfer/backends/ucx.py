@@ -11,10 +11,11 @@ prefill side one C call per segment (no future, no message).
     per job:     write_segments (``onesided``: every page run of every layer, K and V, or head slices) -> one PUT
                  per segment -> ``ucp_ep_flush_nbx``, polled until the bytes are in decode's memory
 
-Threads: every UCX call runs on one asyncio loop thread per process (``_Runtime``, shared by the process's UCX
-backends and stopped with the last of them); the prefill side's per-peer worker threads (``PeerWorkers``) hand
-each job to that loop and wait for it, so jobs to one peer complete in submission order and the scheduler thread
-never blocks. The UCP calls ucxx does not wrap go through ``ucp_rma``.
+Threads: every UCX call runs on one asyncio loop thread per process (``ucx_runtime.UcxRuntime``, shared by the
+process's UCX backends and stopped with the last of them); the prefill side's per-peer worker threads
+(``PeerWorkers``) hand each job to that loop and wait for it, so jobs to one peer complete in submission order and
+the scheduler thread never blocks. A job's PUTs and flush go over the peer's ``ucx_connection.Connection``; the UCP
+calls ucxx does not wrap go through ``ucp_rma``.
 
 Invariant: a job is reported only after its flush completed, or after its endpoint was aborted and the flush
 request finished (no PUT of it in flight): nothing touches its source or destination pages afterwards. The
@@ -31,7 +32,7 @@ copy made here. At start-up the backend checks that the process's UCX context ha
 refuses with an error naming the missing support. The forward that wrote the pages (default stream) is
 synchronized before the PUTs read them.
 
-Settings (``--kv-transfer-option``, defaults in ``common.kv_options``): ``ucx_tls`` (default "all": UCX picks per peer and memory type,
+Settings (``--kv-transfer-option``, defaults in ``common.kv_backends``): ``ucx_tls`` (default "all": UCX picks per peer and memory type,
 InfiniBand and CUDA transports included, as NIXL leaves it; the user's ``UCX_TLS`` wins), ``ucx_progress_mode`` (default "blocking"). Both are per process:
 the first UCX backend of a process fixes them.
 """
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import threading
 import time
@@ -48,119 +48,25 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 import ucxx
-from ucxx.exceptions import UCXError
 
-from common.kv_options import option
+from common.kv_backends import option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends import ucp_rma as ucp
-from kvtransfer.backends import ucx_progress, wire
+from kvtransfer.backends import wire
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import memory_kind
 from kvtransfer.backends.onesided import RemotePool, pool_endpoint, write_segments
+from kvtransfer.backends.ucx_connection import Connection, Target
+from kvtransfer.backends.ucx_runtime import CALL_TIMEOUT_S, UcxRuntime
 from kvtransfer.backends.workers import QueuedBackend, TransferError
 
 log = logging.getLogger(__name__)
 
-CALL_TIMEOUT_S = 10.0  # loop-thread housekeeping calls (listen, abort, shutdown, a cancelled flush)
-SPIN_POLLS = 2000  # flush polls before backing off to short sleeps (a TCP transfer would hold a core otherwise)
-BACKOFF_S = 0.0002
-
-
-class _Runtime:
-    """The process's UCX context and the event loop thread it progresses on (refcounted by backends)."""
-
-    _lock = threading.Lock()
-    _users = 0
-    _loop: asyncio.AbstractEventLoop | None = None
-    _thread: threading.Thread | None = None
-
-    @classmethod
-    def acquire(cls, tls: str, progress_mode: str, device: torch.device) -> asyncio.AbstractEventLoop:
-        with cls._lock:
-            if cls._loop is None:
-                ucx_progress.install()  # ucxx's own "blocking" mode spins after the first event
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name="kv-ucx-loop", daemon=True)
-                thread.start()
-
-                async def init() -> None:
-                    if device.type == "cuda":  # UCX's CUDA transports use the loop thread's current context
-                        torch.cuda.set_device(device)
-                    # env_takes_precedence: a user's UCX_* variables override these defaults. ucxx itself sets
-                    # UCX_MEMTYPE_CACHE, which libucx 1.21 no longer knows and would warn about at every start.
-                    ucxx.init(options={"TLS": tls, "WARN_UNUSED_ENV_VARS": "n"}, env_takes_precedence=True,
-                              progress_mode=progress_mode)
-
-                try:
-                    asyncio.run_coroutine_threadsafe(init(), loop).result(CALL_TIMEOUT_S)
-                except BaseException:
-                    loop.call_soon_threadsafe(loop.stop)
-                    thread.join(CALL_TIMEOUT_S)
-                    loop.close()
-                    raise
-                cls._loop, cls._thread = loop, thread
-            cls._users += 1
-            return cls._loop
-
-    @classmethod
-    def release(cls) -> None:
-        with cls._lock:
-            cls._users -= 1
-            if cls._users or cls._loop is None or cls._thread is None:
-                return
-            loop, thread = cls._loop, cls._thread
-            cls._loop = cls._thread = None
-
-            async def reset() -> None:
-                gc.collect()  # endpoints/listeners must be gone before reset()
-                ucxx.reset()
-
-            try:
-                asyncio.run_coroutine_threadsafe(reset(), loop).result(CALL_TIMEOUT_S)
-            except (UCXError, FutureTimeout) as exc:
-                log.warning("kv ucx: UCX reset incomplete: %s", exc)
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(CALL_TIMEOUT_S)
-            loop.close()
-
-
-
-@dataclass
-class _Target:
-    """A decode peer as its endpoint describes it (prefill side)."""
-
-    info: PeerInfo
-    pool: RemotePool
-    rkeys: list[bytes]
-    # Why this pairing's connection broke (sticky; later jobs fail at once naming it). Kept on the pairing, not the
-    # key: a peer removed and added again (it handshook again after losing this rank) has the same key, and a job of
-    # the old pairing that ends late must not break the new one.
-    broken: str | None = None
-
-
-@dataclass
-class _Connection:
-    """Prefill: the endpoints to a decode peer and the remote keys unpacked on the data one (loop thread only).
-
-    ``ep`` (through decode's listener, peer-failure error handling) carries the handshake and ends when either side
-    drops the peer; a job fails if it is closed once its flush completed. ``data`` (from decode's worker address,
-    no peer-failure error handling, ``ucp.Endpoint``) carries the PUTs: libucx 1.21's cma has no peer-failure
-    support, so an endpoint with it (every listener endpoint) gets no cma lane and PUTs go over tcp/lo
-    (UCX_PROTO_INFO), ~2x slower than NIXL's cma single-copy WRITE on one host. It has an error callback all the
-    same: a PUT into a decode process that just died fails the endpoint and the job (without one, UCX aborted the
-    prefill process); a decode that dies silently fails the flush or the job's deadline aborts it."""
-
-    ep: Any
-    target: _Target
-    data: ucp.Endpoint | None = None
-    rkeys: list[ucp.RemoteKey] = field(default_factory=list)
-    open: bool = True
 
 
 def _resolve_soon(fut: asyncio.Future[None]) -> None:
@@ -177,18 +83,18 @@ class UcxBackend(QueuedBackend):
         opts = config.backend_options
         self._device = args.k_buffers[0].device
         self._cuda = self._device.type == "cuda"
-        self._loop = _Runtime.acquire(option("ucx", opts, "ucx_tls"), option("ucx", opts, "ucx_progress_mode"),
+        self._loop = UcxRuntime.acquire(option("ucx", opts, "ucx_tls"), option("ucx", opts, "ucx_progress_mode"),
                                       self._device)
         self._lock = threading.Lock()
         self._closed = False
-        self._targets: dict[PeerKey, _Target] = {}  # prefill: known decode peers
+        self._targets: dict[PeerKey, Target] = {}  # prefill: known decode peers
         self._unusable: dict[PeerKey, str] = {}  # prefill: peers whose endpoint could not be read: why
         self._peers: set[PeerKey] = set()  # decode: prefill ranks that passed the handshake
         # prefill: the loop futures of jobs in flight per peer; a removed peer's are cancelled at once (a connect to
         # a dead peer would otherwise hold its rooms' pages until the connect timeout)
         self._inflight: dict[PeerKey, set[Future[Any]]] = {}
         self._running = 0  # jobs on the loop (the registration stays while any is)
-        self._conns: dict[PeerKey, _Connection] = {}  # prefill: per decode peer (loop only)
+        self._conns: dict[PeerKey, Connection] = {}  # prefill: per decode peer (loop only)
         self._serving: dict[asyncio.Task[None], PeerKey | None] = {}  # decode: one task per connection (loop only)
         self._listener: Any = None
         self._worker_address = ""  # decode: hex of its UCP worker address, for prefill's data endpoints
@@ -205,7 +111,7 @@ class UcxBackend(QueuedBackend):
         except BaseException:
             with contextlib.suppress(Exception):
                 self._call(self._unregister())
-            _Runtime.release()
+            UcxRuntime.release()
             raise
 
     # ---- interface ---------------------------------------------------------------------------------------------
@@ -227,7 +133,7 @@ class UcxBackend(QueuedBackend):
             try:
                 ep = peer.endpoint
                 rkeys = [bytes.fromhex(k) for k in ep["rkeys"].split(",")]
-                target = _Target(peer, RemotePool.of(peer, len(self._buffers)), rkeys)
+                target = Target(peer, RemotePool.of(peer, len(self._buffers)), rkeys)
                 if len(rkeys) != len(self._buffers) or "port" not in ep or "worker" not in ep:
                     raise ValueError(f"{len(rkeys)} remote keys for {len(self._buffers)} KV buffers")
             except (KeyError, ValueError) as exc:
@@ -272,7 +178,7 @@ class UcxBackend(QueuedBackend):
                 else:
                     self._call(self._unregister())
             finally:
-                _Runtime.release()
+                UcxRuntime.release()
 
     def _check_cuda_transports(self) -> None:
         async def transports() -> set[str]:
@@ -322,18 +228,13 @@ class UcxBackend(QueuedBackend):
             self._listener.close()
             self._listener = None
 
-    def _drop_connections(self, key: PeerKey, target: _Target | None = None) -> None:
+    def _drop_connections(self, key: PeerKey, target: Target | None = None) -> None:
         """Loop thread: abort the endpoint to ``key`` (its remote keys first; only if it was opened for ``target``
         when one is named) and stop serving its connections."""
         conn = self._conns.get(key)
         if conn is not None and (target is None or conn.target is target):
             del self._conns[key]
-            conn.open = False
-            for rkey in conn.rkeys:
-                rkey.destroy()
-            if conn.data is not None:
-                conn.data.close(CALL_TIMEOUT_S)
-            conn.ep.abort()
+            conn.close()
         for task, peer in list(self._serving.items()):
             if peer == key:
                 task.cancel()
@@ -361,7 +262,7 @@ class UcxBackend(QueuedBackend):
             with self._lock:
                 self._running -= 1
 
-    def _run_on_loop(self, job: TransferJob, target: _Target, segments: tuple[np.ndarray, ...]) -> None:
+    def _run_on_loop(self, job: TransferJob, target: Target, segments: tuple[np.ndarray, ...]) -> None:
         started, left = threading.Event(), threading.Event()  # the job's coroutine entered / left the loop
         future = asyncio.run_coroutine_threadsafe(self._move_async(job, target, segments, started, left), self._loop)
         with self._lock:
@@ -395,80 +296,33 @@ class UcxBackend(QueuedBackend):
         with self._lock:
             self._inflight.get(peer, set()).discard(future)
 
-    async def _move_async(self, job: TransferJob, target: _Target, segments: tuple[np.ndarray, ...],
+    async def _move_async(self, job: TransferJob, target: Target, segments: tuple[np.ndarray, ...],
                           started: threading.Event, left: threading.Event) -> None:
         started.set()
         try:
             conn = await self._connection(job.peer, target)
             if self._cuda:  # the forward that wrote the pages
                 torch.cuda.default_stream(self._device).synchronize()
-            src, dst, length = (a.tolist() for a in segments)
-            per_buffer = len(src) // len(conn.rkeys)  # segments are buffer-major, as many per buffer
-            assert conn.data is not None and conn.data.handle is not None
-            ep, rkeys = conn.data.handle, [k.handle for k in conn.rkeys]
-            for i, (s, d, n) in enumerate(zip(src, dst, length, strict=True)):  # NOTE: no await: conn stays open
-                status = ucp.put(ep, s, n, d, rkeys[i // per_buffer])
-                if status < 0:
-                    raise TransferError(f"PUT to {job.peer.instance_id} failed: {ucp.describe(status)}")
-            await self._flush(job, conn)
+            conn.put(job, segments)  # NOTE: no await between the PUTs and the flush: conn stays open
+            await conn.flush(job, lambda: self._drop_connections(job.peer, conn.target))
         finally:
             left.set()
 
-    async def _flush(self, job: TransferJob, conn: _Connection) -> None:
-        """Until every PUT on ``conn`` is in the peer's memory; on any exit before that (error, cancellation) the
-        endpoint is aborted and the flush request waited for, so no PUT of the job is left in flight."""
-        try:
-            assert conn.data is not None and conn.data.handle is not None
-            req = ucp.flush(conn.data.handle)
-        except ucp.UcpError as exc:
-            raise TransferError(f"flush to {job.peer.instance_id}: {exc}") from exc
-        if req is None:
-            return
-        try:
-            polls = 0
-            while (status := ucp.status(req)) == ucp.UCS_INPROGRESS:
-                ucp.progress()
-                polls += 1
-                await asyncio.sleep(0 if polls < SPIN_POLLS else BACKOFF_S)
-            if status != ucp.UCS_OK:
-                raise TransferError(f"WRITE of room {job.room} to {job.peer.instance_id} failed: "
-                                    f"{ucp.describe(status)}")
-            if conn.ep.closed:  # decode dropped this prefill rank: what it wrote may have landed after that
-                raise TransferError(f"connection to {job.peer.instance_id} closed by the peer")
-        finally:
-            if ucp.status(req) == ucp.UCS_INPROGRESS:  # cancelled: abort, then let the request finish
-                self._drop_connections(job.peer, conn.target)
-                end = time.monotonic() + CALL_TIMEOUT_S
-                while ucp.status(req) == ucp.UCS_INPROGRESS and time.monotonic() < end:
-                    ucp.progress()
-            ucp.release(req)
-
-    async def _connection(self, key: PeerKey, target: _Target) -> _Connection:
+    async def _connection(self, key: PeerKey, target: Target) -> Connection:
         conn = self._conns.get(key)
         if conn is not None and conn.target is target:
             return conn
         if conn is not None:  # opened for an earlier pairing with the same key
             self._drop_connections(key)
-        ep = await ucxx.create_endpoint(target.info.endpoint["host"], int(target.info.endpoint["port"]),
-                                       connect_timeout=min(self.config.bootstrap_timeout_s, 30.0))
-        conn = _Connection(ep, target)
-        try:
-            await ep.send_obj(wire.encode(wire.DataHello(self.local.instance_id, self.local.epoch)))
+
+        def wanted() -> bool:
             with self._lock:
-                gone = self._closed or self._targets.get(key) is not target
-            if gone:
-                raise TransferError("peer removed")
-            conn.data = ucp.Endpoint(bytes.fromhex(target.info.endpoint["worker"]))
-            conn.rkeys = [ucp.RemoteKey(conn.data.handle, packed) for packed in target.rkeys]
-        except BaseException:
-            for rkey in conn.rkeys:
-                rkey.destroy()
-            if conn.data is not None:
-                conn.data.close(CALL_TIMEOUT_S)
-            ep.abort()
-            raise
+                return not self._closed and self._targets.get(key) is target
+
+        conn = await Connection.open(target, self.local, min(self.config.bootstrap_timeout_s, 30.0), wanted)
         self._conns[key] = conn
         return conn
+
 
     # ---- decode: one task per incoming connection --------------------------------------------------------------
     async def _serve(self, ep: Any) -> None:

@@ -269,7 +269,7 @@ def _cpu_s(pid: int) -> float:
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="process CPU times from /proc")
 def test_an_idle_cluster_sleeps(cluster) -> None:
     """After the traffic above, with nothing in flight, no process of the cluster spins: the router, the fronts, the
-    ranks and their KV threads wait on their sockets and timers (a UCX loop thread once spun at 99 % of a core per
+    ranks and their KV threads wait on their sockets and timers (a UCX loop thread once spun on a whole core per
     rank after its first transfer, for good)."""
     wait_nodes_idle(cluster, ["prefill-0", "prefill-1", "decode-0"])
     time.sleep(1.0)

@@ -349,7 +349,9 @@ async def test_n_choices_in_pd_equal_colocated_and_move_the_prompt_once(nodes, m
 
 async def test_decode_killed_mid_output_migrates_and_the_json_validates(nodes, model_path) -> None:
     """Last in this module: it kills a decode node."""
-    schema = {"type": "array", "items": {"type": "boolean"}, "minItems": 70, "maxItems": 70}
+    # Strings bounded by length: the migrated attempt's grammar replays the first attempt's tokens through them.
+    schema = {"type": "array", "items": {"type": "string", "minLength": 2, "maxLength": 5}, "minItems": 24,
+              "maxItems": 24}
     server = RouterServer(RouterConfig(
         model_path=str(model_path), grpc_port=0, http_port=None, health_interval_s=0.5, load_interval_s=0.2,
         request_timeout_s=120.0, workers=workers(nodes, "pd"),
@@ -360,7 +362,7 @@ async def test_decode_killed_mid_output_migrates_and_the_json_validates(nodes, m
             stub = router_pb2_grpc.RouterStub(channel)
             sp = common_pb2.SamplingParams(max_new_tokens=400, temperature=1.0, seed=11,
                                            json_schema=json.dumps(schema))
-            req = router_pb2.RouterGenerateRequest(request_id="victim", text="many booleans", sampling_params=sp,
+            req = router_pb2.RouterGenerateRequest(request_id="victim", text="many strings", sampling_params=sp,
                                                    stream=True)
             got, victim, done = 0, None, None
             async for m in stub.Generate(req):

@@ -17,7 +17,7 @@ from router.metrics import RouterMetrics
 
 
 def code_series() -> dict[str, set[str]]:
-    from common.io_struct import QueueLoad
+    from common.engine.io_struct import QueueLoad
     from common.node.metrics import observe_load  # registers the node metrics in the default registry
 
     # what a node's first load report sets (the queue gauges have no series before it)

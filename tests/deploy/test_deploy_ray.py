@@ -76,7 +76,7 @@ HEAD_NODE = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "include_dashboard":
 def _start_cluster() -> tuple[Cluster, dict[str, Any]]:
     """The head and one node per role. A start that fails leaves no Ray process behind; it is tried twice, since Ray
     gives a starting raylet a fixed 30 s to register (``ray._private.node``), which a loaded 2-core machine has
-    missed once (2026-11-27: "The current node timed out during startup", the head's GCS left running)."""
+    missed ("The current node timed out during startup", the head's GCS left running)."""
     for attempt in range(2):
         c = Cluster(initialize_head=False)
         try:

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from common.engine.io_struct import GenerateReqInput
 from common.engine.mem import TokenToKVPoolAllocator
 from common.engine.schedule_batch import ScheduleBatch
-from common.io_struct import GenerateReqInput
 from tests.engine.test_engine import greedy, make_prompts, overlap_flags
 from tests.engine.test_overlap import run_together
 

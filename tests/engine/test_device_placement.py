@@ -13,7 +13,8 @@ import torch
 
 import common.engine.device as device_mod
 from common.app.cli import build_parser
-from common.app.up import LocalCluster, place_nodes, placement_lines
+from common.app.placement import place_nodes, placement_lines
+from common.app.up import LocalCluster
 from common.config import ServerArgs
 from common.engine.device import CUDA_RESERVE_BYTES, gpu_id, kv_cache_bytes, rank_device
 from common.errors import ConfigError
@@ -113,7 +114,7 @@ def test_up_default_backend_and_node_flags_follow_the_device(tmp_path) -> None:
                               "--num-gpus", "1"))
     assert gpu.backend == "shm"
     assert gpu.placement["decode-0"].base_gpu_id == 0 and gpu.placement["decode-0"].mem_fraction_static == 0.425
-    flags = gpu._node_flags()
+    flags = gpu._node_flags("prefill")
     assert flags[flags.index("--device") + 1] == "cuda"
     with pytest.raises(RuntimeError, match=r"nccl cannot pair two nodes on one GPU.*shm or tcp"):
         LocalCluster(_up_ns("--model-path", model, "--log-dir", str(tmp_path), "--device", "cuda",
@@ -164,8 +165,8 @@ def test_up_passes_per_role_tp_to_the_node_command_lines(tmp_path, monkeypatch) 
     gargs = {n: _serve_args(gpu, n) for n in gpu.node_names}
     assert {n: (a.base_gpu_id, a.tp_size, a.mem_fraction_static) for n, a in gargs.items()} == {
         "prefill-0": (0, 2, 0.85), "decode-0": (2, 1, 0.85), "decode-1": (3, 1, 0.85)}
-    with pytest.raises(SystemExit):
-        _up_ns(*base, "--decode-tp-size", "0")
+    with pytest.raises(ConfigError, match="--decode-tp-size must be >= 1, got 0"):  # ClusterShape's check
+        LocalCluster(_up_ns(*base, "--decode-tp-size", "0"))
     with pytest.raises(ValueError, match="needs 8 GPUs per node"):
         LocalCluster(_up_ns(*base, "--tp-size", "8", "--device", "cuda", "--num-gpus", "4"))
 

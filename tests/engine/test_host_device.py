@@ -22,10 +22,10 @@ from torch.overrides import TorchFunctionMode
 import common.engine.model_runner as model_runner
 from common.config import ServerArgs
 from common.engine.forward_batch import ForwardBatch
+from common.engine.io_struct import GenerateReqInput, TokenOut
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.engine.sampling.params import SamplingParams
 from common.engine.scheduler import Scheduler
-from common.io_struct import GenerateReqInput, TokenOut
 from common.text.tokenizer import load_tokenizer
 from tests.model_fixtures import make_tiny_model
 

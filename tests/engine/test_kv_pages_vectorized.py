@@ -1,8 +1,8 @@
 """The KV page-copy kernels move 16-byte vectors, not one element at a time (checked on the PTX, no GPU needed).
 
 The kernels load each buffer's base address from a table, so Triton cannot see its alignment; without the
-``ALIGNED`` hint every bf16 element is its own 2-byte load and store (measured on an H200: the CUDA-IPC copy of a
-512 MiB request at half the device copy's speed). Triton compiles for sm_90 here with the ``ptxas`` its wheel ships.
+``ALIGNED`` hint every bf16 element is its own 2-byte load and store (slower on an H200:
+benchmarks/pages/kv_transfer.md). Triton compiles for sm_90 here with the ``ptxas`` its wheel ships.
 """
 
 from __future__ import annotations

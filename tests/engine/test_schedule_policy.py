@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput, TokenOut
 from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.radix_cache import RadixCache
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
@@ -21,7 +22,6 @@ from common.engine.sampling.params import SamplingParams
 from common.engine.schedule_order import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
 from common.engine.scheduler import Scheduler
 from common.errors import ConfigError, InvalidRequestError
-from common.io_struct import GenerateReqInput, TokenOut
 from common.text.tokenizer import load_tokenizer
 from tests.conftest import assert_pools_released
 from tests.model_fixtures import make_tiny_model
@@ -468,7 +468,7 @@ def test_peek_prefix_matches_match_prefix() -> None:
 def test_queue_lengths_per_priority_class_and_preemptions_reach_prometheus() -> None:
     import prometheus_client
 
-    from common.io_struct import QueueLoad
+    from common.engine.io_struct import QueueLoad
     from common.node.metrics import observe_load
 
     def sample(name: str, **labels: str) -> float | None:

@@ -145,9 +145,9 @@ def test_pd_roles_report_their_queues(llama, caplog, monkeypatch) -> None:
     import time
 
     from common.config import ServerArgs
+    from common.engine.io_struct import GenerateReqInput, PrefillDone, TokenOut
     from common.engine.sampling.params import SamplingParams
     from common.engine.scheduler import Scheduler
-    from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
     from common.text.tokenizer import load_tokenizer
     from decode_node.role import DecodeRole
     from kvtransfer.bootstrap import BootstrapServer
@@ -233,6 +233,6 @@ def test_decode_interval_throughput_is_tokens_over_busy_wall_time(monkeypatch) -
         interval.tokens += 3
     assert due == [False, True, False, True]
     interval.retracted = 2
-    assert interval.take() == (12 / 2.0, 2)
-    interval.tokens = 5
-    assert interval.take() == (5 / 2.0, 0)
+    assert interval.take() == (12 / 2.0, 2, None)
+    interval.tokens, interval.verify_steps, interval.verify_tokens = 5, 2, 7
+    assert interval.take() == (5 / 2.0, 0, 3.5)

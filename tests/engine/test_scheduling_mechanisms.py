@@ -11,9 +11,9 @@ import pytest
 
 from common.config import ServerArgs
 from common.engine.forward_batch import ForwardMode
+from common.engine.io_struct import GenerateReqInput
 from common.engine.sampling.params import SamplingParams
 from common.engine.scheduler import Scheduler
-from common.io_struct import GenerateReqInput
 from common.text.tokenizer import load_tokenizer
 from tests.model_fixtures import make_tiny_model
 

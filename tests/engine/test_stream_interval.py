@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.io_struct import TokenOut
+from common.engine.io_struct import TokenOut
 from common.node.engine import Engine
 from tests.model_fixtures import make_tiny_model
 

@@ -17,9 +17,8 @@ import jsonschema
 import pytest
 import torch
 
-from common.engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from common.engine.sampling.grammar import allocate_bitmask, apply_bitmask
 from common.errors import InvalidRequestError
-from common.node.engine import RequestFailed
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "nested": {
@@ -39,8 +38,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object",
         "properties": {
             "color": {"enum": ["red", "green", "blue"]},
-            "tags": {"type": "array", "items": {"type": "string", "pattern": "^[A-Za-z ]{0,4}$"}, "minItems": 1,
-                     "maxItems": 3},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1, "maxItems": 3},
         },
         "required": ["color", "tags"],
     },
@@ -205,48 +203,88 @@ def test_a_dead_end_is_a_clear_error_not_garbage(engine_factory, model_path) -> 
         engine.generate("hi", sampling_params={"max_new_tokens": 16, "min_new_tokens": 5, "regex": "ok"})
 
 
-def test_compilation_is_off_the_step_and_has_a_deadline(engine_factory, model_path, monkeypatch) -> None:
-    slow = {"s": 1.0}
-    compile_ = GrammarCompiler._compile
+def slow_schema(tag: str = "") -> str:
+    """Small to send (3 KB), long to compile (about 20 s on an idle 2-core host): long repetition ranges in patterns
+    cost xgrammar time that grows faster than the range."""
+    props = {f"{tag}p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{3000 + i}}}x$"} for i in range(50)}
+    return json.dumps({"type": "object", "properties": props})
 
-    def slow_compile(self: GrammarCompiler, kind: str, source: str) -> Any:
-        time.sleep(slow["s"])
-        return compile_(self, kind, source)
 
-    monkeypatch.setattr(GrammarCompiler, "_compile", slow_compile)
-    engine = engine_factory(model_path, grammar_compile_timeout=0.3)
-    with pytest.raises(RequestFailed, match=r"did not compile within 0\.3 s"):
-        engine.generate("hi", sampling_params={"max_new_tokens": 8, "regex": "[a-z]+x"})
-    # While a grammar compiles, plain requests are served.
-    engine2 = engine_factory(model_path, grammar_compile_timeout=20)
-    slow["s"] = 2.0
+def test_a_compile_past_its_deadline_is_stopped_and_the_step_never_waits(engine_factory, model_path) -> None:
     import threading
 
+    engine = engine_factory(model_path, grammar_compile_timeout=1.0, grammar_compile_workers=1)
+    pool = engine.scheduler.grammar_compiler.pool
+    assert engine.generate("warm", sampling_params={"max_new_tokens": 4, "regex": "[ab]"}).text in ("a", "b")
+    [worker] = pool.worker_pids()
     got: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: got.setdefault("g", engine2.generate(
-        "hi", sampling_params={"max_new_tokens": 8, "regex": "q[a-z]{2}"})))
+
+    def ask() -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.generate("hi", sampling_params={"max_new_tokens": 8, "json_schema": slow_schema()})
+        got["error"] = str(info.value)
+
+    t = threading.Thread(target=ask)
     t.start()
     time.sleep(0.2)
     t0 = time.monotonic()
-    plain = engine2.generate("hi", sampling_params={"max_new_tokens": 4})
-    assert time.monotonic() - t0 < slow["s"], "a plain request waited for another request's grammar"
-    assert plain.finish_reason == "length"
+    plain = engine.generate("hi", sampling_params={"max_new_tokens": 4})
+    assert time.monotonic() - t0 < 1.0 and plain.finish_reason == "length", "a plain request waited for a compile"
     t.join(timeout=60)
-    assert re.fullmatch("q[a-z]{2}", got["g"].text)
+    assert "json_schema did not compile within 1 s (--grammar-compile-timeout) and its compile was stopped" in got[
+        "error"]
+    assert worker not in pool.worker_pids(), "the worker of a stopped compile is still alive"
+    with pytest.raises(InvalidRequestError, match="did not compile within"):  # cached: refused without a compile
+        engine.generate("hi", sampling_params={"max_new_tokens": 8, "json_schema": slow_schema()})
+    assert not pool.worker_pids()
+    assert re.fullmatch("q[a-z]{2}", engine.generate("hi", sampling_params={  # a fresh worker takes the next one
+        "max_new_tokens": 8, "regex": "q[a-z]{2}"}).text)
 
 
-def test_compiled_grammars_are_cached_by_key(model_path) -> None:
+def test_a_compile_queued_past_its_expiry_is_dropped(model_path) -> None:
+    from common.engine.sampling import grammar
+
+    pool = grammar_compiler(model_path, workers=1, timeout_s=1.0).pool
+    try:
+        slow = pool.submit("json_schema", slow_schema(), False)
+        queued = pool.submit("regex", "[ab]+", False, expires=time.monotonic() + 0.3)
+        with pytest.raises(grammar.GrammarCompileAborted, match="did not compile within 1 s"):
+            slow.result(timeout=60)
+        assert queued.cancelled()
+        assert pool.submit("regex", "[ab]+", False).result(timeout=60).nbytes > 0
+    finally:
+        pool.close()
+
+
+def grammar_compiler(model_path: Any, **kw: Any) -> Any:
+    from common.engine.sampling import grammar
     from common.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_path)
-    compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id], any_whitespace=False)
+    return grammar.GrammarCompiler(grammar.tokenizer_info(tok, len(tok), [tok.eos_token_id]), any_whitespace=False,
+                                   **kw)
+
+
+def test_compiled_grammars_are_cached_by_key_and_give_memory_back(model_path, monkeypatch) -> None:
+    from common.engine.sampling import grammar
+
+    compiler = grammar_compiler(model_path)
+    trims = []
+    monkeypatch.setattr(grammar, "release_freed_memory", lambda: trims.append(1))
     try:
         a = compiler.submit(("regex", "[ab]+"))
         assert compiler.submit(("regex", "[ab]+")) is a
-        assert compiler.submit(("regex", "[ab]*")) is not a
-        a.result(timeout=30)
+        a.result(timeout=60)
         m1, m2 = compiler.matcher(("regex", "[ab]+")), compiler.matcher(("regex", "[ab]+"))
         assert m1.matcher is not m2.matcher  # one matcher per request over one compiled grammar
+        one = compiler.cached_bytes
+        assert one > 0 and not trims
+        # A budget of about two grammars: the least recently used leave, and their memory goes back to the OS.
+        monkeypatch.setattr(grammar, "GRAMMAR_CACHE_BYTES", 2 * one + one // 2)
+        for k in range(4):
+            compiler.submit(("regex", f"[ab]+{k}")).result(timeout=60)
+        assert compiler.submit(("regex", "[ab]+")) is not a  # evicted (at the next compile): compiled again
+        assert compiler.cached_bytes <= grammar.GRAMMAR_CACHE_BYTES and trims
     finally:
         compiler.close()
 

@@ -4,21 +4,28 @@ engine's prompt matrix: page size 1 and 16, chunked prefill on/off, radix cache 
 The matrix runs in ONE pair of spawned gloo ranks (a scheduler per configuration, fed the same inputs on both
 ranks, as the leader's broadcast would); ``Engine(tp_size=2)`` runs end to end with its follower process for the
 broadcast path. Every rank's pools are checked back at their free counts after each configuration.
+
+The same pair then runs the hierarchical cache: rank 1's loads are slower than rank 0's, its first one past
+--hicache-load-timeout, yet both settle every load at the same step (``LoadWaits.poll``: done, failed or expired,
+agreed over the group), so they admit the same requests, count the same host hits and produce the same tokens.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from common.engine.distributed import TPGroup
 from tests.engine.test_engine import LENGTHS, MATRIX, greedy, hf_greedy, make_prompts, overlap_flags
+from tests.engine.test_hicache import BASE, FULL, PROMPTS
 from tests.model_fixtures import make_tiny_model
 from tests.tp_helpers import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns rank processes
 NEW_TOKENS = 12
+SLOW_FIRST_S, SLOW_S = 1.5, 0.2  # rank 1's first load, its later ones (--hicache-load-timeout 0.5)
 
 
 def _pools_released(sched: Any) -> str | None:
@@ -41,9 +48,9 @@ def _matrix_rank(tp: TPGroup, model: str) -> list[dict[str, Any]]:
     import msgspec
 
     from common.config import ServerArgs
+    from common.engine.io_struct import GenerateReqInput, TokenOut
     from common.engine.sampling.params import SamplingParams
     from common.engine.scheduler import Scheduler
-    from common.io_struct import GenerateReqInput, TokenOut
     from common.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
@@ -75,9 +82,73 @@ def _matrix_rank(tp: TPGroup, model: str) -> list[dict[str, Any]]:
     return results
 
 
-def test_tp2_matrix_matches_hf() -> None:
+def _hicache_rank(tp: TPGroup, model: str) -> dict[str, Any]:
+    """The hierarchical cache's prompts twice (the second pass loads them back from the host), rank 1's loads
+    delayed; what each request got and cached, and the loads given up on."""
+    import msgspec
+
+    from common.config import ServerArgs
+    from common.engine.io_struct import GenerateReqInput, TokenOut
+    from common.engine.mem.hicache.copy_engine import CopyEngine
+    from common.engine.mem.hicache.load_waits import LoadWaits
+    from common.engine.sampling.params import SamplingParams
+    from common.engine.scheduler import Scheduler
+    from common.text.tokenizer import load_tokenizer
+
+    delays = [SLOW_FIRST_S] if tp.tp_rank == 1 else []
+    copy, abandon = CopyEngine._copy_pages, LoadWaits.abandon
+    abandoned: list[int] = []
+
+    def delayed(self: CopyEngine, job: Any) -> Any:
+        if job.kind == "load" and tp.tp_rank == 1:
+            time.sleep(delays.pop() if delays else SLOW_S)
+        return copy(self, job)
+
+    def counted(self: LoadWaits, job: Any, release: Any) -> None:
+        abandoned.append(len(job.device_pages))
+        abandon(self, job, release)
+
+    CopyEngine._copy_pages, LoadWaits.abandon = delayed, counted  # type: ignore[method-assign]
+    args = ServerArgs(model_path=model, tp_size=2, **BASE, enable_hierarchical_cache=True, hicache_ratio=4.0,
+                      hicache_load_timeout=0.5)
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, tuple[int, int]] = {}
+
+    def collect(msgs: list[Any]) -> None:
+        for m in msgs:
+            if isinstance(m, TokenOut):
+                tokens.setdefault(m.rid, []).extend(m.token_ids)
+                if m.finish_reason:
+                    cached[m.rid] = (m.cached_tokens, m.timing.cached_tokens_host if m.timing else -1)
+
+    sched = Scheduler(args, model, load_tokenizer(model), collect, 0, tp)
+    cache = sched.tree_cache
+    sp = msgspec.convert(greedy(6), SamplingParams)
+    for run in ("a", "b"):
+        sched.step([GenerateReqInput(rid=f"{run}{i}", input_ids=p, sampling_params=sp) for i, p in enumerate(PROMPTS)])
+        deadline = time.monotonic() + 120
+        while (not sched.is_idle() or cache.waits.stuck) and time.monotonic() < deadline:  # agreed by both ranks
+            sched.step([])
+    sched.close()
+    CopyEngine._copy_pages, LoadWaits.abandon = copy, abandon  # type: ignore[method-assign]
+    host_held = sum(len(n.host_pages) for n in cache._nodes() if n.host_pages is not None)
+    leak = _pools_released(sched) or (None if cache.host_pool.used_pages == host_held else "host pages leaked")
+    return {"tokens": tokens, "cached": cached, "abandoned": abandoned, "leak": leak}
+
+
+def _ranks(tp: TPGroup, model: str) -> dict[str, Any]:
+    return {"matrix": _matrix_rank(tp, model), "hicache": _hicache_rank(tp, model)}
+
+
+@pytest.fixture(scope="module")
+def tp2_ranks() -> list[dict[str, Any]]:
+    """One spawned pair of ranks for the matrix and the hierarchical cache (a pair's start-up is most of its cost)."""
+    return run_ranks(_ranks, 2, str(make_tiny_model("llama")), deadline_s=400)
+
+
+def test_tp2_matrix_matches_hf(tp2_ranks) -> None:
     model = str(make_tiny_model("llama"))
-    by_rank = run_ranks(_matrix_rank, 2, model, deadline_s=400)
+    by_rank = [r["matrix"] for r in tp2_ranks]
     for cfg, r0, r1 in zip(TP_MATRIX, by_rank[0], by_rank[1], strict=True):
         page_size, chunk, *_ = cfg
         assert r0["outputs"] == r1["outputs"], f"ranks disagree at {cfg}"
@@ -85,6 +156,15 @@ def test_tp2_matrix_matches_hf() -> None:
         prompts = make_prompts(1000, LENGTHS, seed=page_size + chunk)
         for prompt, got in zip(prompts, r0["outputs"], strict=True):
             assert got == hf_greedy(model, tuple(prompt), NEW_TOKENS), f"{cfg}: prompt len {len(prompt)}"
+
+
+def test_tp2_hicache_ranks_agree_on_every_load(tp2_ranks) -> None:
+    r0, r1 = (r["hicache"] for r in tp2_ranks)
+    assert r0["leak"] is None and r1["leak"] is None, (r0["leak"], r1["leak"])
+    assert r0["tokens"] == r1["tokens"] and r0["cached"] == r1["cached"]  # the same admissions on both ranks
+    assert all(r0["tokens"][f"b{i}"] == r0["tokens"][f"a{i}"] for i in range(len(PROMPTS)))
+    assert r0["abandoned"] == r1["abandoned"] and r0["abandoned"]  # rank 1's first load (and those behind it)
+    assert any(host == FULL for _, host in r0["cached"].values())  # its later loads came back
 
 
 def test_engine_tp2_serves_and_releases(engine_factory) -> None:

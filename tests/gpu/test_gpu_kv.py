@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.pages import HeadSlice
 from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
 from kvtransfer.testing import (
     DECODE_SEED,
     PAGE_SIZE,

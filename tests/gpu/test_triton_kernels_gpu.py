@@ -35,7 +35,7 @@ def _pool(page_size: int, lens: list[int], dtype: torch.dtype, seed: int = 0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bs,ctx", [(1, 4096), (32, 512), (128, 512), (32, 4096)])
+@pytest.mark.parametrize("bs,ctx", [(1, 4096), (32, 512), (128, 512), (32, 4096), (4, 16384)])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_attention(dtype: torch.dtype, bs: int, ctx: int, page_size: int) -> None:
     from common.engine.kernels.decode_attention import decode_attention, decode_attention_ref
@@ -44,8 +44,8 @@ def test_decode_attention(dtype: torch.dtype, bs: int, ctx: int, page_size: int)
     k_buf, v_buf, r2t, rpi = _pool(page_size, lens, dtype)
     q = torch.randn(bs, HEADS, HEAD_DIM, device="cuda").to(dtype)
     seq_lens = torch.tensor(lens, device="cuda")
-    for splits in (1, 8):
-        out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, HEAD_DIM**-0.5, splits)
+    for splits in (1, 8, 16):  # each request takes min(splits, its keys / 256) of them, in runs of whole pages
+        out = decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, HEAD_DIM**-0.5, splits, page_size=page_size)
         ref = decode_attention_ref(q, k_buf, v_buf, r2t, rpi, seq_lens, HEAD_DIM**-0.5)
         assert (out.float() - ref.float()).abs().max().item() <= TOL[dtype]
 

@@ -233,14 +233,14 @@ def test_ucx_loop_thread_sleeps_between_transfers(no_threads_left: None) -> None
     """Between transfers the process's UCX loop thread waits on the worker's event fd: it must not spin (a spinning
     loop takes a core and the GIL from the rank's scheduler thread). Both ways it used to: ucxx's blocking progress
     stops arming the worker after its first event, and a pending receive is polled every loop iteration."""
-    from kvtransfer.backends.ucx import _Runtime
+    from kvtransfer.backends.ucx_runtime import UcxRuntime
 
     pair = Pair("ucx", make_args(1, NUM_PAGES), make_args(2, NUM_PAGES))
     try:
         for i in range(3):  # events on the worker: connection, hello, PUTs, flushes
             pair.prefill.submit(pair.job(7, i, [1 + i], [1 + i]))
         assert all(err is None for _, err in pair.events.wait(3))
-        thread = _Runtime._thread
+        thread = UcxRuntime._thread
         assert thread is not None and thread.native_id is not None
         time.sleep(0.3)
         cpu0, t0 = _thread_cpu_s(thread.native_id), time.monotonic()

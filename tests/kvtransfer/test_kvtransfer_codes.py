@@ -14,11 +14,13 @@ import pytest
 import kvtransfer.node
 from common.errors import ErrorCode
 from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms, KVReceiver
-from kvtransfer.rooms import RoomRecord
-from kvtransfer.sender import KVSender, PrefillRooms
+from kvtransfer.prefill_rooms import PrefillRooms
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.room_record import RoomRecord
+from kvtransfer.sender import KVSender
 from kvtransfer.testing import (
     DECODE_SEED,
     PREFILL_SEED,
@@ -110,8 +112,8 @@ def test_an_abort_is_cancelled_here_and_on_the_peer(make_pair) -> None:
 
 
 def test_a_cancelled_room_is_logged_at_info_and_a_failed_one_at_warning(make_pair, caplog) -> None:
-    """A client's cancel fails rooms on both sides on every cancelled request: not a warning (a soak with 15 % client
-    cancels logged ~1,400 of them in 10 minutes); a peer gone silent still is."""
+    """A client's cancel fails rooms on both sides on every cancelled request: not a warning (a soak with client
+    cancels drowned its log in them: benchmarks/pages/soak.md); a peer gone silent still is."""
     caplog.set_level(logging.INFO, logger="kvtransfer")
     sender, receiver = make_pair().start()
     _wait(lambda: sender.poll() == KVPoll.WaitingForInput, "the sender to get its TransferInfo")

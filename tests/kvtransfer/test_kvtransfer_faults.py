@@ -17,11 +17,12 @@ import zmq
 
 from common.ports import pick_free_port
 from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, encode
 from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import KVSender, PrefillRooms
+from kvtransfer.prefill_rooms import PrefillRooms
+from kvtransfer.sender import KVSender
 from kvtransfer.testing import (
     DECODE_SEED,
     PREFILL_SEED,

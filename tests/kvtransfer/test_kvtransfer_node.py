@@ -15,8 +15,9 @@ from common.config import ServerArgs
 from common.engine.mem.kv_pool import MHATokenToKVPool
 from common.engine.mem.pages import bytes_per_page, num_pages, req_pages
 from kvtransfer.args import KVArgs
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.node import make_kv_manager
-from kvtransfer.receiver import DecodeRooms, KVReceiver
+from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,17 +40,18 @@ def test_common_imports_nothing_of_kvtransfer() -> None:
     assert not {p: m for p, m in offenders.items() if m}
 
 
-@pytest.mark.parametrize("module", ["manager", "rooms", "handle"])
+@pytest.mark.parametrize("module", ["manager", "room_record", "handle"])
 def test_shared_kv_modules_import_no_role_module(module: str) -> None:
     imported = imported_modules(ROOT / "kvtransfer" / f"{module}.py")
-    assert not imported & {"kvtransfer.sender", "kvtransfer.receiver", "kvtransfer.node"}
+    assert not imported & {"kvtransfer.sender", "kvtransfer.receiver", "kvtransfer.prefill_rooms", "kvtransfer.decode_rooms",
+                             "kvtransfer.node"}
 
 
 def tiny_runner(pool_heads: int, model_heads: int) -> SimpleNamespace:
     pool = MHATokenToKVPool(8, 4, torch.float32, pool_heads, 8, 2, "cpu")
     fingerprint = {"architecture": "TinyLlama", "num_layers": 2, "num_kv_heads": model_heads, "head_dim": 8}
-    return SimpleNamespace(kv_pool=pool, model_config=SimpleNamespace(num_kv_heads=model_heads,
-                                                                      fingerprint=lambda: fingerprint))
+    return SimpleNamespace(kv_pool=pool, draft_kv=None, model_config=SimpleNamespace(num_kv_heads=model_heads,
+                                                                                     fingerprint=lambda: fingerprint))
 
 
 def test_make_kv_manager_registers_the_tp_rank_with_the_model_total_of_kv_heads() -> None:

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from kvtransfer.bootstrap import BootstrapServer
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import PrefillRooms
+from kvtransfer.prefill_rooms import PrefillRooms
 from kvtransfer.testing import (
     DECODE_SEED,
     PREFILL_SEED,

@@ -12,11 +12,10 @@ import torch
 
 from common.config import ServerArgs, add_server_args, server_args_from_cli
 from common.errors import ConfigError
-from common.kv_options import KV_TRANSFER_OPTIONS, int_option
+from common.kv_backends import KV_TRANSFER_BACKENDS, int_option
 from kvtransfer.backends.staging import DEFAULT_SEGMENT_BYTES, expand_pages
 from kvtransfer.node import kv_transfer_config
 from kvtransfer.pages import PageRun, split_runs
-from kvtransfer.registry import BACKENDS
 from kvtransfer.testing import (
     PAGE_SIZE,
     kv_config,
@@ -146,11 +145,10 @@ def test_bad_stripe_settings_are_refused_naming_the_setting(options: dict[str, s
 
 
 def test_option_defaults_are_the_table_s_and_the_stager_s() -> None:
-    defaults = {k: o.default for k, o in KV_TRANSFER_OPTIONS["tcp"].items()}
+    defaults = {k: o.default for k, o in KV_TRANSFER_BACKENDS["tcp"].options.items()}
     assert defaults == {"stage": "auto", "stage_bytes": str(DEFAULT_SEGMENT_BYTES), "streams": "2",
                         "stripe_bytes": str(4 << 20)}
     assert int_option("tcp", {}, "streams") == 2 and int_option("tcp", {"streams": "5"}, "streams") == 5
-    assert set(KV_TRANSFER_OPTIONS) == set(BACKENDS)
 
 
 def test_kv_transfer_options_come_from_the_cli_and_unknown_ones_are_refused() -> None:

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from common.kv_backends import KV_TRANSFER_BACKENDS
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.registry import BACKENDS
 from kvtransfer.testing import (
     DECODE_SEED,
     PAGE_SIZE,
@@ -26,8 +26,8 @@ from kvtransfer.testing import (
     wait_final,
 )
 
-AVAILABLE = [backend_param(name) for name, target in BACKENDS.items()
-             if importlib.util.find_spec(target.partition(":")[0])]
+AVAILABLE = [backend_param(name) for name, backend in KV_TRANSFER_BACKENDS.items()
+             if importlib.util.find_spec(backend.ref.partition(":")[0])]
 NUM_PAGES = 64 * 5 + 16
 
 

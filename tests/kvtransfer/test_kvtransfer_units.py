@@ -149,3 +149,36 @@ def test_bootstrap_service_over_grpc() -> None:
     finally:
         client.close()
         server.stop()
+
+
+def test_decode_confirms_rooms_completed_together_in_one_status() -> None:
+    """Rooms whose last chunks the control thread handled in one pass are confirmed to their prefill rank by one
+    Status (``DecodeRooms.flush``), not one each."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvtransfer.args import KVTransferConfig
+    from kvtransfer.backends.base import PeerKey
+    from kvtransfer.decode_rooms import DecodeRooms, RecvRoom, Source
+    from kvtransfer.messages import Status
+    from kvtransfer.pages import HeadSlice
+
+    config = KVTransferConfig(backend="fake", cluster_token=TOKEN)
+    sent: list[tuple[PeerKey, object]] = []
+    mgr = SimpleNamespace(lock=threading.RLock(), stamp=lambda: {"instance_id": "d", "epoch": 1},
+                          send_to=lambda key, msg: sent.append((key, msg)), metadata=MetadataBuffers(4), config=config)
+    rooms = DecodeRooms(mgr)  # type: ignore[arg-type]
+    peer, other = SimpleNamespace(key=PeerKey("p", 1)), SimpleNamespace(key=PeerKey("q", 1))
+    for slot, (room, src) in enumerate(((7, peer), (9, peer), (11, other))):
+        rec = rooms.rooms[room] = RecvRoom(room=room, config=config, now=0.0, metadata_slot=slot,
+                                          sources=[Source(0, HeadSlice(0, 0, 1), key=src.key)])
+        rec.advance(KVPoll.WaitingForInput, 0.0)
+    for room, src in ((7, peer), (9, peer), (11, other)):  # the last chunk of each, handled in one pass
+        rooms.handle(ChunkDone(instance_id="p", epoch=1, room=room, chunk_id=0, num_pages=1, num_chunks=1,
+                               metadata=MetadataRecord(room=room, first_token=5)), src)  # type: ignore[arg-type]
+    assert all(rooms.rooms[r].state == KVPoll.Success for r in (7, 9, 11)) and not sent
+    rooms.flush()
+    got = {key.instance_id: (msg.room, msg.rooms, msg.state) for key, msg in sent if isinstance(msg, Status)}
+    assert got == {"p": (7, [9], KVPoll.Success), "q": (11, [], KVPoll.Success)} and len(sent) == 2
+    rooms.flush()
+    assert len(sent) == 2  # nothing left to confirm

@@ -12,11 +12,11 @@ import zmq
 
 from kvtransfer import auth
 from kvtransfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RankEntry
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.messages import ChunkDone, Heartbeat, HelloChallenge, decode, encode
 from kvtransfer.poll import KVPoll
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import PrefillRooms
+from kvtransfer.prefill_rooms import PrefillRooms
 from kvtransfer.testing import (
     DECODE_SEED,
     PREFILL_SEED,

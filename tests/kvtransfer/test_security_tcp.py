@@ -1,5 +1,6 @@
 """Attacks on the tcp KV data listener (decode side): it allocates nothing and starts no transfer before the
-connecting side proves the cluster secret, caps frames, and bounds connections per host."""
+connecting side proves the cluster secret, caps frames, and bounds unproven connections per host without locking
+a proven peer out."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from kvtransfer.backends.base import PeerInfo, PeerKey
 from kvtransfer.backends.streamio import send_frame
 from kvtransfer.backends.tcp import MAX_CONNS_PER_HOST, NONCE_BYTES
 from kvtransfer.backends.wire import ChunkHeader, DataHello, data_proof
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
-from kvtransfer.receiver import DecodeRooms
 from kvtransfer.testing import DECODE_SEED, TOKEN, kv_config, make_args
 
 
@@ -61,21 +62,31 @@ def test_a_hello_without_the_secret_is_refused(decode_mgr: KVManager) -> None:
     assert not decode_mgr.backend._accepted  # type: ignore[attr-defined]
 
 
-def test_connections_per_host_are_bounded(decode_mgr: KVManager) -> None:
+def test_unproven_connections_per_host_give_way_to_a_proven_peer(decode_mgr: KVManager) -> None:
+    """A host holding its whole bound of unproven connections: the next connection takes the oldest one's slot, so
+    a prefill rank on that host still gets in; the slots come back when the connections close."""
+    backend = decode_mgr.backend
+    key = PeerKey("prefill/dp0/tp0@tcp://127.0.0.1:1", 1)
+    backend.add_peer(PeerInfo(key, decode_mgr.layout, {}))
     socks = [_connect(decode_mgr) for _ in range(MAX_CONNS_PER_HOST)]
-    extra = socket.create_connection((decode_mgr.endpoint["host"], int(decode_mgr.endpoint["port"])), timeout=5)
     try:
-        assert _closed_by_peer(extra)
-        assert decode_mgr.backend.refused_connections == 1  # type: ignore[attr-defined]
+        sock = socket.create_connection((decode_mgr.endpoint["host"], int(decode_mgr.endpoint["port"])), timeout=5)
+        socks.append(sock)
+        nonce = sock.recv(NONCE_BYTES, socket.MSG_WAITALL)  # its challenge came: it holds the oldest one's slot
+        assert _closed_by_peer(socks[0])
+        send_frame(sock, DataHello(key.instance_id, key.epoch, data_proof(TOKEN, nonce, key.instance_id, key.epoch)))
+        end = time.monotonic() + 5
+        while not backend._accepted and time.monotonic() < end:  # type: ignore[attr-defined]
+            time.sleep(0.01)
+        assert list(backend._accepted.values()) == [key]  # type: ignore[attr-defined]
+        assert backend._unproven.reclaimed >= 1  # type: ignore[attr-defined]
     finally:
-        for s in [*socks, extra]:
+        for s in socks:
             s.close()
-    # Closed connections free their slots.
     end = time.monotonic() + 5
-    while decode_mgr.backend._conns_by_host and time.monotonic() < end:  # type: ignore[attr-defined]
+    while (backend._unproven.count or backend._accepted) and time.monotonic() < end:  # type: ignore[attr-defined]
         time.sleep(0.01)
-    _connect(decode_mgr).close()
-
+    assert backend._unproven.count == 0 and not backend._accepted  # type: ignore[attr-defined]
 
 
 def test_a_proven_peer_cannot_declare_more_than_its_runs_hold(decode_mgr: KVManager) -> None:

@@ -15,10 +15,10 @@ from common.config import ServerArgs, add_server_args, server_args_from_cli
 from common.errors import ConfigError
 from kvtransfer.backends.tcp import NONCE_BYTES
 from kvtransfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
+from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager
 from kvtransfer.node import bootstrap_addr, kv_transfer_config
-from kvtransfer.receiver import DecodeRooms
-from kvtransfer.sender import PrefillRooms
+from kvtransfer.prefill_rooms import PrefillRooms
 from kvtransfer.testing import DECODE_SEED, PREFILL_SEED, TOKEN, make_args
 
 FINGERPRINT = {"architecture": "TinyLlama", "weights": "abc"}

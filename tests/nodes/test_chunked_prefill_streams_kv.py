@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from common.engine.sampling.params import SamplingParams
 from common.engine.scheduler import Scheduler
-from common.io_struct import GenerateReqInput, PrefillDone, TokenOut
 from tests.conftest import assert_scheduler_pools_released
 
 CHUNK = 16

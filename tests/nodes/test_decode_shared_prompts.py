@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from common.config import ServerArgs
+from common.engine.io_struct import AbortReq, GenerateReqInput, TokenOut
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.sampling.params import SamplingParams, for_choice
 from common.engine.scheduler import Scheduler
-from common.io_struct import AbortReq, GenerateReqInput, TokenOut
 from common.text.tokenizer import load_tokenizer
 from tests.conftest import assert_scheduler_pools_released
 from tests.model_fixtures import make_tiny_model

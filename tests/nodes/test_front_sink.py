@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 import pytest
 
+from common.engine.io_struct import AbortReq, TokenOut
 from common.errors import ErrorCode
-from common.io_struct import AbortReq, TokenOut
 from common.node import worker_mux
 from pdcluster.v1 import worker_pb2
 from router.testing import eventually

@@ -1,6 +1,7 @@
-"""Pre-auth bounds of a node's listeners (issue 34): the Mux socket caps unauthenticated connections per peer and
-in all, refuses a pre-hello frame over a few KB, and a flood of them leaves the serving process's memory bounded
-and back where it was once the flood ends. The metrics port and the SGLang HTTP port are bounded the same way."""
+"""Pre-auth bounds of a node's listeners (issues 34, 54): the Mux socket caps unauthenticated connections per peer
+and in all (at a bound the oldest is closed for the newcomer: a flood cannot lock anyone out), refuses a pre-hello
+frame over a few KB, and a flood of them leaves the serving process's memory bounded and back where it was once the
+flood ends. The metrics port and the SGLang HTTP port are bounded the same way."""
 
 from __future__ import annotations
 
@@ -18,22 +19,34 @@ from pathlib import Path
 import pytest
 
 from common.node import http_probe, ipc
-from common.node.conn_budget import HELLO_FRAME_BYTES, PRE_AUTH_PER_PEER, ConnectionBudget
+from common.node.conn_budget import HELLO_FRAME_BYTES, PRE_AUTH_PER_PEER, ConnectionBudget, Slot
 from common.node.mux_socket_server import MuxSocketServer
-from common.testing.mock_worker import MockConfig, MockWorker
+from common.testing.mock_config import MockConfig
+from common.testing.mock_worker import MockWorker
 from common.wire.mux_socket import MAX_FRAME_BYTES, connect
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_budget_bounds_per_peer_and_in_all_and_returns_to_zero() -> None:
-    b = ConnectionBudget("test", per_peer=2, total=3)
-    assert b.admit("a") and b.admit("a") and not b.admit("a")  # per peer
-    assert b.admit("b") and not b.admit("c")  # in all: another host is refused only by the total
-    assert b.refused == 2
-    for host in ("a", "a", "b"):
-        b.release(host)
-    assert b.count == 0 and b.admit("c")
+def test_budget_reclaims_the_oldest_slot_of_the_largest_holder_and_returns_to_zero() -> None:
+    b = ConnectionBudget("test", per_peer=3, total=5)
+    closed: list[str] = []
+
+    def admit(name: str) -> Slot:
+        return b.admit(name[0], lambda: closed.append(name))
+
+    slots = {n: admit(n) for n in ("a1", "a2", "a3")}
+    slots["a4"] = admit("a4")  # at the per-peer bound: the host's own oldest goes
+    assert closed == ["a1"] and not slots["a1"].held
+    slots |= {n: admit(n) for n in ("b1", "b2")}  # 5 in all: a2 a3 a4 b1 b2
+    slots["c1"] = admit("c1")  # at the total: the oldest of the largest holder (a), not the oldest overall
+    slots["c2"] = admit("c2")  # a and b hold two each, c one: the older of a's and b's oldest (a3, before b1)
+    slots["d1"] = admit("d1")  # b and c hold two each, a one: b1, before c1
+    assert closed == ["a1", "a2", "a3", "b1"] and b.count == 5 and b.reclaimed == 4
+    for s in slots.values():  # a reclaimed slot's release, or a second one, changes nothing
+        b.release(s)
+        b.release(s)
+    assert b.count == 0 and closed == ["a1", "a2", "a3", "b1"]
 
 
 async def _closed_soon(reader: asyncio.StreamReader, within: float = 2.0) -> bool:
@@ -45,7 +58,7 @@ async def _closed_soon(reader: asyncio.StreamReader, within: float = 2.0) -> boo
         return True
 
 
-async def test_mux_socket_refuses_connections_over_the_per_peer_bound_and_big_pre_hello_frames() -> None:
+async def test_mux_socket_closes_the_oldest_connections_over_the_per_peer_bound_and_big_pre_hello_frames() -> None:
     server = MuxSocketServer(MockWorker(MockConfig(role="decode")), credential="the-credential")
     port = await server.start("127.0.0.1")
     held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
@@ -54,7 +67,7 @@ async def test_mux_socket_refuses_connections_over_the_per_peer_bound_and_big_pr
             held.append(await asyncio.open_connection("127.0.0.1", port))
         await asyncio.sleep(0.2)
         closed = list(await asyncio.gather(*(_closed_soon(r, 0.3) for r, _ in held)))  # within the hello deadline
-        assert closed == [False] * PRE_AUTH_PER_PEER + [True] * 4
+        assert closed == [True] * 4 + [False] * PRE_AUTH_PER_PEER
         assert server.budget.count == PRE_AUTH_PER_PEER
         for _, w in held:
             w.close()
@@ -84,7 +97,8 @@ _SERVE = """
 import asyncio, sys
 from common.node import http_probe, ipc
 from common.node.mux_socket_server import MuxSocketServer
-from common.testing.mock_worker import MockConfig, MockWorker
+from common.testing.mock_config import MockConfig
+from common.testing.mock_worker import MockWorker
 
 async def main():
     server = MuxSocketServer(MockWorker(MockConfig(role="decode")), credential="the-credential")
@@ -157,13 +171,13 @@ def test_metrics_port_bounds_connections_per_peer_and_drops_silent_ones(monkeypa
         for _ in range(PRE_AUTH_PER_PEER + 3):
             held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         for _ in range(100):  # the accept loop takes them one by one
-            if server.budget.count + server.budget.refused >= len(held):
+            if server.budget.reclaimed >= 3:
                 break
             time.sleep(0.02)
-        assert server.budget.count == PRE_AUTH_PER_PEER and server.budget.refused == 3
-        assert [s.recv(1) for s in held[PRE_AUTH_PER_PEER:]] == [b""] * 3  # refused at once
+        assert server.budget.count == PRE_AUTH_PER_PEER and server.budget.reclaimed == 3
+        assert [s.recv(1) for s in held[:3]] == [b""] * 3  # the oldest, closed for the newest
         t0 = time.monotonic()
-        assert [s.recv(1) for s in held[:PRE_AUTH_PER_PEER]] == [b""] * PRE_AUTH_PER_PEER  # silent: dropped
+        assert [s.recv(1) for s in held[3:]] == [b""] * PRE_AUTH_PER_PEER  # silent: dropped
         assert time.monotonic() - t0 < 6
         for _ in range(50):
             if server.budget.count == 0:

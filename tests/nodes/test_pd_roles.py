@@ -11,10 +11,10 @@ import pytest
 
 import common.faults as faults
 from common.config import ServerArgs
+from common.engine.io_struct import AbortReq, GenerateReqInput, PrefillDone, TokenOut
 from common.engine.sampling.params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.errors import ErrorCode
-from common.io_struct import AbortReq, GenerateReqInput, PrefillDone, TokenOut
 from tests.conftest import assert_scheduler_pools_released
 
 PROMPT_LENGTHS = [5, 17, 40, 63, 3, 100]  # chunks of 16: one to seven per prompt

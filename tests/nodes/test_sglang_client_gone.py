@@ -1,8 +1,8 @@
 """Clients of the node's SGLang HTTP port at the edges of a streamed response. One that leaves as the response's head
 is written (the loop turn before aiohttp notices and cancels the handler): a disconnect, not a server error; the
 request's outputs are closed (the front aborts it on its rank) and aiohttp logs no ERROR traceback
-(``common/client_gone.py``). One that speaks HTTP/1.0: the stream's end is the connection's close
-(``common/event_stream.py``)."""
+(``common/serving/client_gone.py``). One that speaks HTTP/1.0: the stream's end is the connection's close
+(``common/serving/event_stream.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from common.config import ServerArgs
-from common.io_struct import GenerateReqInput, TokenOut
+from common.engine.io_struct import GenerateReqInput, TokenOut
 from common.node.sglang_http import SglangHttpServer
 from tests.http_helpers import close_before_head
 from tests.nodes.test_sglang_guard import _Recorder

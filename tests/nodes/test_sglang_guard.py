@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput
 from common.engine.model.config import ModelConfig
 from common.engine.sampling.params import SamplingParams
-from common.io_struct import GenerateReqInput
 from common.node import front, http_guard
-from common.node.conn_budget import PRE_AUTH_PER_PEER
+from common.node.conn_budget import PRE_AUTH_PER_PEER, PRE_AUTH_TOTAL
 from common.node.sglang_http import SglangHttpServer
 from kvtransfer.bootstrap import BootstrapClient, BootstrapServer, RankEntry
 
@@ -128,8 +128,9 @@ async def test_unauthenticated_connections_are_bounded_per_peer_and_closed_at_th
             for _ in range(PRE_AUTH_PER_PEER + 3):
                 held.append(await asyncio.open_connection("127.0.0.1", server.port))
             await asyncio.sleep(0.3)
-            assert server.guard.unauthenticated == PRE_AUTH_PER_PEER
-            assert server.guard.budget.refused == 3
+            assert server.guard.budget.count == PRE_AUTH_PER_PEER and server.guard.budget.reclaimed == 3
+            oldest = await asyncio.gather(*(asyncio.wait_for(r.read(), 0.5) for r, _ in held[:3]))
+            assert oldest == [b""] * 3  # closed for the newest, long before the deadline
             async with s.get(url, headers=_auth(KEY)) as r:  # ... is not counted: it serves while the bound is full
                 assert r.status == 200
             await asyncio.sleep(1.2)
@@ -140,6 +141,30 @@ async def test_unauthenticated_connections_are_bounded_per_peer_and_closed_at_th
                 assert r.status == 200
     finally:
         for _, w in held:
+            w.close()
+        await server.stop()
+
+
+async def test_a_flood_from_many_hosts_at_the_total_bound_leaves_a_keyed_client_served(
+        model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 54's lock-out: twelve loopback addresses each holding their 32 unauthenticated connections fill the
+    port's 256 slots; a client with the key still gets its answer at its first try, within a second."""
+    server, _rec = await _serve(model_path, "null", KEY, monkeypatch)
+    held: list[asyncio.StreamWriter] = []
+    try:
+        for host in range(2, 14):
+            for _ in range(PRE_AUTH_PER_PEER):
+                _r, w = await asyncio.open_connection("127.0.0.1", server.port, local_addr=(f"127.0.0.{host}", 0))
+                held.append(w)
+        await asyncio.sleep(0.2)
+        assert server.guard.budget.count == PRE_AUTH_TOTAL
+        async with aiohttp.ClientSession() as s:
+            r = await asyncio.wait_for(s.get(f"http://127.0.0.1:{server.port}/get_server_info", headers=_auth(KEY)),
+                                       1.0)
+            assert r.status == 200
+        assert server.guard.budget.reclaimed == len(held) + 1 - PRE_AUTH_TOTAL
+    finally:
+        for w in held:
             w.close()
         await server.stop()
 

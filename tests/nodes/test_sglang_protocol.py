@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.engine.io_struct import TokenOut
 from common.errors import InvalidRequestError
-from common.io_struct import TokenOut
 from common.node.sglang_openai import chat_to_generate, completion_to_generate
 from common.node.sglang_protocol import finish_reason, parse_generate
 

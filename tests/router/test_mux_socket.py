@@ -17,7 +17,9 @@ from common.config import ServerArgs
 from common.errors import ConfigError
 from common.node import mux_socket_server
 from common.node.mux_socket_server import MuxSocketServer
-from common.testing.mock_worker import MockConfig, MockWorker, fake_tokens
+from common.testing.mock_config import MockConfig
+from common.testing.mock_requests import fake_tokens
+from common.testing.mock_worker import MockWorker
 from common.wire import mux_socket
 from common.wire.mux_socket import FrameConnection, FrameError, connect
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2

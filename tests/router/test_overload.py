@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from common.config import ServerArgs
+from common.engine.io_struct import GenerateReqInput
 from common.engine.sampling.params import SamplingParams
 from common.engine.scheduler import Scheduler
-from common.io_struct import GenerateReqInput
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.testing import eventually, fleet
 from tests.model_fixtures import make_tiny_model

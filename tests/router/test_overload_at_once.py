@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from common.drain_rate import DrainRate
+from common.serving.drain_rate import DrainRate
 from router.admission import Admission
 from router.errors import OverloadedError
 from router.testing import eventually, fleet

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from common.testing.mock_fleet import shared_model_dir
-from common.testing.mock_worker import fake_tokens
+from common.testing.mock_requests import fake_tokens
 from common.text.tokenizer import load_tokenizer
 from pdcluster.v1 import common_pb2, router_pb2
 from router.admin import bearer_metadata

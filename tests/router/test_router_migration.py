@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from common.testing.mock_worker import fake_tokens
+from common.testing.mock_requests import fake_tokens
 from pdcluster.v1 import common_pb2, router_pb2
 from router.testing import fleet
 from tests.router.test_router_api import tokenizer

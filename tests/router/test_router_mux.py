@@ -10,12 +10,12 @@ from typing import Any
 import grpc
 import pytest
 
+from common.engine.io_struct import AbortReq
 from common.errors import ErrorCode
-from common.io_struct import AbortReq
-from common.testing.mock_worker import fake_tokens
+from common.testing.mock_requests import fake_tokens
 from common.wire.mux_frames import FRAGMENT_BYTES, FrameWriter, Reassembler
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
-from router.mux import MuxLink
+from router.mux import MuxLink, MuxStream
 from router.testing import eventually, fleet
 from tests.mux_helpers import fake_ranks_front, gen_req, linked, read_all
 
@@ -142,6 +142,81 @@ async def test_a_large_message_goes_out_in_fragments_interleaved_with_small_ones
             if (done := parts.whole(m)) is not None:
                 whole.append(done)
     assert [m.generate.rid for m in whole] == ["small", "big"] and whole[1] == big
+
+
+async def test_one_streams_messages_keep_their_order_around_large_ones() -> None:
+    """What a stream queues behind its large message (a small one, another large one) goes out after it; another
+    stream's small message does not wait."""
+    frames: list[worker_pb2.MuxFrame] = []
+
+    async def write(frame: worker_pb2.MuxFrame) -> None:
+        frames.append(frame)
+        await asyncio.sleep(0)
+
+    writer = FrameWriter(write, lambda e: None)
+    sent = [worker_pb2.MuxMessage(stream_id=1, generate=gen_req(rid, ids)) for rid, ids in (
+        ("big-a", list(range(100_000, 200_000))), ("small-a", [1]), ("big-b", list(range(300_000, 400_000))),
+        ("small-b", [2]))]
+    for m in sent[:2]:
+        writer.send(m)
+    writer.send(worker_pb2.MuxMessage(stream_id=2, generate=gen_req("other", [3])))
+    for m in sent[2:]:
+        writer.send(m)
+    await eventually(lambda: sum(m.WhichOneof("kind") != "fragment" or not m.fragment.more
+                                 for f in frames for m in f.messages) == 5)
+    writer.close()
+    parts, whole = Reassembler(), []
+    for f in frames:
+        whole += [done for m in f.messages if (done := parts.whole(m)) is not None]
+    assert [m.generate.rid for m in whole if m.stream_id == 1] == ["big-a", "small-a", "big-b", "small-b"]
+    assert [m for m in whole if m.stream_id == 1] == sent
+    assert [m.generate.rid for m in frames[0].messages if m.stream_id == 2] == ["other"]
+
+
+async def test_the_router_reassembles_a_fragmented_answer_between_small_ones() -> None:
+    """A node's message over FRAGMENT_BYTES reaches its call whole, in order with the small ones around it, while
+    other calls' tokens keep arriving between its fragments."""
+
+    class Io:
+        def start(self, on_frame: Any, on_end: Any) -> None:
+            self.on_frame = on_frame
+
+        async def write(self, frame: worker_pb2.MuxFrame) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    io = Io()
+    stream = MuxStream(io, "node:1")  # type: ignore[arg-type]
+    big_call, small_call = stream.open("generate", gen_req("big", [1]), 10), stream.open("generate", gen_req("s", [1]), 10)
+
+    def answer(sid: int, ids: list[int]) -> worker_pb2.MuxMessage:
+        return worker_pb2.MuxMessage(stream_id=sid, response=worker_pb2.GenerateResponse(
+            chunk=worker_pb2.TokenChunk(token_ids=ids)))
+
+    frames: list[worker_pb2.MuxFrame] = []
+
+    async def sent(frame: worker_pb2.MuxFrame) -> None:
+        frames.append(frame)
+        await asyncio.sleep(0)
+
+    node = FrameWriter(sent, lambda e: None)  # the node's side: it fragments the big answer
+    node.send(answer(big_call.sid, [7]))
+    node.send(answer(big_call.sid, list(range(100_000, 200_000))))
+    node.send(answer(big_call.sid, [8]))
+    for t in range(6):
+        node.send(answer(small_call.sid, [t]))
+        await asyncio.sleep(0)
+    await eventually(lambda: sum(len(f.messages) for f in frames) >= 6 + 2 + 100_000 * 4 // FRAGMENT_BYTES)
+    node.close()
+    assert any(m.WhichOneof("kind") == "fragment" for f in frames for m in f.messages)
+    for f in frames:
+        io.on_frame(f)
+    big = [list((await big_call.read()).chunk.token_ids) for _ in range(3)]
+    assert big == [[7], list(range(100_000, 200_000)), [8]]
+    assert [list((await small_call.read()).chunk.token_ids) for _ in range(6)] == [[t] for t in range(6)]
+    stream.close()
 
 
 async def test_a_node_tells_its_ranks_a_deadline_from_a_cancel() -> None:

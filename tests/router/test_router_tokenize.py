@@ -12,9 +12,12 @@ import aiohttp
 import grpc
 import pytest
 
+from common.testing.mock_fleet import shared_model_dir
+from common.text.tokenizer import load_tokenizer
 from pdcluster.v1 import router_pb2
 from router.request import ClientRequest
 from router.testing import eventually, fleet
+from router.tokenizer import Tokenizer
 
 BIG = 3_900_000  # bytes: ~2.4M tokens of the mock tokenizer, ~7 s to encode on a loaded 2-core machine
 # The mock's context raised so BIG prompts fit (and its KV, so the mock accepts them).
@@ -124,3 +127,21 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
         return False
+
+
+async def test_tokenizer_caches_serve_inline_and_pooled_prompts() -> None:
+    async with fleet(common=HUGE_CONTEXT, tokenizer_cache_enable_l0=True, tokenizer_cache_enable_l1=True) as f:
+        inputs = f.server.service.inputs
+        plain = Tokenizer(load_tokenizer(shared_model_dir()))
+        system = {"role": "system", "content": "Answer in one word. "}
+        long = words(inputs.inline_bytes * 2)
+        for i, content in enumerate(["hi", "hi", "hello", long, long]):
+            chat = [system, {"role": "user", "content": content}]
+            built = await inputs.build(ClientRequest(rid=f"c{i}", api="chat", sampling={}, messages=chat))
+            assert built.input_ids == plain.encode_chat(chat)
+        assert inputs.pool is not None and inputs.pool.started  # the long ones went to a worker (its own L1)
+        text = f.server.service.metrics.render().decode()
+        assert 'pdcluster_router_tokenizer_cache_lookups_total{level="l0",result="hit"} 1.0' in text
+        # L1, of 6 pieces each: "hi" found its second "\n<|im_start|>"; "hello" all but "user\nhello<|im_end|>"
+        assert 'pdcluster_router_tokenizer_cache_lookups_total{level="l1",result="hit"} 6.0' in text
+        assert 'pdcluster_router_tokenizer_cache_lookups_total{level="l1",result="miss"} 6.0' in text

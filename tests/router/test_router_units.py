@@ -13,7 +13,7 @@ from router.breaker import CircuitBreaker
 from router.config import RouterConfig, WorkerSpec
 from router.policies import RouteHint, make_policy, pick_rank
 from router.prefix_index import PrefixIndex, block_hashes
-from router.rooms import RoomAllocator
+from router.room_allocator import RoomAllocator
 from router.timing_store import TimingStore
 from router.workers import Lease, Worker
 
@@ -98,6 +98,24 @@ async def test_dp_rank_by_load_and_free_pages_never_by_room() -> None:
         )
     )
     assert pick_rank(w2, need_pages=10) == 1  # least queued
+
+
+async def test_dp_rank_is_the_least_loaded_whichever_rank_the_rotation_starts_at() -> None:
+    """Four ranks of different loads: the same rank, picked from every rotation start (rotation alone would give
+    four different ones). Load is the rank's queue first, then its in-flight tokens; a rank too full to hold the
+    request loses to a busier one that can."""
+    w = worker(1, dp=4)
+    w.set_load(worker_pb2.GetLoadResponse(ranks=[worker_pb2.RankLoad(dp_rank=r, free_kv_pages=100, waiting=q)
+                                                 for r, q in enumerate([3, 1, 5, 2])]))
+    assert [pick_rank(w, need_pages=1) for _ in range(4)] == [1, 1, 1, 1]
+    tokens = worker(2, dp=4, free=[100, 100, 100, 100])
+    for rank, n in enumerate([300, 100, 400, 50]):  # one request each: equal queues, different tokens
+        Lease(tokens, tokens.ranks[rank], tokens=n, pages=0)
+    assert [pick_rank(tokens, need_pages=1) for _ in range(4)] == [3, 3, 3, 3]
+    assert [pick_rank(tokens, need_pages=99) for _ in range(4)] == [3, 3, 3, 3]
+    tokens.set_load(worker_pb2.GetLoadResponse(ranks=[worker_pb2.RankLoad(dp_rank=r, free_kv_pages=f)
+                                                      for r, f in enumerate([100, 100, 100, 20])]))
+    assert [pick_rank(tokens, need_pages=50) for _ in range(4)] == [1, 1, 1, 1]  # rank 3 cannot hold 50 pages
 
 
 async def test_lease_reserves_pages_until_the_next_report() -> None:
@@ -214,7 +232,7 @@ def test_prefix_index_and_timing_store() -> None:
 def test_the_loop_counter_exports_what_prometheus_client_would() -> None:
     from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-    from common.loop_counter import LoopCounter
+    from common.serving.loop_counter import LoopCounter
 
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     for name, labels in (("x_requests", ("api", "outcome")), ("x_tokens", ())):
@@ -236,7 +254,7 @@ def test_the_loop_counter_exports_what_prometheus_client_would() -> None:
 def test_the_itl_histogram_exports_what_prometheus_client_would() -> None:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from common.gap_histogram import GapHistogram
+    from common.serving.gap_histogram import GapHistogram
     from router.metrics import ITL_BUCKETS
 
     ours, theirs = CollectorRegistry(), CollectorRegistry()

@@ -86,6 +86,9 @@ HTTP_CASES: list[tuple[str, Any, str]] = [
         {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 5},
         "presence_penalty",
     ),
+    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern is not supported"),
+    ("/v1/completions", {"model": "mock-model", "prompt": "hi", "top_a": 0.2}, "top_a is not supported"),
 ]
 
 

@@ -16,10 +16,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.app.cli import main
+from common.env import ClientKey
 from common.errors import ConfigError
 from common.testing.mock_fleet import shared_model_dir
+from common.tls import TlsFiles
 from common.wire.mux_socket import connect
-from common.wire.tls import TlsFiles
 from common.wire.worker_auth import worker_credential
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.admin import bearer_metadata
@@ -29,6 +30,7 @@ from router.testing import FAST, eventually, fleet
 from tests.tls_helpers import TestCa
 
 API_KEY = "client-api-key-0123456789abcdef"
+KEYS = (ClientKey(API_KEY),)
 BODY = {"model": "mock-model", "prompt": "hi", "max_tokens": 2}
 
 
@@ -42,7 +44,7 @@ async def generate(stub: router_pb2_grpc.RouterStub, timeout: float = 10, **kw: 
 
 
 async def test_api_key_guards_http_generation_and_models_but_not_probes() -> None:
-    async with fleet(prefill=1, decode=1, api_key=API_KEY) as f, aiohttp.ClientSession() as http:
+    async with fleet(prefill=1, decode=1, api_keys=KEYS) as f, aiohttp.ClientSession() as http:
         url = f.server.http_url
         for headers, why in (({}, "missing API key"), ({"Authorization": "Bearer wrong-key"}, "incorrect API key"),
                              ({"Authorization": API_KEY}, "incorrect API key")):
@@ -64,7 +66,7 @@ async def test_api_key_guards_http_generation_and_models_but_not_probes() -> Non
 
 
 async def test_api_key_guards_grpc_generation_and_leaves_health_and_admin_apart() -> None:
-    async with (fleet(prefill=1, decode=1, api_key=API_KEY) as f,
+    async with (fleet(prefill=1, decode=1, api_keys=KEYS) as f,
                 grpc.aio.insecure_channel(f.server.grpc_address) as channel):
         stub = router_pb2_grpc.RouterStub(channel)
         for metadata in ((), bearer_metadata("wrong-key"), (("authorization", API_KEY),)):
@@ -102,14 +104,31 @@ def test_api_key_comes_from_a_file_or_the_environment(tmp_path: Path, monkeypatc
     add_router_args(parser)
     key_file = tmp_path / "api-key"
     key_file.write_text(API_KEY + "\n")
-    assert config_from_args(parser.parse_args(["--api-key-file", str(key_file)])).api_key == API_KEY
+    assert config_from_args(parser.parse_args(["--api-key-file", str(key_file)])).api_keys == KEYS
     assert API_KEY not in repr(config_from_args(parser.parse_args(["--api-key", API_KEY])))
     monkeypatch.setenv("PDCLUSTER_API_KEY_FILE", str(key_file))
-    assert config_from_args(parser.parse_args([])).api_key == API_KEY
+    assert config_from_args(parser.parse_args([])).api_keys == KEYS
     monkeypatch.delenv("PDCLUSTER_API_KEY_FILE")
-    assert config_from_args(parser.parse_args([])).api_key == ""  # no key: the client surface is open
+    assert config_from_args(parser.parse_args([])).api_keys == ()  # no key: the client surface is open
     assert main(["router", "--api-key-file", str(tmp_path / "absent")]) == 2
     assert "--api-key-file" in capsys.readouterr().err
+
+
+def test_a_key_file_lists_keys_with_their_priority_ceilings_and_a_bad_line_names_no_key(tmp_path: Path) -> None:
+    from common.env import read_key_file, read_secret_file
+
+    path = tmp_path / "keys"
+    path.write_text("# ordinary clients\nsk-first\n\n  sk-batch   max_priority=-10\nsk-oncall max_priority=100\n")
+    assert read_key_file(str(path), "--api-key-file") == (
+        ClientKey("sk-first"), ClientKey("sk-batch", -10), ClientKey("sk-oncall", 100))
+    assert read_secret_file(str(path), "--api-key-file") == "sk-first"  # what a node's SGLang HTTP port takes
+    for text, why in (("sk-a max_priority=high\n", "line 1: expected"), ("sk-a\nsk-b priority=3\n", "line 2"),
+                      (f"sk-a max_priority={2**31}\n", "line 1"), ("# none\n", "holds no key"),
+                      ("sk-a\nsk-a max_priority=1\n", "listed twice")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=why) as e:
+            read_key_file(str(path), "--api-key-file")
+        assert "sk-a" not in str(e.value)
 
 
 async def test_tls_listeners_serve_https_and_grpc_and_refuse_plaintext(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from common.node.front import WorkerServicer
-from common.testing.mock_worker import MockConfig, MockWorker
+from common.testing.mock_config import MockConfig
+from common.testing.mock_worker import MockWorker
 from common.wire.worker_auth import WorkerAuthInterceptor, new_nonce, proof_matches
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.admin import bearer_metadata

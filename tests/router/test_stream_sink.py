@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.http_writer import StreamWriter
 
 from common.testing.mock_fleet import shared_model_dir
-from common.testing.mock_worker import fake_tokens
+from common.testing.mock_requests import fake_tokens
 from common.text.tokenizer import load_tokenizer
 from pdcluster.v1 import worker_pb2
 from router import sse

@@ -93,3 +93,53 @@ def test_chat_inputs_render_tools_and_refuse_two_constraints() -> None:
     body["response_format"] = {"type": "json_object"}
     with pytest.raises(InvalidRequestError, match="remove response_format"):
         oai.chat_inputs(oai.decode(json.dumps(body).encode(), oai.ChatRequest), 1)
+
+
+def test_a_call_cut_short_is_a_partial_call_never_content() -> None:
+    required = plan_of([WEATHER, TIME], "required", None)
+    for text, name, args in [('[{"name": "get_time", "parameters": {"tz": 1', "get_time", '{"tz": 1'),
+                             ('[{"name": "get_time", "parameters": {"tz": 1}}, {"name": "get_we', "get_we", ""),
+                             ("[", "", "")]:
+        body = oai.chat_body("r", "m", 0, [(text, "length", None)])
+        oai.put_tool_calls(body, required, text)
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+        last = choice["message"]["tool_calls"][-1]["function"]
+        assert (last["name"], last["arguments"]) == (name, args)
+    named = plan_of([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
+    content, calls = named.parse('{"city": "Pa')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Pa')]
+    delta, finish = oai.tool_call_delta(named, '{"city": "Pa', 0, "length")
+    assert finish == "length" and delta["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
+    # auto: a call by the parser's own rule that does not parse is still a call; text that is not one is content.
+    hermes = plan_of([WEATHER], "auto", "hermes")
+    content, calls = hermes.parse('Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Os')
+    assert content == "Sure." and calls[0].name == "get_weather" and calls[0].arguments == '{"city": "Os'
+    llama = plan_of([WEATHER], "auto", "llama3")
+    content, calls = llama.parse('{"name": "get_weather", "parameters": {"city": ')
+    assert content is None and calls[0].name == "get_weather"
+    assert llama.parse('{"answer": 42}') == ('{"answer": 42}', [])
+
+
+def test_unbounded_values_get_default_bounds_in_call_grammars() -> None:
+    from router import tool_calls as tc
+
+    params = {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0}, "x": {"type": "number"}, "s": {"type": "string", "minLength": 300},
+        "tags": {"type": "array", "items": {"type": "string"}}, "free": {"type": "object"}, "any": {},
+        "p": {"type": "string", "pattern": "^a+$"}, "e": {"enum": ["a", "b"]}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    schema = json.loads(plan_of([tool], {"type": "function", "function": {"name": "f"}}, None).grammar())
+    props = schema["properties"]
+    assert props["n"] == {"type": "integer", "minimum": 0, "maximum": tc.JSON_SAFE_INTEGER}
+    assert props["x"]["minimum"] == -tc.JSON_SAFE_INTEGER and props["x"]["maximum"] == tc.JSON_SAFE_INTEGER
+    assert props["s"]["maxLength"] == 300 and props["tags"]["maxItems"] == tc.MAX_ITEMS
+    assert props["tags"]["items"]["maxLength"] == tc.MAX_STRING_LENGTH
+    assert props["free"]["maxProperties"] == tc.MAX_PROPERTIES and "anyOf" in props["free"]["additionalProperties"]
+    assert "anyOf" in props["any"]
+    assert props["p"] == params["properties"]["p"] and props["e"] == params["properties"]["e"]
+    assert params["properties"]["n"] == {"type": "integer", "minimum": 0}  # the client's schema is not changed
+    required = json.loads(plan_of([tool], "required", None).grammar())
+    assert required["maxItems"] == tc.MAX_ITEMS
+    assert json.loads(plan_of([{"type": "function", "function": {"name": "g"}}], "required", None).grammar())[
+        "items"]["anyOf"][0]["properties"]["parameters"] == {"type": "object", "properties": {}}

@@ -9,17 +9,32 @@ Inputs (no per-request gather; every key is loaded from its pool slot)::
 
 With a sliding window W the visible keys are ``[max(0, seq_len - W), seq_len)``.
 
-Split-K (flash-decoding): the visible keys of a request are cut into ``num_kv_splits`` equal runs; stage 1 runs one
-program per (request, kv head, split) over all query heads of that kv head (GQA: K/V read once per group) and
-writes a normalized partial output and its log-sum-exp; stage 2 merges the splits. Empty splits write lse = -inf
-and are skipped by stage 2.
+Split-K (flash-decoding): the grid has ``num_kv_splits`` programs per (request, kv head), fixed by the caller (a
+CUDA graph fixes it per captured batch size); each request uses as many of them as its own context length asks for
+(``kv_splits``: one per ``min_keys_per_split`` visible keys, at most ``num_kv_splits``), computed on the device from
+its ``seq_len``, in runs of whole pages. Stage 1 runs one program per (request, kv head, split) over all query heads
+of that kv head (GQA: K/V read once per group) and writes a normalized partial output and its log-sum-exp; stage 2
+merges the splits. A split with no keys (beyond the request's own count) writes lse = -inf and weighs nothing in
+stage 2. So a short request in a batch with long ones costs one split, and a long one is spread over many programs.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
+
+MIN_KEYS_PER_SPLIT = 256
+
+
+def kv_splits(kv_len: int, num_kv_splits: int, page_size: int, min_keys_per_split: int) -> list[tuple[int, int]]:
+    """The [start, end) key runs (from the first visible key) a request of ``kv_len`` visible keys is split into:
+    what ``_decode_stage1`` computes on the device, for tests and docs. Empty runs are left out."""
+    splits = min(num_kv_splits, max(1, math.ceil(kv_len / min_keys_per_split)))
+    per = math.ceil(math.ceil(kv_len / splits) / page_size) * page_size
+    return [(s * per, min((s + 1) * per, kv_len)) for s in range(splits) if s * per < kv_len]
 
 
 def decode_attention_ref(
@@ -53,7 +68,8 @@ def _decode_stage1(
     sm_scale, window,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
+    MIN_KEYS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -62,7 +78,10 @@ def _decode_stage1(
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqPoolIdx + b)
     lo = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(seq_len - lo, NUM_SPLITS)
+    # this request's own split count (by its length) and run length (whole pages): see kv_splits
+    kv_len = seq_len - lo
+    splits = tl.minimum(tl.maximum(tl.cdiv(kv_len, MIN_KEYS), 1), NUM_SPLITS)
+    per_split = tl.cdiv(tl.cdiv(kv_len, splits), PAGE) * PAGE
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -130,6 +149,41 @@ def _decode_stage2(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
+def decode_attention_splits(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: int,
+    sliding_window: int | None = None,
+    page_size: int = 1,
+    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 alone: (partial outputs [bs, heads, num_kv_splits, head_dim], their log-sum-exps [bs, heads,
+    num_kv_splits], -inf for a split with no keys), fp32."""
+    bs, heads, d = q.shape
+    kv_heads = k_buf.shape[1]
+    group = heads // kv_heads
+    mid_o = torch.empty(bs, heads, num_kv_splits, d, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(bs, heads, num_kv_splits, dtype=torch.float32, device=q.device)
+    window = sliding_window if sliding_window is not None else 1 << 30
+    _decode_stage1[(bs, kv_heads, num_kv_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale, window,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=d, NUM_SPLITS=num_kv_splits, PAGE=page_size, MIN_KEYS=min_keys_per_split,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
+        IEEE=q.dtype == torch.float32,
+    )
+    return mid_o, mid_lse
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -141,29 +195,19 @@ def decode_attention(
     num_kv_splits: int,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    page_size: int = 1,
+    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
     block_n: int = 32,
 ) -> torch.Tensor:
     """Triton paged decode attention; same result as ``decode_attention_ref``. ``q`` [bs, heads, head_dim] must
-    have a contiguous last dim; ``num_kv_splits`` is chosen by the caller on the host (no device sync here)."""
+    have a contiguous last dim; ``num_kv_splits`` (the grid's splits per request and kv head, the most a request
+    uses) is chosen by the caller on the host (no device sync here); ``page_size`` aligns the splits' runs."""
     bs, heads, d = q.shape
-    kv_heads = k_buf.shape[1]
-    group = heads // kv_heads
-    block_d = triton.next_power_of_2(d)
-    mid_o = torch.empty(bs, heads, num_kv_splits, d, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(bs, heads, num_kv_splits, dtype=torch.float32, device=q.device)
+    mid_o, mid_lse = decode_attention_splits(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                                             num_kv_splits, sliding_window, page_size, min_keys_per_split, block_n)
     if out is None:
         out = torch.empty_like(q)
-    window = sliding_window if sliding_window is not None else 1 << 30
-    _decode_stage1[(bs, kv_heads, num_kv_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        sm_scale, window,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=d, NUM_SPLITS=num_kv_splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32,
-    )
+    block_d = triton.next_power_of_2(d)
     _decode_stage2[(bs, heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

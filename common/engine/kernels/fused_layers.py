@@ -4,11 +4,12 @@
     rotary_signed_     q and k heads of a fused qkv row, rotated in place      torch: ~5 launches, here 1
     silu_and_mul       silu(gate) * up of a fused gate|up row                  torch: 2 launches, here 1
 
-A bf16 decode step of a 1B model at batch 64 is launch-bound inside its CUDA graph: ~35 small kernels per layer
-cost more than the layer's GEMMs (first GPU check, 2026-11-26). Each kernel rounds where torch's op sequence
-rounds (every torch op on a half-precision tensor computes in fp32 and rounds its result to the tensor's dtype),
-so results match the torch layers bit for bit under the interpreter, and within an ulp of the dtype on a GPU
-(where a reduction's order differs, RMSNorm's sum of squares, or ``exp`` is another implementation, SiLU).
+A bf16 decode step of a 1B model at batch 64 is launch-bound inside its CUDA graph when these run as torch's op
+sequences: their many small kernels cost more than the layer's GEMMs (benchmarks/pages/gpu_check.md). Each kernel
+rounds where torch's op sequence rounds (every torch op on a half-precision tensor computes in fp32 and rounds its
+result to the tensor's dtype), so results match the torch layers bit for bit under the interpreter, and within an
+ulp of the dtype on a GPU (where a reduction's order differs, RMSNorm's sum of squares, or ``exp`` is another
+implementation, SiLU).
 
 The ``*_ref`` functions are the torch sequences these replace (``common.engine.model.layers``/``rope``); the tests
 hold the kernels to them, on CPU through Triton's interpreter and on CUDA at 1B shapes.

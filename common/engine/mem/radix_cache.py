@@ -113,6 +113,22 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def pretty_print(self) -> str: ...
 
+    # -- the hierarchical cache's hooks (``common.engine.mem.hicache``); a one-tier cache has nothing to do ----------
+    def check_hicache_events(self) -> None:  # noqa: B027  (optional: a default that does nothing)
+        """Once per step, before batch admission: settle the copies between tiers that have finished."""
+
+    def init_load_back(self, req: Req, mem_quota: int) -> bool:
+        """After ``req.init_next_round_input``: start bringing the rest of its cached prefix back from a lower tier
+        (host, storage) if ``mem_quota`` (``PrefillAdder.load_quota``) says it fits. True: it waits in the queue."""
+        return False
+
+    def release_retracted(self, req: Req) -> None:
+        """A running request is retracted: give up its KV (``cache_finished_req``; a lower tier may keep a copy)."""
+        self.cache_finished_req(req)
+
+    def close(self) -> None:  # noqa: B027  (optional: a default that does nothing)
+        """Stop the threads the cache runs (none here)."""
+
 
 class RadixCache(BasePrefixCache):
     def __init__(

@@ -25,6 +25,7 @@ write; the log is swapped under a lock, so each write is shipped by exactly one 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -54,6 +55,8 @@ class ReqToTokenPool:
         self._dirty_lock = threading.Lock()
         self._free_slots: list[int] = []
         self._is_free: list[bool] = []
+        # Told of every freed row, after it is free (a speculative draft model frees its KV of the row).
+        self.on_free: Callable[[list[int]], None] | None = None
         self.clear()
 
     def available_size(self) -> int:
@@ -80,6 +83,8 @@ class ReqToTokenPool:
         for i in indices:
             self._is_free[i] = True
             self._free_slots.append(i)
+        if self.on_free is not None:
+            self.on_free(indices)
 
     def write(self, req_pool_idx: int, start: int, slots: torch.Tensor | list[int]) -> None:
         """Store ``slots`` as the KV slots of positions ``[start, start + len(slots))`` of row ``req_pool_idx``."""

@@ -182,7 +182,11 @@ class TorchAttentionBackend:
         sel = (torch.arange(len(idx), device=device)[:, None] * q_len + j)[j < ext_t]
         out_rows = None if whole else rows.index_select(0, sel)
         out_sel = None if sel.numel() == rows.numel() else sel
-        return self._group(fb, idx, [fb.seq_lens_cpu[i] for i in idx], q_pos, rows, out_sel, out_rows)
+        tree = None
+        if fb.custom_mask is not None:
+            q_pos = fb.positions.index_select(0, rows).view(len(idx), q_len)
+            tree = (prefix_t, ext_t, _mask_block(fb, idx, jj, ext_t))
+        return self._group(fb, idx, [fb.seq_lens_cpu[i] for i in idx], q_pos, rows, out_sel, out_rows, tree)
 
     def _group(
         self,
@@ -193,7 +197,10 @@ class TorchAttentionBackend:
         rows: torch.Tensor | None,
         out_sel: torch.Tensor | None,
         out_rows: torch.Tensor | None,
+        tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> _Group:
+        """``tree``: (prefix_lens [B, 1], extend_lens [B, 1], the new tokens' mask [B, Lq, Lq]) when
+        ``fb.custom_mask`` decides which new keys each query sees (``q_pos`` then the real positions)."""
         device = fb.input_ids.device
         page = fb.kv_pool.page_size
         kv_len = -(-max(seq_lens) // page) * page
@@ -213,6 +220,12 @@ class TorchAttentionBackend:
         mask = kv_pos[None, None, :] <= q_pos[:, :, None]
         if self.sliding_window is not None:
             mask &= kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        if tree is not None:
+            prefix_t, ext_t, block = tree
+            rel = kv_pos[None, :] - prefix_t  # [B, Lk]: index of a key among the new tokens
+            in_new = (rel >= 0) & (rel < ext_t)
+            seen = block.gather(2, rel.clamp(0, block.shape[2] - 1)[:, None, :].expand(-1, block.shape[1], -1))
+            mask = torch.where(in_new[:, None, :], seen, mask)
         unit, kv_index = 1, slots
         if page > 1:
             first = slots[:, ::page]  # [B, Lk / page]
@@ -245,6 +258,22 @@ class TorchAttentionBackend:
         n = min(batch, MAX_DECODE_CHUNKS, max(1, -(-batch * per_req // self.decode_chunk_bytes)))
         size = -(-batch // n)
         return [(s, min(batch, s + size)) for s in range(0, batch, size)]
+
+
+def _mask_block(fb: ForwardBatch, idx: list[int], jj: torch.Tensor, ext_t: torch.Tensor) -> torch.Tensor:
+    """bool [B, Lq, Lq]: ``fb.custom_mask`` of requests ``idx``; padded query rows repeat the last token's row
+    (``jj``), padded key columns are False."""
+    device = jj.device
+    ext = fb.extend_lens_cpu
+    starts, total = [], 0
+    for n in ext:
+        starts.append(total)
+        total += n * n
+    assert fb.custom_mask is not None and fb.custom_mask.numel() == total, "custom_mask: sum(extend_len^2) entries"
+    kk = torch.arange(jj.shape[1], device=device)[None, None, :]
+    flat = _i64([starts[i] for i in idx], device)[:, None, None] + jj[:, :, None] * ext_t[:, :, None] + kk
+    valid = kk < ext_t[:, :, None]
+    return fb.custom_mask.index_select(0, torch.where(valid, flat, 0).reshape(-1)).view(flat.shape) & valid
 
 
 def _gather(buf: torch.Tensor, kv_index: torch.Tensor, unit: int, out: torch.Tensor | None = None) -> torch.Tensor:

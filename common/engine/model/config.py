@@ -59,6 +59,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype_name: str  # the checkpoint's declared dtype, as torch names it ("float32", "bfloat16")
+    load_format: str = "auto"  # auto: the folder's safetensors; dummy: seeded random weights (dummy_weights.py)
 
     @property
     def attention_bias(self) -> bool:
@@ -71,9 +72,12 @@ class ModelConfig:
         return getattr(torch, self.dtype_name)
 
     @classmethod
-    def from_path(cls, path: str | Path) -> ModelConfig:
+    def from_path(cls, path: str | Path, load_format: str = "auto") -> ModelConfig:
+        """``load_format`` dummy: the folder needs no weight files (config.json and a tokenizer)."""
         path = Path(path)
-        check_model_folder(path)
+        if load_format not in ("auto", "dummy"):
+            raise ModelLoadError(f"unknown load format {load_format!r}; use auto or dummy")
+        check_model_folder(path, weights=load_format == "auto")
         hf = _load_hf_config(path)
         arch = (getattr(hf, "architectures", None) or [None])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -111,6 +115,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(hf, path),
             bos_token_id=getattr(hf, "bos_token_id", None),
             dtype_name=_dtype_name(hf),
+            load_format=load_format,
         )
 
     def fingerprint(self) -> dict[str, Any]:
@@ -121,8 +126,14 @@ class ModelConfig:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "dtype": self.dtype_name,
-            "weights_sha256": weights_digest(self.path),
+            "weights_sha256": weights_digest(self.path) if self.load_format == "auto" else self._dummy_digest(),
         }
+
+    def _dummy_digest(self) -> str:
+        """Dummy weights are a function of the shapes (and the fixed seed): nodes that agree on these hold the same
+        weights; never equal to a checkpoint's digest."""
+        shapes = {k: v for k, v in self.to_dict().items() if k not in ("path", "load_format")}
+        return hashlib.sha256(("dummy:" + json.dumps(shapes, sort_keys=True, default=str)).encode()).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -131,16 +142,18 @@ class ModelConfig:
         return d
 
 
-def check_model_folder(path: Path) -> None:
-    """Raise ModelLoadError unless ``path`` holds config.json, safetensors weights and a tokenizer."""
+def check_model_folder(path: Path, weights: bool = True) -> None:
+    """Raise ModelLoadError unless ``path`` holds config.json, safetensors weights (unless not ``weights``) and a
+    tokenizer."""
     if not path.is_dir():
         raise ModelLoadError(f"model path {path} is not a directory; pass a local Hugging Face model folder")
     if not (path / "config.json").is_file():
         raise ModelLoadError(
             f"{path} has no config.json; pass a Hugging Face model folder (or run make-model)"
         )
-    if not safetensors_files(path):
-        raise ModelLoadError(f"{path} has no *.safetensors weights; convert the checkpoint to safetensors")
+    if weights and not safetensors_files(path):
+        raise ModelLoadError(f"{path} has no *.safetensors weights; convert the checkpoint to safetensors (or, for "
+                             "a folder of config.json and a tokenizer only, --load-format dummy)")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ModelLoadError(
             f"{path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the tokenizer files in"

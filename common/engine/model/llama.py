@@ -113,12 +113,19 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim).to(device)
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, capture: frozenset[int] = frozenset(), aux: list[torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """``capture``: residual streams to append to ``aux``, by the index of the layer they enter (``num_layers``:
+        the last layer's output, before the final norm), in layer order."""
         h = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.cos_signed_sin(fb.positions, h.dtype)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in capture and aux is not None:  # NOTE: a copy: fused norms add into the stream in place
+                aux.append(h.clone() if residual is None else h + residual)
             h, residual = layer(h, residual, cos, sin, fb)
+        if len(self.layers) in capture and aux is not None:
+            aux.append(h.clone() if residual is None else h + residual)
         return self.norm(h) if residual is None else self.norm.add_forward(h, residual)[0]
 
 
@@ -192,6 +199,16 @@ class LlamaForCausalLM(nn.Module):
         if fb.attn_metadata is None:
             fb.attn_backend.init_forward_metadata(fb)
         return self.model(fb)
+
+    def forward_capture(self, fb: ForwardBatch, capture: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` plus the residual streams entering the layers in ``capture`` (``num_layers``: the last layer's
+        output), concatenated in layer order: [num_tokens, len(capture) * hidden] (EAGLE-3's draft input). A plain
+        ``forward`` captures nothing."""
+        if fb.attn_metadata is None:
+            fb.attn_backend.init_forward_metadata(fb)
+        aux: list[torch.Tensor] = []
+        hidden = self.model(fb, capture, aux)
+        return hidden, torch.cat(aux, dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, vocab] for hidden states [n, hidden] (select the rows you need first); with TP the

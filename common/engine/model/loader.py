@@ -1,4 +1,5 @@
-"""Load a local HF model folder into ``LlamaForCausalLM`` (safetensors only, by HF weight names).
+"""Load a local HF model folder into ``LlamaForCausalLM`` (safetensors only, by HF weight names), or with
+``load_format="dummy"`` fill it with seeded random weights from config.json alone (``dummy_weights``).
 
 With tensor parallelism each rank reads only its slices of a sharded weight (``safe_open(...).get_slice``), never
 the whole tensor; replicated weights (embedding, norms, row-parallel biases) are read whole. The layout of a shard
@@ -15,6 +16,7 @@ from safetensors import safe_open
 
 from common.engine.distributed import TPGroup
 from common.engine.model.config import ModelConfig, safetensors_files
+from common.engine.model.dummy_weights import fill_dummy_
 from common.engine.model.llama import LlamaForCausalLM
 from common.engine.model.parallel import ShardLayout
 from common.errors import ModelLoadError
@@ -35,11 +37,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tp: TPGroup | None = None,
+    load_format: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model (this rank's shard of it under ``tp``) for ``path`` and fill every parameter from its
-    safetensors files (cast to ``dtype``)."""
-    cfg = ModelConfig.from_path(path)
+    safetensors files (cast to ``dtype``); ``load_format="dummy"``: from ``dummy_weights`` instead (no file read)."""
+    cfg = ModelConfig.from_path(path, load_format)
     model = LlamaForCausalLM(cfg, dtype=dtype, device=device, tp=tp)
+    if load_format == "dummy":
+        fill_dummy_model(model, cfg)
+        return model.eval(), cfg
     params = dict(model.named_parameters())
     # A TP rank of a tied model has its own LM head shard, read from the embedding's rows.
     tied_head = cfg.tie_word_embeddings and "lm_head.weight" in params
@@ -62,6 +68,21 @@ def load_model(
     if missing:
         raise ModelLoadError(f"{cfg.path}: weights missing or incomplete for {', '.join(missing[:5])}")
     return model.eval(), cfg
+
+
+def fill_dummy_model(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
+    """Every parameter of this rank's shard from ``dummy_weights``: each HF weight it holds a part of (the q/k/v and
+    gate/up rows of the fused ones), sliced as the checkpoint loader slices it."""
+    tied = cfg.tie_word_embeddings
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and tied:  # a TP rank's head shard: rows of the embedding
+            parts: list[tuple[str, int | None]] = [("model.embed_tokens.weight", None)]
+        else:
+            fused = [(name.replace(ours, frag), shard) for frag, (ours, shard) in _FUSED.items() if ours in name]
+            parts = fused or [(name, None)]
+        for hf_name, shard in parts:
+            full, dim, part, dst = _plan(name, param, shard, cfg, model.shard)
+            fill_dummy_(dst, hf_name, full, dim, part, cfg.hidden_size, tied)
 
 
 def _our_name(hf_name: str) -> tuple[str, int | None]:

@@ -2,10 +2,16 @@
 
 Per forward, ``init_forward_metadata`` picks one kernel for the whole batch and builds its few device operands:
 
-    every extend_len == 1 (decode, or 1-token extends): paged decode attention, split-K over ``num_kv_splits`` runs
-                                                        (a host int from ``seq_lens_cpu``);
+    every extend_len == 1 (decode, or 1-token extends): paged decode attention, split-K: a grid of ``num_kv_splits``
+                                                        programs per request and kv head (a host int: the batch
+                                                        size's ``grid_kv_splits``, cut to what the longest
+                                                        request needs), of which each request uses one per
+                                                        ``MIN_KEYS_PER_SPLIT`` keys (decided on the device);
     otherwise (prefill, mixed chunk + decodes):         paged extend attention, decodes as 1-token extends;
-                                                        ``q_start`` = exclusive cumsum of ``extend_lens`` (device).
+                                                        ``q_start`` = exclusive cumsum of ``extend_lens`` (device);
+                                                        with ``fb.custom_mask`` (a draft tree's verify) the
+                                                        kernel's tree form: ``mask_start`` = exclusive cumsum of
+                                                        ``extend_lens ** 2``.
 
 Both kernels read every key, cached prefix and new token alike, from ``req_to_token`` rows (token ``i`` of a request
 at slot ``req_to_token[row, i]``), so layers never copy K/V; ``forward`` writes the new K/V to the pool first.
@@ -21,7 +27,9 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 
 MAX_KV_SPLITS = 16
-MIN_KEYS_PER_SPLIT = 256
+# Splits a grid offers each request however large the batch: a long request among many short ones is still spread
+# over several programs instead of holding one for its whole context while the rest of the device idles.
+MIN_GRID_SPLITS = 4
 
 
 @dataclass
@@ -30,6 +38,8 @@ class TritonAttnMetadata:
     num_kv_splits: int  # decode only
     q_start: torch.Tensor | None  # extend only: int64 [bs], first row of each request in q
     max_extend_len: int
+    custom_mask: torch.Tensor | None = None  # extend only: uint8 view of ``fb.custom_mask``
+    mask_start: torch.Tensor | None = None  # with custom_mask: int64 [bs], each request's first mask entry
 
 
 class TritonAttentionBackend:
@@ -42,10 +52,11 @@ class TritonAttentionBackend:
         device: str | torch.device = "cuda",
     ) -> None:
         assert num_heads % num_kv_heads == 0
-        from common.engine.kernels.decode_attention import decode_attention
+        from common.engine.kernels.decode_attention import MIN_KEYS_PER_SPLIT, decode_attention
         from common.engine.kernels.extend_attention import extend_attention
 
         self._decode_attention = decode_attention
+        self.min_keys_per_split = MIN_KEYS_PER_SPLIT
         self._extend_attention = extend_attention
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -59,14 +70,20 @@ class TritonAttentionBackend:
         else:
             self.target_programs = 8
 
+    def grid_kv_splits(self, bs: int) -> int:
+        """The grid's splits per (request, kv head) for a batch of ``bs``: enough programs to fill the device, at
+        least ``MIN_GRID_SPLITS``, at most ``MAX_KV_SPLITS`` (what a CUDA graph of that batch size fixes)."""
+        by_occupancy = -(-self.target_programs // (bs * self.num_kv_heads))
+        return max(1, min(MAX_KV_SPLITS, max(MIN_GRID_SPLITS, by_occupancy)))
+
     def num_kv_splits(self, seq_lens: list[int]) -> int:
-        """Enough (request, kv head, split) programs to fill the device, each with >= MIN_KEYS_PER_SPLIT keys."""
+        """``grid_kv_splits`` cut to what the longest request uses (one split per ``MIN_KEYS_PER_SPLIT`` keys), so a
+        batch of short requests launches no programs that would find no keys. Each request uses the same splits as
+        under the uncut grid."""
         longest = max(seq_lens)
         if self.sliding_window is not None:
             longest = min(longest, self.sliding_window)
-        by_len = -(-longest // MIN_KEYS_PER_SPLIT)
-        by_occupancy = -(-self.target_programs // (len(seq_lens) * self.num_kv_heads))
-        return max(1, min(MAX_KV_SPLITS, by_len, by_occupancy))
+        return max(1, min(self.grid_kv_splits(len(seq_lens)), -(-longest // self.min_keys_per_split)))
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         ext = fb.extend_lens_cpu
@@ -74,7 +91,12 @@ class TritonAttentionBackend:
             fb.attn_metadata = TritonAttnMetadata(True, self.num_kv_splits(fb.seq_lens_cpu), None, 1)
         else:
             q_start = torch.cumsum(fb.extend_lens, 0) - fb.extend_lens
-            fb.attn_metadata = TritonAttnMetadata(False, 1, q_start, max(ext))
+            md = TritonAttnMetadata(False, 1, q_start, max(ext))
+            if fb.custom_mask is not None:
+                squares = fb.extend_lens * fb.extend_lens
+                md.custom_mask = fb.custom_mask.view(torch.uint8)
+                md.mask_start = torch.cumsum(squares, 0) - squares
+            fb.attn_metadata = md
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
@@ -91,7 +113,7 @@ class TritonAttentionBackend:
             out = self._decode_attention(
                 q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, self.scale,
                 md.num_kv_splits, self.sliding_window,
-                out=q.new_empty(q.shape[0], self.num_heads, self.head_dim),
+                out=q.new_empty(q.shape[0], self.num_heads, self.head_dim), page_size=fb.kv_pool.page_size,
             )
         else:
             assert md.q_start is not None
@@ -99,5 +121,7 @@ class TritonAttentionBackend:
                 q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, md.q_start, fb.prefix_lens,
                 fb.extend_lens, md.max_extend_len, self.scale, self.sliding_window,
                 out=q.new_empty(q.shape[0], self.num_heads, self.head_dim),
+                custom_mask=md.custom_mask, mask_start=md.mask_start,
+                positions=fb.positions if md.custom_mask is not None else None,
             )
         return out.view(q.shape[0], -1)

@@ -5,8 +5,9 @@ its CPU kernel or, on CUDA, its Triton/CUDA kernel), and compiles JSON Schema, r
 
 Lifecycle of a grammar request on one scheduler rank::
 
-    front msg ──> GrammarQueue (common/engine/sampling/grammar_queue.py): ``GrammarCompiler.submit`` compiles on a thread,
-                  the message waits, off the step's hot path, until every TP rank has it (or its deadline passes)
+    front msg ──> GrammarQueue (common/engine/sampling/grammar_queue.py): ``GrammarCompiler.submit`` compiles in a
+                  worker process (grammar_pool.py; json_schema.py makes a schema JSON-legal first), the message
+                  waits, off the step's hot path, until every TP rank has it (or its deadline passes)
               ──> role.admit ──> build_req: ``RequestGrammar`` (a matcher; a migrated request replays its earlier
                   outputs into it)
     each step:    SamplingBatchInfo.from_reqs fills one bitmask row per grammar row (host, scheduler thread);
@@ -20,86 +21,115 @@ Every TP rank runs the same matchers on the same tokens: their masks are identic
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
-import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.engine.req import Finished, FinishReason, Req
-from common.errors import ErrorCode, InvalidRequestError
+from common.engine.sampling.grammar_pool import Compiled, GrammarCompileAborted, GrammarCompilePool
+from common.errors import ErrorCode
 from common.text.fast_tokenizer import FastTokenizer
 
 if TYPE_CHECKING:
     import xgrammar
 
+__all__ = ["GrammarCompileAborted", "GrammarCompiler", "RequestGrammar", "tokenizer_info"]
+
 logger = logging.getLogger(__name__)
 
-# Compiled grammars kept per rank (LRU; failures are cached too: the same source fails the same way).
+# Compiled grammars kept per rank (LRU; failures are cached too: the same source fails the same way), bounded in count
+# and in bytes (xgrammar's estimate of what a compiled grammar holds).
 GRAMMAR_CACHE_ENTRIES = 512
-# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: "; the client needs the rest.
-_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+GRAMMAR_CACHE_BYTES = 512 << 20
 
 
-def grammar_error_message(kind: str, exc: BaseException) -> str:
-    """What a client reads when its grammar does not compile: which field, and xgrammar's reason."""
-    text = " ".join(_XGR_PREFIX.sub("", str(exc)).split())
-    return f"{kind} cannot be compiled into a grammar: {text[:500]}"
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> xgrammar.TokenizerInfo:
+    import xgrammar as xgr
+
+    hf = tokenizer.transformers_tokenizer() if isinstance(tokenizer, FastTokenizer) else tokenizer
+    return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
+                                              or None)
 
 
 class GrammarCompiler:
     """One rank's compiler: ``submit`` returns a future of the compiled grammar, shared by every request with the
-    same ``(kind, source)``. Compilation runs on one background thread (xgrammar releases the GIL)."""
+    same ``(kind, source)``. Compiles run in worker processes (``GrammarCompilePool``: ``workers`` at once, each
+    stopped ``timeout_s`` after it starts); a compiled grammar that leaves the cache gives its memory back to the OS."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], any_whitespace: bool) -> None:
+    def __init__(self, info: xgrammar.TokenizerInfo, any_whitespace: bool, workers: int = 1,
+                 timeout_s: float = 30.0) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
-        stops = sorted(set(stop_token_ids)) or None
-        hf = tokenizer.transformers_tokenizer() if isinstance(tokenizer, FastTokenizer) else tokenizer
-        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stops)
-        self.vocab_size = vocab_size
+        self.info = info
+        self.vocab_size = info.vocab_size
         self.any_whitespace = any_whitespace
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(1, "pdcluster-grammar")
-        self._cache: OrderedDict[tuple[str, str], Future[xgrammar.CompiledGrammar]] = OrderedDict()
-        self._lock = threading.Lock()  # NOTE: the cache is read by the scheduler thread only; the lock is cheap
+        self.pool = GrammarCompilePool(info, workers, timeout_s)
+        self._cache: OrderedDict[tuple[str, str], Future[Compiled]] = OrderedDict()
+        self.cached_bytes = 0
+        self._lock = threading.Lock()  # submit runs on the scheduler thread, completions on the pool's
 
-    def submit(self, key: tuple[str, str]) -> Future[xgrammar.CompiledGrammar]:
+    def submit(self, key: tuple[str, str]) -> Future[Compiled]:
+        evicted = 0
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None:
+            if fut is not None and not fut.cancelled():
                 self._cache.move_to_end(key)
+                self.pool.keep(fut)
                 return fut
-            fut = self._pool.submit(self._compile, *key)
+            fut = self.pool.submit(key[0], key[1], self.any_whitespace)
             self._cache[key] = fut
-            while len(self._cache) > GRAMMAR_CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-            return fut
+            evicted = self._evict()
+        fut.add_done_callback(lambda f: self._account(key, f))
+        if evicted:
+            release_freed_memory()
+        return fut
 
-    def _compile(self, kind: str, source: str) -> xgrammar.CompiledGrammar:
-        try:
-            if kind == "json_schema":
-                return self._compiler.compile_json_schema(source, any_whitespace=self.any_whitespace)
-            if kind == "regex":
-                return self._compiler.compile_regex(source)
-            if kind == "ebnf":
-                return self._compiler.compile_grammar(source)
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
-            raise InvalidRequestError(grammar_error_message(kind, e)) from None
-        raise InvalidRequestError(f"unknown grammar kind {kind!r}")
+    def _account(self, key: tuple[str, str], fut: Future[Compiled]) -> None:
+        """A compile finished (on the pool's thread): count its bytes. A compile cancelled in the queue leaves the
+        cache (a later request compiles it again); one stopped at its deadline stays, so the same grammar fails at
+        once instead of taking a worker for the whole deadline again."""
+        with self._lock:
+            if self._cache.get(key) is not fut:
+                return
+            if fut.cancelled():
+                del self._cache[key]
+            elif fut.exception() is None:
+                self.cached_bytes += fut.result().nbytes
+
+    def _evict(self) -> int:
+        """Drop least-recently-used entries over the budgets; how many held a compiled grammar. NOTE: only on the
+        scheduler thread (from ``submit``), so a grammar settled in ``GrammarQueue.pop_ready`` is still cached when
+        ``matcher`` builds the request in the same step."""
+        evicted = 0
+        while len(self._cache) > GRAMMAR_CACHE_ENTRIES or self.cached_bytes > GRAMMAR_CACHE_BYTES:
+            _, old = self._cache.popitem(last=False)
+            if old.done() and not old.cancelled() and old.exception() is None:
+                self.cached_bytes -= old.result().nbytes
+                evicted += 1
+        return evicted
 
     def matcher(self, key: tuple[str, str]) -> RequestGrammar:
         """A fresh matcher over the compiled grammar of ``key`` (which must be compiled: ``submit(key).done()``);
         raises ``InvalidRequestError`` if it did not compile."""
         compiled = self.submit(key).result(timeout=0)
-        return RequestGrammar(self._xgr.GrammarMatcher(compiled), key[0])
+        return RequestGrammar(self._xgr.GrammarMatcher(compiled.grammar), key[0])
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc keeps them otherwise: a big grammar's memory would stay in the
+    rank's RSS after it left the cache)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class RequestGrammar:
@@ -112,6 +142,10 @@ class RequestGrammar:
     def accept(self, token: int) -> bool:
         """Advance over ``token``; False (state unchanged) if the grammar does not allow it here."""
         return bool(self.matcher.accept_token(token))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepts (speculative decoding checks drafts, then steps back)."""
+        self.matcher.rollback(num_tokens)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)

@@ -10,6 +10,7 @@ import math
 
 import msgspec
 
+from common.engine.sampling.json_schema import check_schema_depth
 from common.errors import InvalidRequestError
 
 # At or below this temperature a request is decoded greedily (dividing logits by it would overflow fp32).
@@ -156,6 +157,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 _fail(f"{kind} must not be empty")
             if len(source) > MAX_GRAMMAR_CHARS:
                 _fail(f"{kind} must be at most {MAX_GRAMMAR_CHARS} characters, got {len(source)}")
+        if self.json_schema is not None:
+            check_schema_depth(self.json_schema)
 
 
 def for_choice(sp: SamplingParams, i: int) -> SamplingParams:

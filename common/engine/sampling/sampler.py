@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from common.engine.sampling.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-# A batch draws through ``top_k_sorted`` when max(top_k) * FAST_TOP_K_RATIO <= vocab: measured on 2 CPU threads
-# (64 rows), topk + sorts of k beat the full stable sort up to k ~ vocab / 16 (8192: k 256 13 ms, full 77 ms).
+# A batch draws through ``top_k_sorted`` when max(top_k) * FAST_TOP_K_RATIO <= vocab: on CPU, topk + sorts of k
+# beat the full stable sort up to k ~ vocab / 16, so the ratio keeps a margin (benchmarks/pages/engine_throughput.md).
 FAST_TOP_K_RATIO = 32
 # A batch with no top-k (CPU, vocab >= SORT_WINDOW * FAST_TOP_K_RATIO) first looks for its tokens among the
 # SORT_WINDOW most likely ones (``draw_in_window``) and sorts the vocab only when that cannot prove the answer.

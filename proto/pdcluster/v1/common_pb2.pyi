@@ -71,8 +71,20 @@ class Usage(_message.Message):
     cached_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class SpecDecoding(_message.Message):
+    __slots__ = ("verify_steps", "draft_tokens", "accepted_tokens", "accept_length")
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    verify_steps: int
+    draft_tokens: int
+    accepted_tokens: int
+    accept_length: float
+    def __init__(self, verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accept_length: _Optional[float] = ...) -> None: ...
+
 class Timing(_message.Message):
-    __slots__ = ("queue", "bootstrap", "prefill", "transfer", "decode_queue", "ttft", "e2e", "transfer_bytes")
+    __slots__ = ("queue", "bootstrap", "prefill", "transfer", "decode_queue", "ttft", "e2e", "transfer_bytes", "cached_tokens_host", "cached_tokens_storage")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +93,8 @@ class Timing(_message.Message):
     TTFT_FIELD_NUMBER: _ClassVar[int]
     E2E_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_HOST_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_STORAGE_FIELD_NUMBER: _ClassVar[int]
     queue: float
     bootstrap: float
     prefill: float
@@ -89,4 +103,6 @@ class Timing(_message.Message):
     ttft: float
     e2e: float
     transfer_bytes: int
-    def __init__(self, queue: _Optional[float] = ..., bootstrap: _Optional[float] = ..., prefill: _Optional[float] = ..., transfer: _Optional[float] = ..., decode_queue: _Optional[float] = ..., ttft: _Optional[float] = ..., e2e: _Optional[float] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
+    cached_tokens_host: int
+    cached_tokens_storage: int
+    def __init__(self, queue: _Optional[float] = ..., bootstrap: _Optional[float] = ..., prefill: _Optional[float] = ..., transfer: _Optional[float] = ..., decode_queue: _Optional[float] = ..., ttft: _Optional[float] = ..., e2e: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_storage: _Optional[int] = ...) -> None: ...

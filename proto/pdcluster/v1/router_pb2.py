@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdcluster.v1 import common_pb2 as pdcluster_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/router.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe3\x02\n\x15RouterGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\tinput_ids\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.pdcluster.v1.ChatMessagesH\x00\x12\x35\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x16\n\x0ereturn_logprob\x18\x07 \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x08 \x01(\x05\x12\r\n\x05model\x18\t \x01(\t\x12\x15\n\x08priority\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x0e\n\x01n\x18\x0b \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_priorityB\x04\n\x02_n\"v\n\x16RouterGenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.pdcluster.v1.TextChunkH\x00\x12*\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x16.pdcluster.v1.CompleteH\x00\x42\x06\n\x04kind\"~\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.pdcluster.v1.TopLogprobs\x12\r\n\x05index\x18\x05 \x01(\x05\"\xd4\x02\n\x08\x43omplete\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\rmatched_token\x18\x05 \x01(\x05H\x00\x12\x16\n\x0cmatched_stop\x18\x06 \x01(\tH\x00\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12$\n\x06timing\x18\x08 \x01(\x0b\x32\x14.pdcluster.v1.Timing\x12\x10\n\x08logprobs\x18\t \x03(\x02\x12/\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x19.pdcluster.v1.TopLogprobs\x12\x11\n\tserved_by\x18\x0b \x01(\t\x12\x10\n\x08\x61ttempts\x18\x0c \x01(\x05\x12\r\n\x05index\x18\r \x01(\x05\x42\t\n\x07matched\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"\xa8\x02\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\x16\n\x0e\x62ootstrap_port\x18\x03 \x01(\x05\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x0f\n\x07\x64p_size\x18\x05 \x01(\x05\x12\x19\n\x11inflight_requests\x18\x06 \x01(\x05\x12\x15\n\rfree_kv_pages\x18\x07 \x01(\x03\x12\x15\n\rcircuit_state\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\r\n\x05state\x18\n \x01(\t\x12\x0c\n\x04name\x18\x0b \x01(\t\x12\x16\n\x0elegs_transport\x18\x0c \x01(\t\x12\x18\n\x10mux_socket_error\x18\r \x01(\t\"\x14\n\x12ListWorkersRequest\"B\n\x13ListWorkersResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.pdcluster.v1.WorkerStatus\"h\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\x16\n\x0e\x62ootstrap_port\x18\x03 \x01(\x05\"\x18\n\x16RegisterWorkerResponse\"*\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\")\n\x18\x44\x65registerWorkerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x32\xc6\x03\n\x06Router\x12W\n\x08Generate\x12#.pdcluster.v1.RouterGenerateRequest\x1a$.pdcluster.v1.RouterGenerateResponse0\x01\x12O\n\nListModels\x12\x1f.pdcluster.v1.ListModelsRequest\x1a .pdcluster.v1.ListModelsResponse\x12R\n\x0bListWorkers\x12 .pdcluster.v1.ListWorkersRequest\x1a!.pdcluster.v1.ListWorkersResponse\x12[\n\x0eRegisterWorker\x12#.pdcluster.v1.RegisterWorkerRequest\x1a$.pdcluster.v1.RegisterWorkerResponse\x12\x61\n\x10\x44\x65registerWorker\x12%.pdcluster.v1.DeregisterWorkerRequest\x1a&.pdcluster.v1.DeregisterWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/router.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe3\x02\n\x15RouterGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\tinput_ids\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.pdcluster.v1.ChatMessagesH\x00\x12\x35\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x16\n\x0ereturn_logprob\x18\x07 \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x08 \x01(\x05\x12\r\n\x05model\x18\t \x01(\t\x12\x15\n\x08priority\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x0e\n\x01n\x18\x0b \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_priorityB\x04\n\x02_n\"v\n\x16RouterGenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.pdcluster.v1.TextChunkH\x00\x12*\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x16.pdcluster.v1.CompleteH\x00\x42\x06\n\x04kind\"~\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.pdcluster.v1.TopLogprobs\x12\r\n\x05index\x18\x05 \x01(\x05\"\xfe\x02\n\x08\x43omplete\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\rmatched_token\x18\x05 \x01(\x05H\x00\x12\x16\n\x0cmatched_stop\x18\x06 \x01(\tH\x00\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12$\n\x06timing\x18\x08 \x01(\x0b\x32\x14.pdcluster.v1.Timing\x12\x10\n\x08logprobs\x18\t \x03(\x02\x12/\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x19.pdcluster.v1.TopLogprobs\x12\x11\n\tserved_by\x18\x0b \x01(\t\x12\x10\n\x08\x61ttempts\x18\x0c \x01(\x05\x12\r\n\x05index\x18\r \x01(\x05\x12(\n\x04spec\x18\x0e \x01(\x0b\x32\x1a.pdcluster.v1.SpecDecodingB\t\n\x07matched\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"\xa8\x02\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\x16\n\x0e\x62ootstrap_port\x18\x03 \x01(\x05\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x0f\n\x07\x64p_size\x18\x05 \x01(\x05\x12\x19\n\x11inflight_requests\x18\x06 \x01(\x05\x12\x15\n\rfree_kv_pages\x18\x07 \x01(\x03\x12\x15\n\rcircuit_state\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\r\n\x05state\x18\n \x01(\t\x12\x0c\n\x04name\x18\x0b \x01(\t\x12\x16\n\x0elegs_transport\x18\x0c \x01(\t\x12\x18\n\x10mux_socket_error\x18\r \x01(\t\"\x14\n\x12ListWorkersRequest\"B\n\x13ListWorkersResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.pdcluster.v1.WorkerStatus\"h\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\x16\n\x0e\x62ootstrap_port\x18\x03 \x01(\x05\"\x18\n\x16RegisterWorkerResponse\"*\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\")\n\x18\x44\x65registerWorkerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x32\xc6\x03\n\x06Router\x12W\n\x08Generate\x12#.pdcluster.v1.RouterGenerateRequest\x1a$.pdcluster.v1.RouterGenerateResponse0\x01\x12O\n\nListModels\x12\x1f.pdcluster.v1.ListModelsRequest\x1a .pdcluster.v1.ListModelsResponse\x12R\n\x0bListWorkers\x12 .pdcluster.v1.ListWorkersRequest\x1a!.pdcluster.v1.ListWorkersResponse\x12[\n\x0eRegisterWorker\x12#.pdcluster.v1.RegisterWorkerRequest\x1a$.pdcluster.v1.RegisterWorkerResponse\x12\x61\n\x10\x44\x65registerWorker\x12%.pdcluster.v1.DeregisterWorkerRequest\x1a&.pdcluster.v1.DeregisterWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdcluster.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1818
-  _globals['_WORKERROLE']._serialized_end=1935
+  _globals['_WORKERROLE']._serialized_start=1860
+  _globals['_WORKERROLE']._serialized_end=1977
   _globals['_CHATMESSAGE']._serialized_start=70
   _globals['_CHATMESSAGE']._serialized_end=114
   _globals['_CHATMESSAGES']._serialized_start=116
@@ -47,25 +47,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TEXTCHUNK']._serialized_start=680
   _globals['_TEXTCHUNK']._serialized_end=806
   _globals['_COMPLETE']._serialized_start=809
-  _globals['_COMPLETE']._serialized_end=1149
-  _globals['_LISTMODELSREQUEST']._serialized_start=1151
-  _globals['_LISTMODELSREQUEST']._serialized_end=1170
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1172
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1208
-  _globals['_WORKERSTATUS']._serialized_start=1211
-  _globals['_WORKERSTATUS']._serialized_end=1507
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1509
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1529
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1531
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1597
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1599
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1703
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1705
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1729
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1731
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1773
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1775
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1816
-  _globals['_ROUTER']._serialized_start=1938
-  _globals['_ROUTER']._serialized_end=2392
+  _globals['_COMPLETE']._serialized_end=1191
+  _globals['_LISTMODELSREQUEST']._serialized_start=1193
+  _globals['_LISTMODELSREQUEST']._serialized_end=1212
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1214
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1250
+  _globals['_WORKERSTATUS']._serialized_start=1253
+  _globals['_WORKERSTATUS']._serialized_end=1549
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1551
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1571
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1573
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1639
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1641
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1745
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1747
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1771
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1773
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1815
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1817
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1858
+  _globals['_ROUTER']._serialized_start=1980
+  _globals['_ROUTER']._serialized_end=2434
 # @@protoc_insertion_point(module_scope)

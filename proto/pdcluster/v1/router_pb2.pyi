@@ -88,7 +88,7 @@ class TextChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("request_id", "text", "output_ids", "finish_reason", "matched_token", "matched_stop", "usage", "timing", "logprobs", "top_logprobs", "served_by", "attempts", "index")
+    __slots__ = ("request_id", "text", "output_ids", "finish_reason", "matched_token", "matched_stop", "usage", "timing", "logprobs", "top_logprobs", "served_by", "attempts", "index", "spec")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class Complete(_message.Message):
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -115,7 +116,8 @@ class Complete(_message.Message):
     served_by: str
     attempts: int
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., served_by: _Optional[str] = ..., attempts: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    spec: _common_pb2.SpecDecoding
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., served_by: _Optional[str] = ..., attempts: _Optional[int] = ..., index: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.SpecDecoding, _Mapping]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -171,20 +171,22 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("last", "finish_reason", "matched_token", "matched_stop", "usage", "timing")
+    __slots__ = ("last", "finish_reason", "matched_token", "matched_stop", "usage", "timing", "spec")
     LAST_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     last: TokenChunk
     finish_reason: str
     matched_token: int
     matched_stop: str
     usage: _common_pb2.Usage
     timing: _common_pb2.Timing
-    def __init__(self, last: _Optional[_Union[TokenChunk, _Mapping]] = ..., finish_reason: _Optional[str] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ...) -> None: ...
+    spec: _common_pb2.SpecDecoding
+    def __init__(self, last: _Optional[_Union[TokenChunk, _Mapping]] = ..., finish_reason: _Optional[str] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., spec: _Optional[_Union[_common_pb2.SpecDecoding, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("rid",)
@@ -203,7 +205,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankLoad(_message.Message):
-    __slots__ = ("dp_rank", "running", "waiting", "bootstrap", "inflight", "prealloc", "transfer", "free_kv_pages", "total_kv_pages", "free_req_slots", "total_req_slots", "token_usage", "evictable_tokens", "admissible_tokens", "preempt_priority")
+    __slots__ = ("dp_rank", "running", "waiting", "bootstrap", "inflight", "prealloc", "transfer", "free_kv_pages", "total_kv_pages", "free_req_slots", "total_req_slots", "token_usage", "evictable_tokens", "admissible_tokens", "preempt_priority", "host_cache_tokens", "cache_storage")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +221,8 @@ class RankLoad(_message.Message):
     EVICTABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADMISSIBLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_STORAGE_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     running: int
     waiting: int
@@ -234,7 +238,9 @@ class RankLoad(_message.Message):
     evictable_tokens: int
     admissible_tokens: int
     preempt_priority: int
-    def __init__(self, dp_rank: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., bootstrap: _Optional[int] = ..., inflight: _Optional[int] = ..., prealloc: _Optional[int] = ..., transfer: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., free_req_slots: _Optional[int] = ..., total_req_slots: _Optional[int] = ..., token_usage: _Optional[float] = ..., evictable_tokens: _Optional[int] = ..., admissible_tokens: _Optional[int] = ..., preempt_priority: _Optional[int] = ...) -> None: ...
+    host_cache_tokens: int
+    cache_storage: str
+    def __init__(self, dp_rank: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., bootstrap: _Optional[int] = ..., inflight: _Optional[int] = ..., prealloc: _Optional[int] = ..., transfer: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., free_req_slots: _Optional[int] = ..., total_req_slots: _Optional[int] = ..., token_usage: _Optional[float] = ..., evictable_tokens: _Optional[int] = ..., admissible_tokens: _Optional[int] = ..., preempt_priority: _Optional[int] = ..., host_cache_tokens: _Optional[int] = ..., cache_storage: _Optional[str] = ...) -> None: ...
 
 class GetLoadResponse(_message.Message):
     __slots__ = ("ranks", "page_size")

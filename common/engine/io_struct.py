@@ -55,6 +55,8 @@ class Timing(msgspec.Struct, kw_only=True):
     ttft: float = 0.0  # arrival at the scheduler -> first token
     e2e: float = 0.0
     transfer_bytes: int = 0
+    cached_tokens_host: int = 0  # of the cached prompt tokens: loaded back from the host tier
+    cached_tokens_storage: int = 0  # of the cached prompt tokens: prefetched from the storage tier
 
 
 class TokenOut(msgspec.Struct, tag=True, kw_only=True):
@@ -73,6 +75,29 @@ class TokenOut(msgspec.Struct, tag=True, kw_only=True):
     error_code: ErrorCode | None = None  # for "abort": the gRPC status the client sees
     error_origin: str | None = None  # KV_PEER_FAULT: the failure was the KV transfer peer's, not this node's
     timing: Timing | None = None
+    # Speculative decoding, on the final message: verify steps that checked drafts of this request, the draft
+    # tokens proposed to it and how many of them it emitted (its accept length: 1 + accepted / verify steps).
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+
+class HiCacheLoad(msgspec.Struct, kw_only=True):
+    """A rank's hierarchical cache (``--enable-hierarchical-cache``): host pool occupancy and its traffic since start."""
+
+    host_tokens_used: int = 0
+    host_tokens_total: int = 0
+    load_bytes: int = 0  # host -> device
+    load_seconds: float = 0.0
+    write_bytes: int = 0  # device -> host (write-through, write-back, a decode node's offload)
+    write_seconds: float = 0.0
+    host_evicted_tokens: int = 0
+    storage_read_bytes: int = 0
+    storage_write_bytes: int = 0
+    storage_dropped_pages: int = 0  # not written behind: the store's write queue was full
+    timeouts: int = 0  # loads and prefetches given up at --hicache-load-timeout (their requests computed the prefix)
+    storage: str = ""  # the storage tier's identity ("file:<directory>", "mooncake:<master>"); "" without one
+    hit_tokens: dict[str, int] = {}  # cached prompt tokens per tier (device, host, storage) at prefill start
 
 
 class QueueLoad(msgspec.Struct, kw_only=True):
@@ -94,6 +119,7 @@ class QueueLoad(msgspec.Struct, kw_only=True):
     # Requests per queue name and priority class (the priority value, "none": sent without one).
     queue_by_priority: dict[str, dict[str, int]] = {}
     preemptions: int = 0  # running requests retracted by priority preemption since start
+    hicache: HiCacheLoad | None = None  # with --enable-hierarchical-cache
 
 
 class LoadOut(msgspec.Struct, tag=True, kw_only=True):

@@ -1,8 +1,10 @@
-"""The settings of each KV transfer backend (``--kv-transfer-option KEY=VALUE``): names, defaults and checks.
+"""The KV transfer backends, one table: each backend's name (``--kv-transfer-backend``), the class that implements it
+(imported lazily by ``kvtransfer.registry``: a backend's heavy imports load only when chosen) and its settings
+(``--kv-transfer-option KEY=VALUE``: names, defaults and checks).
 
-One table, read twice: by the node's config (``ServerArgs``), so a bad key or value stops the node before any model
-loads, and by the backends (``option``/``int_option``), which take their defaults from it. A backend's module
-docstring says what its settings do.
+The table is read by the node's config (``ServerArgs``: the backend's name is one of its keys, and a bad key or
+value stops the node before any model loads), by the registry, and by the backends (``option``/``int_option``),
+which take their defaults from it. A backend's module docstring says what its settings do.
 """
 
 from __future__ import annotations
@@ -38,31 +40,38 @@ class Option:
     check: Check = _text
 
 
-KV_TRANSFER_OPTIONS: dict[str, dict[str, Option]] = {
-    "tcp": {
+@dataclass(frozen=True)
+class Backend:
+    ref: str  # "module:Class" of its ``KVBackend``
+    options: dict[str, Option]
+
+
+KV_TRANSFER_BACKENDS: dict[str, Backend] = {
+    "tcp": Backend("kvtransfer.backends.tcp:TcpBackend", {
         "stage": Option("auto", _one_of("auto", "always")),
         "stage_bytes": Option(str(16 << 20), _integer(1)),
         "streams": Option("2", _integer(1, 8)),
         "stripe_bytes": Option(str(4 << 20), _integer(1)),
-    },
-    "nccl": {"pack_bytes": Option("0", _integer(0))},
-    "ucx": {
-        # UCX's own default. "sm,tcp" (the default before) left out cma single-copy puts on one host (0.5-0.9x raw
-        # NIXL on a quiet 2-core VM, vs 1.06-1.13x with "all") and every RDMA transport on a cluster.
+    }),
+    "nccl": Backend("kvtransfer.backends.nccl:NcclBackend", {"pack_bytes": Option("0", _integer(0))}),
+    "ucx": Backend("kvtransfer.backends.ucx:UcxBackend", {
+        # UCX's own default. "sm,tcp" (the default before) left out cma single-copy puts on one host (slower than raw
+        # NIXL: benchmarks/pages/kv_transfer.md) and every RDMA transport on a cluster.
         "ucx_tls": Option("all"),
         "ucx_progress_mode": Option("blocking", _one_of("blocking", "polling", "thread", "thread-polling")),
-    },
+    }),
     # NIXL's progress thread polls with this timeout (µs); 0 = NIXL's own busy polling, a core per agent when idle.
-    "nixl": {"progress_delay_us": Option("1000", _integer(0, 1_000_000))},
-    "mooncake": {"mooncake_protocol": Option("tcp", _one_of("tcp", "rdma")), "mooncake_device": Option("")},
-    "shm": {},
-    "fake": {},
+    "nixl": Backend("kvtransfer.backends.nixl:NixlBackend", {"progress_delay_us": Option("1000", _integer(0, 1_000_000))}),
+    "mooncake": Backend("kvtransfer.backends.mooncake:MooncakeBackend", {
+        "mooncake_protocol": Option("tcp", _one_of("tcp", "rdma")), "mooncake_device": Option("")}),
+    "shm": Backend("kvtransfer.backends.shm:ShmBackend", {}),
+    "fake": Backend("kvtransfer.backends.fake:FakeBackend", {}),
 }
 
 
 def check_options(backend: str, options: Mapping[str, str], flag: str = "--kv-transfer-option") -> None:
     """Every key is a setting of ``backend`` and every value passes its check; else ConfigError saying what to fix."""
-    known = KV_TRANSFER_OPTIONS.get(backend, {})
+    known = KV_TRANSFER_BACKENDS[backend].options if backend in KV_TRANSFER_BACKENDS else {}
     for key, value in options.items():
         if key not in known:
             takes = f"it takes {', '.join(known)}" if known else "it takes none"
@@ -90,7 +99,7 @@ def parse_options(backend: str, items: Iterable[str], flag: str = "--kv-transfer
 def option(backend: str, options: Mapping[str, str], key: str) -> str:
     """``key``'s value for ``backend``: the given one (checked) or the table's default."""
     check_options(backend, {key: options[key]} if key in options else {}, f"{backend} backend option")
-    return options.get(key, KV_TRANSFER_OPTIONS[backend][key].default)
+    return options.get(key, KV_TRANSFER_BACKENDS[backend].options[key].default)
 
 
 def int_option(backend: str, options: Mapping[str, str], key: str) -> int:

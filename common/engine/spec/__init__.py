@@ -1,0 +1,50 @@
+"""Speculative decoding (``--speculative-algorithm``; the flags: ``common.speculative``).
+
+A decode step of the running batch becomes draft -> verify -> accept, inside the scheduler's one loop::
+
+    update_running_batch   Speculator.prepare: Drafter.propose -> ScheduleBatch.prepare_for_verify (TARGET_VERIFY,
+                           spec_info = VerifyInput), or a plain decode step when nothing was drafted
+    run_batch              one target forward over [last, drafts] per request, a sampled token at every position
+    process_batch_result   each request's accepted run through append_token, token by token; rejected pages freed
+
+Modules: ``drafter`` (the interface), one module per algorithm (``ngram``, ``standalone``, ``eagle``), ``verify``
+(the accept rule and the sampling rows of the draft positions), ``info`` (``VerifyInput``), ``speculator`` (the
+step), ``tree`` (tree drafts in the verify step). EAGLE's parts: ``eagle_model`` / ``eagle_loader`` (the head),
+``eagle_worker`` (its forwards), ``eagle_tree`` (top-k steps to a tree), ``path_kv`` (the accepted path's KV).
+Speculation runs without the overlap schedule; verify forwards run eagerly (CUDA graphs and compiled steps serve
+plain decode steps only, which stay as they were).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from common.speculative import draft_len, max_draft_tokens
+
+if TYPE_CHECKING:
+    from common.config import ServerArgs
+    from common.engine.model_runner import ModelRunner
+    from common.engine.spec.speculator import Speculator
+
+# --speculative-algorithm -> the module whose ``build_drafter(args, runner, draft_len, dp_rank)`` makes its drafter.
+DRAFTERS = {
+    "NGRAM": "common.engine.spec.ngram",
+    "STANDALONE": "common.engine.spec.standalone",
+    "EAGLE": "common.engine.spec.eagle",
+    "EAGLE3": "common.engine.spec.eagle",
+}
+
+
+def build_speculator(args: ServerArgs, runner: ModelRunner, dp_rank: int = 0) -> Speculator | None:
+    """The rank's speculator for ``--speculative-algorithm`` (None: off); the drafter's module is imported lazily."""
+    from common.engine.spec.speculator import Speculator
+
+    algo = args.speculative_algorithm
+    if algo is None:
+        return None
+    if algo not in DRAFTERS:
+        raise ValueError(f"--speculative-algorithm {algo} has no drafter (the flags' check refuses it)")
+    k = draft_len(args)
+    drafter = importlib.import_module(DRAFTERS[algo]).build_drafter(args, runner, k, dp_rank)
+    return Speculator(drafter, k, runner.model_config.vocab_size, max_draft_tokens(args))

@@ -1,0 +1,182 @@
+"""``StandaloneDrafter``: a smaller model with the target's tokenizer drafts ``k`` tokens greedily, over a paged KV
+pool of its own (a second ``ModelRunner``: its own allocator, KV pool and ``req_to_token`` table, eager forwards).
+
+The draft's table is indexed by the target's request slots: row r holds the draft KV of the request in target slot
+r, valid for its first ``draft_lens[r]`` positions. Per step, for each request with a cap (``propose``)::
+
+    sync:       draft_lens[r] = min(draft_lens[r], kv_committed_len)   the verify kept the target KV of exactly the
+                (pages wholly past it freed)                           tokens the draft fed at those positions
+    extend:     one DRAFT_EXTEND forward over all_ids()[draft_lens[r]:] (its last token, plus whatever the draft
+                has not seen: the whole prompt on its first step, the accepted drafts' last one after a full accept)
+                -> d1 = argmax at the last position
+    decode:     k - 1 DECODE forwards feeding d_j -> d_(j+1)
+    afterwards: draft_lens[r] = seqlen + k - 1 (positions of last, d1 .. d_(k-1))
+
+So the draft needs no prefill of its own: on a colocated node, after a chunked prefill or a radix hit, after a
+retraction and on a P/D decode node alike, its first step extends over the prompt (the draft model is small: that
+costs a fraction of the target's prefill). Its KV goes with the request's slot: ``release`` (the target pool's
+``on_free``) frees a row's pages at once. The draft pool holds the target's token count plus ``k`` pages of
+headroom per request slot; a step whose draft KV does not fit drafts nothing (plain decode).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.engine.forward_batch import ForwardMode
+from common.engine.model_runner import ModelRunner
+from common.engine.sampling.params import SamplingParams
+from common.engine.sampling.sampler import SamplingBatchInfo
+from common.engine.schedule_batch import ModelWorkerBatch
+from common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from common.config import ServerArgs
+    from common.engine.req import Req
+    from common.engine.spec.drafter import DraftHandoff
+
+logger = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0)
+
+
+class _GreedyRow:
+    """A sampling row that takes the argmax (``SamplingBatchInfo.from_reqs`` reads it as a request)."""
+
+    sampling_params = _GREEDY
+    grammar = None
+    return_logprob = False
+    top_logprobs_num = 0
+    origin_input_ids: list[int] = []
+    output_ids: list[int] = []
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def draw_step(self) -> int:
+        return 0
+
+    def generated_ids(self) -> list[int]:
+        return []
+
+
+class StandaloneDrafter:
+    def __init__(self, args: ServerArgs, target: ModelRunner, draft_len: int, dp_rank: int = 0) -> None:
+        path = args.speculative_draft_model_path
+        assert path is not None
+        ps, slots = args.page_size, target.req_to_token_pool.size
+        headroom = slots * (-(-draft_len // ps) + 1) * ps
+        draft_args = args.replace(max_total_tokens=target.max_total_num_tokens + headroom, disable_cuda_graph=True,
+                                  enable_torch_compile=False)
+        self.runner = ModelRunner(draft_args, path, dp_rank)
+        cfg, tcfg = self.runner.model_config, target.model_config
+        if cfg.vocab_size != tcfg.vocab_size:
+            raise ConfigError(f"--speculative-draft-model-path {path}: its vocabulary ({cfg.vocab_size}) is not the "
+                              f"target's ({tcfg.vocab_size}); the draft model must share the target's tokenizer")
+        if cfg.context_len < tcfg.context_len:
+            raise ConfigError(f"--speculative-draft-model-path {path}: its context ({cfg.context_len}) is shorter "
+                              f"than the target's ({tcfg.context_len})")
+        self.draft_len = draft_len
+        self.page_size = ps
+        self.allocator = self.runner.allocator
+        self.table = self.runner.req_to_token_pool
+        self.draft_lens = [0] * slots
+        target.req_to_token_pool.on_free = self.release
+        logger.info("STANDALONE draft model %s: %d draft tokens per step", path, draft_len)
+
+    # -- Drafter -----------------------------------------------------------------------------------------------------
+    def propose(self, reqs: list[Req], caps: list[int]) -> list[list[int]]:
+        active = [i for i, c in enumerate(caps) if c > 0]
+        out: list[list[int]] = [[] for _ in reqs]
+        if not active:
+            return out
+        for i in active:
+            self._sync(reqs[i])
+        first = self._extend([reqs[i] for i in active])
+        if first is None:
+            return out
+        for i, token in zip(active, first, strict=True):
+            out[i].append(token)
+        for step in range(1, max(caps)):
+            live = [i for i in active if caps[i] > step]
+            tokens = self._decode([reqs[i] for i in live], [out[i][-1] for i in live])
+            if tokens is None:
+                break
+            for i, token in zip(live, tokens, strict=True):
+                out[i].append(token)
+        return out
+
+    def on_verified(self, req: Req, drafted: int, accepted: int) -> None:
+        """Nothing to adapt; the next ``propose`` trims the draft KV to what the verify kept."""
+
+    def release(self, rows: list[int]) -> None:
+        for r in rows:
+            self._truncate(r, 0)
+
+    def close(self) -> None:
+        for r in range(len(self.draft_lens)):
+            self._truncate(r, 0)
+
+    def handoff(self, row: int) -> None:
+        """Nothing crosses P/D: the decode node drafts from the request's tokens."""
+
+    def resume(self, row: int, handoff: DraftHandoff) -> None:
+        """Never handed anything (``handoff``)."""
+
+    # -- internals ---------------------------------------------------------------------------------------------------
+    def _truncate(self, row: int, keep: int) -> None:
+        have = self.draft_lens[row]
+        first_free = -(-keep // self.page_size) * self.page_size
+        if first_free < have:
+            self.allocator.free(self.table.req_to_token[row, first_free:have])
+        self.draft_lens[row] = min(have, keep)
+
+    def _sync(self, req: Req) -> None:
+        assert req.req_pool_idx is not None
+        self._truncate(req.req_pool_idx, req.kv_committed_len)
+
+    def _last_locs(self, rows: list[int], lens: list[int]) -> list[int]:
+        return [int(self.table.req_to_token[r, n - 1]) if n else -1 for r, n in zip(rows, lens, strict=True)]
+
+    def _extend(self, reqs: list[Req]) -> list[int] | None:
+        """One forward over the tokens of each request the draft has not seen; its next token per request."""
+        rows = [r.req_pool_idx for r in reqs]
+        prefix = [self.draft_lens[r] for r in rows]  # type: ignore[index]
+        seq = [r.seqlen for r in reqs]
+        out = self.allocator.alloc_extend(prefix, seq, self._last_locs(rows, prefix))  # type: ignore[arg-type]
+        if out is None:
+            return None
+        input_ids: list[int] = []
+        for req, row, p, s in zip(reqs, rows, prefix, seq, strict=True):
+            self.table.write(row, p, out[len(input_ids) : len(input_ids) + s - p])  # type: ignore[arg-type]
+            input_ids.extend(req.all_ids()[p:s])
+            self.draft_lens[row] = s  # type: ignore[index]
+        return self._forward(ForwardMode.DRAFT_EXTEND, reqs, input_ids, out, rows, seq, prefix)  # type: ignore[arg-type]
+
+    def _decode(self, reqs: list[Req], tokens: list[int]) -> list[int] | None:
+        """One decode forward feeding each request its newest draft token; its next draft token."""
+        rows: list[int] = [r.req_pool_idx for r in reqs]  # type: ignore[misc]
+        seq = [self.draft_lens[r] + 1 for r in rows]
+        out = self.allocator.alloc_decode(seq, self._last_locs(rows, [s - 1 for s in seq]))
+        if out is None:
+            return None
+        self.table.write_points(rows, [s - 1 for s in seq], out)
+        for r, s in zip(rows, seq, strict=True):
+            self.draft_lens[r] = s
+        return self._forward(ForwardMode.DECODE, reqs, tokens, out, rows, seq, [s - 1 for s in seq])
+
+    def _forward(self, mode: ForwardMode, reqs: list[Req], input_ids: list[int], out: torch.Tensor, rows: list[int],
+                 seq: list[int], prefix: list[int]) -> list[int]:
+        b = ModelWorkerBatch(
+            forward_mode=mode, input_ids=input_ids, out_cache_loc=out, req_pool_indices=rows, seq_lens=seq,
+            prefix_lens=prefix, extend_lens=[s - p for s, p in zip(seq, prefix, strict=True)], reqs=reqs,
+            return_logprob=False,
+        )
+        b.sampling_info = SamplingBatchInfo.from_reqs([_GreedyRow()] * len(reqs), self.runner.model_config.vocab_size,
+                                                      self.runner.device)  # type: ignore[list-item]
+        return self.runner.forward_and_sample(b).next_token_ids
+
+
+def build_drafter(args: ServerArgs, runner: ModelRunner, draft_len: int, dp_rank: int) -> StandaloneDrafter:
+    return StandaloneDrafter(args, runner, draft_len, dp_rank)

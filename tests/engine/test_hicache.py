@@ -1,0 +1,255 @@
+"""The hierarchical cache (``common/engine/mem/hicache``) on a colocated engine: a device pool of two prompts' pages,
+six prompts, so every prompt is evicted before it comes back. Outputs are the plain engine's (greedy), the cached
+counts say which tier served the prefix, and the device and host pools come back whole after each test
+(``engine_factory``)."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import prometheus_client
+import pytest
+
+from common.config import ServerArgs
+from common.engine.mem.hicache.storage.base import decode_record
+from common.errors import ConfigError
+from common.ports import pick_free_port
+
+PAGE = 16
+FULL = 96  # each prompt's full pages (100 tokens: 6 pages and a partial one)
+rng = random.Random(52)
+PROMPTS = [[rng.randrange(3, 250) for _ in range(100)] for _ in range(6)]
+SP = {"max_new_tokens": 6, "temperature": 0}
+BASE = {"max_total_tokens": 256, "max_running_requests": 8, "page_size": PAGE}  # 16 pages: two prompts' worth
+
+
+@pytest.fixture(scope="module")
+def expected(model_path: Path) -> list[list[int]]:
+    from common.node.engine import Engine
+
+    engine = Engine(model_path=str(model_path), **BASE)
+    try:
+        return [engine.generate(input_ids=p, sampling_params=SP).output_ids for p in PROMPTS]
+    finally:
+        engine.shutdown()
+
+
+def run(engine: Any, prompts: list[list[int]]) -> list[Any]:
+    return [engine.generate(input_ids=p, sampling_params=SP) for p in prompts]
+
+
+@pytest.mark.parametrize(("policy", "overlap", "layout", "io"), [
+    ("write_through", False, "layer_first", "kernel"), ("write_back", True, "page_first", "direct")])
+def test_evicted_prefixes_come_back_from_the_host_with_the_same_outputs(engine_factory, model_path, expected, policy,
+                                                                        overlap, layout, io) -> None:
+    engine = engine_factory(model_path, **BASE, enable_hierarchical_cache=True, hicache_ratio=4.0,
+                            hicache_write_policy=policy, enable_overlap_schedule=overlap,
+                            disable_overlap_schedule=not overlap, hicache_mem_layout=layout, hicache_io_backend=io)
+    first, second = run(engine, PROMPTS), run(engine, PROMPTS)
+    assert [o.output_ids for o in first] == expected
+    assert [o.output_ids for o in second] == expected
+    assert [o.cached_tokens for o in first] == [0] * 6
+    assert [o.cached_tokens for o in second] == [FULL] * 6  # evicted from the device each time, kept on the host
+    assert [o.timing.cached_tokens_host for o in second] == [FULL] * 6
+    report = engine.scheduler.tree_cache.hicache_report()
+    assert report.load_bytes > 0 and report.write_bytes >= report.load_bytes
+    assert report.hit_tokens == {"device": 0, "host": 6 * FULL, "storage": 0}
+    if policy == "write_through":  # what /metrics shows of it (a dp_rank label no other test reports)
+        from common.node.metrics import observe_load
+
+        observe_load([msgspec.structs.replace(engine.get_load(), dp_rank=5200)])
+        sample = prometheus_client.REGISTRY.get_sample_value
+        assert sample("pdcluster_node_hicache_hit_tokens_total", {"tier": "host", "dp_rank": "5200"}) == 6 * FULL
+        assert sample("pdcluster_node_hicache_load_bytes_total", {"dp_rank": "5200"}) == report.load_bytes
+        assert sample("pdcluster_node_hicache_host_tokens", {"state": "total", "dp_rank": "5200"}) == 4 * 256
+        assert sample("pdcluster_node_hicache_bandwidth_bytes_per_second", {"direction": "load", "dp_rank": "5200"})
+
+
+def test_a_full_host_pool_evicts_its_least_recently_used_prefixes(engine_factory, model_path, expected) -> None:
+    # 20 host pages: three prompts' worth. Write-back: the host receives what the device evicts, in LRU order.
+    engine = engine_factory(model_path, **BASE, enable_hierarchical_cache=True, hicache_ratio=1.25,
+                            hicache_write_policy="write_back")
+    assert [o.output_ids for o in run(engine, PROMPTS)] == expected
+    cache = engine.scheduler.tree_cache
+    assert (cache.host_pool.num_pages, cache.host_pool.used_pages) == (20, 3 * FULL // PAGE)  # a 4th does not fit
+    back = run(engine, [PROMPTS[3], PROMPTS[0]])  # the most recent evicted prompt, then the oldest
+    assert [o.output_ids for o in back] == [expected[3], expected[0]]
+    assert [o.cached_tokens for o in back] == [FULL, 0]
+    assert cache.hicache_report().host_evicted_tokens >= 2 * FULL
+
+
+def test_a_failed_load_is_recomputed_with_the_same_outputs(engine_factory, model_path, expected, monkeypatch) -> None:
+    from common.engine.mem.hicache.copy_engine import CopyEngine
+
+    copy = CopyEngine._copy_pages
+
+    def broken(self: CopyEngine, job: Any) -> Any:
+        if job.kind == "load":
+            raise OSError("injected: the host -> device copy failed")
+        return copy(self, job)
+
+    monkeypatch.setattr(CopyEngine, "_copy_pages", broken)
+    engine = engine_factory(model_path, **BASE, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    run(engine, PROMPTS)
+    second = run(engine, PROMPTS)
+    assert [o.output_ids for o in second] == expected
+    assert [(o.cached_tokens, o.timing.cached_tokens_host) for o in second] == [(0, 0)] * 6
+
+
+def test_a_hung_load_and_a_hung_read_are_given_up_at_the_deadline(engine_factory, model_path, expected, monkeypatch,
+                                                                  tmp_path) -> None:
+    """--hicache-load-timeout: a request whose host load (then one whose wait_complete prefetch) hangs computes its
+    prompt once the deadline passes, while the copy and the read still hang; the load's device pages stay reserved
+    until it ends, and every pool comes back once both end (``engine_factory``)."""
+    from common.engine.mem.hicache.copy_engine import CopyEngine
+    from common.engine.mem.hicache.storage.file import FileStorage
+
+    armed, release, hung = threading.Event(), threading.Event(), []
+    copy, get = CopyEngine._copy_pages, FileStorage.get
+
+    def hang(what: str) -> None:
+        if armed.is_set() and not release.is_set():
+            hung.append(what)
+            release.wait(20)  # bounded: without the deadline the request waits this long, then finds a hit
+
+    def hanging_copy(self: CopyEngine, job: Any) -> Any:
+        if job.kind == "load":
+            hang("load")
+        return copy(self, job)
+
+    def hanging_get(self: FileStorage, key: str) -> Any:
+        hang("read")
+        return get(self, key)
+
+    monkeypatch.setattr(CopyEngine, "_copy_pages", hanging_copy)
+    monkeypatch.setattr(FileStorage, "get", hanging_get)
+    # 20 host pages: after the six prompts, prompt 3 is on the host only and prompt 0 in the store only.
+    engine = engine_factory(model_path, **BASE, enable_hierarchical_cache=True, hicache_ratio=1.25,
+                            hicache_load_timeout=1.0, hicache_storage_backend="file",
+                            hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=(
+                                json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 16})))
+    try:
+        assert [o.output_ids for o in run(engine, PROMPTS)] == expected
+        cache = engine.scheduler.tree_cache
+        tier = cache.storage
+        deadline = time.monotonic() + 30
+        while not all(tier.backend.exists(k.hex()) for k in tier.chain(tier.seed, PROMPTS[0][:FULL])):
+            assert time.monotonic() < deadline, "prompt 0 was not written to the store"
+            time.sleep(0.05)
+        armed.set()
+        outs = run(engine, [PROMPTS[3], PROMPTS[0]])
+        assert [o.output_ids for o in outs] == [expected[3], expected[0]]
+        assert [(o.cached_tokens, o.timing.cached_tokens_host, o.timing.cached_tokens_storage) for o in outs] == [
+            (0, 0, 0)] * 2
+        assert hung == ["load", "read"]  # answered while both still hang
+        [(job, _)] = cache.waits.abandoned
+        alloc = engine.scheduler.allocator  # every device page is free or cached but the hung load's
+        assert not job.done.is_set() and not alloc._is_free[job.device_pages].any()
+        assert alloc.available_size() + cache.evictable_size() == alloc.size - len(job.device_pages) * PAGE
+        assert [op.expired for op in tier.ops.values()] == [True]
+        assert engine.get_load().hicache.timeouts == 2  # /metrics: pdcluster_node_hicache_timeouts_total
+    finally:
+        release.set()
+
+
+def test_the_storage_tier_serves_another_node_and_recomputes_a_bad_page(engine_factory, model_path, expected,
+                                                                        tmp_path) -> None:
+    flags = {**BASE, "enable_hierarchical_cache": True, "hicache_ratio": 4.0, "hicache_storage_backend": "file",
+             "hicache_storage_prefetch_policy": "wait_complete",
+             "hicache_storage_backend_extra_config": json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 16})}
+    first = engine_factory(model_path, **flags)
+    assert [o.output_ids for o in run(first, PROMPTS[:3])] == expected[:3]
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.rglob("*.kv"))) < 3 * FULL // PAGE:  # written behind
+        assert time.monotonic() < deadline, "pages were not written to the store"
+        time.sleep(0.05)
+    other = engine_factory(model_path, **flags)
+    tier = other.scheduler.tree_cache.storage
+    paths = [[tier.backend.path(k.hex()) for k in tier.chain(tier.seed, p[:FULL])] for p in PROMPTS[:3]]
+    with open(paths[1][2], "r+b") as f:  # prompt 1's third page: garbage in its payload
+        f.seek(512)
+        f.write(b"\x7f" * 4096)
+    paths[2][0].unlink()  # prompt 2's first page: gone
+    outs = run(other, PROMPTS[:3])
+    assert [o.output_ids for o in outs] == expected[:3]
+    assert [o.cached_tokens for o in outs] == [FULL, 2 * PAGE, 0]
+    assert [o.timing.cached_tokens_storage for o in outs] == [FULL, 2 * PAGE, 0]
+    deadline = time.monotonic() + 30
+    while decode_record(tier.chain(tier.seed, PROMPTS[1][:FULL])[2], tier.backend.get(paths[1][2].stem),
+                        tier.host_pool.bytes_per_page) is None:  # the bad page was removed and written again
+        assert time.monotonic() < deadline, "the corrupted page was not replaced"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def mooncake_master() -> Iterator[str]:
+    """A Mooncake store's master (the binary the installed wheel ships), on a free local port. Ask for it before
+    ``engine_factory``: the engines' stores close while it still runs (a close without a master waits it out)."""
+    mooncake = pytest.importorskip("mooncake")
+    binary = Path(mooncake.__file__).parent / "mooncake_master"
+    if not binary.is_file():
+        pytest.skip("the installed mooncake wheel ships no mooncake_master")
+    port = pick_free_port()
+    proc = subprocess.Popen([str(binary), f"--rpc_port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "mooncake_master did not start"
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_a_mooncake_store_serves_another_node(mooncake_master, engine_factory, model_path, expected) -> None:
+    extra = {"master_server_address": mooncake_master, "prefetch_threshold": 16, "global_segment_size": 32 << 20,
+             "local_buffer_size": 8 << 20}
+    flags = {**BASE, "enable_hierarchical_cache": True, "hicache_ratio": 4.0, "hicache_storage_backend": "mooncake",
+             "hicache_storage_prefetch_policy": "timeout", "hicache_storage_backend_extra_config": json.dumps(extra)}
+    first = engine_factory(model_path, **flags)
+    assert [o.output_ids for o in run(first, PROMPTS[:2])] == expected[:2]
+    tier = first.scheduler.tree_cache.storage
+    deadline = time.monotonic() + 30
+    while tier.write_bytes < 2 * FULL // PAGE * tier.host_pool.bytes_per_page:
+        assert time.monotonic() < deadline, "pages were not written to the store"
+        time.sleep(0.05)
+    outs = run(engine_factory(model_path, **flags), PROMPTS[:2])
+    assert [o.output_ids for o in outs] == expected[:2]
+    assert [o.timing.cached_tokens_storage for o in outs] == [FULL, FULL]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"hicache_ratio": 3.0}, "--hicache-ratio needs --enable-hierarchical-cache"),
+    ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "drop --disable-radix-cache"),
+    ({"enable_hierarchical_cache": True, "hicache_size": 4, "hicache_ratio": 3.0}, "give one"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file",
+      "hicache_storage_backend_extra_config": '{"prefetch_timeout_base": 2}'}, "prefetch_timeout_base is read by"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_prefetch_policy": "timeout"},
+     "--hicache-storage-prefetch-policy needs --hicache-storage-backend"),
+    ({"enable_hierarchical_cache": True, "disaggregation_mode": "decode", "hicache_storage_backend": "file"},
+     "--hicache-storage-backend is for prefill and colocated nodes"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake"}, "master_server_address"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file",
+      "hicache_storage_backend_extra_config": '{"path": "/x"}'}, "unknown key 'path'"),
+])
+def test_hicache_flags_that_would_go_unused_are_refused(flags, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ServerArgs(**flags)

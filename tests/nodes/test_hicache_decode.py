@@ -1,0 +1,106 @@
+"""A decode node's host tier (``HiHeldPrefixCache``), in this process (prefill and decode roles, TCP transfer on
+127.0.0.1, the overlap schedule on): a request retracted mid-decode keeps its KV on the host and resumes from it —
+one token extended, not its whole sequence recomputed — with the colocated node's tokens; the device and host pools
+come back whole (``pd_pair``). A restore whose copy hangs is given up at --hicache-load-timeout: the request is
+recomputed, with the same tokens."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from common.config import ServerArgs
+from common.engine.forward_batch import ForwardMode
+from common.engine.io_struct import GenerateReqInput
+from common.engine.sampling.params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.text.tokenizer import load_tokenizer
+from tests.model_fixtures import make_tiny_model
+from tests.nodes.test_decode_shared_prompts import drive, finals, idle, pd_pair, running, tokens_of
+
+PAGE = 4
+PROMPTS = {"r-0": [(7 * j) % 500 + 20 for j in range(37)], "r-1": [(13 * j) % 700 + 9 for j in range(29)]}
+SP = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def requests(port: int) -> list[GenerateReqInput]:
+    return [GenerateReqInput(rid=rid, input_ids=list(p), sampling_params=SP, bootstrap_room=7000 + i,
+                             bootstrap_addr=f"127.0.0.1:{port}") for i, (rid, p) in enumerate(PROMPTS.items())]
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[dict[str, Any]]:
+    from kvtransfer.bootstrap import BootstrapServer
+
+    model = str(make_tiny_model("llama"))
+    tokenizer = load_tokenizer(model)
+    bootstrap = BootstrapServer("test-cluster-token")
+    port = bootstrap.start()
+    base = ServerArgs(model_path=model, page_size=PAGE, max_total_tokens=1024, max_running_requests=8,
+                      chunked_prefill_size=16, disaggregation_bootstrap_port=port)
+    out: list[Any] = []
+    colocated = Scheduler(base, model, tokenizer, out.extend)
+    try:
+        colocated.step([GenerateReqInput(rid=rid, input_ids=list(p), sampling_params=SP) for rid, p in PROMPTS.items()])
+        deadline = time.monotonic() + 120
+        while not colocated.is_idle():
+            assert time.monotonic() < deadline
+            colocated.step([])
+    finally:
+        colocated.close()
+    yield {"model": model, "tokenizer": tokenizer, "port": port, "base": base, "expected": tokens_of(out)}
+    bootstrap.stop()
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["restored", "restore-hangs"])
+def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatch, hang) -> None:
+    """hang: the restore's copy hangs; past --hicache-load-timeout the request is recomputed instead (the same
+    tokens) while the copy still hangs, and the pages it fills stay reserved until it ends."""
+    from common.engine.mem.hicache.copy_engine import CopyEngine
+
+    release, copy = threading.Event(), CopyEngine._copy_pages
+
+    def hanging(self: CopyEngine, job: Any) -> Any:
+        if job.kind == "load" and hang:
+            release.wait(20)  # bounded: without the deadline the request waits this long, then is restored
+        return copy(self, job)
+
+    monkeypatch.setattr(CopyEngine, "_copy_pages", hanging)
+    timeout = {"hicache_load_timeout": 0.3} if hang else {}
+    with pd_pair(setup, monkeypatch, enable_hierarchical_cache=True, hicache_ratio=1.0, **timeout) as (
+            prefill, decode, out):
+        msgs = requests(setup["port"])
+        decode.step(msgs)
+        prefill.step(msgs)
+        drive(prefill, decode, lambda: len(running(decode, 5)) == 2)
+        extends: list[tuple[str, int]] = []
+        launch = decode.worker_batch
+
+        def record(batch: Any) -> Any:
+            if batch.forward_mode == ForwardMode.EXTEND:
+                extends.extend((r.rid, n) for r, n in zip(batch.reqs, batch.extend_lens, strict=True))
+            return launch(batch)
+
+        monkeypatch.setattr(decode, "worker_batch", record)
+        live = running(decode)
+        decode.preempt_running([live["r-0"]], live["r-1"])
+        try:
+            drive(prefill, decode, idle(prefill, decode))
+            assert all(f.finish_reason == "length" for f in finals(out).values())
+            assert tokens_of(out) == setup["expected"]
+            if not hang:
+                assert extends == [("r-0", 1)], "the retracted request should resume from its host copy"
+                assert decode.tree_cache.hicache_report().load_bytes > 0
+                return
+            assert {rid for rid, _ in extends} == {"r-0"} and sum(n for _, n in extends) > 1  # recomputed
+            [(job, _)] = decode.tree_cache.waits.abandoned
+            assert not job.done.is_set()  # answered while the restore still hangs
+            alloc = decode.allocator  # idle: every page is free but the hung copy's
+            assert alloc.available_size() == alloc.size - len(job.device_pages) * PAGE
+        finally:
+            release.set()
+        drive(prefill, decode, lambda: not decode.tree_cache.waits.stuck)  # then its pages come back
