@@ -114,13 +114,16 @@ class Engine:
             torch.set_num_threads(cpu_threads_per_rank(args, cores))
         self._num_threads = torch.get_num_threads()
         tp = self._start_tp_group() if args.tp_size > 1 else None
-        # NOTE: the scheduler (model, pools, compiled steps) is built on the thread that runs it: libgomp keeps a
-        # thread team per thread that opened a parallel region, and once teams outnumber the cores their idle
-        # threads sleep between regions, so each of a forward's many regions would wait for a wake-up.
+        # NOTE: the scheduler is built on the thread that runs it: libgomp keeps a team per thread that opened a
+        # parallel region; with more teams than cores idle team threads sleep, and every region waits for a wake-up.
         started: queue.Queue[BaseException | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, args=(tp, started), name="pdcluster-scheduler", daemon=True)
         self._thread.start()
-        error = self._wait_started(started)
+        error: BaseException | None = RuntimeError("the scheduler thread ended before its scheduler was built")
+        while self._thread.is_alive() or not started.empty():  # building the scheduler has deadlines
+            with contextlib.suppress(queue.Empty):
+                error = started.get(timeout=1.0)
+                break
         if error is not None:
             self._thread.join(timeout=10)
             if tp is not None:
@@ -174,15 +177,6 @@ class Engine:
             return
         started.put(None)
         self._loop()
-
-    def _wait_started(self, started: queue.Queue[BaseException | None]) -> BaseException | None:
-        """None once the scheduler thread has built its scheduler, else the error (building one has deadlines)."""
-        while True:
-            try:
-                return started.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive():
-                    return RuntimeError("the scheduler thread ended before its scheduler was built")
 
     def _loop(self) -> None:
         tp = self.scheduler.tp
