@@ -23,6 +23,7 @@ from common.hicache_flags import (
     parse_storage_options,
 )
 from common.kv_backends import KV_TRANSFER_BACKENDS, parse_options
+from common.parallel_flags import check_parallel_flags
 from common.speculative import SPECULATIVE_ALGORITHMS, check_speculative_flags
 from common.tls import TlsFiles
 
@@ -30,7 +31,7 @@ DisaggregationMode = Literal["null", "prefill", "decode"]
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_order)
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # SGLang's names (common.engine.schedule_policy)
 DEVICES = ("cpu", "cuda")
 DEFAULT_MEM_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 # A prefill node's batch delays only the prompts queued behind it: on CPU, where a forward's cost grows with its
@@ -161,7 +162,7 @@ class ServerArgs:
                                 check=at_least(1))
     schedule_conservativeness: float = flag(1.0, "> 1 reserves more KV for future tokens (fewer retractions)",
                                             group=MEMORY, check=above(0))
-    # Waiting-queue order and priority scheduling (common.engine.schedule_order; docs/scheduling.md).
+    # Waiting-queue order and priority scheduling (common.engine.schedule_policy; docs/scheduling.md).
     schedule_policy: str = flag("fcfs", "order of the waiting queue: fcfs, lpm (longest cached prefix first; fcfs "
                                 "beyond 128 waiting), dfs-weight (radix subtrees by waiting weight), lof (longest "
                                 "output first), random", group=MEMORY, choices=SCHEDULE_POLICIES)
@@ -287,32 +288,7 @@ class ServerArgs:
             )
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--node-rank must be in [0, --nnodes) with --nnodes >= 1, got --nnodes {self.nnodes} "
-                              f"--node-rank {self.node_rank}")
-        if self.nnodes > 1:
-            if not self.dist_init_addr:
-                raise ConfigError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, the "
-                                  "same on every node)")
-            if self.dp_size != 1 or self.tp_size % self.nnodes:
-                raise ConfigError(f"--nnodes {self.nnodes} spans one TP group over hosts: it needs --dp-size 1 and a "
-                                  f"--tp-size divisible by it, got --dp-size {self.dp_size} --tp-size {self.tp_size}")
-        if self.dist_init_addr is not None:
-            host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
-        if self.cpu_omp_threads_bind is not None:
-            if self.device != "cpu":
-                raise ConfigError(f"--cpu-omp-threads-bind binds CPU scheduler ranks to cores; it needs --device cpu, "
-                                  f"got --device {self.device}")
-            ranks = self.dp_size * len(self.tp_ranks_here)
-            if len(self.rank_core_sets) != ranks:
-                raise ConfigError(f"--cpu-omp-threads-bind {self.cpu_omp_threads_bind!r} gives "
-                                  f"{len(self.rank_core_sets)} core set(s) for this node's {ranks} scheduler rank(s) "
-                                  "(--dp-size x its tp ranks): one '|'-separated set per rank")
-        if self.enable_torch_compile and self.tp_size > 1:
-            raise ConfigError(f"--enable-torch-compile supports --tp-size 1 only, got --tp-size {self.tp_size} "
-                              "(the compiled decode step has no collectives)")
+        check_parallel_flags(self)
         check_speculative_flags(self)
         self.tls  # noqa: B018  (TlsFiles checks which --tls-* flags go together; the files at start-up)
         if self.is_disaggregated and self.advertised_host in UNSPECIFIED_HOSTS:

@@ -1,6 +1,6 @@
 """``DecodePreallocQueue``: requests waiting for their prefill peer to be resolved and for KV memory here.
 
-Admission budget (tokens), in arrival order (most urgent first with priority scheduling), retracted requests first (they wait in the scheduler's queue and
+Admission budget (tokens), in arrival order (most urgent first with priority scheduling), retracted requests first (they wait in the prefill manager's queue and
 block new admissions until they are back)::
 
     free slots - num_reserved_decode_tokens * (running + transferring + admitted this round)
@@ -33,8 +33,8 @@ import torch
 from common.engine.io_struct import GenerateReqInput
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.pages import req_pages
+from common.engine.priority import PriorityRules
 from common.engine.req import Req
-from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_role import Engine
 from common.errors import ErrorCode
 from kvtransfer.manager import KVManager
@@ -47,6 +47,7 @@ class DecodePreallocQueue:
                  polls: GroupPolls, rules: PriorityRules | None = None,
                  prompts: HeldPrefixCache | None = None) -> None:
         self.engine = engine
+        self.page_size = engine.args.page_size
         self.prompts = prompts
         self.rules = rules if rules is not None and rules.priority_on else None
         self.order: Callable[[Req], int] | None = self.rules.urgency if self.rules else None  # the head: most urgent
@@ -62,13 +63,13 @@ class DecodePreallocQueue:
 
     def add(self, msg: GenerateReqInput) -> Req | None:
         if msg.bootstrap_room is None:
-            self.engine.reject(msg.rid, "bootstrap_room is required on a decode node", ErrorCode.INVALID_ARGUMENT)
+            self.engine.out.error(msg.rid, "bootstrap_room is required on a decode node", ErrorCode.INVALID_ARGUMENT)
             return None
         if not msg.bootstrap_addr:
-            self.engine.reject(msg.rid, "bootstrap_addr (the prefill node's host:port) is required on a "
+            self.engine.out.error(msg.rid, "bootstrap_addr (the prefill node's host:port) is required on a "
                                      "decode node", ErrorCode.INVALID_ARGUMENT)
             return None
-        req = self.engine.build_req(msg)
+        req = self.engine.intake.build_req(msg)
         if req is None:
             return None
         req.bootstrap_addr = msg.bootstrap_addr
@@ -87,23 +88,24 @@ class DecodePreallocQueue:
     def allocatable_tokens(self, num_active: int, leaving: frozenset[int] = frozenset()) -> int:
         """The budget with every running request but those whose ``id`` is in ``leaving``."""
         s = self.engine
-        running = [r for r in s.running_reqs() if id(r) not in leaving]
+        running = [r for r in s.decode.running_batch.reqs if id(r) not in leaving]
         longest = max((r.sampling_params.max_new_tokens - len(r.output_ids) for r in running), default=0)
         return s.allocator.available_size() - self.reserved * num_active - longest
 
     def admissible_tokens(self, num_transferring: int) -> int:
         """Prompt tokens one more request could bring now under ``pop_preallocated``'s rule, behind the queue."""
         s = self.engine
-        if s.num_waiting() or not self.free_metadata_slots or s.req_to_token_pool.available_size() <= len(self.queue):
+        if (s.prefill.num_waiting() or not self.free_metadata_slots
+                or s.req_to_token_pool.available_size() <= len(self.queue)):
             return 0
-        active = len(s.running_reqs()) + num_transferring + len(self.queue) + 1
-        ahead = sum(len(r.origin_input_ids) + s.page_size for r in self.queue)
-        return max(0, self.allocatable_tokens(active) - ahead - s.page_size)
+        active = len(s.decode.running_batch.reqs) + num_transferring + len(self.queue) + 1
+        ahead = sum(len(r.origin_input_ids) + self.page_size for r in self.queue)
+        return max(0, self.allocatable_tokens(active) - ahead - self.page_size)
 
     def preempt_priority(self) -> int | None:
         """The priority a request must be more urgent than to preempt a running request here (None: it cannot)."""
         rules = self.rules
-        running = self.engine.running_reqs()
+        running = self.engine.decode.running_batch.reqs
         if rules is None or not running or not self.free_metadata_slots:
             return None
         # urgency(r) - urgency(w) > threshold  <=>  urgency(w) < urgency(least urgent) - threshold
@@ -121,7 +123,7 @@ class DecodePreallocQueue:
         admitted: list[Req] = []
         failed: list[Req] = []
         keep: list[Req] = []
-        retracted = s.prefilling_reqs()  # on a decode node: retracted requests, to recompute
+        retracted = s.prefill.prefilling_reqs()  # on a decode node: retracted requests, to recompute
         most_urgent_retracted = min(map(self.order, retracted), default=None) if self.order else None
         blocked = False
         if self.order is not None:
@@ -143,8 +145,8 @@ class DecodePreallocQueue:
                 keep.append(req)  # its prompt's pages are on their way for another request
                 self.waiting_for_prompt.add(req.rid)
                 continue
-            active = len(s.running_reqs()) + num_transferring + len(admitted) + 1
-            need = len(req.origin_input_ids) - self.held_len(req) + s.page_size
+            active = len(s.decode.running_batch.reqs) + num_transferring + len(admitted) + 1
+            need = len(req.origin_input_ids) - self.held_len(req) + self.page_size
             if need > self.allocatable_tokens(active) or not self._allocate(req):
                 if not admitted:
                     self._preempt_for(req, need, active)
@@ -163,7 +165,7 @@ class DecodePreallocQueue:
         rules, s = self.rules, self.engine
         if rules is None or not self.free_metadata_slots:  # a metadata slot comes back with a transfer, not a victim
             return
-        victims = sorted((r for r in s.running_reqs() if not r.finished() and rules.beats(head, r)),
+        victims = sorted((r for r in s.decode.running_batch.reqs if not r.finished() and rules.beats(head, r)),
                          key=lambda r: (-rules.urgency(r), -r.arrival_seq))
         chosen: list[Req] = []
         freed = 0
@@ -173,7 +175,7 @@ class DecodePreallocQueue:
             if not short_of_slot and need <= self.allocatable_tokens(active - len(chosen), leaving) + freed:
                 break
             chosen.append(v)
-            freed += -(-v.kv_committed_len // s.page_size) * s.page_size
+            freed += -(-v.kv_committed_len // self.page_size) * self.page_size
             short_of_slot = False
         leaving = frozenset(id(r) for r in chosen)
         if chosen and need <= self.allocatable_tokens(active - len(chosen), leaving) + freed:
@@ -194,7 +196,7 @@ class DecodePreallocQueue:
         """Prompt positions a request may share (its full pages but the last page): 0 without sharing."""
         if self.prompts is None:
             return 0
-        return (len(req.origin_input_ids) - 1) // self.engine.page_size * self.engine.page_size
+        return (len(req.origin_input_ids) - 1) // self.page_size * self.page_size
 
     def held_len(self, req: Req) -> int:
         """Prompt positions held here for other requests that ``req`` would share (read-only)."""
@@ -229,8 +231,8 @@ class DecodePreallocQueue:
         req.kv_committed_len = n
         req.prefix_indices, req.last_node = held, node
         req.metadata_slot = self.free_metadata_slots.pop()
-        pages = req_pages(s.req_to_token_pool.req_to_token, req, 0, n, s.page_size)
-        pages[: len(held) // s.page_size] = [0] * (len(held) // s.page_size)  # held here: nothing to move
+        pages = req_pages(s.req_to_token_pool.req_to_token, req, 0, n, self.page_size)
+        pages[: len(held) // self.page_size] = [0] * (len(held) // self.page_size)  # held here: nothing to move
         req.disagg_kv.send_metadata(pages, req.metadata_slot)
         req.times.bootstrapped = time.monotonic()
         return True

@@ -25,10 +25,8 @@ from common.config import ServerArgs
 from common.engine.io_struct import GenerateReqInput, QueueLoad
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.pages import num_pages
+from common.engine.priority import PriorityRules
 from common.engine.req import Req
-from common.engine.sampling.grammar import accept_grammar_token, finish_on_grammar
-from common.engine.sampling.stop import check_finished
-from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine, LoopHooks
 from common.engine.spec.drafter import DraftHandoff
@@ -78,7 +76,7 @@ class DecodeRole(LoopHooks):
         load.preempt_priority = self.prealloc_queue.preempt_priority()
 
     def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
-        req = self.engine.find_req(rid)
+        req = self.engine.intake.find(rid)
         if req is None:
             return
         if self.prealloc_queue.remove(req):
@@ -131,14 +129,8 @@ class DecodeRole(LoopHooks):
         shared = self.prealloc_queue.shared_len(req)
         if self.prompts is not None and shared:
             self.prompts.cache_prompt(req, shared)  # landed: requests with this prompt share its full pages
-        spec = self.engine.speculator
+        spec = self.engine.decode.speculator
         if spec is not None and md.draft_topk_ids and req.req_pool_idx is not None:  # EAGLE: drafts from step 1
             spec.drafter.resume(req.req_pool_idx, DraftHandoff(md.draft_topk_ids, md.draft_topk_p, md.draft_hidden))
-        if not accept_grammar_token(req, md.first_token):  # the grammar's matcher starts from P's token
-            return
-        req.output_ids.append(md.first_token)
-        if req.return_logprob:
-            req.output_logprobs.append(md.logprob)
-            req.output_top_logprobs.append(list(zip(md.top_ids, md.top_logprobs, strict=True)))
-        check_finished(req, md.first_token, self.engine.tokenizer)
-        finish_on_grammar(req, md.first_token)
+        top = list(zip(md.top_ids, md.top_logprobs, strict=True))
+        req.take_token(md.first_token, self.engine.tokenizer, md.logprob, top)  # a grammar starts from P's token

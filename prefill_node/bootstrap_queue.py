@@ -29,7 +29,7 @@ class PrefillBootstrapQueue:
     def add(self, msg: GenerateReqInput) -> Req | None:
         """Validate (capacity, sampling), cap generation at the first token, open the request's KVSender."""
         if msg.bootstrap_room is None:
-            self.engine.reject(msg.rid, "bootstrap_room is required on a prefill node", ErrorCode.INVALID_ARGUMENT)
+            self.engine.out.error(msg.rid, "bootstrap_room is required on a prefill node", ErrorCode.INVALID_ARGUMENT)
             return None
         # Prefill samples only the first token; capacity is checked for the prompt alone. min_new_tokens stays
         # (capped at 1) so EOS and stop ids are masked on the first token exactly as on a colocated node.
@@ -37,7 +37,7 @@ class PrefillBootstrapQueue:
         msg = msgspec.structs.replace(
             msg, sampling_params=msgspec.structs.replace(sp, max_new_tokens=1, min_new_tokens=min(sp.min_new_tokens, 1))
         )
-        req = self.engine.build_req(msg)
+        req = self.engine.intake.build_req(msg)
         if req is None:
             return None
         req.disagg_kv = KVSender(self.kv_manager, msg.bootstrap_room)
@@ -47,7 +47,7 @@ class PrefillBootstrapQueue:
     def pop_bootstrapped(self) -> tuple[list[Req], list[Req]]:
         """Requests whose decode side is ready (sender initialised), and those whose bootstrap failed."""
         ready, failed, keep = [], [], []
-        page_size = self.engine.page_size
+        page_size = self.engine.args.page_size
         for req in self.queue:
             state = self.polls.poll(req.disagg_kv)  # every TP rank's sender must have its decode peers
             if state == KVPoll.Failed:

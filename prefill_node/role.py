@@ -22,8 +22,8 @@ from typing import Any
 from common.config import ServerArgs
 from common.engine.io_struct import GenerateReqInput, PrefillDone, QueueLoad, Timing
 from common.engine.mem.pages import num_pages, req_pages
+from common.engine.priority import PriorityRules
 from common.engine.req import Finished, FinishReason, Req
-from common.engine.schedule_order import PriorityRules
 from common.engine.scheduler_metrics import DisaggQueueCounts
 from common.engine.scheduler_role import Engine
 from common.errors import KV_PEER_FAULT, ErrorCode, internal_error_message
@@ -62,11 +62,11 @@ class PrefillRole:
         self.bootstrap_queue.add(msg)
 
     def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
-        req = self.engine.find_req(rid)
+        req = self.engine.intake.find(rid)
         if req is None:
             return
         req.disagg_kv.abort(reason, code)
-        if self.bootstrap_queue.remove(req) or self.engine.take_waiting(lambda r: r is req):
+        if self.bootstrap_queue.remove(req) or self.engine.prefill.take_waiting(lambda r: r is req):
             self.engine.finish_req(req, release=False)
         elif self.inflight_queue.find(rid) is None:
             req.to_abort = reason  # in a prefill batch: stops at its next chunk boundary
@@ -84,14 +84,14 @@ class PrefillRole:
 
     def kv_handles(self) -> list[Any]:
         """Every transfer handle a step may act on, in queue order (identical on every TP rank)."""
-        reqs = [*self.bootstrap_queue.queue, *self.inflight_queue.queue, *self.engine.prefilling_reqs()]
+        reqs = [*self.bootstrap_queue.queue, *self.inflight_queue.queue, *self.engine.prefill.prefilling_reqs()]
         return [r.disagg_kv for r in reqs if r.disagg_kv is not None]
 
     def poll(self) -> None:
         ready, failed = self.bootstrap_queue.pop_bootstrapped()
-        self.engine.enqueue(ready)
+        self.engine.prefill.enqueue(ready)
         # Waiting requests whose decode side failed or went away leave before using any compute.
-        failed += self.engine.take_waiting(lambda r: self.polls.poll(r.disagg_kv) == KVPoll.Failed)
+        failed += self.engine.prefill.take_waiting(lambda r: self.polls.poll(r.disagg_kv) == KVPoll.Failed)
         for req in failed:
             self.engine.finish_req(req, release=False)
         self.poll_inflight()
@@ -156,7 +156,7 @@ class PrefillRole:
         pages = req_pages(self.engine.req_to_token_pool.req_to_token, req, req.kv_pages_sent,
                           len(req.origin_input_ids), self.page_size)
         top = req.output_top_logprobs[0][:MAX_TOP_LOGPROBS] if req.output_top_logprobs else []
-        spec = self.engine.speculator
+        spec = self.engine.decode.speculator
         draft = spec.drafter.handoff(req.req_pool_idx) if spec is not None and req.req_pool_idx is not None else None
         metadata = MetadataRecord(
             room=req.bootstrap_room,  # type: ignore[arg-type]
@@ -205,7 +205,7 @@ class PrefillRole:
         self.engine.log_request_end(req, "kv sent" if state == KVPoll.Success else f"failed ({error})")
         req.disagg_kv.clear()
         t = req.times
-        self.engine.send_now([PrefillDone(
+        self.engine.out.send_now([PrefillDone(
             rid=req.rid,
             prompt_tokens=len(req.origin_input_ids),
             cached_tokens=req.cached_tokens,

@@ -6,7 +6,7 @@
                       ──> each admitted and migrated like any request, and routed to the same workers and DP ranks
                           (one ``RoutePin``: the first routed choice's, while they can take the others), so that
                           - the prompt is prefilled once: on a prefill or colocated worker the others wait for it in
-                            the radix cache, whatever the schedule policy (``common.engine.schedule_order``)
+                            the radix cache, whatever the schedule policy (``common.engine.schedule_policy``)
                           - a decode worker receives and holds the prompt's full pages once: the others wait for the
                             first one's to land and share them (``decode_node.prealloc_queue``)
                           a retried or migrated choice goes where routing sends it (the pinned worker failed it)

@@ -29,18 +29,12 @@ overlap switch is given. ``--cpu-bind auto`` keeps each decode rank on cores of 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
-import ssl
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import env
 from common.app.cluster_flags import ClusterShape
@@ -53,6 +47,7 @@ from common.app.placement import (
     placement_lines,
     visible_gpus,
 )
+from common.app.readiness import READY_TIMEOUT_S, wait_http_health, wait_nodes_serving
 from common.app.supervisor import Child, RestartPolicy, Supervisor
 from common.app.up_args import (
     EMBEDDED_TOOL_CALL_PARSER,
@@ -72,7 +67,6 @@ from common.text.tokenizer import resolve_model_path
 from common.tls import TlsFiles
 from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
 
-READY_TIMEOUT_S = 300.0
 SUPERVISE_INTERVAL_S = 0.5
 DEFAULT_BACKEND = {"cpu": "tcp", "cuda": "shm"}
 CUDA_MEM_FRACTION = 0.85
@@ -81,14 +75,6 @@ CUDA_MEM_FRACTION = 0.85
 def cluster_env() -> dict[str, str]:
     """The cluster secret handed to every child: the caller's if set, else a fresh one for this cluster."""
     return {CLUSTER_TOKEN_ENV: env.cluster_token() or generate_cluster_token()}
-
-
-def _serving(port: int, tls: grpc.ChannelCredentials | None = None) -> bool:
-    address = f"127.0.0.1:{port}"
-    channel = grpc.secure_channel(address, tls) if tls is not None else grpc.insecure_channel(address)
-    with channel, contextlib.suppress(grpc.RpcError):
-        return bool(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1)
-    return False
 
 
 class LocalCluster:
@@ -279,44 +265,9 @@ class LocalCluster:
             flag = {"prefill": "--prefill", "decode": "--decode", "null": "--worker"}[role]
             router += [flag, f"127.0.0.1:{port}" + (f":{bootstrap}" if role == "prefill" else "")]
         deadline = time.monotonic() + READY_TIMEOUT_S
-        self._wait_nodes_serving(nodes, deadline)
+        wait_nodes_serving(nodes, deadline, self.node_tls)
         child = self._spawn("router", router, self.ns.grpc_port)
-        self._wait_http_health(child, deadline)
-
-    def _check_alive(self, child: Child) -> None:
-        code = child.exit_code()
-        if code is not None:
-            raise RuntimeError(f"{child.name} exited with code {code}; its log:\n{child.tail()}")
-
-    def _wait_nodes_serving(self, nodes: list[Child], deadline: float) -> None:
-        """Until every node's gRPC health is SERVING; the first node to exit meanwhile (e.g. a tp its model cannot
-        split) raises at once with its log, whichever node is being waited for."""
-        pending = list(nodes)
-        while pending and time.monotonic() < deadline:
-            for node in nodes:
-                self._check_alive(node)
-            pending = [n for n in pending if not _serving(n.grpc_port, self.node_tls)]
-            if pending:
-                time.sleep(0.2)
-        if pending:
-            names = ", ".join(n.name for n in pending)
-            raise TimeoutError(f"{names} not ready within {READY_TIMEOUT_S:.0f} s; the log of {pending[0].name}:\n"
-                               f"{pending[0].tail()}")
-
-    def _wait_http_health(self, child: Child, deadline: float) -> None:
-        url = f"{self.http_base}/health"
-        # NOTE: a readiness probe of our own child on loopback: it sends nothing secret, so it skips verification.
-        probe = None
-        if self.tls.enabled:
-            probe = ssl.create_default_context()
-            probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
-        while time.monotonic() < deadline:
-            self._check_alive(child)
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1, context=probe) as resp:
-                if resp.status == 200:
-                    return
-            time.sleep(0.2)
-        raise TimeoutError(f"router not ready within {READY_TIMEOUT_S:.0f} s; its log:\n{child.tail()}")
+        wait_http_health(child, self.http_base, deadline, self.tls.enabled)
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM every child (router first, so no new work reaches the nodes), then SIGKILL stragglers and

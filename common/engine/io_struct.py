@@ -25,7 +25,7 @@ class GenerateReqInput(msgspec.Struct, tag=True, kw_only=True):
     prefill_dp_rank: int | None = None
     # Request migration: the last ``prior_output_len`` input ids are outputs of an interrupted earlier attempt.
     prior_output_len: int = 0
-    # Priority scheduling (--enable-priority-scheduling; common.engine.schedule_order): None is the least urgent.
+    # Priority scheduling (--enable-priority-scheduling; common.engine.schedule_policy): None is the least urgent.
     priority: int | None = None
 
 

@@ -34,13 +34,8 @@ from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.engine.model.config import ModelConfig
 from common.engine.model.loader import load_model
 from common.engine.overlap import FutureTokenMap
-from common.engine.sampling.sampler import (
-    HostSample,
-    HostSampleCopy,
-    SampleOutput,
-    Sampler,
-    SamplingBatchInfo,
-)
+from common.engine.sampling.sample_output import HostSample, HostSampleCopy, SampleOutput
+from common.engine.sampling.sampler import Sampler, SamplingBatchInfo
 from common.engine.schedule_batch import ModelWorkerBatch
 from common.engine.spec.drafter import DraftKV, SpecHook
 

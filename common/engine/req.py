@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.engine.sampling.stop import first_stop, stop_window
 from common.errors import ErrorCode
 
 if TYPE_CHECKING:
     from common.engine.sampling.params import SamplingParams
+    from common.engine.sampling.stop import Detokenizer
 
 
 _arrivals = itertools.count()  # arrival order without a clock: TP ranks build the same requests in the same order
@@ -83,7 +85,7 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.eos_token_ids = eos_token_ids
         self.bootstrap_room = bootstrap_room
-        self.priority = priority  # with priority scheduling (common.engine.schedule_order); 0 and unused without
+        self.priority = priority  # with priority scheduling (common.engine.schedule_policy); 0 and unused without
         self.arrival_seq = next(_arrivals)  # strictly increasing: ties in queue orders break by arrival
         self._prompt_key: tuple[int, int] | None = None
 
@@ -185,6 +187,57 @@ class Req:
         self.is_chunked = 0
         self.is_retracted = True
         self.future_slot = None
+
+    # -- output ----------------------------------------------------------------------------------------------------
+    def take_token(self, token: int, tokenizer: Detokenizer | None, logprob: float | None = None,
+                   top_logprobs: list[tuple[int, float]] | None = None) -> bool:
+        """The one way a sampled token joins the request (a decode or prefill step's, each of a verify's accepted
+        run, the prefill node's first token on a decode node): the grammar accepts it, it is appended with its
+        logprobs, then the stop checks run. A token the grammar refuses (drawn only when no token may continue it)
+        is dropped and the request ends as a dead end: False."""
+        grammar = self.grammar
+        if grammar is not None and not grammar.accept(token):
+            self.abort(grammar.dead_end_message(len(self.generated_ids())), ErrorCode.INVALID_ARGUMENT)
+            return False
+        self.output_ids.append(token)
+        if not self.times.first_token:
+            self.times.first_token = time.monotonic()
+        if self.return_logprob and logprob is not None:
+            self.output_logprobs.append(logprob)
+            if top_logprobs is not None:
+                self.output_top_logprobs.append(top_logprobs)
+        self.check_finished(token, tokenizer)
+        if grammar is not None and self.finished_reason is None and grammar.is_terminated():
+            self.finished_reason = Finished(FinishReason.STOP, matched=token)  # even where its stop token is not
+        return True
+
+    def check_finished(self, token: int, tokenizer: Detokenizer | None) -> None:
+        """Set ``finished_reason`` if ``token`` (already the last output) ends the request; the order of the checks:
+        ``common.engine.sampling.stop``."""
+        if self.finished_reason is not None:
+            return
+        params = self.sampling_params
+        n_out = len(self.output_ids)
+        if n_out >= params.min_new_tokens:
+            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+                self.finished_reason = Finished(FinishReason.STOP, matched=token)
+                return
+            if params.stop:
+                matched = self._match_stop_string(tokenizer)
+                if matched is not None:
+                    self.finished_reason = Finished(FinishReason.STOP, matched=matched)
+                    return
+        if n_out >= params.max_new_tokens:
+            self.finished_reason = Finished(FinishReason.LENGTH)
+
+    def _match_stop_string(self, tokenizer: Detokenizer | None) -> str | None:
+        params = self.sampling_params
+        if tokenizer is None:
+            raise ValueError(f"request {self.rid} has stop strings but the scheduler was given no tokenizer")
+        window = stop_window(params.stop)
+        ids = self.output_ids if len(self.output_ids) >= window else self.generated_ids()  # spans a migration
+        tail = tokenizer.decode(ids[-window:], skip_special_tokens=params.skip_special_tokens)
+        return first_stop(tail, params.stop)[1]
 
     def abort(self, message: str, code: ErrorCode = ErrorCode.CANCELLED, origin: str = "") -> None:
         self.finished_reason = Finished(FinishReason.ABORT, message=message, code=code, origin=origin)

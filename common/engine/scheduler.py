@@ -1,9 +1,19 @@
-"""The scheduler of one rank: SGLang's loop over a ``ModelRunner``, a prefix cache and a waiting queue.
+"""The scheduler of one rank: SGLang's loop over a ``ModelRunner``, a prefix cache and the owners of its queues.
 
 Lifecycle of a colocated request: waiting -> (chunked) prefill -> running (decode) -> finished.
 
-    loop: role.begin_step -> process_input_requests -> role.poll -> get_next_batch_to_run -> run_batch
-          -> process_batch_result (-> finish_req)
+    step:  role.begin_step -> process_input_requests -> role.poll -> get_next_batch_to_run -> run_batch
+           -> process_batch_result (-> finish_req)
+    get_next_batch_to_run:  decode.merge_last_batch()
+                            batch = prefill.next_batch(running batch) or decode.next_batch()
+
+Who holds what (``common.engine``): ``intake`` (``RequestIntake``) the requests in flight by rid; ``prefill``
+(``PrefillManager``) the waiting queue, preempted requests, the chunked request, ``new_token_ratio`` and the
+``SchedulePolicy``; ``decode`` (``DecodeManager``) the running batch, the last batch, retraction and the speculator;
+``worker`` (``ModelWorker``) the forward thread and the batch in flight; ``out`` (``OutputCollector``) the step's
+outputs; ``metrics`` (``RankMetrics``) the load report and log lines. The scheduler runs the loop, takes each result
+(``process_batch_result``) and finishes requests (``finish_req``, the one finish path); the prefill and decode nodes
+plug their queues in through the hooks of ``common.engine.scheduler_role.SchedulerRole``.
 
 Overlap schedule (default, but see ``overlap_schedule_on`` for CPU; ``--disable-overlap-schedule`` keeps the loop
 above): batch k runs on a forward thread while this thread processes batch k-1's results and prepares batch k+1
@@ -14,41 +24,34 @@ from batch k's future tokens (``common.engine.overlap``)::
 A request therefore runs one step past its end at most (that token is dropped); one whose pending token ends it by
 length is left out of the next batch. Penalties read every output token, so a batch holding a penalised request
 has its results processed before the next batch is prepared; a role that reads a batch's KV pages between steps
-(``waits_for_forward``: the prefill node) has its forward finish before the next batch is prepared.
-The KV pages that batch k-1's results free while batch k runs (which may still write them) become allocatable only
-once batch k's result is obtained (``step_overlap``).
-
-This is the one loop of every role: the prefill and decode nodes hold a ``Scheduler`` and plug their queues in
-through the hooks of ``common.engine.scheduler_role.SchedulerRole``, asked at fixed points of ``step`` (see there).
-Its parts live beside it in ``common.engine``: request intake (``admission``), batch admission (``batch_admission``),
-result processing and outputs (``scheduler_output``), the load report and log lines (``scheduler_metrics``).
+(``waits_for_forward``: the prefill node) has its forward finish before the next batch is prepared. The KV pages
+that batch k-1's results free while batch k runs become allocatable only once batch k's result is obtained
+(``common.engine.model_worker``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from common.config import ServerArgs
-from common.engine import batch_admission, scheduler_metrics, scheduler_output
-from common.engine.admission import RequestIntake
+from common.engine.decode_manager import DecodeManager
 from common.engine.distributed import TPGroup
 from common.engine.io_struct import AbortReq, GenerateReqInput, LoadOut, LoadReq, QueueLoad, SchedulerInput
 from common.engine.mem.hicache import build_prefix_cache
-from common.engine.model_runner import BatchResult, ModelRunner, PendingBatchResult
+from common.engine.model_runner import BatchResult, ModelRunner
+from common.engine.model_worker import ModelWorker
 from common.engine.overlap import overlap_schedule_on
+from common.engine.prefill_manager import PrefillManager
 from common.engine.req import Req
+from common.engine.request_intake import RequestIntake
 from common.engine.sampling.grammar import GrammarCompiler, tokenizer_info
 from common.engine.sampling.grammar_queue import GrammarQueue
-from common.engine.sampling.sampler import SamplingBatchInfo
-from common.engine.schedule_batch import ModelWorkerBatch, ScheduleBatch
-from common.engine.schedule_order import SchedulePolicy
-from common.engine.scheduler_metrics import DecodeLogInterval
+from common.engine.schedule_batch import ScheduleBatch
+from common.engine.scheduler_metrics import RankMetrics
 from common.engine.scheduler_output import OutputCollector
 from common.engine.scheduler_role import ColocatedRole, SchedulerRole
 from common.engine.spec import build_speculator
@@ -77,42 +80,27 @@ class Scheduler:
         self.model_config = self.runner.model_config
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
-        self.page_size = args.page_size
-        self.speculator = build_speculator(args, self.runner, dp_rank)  # None: --speculative-algorithm off
-        self.tree_cache: Any = build_prefix_cache(args, self.runner, self.tp, self.last_launched, self.model_config)
-        self.out = OutputCollector(send_outputs, args.stream_interval)
-        self.waiting_queue: list[Req] = []
-        self.policy = SchedulePolicy(args, self.tree_cache, self.allocator, self.req_to_token_pool)
-        self.running_batch = self.new_batch([])
-        self.chunked_req: Req | None = None
-        self.last_batch: ScheduleBatch | None = None
+        speculator = build_speculator(args, self.runner, dp_rank)  # None: --speculative-algorithm off
+        self.worker = ModelWorker(self.runner)
         self.overlap = overlap_schedule_on(args, self.runner.device)
-        self.forward_thread: ThreadPoolExecutor | None = None  # created by the first overlapped launch
-        self.in_flight: tuple[ScheduleBatch, Future[PendingBatchResult]] | None = None  # launched, results unprocessed
-        self.awaited: Future[PendingBatchResult] | None = None  # within step_overlap: the batch launched by the last step
-        self.reqs_by_rid: dict[str, Req] = {}
-        self.preempted: list[Req] = []  # retracted by a role's queue; waiting from the next step (preempt_running)
-        self.yield_to_role = False  # a role's queue preempted this step: no prefill takes what it freed
-        ratio = batch_admission.new_token_ratio_schedule(args.schedule_conservativeness)
-        self.init_new_token_ratio, self.min_new_token_ratio, self.new_token_ratio_decay = ratio
-        self.new_token_ratio = self.init_new_token_ratio
-        self.forward_ct = 0
-        self.num_retracted = 0
+        self.tree_cache: Any = build_prefix_cache(args, self.runner, self.tp, self.worker.last_launched,
+                                                  self.model_config)
+        self.role: SchedulerRole = role or ColocatedRole()
+        self.out = OutputCollector(send_outputs, args.stream_interval)
+        self.metrics = RankMetrics(args, self.tp, dp_rank, self.allocator, self.req_to_token_pool, self.tree_cache,
+                                   self.runner.max_total_num_tokens, self.role.queue_counts)
+        pools = (self.tree_cache, self.allocator, self.req_to_token_pool)
+        self.prefill = PrefillManager(args, *pools, self.metrics, self.role.on_chunk_done)
+        self.decode = DecodeManager(args, *pools, self.prefill, speculator, self.metrics,
+                                    self.worker.reclaim_deferred_pages)
         self.request_log_level = logging.INFO if args.log_requests else logging.DEBUG
-        self.intake = RequestIntake(self.model_config, self.runner.max_total_num_tokens, self.out, self.reqs_by_rid,
-                                    self.request_log_level, self.policy.resolve_priority,
+        self.intake = RequestIntake(self.model_config, self.runner.max_total_num_tokens, self.out,
+                                    self.request_log_level, self.prefill.policy.resolve_priority,
                                     lambda key: self.grammar_compiler.matcher(key))
-        self.decode_log = DecodeLogInterval(args.decode_log_interval)
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar request
         self.grammar_queue = GrammarQueue(lambda: self.grammar_compiler, self.tp, args.grammar_compile_timeout,
                                           enabled=args.grammar_backend != "none")
-        self.role: SchedulerRole = role or ColocatedRole()
         self.role.bind(self)
-
-    # -- construction helpers --------------------------------------------------------------------------------------
-    def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree_cache,
-                                      self.args.speculative_algorithm)
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -129,14 +117,12 @@ class Scheduler:
 
     def close(self) -> None:
         """Stop the forward thread (after its batch), then release what the role holds (its KV manager)."""
-        if self.forward_thread is not None:
-            self.forward_thread.shutdown(wait=True)
-            self.forward_thread = None
+        self.worker.close()
         if self._grammar_compiler is not None:
             self._grammar_compiler.close()
         self.tree_cache.close()
-        if self.speculator is not None:
-            self.speculator.close()
+        if self.decode.speculator is not None:
+            self.decode.speculator.close()
         self.role.close()
 
     # -- the loop: one iteration of the seeds' event_loop_normal / event_loop_overlap ------------------------------
@@ -144,8 +130,8 @@ class Scheduler:
         """One iteration of the loop of every role; returns whether a batch ran or its results were processed."""
         self.role.begin_step()
         if self.is_idle():
-            self.decode_log.restart()
-        self.waiting_queue[:0], self.preempted = self.preempted, []
+            self.metrics.decode_log.restart()
+        self.prefill.begin_step()
         self.process_input_requests(msgs)
         self.admit_compiled()
         self.role.poll()
@@ -158,84 +144,32 @@ class Scheduler:
         batch = self.get_next_batch_to_run()
         if batch is not None:
             self.process_batch_result(batch, self.run_batch(batch))
-        self.last_batch = batch
         return batch is not None
 
     def step_overlap(self) -> bool:
-        """One overlapped step. KV pages freed by a batch's results while the next batch is in flight are deferred.
-
-        Invariants (the hazard: ``common.engine.mem.allocator``, deferred frees):
-        - Pages freed while ``process_batch_result`` runs with a batch in flight (finished and failed requests)
-          become allocatable only once that batch's result is obtained (``batch_result``). That batch may still
-          write a finished request's next KV slot into them, and a writer in another process (a prefill node
-          filling pages a decode node preallocated: CUDA IPC, RDMA) is not ordered after it on this rank's
-          device stream.
-        - Deferred pages exist only from that processing until the next step obtains the in-flight batch's
-          result, so only while ``in_flight`` is set: the pools' free counts are whole whenever the scheduler is
-          idle.
-        - Short of KV for the next decode step, the scheduler first obtains the awaited batch's result
-          (``reclaim_deferred_pages``: one step without overlap) rather than retract for pages merely deferred.
-        - The step's other frees (aborts and transfer failures in the role's hooks; retraction and radix
-          evictions in ``get_next_batch_to_run``) stay immediate: this rank's own next batch is ordered after the
-          in-flight one on the device stream, and pages reach another process's writer only through
-          ``role.poll`` (a decode node's preallocation), which runs after the step that obtains the in-flight
-          result. A decode node's prefix cache (``HeldPrefixCache``) holds only landed or computed prompt pages,
-          so no page it frees can hold a slot an in-flight batch writes.
-        - Every role defers alike (it costs a list append). Only a decode node needs it: a prefill node's pages
-          are read, not written, by other processes, and only while it keeps them (until the transfer ends); its
-          own next forward reusing a freed page is ordered after the in-flight one.
-        - Request slots (``req_to_token`` rows) are freed at once: no other process writes them, and a new
-          owner's row reaches the device with a later batch, after the in-flight one.
-        """
-        prev, self.in_flight = self.in_flight, None
-        self.awaited = None if prev is None else prev[1]
-        if prev is not None and any(_reads_output_history(r) for r in prev[0].reqs):
-            self.process_batch_result(prev[0], self.batch_result(prev[1]))
+        """One overlapped step: the last step's batch is in flight while this one's is chosen and launched; its
+        results are processed after that launch, with the pages they free deferred (``common.engine.model_worker``)."""
+        worker = self.worker
+        prev = worker.take_in_flight()
+        if prev is not None and any(_reads_output_history(r) for r in prev.batch.reqs):
+            self.process_batch_result(prev.batch, worker.result(prev.future))
             prev = None
         elif prev is not None and self.role.waits_for_forward():
-            self.batch_result(prev[1])  # NOTE: its results are still processed after the next launch
+            worker.result(prev.future)  # NOTE: its results are still processed after the next launch
         batch = self.get_next_batch_to_run()
         if batch is not None:
-            future = self.launch(batch)
-            self.in_flight = (batch.copy(), future)
+            worker.launch(batch)
         if prev is not None:
-            result = self.batch_result(prev[1])
-            if self.in_flight is None:
-                self.process_batch_result(prev[0], result)
-            else:
-                with self.allocator.defer_frees():
-                    self.process_batch_result(prev[0], result)
-        self.last_batch = batch
-        self.awaited = None
+            result = worker.result(prev.future)
+            with self.allocator.defer_frees() if worker.in_flight is not None else contextlib.nullcontext():
+                self.process_batch_result(prev.batch, result)
+        worker.end_step()
         return batch is not None or prev is not None
-
-    def reclaim_deferred_pages(self) -> bool:
-        """Under KV pressure (before retracting): wait for the batch launched by the last step, which makes the
-        pages deferred while it was in flight allocatable. Whether any were."""
-        if self.awaited is None or self.allocator.num_deferred_pages == 0:
-            return False
-        self.batch_result(self.awaited)
-        return True
-
-    def last_launched(self) -> Future[PendingBatchResult] | None:
-        """The batch launched last, while it may still write KV (a hierarchical cache's copies wait for it)."""
-        return self.in_flight[1] if self.in_flight is not None else self.awaited
-
-    def batch_result(self, future: Future[PendingBatchResult]) -> BatchResult:
-        """A launched batch's result; the pages freed while it was in flight become allocatable.
-
-        NOTE: ``PendingBatchResult.wait`` returns once the sampled tokens, copied to the host on the forward's
-        stream after all of the batch's kernels, have landed (the step's one sync): its KV writes have completed.
-        """
-        result = future.result().wait()
-        self.allocator.release_deferred()
-        return result
 
     def is_idle(self) -> bool:
         """Nothing queued, running or in flight, in the engine or in the role's queues."""
-        return not self.waiting_queue and not self.grammar_queue and self.running_batch.is_empty() and not (
-            self.preempted) and (
-            self.chunked_req is None) and self.last_batch is None and self.in_flight is None and self.role.is_idle()
+        return (not self.grammar_queue and self.prefill.is_idle() and self.decode.is_idle()
+                and self.worker.in_flight is None and self.role.is_idle())
 
     # -- input -----------------------------------------------------------------------------------------------------
     def process_input_requests(self, msgs: list[SchedulerInput]) -> None:
@@ -267,60 +201,100 @@ class Scheduler:
         for msg in self.grammar_queue.pop_ready(self.out.error):
             self.admit(msg)
 
-    # -- batching (``common.engine.batch_admission``) --------------------------------------------------------------
+    def get_load(self) -> QueueLoad:
+        """This replica's load (a TP collective: every rank answers the same ``LoadReq``); the role adds its queues."""
+        prefill, running = self.prefill, self.decode.running_batch.reqs
+        by_priority = prefill.policy.queue_by_priority
+        return self.metrics.load(
+            running=len(running) + (1 if prefill.chunked_req else 0),
+            waiting=len(prefill.waiting_queue) + len(self.grammar_queue),
+            queue_by_priority={"waiting": by_priority(prefill.waiting_queue), "running": by_priority(running)},
+            preemptions=prefill.policy.num_preempted,
+        )
+
+    # -- batching --------------------------------------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        batch_admission.merge_last_batch(self)
-        new_batch = self.get_new_batch_prefill()
-        if new_batch is not None:
-            return new_batch
-        if not self.running_batch.is_empty():
-            self.update_running_batch(self.running_batch)
-            if not self.running_batch.is_empty():
-                return self.running_batch
-        return None
-
-    def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        return batch_admission.get_new_batch_prefill(self)
-
-    def update_running_batch(self, batch: ScheduleBatch) -> None:
-        batch_admission.update_running_batch(self, batch)
+        """The seeds' ``get_next_batch_to_run``: the last prefill batch joins the running batch, then a new prefill
+        batch if one forms, else the running batch's next decode (or draft -> verify) step."""
+        self.decode.merge_last_batch()
+        batch = self.prefill.next_batch(self.decode.running_batch) or self.decode.next_batch()
+        self.decode.last_batch = batch
+        return batch
 
     def run_batch(self, batch: ScheduleBatch) -> BatchResult:
-        return self.runner.forward_and_sample(self.worker_batch(batch))
+        return self.worker.run(batch)
 
-    def worker_batch(self, batch: ScheduleBatch) -> ModelWorkerBatch:
-        """What the runner needs, read from the requests now (the forward may run while they change)."""
-        for req in batch.reqs:
-            inject("forward", req.rid)
-        self.forward_ct += 1
-        b = batch.get_model_worker_batch()
-        rows = batch.reqs if batch.spec_info is None else batch.spec_info.sampling_rows(batch.reqs)  # one per token
-        b.sampling_info = SamplingBatchInfo.from_reqs(rows, self.model_config.vocab_size, self.runner.device)
-        return b
-
-    def launch(self, batch: ScheduleBatch) -> Future[PendingBatchResult]:
-        """Start ``batch`` on the forward thread. Each row that yields a real token (all but a middle prefill chunk)
-        gets a ring slot: the next batch feeds the request that slot's placeholder."""
-        future = self.runner.future_tokens
-        slots = future.alloc(len(batch.reqs))
-        b = self.worker_batch(batch)  # NOTE: before the new slots: sampling reads each row's pending draw step
-        b.has_placeholders = any(r.future_slot is not None for r in batch.reqs)
-        for i, req in enumerate(batch.reqs):
-            if req is batch.chunked_req:
-                slots[i] = future.dump_slot
-            else:
-                req.future_slot = slots[i]
-        b.future_slots = batch.future_slots = slots
-        if self.forward_thread is None:
-            # The forward thread runs with this thread's torch thread count (what a compiled step guards on).
-            self.forward_thread = ThreadPoolExecutor(1, "pdcluster-forward", initializer=torch.set_num_threads,
-                                                     initargs=(torch.get_num_threads(),))
-        return self.forward_thread.submit(self.runner.launch, b)
-
-    # -- results (``common.engine.scheduler_output``) --------------------------------------------------------------
+    # -- results ---------------------------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        scheduler_output.process_batch_result(self, batch, result)
+        """The one result path: append each row's token, then finish, cache or stop it; the role is asked when a
+        chunk or a whole prompt is done."""
+        is_prefill = batch.forward_mode.is_extend()
+        decoding = {id(r) for r in batch.decoding_reqs}
+        slots = batch.future_slots
+        for i, req in enumerate(batch.reqs):
+            if slots is not None and req.future_slot == slots[i]:
+                req.future_slot = None  # no newer step of it was launched
+            if req.finished() or req.is_retracted:  # retracted while in flight: it recomputes this token
+                continue
+            if req.is_chunked > 0:  # a middle chunk: its token is not a real sample
+                req.is_chunked -= 1
+                self._check_chunked(req)
+                continue
+            prefilled = is_prefill and id(req) not in decoding
+            try:
+                self._append_tokens(batch, req, result, i)
+                if prefilled:
+                    self.role.on_prefill_done(req)
+            except Exception as e:
+                self.fail_req(req, e)
+                continue
+            if req.finished():
+                self.finish_req(req)
+            elif prefilled:
+                self.tree_cache.cache_unfinished_req(req)
+        if not is_prefill:
+            self.metrics.log_decode(self.decode.running_batch.reqs, self.decode.speculator is not None)
+        self.out.flush()
 
+    def _append_tokens(self, batch: ScheduleBatch, req: Req, result: BatchResult, i: int) -> None:
+        """Row i's token; in a verify step, request i's accepted run, token by token until one ends it (no token
+        after a stop is emitted), then the rejected drafts' KV is given back (``common.engine.spec.info``)."""
+        spec = batch.spec_info
+        if spec is None:
+            self._append_token(req, result, i)
+            return
+        before = len(req.output_ids)
+        try:
+            for row in spec.accepted_rows(i, result.next_token_ids):
+                self._append_token(req, result, row)
+                if req.finished():
+                    break
+        finally:
+            spec.commit(batch, req, i, len(req.output_ids) - before, self.metrics.decode_log)
+
+    def _append_token(self, req: Req, result: BatchResult, row: int) -> None:
+        inject("token", req.rid)
+        logprobs, top = result.logprobs, result.top_logprobs
+        if not req.take_token(result.next_token_ids[row], self.tokenizer, None if logprobs is None else logprobs[row],
+                              None if top is None else top[row]):
+            return
+        self.metrics.decode_log.tokens += 1
+        if req.to_abort is not None and not req.finished():
+            req.abort(req.to_abort)
+        self.out.stream_token(req)
+
+    def _check_chunked(self, req: Req) -> None:
+        """Between two chunks: an aborted request, or one the role stops (its transfer failed), ends here."""
+        stop = self.role.chunk_stop(req)
+        if stop is None and req.to_abort is not None:
+            stop = (req.to_abort, ErrorCode.CANCELLED)
+        if stop is None:
+            return
+        self.prefill.drop_chunked(req)
+        req.abort(*stop)
+        self.finish_req(req)
+
+    # -- the request operations of the roles (``scheduler_role.Engine``) --------------------------------------------
     def finish_req(self, req: Req, release: bool = True) -> None:
         """The one finish path: hand the request's KV to the prefix cache (or free it) and report its outcome.
 
@@ -331,9 +305,9 @@ class Scheduler:
             if self.role.keep_pages_on_finish(req):
                 return
             self.tree_cache.cache_finished_req(req)
-            self.running_batch.batch_is_full = False  # memory came back: the queue may fit again
+            self.decode.running_batch.batch_is_full = False  # memory came back: the queue may fit again
         req.times.finished = time.monotonic()
-        self.reqs_by_rid.pop(req.rid, None)
+        self.intake.reqs_by_rid.pop(req.rid, None)
         if self.role.on_finish(req):
             return
         self.log_request_end(req, req.finished_reason.reason.value if req.finished_reason else "abort")
@@ -344,8 +318,7 @@ class Scheduler:
         are released; the rest of the batch and the rank carry on."""
         logger.exception("rid=%s room=%s: internal error; the request fails, the rank keeps serving",
                          req.rid, req.bootstrap_room, exc_info=exc)
-        if self.chunked_req is req:
-            self.chunked_req = None
+        self.prefill.drop_chunked(req)
         req.finished_reason = None
         req.abort(internal_error_message(exc), ErrorCode.INTERNAL)
         self.finish_req(req)
@@ -355,60 +328,41 @@ class Scheduler:
                    req.rid, req.bootstrap_room, outcome, len(req.output_ids), req.cached_tokens,
                    time.monotonic() - req.times.arrival)
 
-    # -- the rest of the ``Engine`` interface of the roles (``scheduler_role.Engine``) -----------------------------
-    def reject(self, rid: str, message: str, code: ErrorCode) -> None:
-        self.out.error(rid, message, code)
-
-    def send_now(self, outputs: list[Any]) -> None:
-        self.out.send_now(outputs)
-
-    def find_req(self, rid: str) -> Req | None:
-        return self.reqs_by_rid.get(rid)
-
-    def enqueue(self, reqs: list[Req]) -> None:
-        self.waiting_queue.extend(reqs)
-
-    def num_waiting(self) -> int:
-        return len(self.waiting_queue) + len(self.preempted)
-
-    def prefilling_reqs(self) -> list[Req]:
-        return [*self.preempted, *self.waiting_queue, *([self.chunked_req] if self.chunked_req is not None else [])]
-
-    def preempt_running(self, victims: list[Req], head: Req) -> None:
-        batch_admission.preempt_running(self, victims, head)
-
-    def running_reqs(self) -> list[Req]:
-        return self.running_batch.reqs
-
-    def build_req(self, msg: GenerateReqInput) -> Req | None:
-        return self.intake.build_req(msg)
-
     def abort_request(self, rid: str, reason: str) -> None:
         """Waiting requests leave at once; a request in a batch finishes as ABORT at its next result."""
-        req = self.reqs_by_rid.get(rid)
+        req = self.intake.find(rid)
         if req is None:
             return
-        queue = self.preempted if req in self.preempted else self.waiting_queue
-        if req in queue:
-            queue.remove(req)
+        if self.prefill.remove(req):
             req.abort(reason)
             self.finish_req(req, release=False)
         else:
             req.to_abort = reason
 
-    def take_waiting(self, leaves: Callable[[Req], bool]) -> list[Req]:
-        """Remove and return the waiting requests for which ``leaves`` is true, in queue order."""
-        gone = [r for r in self.waiting_queue if leaves(r)]
-        for req in gone:
-            self.waiting_queue.remove(req)
-        return gone
-
     def add_prebuilt(self, reqs: list[Req], take_first_token: Callable[[Req], None]) -> None:
-        batch_admission.add_prebuilt(self, reqs, take_first_token)
+        """Requests whose prompt KV and first token were computed elsewhere (a decode node's transfers): each gets its
+        first token from ``take_first_token``, then joins the running batch or finishes at once."""
+        running = []
+        for req in reqs:
+            try:
+                take_first_token(req)
+            except Exception as e:  # this request fails with INTERNAL and frees its pages; the rank carries on
+                self.fail_req(req, e)
+                continue
+            if req.finished():
+                self.finish_req(req)
+            else:
+                self.out.stream_token(req)
+                running.append(req)
+        self.decode.add_prebuilt(running)
 
-    # -- load (``common.engine.scheduler_metrics``) ----------------------------------------------------------------
-    def get_load(self) -> QueueLoad:
-        return scheduler_metrics.get_load(self)
+    def preempt_running(self, victims: list[Req], head: Req) -> None:
+        """Priority preemption for ``head`` (a role's queued request): ``victims`` leave the running batch and wait
+        from the next step to recompute. NOTE: their pages are deferred while a batch is in flight (it may still
+        write the victims' next slots, and the role hands freed pages to another process's writer)."""
+        with self.allocator.defer_frees() if self.worker.in_flight is not None else contextlib.nullcontext():
+            self.decode.preempt(victims, head)
+
 
 def _reads_output_history(req: Req) -> bool:
     """Its next draw reads every output token so far (penalties, a grammar's matcher), not only the last one."""

@@ -1,5 +1,5 @@
-"""What a rank reports of itself: its load (``get_load``, the answer to a ``LoadReq``) and the seeds' per-rank log
-lines, one formatter for ``Prefill batch.`` and one for ``Decode batch.``.
+"""``RankMetrics``: what a rank reports of itself — its load (``load``, the answer to a ``LoadReq``) and the seeds'
+per-rank log lines, one formatter for ``Prefill batch.`` and one for ``Decode batch.``.
 
 Field order is SGLang's. The disaggregation fields appear only on the role that owns the queue (SGLang omits them
 on colocated nodes): ``#bootstrap-req``/``#inflight-req`` on prefill nodes, ``#prealloc-req``/``#transfer-req``
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,9 +24,6 @@ if TYPE_CHECKING:
     from common.engine.mem.allocator import TokenToKVPoolAllocator
     from common.engine.mem.req_to_token_pool import ReqToTokenPool
     from common.engine.req import Req
-    from common.engine.sampling.grammar_queue import GrammarQueue
-    from common.engine.schedule_batch import ScheduleBatch
-    from common.engine.schedule_order import SchedulePolicy
     from common.engine.schedule_policy import PrefillAdder
 
 # NOTE: the log lines are the scheduler's: they keep its logger's name, which operators and tests filter on.
@@ -125,102 +123,93 @@ class DecodeLogInterval:
         return throughput, retracted, accept_len
 
 
-class QueueCounting(Protocol):
-    def queue_counts(self) -> DisaggQueueCounts: ...
+class RankMetrics:
+    """Token usage, the load report and the two log lines of one rank, read from its pools and prefix cache; the
+    queues' part is handed in by whoever holds them."""
 
+    def __init__(self, args: ServerArgs, tp: TPGroup, dp_rank: int, allocator: TokenToKVPoolAllocator,
+                 req_to_token_pool: ReqToTokenPool, tree_cache: Any, max_total_num_tokens: int,
+                 queue_counts: Callable[[], DisaggQueueCounts]) -> None:
+        self.args = args
+        self.tp = tp
+        self.dp_rank = dp_rank
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.tree_cache = tree_cache
+        self.max_total_num_tokens = max_total_num_tokens
+        self.queue_counts = queue_counts  # the role's queues (``SchedulerRole.queue_counts``)
+        self.decode_log = DecodeLogInterval(args.decode_log_interval)
 
-class MetricsSource(Protocol):
-    """What the load report and the log lines read of the scheduler (``common.engine.scheduler.Scheduler``)."""
+    def num_used_tokens(self) -> int:
+        """KV slots held by requests (the prefix cache's evictable slots count as free)."""
+        return self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
 
-    args: ServerArgs
-    dp_rank: int
-    tp: TPGroup
-    page_size: int
-    allocator: TokenToKVPoolAllocator
-    req_to_token_pool: ReqToTokenPool
-    tree_cache: Any
-    policy: SchedulePolicy
-    waiting_queue: list[Req]
-    running_batch: ScheduleBatch
-    chunked_req: Req | None
-    grammar_queue: GrammarQueue
-    decode_log: DecodeLogInterval
-    speculator: object | None
+    def token_usage(self) -> float:
+        return self.num_used_tokens() / self.max_total_num_tokens
 
-    @property
-    def max_total_num_tokens(self) -> int: ...
+    def load(self, running: int, waiting: int, queue_by_priority: dict[str, dict[str, int]],
+             preemptions: int) -> QueueLoad:
+        """This replica's load. With TP (a collective: every rank answers the same LoadReq) the free counts are the
+        MIN over the group, so a rank that leaked shows; ranks that disagree at all are logged as diverged."""
+        free_kv, free_slots = self.allocator.available_size(), self.req_to_token_pool.available_size()
+        evictable = self.tree_cache.evictable_size()
+        if self.tp.tp_size > 1:
+            mine = [free_kv, free_slots, evictable]
+            both = self.tp.all_reduce_min(torch.tensor(mine + [-v for v in mine], dtype=torch.int64)).tolist()
+            lo, hi = both[:3], [-v for v in both[3:]]
+            if lo != hi:
+                logger.error("TP ranks of DP %d diverged: free KV slots, free request slots, evictable tokens "
+                             "range over %s .. %s", self.dp_rank, lo, hi)
+            free_kv, free_slots, evictable = lo[0], lo[1], hi[2]
+        page_size = self.args.page_size
+        return QueueLoad(
+            dp_rank=self.dp_rank,
+            running=running,
+            waiting=waiting,
+            free_kv_pages=free_kv // page_size,
+            total_kv_pages=self.max_total_num_tokens // page_size,
+            free_req_slots=free_slots,
+            total_req_slots=self.req_to_token_pool.size,
+            token_usage=self.token_usage(),
+            evictable_tokens=evictable,
+            queue_by_priority=queue_by_priority,
+            preemptions=preemptions,
+            hicache=self.tree_cache.hicache_report() if self.args.enable_hierarchical_cache else None,
+        )
 
-    @property
-    def role(self) -> QueueCounting: ...
+    def log_prefill(self, adder: PrefillAdder, running_bs: int, queue_req: int) -> None:
+        """One line per prefill batch, after admission: the queue no longer holds the batch's requests."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        logger.info(format_prefill_line(PrefillStats(
+            new_seq=len(adder.can_run_list),
+            new_token=adder.log_input_tokens,
+            cached_token=adder.log_hit_tokens,
+            token_usage=self.token_usage(),
+            running_req=running_bs,
+            queue_req=queue_req,
+            queues=self.queue_counts(),
+        )))
 
+    def log_retract(self, retracted: int, running_bs: int, new_token_ratio: float) -> None:
+        """A decode step did not fit: ``retracted`` requests went back to the waiting queue."""
+        self.decode_log.retracted += retracted
+        logger.info("KV cache is full: retracted %d requests, #running-req: %d, new_token_ratio: %.4f",
+                    retracted, running_bs, new_token_ratio)
 
-def num_used_tokens(sched: MetricsSource) -> int:
-    """KV slots held by requests (the prefix cache's evictable slots count as free)."""
-    return sched.max_total_num_tokens - sched.allocator.available_size() - sched.tree_cache.evictable_size()
-
-
-def token_usage(sched: MetricsSource) -> float:
-    return num_used_tokens(sched) / sched.max_total_num_tokens
-
-
-def get_load(sched: MetricsSource) -> QueueLoad:
-    """This replica's load. With TP (a collective: every rank answers the same LoadReq) the free counts are the
-    MIN over the group, so a rank that leaked shows; ranks that disagree at all are logged as diverged."""
-    free_kv, free_slots = sched.allocator.available_size(), sched.req_to_token_pool.available_size()
-    evictable = sched.tree_cache.evictable_size()
-    if sched.tp.tp_size > 1:
-        mine = [free_kv, free_slots, evictable]
-        both = sched.tp.all_reduce_min(torch.tensor(mine + [-v for v in mine], dtype=torch.int64)).tolist()
-        lo, hi = both[:3], [-v for v in both[3:]]
-        if lo != hi:
-            logger.error("TP ranks of DP %d diverged: free KV slots, free request slots, evictable tokens "
-                         "range over %s .. %s", sched.dp_rank, lo, hi)
-        free_kv, free_slots, evictable = lo[0], lo[1], hi[2]
-    return QueueLoad(
-        dp_rank=sched.dp_rank,
-        running=len(sched.running_batch.reqs) + (1 if sched.chunked_req else 0),
-        waiting=len(sched.waiting_queue) + len(sched.grammar_queue),
-        free_kv_pages=free_kv // sched.page_size,
-        total_kv_pages=sched.max_total_num_tokens // sched.page_size,
-        free_req_slots=free_slots,
-        total_req_slots=sched.req_to_token_pool.size,
-        token_usage=token_usage(sched),
-        evictable_tokens=evictable,
-        queue_by_priority={"waiting": sched.policy.queue_by_priority(sched.waiting_queue),
-                           "running": sched.policy.queue_by_priority(sched.running_batch.reqs)},
-        preemptions=sched.policy.num_preempted,
-        hicache=sched.tree_cache.hicache_report() if sched.args.enable_hierarchical_cache else None,
-    )
-
-
-def log_prefill_stats(sched: MetricsSource, adder: PrefillAdder, running_bs: int) -> None:
-    """One line per prefill batch, after admission: the queue no longer holds the batch's requests."""
-    if not logger.isEnabledFor(logging.INFO):
-        return
-    logger.info(format_prefill_line(PrefillStats(
-        new_seq=len(adder.can_run_list),
-        new_token=adder.log_input_tokens,
-        cached_token=adder.log_hit_tokens,
-        token_usage=token_usage(sched),
-        running_req=running_bs,
-        queue_req=len(sched.waiting_queue),
-        queues=sched.role.queue_counts(),
-    )))
-
-
-def log_decode_stats(sched: MetricsSource) -> None:
-    """One line every ``--decode-log-interval`` decode steps, with the interval's gen throughput."""
-    if not sched.decode_log.on_decode_step():
-        return
-    throughput, retracted, accept_len = sched.decode_log.take()
-    if not logger.isEnabledFor(logging.INFO):
-        return
-    logger.info(format_decode_line(DecodeStats(
-        running_req=sum(not r.finished() for r in sched.running_batch.reqs),
-        token=num_used_tokens(sched),
-        token_usage=token_usage(sched),
-        retracted_req=retracted,
-        gen_throughput=throughput,
-        queues=sched.role.queue_counts(),
-        accept_len=(accept_len or 1.0) if sched.speculator is not None else None,
-    )))
+    def log_decode(self, running_reqs: list[Req], speculating: bool) -> None:
+        """One line every ``--decode-log-interval`` decode steps, with the interval's gen throughput."""
+        if not self.decode_log.on_decode_step():
+            return
+        throughput, retracted, accept_len = self.decode_log.take()
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        logger.info(format_decode_line(DecodeStats(
+            running_req=sum(not r.finished() for r in running_reqs),
+            token=self.num_used_tokens(),
+            token_usage=self.token_usage(),
+            retracted_req=retracted,
+            gen_throughput=throughput,
+            queues=self.queue_counts(),
+            accept_len=(accept_len or 1.0) if speculating else None,
+        )))

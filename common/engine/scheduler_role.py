@@ -23,75 +23,42 @@ into the running batch from ``poll``. A role never replays the loop: it holds it
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from common.config import ServerArgs
-from common.engine.distributed import TPGroup
 from common.engine.io_struct import GenerateReqInput, QueueLoad
-from common.engine.mem.allocator import TokenToKVPoolAllocator
-from common.engine.mem.radix_cache import BasePrefixCache
-from common.engine.mem.req_to_token_pool import ReqToTokenPool
-from common.engine.model_runner import ModelRunner
 from common.engine.req import Req
 from common.engine.scheduler_metrics import NO_DISAGG_QUEUES, DisaggQueueCounts
-from common.engine.spec.speculator import Speculator
 from common.errors import ErrorCode
+
+if TYPE_CHECKING:
+    from common.config import ServerArgs
+    from common.engine.decode_manager import DecodeManager
+    from common.engine.distributed import TPGroup
+    from common.engine.mem.allocator import TokenToKVPoolAllocator
+    from common.engine.mem.radix_cache import BasePrefixCache
+    from common.engine.mem.req_to_token_pool import ReqToTokenPool
+    from common.engine.model_runner import ModelRunner
+    from common.engine.prefill_manager import PrefillManager
+    from common.engine.request_intake import RequestIntake
+    from common.engine.scheduler_output import OutputCollector
 
 
 class Engine(Protocol):
-    """What a role may use of the scheduler that holds it: its collaborators (references fixed at construction)
-    and the request operations below. ``common.engine.scheduler.Scheduler`` implements it."""
+    """What a role may use of the scheduler that holds it (``common.engine.scheduler.Scheduler``): its collaborators
+    and the owners of its queues (references fixed at construction), and the request operations that span them."""
 
     args: ServerArgs
     dp_rank: int
     tp: TPGroup
     tokenizer: Any
     runner: ModelRunner  # its KV pool is what a role's KV manager registers
-    page_size: int
     req_to_token_pool: ReqToTokenPool
     allocator: TokenToKVPoolAllocator
     tree_cache: BasePrefixCache  # the prefix cache every release goes through (a decode node shares prompts in it)
-    speculator: Speculator | None  # --speculative-algorithm's (P/D: what the drafter hands from prefill to decode)
-
-    def build_req(self, msg: GenerateReqInput) -> Req | None:
-        """A validated ``Req``, or None after the request was answered with an error."""
-        ...
-
-    def reject(self, rid: str, message: str, code: ErrorCode) -> None:
-        """Answer a request that is not taken in with an error."""
-        ...
-
-    def send_now(self, outputs: list[Any]) -> None:
-        """Send outputs to the front at once (a role's own reports)."""
-        ...
-
-    def find_req(self, rid: str) -> Req | None:
-        """The request in flight on this rank under ``rid``."""
-        ...
-
-    def enqueue(self, reqs: list[Req]) -> None:
-        """Requests join the back of the waiting queue (they are prefilled in turn)."""
-        ...
-
-    def take_waiting(self, leaves: Callable[[Req], bool]) -> list[Req]:
-        """Remove and return the waiting requests for which ``leaves`` is true, in queue order."""
-        ...
-
-    def num_waiting(self) -> int:
-        """Requests in the waiting queue (on a decode node: retracted ones, which go before new admissions)."""
-        ...
-
-    def prefilling_reqs(self) -> list[Req]:
-        """Requests whose prompt is not computed yet: the waiting queue, then the chunked request."""
-        ...
-
-    def running_reqs(self) -> list[Req]:
-        """Requests of the running (decode) batch."""
-        ...
-
-    def abort_request(self, rid: str, reason: str) -> None:
-        """A waiting request leaves at once; one in a batch finishes as ABORT at its next result."""
-        ...
+    intake: RequestIntake  # build_req (validate, register), find (a request in flight by rid)
+    out: OutputCollector  # error (answer a request not taken in), send_now (a role's own reports)
+    prefill: PrefillManager  # the waiting queue: enqueue, take_waiting, num_waiting, prefilling_reqs
+    decode: DecodeManager  # the running batch, and the speculator (P/D: what the drafter hands prefill -> decode)
 
     def add_prebuilt(self, reqs: list[Req], take_first_token: Callable[[Req], None]) -> None:
         """Requests whose prompt KV and first token were computed elsewhere join the running batch."""
@@ -100,6 +67,10 @@ class Engine(Protocol):
     def preempt_running(self, victims: list[Req], head: Req) -> None:
         """Priority preemption for ``head`` (a role's queued request): ``victims`` leave the running batch, their KV
         released (allocatable once no batch in flight can write it), and wait from the next step to recompute."""
+        ...
+
+    def abort_request(self, rid: str, reason: str) -> None:
+        """A waiting request leaves at once; one in a batch finishes as ABORT at its next result."""
         ...
 
     def finish_req(self, req: Req, release: bool = True) -> None:
@@ -125,7 +96,7 @@ class SchedulerRole(Protocol):
         ...
 
     def admit(self, msg: GenerateReqInput) -> None:
-        """Take a new request in: validate it (``Scheduler.build_req``) and put it where it waits first."""
+        """Take a new request in: validate it (``engine.intake.build_req``) and put it where it waits first."""
         ...
 
     def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
@@ -210,7 +181,7 @@ class LoopHooks:
 
 
 class ColocatedRole(LoopHooks):
-    """The colocated engine: requests wait in the scheduler's waiting queue; every loop hook is empty."""
+    """The colocated engine: requests wait in the prefill manager's waiting queue; every loop hook is empty."""
 
     def __init__(self, args: ServerArgs | None = None) -> None:
         self.engine: Engine | None = None
@@ -226,9 +197,9 @@ class ColocatedRole(LoopHooks):
 
     def admit(self, msg: GenerateReqInput) -> None:
         assert self.engine is not None
-        req = self.engine.build_req(msg)
+        req = self.engine.intake.build_req(msg)
         if req is not None:
-            self.engine.enqueue([req])
+            self.engine.prefill.enqueue([req])
 
     def abort(self, rid: str, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         assert self.engine is not None

@@ -315,7 +315,7 @@ class Engine:
     ) -> GenerateOutput | list[GenerateOutput]:
         """Run one prompt (returns one output) or a batch (returns a list), blocking until all finish.
         ``prior_output_len``: continue a migrated request whose last that many input ids are earlier outputs.
-        ``priority``: with --enable-priority-scheduling (see common.engine.schedule_order)."""
+        ``priority``: with --enable-priority-scheduling (see common.engine.schedule_policy)."""
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
         batched = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))

@@ -84,7 +84,7 @@ class ReuseSpy:
         self.violations: list[tuple[int, int, int]] = []  # (page, batch owed, newest result obtained)
         self.reused = 0
         alloc = sched.allocator
-        launch, process, free, take = sched.launch, sched.process_batch_result, alloc.free, alloc._take
+        launch, process, free, take = sched.worker.launch, sched.process_batch_result, alloc.free, alloc._take
 
         def spy_launch(batch: ScheduleBatch) -> Future[Any]:
             self.launched += 1
@@ -101,7 +101,7 @@ class ReuseSpy:
             return future
 
         def spy_process(batch: ScheduleBatch, result: Any) -> None:
-            self.in_flight_at_free = self.launched if sched.in_flight is not None else None
+            self.in_flight_at_free = self.launched if sched.worker.in_flight is not None else None
             try:
                 process(batch, result)
             finally:
@@ -124,7 +124,7 @@ class ReuseSpy:
                     self.violations.append((page, owed, self.obtained))
             return pages
 
-        sched.launch, sched.process_batch_result = spy_launch, spy_process
+        sched.worker.launch, sched.process_batch_result = spy_launch, spy_process
         alloc.free, alloc._take = spy_free, spy_take
 
 
@@ -170,7 +170,7 @@ def test_kv_pressure_reclaims_deferred_pages_before_retracting(engine_factory, m
     sched = engine.scheduler
     deferred_at_retract: list[int] = []
     reclaims: list[bool] = []
-    retract, reclaim = ScheduleBatch.retract_decode, sched.reclaim_deferred_pages
+    retract, reclaim = ScheduleBatch.retract_decode, sched.decode.reclaim_deferred_pages
 
     def spy_retract(batch: ScheduleBatch) -> Any:
         deferred_at_retract.append(batch.allocator.num_deferred_pages)
@@ -180,7 +180,7 @@ def test_kv_pressure_reclaims_deferred_pages_before_retracting(engine_factory, m
         reclaims.append(reclaim())
         return reclaims[-1]
 
-    sched.reclaim_deferred_pages = spy_reclaim
+    sched.decode.reclaim_deferred_pages = spy_reclaim
     admit_together(sched, 8)
     prompts = make_prompts(1000, [28, 56, 24, 36, 27, 51, 48, 50], seed=1)
     lengths = [30, 48, 40, 30, 40, 30, 30, 40]

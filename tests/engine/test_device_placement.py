@@ -14,6 +14,7 @@ import torch
 import common.engine.device as device_mod
 from common.app.cli import build_parser
 from common.app.placement import place_nodes, placement_lines
+from common.app.readiness import wait_nodes_serving
 from common.app.up import LocalCluster
 from common.config import ServerArgs
 from common.engine.device import CUDA_RESERVE_BYTES, gpu_id, kv_cache_bytes, rank_device
@@ -228,7 +229,7 @@ def test_up_reports_the_start_up_error_of_a_node(tmp_path) -> None:
     child = cluster._spawn("decode-0", args, port)
     try:
         with pytest.raises(RuntimeError, match=r"(?s)decode-0 exited with code [1-9].*--dist-init-addr"):
-            cluster._wait_nodes_serving([child], time.monotonic() + 120)
+            wait_nodes_serving([child], time.monotonic() + 120, cluster.node_tls)
     finally:
         cluster.stop()
 

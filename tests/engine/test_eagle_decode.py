@@ -120,11 +120,11 @@ def test_the_heads_state_follows_the_committed_tokens(tiny, monkeypatch) -> None
     try:
         sched.step([req])
         for _ in range(40):
-            live = [r for r in sched.running_batch.reqs if r.rid == "r" and r.req_pool_idx is not None
-                    and not r.finished()] if sched.running_batch else []
+            live = [r for r in sched.decode.running_batch.reqs if r.rid == "r" and r.req_pool_idx is not None
+                    and not r.finished()] if sched.decode.running_batch else []
             if live and live[0].output_ids:
                 r = live[0]
-                drafter = sched.speculator.drafter
+                drafter = sched.decode.speculator.drafter
                 ids, c = r.all_ids(), r.kv_committed_len
                 h = PagedHarness(target, page_size=16, num_pages=16)
                 h.add("x")
@@ -158,5 +158,5 @@ def test_retracted_requests_recompute_their_heads_state(tiny) -> None:
     small = {"max_total_tokens": 400, "page_size": 16, "together": True, "schedule_conservativeness": 0.05}
     plain, _ = run(tiny, reqs, **small)
     spec, sched = run(tiny, reqs, _eagle("EAGLE3", num_steps=2, eagle_topk=2, num_draft_tokens=4), **small)
-    assert sched.num_retracted > 0, "the KV budget was meant to force a retraction"
+    assert sched.decode.num_retracted > 0, "the KV budget was meant to force a retraction"
     assert spec.ids == plain.ids

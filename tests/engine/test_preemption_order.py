@@ -15,7 +15,7 @@ from common.engine.req import Req
 from common.engine.sampling.params import SamplingParams
 from decode_node.prealloc_queue import DecodePreallocQueue
 from kvtransfer.poll import KVPoll
-from tests.engine.test_schedule_policy import Driver, _ResolvedReceiver
+from tests.engine.scheduler_driver import Driver, ResolvedReceiver
 from tests.model_fixtures import make_tiny_model
 
 # Arrival order a < b < c < d; priorities mixed. The least urgent are a and c (0), the newest of them c: a victim
@@ -32,20 +32,20 @@ def _start(d: Driver, max_new_tokens: int) -> None:
     for i, (rid, priority) in enumerate(RUNNING):
         d.submit([(rid, [11 + i] * 20)], priority=priority, max_new_tokens=max_new_tokens)
     d.run(until=lambda: all(len(d.outs.get(rid, [])) >= 2 for rid, _ in RUNNING))
-    assert len(d.scheduler.running_batch.reqs) == len(RUNNING)
+    assert len(d.scheduler.decode.running_batch.reqs) == len(RUNNING)
 
 
 def test_colocated_preemption_takes_the_least_urgent_then_the_newest(llama) -> None:
     d = Driver(llama, enable_priority_scheduling=True, max_running_requests=len(RUNNING))
     s = d.scheduler
     victims: list[str] = []
-    retract = s.policy.retract
+    retract = s.prefill.policy.retract
 
     def recording(batch: Any, chosen: list[Req], head: Req) -> None:
         victims.extend(v.rid for v in chosen)
         retract(batch, chosen, head)
 
-    s.policy.retract = recording  # type: ignore[method-assign]
+    s.prefill.policy.retract = recording  # type: ignore[method-assign]
     try:
         _start(d, max_new_tokens=24)
         d.submit([("urgent", [7] * 20)], priority=100, max_new_tokens=4)  # a slot short: one victim
@@ -60,7 +60,7 @@ def _decode_queue(d: Driver) -> tuple[DecodePreallocQueue, list[Req]]:
     """The scheduler as a decode rank: its prealloc queue polled first in every step; every KV transfer resolved."""
     s = d.scheduler
     queue = DecodePreallocQueue(s, SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4)), 8,  # type: ignore[arg-type]
-                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), s.policy)  # type: ignore[arg-type]
+                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), s.prefill.policy)  # type: ignore[arg-type]
     admitted: list[Req] = []
     s.role.poll = lambda: admitted.extend(queue.pop_preallocated(0)[0])  # type: ignore[method-assign]
     return queue, admitted
@@ -68,7 +68,7 @@ def _decode_queue(d: Driver) -> tuple[DecodePreallocQueue, list[Req]]:
 
 def _arrive(queue: DecodePreallocQueue, rid: str, prompt_len: int, priority: int | None = None) -> Req:
     req = Req(rid, [7] * prompt_len, SamplingParams(max_new_tokens=4), priority=priority)
-    req.disagg_kv = _ResolvedReceiver()
+    req.disagg_kv = ResolvedReceiver()
     queue.queue.append(req)
     return req
 
@@ -114,7 +114,7 @@ def test_decode_admission_keeps_the_longest_remaining_generation_back(llama) -> 
         longest = 160 - len(d.outs["long"])
         budget = queue.allocatable_tokens(2)  # the long request and the newcomer
         # need = prompt + a page: within the budget with the reserve given back, short of it by half the reserve
-        head = _arrive(queue, "new", budget + longest // 2 - d.scheduler.page_size)
+        head = _arrive(queue, "new", budget + longest // 2 - d.scheduler.args.page_size)
         d.run(until=lambda: head in admitted or "long" in d.done)
         assert d.done == ["long"] and head not in admitted  # it waited for the long request ...
         d.run(until=lambda: head in admitted, max_steps=3)  # ... and then fit

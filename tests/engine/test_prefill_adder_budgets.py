@@ -1,6 +1,6 @@
 """``PrefillAdder``: each of its three budgets stops admission exactly at its boundary, for page sizes 1 and 16.
 
-Each case admits requests in order the way ``Scheduler.get_new_batch_prefill`` does (stop at the first result that
+Each case admits requests in order the way ``PrefillManager.next_batch`` does (stop at the first result that
 is not CONTINUE) and compares what was admitted (extend lengths), whether the last one became the chunked request,
 and the result that stopped admission. Each boundary has a pair of cases one token apart.
 """

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from common.config import ServerArgs
+from common.engine.priority import PriorityRules
 from common.engine.req import Req
 from common.engine.sampling.params import SamplingParams
-from common.engine.schedule_order import PriorityRules
 from decode_node.prealloc_queue import DecodePreallocQueue
 from decode_node.transfer_queue import DecodeTransferQueue
 from kvtransfer.poll import KVPoll
@@ -27,7 +27,8 @@ def order(on: bool) -> Any:
 
 @pytest.mark.parametrize("on", [True, False])
 def test_prealloc_queue_admits_most_urgent_first(on: bool) -> None:
-    engine: Any = SimpleNamespace(num_waiting=lambda: 0, prefilling_reqs=lambda: [])
+    engine: Any = SimpleNamespace(prefill=SimpleNamespace(num_waiting=lambda: 0, prefilling_reqs=lambda: []),
+                                  args=ServerArgs())
     polls: Any = SimpleNamespace(poll=lambda kv: KVPoll.Bootstrapping)  # nobody admissible: the order shows
     kv_manager: Any = SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4))
     q = DecodePreallocQueue(engine, kv_manager, 16, polls, PriorityRules(ServerArgs(enable_priority_scheduling=on)))

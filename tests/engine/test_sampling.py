@@ -1,4 +1,4 @@
-"""Sampling: parameter validation, the batched sampler, penalties, and stop conditions (CPU, no model)."""
+"""Sampling: parameter validation, the batched sampler and penalties (CPU, no model; stops: test_stop_conditions)."""
 
 from __future__ import annotations
 
@@ -6,43 +6,13 @@ import math
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from common.engine.req import FinishReason, Req
-from common.engine.sampling import sampler as sampler_module
+from common.engine.req import Req
 from common.engine.sampling.params import SamplingParams
 from common.engine.sampling.penalties import PenaltyState
-from common.engine.sampling.sampler import Sampler, SamplingBatchInfo, draw_in_window, top_k_sorted
-from common.engine.sampling.stop import check_finished, stop_prefix_holdback, trim_stop_string
+from common.engine.sampling.sampler import Sampler, SamplingBatchInfo
 from common.errors import InvalidRequestError
-
-V = 64
-EOS = 0
-
-
-def make_req(rid: str = "r", prompt: list[int] | None = None, **params: object) -> Req:
-    return Req(rid, prompt or [5, 6, 7], SamplingParams(**params), eos_token_ids=frozenset({EOS}))  # type: ignore[arg-type]
-
-
-def sample(reqs: list[Req], logits: torch.Tensor, sampler: Sampler | None = None) -> torch.Tensor:
-    info = SamplingBatchInfo.from_reqs(reqs, logits.shape[1], "cpu")
-    return (sampler or Sampler(seed=0))(logits, info).next_token_ids
-
-
-def empirical(
-    params: dict,
-    logits_row: torch.Tensor,
-    n: int = 20000,
-    prompt: list[int] | None = None,
-    output: list[int] | None = None,
-) -> torch.Tensor:
-    """Token frequencies over ``n`` unseeded draws of one request from a fixed logits row."""
-    r = make_req("e", prompt, **params)
-    r.output_ids = list(output or [])
-    reqs = [r] * n  # n rows of the same request: a batch of n independent draws
-    ids = sample(reqs, logits_row.expand(n, -1).clone(), Sampler(seed=1))
-    return torch.bincount(ids, minlength=logits_row.shape[0]).float() / n
-
+from tests.sampling_helpers import EOS, V, empirical, make_req, sample
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOG_PROBS = PROBS.log()
@@ -174,104 +144,6 @@ def test_min_p_filters_tokens_below_threshold() -> None:
     freq = empirical({"min_p": 0.2}, LOG_PROBS)  # threshold 0.2 * 0.5 = 0.1 removes token 3 only
     assert freq[3] == 0 and freq[2] > 0.1
     assert torch.allclose(freq[:3], PROBS[:3] / PROBS[:3].sum(), atol=0.015)
-
-
-# -- top-k without a full sort -----------------------------------------------------------------------------------------
-def _tied_probs(rows: int, vocab: int, seed: int) -> torch.Tensor:
-    """Rows of few distinct values (many ties, zeros included) next to plain random rows."""
-    g = torch.Generator().manual_seed(seed)
-    coarse = torch.randint(0, 4, (rows, vocab), generator=g).float()
-    probs = torch.cat([coarse, torch.rand(rows, vocab, generator=g)]).pow(3)
-    return probs / probs.sum(-1, keepdim=True)
-
-
-def test_top_k_sorted_is_the_stable_sort_cut_to_k() -> None:
-    """Ties inside the first k (kept in id order), ties at the k-th value (the lowest ids win), zeros and plain rows."""
-    g = torch.Generator().manual_seed(0)
-    tops = _tied_probs(8, 200, seed=0)
-    levels = torch.tensor([4.0, 4.0, 3.0, 3.0, 3.0, 2.5, 2.0, 2.0, 1.5, 1.2])  # > any rand(): a strict boundary at 10
-    for row in tops[:8]:
-        row[torch.randperm(200, generator=g)[:10]] = levels
-    probs = tops / tops.sum(-1, keepdim=True)
-    full_vals, full_ids = probs.sort(dim=-1, descending=True, stable=True)
-    for k in (1, 3, 5, 6, 7, 10, 40, 150):
-        for rows in (slice(None), slice(0, 8), slice(8, None)):  # all; the leveled rows; the plain random rows
-            vals, ids = top_k_sorted(probs[rows], k)
-            assert torch.equal(ids, full_ids[rows, :k]), (k, rows)
-            assert torch.equal(vals, full_vals[rows, :k]), (k, rows)
-
-
-def test_fast_top_k_draws_the_full_sort_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same batch through ``top_k_sorted`` and through the full sort: the same token on every row and step."""
-    vocab, g = 2048, torch.Generator().manual_seed(1)
-    kinds = [{"top_k": 5}, {"top_k": 40, "top_p": 0.7}, {"top_k": 12, "min_p": 0.05, "temperature": 0.7},
-             {"top_k": 64, "top_p": 0.95, "temperature": 1.3}, {"temperature": 0.0}]
-    reqs = [make_req(f"r{i}", seed=i if i % 3 else None, **kinds[i % len(kinds)]) for i in range(40)]
-    for step in range(8):
-        for r in reqs:
-            r.output_ids = [1] * step
-        if step % 2:  # coarse: ties at the k-th value (the full sort), else distinct values (k columns only)
-            logits = torch.randint(0, 6, (len(reqs), vocab), generator=g).float()
-        else:
-            logits = torch.randn(len(reqs), vocab, generator=g) * 3
-        fast = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
-        assert fast.sort_width == 64
-        with monkeypatch.context() as m:
-            m.setattr(sampler_module, "FAST_TOP_K_RATIO", vocab + 1)
-            full = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
-        assert full.sort_width == vocab
-        assert torch.equal(Sampler(seed=step)(logits, fast).next_token_ids,
-                           Sampler(seed=step)(logits, full).next_token_ids)
-
-
-def test_seeded_top_k_row_is_the_same_whichever_path_its_batch_takes() -> None:
-    """A seeded top-k row alone (k columns), beside a wider top-k (64 columns) and beside a row with no top-k
-    (full sort): the same tokens."""
-    vocab = 512
-    row = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 2
-    runs = []
-    for other in (None, {"top_k": 16}, {"top_p": 0.9}):
-        target = make_req("t", top_k=6, top_p=0.9, seed=77)
-        reqs = [target] + ([make_req("o", **other)] if other else [])
-        info = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
-        widths = {None: 6, "top_k": 16, "top_p": vocab}
-        assert info.sort_width == widths[next(iter(other)) if other else None]
-        for _ in range(30):
-            ids = Sampler(seed=len(runs))(torch.stack([row] * len(reqs)), info).next_token_ids
-            for r, t in zip(reqs, ids.tolist(), strict=True):
-                r.output_ids.append(t)
-            info.cumulate_output_tokens(ids)
-        runs.append(target.output_ids)
-    assert len(set(runs[0])) > 1 and runs[0] == runs[1] == runs[2]
-
-
-def test_window_draw_is_the_full_sort_draw(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches without top-k (plain, top-p, min-p rows; peaked and flat logits): the 256-token window gives the full
-    sort's token on every row, and on peaked logits it decides alone (no fallback)."""
-    vocab, g = 8192, torch.Generator().manual_seed(2)
-    kinds = [{"temperature": 0.7}, {"top_p": 0.9}, {"top_p": 0.5, "temperature": 1.3}, {"min_p": 0.05},
-             {"temperature": 1.0}, {"temperature": 0.0}]
-    reqs = [make_req(f"r{i}", seed=i if i % 2 else None, **kinds[i % len(kinds)]) for i in range(48)]
-    decided = 0
-    for step, scale in enumerate([8.0, 6.0, 0.3, 8.0, 1.0, 6.0]):
-        for r in reqs:
-            r.output_ids = [1] * step
-        logits = torch.randn(len(reqs), vocab, generator=g) * scale
-        window = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
-        assert window.window_width == 256
-        with monkeypatch.context() as m:
-            m.setattr(sampler_module, "SORT_WINDOW", vocab)
-            full = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
-        assert full.window_width == 0
-        assert torch.equal(Sampler(seed=step)(logits, window).next_token_ids,
-                           Sampler(seed=step)(logits, full).next_token_ids), step
-        rows = window.sampled_index
-        probs = torch.softmax(logits[rows] / window.temperatures.unsqueeze(1), dim=-1)
-        u = Sampler(seed=step)._uniforms(window, probs.device)
-        decided += draw_in_window(probs, window, u, 256) is not None
-        if scale == 0.3:  # flat: the draw's mass reaches past 256 tokens
-            assert draw_in_window(probs, window, u, 256) is None
-    assert decided >= 3  # the peaked steps
 
 
 # -- seeds -----------------------------------------------------------------------------------------------------------
@@ -459,102 +331,6 @@ def test_logprobs_are_of_raw_logits_for_requesting_rows() -> None:
     assert out.top_logprobs[1] == [] and out.top_logprobs[2] == []
     none = Sampler(seed=0)(logits, SamplingBatchInfo.from_reqs([reqs[1]] * 3, V, "cpu"))
     assert none.logprobs is None and none.top_logprobs is None
-
-
-# -- stop conditions -------------------------------------------------------------------------------------------------
-SENTENCES = [
-    "Hello world, this is a tiny corpus.",
-    "The quick brown fox jumps over the lazy dog.",
-    "Stop here. Then continue with the rest of the story.",
-    "café au lait and crème brûlée",
-] * 4
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(SENTENCES, trainer)
-    return tok
-
-
-def feed(req: Req, tokens: list[int], tokenizer: Tokenizer) -> int:
-    """Append tokens one at a time as the scheduler does; return how many were consumed before finishing."""
-    for n, t in enumerate(tokens, 1):
-        req.output_ids.append(t)
-        check_finished(req, t, tokenizer)
-        if req.finished():
-            return n
-    return len(tokens)
-
-
-def test_stop_string_split_across_tokens(tokenizer: Tokenizer) -> None:
-    first, second = tokenizer.encode("Hello wor").ids, tokenizer.encode("ld again").ids
-    r = make_req(stop=("world",), max_new_tokens=100)
-    consumed = feed(r, first + second + tokenizer.encode(" more").ids, tokenizer)
-    assert consumed == len(first) + 1  # finished on the token that completes "world", not before
-    assert r.finished_reason is not None and r.finished_reason.reason == FinishReason.STOP
-    assert r.finished_reason.matched == "world"
-    text = tokenizer.decode(r.output_ids)
-    assert text.startswith("Hello world") and trim_stop_string(text, ("world",)) == "Hello "
-
-
-def test_stop_string_split_inside_a_utf8_character(tokenizer: Tokenizer) -> None:
-    byte_tokens = [tokenizer.token_to_id(c) for c in "Ã©"]  # "é" as its two byte-level tokens
-    r = make_req(stop=("é!",))
-    consumed = feed(r, tokenizer.encode("caf").ids + byte_tokens + tokenizer.encode("!x").ids, tokenizer)
-    assert r.finished_reason is not None and r.finished_reason.matched == "é!"
-    assert tokenizer.decode(r.output_ids[:consumed]).endswith("café!")
-
-
-def test_stop_token_ids_eos_and_ignore_eos(tokenizer: Tokenizer) -> None:
-    r = make_req(max_new_tokens=10)
-    assert feed(r, [20, 21, EOS, 22], tokenizer) == 3
-    assert r.finished_reason is not None and r.finished_reason.reason == FinishReason.STOP
-    assert r.finished_reason.matched == EOS
-
-    r = make_req(max_new_tokens=10, ignore_eos=True, stop_token_ids=(30,))
-    assert feed(r, [20, EOS, 21, 30, 22], tokenizer) == 4  # EOS ignored, the explicit stop token is not
-    assert r.finished_reason is not None and r.finished_reason.matched == 30
-
-    r = make_req(max_new_tokens=10, min_new_tokens=3, stop_token_ids=(30,))
-    assert feed(r, [30, EOS, 30, 21], tokenizer) == 3  # stops honoured only from the 3rd token on
-
-
-def test_length_and_stop_precedence(tokenizer: Tokenizer) -> None:
-    r = make_req(max_new_tokens=3)
-    assert feed(r, [20, 21, 22, 23], tokenizer) == 3
-    assert r.finished_reason is not None and r.finished_reason.reason == FinishReason.LENGTH
-
-    r = make_req(max_new_tokens=2)
-    feed(r, [20, EOS], tokenizer)
-    assert r.finished_reason is not None and r.finished_reason.reason == FinishReason.STOP
-
-    r = make_req(max_new_tokens=5)
-    r.abort("client went away")
-    feed(r, [EOS], tokenizer)
-    assert r.finished_reason is not None and r.finished_reason.reason == FinishReason.ABORT
-
-
-def test_stop_string_not_matched_in_prompt(tokenizer: Tokenizer) -> None:
-    r = Req("p", tokenizer.encode("Hello world").ids, SamplingParams(stop=("world",)))
-    feed(r, tokenizer.encode(" again").ids, tokenizer)
-    assert not r.finished()
-
-
-def test_trim_stop_string_and_holdback() -> None:
-    assert trim_stop_string("abc STOP def END", ("END", "STOP")) == "abc "
-    assert trim_stop_string("no stop here", ("END",)) == "no stop here"
-    assert stop_prefix_holdback("hello ST", ("STOP",)) == 2
-    assert stop_prefix_holdback("hello", ("STOP",)) == 0
-    assert stop_prefix_holdback("a\n", ("\n\n", "xyz")) == 1
 
 
 def test_param_columns_are_reused_only_for_the_same_params() -> None:

@@ -1,6 +1,6 @@
-"""Waiting-queue policies (fcfs, lpm, dfs-weight, lof, random), in-batch prefix caching and priority scheduling with
-preemption: each policy's order on a constructed queue and radix tree, and on a real scheduler what each mechanism
-buys (cached tokens, prefill tokens computed) and that a preempted request resumes with identical output."""
+"""Waiting-queue policies (fcfs, lpm, dfs-weight, lof, random), in-batch prefix caching and priority classes: each
+policy's order on a constructed queue and radix tree, and on a real scheduler what each mechanism buys (cached tokens,
+prefill tokens computed). Preemption by priority: test_priority_preemption.py."""
 
 from __future__ import annotations
 
@@ -8,25 +8,19 @@ import random
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import torch
 
 from common.config import ServerArgs
-from common.engine.io_struct import GenerateReqInput, TokenOut
 from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.radix_cache import RadixCache
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.engine.req import Req
 from common.engine.sampling.params import SamplingParams
-from common.engine.schedule_order import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
-from common.engine.scheduler import Scheduler
+from common.engine.schedule_policy import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
 from common.errors import ConfigError, InvalidRequestError
-from common.text.tokenizer import load_tokenizer
-from tests.conftest import assert_pools_released
+from tests.engine.scheduler_driver import PS, Driver
 from tests.model_fixtures import make_tiny_model
-
-PS = 4
 
 
 def make_policy(policy: str = "fcfs", tree: bool = True, **kw: Any) -> SchedulePolicy:
@@ -164,55 +158,6 @@ def llama() -> Path:
     return make_tiny_model("llama")
 
 
-class Driver:
-    """A scheduler stepped by hand (no thread): every request of a ``submit`` arrives in the same step."""
-
-    def __init__(self, path: Path, **kw: Any) -> None:
-        kw = {"max_total_tokens": 4096, "page_size": PS, "disable_overlap_schedule": True, **kw}
-        self.outs: dict[str, list[int]] = {}
-        self.cached: dict[str, int] = {}
-        self.done: list[str] = []
-        self.errors: dict[str, str] = {}
-        self.scheduler = Scheduler(ServerArgs(model_path=str(path), **kw), str(path), load_tokenizer(str(path)),
-                                   self.sink)
-        self.forward_tokens = 0
-        run_batch = self.scheduler.run_batch
-
-        def counting(batch: Any) -> Any:
-            if batch.forward_mode.is_extend():
-                self.forward_tokens += sum(batch.extend_lens)
-            return run_batch(batch)
-
-        self.scheduler.run_batch = counting  # type: ignore[method-assign]
-
-    def sink(self, msgs: list[Any]) -> None:
-        for m in msgs:
-            if isinstance(m, TokenOut):
-                self.outs.setdefault(m.rid, []).extend(m.token_ids)
-                if m.finish_reason is not None:
-                    self.done.append(m.rid)
-                    self.cached[m.rid] = m.cached_tokens
-                    if m.error:
-                        self.errors[m.rid] = m.error
-
-    def submit(self, reqs: list[tuple[str, list[int]]], priority: int | None = None, **sp: Any) -> None:
-        params = msgspec.convert({"temperature": 0.0, "ignore_eos": True, **sp}, SamplingParams)
-        msgs = [GenerateReqInput(rid=rid, input_ids=ids, sampling_params=params, priority=priority)
-                for rid, ids in reqs]
-        self.scheduler.step(msgs)  # type: ignore[arg-type]
-
-    def run(self, until: Any = None, max_steps: int = 2000) -> None:
-        for _ in range(max_steps):
-            if (until is not None and until()) or (until is None and self.scheduler.is_idle()):
-                return
-            self.scheduler.step([])
-        raise AssertionError("scheduler did not get there within its step budget")
-
-    def close(self) -> None:
-        assert_pools_released(self)
-        self.scheduler.close()
-
-
 def shared_prefix_workload(systems: int, users: int, seed: int) -> list[tuple[str, list[int]]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, 1000) for _ in range(48)] for _ in range(systems)]
@@ -269,187 +214,6 @@ def test_n_choices_of_one_prompt_prefill_it_once_under_fcfs(llama) -> None:
         assert d.forward_tokens == 64 + 2 * PS, d.forward_tokens
         assert sorted(d.cached.values()) == [0, 64 - PS, 64 - PS]
         assert d.outs["c0"] == d.outs["c1"] == d.outs["c2"]  # greedy: the shared KV changes nothing
-    finally:
-        d.close()
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("seeded", [False, True])
-def test_high_priority_preempts_a_running_low_one_with_identical_outputs(llama, overlap, seeded) -> None:
-    rng = random.Random(9)
-    low, high = [rng.randrange(10, 1000) for _ in range(30)], [rng.randrange(10, 1000) for _ in range(20)]
-    sp: dict[str, Any] = {"max_new_tokens": 24}
-    if seeded:
-        sp.update(temperature=1.0, seed=7)
-    flags = {"enable_priority_scheduling": True, "max_running_requests": 1,
-             "disable_overlap_schedule": not overlap, "enable_overlap_schedule": overlap}
-    alone = Driver(llama, **flags)
-    try:
-        alone.submit([("low", low)], priority=0, **sp)
-        alone.run()
-        alone.submit([("high", high)], priority=100, **sp)
-        alone.run()
-    finally:
-        alone.close()
-    d = Driver(llama, **flags)
-    try:
-        d.submit([("low", low)], priority=0, **sp)
-        d.run(until=lambda: len(d.outs.get("low", [])) >= 5)
-        d.submit([("high", high)], priority=100, **sp)
-        d.run()
-        assert d.scheduler.policy.num_preempted == 1
-        assert d.done == ["high", "low"], "the urgent request did not run first"
-        assert not d.errors
-        assert d.outs == alone.outs
-        load = d.scheduler.get_load()
-        assert load.preemptions == 1 and load.queue_by_priority["waiting"] == {}
-    finally:
-        d.close()
-
-
-class _ResolvedReceiver:
-    """A decode node's ``KVReceiver`` with its prefill peer resolved: records the pages it would announce."""
-
-    def __init__(self) -> None:
-        self.pages: list[int] | None = None
-
-    def send_metadata(self, pages: list[int], metadata_slot: int) -> None:
-        self.pages = pages
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_decode_prealloc_head_preempts_running_low_ones_with_identical_outputs(llama, overlap) -> None:
-    """P/D: a decode node's urgent request that does not fit its KV preempts running requests it beats (least urgent
-    and newest first, as many as its prompt needs); they recompute later and end with the tokens of a run without
-    the urgent one. The scheduler runs as a decode rank would: its prealloc queue is polled first in every step."""
-    from types import SimpleNamespace
-
-    from decode_node.prealloc_queue import DecodePreallocQueue
-    from kvtransfer.poll import KVPoll
-
-    rng = random.Random(5)
-    lows = [(f"low{i}", [rng.randrange(10, 1000) for _ in range(40)]) for i in range(3)]
-    flags = {"enable_priority_scheduling": True, "max_total_tokens": 320, "disable_radix_cache": True,
-             "disable_overlap_schedule": not overlap, "enable_overlap_schedule": overlap}
-    alone = Driver(llama, **flags)
-    try:
-        alone.submit(lows, priority=0, max_new_tokens=24)
-        alone.run()
-    finally:
-        alone.close()
-    d = Driver(llama, **flags)
-    s = d.scheduler
-    rules = s.policy
-    queue = DecodePreallocQueue(s, SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4)), 8,  # type: ignore[arg-type]
-                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), rules)  # type: ignore[arg-type]
-    admitted: list[Req] = []
-
-    def poll() -> None:  # the decode role's hook: the prealloc queue first in every step
-        got, failed = queue.pop_preallocated(0)
-        assert not failed
-        for req in got:  # its KV would now arrive from the prefill node; this test only needs the admission
-            admitted.append(req)
-            s.tree_cache.cache_finished_req(req)
-            req.req_pool_idx = None
-
-    s.role.poll = poll  # type: ignore[method-assign]
-    try:
-        d.submit(lows, priority=0, max_new_tokens=24)
-        d.run(until=lambda: all(len(d.outs.get(rid, [])) >= 4 for rid, _ in lows))
-        running = len(s.running_batch.reqs)
-        budget = queue.allocatable_tokens(running + 1)
-        assert queue.preempt_priority() == 10  # what the router is told: priority > 0 + the threshold preempts
-        # short of the budget by more than the few tokens the running requests' shrinking reservation gives back
-        # while the head waits, and by less than one victim's pages
-        head = Req("urgent", [7] * (budget - PS + 12), SamplingParams(max_new_tokens=4), priority=100)
-        head.disagg_kv = _ResolvedReceiver()
-        queue.queue.append(head)
-        d.run(until=lambda: admitted == [head], max_steps=6)
-        assert rules.num_preempted == 1, "one victim frees enough for the head"
-        d.run()
-        assert d.done[-1] == "low2", "the newest low request was the one preempted and recomputed"
-        assert not d.errors and d.outs == alone.outs
-        assert head.disagg_kv.pages is not None and len(head.disagg_kv.pages) == -(-len(head.origin_input_ids) // PS)
-    finally:
-        d.close()
-
-
-def test_decode_prealloc_preempts_once_per_urgent_request_when_slot_bound(llama) -> None:
-    """Request slots, not KV, are short: each urgent request retracts one running request, and the slot it frees is
-    the urgent request's at the next poll (a request retracted earlier, waiting to recompute, does not take it)."""
-    from types import SimpleNamespace
-
-    from decode_node.prealloc_queue import DecodePreallocQueue
-    from kvtransfer.poll import KVPoll
-
-    rng = random.Random(6)
-    lows = [(f"low{i}", [rng.randrange(10, 1000) for _ in range(40)]) for i in range(4)]
-    d = Driver(llama, enable_priority_scheduling=True, disable_radix_cache=True, max_running_requests=4)
-    s = d.scheduler
-    queue = DecodePreallocQueue(s, SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4)), 8,  # type: ignore[arg-type]
-                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), s.policy)  # type: ignore[arg-type]
-    admitted: list[Req] = []
-    s.role.poll = lambda: admitted.extend(queue.pop_preallocated(0)[0])  # type: ignore[method-assign]
-    try:
-        d.submit(lows, priority=0, max_new_tokens=40)
-        d.run(until=lambda: all(len(d.outs.get(rid, [])) >= 4 for rid, _ in lows))
-        for k in range(3):  # the first takes the one free slot; each later one needs a victim
-            head = Req(f"urgent{k}", [7] * 16, SamplingParams(max_new_tokens=4), priority=100)
-            head.disagg_kv = _ResolvedReceiver()
-            queue.queue.append(head)
-            d.run(until=lambda head=head: head in admitted, max_steps=3)
-        assert s.policy.num_preempted == 2
-    finally:
-        for req in admitted:  # the urgent requests' KV never arrives here: give their slots and pages back
-            s.tree_cache.cache_finished_req(req)
-            req.req_pool_idx = None
-        d.run()
-        d.close()
-
-
-def test_decode_prealloc_does_not_preempt_within_the_threshold(llama) -> None:
-    from types import SimpleNamespace
-
-    from decode_node.prealloc_queue import DecodePreallocQueue
-    from kvtransfer.poll import KVPoll
-
-    d = Driver(llama, enable_priority_scheduling=True, max_total_tokens=320, disable_radix_cache=True)
-    s = d.scheduler
-    queue = DecodePreallocQueue(s, SimpleNamespace(args=SimpleNamespace(num_metadata_slots=4)), 8,  # type: ignore[arg-type]
-                                SimpleNamespace(poll=lambda kv: KVPoll.WaitingForInput), s.policy)  # type: ignore[arg-type]
-    try:
-        d.submit([("low", [11] * 40)], priority=0, max_new_tokens=12)
-        d.run(until=lambda: len(d.outs.get("low", [])) >= 3)
-        head = Req("near", [7] * (queue.allocatable_tokens(2) - PS + 1), SamplingParams(), priority=10)
-        head.disagg_kv = _ResolvedReceiver()
-        queue.queue.append(head)
-        assert queue.pop_preallocated(0) == ([], []) and s.policy.num_preempted == 0 and not s.preempted
-        assert queue.preempt_priority() == 10 and not head.priority > 10
-        queue.queue.clear()
-        d.run()
-    finally:
-        d.close()
-
-
-def test_priority_within_the_threshold_does_not_preempt(llama) -> None:
-    d = Driver(llama, enable_priority_scheduling=True, max_running_requests=1,
-               priority_scheduling_preemption_threshold=10)
-    try:
-        d.submit([("low", [11] * 20)], priority=0, max_new_tokens=12)
-        d.run(until=lambda: len(d.outs.get("low", [])) >= 3)
-        d.submit([("high", [12] * 20)], priority=10, max_new_tokens=4)
-        d.run()
-        assert d.scheduler.policy.num_preempted == 0
-        assert d.done == ["low", "high"]
-    finally:
-        d.close()
-
-
-def test_priority_without_priority_scheduling_fails_the_request(llama) -> None:
-    d = Driver(llama)
-    try:
-        d.submit([("r", [11] * 8)], priority=1, max_new_tokens=2)
-        assert "--enable-priority-scheduling" in d.errors["r"]
     finally:
         d.close()
 

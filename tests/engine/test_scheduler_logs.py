@@ -132,9 +132,9 @@ def test_retractions_are_reported_per_interval(engine_factory, llama, caplog) ->
     engine = engine_factory(llama, max_total_tokens=400, page_size=1, disable_radix_cache=True, decode_log_interval=1)
     engine.generate(input_ids=prompts, sampling_params=greedy(48))
     prefill, decode = lines(caplog)
-    assert engine.scheduler.num_retracted > 0, "the KV budget was meant to force a retraction"
-    assert sum(r["retracted"] or 0 for r in decode) == engine.scheduler.num_retracted
-    assert sum(r["new_seq"] or 0 for r in prefill) == len(prompts) + engine.scheduler.num_retracted
+    assert engine.scheduler.decode.num_retracted > 0, "the KV budget was meant to force a retraction"
+    assert sum(r["retracted"] or 0 for r in decode) == engine.scheduler.decode.num_retracted
+    assert sum(r["new_seq"] or 0 for r in prefill) == len(prompts) + engine.scheduler.decode.num_retracted
     assert all(r["throughput"] is not None and r["throughput"] > 0 for r in decode)
     assert max(r["running"] or 0 for r in decode) > 1
 

@@ -66,15 +66,15 @@ def test_mixed_chunk_advances_decodes_in_the_prefill_chunks_forward(make_schedul
     sched = make_scheduler(page_size=4, chunked_prefill_size=16, enable_mixed_chunk=True)
     sched.step([GenerateReqInput(rid="dec", input_ids=prompt(8, 1), sampling_params=greedy(30))])
     sched.step([])
-    dec = sched.reqs_by_rid["dec"]
-    assert sched.last_batch is not None and sched.last_batch.forward_mode == ForwardMode.DECODE
+    dec = sched.intake.reqs_by_rid["dec"]
+    assert sched.decode.last_batch is not None and sched.decode.last_batch.forward_mode == ForwardMode.DECODE
     sched.step([GenerateReqInput(rid="long", input_ids=prompt(60, 2), sampling_params=greedy(4))])
-    long = sched.reqs_by_rid["long"]
+    long = sched.intake.reqs_by_rid["long"]
     mixed_steps = 0
     for _ in range(4):  # 60 prompt tokens in chunks of 16 (minus the mixed decode's token): four chunks
         before_out, before_kv = len(dec.output_ids), long.kv_committed_len
         sched.step([])
-        batch = sched.last_batch
+        batch = sched.decode.last_batch
         assert batch is not None
         if long.kv_committed_len > before_kv:  # a chunk of the long prompt ran in this step
             assert batch.forward_mode == ForwardMode.MIXED, (
@@ -87,17 +87,17 @@ def test_mixed_chunk_advances_decodes_in_the_prefill_chunks_forward(make_schedul
 
 def test_new_token_ratio_decays_per_decode_step_to_its_floor(make_scheduler) -> None:
     sched = make_scheduler(page_size=1)
-    init, decay, floor = sched.init_new_token_ratio, sched.new_token_ratio_decay, sched.min_new_token_ratio
+    init, decay, floor = sched.prefill.init_new_token_ratio, sched.prefill.new_token_ratio_decay, sched.prefill.min_new_token_ratio
     assert init > floor > 0 and decay > 0
     sched.step([GenerateReqInput(rid="a", input_ids=prompt(10, 3), sampling_params=greedy(40))])
-    assert sched.new_token_ratio == init  # a prefill step does not decay it
+    assert sched.prefill.new_token_ratio == init  # a prefill step does not decay it
     for n in range(1, 30):
         sched.step([])
-        assert sched.last_batch is not None and sched.last_batch.forward_mode == ForwardMode.DECODE
-        assert sched.new_token_ratio == pytest.approx(init - n * decay), f"after {n} decode steps"
-    sched.new_token_ratio = floor + decay / 2
+        assert sched.decode.last_batch is not None and sched.decode.last_batch.forward_mode == ForwardMode.DECODE
+        assert sched.prefill.new_token_ratio == pytest.approx(init - n * decay), f"after {n} decode steps"
+    sched.prefill.new_token_ratio = floor + decay / 2
     sched.step([])
-    assert sched.new_token_ratio == floor  # never below the floor
+    assert sched.prefill.new_token_ratio == floor  # never below the floor
 
 
 def test_new_token_ratio_jumps_on_retraction(make_scheduler) -> None:
@@ -108,15 +108,15 @@ def test_new_token_ratio_jumps_on_retraction(make_scheduler) -> None:
     for _ in range(MAX_STEPS):
         if sched.is_idle():
             break
-        before_ratio, before_retracted = sched.new_token_ratio, sched.num_retracted
+        before_ratio, before_retracted = sched.prefill.new_token_ratio, sched.decode.num_retracted
         sched.step([])
-        if sched.num_retracted > before_retracted:
-            jumps.append((before_ratio, sched.new_token_ratio))
-        elif sched.last_batch is not None and sched.last_batch.forward_mode == ForwardMode.DECODE:
-            assert sched.new_token_ratio <= before_ratio  # only a retraction raises it
+        if sched.decode.num_retracted > before_retracted:
+            jumps.append((before_ratio, sched.prefill.new_token_ratio))
+        elif sched.decode.last_batch is not None and sched.decode.last_batch.forward_mode == ForwardMode.DECODE:
+            assert sched.prefill.new_token_ratio <= before_ratio  # only a retraction raises it
     assert jumps, "the KV budget was meant to force a retraction"
     for before, after in jumps:
-        assert after > before + 10 * sched.new_token_ratio_decay, f"retraction moved the ratio {before} -> {after}"
+        assert after > before + 10 * sched.prefill.new_token_ratio_decay, f"retraction moved the ratio {before} -> {after}"
 
 
 @pytest.mark.parametrize(("ratio", "admitted"), [(0.9, False), (0.2, True)])
@@ -126,8 +126,8 @@ def test_prefill_admission_reserves_new_token_ratio_of_running_requests(make_sch
     sched = make_scheduler(page_size=1, max_total_tokens=1000, max_prefill_tokens=1000, chunked_prefill_size=-1)
     sched.step([GenerateReqInput(rid="run", input_ids=prompt(10, 4), sampling_params=greedy(800))])
     sched.step([])
-    assert sched.last_batch is not None and sched.last_batch.forward_mode == ForwardMode.DECODE
-    run = sched.reqs_by_rid["run"]
+    assert sched.decode.last_batch is not None and sched.decode.last_batch.forward_mode == ForwardMode.DECODE
+    run = sched.intake.reqs_by_rid["run"]
     free = sched.allocator.available_size() + sched.tree_cache.evictable_size()
     need = 300 + 20  # the waiting request's prompt + max_new_tokens
 
@@ -135,13 +135,13 @@ def test_prefill_admission_reserves_new_token_ratio_of_running_requests(make_sch
         return need < free - 1 - (int((800 - len(run.output_ids) - 1) * r) + 1)
 
     assert fits(ratio) == admitted
-    sched.new_token_ratio = ratio
+    sched.prefill.new_token_ratio = ratio
     sched.step([GenerateReqInput(rid="wait", input_ids=prompt(300, 5), sampling_params=greedy(20))])
-    assert sched.last_batch is not None
+    assert sched.decode.last_batch is not None
     if admitted:
-        assert sched.waiting_queue == [], f"held at ratio {ratio} although its reservation leaves room"
-        assert sched.last_batch.forward_mode == ForwardMode.EXTEND
+        assert sched.prefill.waiting_queue == [], f"held at ratio {ratio} although its reservation leaves room"
+        assert sched.decode.last_batch.forward_mode == ForwardMode.EXTEND
     else:
-        assert [r.rid for r in sched.waiting_queue] == ["wait"], f"admitted at ratio {ratio} beyond the reservation"
-        assert sched.last_batch.forward_mode == ForwardMode.DECODE
+        assert [r.rid for r in sched.prefill.waiting_queue] == ["wait"], f"admitted at ratio {ratio} beyond the reservation"
+        assert sched.decode.last_batch.forward_mode == ForwardMode.DECODE
     sched.abort_request("run", "test done")

@@ -67,7 +67,7 @@ def run(model: str, reqs: list[GenerateReqInput], spec: dict[str, Any] | None = 
             assert time.monotonic() < deadline, "the scheduler did not finish in 120 s"
             sched.step([])
         assert_scheduler_pools_released(sched)
-        drafter = sched.speculator.drafter if sched.speculator is not None else None
+        drafter = sched.decode.speculator.drafter if sched.decode.speculator is not None else None
         if hasattr(drafter, "allocator"):  # STANDALONE: its own pool, freed with each request
             assert drafter.allocator.available_size() == drafter.allocator.size
     finally:
@@ -126,7 +126,7 @@ def test_retracted_requests_recompute_and_keep_their_output(copy_model, copy_req
     small = {"max_total_tokens": 400, "page_size": 16, "together": True, "schedule_conservativeness": 0.05}
     plain, _ = run(copy_model, reqs, **small)
     spec, sched = run(copy_model, reqs, NGRAM, **small)
-    assert sched.num_retracted > 0, "the KV budget was meant to force a retraction"
+    assert sched.decode.num_retracted > 0, "the KV budget was meant to force a retraction"
     assert spec.ids == plain.ids
 
 

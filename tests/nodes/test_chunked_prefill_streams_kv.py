@@ -47,12 +47,12 @@ def test_decode_holds_the_first_chunks_kv_before_the_last_chunk_runs(pd_bootstra
         deadline = time.monotonic() + DEADLINE_S
         # Run the prefill node until its second chunk has run: the first chunk's pages were handed to the transfer
         # when the second was scheduled; three chunks are still to come.
-        while (p_req := prefill.reqs_by_rid.get("long")) is None or p_req.kv_committed_len < 2 * CHUNK:
+        while (p_req := prefill.intake.reqs_by_rid.get("long")) is None or p_req.kv_committed_len < 2 * CHUNK:
             assert time.monotonic() < deadline, "the prefill node did not run two chunks"
             decode.step([])
             prefill.step([])
         assert p_req.kv_committed_len == 2 * CHUNK and p_req.output_ids == []
-        d_req = decode.reqs_by_rid["long"]
+        d_req = decode.intake.reqs_by_rid["long"]
         expected = kv_of(prefill, p_req, CHUNK)
         first_chunk_deadline = time.monotonic() + FIRST_CHUNK_S
         assert all(t.abs().sum() > 0 for t in expected)  # the decode pool starts zeroed

@@ -60,7 +60,7 @@ def queue(sched) -> Iterator[DecodePreallocQueue]:
                             ResolvedPeers())  # type: ignore[arg-type]
     q.made = []  # type: ignore[attr-defined]
     yield q
-    sched.waiting_queue.clear()
+    sched.prefill.waiting_queue.clear()
     release(sched, [r for r in q.made if r.req_pool_idx is not None])  # type: ignore[attr-defined]
     assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
     assert sched.allocator.available_size() == sched.allocator.size
@@ -119,13 +119,13 @@ def test_prealloc_counts_each_admitted_request_as_active(sched, queue) -> None:
 def test_prealloc_waits_for_retracted_requests_to_come_back_first(sched, queue) -> None:
     retracted = request(queue, "retracted", 32)
     retracted.is_retracted = True
-    sched.waiting_queue.append(retracted)  # a retracted decode request waits to be recomputed
+    sched.prefill.waiting_queue.append(retracted)  # a retracted decode request waits to be recomputed
     new = request(queue, "new", 32)
     queue.queue.append(new)
     admitted, failed = queue.pop_preallocated(0)
     assert admitted == [] and failed == [] and queue.queue == [new], (
         "a new request took KV memory while a retracted one was still waiting for it")
-    sched.waiting_queue.clear()  # the retracted request is back in the running batch
+    sched.prefill.waiting_queue.clear()  # the retracted request is back in the running batch
     admitted, _ = queue.pop_preallocated(0)
     assert admitted == [new]
 

@@ -114,7 +114,7 @@ def idle(prefill: Scheduler, decode: Scheduler) -> Callable[[], bool]:
 
 
 def running(decode: Scheduler, min_outputs: int = 1) -> dict[str, Any]:
-    return {r.rid: r for r in decode.running_batch.reqs if len(r.output_ids) >= min_outputs and not r.finished()}
+    return {r.rid: r for r in decode.decode.running_batch.reqs if len(r.output_ids) >= min_outputs and not r.finished()}
 
 
 def assert_shared(decode: Scheduler, reqs: list[Any], recomputed: bool = False) -> None:
@@ -197,7 +197,7 @@ def test_retracted_choices_recompute_against_the_held_pages(setup, monkeypatch) 
             return prefill.is_idle() and decode.is_idle()
 
         drive(prefill, decode, check)
-        assert decode.policy.num_preempted == 2 and seen_rematch
+        assert decode.prefill.policy.num_preempted == 2 and seen_rematch
         fin = finals(out)
         assert all(f.finish_reason == "length" for f in fin.values()), fin
         assert tokens_of(out) == setup["expected"]

@@ -78,14 +78,14 @@ def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatc
         prefill.step(msgs)
         drive(prefill, decode, lambda: len(running(decode, 5)) == 2)
         extends: list[tuple[str, int]] = []
-        launch = decode.worker_batch
+        launch = decode.worker.worker_batch
 
         def record(batch: Any) -> Any:
             if batch.forward_mode == ForwardMode.EXTEND:
                 extends.extend((r.rid, n) for r, n in zip(batch.reqs, batch.extend_lens, strict=True))
             return launch(batch)
 
-        monkeypatch.setattr(decode, "worker_batch", record)
+        monkeypatch.setattr(decode.worker, "worker_batch", record)
         live = running(decode)
         decode.preempt_running([live["r-0"]], live["r-1"])
         try:

@@ -73,7 +73,7 @@ def test_pd_roles_match_colocated_through_chunk_aborts_and_internal_errors(
         aborted_mid_chunk = False
         while not (prefill.is_idle() and decode.is_idle()):
             assert time.monotonic() < deadline, "the PD pair did not finish in 120 s"
-            chunked = prefill.chunked_req
+            chunked = prefill.prefill.chunked_req
             abort = [] if aborted_mid_chunk or chunked is None or chunked.rid != "abort" else [
                 AbortReq(rid="abort", reason="client went away")]
             aborted_mid_chunk |= bool(abort)
@@ -120,13 +120,14 @@ def test_a_transferred_requests_first_token_goes_out_before_the_decode_step_it_j
     decode = Scheduler(dargs, model, tokenizer,
                        lambda msgs: log.append(("out", {m.rid for m in msgs if isinstance(m, TokenOut) and m.token_ids})),
                        role=DecodeRole(dargs))
-    forward = decode.launch if overlap else decode.run_batch
+    owner, name = (decode.worker, "launch") if overlap else (decode, "run_batch")
+    forward = getattr(owner, name)
 
     def logged(batch: Any) -> Any:
         log.append(("forward", {r.rid for r in batch.reqs}))
         return forward(batch)
 
-    monkeypatch.setattr(decode, "launch" if overlap else "run_batch", logged)
+    monkeypatch.setattr(owner, name, logged)
     try:
         msgs = [GenerateReqInput(rid=f"r{i}", input_ids=[(5 * i + j) % 900 + 10 for j in range(9 + 7 * i)],
                                  sampling_params=greedy(4), bootstrap_room=2000 + i, bootstrap_addr=f"127.0.0.1:{port}")

@@ -69,13 +69,13 @@ def serve_pd(setup: dict[str, Any], monkeypatch, spec: dict[str, Any], page_size
             assert time.monotonic() < deadline, "P/D pair did not finish in 120 s"
             prefill.step([])
             decode.step([])
-            live = {r.rid: r for r in decode.running_batch.reqs if not r.finished()}
+            live = {r.rid: r for r in decode.decode.running_batch.reqs if not r.finished()}
             if not retracted and "noisy" in live and len(live["noisy"].output_ids) >= 12 and "fresh" in live:
                 decode.preempt_running([live["noisy"]], live["fresh"])  # recomputed on the decode node
                 retracted = True
-        assert retracted and decode.policy.num_preempted == (1 if retract else 0)
+        assert retracted and decode.prefill.policy.num_preempted == (1 if retract else 0)
         assert_scheduler_pools_released(prefill, decode)
-        drafter = decode.speculator.drafter if decode.speculator is not None else None
+        drafter = decode.decode.speculator.drafter if decode.decode.speculator is not None else None
         if hasattr(drafter, "allocator"):
             assert drafter.allocator.available_size() == drafter.allocator.size
     finally:

@@ -36,18 +36,18 @@ def test_admission_counts_request_slots_held_outside_the_running_batch(llama) ->
         sched.process_input_requests([GenerateReqInput(
             rid=f"r{i}", input_ids=[1 + i, 2, 3, 4, 5], sampling_params=SamplingParams(max_new_tokens=1),
         )])
-    batch = sched.get_new_batch_prefill()  # raised "out of request slots" before slots were counted
+    batch = sched.prefill.next_batch(sched.decode.running_batch)  # raised "out of request slots" before slots were counted
     assert batch is not None and len(batch.reqs) == 2
-    assert pool.available_size() == 0 and len(sched.waiting_queue) == 2
-    assert sched.running_batch.batch_is_full
-    assert sched.get_new_batch_prefill() is None  # the queue waits; nothing raises
+    assert pool.available_size() == 0 and len(sched.prefill.waiting_queue) == 2
+    assert sched.decode.running_batch.batch_is_full
+    assert sched.prefill.next_batch(sched.decode.running_batch) is None  # the queue waits; nothing raises
     for req in batch.reqs:
         req.output_ids.append(7)
         req.abort("test")
         sched.finish_req(req)
     pool.free(held)
-    batch = sched.get_new_batch_prefill()
-    assert batch is not None and len(batch.reqs) == 2 and not sched.waiting_queue
+    batch = sched.prefill.next_batch(sched.decode.running_batch)
+    assert batch is not None and len(batch.reqs) == 2 and not sched.prefill.waiting_queue
     for req in batch.reqs:
         req.output_ids.append(7)
         req.abort("test")

@@ -12,8 +12,8 @@ Lifecycle of a grammar request on one scheduler rank::
                   outputs into it)
     each step:    SamplingBatchInfo.from_reqs fills one bitmask row per grammar row (host, scheduler thread);
                   the sampler masks those rows' scores (device, outside any CUDA graph)
-    each token:   ``RequestGrammar.accept`` (scheduler_output.append_token; the decode node with the prefill
-                  node's first token); the request stops when the grammar is complete, and ends as a dead end
+    each token:   ``RequestGrammar.accept`` (``Req.take_token``: a step's token, the decode node's first token
+                  from the prefill node); the request stops when the grammar is complete, and ends as a dead end
                   (never garbage) when no token may continue it.
 
 Every TP rank runs the same matchers on the same tokens: their masks are identical.
@@ -31,9 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.engine.req import Finished, FinishReason, Req
 from common.engine.sampling.grammar_pool import Compiled, GrammarCompileAborted, GrammarCompilePool
-from common.errors import ErrorCode
 from common.text.fast_tokenizer import FastTokenizer
 
 if TYPE_CHECKING:
@@ -154,25 +152,10 @@ class RequestGrammar:
         """The grammar is complete and its stop token was accepted: nothing may follow."""
         return bool(self.matcher.is_terminated())
 
-
-def dead_end_message(kind: str, n_tokens: int) -> str:
-    return (f"the {kind} grammar reached a dead end after {n_tokens} output tokens: no token may continue it under "
-            "the request's other constraints (min_new_tokens, stop_token_ids); relax them or the grammar")
-
-
-def accept_grammar_token(req: Req, token: int) -> bool:
-    """Advance the request's grammar over ``token`` (before it is appended to its output). A token the grammar
-    refuses (drawn only when no token may continue it) is dropped and the request ends as a dead end."""
-    if req.grammar is None or req.grammar.accept(token):
-        return True
-    req.abort(dead_end_message(req.grammar.kind, len(req.generated_ids())), ErrorCode.INVALID_ARGUMENT)
-    return False
-
-
-def finish_on_grammar(req: Req, token: int) -> None:
-    """A complete grammar ends the request even where its stop token would not (``ignore_eos``)."""
-    if req.grammar is not None and not req.finished() and req.grammar.is_terminated():
-        req.finished_reason = Finished(FinishReason.STOP, matched=token)
+    def dead_end_message(self, n_tokens: int) -> str:
+        """Why a request whose grammar refused its token after ``n_tokens`` outputs ends (INVALID_ARGUMENT)."""
+        return (f"the {self.kind} grammar reached a dead end after {n_tokens} output tokens: no token may continue it "
+                "under the request's other constraints (min_new_tokens, stop_token_ids); relax them or the grammar")
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

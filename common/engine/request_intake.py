@@ -1,7 +1,8 @@
-"""Taking a request in on a rank: what makes it servable here (vocabulary, context, KV capacity), the ``Req`` it
-becomes (``max_new_tokens`` clamped to the context), and its registration under its rid. The scheduler and the
-roles' first queues (bootstrap, prealloc) all take requests in through ``RequestIntake.build_req``; a request with a
-grammar first waits in the grammar queue (``hold_for_grammar``) until every rank has compiled its grammar.
+"""``RequestIntake``: taking a request in on a rank — what makes it servable here (vocabulary, context, KV
+capacity), the ``Req`` it becomes (``max_new_tokens`` clamped to the context), and its registration under its rid
+until it finishes (``reqs_by_rid``). The roles' first queues (bootstrap, prealloc, the colocated waiting queue) all
+take requests in through ``RequestIntake.build_req``; a request with a grammar first waits in the grammar queue
+(``hold_for_grammar``) until every rank has compiled its grammar.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ logger = logging.getLogger(__name__)
 
 class RequestIntake:
     def __init__(self, model_config: ModelConfig, max_total_num_tokens: int, out: OutputCollector,
-                 reqs_by_rid: dict[str, Req], request_log_level: int,
+                 request_log_level: int,
                  resolve_priority: Callable[[int | None], int],
                  grammar_matcher: Callable[[tuple[str, str]], Any] | None = None) -> None:
         self.model_config = model_config
         self.max_total_num_tokens = max_total_num_tokens
         self.out = out
-        self.reqs_by_rid = reqs_by_rid  # the scheduler's: a request is in flight from here to its finish
+        self.reqs_by_rid: dict[str, Req] = {}  # a request is in flight from ``build_req`` to ``Scheduler.finish_req``
         self.request_log_level = request_log_level
         # The priority a request runs with; raises InvalidRequestError for one this node does not schedule by
         # (``SchedulePolicy.resolve_priority``).
@@ -42,6 +43,10 @@ class RequestIntake:
         # A fresh matcher (``common.engine.sampling.grammar.RequestGrammar``) over a compiled grammar key; the
         # scheduler holds a request with a grammar in its grammar queue until the key is compiled.
         self.grammar_matcher = grammar_matcher
+
+    def find(self, rid: str) -> Req | None:
+        """The request in flight on this rank under ``rid``."""
+        return self.reqs_by_rid.get(rid)
 
     def validate(self, msg: GenerateReqInput) -> None:
         """Raise a typed error saying what to fix if the request can never be served here."""
@@ -81,6 +86,7 @@ class RequestIntake:
             self.out.error(msg.rid, refused, ErrorCode.INVALID_ARGUMENT)
 
     def build_req(self, msg: GenerateReqInput) -> Req | None:
+        """A validated ``Req``, registered under its rid; None after the request was answered with an error."""
         if msg.rid in self.reqs_by_rid:
             self.out.error(msg.rid, f"request id {msg.rid!r} is already in flight", ErrorCode.INVALID_ARGUMENT)
             return None
