@@ -151,8 +151,12 @@ def _runner(side: str, model_path: str, engine_args: dict[str, Any]) -> _Ours | 
                dummy=engine_args.get("load_format") == "dummy")
 
 
-def _worker(side: str, model_path: str, threads: int, engine_args: dict[str, Any], conn: Any) -> None:
-    """Serve ("run", prompts, max_new) -> (seconds, outputs) and ("rss",) -> MiB until ("stop",)."""
+def _worker(side: str, model_path: str, threads: int, engine_args: dict[str, Any], conn: Any,
+            root: str | None = None) -> None:
+    """Serve ("run", prompts, max_new) -> (seconds, outputs) and ("rss",) -> MiB until ("stop",). ``root``: a
+    checkout whose ``common`` the engine is imported from (another commit's worktree)."""
+    if root is not None:
+        sys.path.insert(0, root)
     import torch
 
     torch.set_num_threads(threads)
@@ -240,11 +244,12 @@ class _LocalSide:
 
 
 class _Side:
-    def __init__(self, side: str, model_path: str, threads: int, engine_args: dict[str, Any]) -> None:
+    def __init__(self, side: str, model_path: str, threads: int, engine_args: dict[str, Any],
+                 root: str | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         # NOTE: not a daemon: a TP engine starts its follower ranks as child processes.
-        self.proc = ctx.Process(target=_worker, args=(side, model_path, threads, engine_args, child))
+        self.proc = ctx.Process(target=_worker, args=(side, model_path, threads, engine_args, child, root))
         self.proc.start()
         if self.conn.recv() != "ready":
             raise RuntimeError(f"{side} worker failed to start")

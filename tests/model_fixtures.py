@@ -45,8 +45,11 @@ def make_copy_model(arch: str = "llama") -> Path:
 
 @functools.cache
 def load_tiny_model(arch: str = "llama", seed: int = 0) -> LlamaForCausalLM:
-    """Our fp32 model for ``make_tiny_model(arch, seed)`` (shared: treat as read-only)."""
-    return load_model(make_tiny_model(arch, seed))[0]
+    """Our fp32 model for ``make_tiny_model(arch, seed)`` (shared: treat as read-only), its GEMM weights packed for
+    oneDNN as ``ModelRunner`` packs them on CPU (``pack_cpu_weights``)."""
+    model = load_model(make_tiny_model(arch, seed))[0]
+    model.pack_cpu_weights()
+    return model
 
 
 @functools.cache

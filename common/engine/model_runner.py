@@ -101,6 +101,8 @@ class ModelRunner:
         torch.manual_seed(args.seed)
         self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device, tp=self.tp,
                                                    load_format=args.load_format)
+        if self.device.type == "cpu" and not args.enable_torch_compile:
+            self.model.pack_cpu_weights()  # compiled steps trace the plain weights
         cfg = self.model_config
         kv_heads = self.model.num_local_kv_heads
         num_pages = kv_pool_pages(args, cfg, self.dtype, self.device, kv_heads)

@@ -107,25 +107,29 @@ class Engine:
         self._followers: list[multiprocessing.process.BaseProcess] = []
         self._store: Any = None
         self.profiler = StepProfiler()  # start/stop a torch profiler window over the scheduler's steps
-        # NOTE: torch's thread count is per thread (a new thread takes the process's last set_num_threads), and
-        # torch.compile guards on it: the decode steps compiled here at start-up are served by the scheduler thread
-        # with this same count, or every bucket would recompile on its first request.
-        # The leader's --cpu-omp-threads-bind set pins this thread only; the scheduler thread started below (and
-        # the torch threads it starts) inherit it.
+        # NOTE: torch's thread count is per thread (the scheduler thread sets this one's). The leader's
+        # --cpu-omp-threads-bind set pins this thread; the scheduler thread (and its torch threads) inherit it.
         cores = bind_rank_cores(args, 0, args.tp_ranks_here.start)
         if args.torch_num_threads or cores is not None:
             torch.set_num_threads(cpu_threads_per_rank(args, cores))
         self._num_threads = torch.get_num_threads()
         tp = self._start_tp_group() if args.tp_size > 1 else None
-        try:
-            self.scheduler = Scheduler(self.args, self.model_path, self.tokenizer, self._on_outputs, 0, tp)
-        except BaseException:
+        # NOTE: the scheduler is built on the thread that runs it: libgomp keeps a team per thread that opened a
+        # parallel region; with more teams than cores idle team threads sleep, and every region waits for a wake-up.
+        started: queue.Queue[BaseException | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(tp, started), name="pdcluster-scheduler", daemon=True)
+        self._thread.start()
+        error: BaseException | None = RuntimeError("the scheduler thread ended before its scheduler was built")
+        while self._thread.is_alive() or not started.empty():  # building the scheduler has deadlines
+            with contextlib.suppress(queue.Empty):
+                error = started.get(timeout=1.0)
+                break
+        if error is not None:
+            self._thread.join(timeout=10)
             if tp is not None:
                 tp.destroy()  # so a later Engine in this process can form its group
             self._stop_followers(kill=True)
-            raise
-        self._thread = threading.Thread(target=self._loop, name="pdcluster-scheduler", daemon=True)
-        self._thread.start()
+            raise error
 
     # -- TP ranks --------------------------------------------------------------------------------------------------
     def _start_tp_group(self) -> TPGroup:
@@ -164,8 +168,17 @@ class Engine:
         self._store = None
 
     # -- scheduler thread ------------------------------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _run(self, tp: TPGroup | None, started: queue.Queue[BaseException | None]) -> None:
         torch.set_num_threads(self._num_threads)
+        try:
+            self.scheduler = Scheduler(self.args, self.model_path, self.tokenizer, self._on_outputs, 0, tp)
+        except BaseException as e:  # re-raised by the constructor
+            started.put(e)
+            return
+        started.put(None)
+        self._loop()
+
+    def _loop(self) -> None:
         tp = self.scheduler.tp
         try:
             while not self._stop.is_set():

@@ -222,3 +222,27 @@ def test_bad_model_folders(tmp_path, llama) -> None:
         (no_weights / name).write_bytes((llama / name).read_bytes())
     with pytest.raises(ModelLoadError, match="safetensors"):
         Engine(model_path=str(no_weights))
+
+
+def test_the_model_is_built_and_run_on_the_scheduler_thread(engine_factory, llama, monkeypatch) -> None:
+    """The caller's thread opens no OpenMP region while the Engine builds (the model's load, its pools): without the
+    overlap schedule only the scheduler thread's team exists, so its threads spin between a forward's regions
+    instead of sleeping."""
+    import threading
+
+    from common.engine.model_runner import ModelRunner
+
+    seen: dict[str, threading.Thread] = {}
+    init, forward = ModelRunner.__init__, ModelRunner._forward_and_sample
+
+    def record(name, fn):
+        def wrapped(self, *args, **kwargs):
+            seen.setdefault(name, threading.current_thread())
+            return fn(self, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(ModelRunner, "__init__", record("build", init))
+    monkeypatch.setattr(ModelRunner, "_forward_and_sample", record("forward", forward))
+    engine = engine_factory(llama, **overlap_flags(False))
+    assert engine.generate(input_ids=[11, 12, 13], sampling_params=greedy(2)).output_ids
+    assert seen["build"] is seen["forward"] is engine._thread

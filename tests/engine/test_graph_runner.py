@@ -23,6 +23,7 @@ from common.engine.graph_runner import DecodeGraphRunner, batch_size_buckets, bu
 from common.engine.mem.kv_pool import MHATokenToKVPool
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
 from common.engine.model.attention import TorchAttentionBackend
+from common.engine.model.layers import Linear
 from common.engine.model.padded_decode_backend import (
     PaddedDecodeBackend,
     PaddedDecodeMetadata,
@@ -200,6 +201,10 @@ def test_torch_compile_matches_eager_through_the_engine(engine_factory: Any, mod
 
     eager = engine_factory(model_path, **common)
     assert eager.scheduler.runner.graph_runner is None
+    # Eager CPU steps multiply through oneDNN-packed weights; compiled ones trace the plain weights (F.linear).
+    packed = [m.packed for m in eager.scheduler.runner.model.modules() if isinstance(m, Linear)]
+    assert packed and all(packed) == torch.backends.mkldnn.is_available()
+    assert not any(m.packed for m in runner.model.modules() if isinstance(m, Linear))
     assert outs == generate(eager)
     assert [len(o) for o in outs] == list(lengths)
     print(f"compiled engine start-up {startup:.1f} s; {len(steps)} compiled steps, max |dlogits| "

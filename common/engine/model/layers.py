@@ -2,11 +2,18 @@
 
 Tensor parallelism: a column-parallel layer is a plain ``Linear`` over this rank's output rows (the loader reads
 those rows); ``RowParallelLinear`` holds this rank's input columns and sums the partial outputs over the group.
+
+CPU GEMMs: ``Linear.pack_for_cpu`` reorders an fp32 or bf16 weight once into oneDNN's blocked layout and the layer
+then multiplies through oneDNN (``torch.ops.mkldnn._linear_pointwise``, what inductor emits for frozen CPU
+linears) instead of ``F.linear``'s call, which re-packs the weight on every call and in fp32 goes to the BLAS
+(MKL), which on non-Intel CPUs runs a narrower code path than the CPU has. In fp32 the two sum in a different
+order: results agree to fp32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from types import ModuleType
 
 import torch
@@ -14,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.engine.distributed import TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -24,8 +33,48 @@ def fused_layers() -> ModuleType:
     return module
 
 
+# The probe's tolerance per dtype packed (|oneDNN - F.linear| <= tol * max(1, max |F.linear|)): the dtype's rounding.
+ONEDNN_PROBE_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@functools.cache
+def onednn_linear_ok(dtype: torch.dtype) -> bool:
+    """Whether this torch's oneDNN linear runs ``dtype`` on this CPU (bf16: where oneDNN has native bf16 kernels)
+    and agrees with ``F.linear`` on a probe; logs why not (once per dtype)."""
+    if dtype not in ONEDNN_PROBE_TOL or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+        gen = torch.Generator().manual_seed(0)
+        w, x = torch.randn(48, 40, generator=gen).to(dtype), torch.randn(3, 40, generator=gen).to(dtype)
+        ref = F.linear(x, w).float()
+        got = onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(w, None), None).float()
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        logger.warning("oneDNN linear unavailable for %s (%s): CPU GEMMs stay on F.linear", dtype, e)
+        return False
+    err = (got - ref).abs().max().item()
+    if not err <= ONEDNN_PROBE_TOL[dtype] * max(1.0, ref.abs().max().item()):
+        logger.warning("oneDNN linear off by %.3g on a %s probe: CPU GEMMs stay on F.linear", err, dtype)
+        return False
+    return True
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] on CPU in oneDNN's layout for ``onednn_linear``; None where ``onednn_linear_ok`` says
+    no for its dtype (then keep ``F.linear``)."""
+    if weight.device.type != "cpu" or not onednn_linear_ok(weight.dtype):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b), W: [out_features, in_features] (HF layout)."""
+    """y = x W^T (+ b), W: [out_features, in_features] (HF layout). After ``pack_for_cpu`` ``weight`` is that
+    matrix in oneDNN's layout (an opaque tensor of the same shape, ``is_mkldnn``; only ``onednn_linear`` reads it)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
@@ -39,9 +88,27 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        self.packed = False
+
+    def pack_for_cpu(self) -> bool:
+        """Multiply through oneDNN from now on, the weight kept in its layout only (``onednn_pack``); False (and
+        nothing changed) where that is not available."""
+        if self.packed:
+            return True
+        packed = onednn_pack(self.weight)
+        if packed is None:
+            return False
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.packed = True
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed:
+            return onednn_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -57,8 +124,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -90,6 +157,9 @@ class RMSNorm(nn.Module):
         return self.forward(residual), residual
 
 
+MLP_BLOCK_BYTES = 8 << 20  # gate|up activations per row block of a long CPU forward (GatedMLP.forward)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate and up fused as rows [0, I) and [I, 2I) of gate_up_proj.
     ``intermediate`` is this rank's share I (its gate rows | its up rows); down_proj reduces over the group."""
@@ -104,6 +174,18 @@ class GatedMLP(nn.Module):
         self.fused = False  # silu(gate) * up in one Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]. On CPU a long forward (a prefill) runs in row blocks of at most ``MLP_BLOCK_BYTES`` of
+        gate|up each: rows are independent, and the blocks' intermediates stay in cache and in the allocator's
+        reused memory instead of fresh pages faulted in by every op (larger blocks are mmapped per allocation)."""
+        rows = max(1, MLP_BLOCK_BYTES // (2 * self.intermediate * x.element_size()))
+        if x.device.type != "cpu" or x.shape[0] <= rows:
+            return self._forward(x)
+        out = torch.empty_like(x)
+        for s in range(0, x.shape[0], rows):
+            out[s : s + rows] = self._forward(x[s : s + rows])
+        return out
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return self.down_proj(fused_layers().silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

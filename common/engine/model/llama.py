@@ -22,7 +22,16 @@ from common.engine.distributed import TPGroup
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model.attention import TorchAttentionBackend
 from common.engine.model.config import ModelConfig
-from common.engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RowParallelLinear, fused_layers
+from common.engine.model.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RowParallelLinear,
+    fused_layers,
+    onednn_linear,
+    onednn_pack,
+)
 from common.engine.model.parallel import ShardLayout
 from common.engine.model.rope import RotaryEmbedding, apply_rotary_signed
 
@@ -143,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if tied_whole else Linear(cfg.hidden_size, self.shard.vocab_per_rank, False, dtype, device)
         )
+        self.tied_head_packed: torch.Tensor | None = None  # the embedding in oneDNN's layout (pack_cpu_weights)
 
     def make_attn_backend(self, backend: str = "torch") -> TorchAttentionBackend | TritonAttentionBackend:
         """``backend``: ``torch`` (padded SDPA over gathered pages) or ``triton`` (paged kernels, no gather)."""
@@ -167,6 +177,16 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.fused = layer.post_attention_layernorm.fused = on
             layer.mlp.fused = on
             layer.self_attn.fused_rotary = on and layer.self_attn.q_norm is None
+
+    def pack_cpu_weights(self) -> int:
+        """CPU fp32 / bf16: every GEMM weight (the LM head included) into oneDNN's layout (``Linear.pack_for_cpu``),
+        for the eager forward only (a compiled step traces ``F.linear``). A tied LM head gets a packed copy of the
+        embedding (the lookup keeps the original). Returns how many weights were packed: 0 where oneDNN is not
+        available for the dtype, the forward unchanged."""
+        packed = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
+        if self.lm_head is None and self.tied_head_packed is None:
+            self.tied_head_packed = onednn_pack(self.model.embed_tokens.weight)
+        return packed + (self.tied_head_packed is not None)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -193,8 +213,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, vocab] for hidden states [n, hidden] (select the rows you need first); with TP the
         full vocab, the same on every rank."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden).float()
+        elif self.tied_head_packed is not None:
+            logits = onednn_linear(hidden, self.tied_head_packed, None).float()
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         if self.tp.tp_size == 1:
             return logits
         logits = self.tp.all_gather(logits, dim=-1)
