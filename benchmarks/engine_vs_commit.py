@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engine_throughput import _machine, _prompts, _Side
+from benchmarks.engine_sides import Side, machine_facts, random_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("ours", "base", "hf")
@@ -73,24 +73,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prefill: dict[str, list[float]] = {k: [] for k in SIDES}
     agree: dict[str, list[float]] = {"ours": [], "base": []}
     loads: list[float] = []
-    machine = _machine(a.threads)
+    machine = machine_facts(a.threads)
     with tempfile.TemporaryDirectory(prefix="pdc-engine-vs-commit-") as tmp:
         worktree = Path(tmp) / f"base-{base}"
         _git("worktree", "add", "--detach", str(worktree), base)
-        sides: dict[str, _Side] = {}
+        sides: dict[str, Side] = {}
         try:
             model_path = str(make_model("llama", a.model_size, Path(tmp) / "model", seed=0))
             print(f"head {head}, base {base}; workload {n} x {lin} -> {lout}, greedy, {a.repeats} repeats; "
                   f"machine {machine}", flush=True)
-            sides = {"ours": _Side("ours", model_path, a.threads, engine_args),
-                     "base": _Side("ours_base", model_path, a.threads, engine_args, root=str(worktree)),
-                     "hf": _Side("hf", model_path, a.threads, engine_args)}
-            warm = _prompts(10**6, min(n, 8), lin, 8192, low=3)
+            sides = {"ours": Side("ours", model_path, a.threads, engine_args),
+                     "base": Side("ours_base", model_path, a.threads, engine_args, root=str(worktree)),
+                     "hf": Side("hf", model_path, a.threads, engine_args)}
+            warm = random_prompts(10**6, min(n, 8), lin, 8192, low=3)
             for s in sides.values():
                 s.run(warm, 4)
             for rep in range(a.repeats):
                 order = [SIDES[(i + rep) % 3] for i in range(3)]
-                prompts = _prompts(rep, n, lin, 8192, low=3)
+                prompts = random_prompts(rep, n, lin, 8192, low=3)
                 outs = {}
                 for k in order:
                     secs, outs[k] = sides[k].run(prompts, lout)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for k in ("ours", "base"):
                     agree[k].append(sum(x == y for x, y in zip(outs[k], outs["hf"], strict=True)) / n)
                 if not a.skip_prefill:
-                    pre = _prompts(1000 + rep, n, lin, 8192, low=3)
+                    pre = random_prompts(1000 + rep, n, lin, 8192, low=3)
                     for k in order:
                         prefill[k].append(sides[k].run(pre, 1)[0])
                 loads.append(os.getloadavg()[0])

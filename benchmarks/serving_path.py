@@ -45,7 +45,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engine_throughput import _Side
+from benchmarks.engine_sides import Side
 from benchmarks.loadgen.runner import LoadShape, run_load
 from benchmarks.loadgen.stats import summarize
 from benchmarks.loadgen.workload import WorkloadConfig, make_workload
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         offline = None
         try:
             if "offline" in a.configs:
-                offline = _Side("ours", a.model_path, a.offline_threads,
+                offline = Side("ours", a.model_path, a.offline_threads,
                                 {"torch_num_threads": a.offline_threads, "max_total_tokens": a.max_total_tokens,
                                  "decode_log_interval": 10**9})
                 offline.run([[100 + i] * a.input_len for i in range(a.concurrency)], 8)  # warm-up
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return _report(a, info, runs)
 
 
-def _run_offline(a: argparse.Namespace, side: _Side, wl: WorkloadConfig) -> dict[str, Any]:
+def _run_offline(a: argparse.Namespace, side: Side, wl: WorkloadConfig) -> dict[str, Any]:
     prompts = [s.prompt_ids for s in make_workload(wl)]
     cpu = CpuWindow([Proc(side.proc.pid, "engine", "engine")])
     cpu.start()
