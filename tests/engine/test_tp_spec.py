@@ -63,7 +63,7 @@ def _serve(tp: TPGroup, model: str, spec: dict[str, Any]) -> dict[str, Any]:
 
             kv = KVArgs.from_pool(sched.runner.kv_pool, tp_rank=tp.tp_rank, tp_size=2, extra_layers=draft_kv.layers,
                                   total_kv_heads=sched.model_config.num_kv_heads)
-            out["layout"] = (kv.num_layers, kv.kv_heads)
+            out["layout"] = (kv.num_layers, kv.kv_heads, draft_kv.fingerprint)
         sched.step(_reqs())
         deadline = time.monotonic() + 120
         while not sched.is_idle() and time.monotonic() < deadline:  # the same steps on both ranks
@@ -144,7 +144,24 @@ def test_eagle_tp2_tree_drafts_agree_across_ranks(tp2) -> None:
     r0 = _check(plain, ranks, "eagle")
     assert sum(drafted for _, drafted, _ in r0["final"].values()) > 0
     assert ranks[0]["eagle_drafts"] and ranks[0]["eagle_drafts"] == ranks[1]["eagle_drafts"]
-    assert r0["layout"] == (3 + 1, 1)  # the tiny target's 3 layers and the head's, 1 of 2 KV heads per rank
+    assert r0["layout"][:2] == (3 + 1, 1)  # the tiny target's 3 layers and the head's, 1 of 2 KV heads per rank
+    assert r0["layout"][2] == _tp1_fingerprint(EAGLE_TREE, "EAGLE")  # a tp 1 node accepts this head's KV in P/D
+
+
+def _tp1_fingerprint(spec: dict[str, Any], kind: str) -> dict[str, str]:
+    from common.config import ServerArgs
+    from common.engine.model_runner import ModelRunner
+    from common.engine.spec import build_speculator
+    from tests.engine.test_eagle_head import head_dir
+    from tests.model_fixtures import make_tiny_model
+
+    model = str(make_tiny_model("llama"))
+    args = ServerArgs(model_path=model, **SHAPE, **spec, speculative_draft_model_path=str(head_dir(kind)))
+    runner = ModelRunner(args, model)
+    speculator = build_speculator(args, runner)
+    assert speculator is not None and runner.draft_kv is not None
+    speculator.close()
+    return runner.draft_kv.fingerprint
 
 
 def test_eagle3_tp2_accepted_tree_paths_keep_the_output(tp2) -> None:
