@@ -8,6 +8,9 @@ Draft length: with ``--speculative-eagle-topk 1`` (linear drafts) a step verifie
 = ``--speculative-num-steps`` + 1 tokens (the last sampled token and its drafts). Give either; both must agree. With
 a tree (EAGLE / EAGLE3, topk > 1) the head drafts ``num_steps`` levels of ``topk`` branches and the step verifies
 the ``num_draft_tokens`` best nodes (the root included), at most 1 + topk + (num_steps - 1) * topk^2 of them.
+
+Every algorithm works with any ``--tp-size``: a draft model or head is sharded over the target's TP group (the model
+loader refuses a size that cannot split it, naming the draft's folder).
 """
 
 from __future__ import annotations
@@ -76,9 +79,6 @@ def check_speculative_flags(args: Any) -> None:
         raise ConfigError("--speculative-algorithm runs without the overlap schedule (a step's drafts need the "
                           "previous step's accepted tokens): drop --enable-overlap-schedule or pass "
                           "--disable-overlap-schedule")
-    if algo in DRAFT_MODEL_ALGORITHMS and args.tp_size > 1:
-        raise ConfigError(f"--speculative-algorithm {algo} supports --tp-size 1 only, got {args.tp_size} "
-                          "(the draft model is not sharded yet); NGRAM works with any --tp-size")
 
 
 def draft_len(args: Any) -> int:

@@ -152,7 +152,6 @@ def test_a_step_verifies_only_drafts_expected_to_pay_for_it() -> None:
     ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "tree drafts are EAGLE's"),
     ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/h", "speculative_eagle_topk": 2,
       "speculative_num_steps": 2, "speculative_num_draft_tokens": 8}, "exceeds the 7 nodes"),
-    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/h", "tp_size": 2}, "--tp-size 1"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3, "speculative_num_draft_tokens": 5},
      "must be --speculative-num-steps \\+ 1"),
     ({"speculative_algorithm": "STANDALONE"}, "needs --speculative-draft-model-path"),
@@ -163,7 +162,6 @@ def test_a_step_verifies_only_drafts_expected_to_pay_for_it() -> None:
       "speculative_ngram_max_match_window_size": 4}, "must be <="),
     ({"speculative_algorithm": "NGRAM", "disaggregation_mode": "prefill"}, "give it to decode nodes"),
     ({"speculative_algorithm": "NGRAM", "enable_overlap_schedule": True}, "--disable-overlap-schedule"),
-    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/m", "tp_size": 2}, "--tp-size 1"),
 ])
 def test_speculative_flags_that_do_not_go_together_are_refused(changes, message) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -200,3 +200,31 @@ def test_mismatched_layout_fails_at_the_handshake_naming_both(model_path) -> Non
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_eagle_tree_through_pd_with_tp_matches_colocated_tp1(model_path, colocated) -> None:
+    """EAGLE3 (a tree) on a tp 2 prefill node (its head sharded, over the prompt) to a tp 1 and a tp 2 decode node:
+    each head KV shard travels as one more layer (reassembled on tp 1), drafts run from the first decode step, and
+    the tokens are the colocated tp 1 node's without speculation."""
+    from tests.engine.test_eagle_head import head_dir
+
+    spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head_dir("EAGLE3")),
+            "--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"]
+    nodes = [start_node("prefill", model_path, extra=[*tp_args(2), *spec], wait=False),
+             *(start_node("decode", model_path, extra=[*tp_args(tp), *spec], wait=False) for tp in (1, 2))]
+    try:
+        for node in nodes:
+            node.wait_ready(timeout=240)
+        reqs = requests("eagle-tp", 13)[1:5]
+        for decode in nodes[1:]:
+            rooms = random.Random(len(decode.log_path.name)).sample(range(1, 2**63), len(reqs))
+            with ThreadPoolExecutor(4) as pool:
+                results = list(pool.map(functools.partial(run_pd, nodes[0], decode), reqs, rooms))
+            for req, (got, fin, _) in zip(reqs, results, strict=True):
+                assert got == reference(colocated, req), f"prompt of {len(req.input_ids)} tokens"
+                assert fin.spec.draft_tokens > 0 and fin.spec.verify_steps > 0
+        for node in nodes:
+            node.wait_pools_free()
+    finally:
+        for node in nodes:
+            node.stop()

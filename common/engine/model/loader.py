@@ -81,7 +81,7 @@ def fill_dummy_model(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
             fused = [(name.replace(ours, frag), shard) for frag, (ours, shard) in _FUSED.items() if ours in name]
             parts = fused or [(name, None)]
         for hf_name, shard in parts:
-            full, dim, part, dst = _plan(name, param, shard, cfg, model.shard)
+            full, dim, part, dst = shard_plan(name, param, shard, cfg, model.shard)
             fill_dummy_(dst, hf_name, full, dim, part, cfg.hidden_size, tied)
 
 
@@ -99,7 +99,7 @@ def _num_shards(name: str) -> int:
     return 2 if ".gate_up_proj." in name else 1
 
 
-def _plan(
+def shard_plan(
     name: str, param: torch.Tensor, shard: int | None, cfg: ModelConfig, layout: ShardLayout
 ) -> tuple[tuple[int, ...], int | None, range, torch.Tensor]:
     """(HF shape config.json implies, sharded dim of the HF tensor or None, this rank's range along it, the
@@ -142,7 +142,7 @@ def _read_into(
 ) -> None:
     """Copy this rank's part of HF tensor ``hf_name`` into ``param`` (our ``name``), or into rows ``shard`` of a
     fused param; reads only that part."""
-    full, dim, part, dst = _plan(name, param, shard, cfg, layout)
+    full, dim, part, dst = shard_plan(name, param, shard, cfg, layout)
     sl = f.get_slice(hf_name)
     shape = tuple(sl.get_shape())
     if shape != full:

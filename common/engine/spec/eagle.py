@@ -64,7 +64,10 @@ class EagleDrafter:
                                 torch.zeros(slots, self.head.hidden_size, dtype=runner.dtype, device=device))
         self.ready = [False] * slots
         pool, n = self.worker.kv_pool, runner.kv_pool.k_buffer[0].shape[0]
-        shapes = sorted((k, tuple(v.shape)) for k, v in self.head.state_dict().items())
+        # The whole head's geometry (every rank's shard derives from it): the same on P and D whatever their tp.
+        cfg, lc = self.head.config, self.head.config.layer
+        shapes = (lc.hidden_size, lc.num_heads, lc.num_kv_heads, lc.head_dim, lc.intermediate_size, cfg.fc_in,
+                  cfg.fc_bias, cfg.draft_vocab_size, cfg.own_lm_head, sorted(cfg.capture))
         runner.draft_kv = DraftKV(
             layers=((pool.k_buffer[0][:n], pool.v_buffer[0][:n]),),
             state_dims=(self.topk, self.head.hidden_size),

@@ -12,6 +12,9 @@ Names may carry a ``model.`` prefix. Weights come from ``*.safetensors`` or, fai
 (read with ``weights_only``). Not read: ``embed_tokens.weight`` (the target's embedding is used), EAGLE's
 ``lm_head.weight`` (the target's head is used), a layer-0 ``input_layernorm.weight`` (EAGLE's first layer has none),
 ``t2d`` (the inverse of ``d2t``).
+
+Under tensor parallelism the layer's sharded weights (q/k/v and gate/up rows, o_proj and down_proj columns) are
+narrowed to this rank's part as the target's loader narrows them (``shard_plan``); the rest is read whole.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from safetensors.torch import load_file
 
 from common.engine.model.config import safetensors_files
 from common.engine.model.llama import LlamaForCausalLM
+from common.engine.model.loader import shard_plan
 from common.engine.spec.eagle_model import EAGLE, EAGLE3, EagleConfig, EagleHead
 from common.errors import ModelLoadError
 
@@ -88,7 +92,7 @@ def load_eagle_head(
                 ours, shard = ours.replace(frag, fused), index
         if ours not in params:
             raise ModelLoadError(f"{path}: unexpected weight {name!r} for an {algorithm} head")
-        _copy(params[ours], w, shard, cfg, path, name)
+        _copy(head, ours, params[ours], w, shard, path, name)
         filled[ours] = filled.get(ours, 0) + 1
     missing = [n for n, p in params.items() if filled.get(n, 0) != _num_shards(n)]
     if missing:
@@ -104,18 +108,16 @@ def _num_shards(name: str) -> int:
     return 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
 
 
-def _copy(param: torch.Tensor, w: torch.Tensor, shard: int | None, cfg: EagleConfig, path: Path, name: str) -> None:
-    dst = param
-    if shard is not None:
-        lc = cfg.layer
-        sizes = ([lc.num_heads * lc.head_dim, lc.num_kv_heads * lc.head_dim, lc.num_kv_heads * lc.head_dim]
-                 if ".qkv_proj." in _fused_name(name) else [lc.intermediate_size] * 2)
-        dst = param.narrow(0, sum(sizes[:shard]), sizes[shard])
-    if tuple(w.shape) != tuple(dst.shape):
-        raise ModelLoadError(f"{path}: {name} has shape {tuple(w.shape)}, config.json implies {tuple(dst.shape)}")
+def _copy(head: EagleHead, ours: str, param: torch.Tensor, w: torch.Tensor, shard: int | None, path: Path,
+          name: str) -> None:
+    """Checkpoint tensor ``name`` (rows ``shard`` of the fused ``ours``) into this rank's ``param``."""
+    if ours.startswith("layer."):  # the decoder layer: this rank's part, as the target's layers are split
+        full, dim, part, dst = shard_plan(ours, param, shard, head.config.layer, head.shard)
+    else:
+        full, dim, part, dst = tuple(param.shape), None, range(0), param
+    if tuple(w.shape) != full:
+        raise ModelLoadError(f"{path}: {name} has shape {tuple(w.shape)}, config.json implies {full}")
+    if dim is not None:
+        w = w.narrow(dim, part.start, len(part))
     with torch.no_grad():
         dst.copy_(w)
-
-
-def _fused_name(name: str) -> str:
-    return ".qkv_proj." if any(f in name for f in (".q_proj.", ".k_proj.", ".v_proj.")) else ".gate_up_proj."

@@ -17,7 +17,11 @@ EAGLE-3 (``LlamaForCausalLMEagle3`` checkpoints, yuhuili/EAGLE3-*):
     logits = lm_head(norm(out)) over the draft vocab (target id = d + d2t[d]), next f = out before the norm
 
 The embedding is always the target's (the checkpoints' copy, when present, is not read); EAGLE-1 also shares the
-target's LM head. Under tensor parallelism every rank runs the whole head (it is one layer).
+target's LM head. Under tensor parallelism the head's layer is sharded over the target's ``TPGroup`` as a target
+layer is (``ShardLayout`` of the head's config: its heads, KV heads and MLP rows; o_proj and down_proj reduce), so
+rank r's head KV holds the KV heads rank r's target pool holds and travels with it in P/D; fc, the norms and
+EAGLE3's own LM head are replicated. Every rank ends a head forward with the same features and logits, so every
+rank drafts the same tokens.
 """
 
 from __future__ import annotations
@@ -156,15 +160,15 @@ def _capture(raw: dict, file: Path, num_layers: int) -> frozenset[int]:
 class EagleDecoderLayer(nn.Module):
     """One Llama layer; EAGLE: no input norm; EAGLE3: attention over [norm(embed); norm(hidden)]."""
 
-    def __init__(self, cfg: ModelConfig, eagle3: bool, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, eagle3: bool, dtype: torch.dtype, device: torch.device, shard: ShardLayout,
+                 tp: TPGroup) -> None:
         super().__init__()
         h = cfg.hidden_size
-        tp = TPGroup()
-        self.self_attn = LlamaAttention(cfg, 0, dtype, device, ShardLayout.for_config(cfg), tp)
+        self.self_attn = LlamaAttention(cfg, 0, dtype, device, shard, tp)
         if eagle3:
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, kv = shard.num_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
             self.self_attn.qkv_proj = Linear(2 * h, q + 2 * kv, cfg.qkv_bias, dtype, device)
-        self.mlp = GatedMLP(h, cfg.intermediate_size, dtype, device, tp)
+        self.mlp = GatedMLP(h, shard.intermediate, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device) if eagle3 else None
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device) if eagle3 else None
@@ -196,8 +200,11 @@ class EagleHead(nn.Module):
         self.eagle3 = cfg.algorithm == EAGLE3
         object.__setattr__(self, "target", target)
         h = cfg.layer.hidden_size
+        tp = target.tp
+        # Raises ConfigError naming the head's folder when --tp-size cannot split its heads or MLP.
+        self.shard = ShardLayout.for_config(cfg.layer, tp.tp_rank, tp.tp_size)
         self.fc = Linear(cfg.fc_in, h, cfg.fc_bias, dtype, device)
-        self.layer = EagleDecoderLayer(cfg.layer, self.eagle3, dtype, device)
+        self.layer = EagleDecoderLayer(cfg.layer, self.eagle3, dtype, device, self.shard, tp)
         self.norm = RMSNorm(h, cfg.layer.rms_norm_eps, dtype, device) if self.eagle3 else None
         self.lm_head = Linear(h, cfg.draft_vocab_size, False, dtype, device) if cfg.own_lm_head else None
         self.rotary = RotaryEmbedding(cfg.layer.rope, cfg.layer.head_dim).to(device)
@@ -210,17 +217,18 @@ class EagleHead(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.layer.num_kv_heads
+        """KV heads this rank's head pool holds."""
+        return self.shard.num_kv_heads
 
     def make_attn_backend(self, backend: str = "torch") -> TorchAttentionBackend | TritonAttentionBackend:
-        lc = self.config.layer
+        sh, d = self.shard, self.config.layer.head_dim
         if backend == "triton":
             from common.engine.model.triton_backend import TritonAttentionBackend
 
-            return TritonAttentionBackend(lc.num_heads, lc.num_kv_heads, lc.head_dim, None, self.device)
+            return TritonAttentionBackend(sh.num_heads, sh.num_kv_heads, d, None, self.device)
         if backend != "torch":
             raise ValueError(f"unknown attention backend {backend!r} (torch or triton)")
-        return TorchAttentionBackend(lc.num_heads, lc.num_kv_heads, lc.head_dim)
+        return TorchAttentionBackend(sh.num_heads, sh.num_kv_heads, d)
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows as in the module docstring: ``fb.input_ids`` [T] the token after each row's position, ``hidden``

@@ -61,7 +61,7 @@ class EagleWorker:
         scratch = max_batch * topk * max(num_steps - 1, 0)
         lc = head.config.layer
         dtype = head.fc.weight.dtype
-        self.kv_pool = MHATokenToKVPool(num_pages + -(-scratch // page_size), page_size, dtype, lc.num_kv_heads,
+        self.kv_pool = MHATokenToKVPool(num_pages + -(-scratch // page_size), page_size, dtype, head.num_kv_heads,
                                         lc.head_dim, 1, head.device)
         self.scratch_base = (num_pages + 1) * page_size
         self.max_batch = max_batch

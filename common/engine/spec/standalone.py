@@ -17,6 +17,11 @@ retraction and on a P/D decode node alike, its first step extends over the promp
 costs a fraction of the target's prefill). Its KV goes with the request's slot: ``release`` (the target pool's
 ``on_free``) frees a row's pages at once. The draft pool holds the target's token count plus ``k`` pages of
 headroom per request slot; a step whose draft KV does not fit drafts nothing (plain decode).
+
+Tensor parallelism: the draft is sharded over the target's ``TPGroup`` (SGLang shards it with the target's tp):
+each rank holds the draft's shard and a pool of its KV heads, the pool's size agreed over the group as the
+target's is. Every rank runs the same draft forwards on the same inputs (the scheduler's state is the same on
+every rank) and gets the same gathered logits, so every rank drafts the same tokens for the verify forward.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ class StandaloneDrafter:
         headroom = slots * (-(-draft_len // ps) + 1) * ps
         draft_args = args.replace(max_total_tokens=target.max_total_num_tokens + headroom, disable_cuda_graph=True,
                                   enable_torch_compile=False)
-        self.runner = ModelRunner(draft_args, path, dp_rank)
+        # Sharded over the target's TP group (raises ConfigError naming the draft when --tp-size cannot split it).
+        self.runner = ModelRunner(draft_args, path, dp_rank, tp=target.tp)
         cfg, tcfg = self.runner.model_config, target.model_config
         if cfg.vocab_size != tcfg.vocab_size:
             raise ConfigError(f"--speculative-draft-model-path {path}: its vocabulary ({cfg.vocab_size}) is not the "
