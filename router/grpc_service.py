@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -14,7 +13,8 @@ import grpc
 from common.errors import InvalidRequestError, PdclusterError
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.errors import retry_after_of, status_of
-from router.request import ClientRequest, Delta, Final
+from router.grpc_stream import GrpcStreamWriter
+from router.request import ClientRequest, Final
 from router.service import RouterService
 
 OPTIONAL_SAMPLING = (
@@ -95,9 +95,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._rid_prefix = f"gen-{uuid.uuid4().hex[:12]}-"
         self._rid_seq = itertools.count()
 
-    async def Generate(
-        self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+    async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Writes the response stream with ``context.write`` (router/grpc_stream.py)."""
         which = request.WhichOneof("input")
         kw: dict[str, Any] = {}
         if which == "text":
@@ -126,15 +125,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 max_tokens_field="sampling_params.max_new_tokens",
                 **kw,
             ))
-            async with contextlib.aclosing(self.pipeline.serve(req, n)) as events:
-                async for i, ev in events:
-                    if isinstance(ev, Delta):
-                        yield router_pb2.RouterGenerateResponse(
-                            chunk=router_pb2.TextChunk(text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs,
-                                                       top_logprobs=ev.top_logprobs, index=i)
-                        )
-                    else:
-                        yield final_to_proto(ev, i)
+            if req.stream:
+                writer = GrpcStreamWriter(context, final_to_proto)
+                if n == 1:  # with several, the choices' events merge in a reader (``merge_choices``)
+                    req.delta_sink = writer
+                await writer.serve(self.pipeline.serve(req, n))
+            else:
+                async with contextlib.aclosing(self.pipeline.serve(req, n)) as events:
+                    async for i, ev in events:
+                        if isinstance(ev, Final):  # a request that does not stream has no deltas
+                            await context.write(final_to_proto(ev, i))
         except PdclusterError as e:
             retry_after = retry_after_of(e)
             if retry_after is not None:

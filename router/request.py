@@ -66,9 +66,10 @@ class GenRequest:
 
 
 class DeltaSink(Protocol):
-    """A client stream that can take a delta synchronously (the HTTP gateway's SSE writer). An attempt gives it the
-    deltas of the tokens a leg's sink took while the request's task waited (``router/attempts/run.py``); the others,
-    and every delta while ``ready`` is False, still go through the request's event stream, in order."""
+    """A client stream that can take a delta synchronously (the HTTP gateway's SSE writer, a streamed gRPC Generate's
+    writer). An attempt gives it the deltas of the tokens a leg's sink took while the request's task waited
+    (``router/attempts/run.py``); the others, and every delta while ``ready`` is False, still go through the request's
+    event stream, in order."""
 
     def ready(self) -> bool: ...
 

@@ -1,10 +1,12 @@
 """Garbage protobuf is the client's error: a request that does not parse gets INVALID_ARGUMENT, not UNKNOWN.
 
 gRPC's own deserializer failure surfaces as UNKNOWN; this interceptor swaps in a deserializer that marks the
-request unparseable and a behaviour that aborts on the mark, for the unary and server-streaming methods."""
+request unparseable and a behaviour that aborts on the mark, for the unary and server-streaming methods (a streaming handler may yield its messages or write them with
+``context.write``)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,15 @@ class ParseGuard(grpc.aio.ServerInterceptor):
             return handler
         if handler.response_streaming:
             behavior = handler.unary_stream
+            if not inspect.isasyncgenfunction(behavior):  # it writes with ``context.write``: no hop per message
+
+                async def write(request, context):  # type: ignore[no-untyped-def]
+                    if request is UNPARSEABLE:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MESSAGE)
+                    await behavior(request, context)
+
+                return grpc.unary_stream_rpc_method_handler(write, _lenient(handler.request_deserializer),
+                                                            handler.response_serializer)
 
             async def stream(request, context):  # type: ignore[no-untyped-def]
                 if request is UNPARSEABLE:
