@@ -49,19 +49,26 @@ def setup(tmp_path_factory) -> Iterator[dict[str, Any]]:
     port = bootstrap.start()
     base = ServerArgs(model_path=model, page_size=PAGE, max_total_tokens=2048, max_running_requests=16,
                       chunked_prefill_size=16, disaggregation_bootstrap_port=port)
+    expected = colocated_tokens(base, model, tokenizer, [
+        GenerateReqInput(rid=f"c-{i}", input_ids=list(PROMPT), sampling_params=choice_params(i)) for i in range(N)])
+    yield {"model": model, "tokenizer": tokenizer, "port": port, "base": base, "expected": expected}
+    bootstrap.stop()
+
+
+def colocated_tokens(args: ServerArgs, model: str, tokenizer: Any, msgs: list[GenerateReqInput],
+                     timeout: float = 120) -> dict[str, list[int]]:
+    """The tokens of ``msgs`` served together by one colocated scheduler: the P/D runs' reference."""
     out: list[Any] = []
-    colocated = Scheduler(base, model, tokenizer, out.extend)
+    colocated = Scheduler(args, model, tokenizer, out.extend)
     try:
-        colocated.step([GenerateReqInput(rid=f"c-{i}", input_ids=list(PROMPT), sampling_params=choice_params(i))
-                        for i in range(N)])
-        deadline = time.monotonic() + 120
+        colocated.step(msgs)
+        deadline = time.monotonic() + timeout
         while not colocated.is_idle():
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline, f"the colocated run did not finish in {timeout} s"
             colocated.step([])
     finally:
         colocated.close()
-    yield {"model": model, "tokenizer": tokenizer, "port": port, "base": base, "expected": tokens_of(out)}
-    bootstrap.stop()
+    return tokens_of(out)
 
 
 def tokens_of(outs: list[Any]) -> dict[str, list[int]]:

@@ -20,6 +20,7 @@ from tests.conftest import assert_scheduler_pools_released
 from tests.engine.test_eagle_head import head_dir
 from tests.engine.test_spec_decode import greedy, prompt, run
 from tests.model_fixtures import make_tiny_model
+from tests.nodes.test_decode_shared_prompts import finals, tokens_of
 
 CLUSTER_TOKEN = "test-cluster-token"
 DRAFT = EagleWorker.draft
@@ -80,11 +81,7 @@ def _serve_pd(model: str, port: int, monkeypatch) -> tuple[dict[str, list[int]],
     finally:
         prefill.close()
         decode.close()
-    ids: dict[str, list[int]] = {}
-    for m in out:
-        if isinstance(m, TokenOut):
-            ids.setdefault(m.rid, []).extend(m.token_ids)
-    return ids, {m.rid: m for m in out if isinstance(m, TokenOut) and m.finish_reason is not None}
+    return tokens_of(out), finals(out)
 
 
 def test_a_decode_node_drafts_from_its_first_step_what_a_colocated_node_drafts(bootstrap_port, monkeypatch) -> None:

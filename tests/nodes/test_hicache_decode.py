@@ -7,7 +7,6 @@ recomputed, with the same tokens."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,10 +16,17 @@ from common.config import ServerArgs
 from common.engine.forward_batch import ForwardMode
 from common.engine.io_struct import GenerateReqInput
 from common.engine.sampling.params import SamplingParams
-from common.engine.scheduler import Scheduler
 from common.text.tokenizer import load_tokenizer
 from tests.model_fixtures import make_tiny_model
-from tests.nodes.test_decode_shared_prompts import drive, finals, idle, pd_pair, running, tokens_of
+from tests.nodes.test_decode_shared_prompts import (
+    colocated_tokens,
+    drive,
+    finals,
+    idle,
+    pd_pair,
+    running,
+    tokens_of,
+)
 
 PAGE = 4
 PROMPTS = {"r-0": [(7 * j) % 500 + 20 for j in range(37)], "r-1": [(13 * j) % 700 + 9 for j in range(29)]}
@@ -42,17 +48,9 @@ def setup() -> Iterator[dict[str, Any]]:
     port = bootstrap.start()
     base = ServerArgs(model_path=model, page_size=PAGE, max_total_tokens=1024, max_running_requests=8,
                       chunked_prefill_size=16, disaggregation_bootstrap_port=port)
-    out: list[Any] = []
-    colocated = Scheduler(base, model, tokenizer, out.extend)
-    try:
-        colocated.step([GenerateReqInput(rid=rid, input_ids=list(p), sampling_params=SP) for rid, p in PROMPTS.items()])
-        deadline = time.monotonic() + 120
-        while not colocated.is_idle():
-            assert time.monotonic() < deadline
-            colocated.step([])
-    finally:
-        colocated.close()
-    yield {"model": model, "tokenizer": tokenizer, "port": port, "base": base, "expected": tokens_of(out)}
+    expected = colocated_tokens(base, model, tokenizer, [
+        GenerateReqInput(rid=rid, input_ids=list(p), sampling_params=SP) for rid, p in PROMPTS.items()])
+    yield {"model": model, "tokenizer": tokenizer, "port": port, "base": base, "expected": expected}
     bootstrap.stop()
 
 

@@ -19,6 +19,7 @@ from common.text.tokenizer import load_tokenizer
 from tests.conftest import assert_scheduler_pools_released
 from tests.engine.test_spec_decode import greedy, prompt, run
 from tests.model_fixtures import make_copy_model, make_tiny_model
+from tests.nodes.test_decode_shared_prompts import finals, tokens_of
 
 CLUSTER_TOKEN = "test-cluster-token"
 NGRAM = {"speculative_algorithm": "NGRAM"}
@@ -81,11 +82,7 @@ def serve_pd(setup: dict[str, Any], monkeypatch, spec: dict[str, Any], page_size
     finally:
         prefill.close()
         decode.close()
-    ids: dict[str, list[int]] = {}
-    for m in out:
-        if isinstance(m, TokenOut):
-            ids.setdefault(m.rid, []).extend(m.token_ids)
-    return ids, {m.rid: m for m in out if isinstance(m, TokenOut) and m.finish_reason is not None}
+    return tokens_of(out), finals(out)
 
 
 @pytest.mark.parametrize(("spec", "page_size", "retract"), [
