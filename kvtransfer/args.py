@@ -193,7 +193,9 @@ def compat_problems(prefill: KVLayout, decode: KVLayout) -> list[str]:
     for key in sorted(set(prefill.model) | set(decode.model)):
         p, d = prefill.model.get(key, "<unset>"), decode.model.get(key, "<unset>")
         if p != d:
-            problems.append(f"model {key}: prefill={p} decode={d}")
+            hint = (" (both nodes need the same --speculative-algorithm and --speculative-draft-model-path)"
+                    if key.startswith("draft_") else "")
+            problems.append(f"model {key}: prefill={p} decode={d}{hint}")
     for name in ("num_layers", "total_kv_heads", "head_dim", "dtype", "page_size"):
         p, d = getattr(prefill, name), getattr(decode, name)
         if p != d:

@@ -183,7 +183,8 @@ class ModelRunner:
         )
 
     def set_spec_hook(self, hook: SpecHook) -> None:
-        """From now on every forward runs eagerly (no CUDA graph) and ends with ``hook.after_forward``."""
+        """From now on every forward ends with ``hook.after_forward`` (and runs eagerly, no CUDA graph, when the hook
+        reads ``every_forward``)."""
         self.spec_hook = hook
 
     def forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
@@ -204,7 +205,7 @@ class ModelRunner:
     def _forward_and_sample(self, b: ModelWorkerBatch) -> SampleOutput:
         fb = self._forward_batch(b)
         hook = self.spec_hook
-        if hook is None and self.graph_runner is not None and self.graph_runner.can_run(fb):
+        if (hook is None or not hook.every_forward) and self.graph_runner is not None and self.graph_runner.can_run(fb):
             hidden = features = self.graph_runner.forward(fb)
         else:
             self.attn_backend.init_forward_metadata(fb)

@@ -57,6 +57,7 @@ class EagleDrafter:
                                   self.topk, draft_len, max_draft_tokens(args) + 1, args.resolved_attention_backend)
         self.runner = runner
         self.capture = self.head.config.capture
+        self.every_forward = True
         slots = runner.req_to_token_pool.size + 1
         device = runner.device
         self.state = DraftState(torch.zeros(slots, self.topk, device=device),
