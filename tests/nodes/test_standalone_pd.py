@@ -110,6 +110,22 @@ def test_the_decode_node_drafts_from_the_prefill_nodes_draft_kv(setup, monkeypat
         assert f.spec_draft_tokens > 0 and f.spec_accepted_tokens == f.spec_draft_tokens, rid
 
 
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_draft_of_another_kv_geometry_travels_as_its_own_layer_group(setup, monkeypatch, backend) -> None:
+    """A qwen3 draft (KV head dim 48) for the llama target (32): its layers move by a backend of their own; its
+    drafts on the decode node are those of a colocated node, whose draft extended over the prompt itself."""
+    spec = standalone(str(make_tiny_model("qwen3")))
+    reqs = [GenerateReqInput(rid=r, input_ids=p, sampling_params=greedy(NEW)) for r, p in PROMPTS.items()]
+    colocated, _ = run(setup["model"], reqs, spec, page_size=16, chunked_prefill_size=16, steps_between=40)
+    spec_pd = {**spec, "kv_transfer_backend": backend}
+    ids, ends, prompt_positions = serve_pd(setup, monkeypatch, spec_pd, spec_pd, 16, 9300 + 10 * len(backend))
+    assert ids == setup["expected"] == colocated.ids
+    assert prompt_positions == 0
+    assert {r: (f.spec_draft_tokens, f.spec_accepted_tokens) for r, f in ends.items()} == {
+        r: (f.spec_draft_tokens, f.spec_accepted_tokens) for r, f in colocated.final.items()}
+    assert sum(f.spec_accepted_tokens for f in ends.values()) > 0
+
+
 @pytest.mark.parametrize("prefill_draft", ["none", "another"])
 def test_a_pair_holding_different_drafts_is_refused_naming_the_draft(setup, monkeypatch, prefill_draft) -> None:
     decode_spec = standalone(setup["model"])

@@ -60,9 +60,11 @@ class DraftKV:
     STANDALONE draft model): in P/D it travels with the target's layers, and both nodes must hold the same
     (``fingerprint``)."""
 
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (K, V) buffers [target slots, kv heads, head dim]
+    # (K, V) buffers [target slots, kv heads, head dim]: heads and head dim may differ from the target's
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     state_dims: tuple[int, int]  # (topk, hidden) of the ``DraftHandoff`` the metadata carries
     fingerprint: dict[str, str]
+    total_kv_heads: int = 0  # KV heads of the whole draft (its layers split over TP as the target's); 0: the target's
 
 
 class Drafter(Protocol):

@@ -133,7 +133,8 @@ class StandaloneDrafter:
         digest = draft_fingerprint(path, self.runner.model_config.fingerprint())
         target.draft_kv = DraftKV(layers=tuple((k[:n], v[:n]) for k, v in zip(pool.k_buffer, pool.v_buffer,
                                                                                strict=True)),
-                                  state_dims=(0, 0), fingerprint={"draft_model": f"STANDALONE:{digest}"})
+                                  state_dims=(0, 0), fingerprint={"draft_model": f"STANDALONE:{digest}"},
+                                  total_kv_heads=self.runner.model_config.num_kv_heads)
         self.capture: frozenset[int] = frozenset()
         self.every_forward = False  # prefill forwards only: decode steps keep their CUDA graphs
         target.set_spec_hook(self)
