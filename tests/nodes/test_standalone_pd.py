@@ -106,6 +106,7 @@ def test_the_decode_node_drafts_from_the_prefill_nodes_draft_kv(setup, monkeypat
     ids, ends, prompt_positions = serve_pd(setup, monkeypatch, spec, spec, page_size, 9000 + 10 * page_size)
     assert ids == setup["expected"]
     assert prompt_positions == 0  # the draft KV of every prompt position came with the transfer
+    assert ends["c"].cached_tokens == 32  # "a"'s prefix, its draft KV with it, from the prefill node's radix cache
     for rid, f in ends.items():  # the draft is the target: with its KV right every draft is accepted
         assert f.spec_draft_tokens > 0 and f.spec_accepted_tokens == f.spec_draft_tokens, rid
 

@@ -97,7 +97,8 @@ class Drafter(Protocol):
 
 
 class SpecHook(Protocol):
-    """What a hidden-state drafter hands the target's ``ModelRunner`` (``set_spec_hook``)."""
+    """What a drafter hands the target's ``ModelRunner`` (``set_spec_hook``): a hidden-state drafter, or a P/D node's
+    STANDALONE draft model, which extends over each prefill chunk at the target's slots."""
 
     capture: frozenset[int]  # target layers whose input streams are the features (EAGLE3); empty: the final hidden
     every_forward: bool  # True: it reads every forward's features (all run eagerly); False: prefills' only
