@@ -58,7 +58,9 @@ class EagleDrafter:
                                   self.topk, draft_len, max_draft_tokens(args) + 1, args.resolved_attention_backend)
         # The draft steps' rows read a branch table as wide as the target's plus the steps' chain.
         width = runner.req_to_token_pool.device_req_to_token.shape[1] + draft_len
-        self.worker.graph_runner = build_draft_graph_runner(args, self.worker, width)
+        w = self.worker
+        w.graph_runner = build_draft_graph_runner(args, self.head, w.kv_pool, w.attn_backend, self.topk, w.max_batch,
+                                                  draft_len, width)
         self.runner = runner
         self.capture = self.head.config.capture
         slots = runner.req_to_token_pool.size + 1

@@ -31,8 +31,8 @@ from common.engine.graph_base import StepGraphRunner, build_step_runner, check_c
 from common.engine.model.padded_decode_backend import PaddedDecodeBackend, PaddedDecodeMetadata
 
 if TYPE_CHECKING:
+    from common.engine.mem.kv_pool import MHATokenToKVPool
     from common.engine.spec.eagle_model import EagleHead
-    from common.engine.spec.eagle_worker import EagleWorker
 
 
 def _head_step(head: EagleHead, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,14 +42,16 @@ def _head_step(head: EagleHead, fb: ForwardBatch, hidden: torch.Tensor) -> tuple
 class DraftGraphRunner(StepGraphRunner):
     kind = "EAGLE draft"
 
-    def __init__(self, args: ServerArgs, worker: EagleWorker, table_width: int, use_cuda_graph: bool,
-                 compile_max_bs: int) -> None:
-        self.head = worker.head
-        self.kv_pool = worker.kv_pool
-        self.eager_backend = worker.attn_backend
-        self.topk = worker.topk
+    def __init__(self, args: ServerArgs, head: EagleHead, kv_pool: MHATokenToKVPool, eager_backend: Any, topk: int,
+                 max_batch: int, table_width: int, use_cuda_graph: bool, compile_max_bs: int) -> None:
+        """The ``EagleWorker``'s head, head pool, eager backend, topk and largest batch; ``table_width``: columns
+        of the widest branch table a step builds."""
+        self.head = head
+        self.kv_pool = kv_pool
+        self.eager_backend = eager_backend
+        self.topk = topk
         cap = args.resolved_cuda_graph_max_bs if use_cuda_graph else compile_max_bs
-        max_bs = max(1, min(cap, worker.max_batch))
+        max_bs = max(1, min(cap, max_batch))
         super().__init__(max_bs, self.kv_pool.device, self.kv_pool.dtype, use_cuda_graph, compile_max_bs, _head_step)
         lc = self.head.config.layer
         self.padded_backend = PaddedDecodeBackend(self.head.shard.num_heads, self.head.shard.num_kv_heads, lc.head_dim,
@@ -170,13 +172,15 @@ class DraftGraphRunner(StepGraphRunner):
         check_close(f"{self.kind} batch size {bs} (features)", got_f, want_f, self.dtype)
 
 
-def build_draft_graph_runner(args: ServerArgs, worker: EagleWorker, table_width: int) -> DraftGraphRunner | None:
+def build_draft_graph_runner(args: ServerArgs, head: EagleHead, kv_pool: MHATokenToKVPool, eager_backend: Any,
+                             topk: int, max_batch: int, num_steps: int, table_width: int) -> DraftGraphRunner | None:
     """The draft-step runner the flags ask for, warmed up, or ``None`` (draft steps run eagerly; also when a step
     has no draft forward: ``num_steps`` 1)."""
-    if worker.num_steps < 2:
+    if num_steps < 2:
         return None
 
     def make(use_graphs: bool, compile_max_bs: int) -> DraftGraphRunner:
-        return DraftGraphRunner(args, worker, table_width, use_graphs, compile_max_bs)
+        return DraftGraphRunner(args, head, kv_pool, eager_backend, topk, max_batch, table_width, use_graphs,
+                                compile_max_bs)
 
-    return build_step_runner(args, worker.kv_pool.device, "EAGLE draft", make)
+    return build_step_runner(args, kv_pool.device, "EAGLE draft", make)

@@ -24,17 +24,14 @@ its output feature; in P/D it is what a decode node needs to draft its first ste
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.engine.mem.kv_pool import MHATokenToKVPool
+from common.engine.spec.eagle_graph_runner import DraftGraphRunner
 from common.engine.spec.eagle_model import EagleHead
 from common.engine.spec.eagle_tree import DraftLevels, DraftTree, build_tree
-
-if TYPE_CHECKING:
-    from common.engine.spec.eagle_graph_runner import DraftGraphRunner
 
 
 @dataclass
