@@ -77,6 +77,7 @@ class StepGraphRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # or anything with replay() (tests on CPU)
         self._graph_out: dict[int, Any] = {}
         self._graph_pool: object = None
+        self.serving = False  # set once every bucket passed its start-up check
 
     def _bucket(self, n: int) -> int:
         for bs in self.buckets:
@@ -184,6 +185,7 @@ def build_step_runner(args: ServerArgs, device: torch.device, kind: str,
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             continue
+        runner.serving = True
         return runner
     if options:
         logger.warning("%s steps run eagerly", kind)
