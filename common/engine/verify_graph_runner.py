@@ -81,11 +81,12 @@ class VerifyGraphRunner(StepGraphRunner):
                 and max(fb.extend_lens_cpu) <= self.num_rows
                 and max(fb.prefix_lens_cpu) + self.num_rows <= self.req_to_token_pool.device_req_to_token.shape[1])
 
-    def forward_features(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_features(self, fb: ForwardBatch, bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, features) of every row of the verify batch, in its token order (views of static buffers under
-        CUDA graphs: read them before the next call). Writes the rows' K/V like ``model.forward``."""
+        CUDA graphs: read them before the next call), run at ``bucket`` (default: the smallest that holds it).
+        Writes the rows' K/V like ``model.forward``."""
         n = fb.batch_size
-        bs = self._bucket(n)
+        bs = self._bucket(n) if bucket is None else bucket
         rows = self._load(fb, n, bs)
         out = self._replay(bs) if self.use_cuda_graph else self._run_compiled(bs, max(fb.prefix_lens_cpu))
         hidden, features = split_out(out)
@@ -201,7 +202,7 @@ class VerifyGraphRunner(StepGraphRunner):
             self.eager_backend.init_forward_metadata(fb)
             want_hidden, want_features = split_out(self._step(self.model, fb))
             want, want_features = self.model.compute_logits(want_hidden), want_features.clone()
-            hidden, features = self.forward_features(fb)
+            hidden, features = self.forward_features(fb, bs)
             got, got_features = self.model.compute_logits(hidden), features.clone()
         finally:
             table[:n, :width] = saved

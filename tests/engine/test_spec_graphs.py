@@ -90,9 +90,9 @@ class StepLog:
         self.steps.append((runner.kind, id(model), rows, runner._bucket(n), err))
 
     def _wrap_target(self, serve: Any) -> Any:
-        def checked(runner: Any, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def checked(runner: Any, fb: Any, *bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
             if not runner.serving:  # its start-up check
-                return serve(runner, fb)
+                return serve(runner, fb, *bucket)
             hidden, features = (t.clone() for t in serve(runner, fb))
             runner.eager_backend.init_forward_metadata(fb)
             want, want_f = split_out(runner._step(runner.model, fb))
@@ -102,9 +102,9 @@ class StepLog:
         return checked
 
     def _wrap_draft(self, serve: Any) -> Any:
-        def checked(runner: Any, fb: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def checked(runner: Any, fb: Any, hidden: torch.Tensor, *bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
             if not runner.serving:
-                return serve(runner, fb, hidden)
+                return serve(runner, fb, hidden, *bucket)
             logit_h, feature = (t.clone() for t in serve(runner, fb, hidden))
             fb.attn_metadata = None
             want, want_f = runner.head(fb, hidden)

@@ -72,11 +72,13 @@ class DraftGraphRunner(StepGraphRunner):
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.batch_size <= self.max_bs * self.topk and fb.req_to_token.shape[1] <= self.table.shape[1]
 
-    def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, fb: ForwardBatch, hidden: torch.Tensor, bucket: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's (logit hidden, feature) [rows, hidden] of a draft step ``fb`` (branch rows, its table in
-        ``fb.req_to_token``); views of static buffers under CUDA graphs: read them before the next call."""
+        ``fb.req_to_token``), run at ``bucket`` (default: the smallest that holds it); views of static buffers under
+        CUDA graphs: read them before the next call."""
         rows = fb.batch_size
-        bs = self._bucket(-(-rows // self.topk))
+        bs = self._bucket(-(-rows // self.topk)) if bucket is None else bucket
         self._load(fb, hidden, rows, bs * self.topk)
         if self.use_cuda_graph:
             logit_h, feature = self._replay(bs)
@@ -162,7 +164,7 @@ class DraftGraphRunner(StepGraphRunner):
                 fb.attn_metadata = self._graph_batches[bs].attn_metadata
             want_h, want_f = self.head(fb, hidden)
             want, want_f = self.head.compute_logits(want_h), want_f.clone()
-            got_h, got_f = self.forward(fb, hidden)
+            got_h, got_f = self.forward(fb, hidden, bs)
             got, got_f = self.head.compute_logits(got_h), got_f.clone()
         finally:
             for buf in (pool.k_buffer[0], pool.v_buffer[0]):
