@@ -154,6 +154,14 @@ class VerifyGraphRunner(StepGraphRunner):
         from common.engine.model.triton_backend import TritonAttnMetadata
 
         t = bs * self.num_rows
+        # Padding only, as a replay without a batch would see (the previous bucket's check left its rows here).
+        self.input_ids[:t].zero_()
+        self.positions[:t].zero_()
+        self.out_cache_loc[:t].zero_()
+        self.req_pool_indices[:bs].fill_(self.req_to_token_pool.padding_row)
+        self.prefix_lens[:bs].zero_()
+        self.seq_lens[:bs].fill_(self.num_rows)
+        self.mask[: t * self.num_rows].copy_(self._eye[: t * self.num_rows])
         md = TritonAttnMetadata(False, 1, self.q_start[:bs], self.num_rows,
                                 custom_mask=self.mask[: t * self.num_rows].view(torch.uint8),
                                 mask_start=self.mask_start[:bs])
