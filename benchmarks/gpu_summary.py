@@ -144,6 +144,12 @@ def _scale(r: dict[str, Any]) -> list[str]:
         lines += [f"| {p['batch']} | {p['context']} | {p['step_ms']:.3f} | {p['floor_ms']:.3f} | {p['ratio']:.2f}x | "
                   f"<= {p['target']}x: {_mark(p['met'])} |" for p in d["decode"]]
         lines += [f"| {p['batch']} | {p['context']} | skipped: {p['reason']} ||||" for p in d.get("skipped", [])]
+        if d.get("verify"):
+            lines += ["", f"Speculative verify step (CUDA graphs {'on' if d.get('verify_cuda_graphs') else 'off'}) "
+                      "against the plain decode step:", "", "| batch | context | rows | verify ms | decode ms | ratio |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {p['batch']} | {p['context']} | {p['rows']} | {p['verify_ms']:.3f} | {p['decode_ms']:.3f} | "
+                      f"{p['verify_over_decode']:.2f}x |" for p in d["verify"]]
         lines += ["", "| prefill tokens | tok/s | TFLOP/s | MFU | target |", "|---|---|---|---|---|"]
         lines += [f"| {p['tokens']} | {p['tok_per_s']:.0f} | {p['tflops']:.1f} | {_fmt(p['mfu'], '.0%')} | "
                   + (f">= {p['target_mfu']:.0%}: {_mark(p['met'])}" if p.get("target_mfu") else "-") + " |"

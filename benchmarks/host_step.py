@@ -42,7 +42,7 @@ WRAPPED = [
     ("common.engine.scheduler_output", "OutputCollector", "flush"),
     ("common.engine.model_runner", "ModelRunner", "launch"),
     ("common.engine.model_runner", "ModelRunner", "_forward_batch"),
-    ("common.engine.graph_runner", "DecodeGraphRunner", "forward"),
+    ("common.engine.graph_runner", "DecodeGraphRunner", "forward_features"),
     ("common.engine.sampling.sampler", "Sampler", "__call__"),
 ]
 

@@ -12,6 +12,10 @@ to reach a context: the pages are laid out directly, KV contents do not change t
     prefill  one request of each ``--prefill`` length, eager as served (extend attention, logits of the last
              token): tokens/s and MFU = model FLOPs (2 x params x tokens + causal attention) / s / the card's bf16
              dense peak (by device name: ``PEAK_BF16_TFLOPS``); targets 50 % at 4k, 40 % at 16k
+    verify   per (batch, context) with batch in ``--verify-batches``: one speculative verify step of ``--verify-rows``
+             rows per request (a chain: the last token and its drafts, TARGET_VERIFY) at that context, as served
+             (``VerifyGraphRunner``: CUDA-graph replay) + the LM head + argmax over every row; recorded beside the
+             plain decode step of that point (``verify_over_decode``); no target (issue 51 asks for it recorded)
 A point that misses its target gets a torch profiler table (top ops by device time over a few steps), at most
 ``--profile-misses`` per size. Points whose KV does not fit the device are reported as skipped, with the sizes.
 
@@ -124,6 +128,42 @@ class Bench:
             with torch.inference_mode(), torch.cuda.device(self.device):
                 graphs.warm_up()  # raises if a graph's logits are off eager's
             self.graphs = graphs
+        self.verify_graphs = None
+        if self.graphs is not None and a.verify_batches:
+            from common.engine.verify_graph_runner import VerifyGraphRunner
+
+            verify = VerifyGraphRunner(self.args.replace(disable_cuda_graph=False), self.model, self.runner.kv_pool,
+                                       self.runner.req_to_token_pool, self.runner.attn_backend, True, 0,
+                                       a.verify_rows)
+            verify.buckets = sorted(set(a.verify_batches))
+            with torch.inference_mode(), torch.cuda.device(self.device):
+                verify.warm_up()
+            verify.serving = True
+            self.verify_graphs = verify
+
+    def verify_batch(self, bs: int, context: int, rows: int) -> Any:
+        """A verify step of ``bs`` requests at ``context`` tokens, the last ``rows`` of them new (a chain)."""
+        from common.engine.forward_batch import ForwardMode
+
+        fb = self.batch(bs, context, extend=False)
+        slots = self.runner.req_to_token_pool.device_req_to_token[:bs, context - rows : context]
+        pos = torch.arange(context - rows, context, device=self.device)
+        i64 = {"dtype": torch.int64, "device": self.device}
+        fb.forward_mode, fb.out_cache_loc, fb.positions = ForwardMode.TARGET_VERIFY, slots.reshape(-1), pos.repeat(bs)
+        fb.input_ids = torch.randint(3, self.model.config.vocab_size, (bs * rows,), **i64)
+        fb.extend_lens, fb.prefix_lens = torch.full((bs,), rows, **i64), torch.full((bs,), context - rows, **i64)
+        fb.extend_lens_cpu, fb.prefix_lens_cpu = [rows] * bs, [context - rows] * bs
+        fb.attn_metadata = None
+        self.runner.attn_backend.init_forward_metadata(fb)
+        return fb
+
+    def verify_fn(self, fb: Any) -> Callable[[], object]:
+        model, graphs = self.model, self.verify_graphs
+
+        def step() -> object:
+            hidden = graphs.forward_features(fb)[0] if graphs is not None else model.forward(fb)
+            return model.compute_logits(hidden).argmax(-1)
+        return step
 
     def batch(self, bs: int, context: int, extend: bool) -> Any:
         """A decode step of ``bs`` requests at ``context`` tokens (the last one new), or one extend of ``context``
@@ -161,7 +201,7 @@ class Bench:
         return step
 
     def close(self) -> None:
-        self.graphs = self.runner = self.model = None  # type: ignore[assignment]
+        self.graphs = self.verify_graphs = self.runner = self.model = None  # type: ignore[assignment]
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -220,6 +260,8 @@ def run_size(a: argparse.Namespace, size: str, work: Path) -> dict[str, Any]:
     bench = Bench(a, size, kv_tokens + a.page_size)
     out["startup_s"] = round(time.monotonic() - t0, 1)
     out["cuda_graphs"] = bench.graphs is not None
+    out["verify_cuda_graphs"] = bench.verify_graphs is not None
+    out["verify"] = []
     out["copy_bandwidth_gbs"] = bw = copy_bandwidth_gbs(device)
     profiles = 0
     try:
@@ -241,6 +283,15 @@ def run_size(a: argparse.Namespace, size: str, work: Path) -> dict[str, Any]:
                 out["decode"].append(point)
                 print(f"{size} decode bs {bs:4d} ctx {ctx:6d}: {ms:8.3f} ms, floor {floor:7.3f} ms "
                       f"({point['ratio']:.2f}x, target {point['target']}x)", flush=True)
+                if bs in a.verify_batches and ctx > a.verify_rows:
+                    verify = bench.verify_fn(bench.verify_batch(bs, ctx, a.verify_rows))
+                    for _ in range(3):
+                        verify()
+                    vms = 1e3 * statistics.median(_timed(device, verify) for _ in range(a.steps))
+                    out["verify"].append({"batch": bs, "context": ctx, "rows": a.verify_rows, "verify_ms": vms,
+                                          "decode_ms": ms, "verify_over_decode": vms / ms})
+                    print(f"{size} verify bs {bs:4d} ctx {ctx:6d} x {a.verify_rows} rows: {vms:8.3f} ms "
+                          f"({vms / ms:.2f}x the decode step)", flush=True)
             for n in a.prefill:
                 step = bench.step_fn(bench.batch(1, n, extend=True), last_only=True)
                 step()
@@ -273,12 +324,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per point (prefill: a quarter)")
     p.add_argument("--profile-misses", type=int, default=4, help="profiler tables per size for missed targets")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--verify-batches", default="1,8", help="batches whose verify step is timed ('' for none)")
+    p.add_argument("--verify-rows", type=int, default=4, help="rows per request of a timed verify step")
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     p.add_argument("--json", required=True)
     a = p.parse_args(argv)
     a.batches = [int(x) for x in a.batches.split(",") if x]
     a.contexts = [int(x) for x in a.contexts.split(",") if x]
     a.prefill = [int(x) for x in a.prefill.split(",") if x]
+    a.verify_batches = [int(x) for x in a.verify_batches.split(",") if x]
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device visible (use --device cpu for the dry run)")
     torch.set_num_threads(a.threads)

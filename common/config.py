@@ -248,15 +248,16 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int | None = flag(
         None, "NGRAM: longest suffix matched; the longest match wins (default 12)", group=SPECULATIVE,
         check=at_least(1))
-    # Compiled decode steps (common.engine.graph_runner): decode batches are padded to the next captured batch size.
-    enable_torch_compile: bool = flag(False, "torch.compile the decode forward for batch sizes up to "
-                                      "--torch-compile-max-bs (padded to the next bucket); compiled at start-up",
-                                      group=COMPILE)
-    torch_compile_max_bs: int = flag(32, "largest decode batch run compiled", group=COMPILE, check=at_least(1))
-    cuda_graph_max_bs: int | None = flag(None, "cuda: largest decode batch replayed as a CUDA graph (default "
-                                         "min(160, --max-running-requests))", group=COMPILE, check=at_least(1))
-    disable_cuda_graph: bool = flag(False, "cuda: no CUDA graphs; decode steps launch their kernels one by one",
-                                    group=COMPILE)
+    # Compiled / captured steps (common.engine.graph_base): batches are padded to the next captured batch size.
+    enable_torch_compile: bool = flag(False, "torch.compile the decode forward (with speculation: the verify and "
+                                      "draft steps too) for batch sizes up to --torch-compile-max-bs (padded to "
+                                      "the next bucket); compiled at start-up", group=COMPILE)
+    torch_compile_max_bs: int = flag(32, "largest decode/verify/draft batch run compiled", group=COMPILE, check=at_least(1))
+    cuda_graph_max_bs: int | None = flag(None, "cuda: largest decode / verify / draft batch replayed as a CUDA graph "
+                                         "(default min(160, --max-running-requests))", group=COMPILE,
+                                         check=at_least(1))
+    disable_cuda_graph: bool = flag(False, "cuda: no CUDA graphs; decode (and speculation's verify and draft) steps "
+                                    "launch their kernels one by one", group=COMPILE)
     # Parallelism.
     tp_size: int = flag(1, "tensor parallel ranks per DP replica: the model's heads, MLP and KV heads split over "
                         "them", group=PARALLEL, check=at_least(1))

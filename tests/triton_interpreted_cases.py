@@ -280,6 +280,7 @@ CASES["model-llama-page16"] = lambda: _whole("model_case", "llama", 16)
 CASES["model-mistral-window"] = lambda: _whole("model_case", "mistral", 16, first_len=56)  # tiny window: 48
 CASES["engine-llama"] = lambda: _whole("engine_case")
 CASES["graph-runner-llama"] = lambda: _whole("graph_runner_case", "llama")
+CASES["spec-graph-runners"] = lambda: _whole("spec_graph_runners_case")
 
 
 def main(out_path: str) -> None:

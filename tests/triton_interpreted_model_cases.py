@@ -91,6 +91,33 @@ def engine_case() -> float:
     return 0.0
 
 
+class _Replay:
+    def __init__(self, run: Callable[[], object]) -> None:
+        self.replay = run
+
+
+def _eager_capture(cls: type) -> type:
+    """``cls`` whose CUDA-graph mode runs without CUDA: each bucket's "graph" re-runs the function it would capture
+    on its static arguments and copies the result into the first run's outputs (what a replay does)."""
+
+    class EagerCapture(cls):  # type: ignore[misc, valid-type]
+        def _capture(self, bs: int) -> None:
+            fn, args = self._capture_inputs(bs)
+            first = fn(*args)
+            outs = tuple(t.clone() for t in first) if isinstance(first, tuple) else first.clone()
+
+            def replay() -> None:
+                got = fn(*args)
+                for dst, src in zip(outs if isinstance(outs, tuple) else (outs,),
+                                    got if isinstance(got, tuple) else (got,), strict=True):
+                    dst.copy_(src)
+
+            self._graph_out[bs] = outs
+            self._graphs[bs] = _Replay(replay)
+
+    return EagerCapture
+
+
 def graph_runner_case(arch: str) -> float:
     """CUDA-graph mode of ``DecodeGraphRunner`` without CUDA: each bucket's "graph" re-runs the function it would
     capture on the static batch (fixed split count, padding rows on the padding row/slot), and the start-up check
@@ -101,17 +128,6 @@ def graph_runner_case(arch: str) -> float:
     from common.engine.mem.req_to_token_pool import ReqToTokenPool
     from tests.model_fixtures import load_tiny_model
 
-    class Replay:
-        def __init__(self, run: Callable[[], object]) -> None:
-            self.replay = run
-
-    class EagerCapture(graph_runner.DecodeGraphRunner):
-        def _capture(self, bs: int) -> None:
-            fn, fb = self._capture_inputs(bs)
-            out = fn(self.model, fb).clone()
-            self._graph_out[bs] = out
-            self._graphs[bs] = Replay(lambda: out.copy_(fn(self.model, fb)))  # type: ignore[assignment]
-
     graph_runner.VERIFY_RTOL[torch.float32] = 1e-5
     model = load_tiny_model(arch)
     model.use_triton_kernels()  # as the CUDA runner has it
@@ -119,11 +135,52 @@ def graph_runner_case(arch: str) -> float:
     pool = MHATokenToKVPool(32, 16, torch.float32, model.num_local_kv_heads, cfg.head_dim, cfg.num_layers)
     r2t = ReqToTokenPool(5, cfg.context_len)
     args = ServerArgs(attention_backend="triton", cuda_graph_max_bs=4, max_running_requests=4)
-    runner = EagerCapture(args, model, pool, r2t, model.make_attn_backend("triton"), True, 0)
+    runner = _eager_capture(graph_runner.DecodeGraphRunner)(args, model, pool, r2t, model.make_attn_backend("triton"),
+                                                            True, 0)
     with torch.inference_mode():
         runner.warm_up()  # raises when a bucket is off
     assert runner.buckets == [1, 2, 4], runner.buckets
     assert all(not buf[16:].any() for buf in pool.k_buffer + pool.v_buffer), "the check left K/V on pages >= 1"
+    assert not r2t.req_to_token.any()
+    model.use_triton_kernels(False)
+    return 0.0
+
+
+def spec_graph_runners_case() -> float:
+    """The CUDA-graph mode of speculation's runners without CUDA (``_eager_capture``), each bucket's start-up check
+    within 1e-5 of eager Triton: ``VerifyGraphRunner`` (static tree masks through the extend kernel's mask form,
+    trees of 1 .. N rows, a padding request in bucket 2, EAGLE3's captured streams) and ``DraftGraphRunner`` (an
+    EAGLE3 head's draft steps over the static branch table); the checks' pages and rows are left clean."""
+    from common.config import ServerArgs
+    from common.engine import graph_runner
+    from common.engine.mem.kv_pool import MHATokenToKVPool
+    from common.engine.mem.req_to_token_pool import ReqToTokenPool
+    from common.engine.spec.eagle_graph_runner import DraftGraphRunner
+    from common.engine.spec.eagle_loader import load_eagle_head
+    from common.engine.spec.eagle_worker import EagleWorker
+    from common.engine.verify_graph_runner import VerifyGraphRunner
+    from tests.engine.test_eagle_head import head_dir
+    from tests.model_fixtures import load_tiny_model
+
+    graph_runner.VERIFY_RTOL[torch.float32] = 1e-5
+    model = load_tiny_model("llama")
+    model.use_triton_kernels()
+    cfg = model.config
+    head = load_eagle_head(head_dir("EAGLE3"), "EAGLE3", model, torch.float32, torch.device("cpu"))
+    pool = MHATokenToKVPool(32, 4, torch.float32, model.num_local_kv_heads, cfg.head_dim, cfg.num_layers)
+    r2t = ReqToTokenPool(3, cfg.context_len)
+    args = ServerArgs(attention_backend="triton", cuda_graph_max_bs=2, max_running_requests=2)
+    backend = model.make_attn_backend("triton")
+    verify = _eager_capture(VerifyGraphRunner)(args, model, pool, r2t, backend, True, 0, 4, head.config.capture)
+    worker = EagleWorker(head, pool.num_pages, 4, 2, 2, 3, 4, "triton")
+    draft = _eager_capture(DraftGraphRunner)(args, head, worker.kv_pool, worker.attn_backend, 2, 2,
+                                             r2t.req_to_token.shape[1] + 3, True, 0)
+    with torch.inference_mode():
+        verify.warm_up()  # raises when a bucket is off
+        draft.warm_up()
+    assert verify.buckets == [1, 2] and draft.buckets == [1, 2], (verify.buckets, draft.buckets)
+    assert all(not buf[4:].any() for buf in pool.k_buffer + pool.v_buffer), "the check left K/V on pages >= 1"
+    assert all(not buf.any() for buf in worker.kv_pool.k_buffer + worker.kv_pool.v_buffer)
     assert not r2t.req_to_token.any()
     model.use_triton_kernels(False)
     return 0.0

@@ -27,7 +27,7 @@ from common.config import ServerArgs
 from common.engine.device import MAX_KV_TOKENS, kv_cache_bytes, rank_device, ship
 from common.engine.distributed import TPGroup
 from common.engine.forward_batch import ForwardBatch
-from common.engine.graph_runner import build_graph_runner
+from common.engine.graph_runner import DecodeGraphRunner, build_graph_runner
 from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.mem.kv_pool import MHATokenToKVPool
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
@@ -38,6 +38,7 @@ from common.engine.sampling.sample_output import HostSample, HostSampleCopy, Sam
 from common.engine.sampling.sampler import Sampler, SamplingBatchInfo
 from common.engine.schedule_batch import ModelWorkerBatch
 from common.engine.spec.drafter import DraftKV, SpecHook
+from common.engine.verify_graph_runner import VerifyGraphRunner, build_verify_graph_runner
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +132,13 @@ class ModelRunner:
         # node's STANDALONE draft (it extends over prefill chunks).
         self.spec_hook: SpecHook | None = None
         self.draft_kv: DraftKV | None = None  # a drafter's KV under this pool's slots (P/D sends it with the pool's)
-        # Last: capturing/compiling runs the model over the pools built above.
-        self.graph_runner = build_graph_runner(args, self.model, self.kv_pool, self.req_to_token_pool,
-                                               self.attn_backend)
+        # Last: capturing/compiling runs the model over the pools built above. With EAGLE the decode graphs wait for
+        # the head's capture set (``build_spec_graph_runners``).
+        self.graph_runner: DecodeGraphRunner | None = None
+        self.verify_graph_runner: VerifyGraphRunner | None = None
+        if args.speculative_algorithm not in ("EAGLE", "EAGLE3"):
+            self.graph_runner = build_graph_runner(args, self.model, self.kv_pool, self.req_to_token_pool,
+                                                   self.attn_backend)
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -184,9 +189,27 @@ class ModelRunner:
         )
 
     def set_spec_hook(self, hook: SpecHook) -> None:
-        """From now on every forward ends with ``hook.after_forward`` (and runs eagerly, no CUDA graph, when the hook
-        reads ``every_forward``)."""
+        """From now on every forward ends with ``hook.after_forward`` (a step runner serves it only if it captures
+        ``hook.capture``: ``build_spec_graph_runners``)."""
         self.spec_hook = hook
+
+    def build_spec_graph_runners(self, num_rows: int) -> None:
+        """Speculation's step runners (after the drafter set its hook, if any): verify forwards of ``num_rows``
+        rows per request, and with a hook the decode steps too, both capturing what the hook reads."""
+        capture = self.spec_hook.capture if self.spec_hook is not None else frozenset()
+        args = self.args
+        if self.graph_runner is None:
+            self.graph_runner = build_graph_runner(args, self.model, self.kv_pool, self.req_to_token_pool,
+                                                   self.attn_backend, capture)
+        self.verify_graph_runner = build_verify_graph_runner(args, self.model, self.kv_pool, self.req_to_token_pool,
+                                                             self.attn_backend, num_rows, capture)
+
+    def _step_runner(self, fb: ForwardBatch) -> DecodeGraphRunner | VerifyGraphRunner | None:
+        capture = self.spec_hook.capture if self.spec_hook is not None else frozenset()
+        for runner in (self.graph_runner, self.verify_graph_runner):
+            if runner is not None and runner.capture == capture and runner.can_run(fb):
+                return runner
+        return None
 
     def forward_and_sample(self, b: ModelWorkerBatch) -> BatchResult:
         return self.launch(b).wait()
@@ -206,8 +229,9 @@ class ModelRunner:
     def _forward_and_sample(self, b: ModelWorkerBatch) -> SampleOutput:
         fb = self._forward_batch(b)
         hook = self.spec_hook
-        if (hook is None or not hook.every_forward) and self.graph_runner is not None and self.graph_runner.can_run(fb):
-            hidden = features = self.graph_runner.forward(fb)
+        runner = self._step_runner(fb)
+        if runner is not None:
+            hidden, features = runner.forward_features(fb)
         else:
             self.attn_backend.init_forward_metadata(fb)
             if hook is not None and hook.capture:

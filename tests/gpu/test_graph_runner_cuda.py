@@ -37,10 +37,10 @@ def _record_against_eager(engine: Any, scales: list[float] | None = None) -> lis
     graphs = runner.graph_runner
     assert graphs is not None and graphs.use_cuda_graph, "CUDA graphs failed their start-up check (see the log)"
     steps: list[tuple[int, float]] = []
-    replay = graphs.forward
+    replay = graphs.forward_features
 
-    def checked(fb: ForwardBatch) -> torch.Tensor:
-        hidden = replay(fb).clone()
+    def checked(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = replay(fb)[0].clone()
         runner.attn_backend.init_forward_metadata(fb)
         eager = runner.model.forward(fb)
         reference = runner.model.compute_logits(eager)
@@ -48,9 +48,9 @@ def _record_against_eager(engine: Any, scales: list[float] | None = None) -> lis
         steps.append((fb.batch_size, float(diff.abs().max())))
         if scales is not None:
             scales.append(float(reference.abs().max()))
-        return hidden
+        return hidden, hidden
 
-    graphs.forward = checked
+    graphs.forward_features = checked
     return steps
 
 

@@ -11,8 +11,9 @@ Modules: ``drafter`` (the interface), one module per algorithm (``ngram``, ``sta
 (the accept rule and the sampling rows of the draft positions), ``info`` (``VerifyInput``), ``speculator`` (the
 step), ``tree`` (tree drafts in the verify step). EAGLE's parts: ``eagle_model`` / ``eagle_loader`` (the head),
 ``eagle_worker`` (its forwards), ``eagle_tree`` (top-k steps to a tree), ``path_kv`` (the accepted path's KV).
-Speculation runs without the overlap schedule; verify forwards run eagerly (CUDA graphs and compiled steps serve
-plain decode steps only, which stay as they were).
+Speculation runs without the overlap schedule. CUDA graphs / compiled steps serve the verify forwards
+(``common.engine.verify_graph_runner``), the plain decode steps (with EAGLE capturing what the head reads), the
+draft model's decode steps (its own ``ModelRunner``) and EAGLE's draft steps (``eagle_graph_runner``).
 """
 
 from __future__ import annotations
@@ -47,4 +48,5 @@ def build_speculator(args: ServerArgs, runner: ModelRunner, dp_rank: int = 0) ->
         raise ValueError(f"--speculative-algorithm {algo} has no drafter (the flags' check refuses it)")
     k = draft_len(args)
     drafter = importlib.import_module(DRAFTERS[algo]).build_drafter(args, runner, k, dp_rank)
+    runner.build_spec_graph_runners(max_draft_tokens(args) + 1)
     return Speculator(drafter, k, runner.model_config.vocab_size, max_draft_tokens(args))

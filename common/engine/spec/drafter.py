@@ -101,7 +101,6 @@ class SpecHook(Protocol):
     STANDALONE draft model, which extends over each prefill chunk at the target's slots."""
 
     capture: frozenset[int]  # target layers whose input streams are the features (EAGLE3); empty: the final hidden
-    every_forward: bool  # True: it reads every forward's features (all run eagerly); False: prefills' only
 
     def after_forward(self, b: ModelWorkerBatch, fb: ForwardBatch, features: torch.Tensor,
                       next_token_ids: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from common.engine.forward_batch import ForwardMode
 from common.engine.spec.drafter import DraftHandoff, DraftKV
+from common.engine.spec.eagle_graph_runner import build_draft_graph_runner
 from common.engine.spec.eagle_loader import load_eagle_head
 from common.engine.spec.eagle_worker import DraftState, EagleWorker
 from common.engine.spec.path_kv import compact_path_kv, path_moves
@@ -55,9 +56,13 @@ class EagleDrafter:
                               "a tree's drafts see each other unwindowed; draft fewer steps")
         self.worker = EagleWorker(self.head, runner.kv_pool.num_pages, args.page_size, args.max_running_requests,
                                   self.topk, draft_len, max_draft_tokens(args) + 1, args.resolved_attention_backend)
+        # The draft steps' rows read a branch table as wide as the target's plus the steps' chain.
+        width = runner.req_to_token_pool.device_req_to_token.shape[1] + draft_len
+        w = self.worker
+        w.graph_runner = build_draft_graph_runner(args, self.head, w.kv_pool, w.attn_backend, self.topk, w.max_batch,
+                                                  draft_len, width)
         self.runner = runner
         self.capture = self.head.config.capture
-        self.every_forward = True
         slots = runner.req_to_token_pool.size + 1
         device = runner.device
         self.state = DraftState(torch.zeros(slots, self.topk, device=device),

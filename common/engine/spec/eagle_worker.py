@@ -29,6 +29,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.engine.mem.kv_pool import MHATokenToKVPool
+from common.engine.spec.eagle_graph_runner import DraftGraphRunner
 from common.engine.spec.eagle_model import EagleHead
 from common.engine.spec.eagle_tree import DraftLevels, DraftTree, build_tree
 
@@ -66,6 +67,7 @@ class EagleWorker:
         self.scratch_base = (num_pages + 1) * page_size
         self.max_batch = max_batch
         self.attn_backend = head.make_attn_backend(backend)
+        self.graph_runner: DraftGraphRunner | None = None  # the draft steps' graphs / compiled steps, if any
 
     @torch.inference_mode()
     def extend(
@@ -133,7 +135,10 @@ class EagleWorker:
                 prefix_lens_cpu=[s + i - 1 for s in seq_lens for _ in range(k)], kv_pool=self.kv_pool,
                 attn_backend=self.attn_backend,
             )
-            logit_h, feature = self.head(fb, hidden)
+            if self.graph_runner is not None and self.graph_runner.can_run(fb):
+                logit_h, feature = self.graph_runner.forward(fb, hidden)
+            else:
+                logit_h, feature = self.head(fb, hidden)
             p, ids = self.head.draft_topk(logit_h, k)
             tokens, parent_rows = levels.add_step(p, ids)
             hidden = feature[parent_rows]

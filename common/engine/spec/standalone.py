@@ -1,5 +1,6 @@
 """``StandaloneDrafter``: a smaller model with the target's tokenizer drafts ``k`` tokens greedily, over a paged KV
-pool of its own (a second ``ModelRunner``: its own allocator, KV pool and ``req_to_token`` table, eager forwards).
+pool of its own (a second ``ModelRunner``: its own allocator, KV pool and ``req_to_token`` table; its decode steps run as
+CUDA graphs / compiled steps under the target's flags, its extends eagerly).
 
 The draft's table is indexed by the target's request slots: row r holds the draft KV of the request in target slot
 r, valid for its first ``draft_lens[r]`` positions. Per step, for each request with a cap (``propose``)::
@@ -96,8 +97,8 @@ class StandaloneDrafter:
         assert path is not None
         ps, slots = args.page_size, target.req_to_token_pool.size
         headroom = slots * (-(-draft_len // ps) + 1) * ps
-        draft_args = args.replace(max_total_tokens=target.max_total_num_tokens + headroom, disable_cuda_graph=True,
-                                  enable_torch_compile=False)
+        # Its decode steps replay graphs / compiled steps as the target's do (the same flags).
+        draft_args = args.replace(max_total_tokens=target.max_total_num_tokens + headroom)
         # Sharded over the target's TP group (raises ConfigError naming the draft when --tp-size cannot split it).
         self.runner = ModelRunner(draft_args, path, dp_rank, tp=target.tp)
         cfg, tcfg = self.runner.model_config, target.model_config
@@ -135,8 +136,7 @@ class StandaloneDrafter:
                                                                                strict=True)),
                                   state_dims=(0, 0), fingerprint={"draft_model": f"STANDALONE:{digest}"},
                                   total_kv_heads=self.runner.model_config.num_kv_heads)
-        self.capture: frozenset[int] = frozenset()
-        self.every_forward = False  # prefill forwards only: decode steps keep their CUDA graphs
+        self.capture: frozenset[int] = frozenset()  # the final hidden states: the target's step runners serve it
         target.set_spec_hook(self)
 
     # -- Drafter -----------------------------------------------------------------------------------------------------
