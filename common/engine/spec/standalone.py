@@ -31,7 +31,8 @@ the target's pages and is covered by the target's allocation, prefix caches and 
         so the first decode step extends the draft over one token, not the prompt
     propose: positions past the target's committed ones fill the rest of the request's last target page (the
         slots the target gives them next) and then own pages (the headroom); ``_sync`` copies the draft KV of
-        newly committed positions from own pages to the target's slots and frees every own page of the row
+        newly committed positions from own pages to the target's slots and frees every own page of the row; an
+        extend over committed positions the draft has not seen writes them at the target's slots too
 
 A prefix the target's cache holds was computed by a prefill forward on this node (the hook ran) or landed from a
 prefill node holding the same draft (the handshake's fingerprint), so its draft KV is in place. The host tier of
@@ -246,18 +247,28 @@ class StandaloneDrafter:
 
     def _extend(self, reqs: list[Req]) -> list[int] | None:
         """One forward over the tokens of each request the draft has not seen; its next token per request."""
-        rows = [r.req_pool_idx for r in reqs]
-        prefix = [self.draft_lens[r] for r in rows]  # type: ignore[index]
+        rows: list[int] = [r.req_pool_idx for r in reqs]  # type: ignore[misc]
+        prefix = [self.draft_lens[r] for r in rows]
         seq = [r.seqlen for r in reqs]
-        out = self.allocator.alloc_extend(prefix, seq, self._last_locs(rows, prefix))  # type: ignore[arg-type]
+        # P/D: committed positions the draft has not seen (a prompt whose draft KV did not land) go to the target's
+        # slots, as the prefill node's would have; only the positions past them take own pages
+        own = [max(p, min(r.kv_committed_len, s)) if self.mirror_slots else p
+               for r, p, s in zip(reqs, prefix, seq, strict=True)]
+        for row, p, o in zip(rows, prefix, own, strict=True):
+            if o > p:
+                self.table.write(row, p, self.target_table.req_to_token[row, p:o])
+        out = self.allocator.alloc_extend(own, seq, self._last_locs(rows, own))
         if out is None:
             return None
         input_ids: list[int] = []
-        for req, row, p, s in zip(reqs, rows, prefix, seq, strict=True):
-            self.table.write(row, p, out[len(input_ids) : len(input_ids) + s - p])  # type: ignore[arg-type]
+        locs, at = [], 0
+        for req, row, p, o, s in zip(reqs, rows, prefix, own, seq, strict=True):
+            self.table.write(row, o, out[at : at + s - o])
+            locs += [self.table.req_to_token[row, p:o], out[at : at + s - o]]
+            at += s - o
             input_ids.extend(req.all_ids()[p:s])
-            self.draft_lens[row] = s  # type: ignore[index]
-        return self._forward(ForwardMode.DRAFT_EXTEND, reqs, input_ids, out, rows, seq, prefix)  # type: ignore[arg-type]
+            self.draft_lens[row] = s
+        return self._forward(ForwardMode.DRAFT_EXTEND, reqs, input_ids, torch.cat(locs), rows, seq, prefix)
 
     def _decode(self, reqs: list[Req], tokens: list[int]) -> list[int] | None:
         """One decode forward feeding each request its newest draft token; its next draft token."""
