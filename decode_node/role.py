@@ -130,7 +130,10 @@ class DecodeRole(LoopHooks):
         if self.prompts is not None and shared:
             self.prompts.cache_prompt(req, shared)  # landed: requests with this prompt share its full pages
         spec = self.engine.decode.speculator
-        if spec is not None and md.draft_topk_ids and req.req_pool_idx is not None:  # EAGLE: drafts from step 1
-            spec.drafter.resume(req.req_pool_idx, DraftHandoff(md.draft_topk_ids, md.draft_topk_p, md.draft_hidden))
+        # EAGLE's state, STANDALONE's prompt KV (all of the prompt, or the draft extends over it itself): drafts from step 1
+        landed = md.draft_kv_len if md.draft_kv_len == len(req.origin_input_ids) else 0
+        if spec is not None and (md.draft_topk_ids or landed) and req.req_pool_idx is not None:
+            spec.drafter.resume(req.req_pool_idx, DraftHandoff(md.draft_topk_ids, md.draft_topk_p, md.draft_hidden,
+                                                               landed))
         top = list(zip(md.top_ids, md.top_logprobs, strict=True))
         req.take_token(md.first_token, self.engine.tokenizer, md.logprob, top)  # a grammar starts from P's token

@@ -36,7 +36,7 @@ from kvtransfer.messages import (
     HelloProof,
 )
 from kvtransfer.metadata import MetadataBuffers
-from kvtransfer.registry import backend_class
+from kvtransfer.registry import make_backend
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class KVManager:
         self.control = ControlPlane(config.host, config.control_port, self._on_message, self._on_tick,
                                     advertise_host=config.advertise_host, on_drained=self._on_drained)
         self.instance_id = f"{mode}/dp{args.dp_rank}/tp{args.tp_rank}@{self.control.address}"
-        self.backend = backend_class(config.backend)(args, config, mode, self, PeerKey(self.instance_id, self.epoch))
+        self.backend = make_backend(args, config, mode, self, PeerKey(self.instance_id, self.epoch))
         self.endpoint = self.backend.endpoint()
         self.rooms: Rooms = rooms(self)
         self.control.start()

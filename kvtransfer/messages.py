@@ -29,7 +29,7 @@ from common.errors import ErrorCode
 from kvtransfer.args import KVLayout
 from kvtransfer.metadata import MetadataRecord
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: KVLayout.extra (layer groups), MetadataRecord.draft_kv_len
 
 
 class ControlMessage(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):

@@ -7,6 +7,8 @@ and zeroes the slot when the room is cleared, so a stale record can never valida
 Extension (EAGLE speculation, ``KVArgs.draft_state_dims`` = (topk, hidden) on both nodes, else (0, 0)): the draft
 head's state after the prompt (its top-k at the last prompt position and its feature there), so the decode node
 drafts from its first step. Records without it (empty fields) stay valid: a node without a head sends none.
+STANDALONE speculation: ``draft_kv_len``, the prompt positions whose draft-model KV travelled with the target's pages
+(as more layers, ``KVArgs.from_pool(extra_layers=...)``); 0 from a node without the draft model.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ SLOT_FIELDS = [
     ("logprob", np.float32),
     ("cached_tokens", np.int32),
     ("num_top", np.int32),
+    ("draft_kv_len", np.int32),
     ("top_ids", np.int32, (MAX_TOP_LOGPROBS,)),
     ("top_logprobs", np.float32, (MAX_TOP_LOGPROBS,)),
 ]
@@ -43,6 +46,7 @@ class MetadataRecord(msgspec.Struct, frozen=True, kw_only=True):
     draft_topk_ids: tuple[int, ...] = ()
     draft_topk_p: tuple[float, ...] = ()
     draft_hidden: bytes = b""  # float32 little-endian, the head's hidden size
+    draft_kv_len: int = 0  # STANDALONE: the draft model's KV of prompt positions [0, draft_kv_len) came with the pages
 
     def __post_init__(self) -> None:
         if len(self.top_ids) != len(self.top_logprobs) or len(self.top_ids) > MAX_TOP_LOGPROBS:
@@ -76,7 +80,7 @@ class MetadataBuffers:
         with self._lock:
             row = self.slots[slot]
             row["room"], row["first_token"], row["logprob"] = record.room, record.first_token, record.logprob
-            row["cached_tokens"], row["num_top"] = record.cached_tokens, n
+            row["cached_tokens"], row["num_top"], row["draft_kv_len"] = record.cached_tokens, n, record.draft_kv_len
             row["top_ids"][:n], row["top_logprobs"][:n] = record.top_ids, record.top_logprobs
             if self.draft_topk:
                 row["has_draft"] = has_draft
@@ -95,7 +99,8 @@ class MetadataBuffers:
                               top_logprobs=tuple(float(x) for x in row["top_logprobs"][:n]),
                               draft_topk_ids=tuple(int(x) for x in row["draft_topk_ids"]) if draft else (),
                               draft_topk_p=tuple(float(x) for x in row["draft_topk_p"]) if draft else (),
-                              draft_hidden=row["draft_hidden"].astype("<f4").tobytes() if draft else b"")
+                              draft_hidden=row["draft_hidden"].astype("<f4").tobytes() if draft else b"",
+                              draft_kv_len=int(row["draft_kv_len"]))
 
     def room_of(self, slot: int) -> int:
         with self._lock:

@@ -45,12 +45,13 @@ def kv_transfer_config(args: ServerArgs, model_fingerprint: Mapping[str, object]
 def make_kv_manager(args: ServerArgs, runner: ModelRunner, mode: Mode, dp_rank: int, *, tp_rank: int = 0,
                     tp_size: int = 1) -> KVManager:
     """The KV manager of scheduler rank (``dp_rank``, ``tp_rank``) over ``runner``'s pool, with ``mode``'s rooms."""
-    draft = runner.draft_kv  # EAGLE's head: its KV layer after the target's, its state in the metadata
+    draft = runner.draft_kv  # EAGLE's head, a STANDALONE draft: its KV layers after the target's, its state in metadata
     kv_args = KVArgs.from_pool(
         runner.kv_pool, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
         total_kv_heads=runner.model_config.num_kv_heads,
         num_metadata_slots=METADATA_SLOTS_PER_REQUEST_SLOT * args.max_running_requests + 8,
         extra_layers=draft.layers if draft else (), draft_state_dims=draft.state_dims if draft else (0, 0),
+        extra_total_kv_heads=draft.total_kv_heads if draft else 0,
     )
     config = kv_transfer_config(args, {**runner.model_config.fingerprint(), **(draft.fingerprint if draft else {})})
     return KVManager(kv_args, config, ROOMS[mode], bootstrap_addr=bootstrap_addr(args, mode), dp_size=args.dp_size)

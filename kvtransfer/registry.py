@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib
 
 from common.kv_backends import KV_TRANSFER_BACKENDS
-from kvtransfer.backends.base import KVBackend
+from kvtransfer.args import KVArgs, KVTransferConfig, Mode
+from kvtransfer.backends.base import BackendEvents, KVBackend, PeerKey
+from kvtransfer.backends.grouped import GroupedBackend
 
 
 def backend_class(name: str) -> type[KVBackend]:
@@ -21,3 +23,13 @@ def backend_class(name: str) -> type[KVBackend]:
     if not issubclass(cls, KVBackend):
         raise TypeError(f"{target} is not a KVBackend")
     return cls
+
+
+def make_backend(args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents, local: PeerKey
+                 ) -> KVBackend:
+    """``config.backend`` over ``args``: one backend, or one per layer group (``GroupedBackend``) when the layers
+    differ in slot geometry."""
+    cls = backend_class(config.backend)
+    if len(args.groups()) > 1:
+        return GroupedBackend(args, config, mode, events, local, cls)
+    return cls(args, config, mode, events, local)

@@ -65,24 +65,31 @@ def make_args(
     tp_size: int = 1,
     total_heads: int | None = None,
     device: str = "cpu",
+    draft: tuple[int, int, int] | None = None,
 ) -> KVArgs:
-    """Random per-layer K/V pools (page 0 included), reproducible from ``seed`` (the same values on any device)."""
+    """Random per-layer K/V pools (page 0 included), reproducible from ``seed`` (the same values on any device).
+    ``draft`` (layers, heads, head_dim): that many more layers of their own geometry (a draft model's, with
+    ``heads * tp_size`` heads in all), as leading slices of larger tensors (a draft pool's headroom after them)."""
     g = torch.Generator().manual_seed(seed)
     slots = (num_pages + 1) * page_size
 
-    def buf() -> torch.Tensor:
-        return torch.randn(slots, heads, head_dim, generator=g).to(torch.bfloat16).to(device)
+    def buf(h: int = heads, d: int = head_dim, extra: int = 0) -> torch.Tensor:
+        t = torch.randn(slots + extra, h, d, generator=g).to(torch.bfloat16).to(device)
+        return t[:slots] if extra else t
 
-    ks = tuple(buf() for _ in range(layers))
-    vs = tuple(buf() for _ in range(layers))
+    dl, dh, dd = draft or (0, 0, 0)
+    ks = tuple(buf() for _ in range(layers)) + tuple(buf(dh, dd, page_size) for _ in range(dl))
+    vs = tuple(buf() for _ in range(layers)) + tuple(buf(dh, dd, page_size) for _ in range(dl))
+    total = total_heads or heads * tp_size
     return KVArgs(
         ks,
         vs,
         page_size=page_size,
-        total_kv_heads=total_heads or heads * tp_size,
+        total_kv_heads=total,
         tp_rank=tp_rank,
         tp_size=tp_size,
         num_metadata_slots=128,
+        layer_total_kv_heads=(total,) * layers + (dh * tp_size,) * dl,
     )
 
 

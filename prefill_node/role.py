@@ -168,6 +168,7 @@ class PrefillRole:
             draft_topk_ids=draft.topk_ids if draft else (),
             draft_topk_p=draft.topk_p if draft else (),
             draft_hidden=draft.hidden if draft else b"",
+            draft_kv_len=draft.kv_len if draft else 0,
         )
         req.disagg_kv.send(pages, last=True, metadata=metadata)
         req.kv_pages_sent = total

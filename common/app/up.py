@@ -62,7 +62,7 @@ from common.cpu_cores import CoreSplit, format_core_list, split_cores
 from common.flags import config_values, flag_argv
 from common.hicache_flags import DECODE_REFUSES
 from common.ports import pick_free_port
-from common.speculative import EAGLE_ALGORITHMS, SPECULATIVE_FLAGS
+from common.speculative import DRAFT_MODEL_ALGORITHMS, SPECULATIVE_FLAGS
 from common.text.tokenizer import resolve_model_path
 from common.tls import TlsFiles
 from common.wire.security import CLUSTER_TOKEN_ENV, generate_cluster_token
@@ -194,12 +194,12 @@ class LocalCluster:
     def _node_flags(self, role: str) -> list[str]:
         given = self.node_given
         # A decode node's host tier takes no write policy or storage flags (common/hicache_flags.py). Speculative
-        # decoding speculates decode steps: a prefill node is not given its flags (it refuses them), except EAGLE's,
-        # whose draft head runs over the prompt there (its KV and state go to the decode node).
+        # decoding speculates decode steps: a prefill node is not given its flags (it refuses them), except those of a
+        # draft (STANDALONE's model, EAGLE's head), which runs over the prompt there (its KV goes to the decode node).
         skip = set(UP_DERIVES)
         if role == "decode":
             skip.update(DECODE_REFUSES)
-        if role == "prefill" and given.get("speculative_algorithm") not in EAGLE_ALGORITHMS:
+        if role == "prefill" and given.get("speculative_algorithm") not in DRAFT_MODEL_ALGORITHMS:
             skip.update(("speculative_algorithm", *SPECULATIVE_FLAGS))
         forwarded = {k: v for k, v in given.items() if k not in skip}
         if self.device == "cpu" and given.get("mem_fraction_static") is not None:

@@ -128,7 +128,8 @@ class ModelRunner:
                 kv_heads, cfg.head_dim, cfg.num_layers, self.dtype) / 2**20,
             args.max_running_requests,
         )
-        # A hidden-state drafter (EAGLE): told of every forward's features and sampled tokens (``set_spec_hook``).
+        # A drafter told of every forward's features and sampled tokens (``set_spec_hook``): EAGLE's head, a P/D
+        # node's STANDALONE draft (it extends over prefill chunks).
         self.spec_hook: SpecHook | None = None
         self.draft_kv: DraftKV | None = None  # a drafter's KV under this pool's slots (P/D sends it with the pool's)
         # Last: capturing/compiling runs the model over the pools built above. With EAGLE the decode graphs wait for

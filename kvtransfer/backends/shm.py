@@ -4,7 +4,9 @@ copies each page run straight into the destination pages (one ``memmove`` per ru
 
 Decode side, at construction: the pool's K/V tensors are re-homed into the shared file with ``Tensor.set_`` (their
 contents are copied first), so every existing reference to them (the KV pool, the model runner) keeps working
-and now points at shared memory. Layout of the file: K0 | V0 | K1 | V1 | ... each ``layer_bytes`` long.
+and now points at shared memory. A buffer that is a leading slice of a larger tensor (a draft's pool: the slots
+under the target's numbering, then its own) moves with that whole tensor, which its other users read. Layout of the
+file: K0 | V0 | K1 | V1 | ... each ``layer_bytes`` long (the largest such tensor).
 The file is unlinked when the manager closes; files of dead processes are swept at the next start.
 Completion: a memmove is synchronous, so a job is done when its copies return (no confirmation needed).
 """
@@ -45,6 +47,16 @@ class _Mapping:
     layer_bytes: int
     num_pages: int
     kv_heads: int
+
+
+def _home(buf: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``buf`` is: itself, or the contiguous tensor it is a leading slice of."""
+    base = buf._base
+    if base is None:
+        return buf
+    if not base.is_contiguous() or buf.data_ptr() != base.data_ptr():
+        raise ValueError("kv shm: a KV buffer that is a view must be a leading slice of a contiguous tensor")
+    return base
 
 
 def _sweep_stale() -> None:
@@ -103,7 +115,8 @@ class ShmFileBackend(QueuedBackend):
     def __init__(self, args: KVArgs, config: KVTransferConfig, mode: Mode, events: BackendEvents,
                  local: PeerKey) -> None:
         super().__init__(args, config, mode, events, local)
-        self._layer_bytes = self._buffers[0].numel() * self._buffers[0].element_size()
+        self._homes = [_home(buf) for buf in self._buffers]
+        self._layer_bytes = max(h.numel() * h.element_size() for h in self._homes)
         self._lock = threading.Lock()
         self._maps: dict[PeerKey, _Mapping] = {}
         self._unmapped: dict[PeerKey, str] = {}  # peers whose pool could not be mapped: why
@@ -122,11 +135,12 @@ class ShmFileBackend(QueuedBackend):
         finally:
             os.close(fd)
         shared = torch.frombuffer(self._mm, dtype=torch.uint8)
-        for i, buf in enumerate(self._buffers):
-            region = shared[i * self._layer_bytes:(i + 1) * self._layer_bytes]
-            region.copy_(buf.reshape(-1).view(torch.uint8))
+        for i, (buf, home) in enumerate(zip(self._buffers, self._homes, strict=True)):
+            start = i * self._layer_bytes
+            shared[start:start + home.numel() * home.element_size()].copy_(home.reshape(-1).view(torch.uint8))
             # NOTE: set_ rebinds the tensor object in place; every holder of it now sees the shared memory.
-            buf.set_(shared.untyped_storage(), i * self._layer_bytes // buf.element_size(), buf.shape, buf.stride())
+            for t in {id(home): home, id(buf): buf}.values():
+                t.set_(shared.untyped_storage(), start // t.element_size(), t.shape, t.stride())
         return path
 
     # ---- interface ---------------------------------------------------------------------------------------------
@@ -181,9 +195,10 @@ class ShmFileBackend(QueuedBackend):
             return
         a = self.args
         shape = (m.num_pages * a.page_size, m.kv_heads, a.head_dim)
+        nbytes = shape[0] * shape[1] * shape[2] * self._buffers[0].element_size()
         shared = torch.from_numpy(m.array)
         for i, buf in enumerate(self._buffers):
-            dst = shared[i * m.layer_bytes:(i + 1) * m.layer_bytes].view(a.dtype).view(shape)
+            dst = shared[i * m.layer_bytes:i * m.layer_bytes + nbytes].view(a.dtype).view(shape)
             copy_runs(buf, dst, job.runs, a.page_size, job.heads)
 
     def _peer_stopped(self, key: PeerKey) -> None:

@@ -3,7 +3,8 @@ the message-plan tests (packing, refusal by the destination) are ``nccl``'s alon
 test_kvtransfer_nixl.py's one-sided suite for those).
 
 Driven directly through the ``KVBackend`` interface with recording events (prefill and decode backend in this
-process, each on its own threads), plus the shared kill-mid-transfer faults across processes.
+process, each on its own threads), plus the shared kill-mid-transfer faults across processes; and the head slice
+of a layer group of its own geometry (``backends.grouped``) on the backends that run in one process.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvtransfer.pages import HeadSlice, PageRun, coalesce_runs
 from kvtransfer.poll import KVPoll
 from kvtransfer.registry import backend_class
 from kvtransfer.testing import (
+    LAYERS,
     PAGE_SIZE,
     PREFILL_SEED,
     Child,
@@ -318,3 +320,33 @@ def test_ucx_a_job_of_the_dropped_pairing_ending_late_leaves_the_new_pairing_usa
     finally:
         release.set()
         pair.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "nccl", "ucx"])
+def test_a_layer_group_takes_the_head_slice_of_its_own_heads(backend: str) -> None:
+    """Prefill tp 1 -> decode tp rank 1 of 2: the target's heads 2..3 of 4 and a draft group's head 1 of 2 move
+    (``backends.grouped``: the job's slice scaled to each group's heads); nothing else is written."""
+    from kvtransfer.registry import make_backend
+
+    src = make_args(1, NUM_PAGES, heads=4, draft=(1, 2, 24))
+    dst = make_args(2, NUM_PAGES, heads=2, tp_size=2, tp_rank=1, draft=(1, 1, 24))
+    before = [b.clone() for b in (*dst.k_buffers, *dst.v_buffers)]
+    cfg, events = kv_config(backend), Events()
+    p_key, d_key = PeerKey("prefill/dp0/tp0", time.time_ns()), PeerKey("decode/dp0/tp1", time.time_ns())
+    prefill = make_backend(src, cfg, "prefill", events, p_key)
+    decode = make_backend(dst, cfg, "decode", Events(), d_key)
+    try:
+        prefill.add_peer(PeerInfo(d_key, dst.layout({}), decode.endpoint(), "pairing"))
+        decode.add_peer(PeerInfo(p_key, src.layout({}), prefill.endpoint(), "pairing"))
+        job = TransferJob(3, 0, d_key, tuple(coalesce_runs([5, 6, 20], [30, 31, 9])), HeadSlice(2, 0, 2))
+        prefill.submit(job)
+        assert events.wait(1) == [(job, None)]
+        for layer, (s, d, old) in enumerate(zip((*src.k_buffers, *src.v_buffers), (*dst.k_buffers, *dst.v_buffers),
+                                                before, strict=True)):
+            heads = slice(2, 4) if layer % (LAYERS + 1) < LAYERS else slice(1, 2)  # K0 K1 Kdraft V0 V1 Vdraft
+            for sp, dp in ((5, 30), (6, 31), (20, 9)):
+                assert torch.equal(_pages(d, dp), _pages(s, sp)[:, heads]), layer
+            assert all(torch.equal(_pages(d, p), _pages(old, p)) for p in range(dst.num_pages) if p not in (30, 31, 9))
+    finally:
+        prefill.close()
+        decode.close()

@@ -117,3 +117,42 @@ def test_destination_page_0_is_skipped(backend: str) -> None:
     finally:
         mgr.close()
         child.kill()
+
+
+DRAFT = (1, 1, 24)  # a draft model's layer group: 1 layer of 1 KV head x 24 (the target's: HEADS x HEAD_DIM)
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_a_layer_group_of_another_geometry_lands_byte_exact(backend: str) -> None:
+    """Layers of two slot geometries (a STANDALONE draft's after the target's, the draft's as leading slices of a
+    larger pool) move by one backend per group, each room's chunks whole in both (``backends.grouped``)."""
+    plans = plan_rooms(8, NUM_PAGES, NUM_PAGES, pages_per_room=5, seed=5)
+    child = Child(RoleSpec("prefill", backend, plans, num_pages=NUM_PAGES, args_overrides={"draft": DRAFT},
+                           linger_s=5))
+    args = make_args(DECODE_SEED, NUM_PAGES, draft=DRAFT)
+    assert len(args.groups()) == 2
+    mgr = KVManager(args, kv_config(backend), DecodeRooms)
+    try:
+        before = [b.clone() for b in (*args.k_buffers, *args.v_buffers)]
+        receivers = start_receivers(mgr, plans, child.bootstrap_addr)
+        result = wait_final(receivers, 30)
+        assert all(state == KVPoll.Success for state, _ in result.values()), result
+        prefill_result, _ = child.result()
+        assert all(state == KVPoll.Success for state, _ in prefill_result.values()), prefill_result
+        src = make_args(PREFILL_SEED, NUM_PAGES, draft=DRAFT)
+        written = {d for plan in plans for d in plan.dst_pages}
+        for src_buf, dst_buf, old in zip(
+            (*src.k_buffers, *src.v_buffers), (*args.k_buffers, *args.v_buffers), before, strict=True
+        ):
+            for plan in plans:
+                for s, d in zip(plan.src_pages, plan.dst_pages, strict=True):
+                    if backend != "fake":
+                        assert torch.equal(_pages(dst_buf, d), _pages(src_buf, s)), (plan.room, s, d)
+            for page in range(args.num_pages):
+                if page not in written or backend == "fake":
+                    assert torch.equal(_pages(dst_buf, page), _pages(old, page)), f"page {page} was touched"
+        for receiver in receivers.values():
+            receiver.clear()
+    finally:
+        mgr.close()
+        child.kill()

@@ -83,6 +83,31 @@ def test_compat_mismatch_names_both_values() -> None:
     assert fp != model_fingerprint("Llama", 2, 2, 8, torch.bfloat16, {"w": (3, 2)})
 
 
+def test_layer_groups_are_described_compared_and_sliced_alike() -> None:
+    """A draft model's layers of their own geometry form a group of the layout; pairs must hold the same groups,
+    and between TP sizes every group's heads must split as the target's do (a slice then scales exactly)."""
+    from kvtransfer.args import KVGroup, group_heads
+    from kvtransfer.pages import HeadSlice
+
+    one = make_args(0, 8, heads=4, draft=(2, 2, 24))
+    assert [len(r) for r in one.groups()] == [2, 2] and one.num_layers == 2
+    layout = one.layout({})
+    assert layout.extra == [KVGroup(2, 2, 2, 24, one.group_args(1).item_len)]
+    assert layout.group(1).head_dim == 24 and layout.group(1).num_layers == 2 and layout.group(0).extra == []
+    assert compat_problems(layout, layout) == []
+    plain = make_args(0, 8, heads=4).layout({})
+    assert any("further layer groups" in p for p in compat_problems(plain, layout))
+    # tp 1 -> tp 2: heads [4, 2] split alike; a draft of 1 KV head would not
+    half = make_args(0, 8, heads=2, tp_size=2, draft=(2, 1, 24)).layout({})
+    assert compat_problems(layout, half) == []
+    assert group_heads(HeadSlice(2, 0, 2), 4, 2) == HeadSlice(1, 0, 1)
+    assert group_heads(None, 4, 2) is None
+    odd = make_args(0, 8, heads=4, draft=(2, 1, 24)).layout({})
+    odd_half = make_args(0, 8, heads=2, tp_size=2, total_heads=4, draft=(2, 1, 24)).layout({})
+    odd_half = msgspec.structs.replace(odd_half, extra=[KVGroup(2, 1, 1, 24, odd_half.extra[0].item_len)])
+    assert any("start both nodes with one --tp-size" in p for p in compat_problems(odd, odd_half))
+
+
 def test_messages_are_tagged_versioned_and_reject_garbage() -> None:
     msg = ChunkDone(
         instance_id="p",

@@ -1,8 +1,9 @@
 """Speculative decoding on a decode node, in this process (prefill and decode roles, TCP transfer on 127.0.0.1): the
 decode node speculates from the first step after a transfer (NGRAM from the prompt that came with the request;
-STANDALONE after its draft model's extend over the prompt, computed on the decode node) and its tokens are the
-colocated node's without speculation, through the ``n > 1`` prompt pages the decode node holds once and a
-retraction mid-stream (recomputed on the decode node); the pools, the draft model's included, come back whole."""
+STANDALONE from its draft model's prompt KV, which the prefill node computed and sent with the target's) and its
+tokens are the colocated node's without speculation, through the ``n > 1`` prompt pages the decode node holds once
+and a retraction mid-stream (recomputed on the decode node, the draft model's KV with it); the pools, the draft
+model's included, come back whole."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def serve_pd(setup: dict[str, Any], monkeypatch, spec: dict[str, Any], page_size
     model, port = setup["model"], setup["port"]
     base = ServerArgs(model_path=model, page_size=page_size, max_total_tokens=2048, max_running_requests=16,
                       chunked_prefill_size=32, disaggregation_bootstrap_port=port, disable_overlap_schedule=True)
-    pargs = base.replace(disaggregation_mode="prefill")
+    drafts = spec if spec["speculative_algorithm"] == "STANDALONE" else {}  # its draft runs on both nodes
+    pargs = base.replace(disaggregation_mode="prefill", **drafts)
     dargs = base.replace(disaggregation_mode="decode", **spec)
     tokenizer = load_tokenizer(model)
     out: list[Any] = []

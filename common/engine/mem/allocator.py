@@ -33,10 +33,15 @@ IntsLike = Sequence[int] | torch.Tensor
 class TokenToKVPoolAllocator:
     """Hands out KV slots in whole pages. Single-threaded (the scheduler's)."""
 
-    def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu") -> None:
-        if num_pages <= 0 or page_size <= 0:
-            raise ValueError(f"allocator needs num_pages > 0 and page_size > 0, got {num_pages}, {page_size}")
+    def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu", first_page: int = 1
+                 ) -> None:
+        """Pages ``first_page .. first_page + num_pages - 1`` (the pages below belong to someone else: page 0 the
+        padding page; a STANDALONE draft's pages mirroring the target's)."""
+        if num_pages <= 0 or page_size <= 0 or first_page < 1:
+            raise ValueError(f"allocator needs num_pages > 0, page_size > 0 and first_page >= 1, got {num_pages}, "
+                             f"{page_size}, {first_page}")
         self.num_pages = num_pages
+        self.first_page = first_page
         self.page_size = page_size
         self.device = torch.device(device)
         self._free_pages = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -47,7 +52,7 @@ class TokenToKVPoolAllocator:
         self._deferring = False
         self._deferred: list[torch.Tensor] = []
         self._num_deferred = 0
-        self._is_free = torch.ones(num_pages + 1, dtype=torch.bool, device=self.device)
+        self._is_free = torch.ones(first_page + num_pages, dtype=torch.bool, device=self.device)
         self.clear()
 
     # -- sizes -----------------------------------------------------------------------------------------------------
@@ -192,10 +197,12 @@ class TokenToKVPoolAllocator:
 
     def clear(self) -> None:
         """Every page free again, handed out lowest id first."""
-        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        self._free_pages = torch.arange(self.first_page, self.first_page + self.num_pages, dtype=torch.int64,
+                                        device=self.device)
         self._released, self._num_released = [], 0
         self._deferred, self._num_deferred = [], 0
-        # NOTE: the padding page 0 also reads as free, so that freeing it is refused like a double free.
+        # NOTE: the pages below first_page (the padding page 0) also read as free, so that freeing one is refused like
+        # a double free.
         self._is_free.fill_(True)
 
     # -- internals -------------------------------------------------------------------------------------------------

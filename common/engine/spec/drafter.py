@@ -45,21 +45,26 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class DraftHandoff:
     """A request's draft state after its prompt, from a P/D prefill node to its decode node (the metadata
-    extension of ``kvtransfer.metadata``): EAGLE's top-k at the last prompt position and the head's feature there."""
+    extension of ``kvtransfer.metadata``): EAGLE's top-k at the last prompt position and the head's feature there;
+    STANDALONE's count of positions whose draft KV travelled with the target's pages."""
 
-    topk_ids: tuple[int, ...]
-    topk_p: tuple[float, ...]
-    hidden: bytes  # float32 little-endian
+    topk_ids: tuple[int, ...] = ()
+    topk_p: tuple[float, ...] = ()
+    hidden: bytes = b""  # float32 little-endian
+    kv_len: int = 0  # STANDALONE: the draft model's KV of positions [0, kv_len) sits at the target's slots
 
 
 @dataclass(frozen=True)
 class DraftKV:
-    """KV a drafter keeps beside the target's under the target's slot numbering (EAGLE's head): in P/D it travels
-    with the target's layers, and both nodes must hold the same (``fingerprint``)."""
+    """KV a drafter keeps beside the target's under the target's slot numbering (EAGLE's head, a P/D node's
+    STANDALONE draft model): in P/D it travels with the target's layers, and both nodes must hold the same
+    (``fingerprint``)."""
 
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (K, V) buffers shaped like the target pool's
+    # (K, V) buffers [target slots, kv heads, head dim]: heads and head dim may differ from the target's
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     state_dims: tuple[int, int]  # (topk, hidden) of the ``DraftHandoff`` the metadata carries
     fingerprint: dict[str, str]
+    total_kv_heads: int = 0  # KV heads of the whole draft (its layers split over TP as the target's); 0: the target's
 
 
 class Drafter(Protocol):
@@ -92,7 +97,8 @@ class Drafter(Protocol):
 
 
 class SpecHook(Protocol):
-    """What a hidden-state drafter hands the target's ``ModelRunner`` (``set_spec_hook``)."""
+    """What a drafter hands the target's ``ModelRunner`` (``set_spec_hook``): a hidden-state drafter, or a P/D node's
+    STANDALONE draft model, which extends over each prefill chunk at the target's slots."""
 
     capture: frozenset[int]  # target layers whose input streams are the features (EAGLE3); empty: the final hidden
 

@@ -79,6 +79,7 @@ class EagleDrafter:
             state_dims=(self.topk, self.head.hidden_size),
             fingerprint={"draft_head": f"{algo}:{hashlib.sha256(repr(shapes).encode()).hexdigest()}",
                          "draft_topk": str(self.topk)},
+            total_kv_heads=lc.num_kv_heads,
         )
         runner.set_spec_hook(self)
         runner.req_to_token_pool.on_free = self.release

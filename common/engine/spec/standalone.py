@@ -13,11 +13,30 @@ r, valid for its first ``draft_lens[r]`` positions. Per step, for each request w
     decode:     k - 1 DECODE forwards feeding d_j -> d_(j+1)
     afterwards: draft_lens[r] = seqlen + k - 1 (positions of last, d1 .. d_(k-1))
 
-So the draft needs no prefill of its own: on a colocated node, after a chunked prefill or a radix hit, after a
-retraction and on a P/D decode node alike, its first step extends over the prompt (the draft model is small: that
-costs a fraction of the target's prefill). Its KV goes with the request's slot: ``release`` (the target pool's
-``on_free``) frees a row's pages at once. The draft pool holds the target's token count plus ``k`` pages of
-headroom per request slot; a step whose draft KV does not fit drafts nothing (plain decode).
+On a colocated node the draft needs no prefill of its own: after a chunked prefill or a radix hit and after a
+retraction alike, its first step extends over the prompt (the draft model is small: that costs a fraction of the
+target's prefill). Its KV goes with the request's slot: ``release`` (the target pool's ``on_free``) frees a row's
+pages at once. The draft pool holds the target's token count plus ``k`` pages of headroom per request slot; a step
+whose draft KV does not fit drafts nothing (plain decode).
+
+P/D nodes (prefill and decode) keep the draft KV of committed positions at the target's slots, so it travels with
+the target's pages and is covered by the target's allocation, prefix caches and frees, as EAGLE's head KV is::
+
+    draft pool slots:  [ page 0 | pages 1 .. T: the target's numbering (mirror) | own pages: the headroom ]
+
+    after every target prefill forward (``after_forward``, each prefill row of an EXTEND / MIXED batch): the draft
+        extends over the chunk at the target's slots; row r := the target's row, draft_lens[r] = seq
+    prefill node: ``handoff`` tells the decode node the draft KV of the whole prompt came with the pages
+    decode node: ``resume`` on landing: row r := the target's row over the prompt, draft_lens[r] = prompt length,
+        so the first decode step extends the draft over one token, not the prompt
+    propose: positions past the target's committed ones fill the rest of the request's last target page (the
+        slots the target gives them next) and then own pages (the headroom); ``_sync`` copies the draft KV of
+        newly committed positions from own pages to the target's slots and frees every own page of the row; an
+        extend over committed positions the draft has not seen writes them at the target's slots too
+
+A prefix the target's cache holds was computed by a prefill forward on this node (the hook ran) or landed from a
+prefill node holding the same draft (the handshake's fingerprint), so its draft KV is in place. The host tier of
+the hierarchical cache keeps only the target's layers: it is refused with STANDALONE on P/D nodes.
 
 Tensor parallelism: the draft is sharded over the target's ``TPGroup`` (SGLang shards it with the target's tp):
 each rank holds the draft's shard and a pool of its KV heads, the pool's size agreed over the group as the
@@ -27,22 +46,28 @@ every rank) and gets the same gathered logits, so every rank drafts the same tok
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from common.engine.forward_batch import ForwardMode
+from common.engine.mem.allocator import TokenToKVPoolAllocator
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling.params import SamplingParams
 from common.engine.sampling.sampler import SamplingBatchInfo
 from common.engine.schedule_batch import ModelWorkerBatch
+from common.engine.spec.drafter import DraftHandoff, DraftKV
+from common.engine.spec.path_kv import compact_path_kv
 from common.errors import ConfigError
 
 if TYPE_CHECKING:
     from common.config import ServerArgs
+    from common.engine.forward_batch import ForwardBatch
     from common.engine.req import Req
-    from common.engine.spec.drafter import DraftHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +114,31 @@ class StandaloneDrafter:
         self.allocator = self.runner.allocator
         self.table = self.runner.req_to_token_pool
         self.draft_lens = [0] * slots
+        self.target_table = target.req_to_token_pool
+        self.mirror_slots = 0  # P/D: slots below it are the target's numbering (0: the whole pool is the draft's)
+        if args.disaggregation_mode in ("prefill", "decode"):
+            self._share_target_slots(target, path)
         target.req_to_token_pool.on_free = self.release
-        logger.info("STANDALONE draft model %s: %d draft tokens per step", path, draft_len)
+        logger.info("STANDALONE draft model %s: %d draft tokens per step%s", path, draft_len,
+                    ", its prompt KV at the target's slots (P/D)" if self.mirror_slots else "")
+
+    def _share_target_slots(self, target: ModelRunner, path: str) -> None:
+        """P/D: the pool's first pages mirror the target's (their draft KV travels as more layers after the target's);
+        the allocator hands out only the pages past them."""
+        pool, tpool = self.runner.kv_pool, target.kv_pool
+        own = pool.num_pages - tpool.num_pages
+        if own <= 0:
+            raise ConfigError(f"--speculative-draft-model-path {path}: its KV pool ({pool.num_pages} pages) does not "
+                              f"hold the target's {tpool.num_pages} pages and a headroom; raise --max-total-tokens")
+        self.allocator = TokenToKVPoolAllocator(own, self.page_size, first_page=tpool.num_pages + 1)
+        self.mirror_slots = n = tpool.k_buffer[0].shape[0]
+        digest = draft_fingerprint(path, self.runner.model_config.fingerprint())
+        target.draft_kv = DraftKV(layers=tuple((k[:n], v[:n]) for k, v in zip(pool.k_buffer, pool.v_buffer,
+                                                                               strict=True)),
+                                  state_dims=(0, 0), fingerprint={"draft_model": f"STANDALONE:{digest}"},
+                                  total_kv_heads=self.runner.model_config.num_kv_heads)
+        self.capture: frozenset[int] = frozenset()  # the final hidden states: the target's step runners serve it
+        target.set_spec_hook(self)
 
     # -- Drafter -----------------------------------------------------------------------------------------------------
     def propose(self, reqs: list[Req], caps: list[int]) -> list[list[int]]:
@@ -125,41 +173,102 @@ class StandaloneDrafter:
         for r in range(len(self.draft_lens)):
             self._truncate(r, 0)
 
-    def handoff(self, row: int) -> None:
-        """Nothing crosses P/D: the decode node drafts from the request's tokens."""
+    def handoff(self, row: int) -> DraftHandoff | None:
+        """P/D prefill node: the draft KV of the row's first ``draft_lens`` positions is at the target's slots."""
+        return DraftHandoff(kv_len=self.draft_lens[row]) if self.mirror_slots and self.draft_lens[row] else None
 
     def resume(self, row: int, handoff: DraftHandoff) -> None:
-        """Never handed anything (``handoff``)."""
+        """P/D decode node: the row landed with the draft KV of its first ``kv_len`` positions at its target slots."""
+        if not self.mirror_slots or not handoff.kv_len:
+            return
+        self._truncate(row, 0)
+        self.table.write(row, 0, self.target_table.req_to_token[row, : handoff.kv_len])
+        self.draft_lens[row] = handoff.kv_len
+
+    # -- the target runner's hook (P/D nodes) ------------------------------------------------------------------------
+    def after_forward(self, b: ModelWorkerBatch, fb: ForwardBatch, features: torch.Tensor,
+                      next_token_ids: torch.Tensor) -> None:
+        """After a target prefill forward: the draft extends over each prefill row's chunk at the target's slots."""
+        if not fb.forward_mode.is_extend():
+            return
+        picked, starts, start = [], [], 0
+        for i, req in enumerate(b.reqs):
+            if b.seq_lens[i] <= len(req.fill_ids):  # a prefill row (a MIXED batch's decode rows run past fill_ids)
+                picked.append(i)
+                starts.append(start)
+            start += b.extend_lens[i]
+        if not picked:
+            return
+        reqs = [b.reqs[i] for i in picked]
+        rows = [b.req_pool_indices[i] for i in picked]
+        seq, prefix = [b.seq_lens[i] for i in picked], [b.prefix_lens[i] for i in picked]
+        input_ids: list[int] = []
+        locs = []
+        for i, at in zip(picked, starts, strict=True):
+            input_ids.extend(b.input_ids[at : at + b.extend_lens[i]])
+            locs.append(b.out_cache_loc[at : at + b.extend_lens[i]])
+        for row, s in zip(rows, seq, strict=True):
+            self._truncate(row, 0)
+            self.table.write(row, 0, self.target_table.req_to_token[row, :s])
+            self.draft_lens[row] = s
+        self._forward(ForwardMode.DRAFT_EXTEND, reqs, input_ids, torch.cat(locs), rows, seq, prefix)
 
     # -- internals ---------------------------------------------------------------------------------------------------
     def _truncate(self, row: int, keep: int) -> None:
         have = self.draft_lens[row]
         first_free = -(-keep // self.page_size) * self.page_size
         if first_free < have:
-            self.allocator.free(self.table.req_to_token[row, first_free:have])
+            slots = self.table.req_to_token[row, first_free:have]
+            self.allocator.free(slots[slots >= self.mirror_slots] if self.mirror_slots else slots)
         self.draft_lens[row] = min(have, keep)
 
     def _sync(self, req: Req) -> None:
-        assert req.req_pool_idx is not None
-        self._truncate(req.req_pool_idx, req.kv_committed_len)
+        row = req.req_pool_idx
+        assert row is not None
+        if not self.mirror_slots:
+            self._truncate(row, req.kv_committed_len)
+            return
+        # P/D: the committed positions' draft KV moves from own pages to the target's slots; no own page stays.
+        have = self.draft_lens[row]
+        keep = min(have, req.kv_committed_len)
+        slots = self.table.req_to_token[row, :have].clone()  # the writes below change the row
+        own = slots >= self.mirror_slots
+        moved = torch.nonzero(own[:keep]).flatten()
+        if len(moved):
+            dst = self.target_table.req_to_token[row, moved]
+            compact_path_kv([self.runner.kv_pool], slots[moved].tolist(), dst.tolist())
+            self.table.write_points([row] * len(moved), moved.tolist(), dst)
+        if bool(own.any()):
+            self.allocator.free(slots[own])
+        self.draft_lens[row] = keep
 
     def _last_locs(self, rows: list[int], lens: list[int]) -> list[int]:
         return [int(self.table.req_to_token[r, n - 1]) if n else -1 for r, n in zip(rows, lens, strict=True)]
 
     def _extend(self, reqs: list[Req]) -> list[int] | None:
         """One forward over the tokens of each request the draft has not seen; its next token per request."""
-        rows = [r.req_pool_idx for r in reqs]
-        prefix = [self.draft_lens[r] for r in rows]  # type: ignore[index]
+        rows: list[int] = [r.req_pool_idx for r in reqs]  # type: ignore[misc]
+        prefix = [self.draft_lens[r] for r in rows]
         seq = [r.seqlen for r in reqs]
-        out = self.allocator.alloc_extend(prefix, seq, self._last_locs(rows, prefix))  # type: ignore[arg-type]
+        # P/D: committed positions the draft has not seen (a prompt whose draft KV did not land) go to the target's
+        # slots, as the prefill node's would have; only the positions past them take own pages
+        own = [max(p, min(r.kv_committed_len, s)) if self.mirror_slots else p
+               for r, p, s in zip(reqs, prefix, seq, strict=True)]
+        for row, p, o in zip(rows, prefix, own, strict=True):
+            if o > p:
+                self.table.write(row, p, self.target_table.req_to_token[row, p:o])
+        out = self.allocator.alloc_extend(own, seq, self._last_locs(rows, own))
         if out is None:
             return None
         input_ids: list[int] = []
-        for req, row, p, s in zip(reqs, rows, prefix, seq, strict=True):
-            self.table.write(row, p, out[len(input_ids) : len(input_ids) + s - p])  # type: ignore[arg-type]
+        locs, at = [], 0
+        for req, row, p, o, s in zip(reqs, rows, prefix, own, seq, strict=True):
+            self.table.write(row, o, out[at : at + s - o])
+            locs += [self.table.req_to_token[row, p:o], out[at : at + s - o]]
+            at += s - o
             input_ids.extend(req.all_ids()[p:s])
-            self.draft_lens[row] = s  # type: ignore[index]
-        return self._forward(ForwardMode.DRAFT_EXTEND, reqs, input_ids, out, rows, seq, prefix)  # type: ignore[arg-type]
+            self.draft_lens[row] = s
+        return self._forward(ForwardMode.DRAFT_EXTEND, reqs, input_ids, torch.cat(locs), rows, seq, prefix)
 
     def _decode(self, reqs: list[Req], tokens: list[int]) -> list[int] | None:
         """One decode forward feeding each request its newest draft token; its next draft token."""
@@ -183,6 +292,22 @@ class StandaloneDrafter:
         b.sampling_info = SamplingBatchInfo.from_reqs([_GreedyRow()] * len(reqs), self.runner.model_config.vocab_size,
                                                       self.runner.device)  # type: ignore[list-item]
         return self.runner.forward_and_sample(b).next_token_ids
+
+
+def draft_fingerprint(path: str, config_fingerprint: dict[str, object], blocks: int = 16) -> str:
+    """The draft model's identity in the P/D handshake: its config's fingerprint (shapes, dtype, weight names) and
+    a sample of its weight files' bytes (each file's size and ``blocks`` evenly spaced 64 KiB blocks), so two
+    checkpoints of one shape differ without reading whole files."""
+    digest = hashlib.sha256(json.dumps(config_fingerprint, sort_keys=True, default=str).encode())
+    files = sorted(f for f in Path(path).iterdir() if f.suffix in (".safetensors", ".bin", ".pt"))
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}:{size}\n".encode())
+        with f.open("rb") as fh:
+            for k in range(blocks):
+                fh.seek(size * k // blocks)
+                digest.update(fh.read(1 << 16))
+    return digest.hexdigest()[:16]
 
 
 def build_drafter(args: ServerArgs, runner: ModelRunner, draft_len: int, dp_rank: int) -> StandaloneDrafter:
