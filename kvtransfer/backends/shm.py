@@ -6,7 +6,10 @@ Decode side, at construction: the pool's K/V tensors are re-homed into the share
 contents are copied first), so every existing reference to them (the KV pool, the model runner) keeps working
 and now points at shared memory. Layout of the file: K0 | V0 | K1 | V1 | ... each ``layer_bytes`` long.
 The file is unlinked when the manager closes; files of dead processes are swept at the next start.
-Completion: a memmove is synchronous, so a job is done when its copies return (no confirmation needed).
+Completion: a memmove is synchronous, so a job is done when its copies return (no confirmation needed). With
+landing signals (``landing_signal=auto``, the default; ``backends/signals.py``) the prefill rank makes a signal file
+per decode peer and announces a signalled job before its copies (``on_job_enqueued``), then writes the job's signal
+word after them: the decode rank's ``ChunkDone`` travels while the copies run.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ import os
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from common.kv_backends import option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.signals import HostSignalReader, HostSignalRing
 from kvtransfer.backends.workers import QueuedBackend, TransferError
 from kvtransfer.pages import copy_runs
 
@@ -82,6 +88,12 @@ class ShmBackend(KVBackend):
     def add_peer(self, peer: PeerInfo) -> None:
         self.impl.add_peer(peer)
 
+    def peer_endpoint(self, key: PeerKey) -> dict[str, str]:
+        return self.impl.peer_endpoint(key)
+
+    def signal_reader(self, key: PeerKey) -> Callable[[int], bool] | None:
+        return self.impl.signal_reader(key)
+
     def remove_peer(self, key: PeerKey) -> None:
         self.impl.remove_peer(key)
 
@@ -108,6 +120,9 @@ class ShmFileBackend(QueuedBackend):
         self._maps: dict[PeerKey, _Mapping] = {}
         self._unmapped: dict[PeerKey, str] = {}  # peers whose pool could not be mapped: why
         self._path: Path | None = None
+        self._signals = option("shm", config.backend_options, "landing_signal") == "auto"
+        self._rings: dict[PeerKey, HostSignalRing] = {}  # prefill: each decode peer's signal words
+        self._readers: dict[PeerKey, HostSignalReader] = {}  # decode: each prefill peer's, mapped
         if mode == "decode":
             self._path = self._share_pool()
 
@@ -137,6 +152,7 @@ class ShmFileBackend(QueuedBackend):
 
     def add_peer(self, peer: PeerInfo) -> None:
         if self.mode != "prefill":
+            self._open_signals(peer)
             return
         try:
             if peer.endpoint.get("memory", "cpu") != "cpu":
@@ -157,10 +173,60 @@ class ShmFileBackend(QueuedBackend):
         with self._lock:
             self._maps[peer.key] = _Mapping(mm, array, array.ctypes.data, layer_bytes, peer.layout.num_pages,
                                             peer.layout.kv_heads)
+            ring = self._rings.get(peer.key)  # the same start handshaking again keeps its ring (and sequence)
+        if ring is None and self._signals:
+            try:
+                ring = HostSignalRing(SHM_DIR, PREFIX)
+            except OSError as exc:
+                log.warning("kv shm: no landing signals for %s (%s); its chunks are reported after they land",
+                            peer.key.instance_id, str(exc))  # not exc: its frames hold the mapping
+            else:
+                with self._lock:
+                    self._rings[peer.key] = ring
         super().add_peer(peer)  # the worker unmaps after its last job (_peer_stopped)
+
+    def peer_endpoint(self, key: PeerKey) -> dict[str, str]:
+        with self._lock:
+            ring = self._rings.get(key)
+        return ring.describe() if ring is not None else {}
+
+    def signal_reader(self, key: PeerKey) -> Callable[[int], bool] | None:
+        with self._lock:
+            reader = self._readers.get(key)
+        return reader.landed if reader is not None else None
+
+    def _open_signals(self, peer: PeerInfo) -> None:
+        """Decode: map the peer's signal words once; without them its chunks come after they land (today's path)."""
+        if peer.endpoint.get("signals") != "host_words" or not self._signals:
+            return
+        try:
+            reader = HostSignalReader(peer.endpoint)
+        except (KeyError, OSError, ValueError) as exc:
+            log.warning("kv shm: cannot map the landing signals of %s (%s); its chunks are reported after they land",
+                        peer.key.instance_id, str(exc))
+            return
+        with self._lock:
+            old = self._readers.pop(peer.key, None)
+            self._readers[peer.key] = reader
+        if old is not None:
+            old.close()
+
+    def remove_peer(self, key: PeerKey) -> None:
+        super().remove_peer(key)
+        with self._lock:
+            reader = self._readers.pop(key, None)
+        if reader is not None:
+            reader.close()
 
     def close(self) -> None:
         super().close()
+        with self._lock:
+            readers, self._readers = list(self._readers.values()), {}
+            rings, self._rings = list(self._rings.values()), {}
+        for reader in readers:
+            reader.close()
+        for ring in rings:
+            ring.close()
         if self._path is not None:
             self._path.unlink(missing_ok=True)
 
@@ -168,10 +234,24 @@ class ShmFileBackend(QueuedBackend):
     def _move(self, job: TransferJob) -> None:
         with self._lock:
             m, why = self._maps.get(job.peer), self._unmapped.get(job.peer)
+            ring = self._rings.get(job.peer) if job.signal else None
         if m is None:
             raise TransferError(f"the peer's shared pool is not mapped: {why or 'peer removed'}")
         if any(r.dst_page < 1 or r.dst_page + r.num_pages > m.num_pages for r in job.runs):
             raise TransferError(f"destination pages of room {job.room} outside the peer's {m.num_pages} pages")
+        if ring is None or not job.runs:
+            self._copy(job, m)
+            return
+        seq = ring.next()
+        self.events.on_job_enqueued(job, seq)  # its ChunkDone travels while the copies below run
+        landed = False
+        try:
+            self._copy(job, m)
+            landed = True
+        finally:
+            ring.set(seq, landed)
+
+    def _copy(self, job: TransferJob, m: _Mapping) -> None:
         item = self.args.item_len
         if job.heads is None:
             for i, buf in enumerate(self._buffers):
@@ -190,6 +270,9 @@ class ShmFileBackend(QueuedBackend):
         with self._lock:
             m = self._maps.pop(key, None)
             self._unmapped.pop(key, None)
+            ring = self._rings.pop(key, None)
+        if ring is not None:
+            ring.close()
         if m is not None:
             del m.array
             m.mm.close()
