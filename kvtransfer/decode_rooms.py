@@ -93,7 +93,7 @@ class DecodeRooms:
         self.handshakes = DecodeHandshakes(mgr, self._pump_all)
         self.confirmations: dict[PeerKey, list[int]] = {}  # rooms whose Success each peer has not been sent yet
         self.landing = LandingWatch(mgr, self._chunk_done, lambda rec, why, now: self.fail(
-            rec, ErrorCode.UNAVAILABLE, why, now))  # chunks announced before their copy landed
+            rec, ErrorCode.UNAVAILABLE, why, now), self.flush)  # chunks announced before their copy landed
 
     # ---- scheduler thread -------------------------------------------------------------------------------------
     def create(self, room: int, bootstrap_addr: str) -> RecvRoom:

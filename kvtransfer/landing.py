@@ -5,7 +5,7 @@ them (``DecodeRooms._chunk_done``) as if the ChunkDone had come after the landin
 The control thread reads a chunk's signal when its ChunkDone arrives (a device copy has usually landed by then);
 a room whose first held chunk is still in flight goes to the watcher thread, which polls the signals of every
 waiting room (backing off from ``POLL_MIN_S`` to ``POLL_MAX_S``) and hands the room back to the control thread
-once that signal is set or failed, or the room is final. A waiting room is bounded by its own deadline (it fails
+once that signal is set or failed, or the room is final; the confirmations that makes leave at once (``flush``). A waiting room is bounded by its own deadline (it fails
 in ``DecodeRooms.tick``, or when its peer is lost, and the watcher then drops it).
 
 Invariant: a room's chunks reach the room logic in the order their ChunkDones arrived, each only after its copy
@@ -32,12 +32,13 @@ POLL_MAX_S = 0.0005
 
 Take = Callable[["RecvRoom", "Source", ChunkDone, float], None]
 Fail = Callable[["RecvRoom", str, float], None]
+Flush = Callable[[], None]
 
 
 class LandingWatch:
-    def __init__(self, mgr: KVManager, take: Take, fail: Fail) -> None:
+    def __init__(self, mgr: KVManager, take: Take, fail: Fail, flush: Flush) -> None:
         self.mgr = mgr
-        self._take, self._fail = take, fail
+        self._take, self._fail, self._flush = take, fail, flush
         self.held: dict[int, deque[tuple[RecvRoom, Source, ChunkDone]]] = {}  # room -> its chunks, under mgr.lock
         self._cond = threading.Condition()
         self._waiting: dict[int, tuple[RecvRoom, Callable[[], bool]]] = {}  # room -> its first held chunk's signal
@@ -114,8 +115,14 @@ class LandingWatch:
             with self._cond:
                 for room in ready:  # drain() watches the room again if its next chunk is still in flight
                     self._waiting.pop(room, None)
-            for room in ready:
-                self.mgr.control.call_soon(lambda room=room: self.drain(room))
+            self.mgr.control.call_soon(lambda rooms=ready: self._drain_all(rooms))
+
+    def _drain_all(self, rooms: list[int]) -> None:
+        """Control thread: the watched rooms that moved; their confirmations leave together (no message arrived to
+        flush them)."""
+        for room in rooms:
+            self.drain(room)
+        self._flush()
 
 
 def _settled(landed: Callable[[], bool]) -> bool:
