@@ -197,6 +197,10 @@ class ShmFileBackend(QueuedBackend):
 
     def _open_signals(self, peer: PeerInfo) -> None:
         """Decode: map the peer's signal words once; without them its chunks come after they land (today's path)."""
+        with self._lock:
+            stale = self._readers.pop(peer.key, None)
+        if stale is not None:
+            stale.close()
         if peer.endpoint.get("signals") != "host_words" or not self._signals:
             return
         try:
@@ -206,10 +210,7 @@ class ShmFileBackend(QueuedBackend):
                         peer.key.instance_id, str(exc))
             return
         with self._lock:
-            old = self._readers.pop(peer.key, None)
             self._readers[peer.key] = reader
-        if old is not None:
-            old.close()
 
     def remove_peer(self, key: PeerKey) -> None:
         super().remove_peer(key)

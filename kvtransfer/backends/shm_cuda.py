@@ -219,6 +219,10 @@ class CudaIpcBackend(QueuedBackend):
 
     def _open_signals(self, peer: PeerInfo) -> None:
         """Decode: open the peer's event ring once; without it its chunks come after they land (today's path)."""
+        with self._lock:
+            stale = self._readers.pop(peer.key, None)
+        if stale is not None:
+            stale.close()
         if peer.endpoint.get("signals") != "cuda_events" or not self._signals:
             return
         try:

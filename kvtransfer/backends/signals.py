@@ -73,8 +73,11 @@ class CudaEventReader:
             self.events = [torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(h)) for h in handles]
 
     def landed(self, seq: int) -> bool:
+        events = self.events
+        if not events:
+            raise TransferError(f"landing signal {seq} unreadable: the peer's signals were closed")
         try:
-            return self.events[(seq - 1) % len(self.events)].query()
+            return events[(seq - 1) % len(events)].query()
         except RuntimeError as exc:  # the exporting process died, or the device failed
             raise TransferError(f"landing signal {seq} unreadable: {exc}") from exc
 
@@ -93,11 +96,13 @@ class HostSignalRing:
             self._mm = mmap.mmap(fd, size * 8)
         finally:
             os.close(fd)
-        self.words = np.frombuffer(self._mm, dtype=np.int64)
+        self.words: np.ndarray | None = np.frombuffer(self._mm, dtype=np.int64)
+        self._size = size
         self._seq = 0
+        self._lock = threading.Lock()
 
     def describe(self) -> dict[str, str]:
-        return {"signals": "host_words", "signal_path": str(self.path), "signal_words": str(len(self.words))}
+        return {"signals": "host_words", "signal_path": str(self.path), "signal_words": str(self._size)}
 
     def next(self) -> int:
         self._seq += 1
@@ -105,12 +110,17 @@ class HostSignalRing:
 
     def set(self, seq: int, landed: bool) -> None:
         """After the job's copy returned (``landed``) or failed: the one write the decode side reads."""
-        self.words[(seq - 1) % len(self.words)] = seq if landed else -seq
+        with self._lock:
+            if self.words is None:
+                raise TransferError(f"landing signal {seq}: the signals of this peer were closed")
+            self.words[(seq - 1) % self._size] = seq if landed else -seq
 
     def close(self) -> None:
         self.path.unlink(missing_ok=True)
-        del self.words
-        self._mm.close()
+        with self._lock:
+            if self.words is not None:
+                self.words = None
+                self._mm.close()
 
 
 class HostSignalReader:
