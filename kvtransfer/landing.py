@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from kvtransfer.manager import KVManager
 
 POLL_MIN_S = 0.00002
-POLL_MAX_S = 0.0005
+POLL_MAX_S = 0.0002  # a landing is seen at most this late; a device copy of 512 MiB takes about this long
 
 Take = Callable[["RecvRoom", "Source", ChunkDone, float], None]
 Fail = Callable[["RecvRoom", str, float], None]
