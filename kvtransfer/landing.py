@@ -18,20 +18,32 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
+from kvtransfer.backends.base import PeerKey
 from kvtransfer.backends.workers import TransferError
 from kvtransfer.messages import ChunkDone
+from kvtransfer.poll import KVPoll
 
 if TYPE_CHECKING:
-    from kvtransfer.decode_rooms import RecvRoom, Source
     from kvtransfer.manager import KVManager
 
 POLL_MIN_S = 0.00002
 POLL_MAX_S = 0.0002  # a landing is seen at most this late; a device copy of 512 MiB takes about this long
 
-Take = Callable[["RecvRoom", "Source", ChunkDone, float], None]
-Fail = Callable[["RecvRoom", str, float], None]
+
+
+class RecvRoom(Protocol):  # what is read here of ``decode_rooms.RecvRoom`` (which imports this module)
+    room: int
+    state: KVPoll
+
+
+class Source(Protocol):  # of ``decode_rooms.Source``
+    key: PeerKey | None
+
+
+Take = Callable[[Any, Any, ChunkDone, float], None]  # the room logic's own RecvRoom and Source, handed back
+Fail = Callable[[Any, str, float], None]
 Flush = Callable[[], None]
 
 
