@@ -7,7 +7,8 @@ contents are copied first), so every existing reference to them (the KV pool, th
 and now points at shared memory. Layout of the file: K0 | V0 | K1 | V1 | ... each ``layer_bytes`` long.
 The file is unlinked when the manager closes; files of dead processes are swept at the next start.
 Completion: a memmove is synchronous, so a job is done when its copies return (no confirmation needed). With
-landing signals (``landing_signal=auto``, the default; ``backends/signals.py``) the prefill rank makes a signal file
+landing signals (``landing_signal=on``; ``auto``, the default, leaves them to GPU pools: on 2 loaded cores they cost
+more than they save; ``backends/signals.py``) the prefill rank makes a signal file
 per decode peer and announces a signalled job before its copies (``on_job_enqueued``), then writes the job's signal
 word after them: the decode rank's ``ChunkDone`` travels while the copies run.
 """
@@ -120,7 +121,7 @@ class ShmFileBackend(QueuedBackend):
         self._maps: dict[PeerKey, _Mapping] = {}
         self._unmapped: dict[PeerKey, str] = {}  # peers whose pool could not be mapped: why
         self._path: Path | None = None
-        self._signals = option("shm", config.backend_options, "landing_signal") == "auto"
+        self._signals = option("shm", config.backend_options, "landing_signal") == "on"  # auto: GPU pools only
         self._rings: dict[PeerKey, HostSignalRing] = {}  # prefill: each decode peer's signal words
         self._readers: dict[PeerKey, HostSignalReader] = {}  # decode: each prefill peer's, mapped
         if mode == "decode":

@@ -20,8 +20,8 @@ copies are enqueued while this one's lands, and ``on_job_done`` still means the 
 A peer in this same process (tests) cannot open its own handles (CUDA refuses); it is found by its (random)
 export id in a process-local table and its tensors are used directly.
 
-Landing signals (``landing_signal=auto``, ``backends/signals.py``): the prefill rank makes a ring of interprocess
-events per decode peer at ``add_peer`` (exported in that peer's HelloAck), records a signalled job's event on the
+Landing signals (``landing_signal=auto``, the default, or ``on``; ``backends/signals.py``): the prefill rank makes a
+ring of interprocess events per decode peer at ``add_peer`` (exported in that peer's HelloAck), records a signalled job's event on the
 peer's stream right after the job's copy and announces the job (``on_job_enqueued``) before its landing is waited
 for; the decode rank opens the ring once and queries the event before it uses or confirms the chunk. Either side
 that cannot set the ring up logs a warning and its chunks go today's way (ChunkDone after the landing).
@@ -124,7 +124,7 @@ class CudaIpcBackend(QueuedBackend):
         self._export_id = uuid.uuid4().hex
         self._export: _Export | None = None
         self._handles = ""
-        self._signals = option("shm", config.backend_options, "landing_signal") == "auto"
+        self._signals = option("shm", config.backend_options, "landing_signal") != "off"
         self._readers: dict[PeerKey, CudaEventReader] = {}  # decode: each prefill peer's ring, opened
         if mode == "decode":
             self._handles = export_handles(self._buffers)

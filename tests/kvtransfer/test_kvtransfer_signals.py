@@ -1,9 +1,10 @@
-"""Landing signals of the ``shm`` backend on CPU buffers (kvtransfer/backends/signals.py, kvtransfer/landing.py):
-in-process managers over one Bootstrap service, 127.0.0.1, the prefill side's copies slowed down so that the
+"""Landing signals of the ``shm`` backend on CPU buffers (``landing_signal=on``; kvtransfer/backends/signals.py,
+kvtransfer/landing.py): in-process managers over one Bootstrap service, 127.0.0.1, the prefill side's copies slowed down so that the
 order of events is observable. A signalled chunk's ChunkDone leaves before its copy; decode takes the chunk (and
 confirms the room) only once its signal is set; prefill's room succeeds (its pages may be freed) only after its
 copies landed, even if decode confirmed early; a copy that fails after its announcement fails the room naming the
-prefill rank; a side that cannot set the signals up falls back to ChunkDone after the landing, with a warning."""
+prefill rank; a side that cannot set the signals up falls back to ChunkDone after the landing, with a warning (CPU
+pools by default too: ``auto`` leaves the signals to GPU pools)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ SLOW_S = 0.15  # each prefill copy sleeps this long first
 WAIT_S = 10.0
 # No heartbeat arrives within a run's wait: a confirmation must leave when its chunk landed, not with the next message.
 QUIET = {"heartbeat_interval_s": 30.0}
+ON = {"landing_signal": "on"}
 
 
 class Trace:
@@ -121,7 +123,7 @@ def make_pair() -> Iterator:
     pairs: list[Pair] = []
 
     def make(prefill: dict[str, str] | None = None, decode: dict[str, str] | None = None) -> Pair:
-        pairs.append(Pair(prefill or {}, decode or {}))
+        pairs.append(Pair(ON if prefill is None else prefill, ON if decode is None else decode))
         return pairs[-1]
 
     yield make
@@ -195,7 +197,7 @@ def test_the_signal_word_says_landed_failed_or_overwritten(tmp_path) -> None:
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("side", ["decode off", "prefill cannot make", "decode cannot map"])
+@pytest.mark.parametrize("side", ["decode off", "prefill cannot make", "decode cannot map", "cpu default"])
 def test_without_signals_chunk_done_follows_the_landing_with_a_warning(monkeypatch, make_pair, caplog,
                                                                        side: str) -> None:
     def refuse(*args, **kwargs):
@@ -207,14 +209,15 @@ def test_without_signals_chunk_done_follows_the_landing_with_a_warning(monkeypat
         monkeypatch.setattr(signals.HostSignalReader, "__init__", refuse)
     trace = Trace(monkeypatch)
     caplog.set_level(logging.WARNING, logger="kvtransfer.backends.shm")
-    pair = make_pair(decode={"landing_signal": "off"} if side == "decode off" else {})
+    pair = make_pair(decode={"landing_signal": "off"} if side == "decode off" else None) if side != "cpu default" \
+        else make_pair({}, {})
     sender, receiver, _ = pair.run(chunks=2)
     assert sender.poll() == KVPoll.Success and receiver.poll() == KVPoll.Success
     for chunk, landed in trace.landed.items():
         arrived, signal = trace.arrived[chunk]
         assert signal == 0 and arrived >= landed, (chunk, signal)
-    if side != "decode off":
+    if side not in ("decode off", "cpu default"):
         assert "landing signals" in caplog.text, caplog.text
     _quiesced(sender, receiver)
-    with pytest.raises(ConfigError, match="landing_signal must be one of auto, off"):
+    with pytest.raises(ConfigError, match="landing_signal must be one of auto, on, off"):
         check_options("shm", {"landing_signal": "yes"})
