@@ -72,8 +72,9 @@ class LandingWatch:
             queue = self.held.get(room, deque())
             while queue:
                 rec, source, msg = queue[0]
-                if rec.state.is_final:
-                    break
+                if rec.state.is_final:  # a failed room's chunks are dropped (never a later room's of that id)
+                    queue.popleft()
+                    continue
                 reader = self.mgr.backend.signal_reader(source.key) if source.key is not None else None
                 try:
                     if msg.signal:
@@ -85,7 +86,7 @@ class LandingWatch:
                 except TransferError as exc:
                     self._fail(rec, f"room {rec.room}: chunk {msg.chunk_id} from prefill {source.key}: {exc}",
                                time.monotonic())
-                    break
+                    continue
                 queue.popleft()
                 self._take(rec, source, msg, time.monotonic())
             self.held.pop(room, None)
