@@ -9,7 +9,8 @@ page size 16 (32 KiB per page per layer), out of a 512-page pool per side (1 GiB
 Each backend: prefill ``KVManager`` in a child process, decode ``KVManager`` here. A rep is timed on the prefill
 side from ``send(all pages, last=True)`` to the sender's ``Success`` (which needs decode's confirmation that every
 byte and the metadata landed). GB/s = 536,870,912 B / seconds (1 GB = 1e9 B). Median of ``--reps`` after one
-warm-up. Baselines in the same run: ``ctypes.memmove`` of the same runs in one thread, and a raw TCP socket
+warm-up. ``<backend> at decode`` times the same reps to decode's ``Success`` instead (what a decode scheduler waits
+for; with ``shm``'s landing signals it no longer waits for prefill's report of the landing). Baselines in the same run: ``ctypes.memmove`` of the same runs in one thread, and a raw TCP socket
 (``sendmsg``/``recvmsg_into`` of the same runs, 64 iovecs per call, no flags) between two processes (the baselines:
 ``kv_baselines.py``, fixed there so a change to a backend's loops never moves its baseline); with the ``nixl``
 or ``ucx`` backend, raw NIXL too: two agents in two processes, one ``initialize_xfer("WRITE")`` of the same page runs
@@ -84,7 +85,7 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
     port = server.start()
     mgr = KVManager(make_pool(SRC_SEED, geom), config, PrefillRooms, bootstrap_addr=f"127.0.0.1:{port}")
     out.put(("ready", port))
-    times = []
+    times, starts = [], []
     for group in rooms:  # one rep: the group's rooms in flight at once
         senders = [KVSender(mgr, room) for room in group]
         for slot, sender in enumerate(senders):
@@ -92,6 +93,7 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
                 time.sleep(POLL_S)
             sender.init(len(src_pages), slot)
         t0 = time.perf_counter()
+        starts.append(t0)
         for room, sender in zip(group, senders, strict=True):
             sender.send(src_pages, last=True, metadata=MetadataRecord(room=room, first_token=1))
         while not all(sender.poll().is_final for sender in senders):
@@ -102,15 +104,17 @@ def _prefill_child(backend: str, config: KVTransferConfig, src_pages: list[int],
                 out.put(("failed", sender.failure()))
                 return
             sender.clear()
-    out.put(("times", times))
+    out.put(("times", times, starts))
     time.sleep(1)
     mgr.close()
     server.stop()
 
 
 def bench_backend(backend: str, src_pages: list[int], dst_tables: list[list[int]], reps: int, src: KVArgs,
-                  geom: Geometry, options: dict[str, str]) -> list[float]:
-    """Seconds per rep: ``len(dst_tables)`` requests in flight at once, one per destination table."""
+                  geom: Geometry, options: dict[str, str], at_decode: list[float] | None = None) -> list[float]:
+    """Seconds per rep: ``len(dst_tables)`` requests in flight at once, one per destination table. ``at_decode``
+    gets, per rep, the seconds from the first ``send`` to decode's last ``Success`` (``perf_counter`` is one clock
+    for the two processes of one host)."""
     from kvtransfer.decode_rooms import DecodeRooms
     from kvtransfer.manager import KVManager
     from kvtransfer.poll import KVPoll
@@ -128,6 +132,7 @@ def bench_backend(backend: str, src_pages: list[int], dst_tables: list[list[int]
     mgr = KVManager(dst, config, DecodeRooms)
     try:
         kind, port = out.get(timeout=180)
+        decoded = []
         for group in rooms:
             receivers = [KVReceiver(mgr, room, f"127.0.0.1:{port}") for room in group]
             for slot, (receiver, dst_pages) in enumerate(zip(receivers, dst_tables, strict=True)):
@@ -136,13 +141,16 @@ def bench_backend(backend: str, src_pages: list[int], dst_tables: list[list[int]
             end = time.monotonic() + 180
             while not all(r.poll().is_final for r in receivers) and time.monotonic() < end:
                 time.sleep(POLL_S)
+            decoded.append(time.perf_counter())
             for room, receiver in zip(group, receivers, strict=True):
                 if receiver.poll() != KVPoll.Success:
                     raise RuntimeError(f"{backend}: room {room} {receiver.poll().name}: {receiver.failure()}")
                 receiver.clear()
-        kind, payload = out.get(timeout=60)
+        kind, payload, *starts = out.get(timeout=60)
         if kind != "times":
             raise RuntimeError(f"{backend}: prefill side: {payload}")
+        if at_decode is not None:
+            at_decode.extend(d - s for d, s in zip(decoded[1:], starts[0][1:], strict=True))
         if backend != "fake":
             for dst_pages in dst_tables:
                 verify(src, dst, src_pages, dst_pages)
@@ -233,6 +241,7 @@ def main() -> int:
         for backend in sorted(backends.split(","), key=lambda name: {"nixl": 1, "ucx": 2}.get(name, 0)):
             base = None if cuda else next((b for b, _, name, _ in TARGETS if name == backend), None)
             measured: dict[str, list[float]] = {backend: []}
+            at_decode: list[float] = []  # GB/s per round, timed to decode's Success
             if base is not None:
                 measured[base] = []
             for r in range(opts.rounds):
@@ -240,10 +249,14 @@ def main() -> int:
                 for name in (list(measured) if r % 2 else list(measured)[::-1]):
                     env = dict(os.environ)
                     try:
+                        decode_s: list[float] = []
                         measured[name].append(baseline(name) if name == base else gbps(
                             bench_backend(backend, src_pages, dst_tables, opts.reps, src, geom,
-                                          {k: v for k, v in options.items() if k in KV_TRANSFER_BACKENDS[backend].options}),
+                                          {k: v for k, v in options.items() if k in KV_TRANSFER_BACKENDS[backend].options},
+                                          decode_s),
                             geom, inflight))
+                        if decode_s:
+                            at_decode.append(gbps(decode_s, geom, inflight))
                     except Exception as exc:  # a backend's failure goes in the table; the other backends go on
                         if name == base:
                             raise
@@ -257,6 +270,8 @@ def main() -> int:
             for name, values in measured.items():
                 if not isinstance(row.get(name), str):
                     row[name] = statistics.median(values)
+            if at_decode and not isinstance(row.get(backend), str):
+                row[f"{backend} at decode"] = statistics.median(at_decode)
             if base is not None and opts.rounds > 1 and not isinstance(row[backend], str):
                 ratios = [v / b for v, b in zip(measured[backend], measured[base], strict=True)]
                 row[f"{backend}/{base}"] = statistics.median(ratios)
@@ -285,6 +300,11 @@ def main() -> int:
                 rounds = f" (median of rounds {row[f'{backend}/{base} rounds']})" if paired is not None else ""
                 print(f"{mode}: {backend} / {base_name} ({float(row[base]):.2f} GB/s) = {ratio}{rounds} "
                       f"(target >= {target}x)")
+        for backend in backends.split(","):
+            if f"{backend} at decode" in row:
+                v = float(row[f"{backend} at decode"])
+                print(f"{mode}: {backend} timed to decode's Success: {v:.2f} GB/s = {v / float(row[copy_key]):.2f}x "
+                      f"the {copy_name}")
     if cuda:
         print("\ntargets: shm >= 0.5x the device copy, tcp >= 0.8x raw TCP")
     if opts.json:

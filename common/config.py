@@ -113,7 +113,8 @@ class ServerArgs:
     kv_transfer_option: tuple[str, ...] = flag(
         (), "a setting of the chosen backend, repeatable (common/kv_backends.py): tcp streams=4 (connections per "
         "peer), stripe_bytes, stage, stage_bytes; mooncake mooncake_protocol=rdma, mooncake_device; ucx ucx_tls, "
-        "ucx_progress_mode; nixl progress_delay_us; nccl pack_bytes", group=DISAGG, metavar="KEY=VALUE")
+        "ucx_progress_mode; nixl progress_delay_us; nccl pack_bytes; shm landing_signal=on|off", group=DISAGG,
+        metavar="KEY=VALUE")
     num_reserved_decode_tokens: int = flag(128, "decode nodes: KV headroom kept per active request before admitting "
                                            "a transfer", group=DISAGG, check=at_least(0))
     bootstrap_timeout: float = flag(30.0, "seconds a request may wait for its peer (handshake, destination pages)",

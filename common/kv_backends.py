@@ -64,7 +64,12 @@ KV_TRANSFER_BACKENDS: dict[str, Backend] = {
     "nixl": Backend("kvtransfer.backends.nixl:NixlBackend", {"progress_delay_us": Option("1000", _integer(0, 1_000_000))}),
     "mooncake": Backend("kvtransfer.backends.mooncake:MooncakeBackend", {
         "mooncake_protocol": Option("tcp", _one_of("tcp", "rdma")), "mooncake_device": Option("")}),
-    "shm": Backend("kvtransfer.backends.shm:ShmBackend", {}),
+    # landing_signal: a chunk's ChunkDone leaves once its copy is enqueued and decode waits for its landing signal
+    # (kvtransfer/backends/signals.py) where both ranks set the signals up, else ChunkDone follows the landing. auto:
+    # on GPU pools (CUDA IPC events); on CPU pools they cost more than they save (benchmarks/pages/kv_transfer.md),
+    # on: CPU pools too (a /dev/shm word ring), off: neither.
+    "shm": Backend("kvtransfer.backends.shm:ShmBackend", {
+        "landing_signal": Option("auto", _one_of("auto", "on", "off"))}),
     "fake": Backend("kvtransfer.backends.fake:FakeBackend", {}),
 }
 

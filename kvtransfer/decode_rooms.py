@@ -23,6 +23,7 @@ from kvtransfer.args import Mode
 from kvtransfer.backends.base import PeerKey, TransferJob
 from kvtransfer.bootstrap import BootstrapError, RankEntry
 from kvtransfer.decode_handshake import DecodeHandshakes
+from kvtransfer.landing import LandingWatch
 from kvtransfer.messages import (
     Abort,
     AbortAck,
@@ -91,6 +92,8 @@ class DecodeRooms:
         self.lookups: dict[tuple[str, int, int], float] = {}  # in flight (inf) or retry-after time
         self.handshakes = DecodeHandshakes(mgr, self._pump_all)
         self.confirmations: dict[PeerKey, list[int]] = {}  # rooms whose Success each peer has not been sent yet
+        self.landing = LandingWatch(mgr, self._chunk_done, lambda rec, why, now: self.fail(
+            rec, ErrorCode.UNAVAILABLE, why, now), self.flush)  # chunks announced before their copy landed
 
     # ---- scheduler thread -------------------------------------------------------------------------------------
     def create(self, room: int, bootstrap_addr: str) -> RecvRoom:
@@ -155,7 +158,7 @@ class DecodeRooms:
             if source is None:
                 return
             if isinstance(msg, ChunkDone):
-                self._chunk_done(rec, source, msg, now)
+                self.landing.chunk(rec, source, msg, now)
             elif isinstance(msg, Abort) or (isinstance(msg, Status) and msg.state == KVPoll.Failed):
                 what = "aborted" if isinstance(msg, Abort) else "failed"
                 rec.unacked.discard(peer.key)  # it has nothing in flight for this room any more
@@ -166,6 +169,9 @@ class DecodeRooms:
                 rec.peer_quiesced(peer.key)
 
     def job_done(self, job: TransferJob, error: str | None) -> None:
+        """Decode backends never get jobs."""
+
+    def job_enqueued(self, job: TransferJob, signal: int) -> None:
         """Decode backends never get jobs."""
 
     def peer_lost(self, key: PeerKey, reason: str) -> None:
@@ -203,6 +209,7 @@ class DecodeRooms:
         with self.mgr.lock:
             for rec in self.rooms.values():
                 self.fail(rec, ErrorCode.UNAVAILABLE, reason, time.monotonic())
+        self.landing.close()
 
     # ---- internals ----------------------------------------------------------------------------------------------
     def fail(self, rec: RecvRoom, code: ErrorCode, reason: str, now: float, skip: PeerKey | None = None) -> bool:
@@ -270,8 +277,9 @@ class DecodeRooms:
         for source in rec.sources or ():
             if not source.info_sent and source.key is not None:
                 source.info_sent = True
-                self.mgr.send_to(source.key, TransferInfo(**self.mgr.stamp(), room=rec.room,
-                                                          dst_pages=rec.dst_pages, metadata_slot=rec.metadata_slot))
+                self.mgr.send_to(source.key, TransferInfo(
+                    **self.mgr.stamp(), room=rec.room, dst_pages=rec.dst_pages, metadata_slot=rec.metadata_slot,
+                    landing_signals=self.mgr.backend.signal_reader(source.key) is not None))
         rec.waiting_for = "the first chunk from prefill"
 
     def _pump_all(self) -> None:

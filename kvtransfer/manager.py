@@ -82,6 +82,9 @@ class Rooms(Protocol):
     def job_done(self, job: TransferJob, error: str | None) -> None:
         """A data-plane job finished (``error`` None) or failed."""
 
+    def job_enqueued(self, job: TransferJob, signal: int) -> None:
+        """A signalled job's copy is enqueued; landing signal ``signal`` is set behind it."""
+
     def peer_lost(self, key: PeerKey, reason: str) -> None:
         """The peer died or restarted: fail the rooms it serves (UNAVAILABLE)."""
 
@@ -155,6 +158,9 @@ class KVManager:
     # ---- backend events (any backend thread) ------------------------------------------------------------------
     def on_job_done(self, job: TransferJob, error: str | None) -> None:
         self.control.call_soon(lambda: self.rooms.job_done(job, error))
+
+    def on_job_enqueued(self, job: TransferJob, signal: int) -> None:
+        self.control.call_soon(lambda: self.rooms.job_enqueued(job, signal))
 
     # ---- peers -------------------------------------------------------------------------------------------------
     def accept_peer(self, key: PeerKey, control_addr: str, layout: KVLayout, endpoint: dict[str, str],

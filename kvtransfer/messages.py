@@ -13,6 +13,9 @@ Flow of one room (D = decode rank, P = prefill rank)::
     D -> P  TransferInfo(room, dst_pages, slot)   P's sender: Bootstrapping -> WaitingForInput
     P -> D  ChunkDone(room, chunk_id, ...)        after the data plane put each chunk in D's pages;
                                                   the last one carries num_chunks and the MetadataRecord
+                                                  (``signal`` > 0: sent once the chunk's copy was enqueued, where
+                                                  the TransferInfo asked for it; D uses the chunk only once that
+                                                  landing signal is set, kvtransfer/backends/signals.py)
     either  Abort(room, code, reason) -> AbortAck(room) the acker has no transfer of that room in flight any more
     D -> P  Status(room, Success, rooms)          D has every chunk and a valid record; P's sender: -> Success
                                                   (``rooms``: more rooms confirmed at once, one message per peer
@@ -78,6 +81,7 @@ class TransferInfo(ControlMessage, tag="transfer_info"):
     room: int
     dst_pages: list[int]  # destination page numbers, in token order; 0: held there already, not moved
     metadata_slot: int
+    landing_signals: bool = False  # D reads this prefill rank's landing signals: ChunkDone may precede the landing
 
 
 class ChunkDone(ControlMessage, tag="chunk_done"):
@@ -88,6 +92,7 @@ class ChunkDone(ControlMessage, tag="chunk_done"):
     num_pages: int
     num_chunks: int = 0  # set on the last message: the total number of chunks
     metadata: MetadataRecord | None = None  # set on the last message by the metadata writer
+    signal: int = 0  # > 0: the chunk's copy is enqueued; it is in the pages once this landing signal is set
 
 
 class Status(ControlMessage, tag="status"):

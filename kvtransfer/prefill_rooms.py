@@ -66,6 +66,8 @@ class DecodeTarget:
     writes_metadata: bool  # this prefill rank is the one that delivers the metadata record to that rank
     final_sent: bool = False
     confirmed: bool = False  # the decode rank reported Success (it has every chunk and a valid metadata record)
+    signals: bool = False  # it reads our landing signals: a job's ChunkDone leaves once its copy is enqueued
+    announced: set[int] = field(default_factory=set)  # chunks whose ChunkDone left before their job was done
 
 
 @dataclass
@@ -142,7 +144,7 @@ class PrefillRooms:
                                    f"allocated {len(dst)}", now)
                     return
                 runs = tuple(coalesce_runs(*unheld_pairs(pages, dst[start:stop])))
-                jobs.append(TransferJob(rec.room, rec.next_chunk, target.key, runs, target.heads))
+                jobs.append(TransferJob(rec.room, rec.next_chunk, target.key, runs, target.heads, target.signals))
             rec.pages_sent = stop
             rec.advance(KVPoll.Transferring, now)
             rec.progress(now)
@@ -210,7 +212,7 @@ class PrefillRooms:
             return  # a Hello from a start older than the one we accepted
         self.mgr.accept_peer(key, hello.control_addr, hello.layout, hello.endpoint, session)
         self.mgr.send_to(key, HelloAck(**self.mgr.stamp(), accepted=True, layout=self.mgr.layout,
-                                       endpoint=self.mgr.endpoint))
+                                       endpoint={**self.mgr.endpoint, **self.mgr.backend.peer_endpoint(key)}))
 
     def _prune_challenges(self, now: float) -> None:
         """Bound the open challenges: expired ones go, and at most MAX_CHALLENGES stay (oldest evicted)."""
@@ -250,11 +252,12 @@ class PrefillRooms:
             # AbortAck from decode: nothing of ours is in flight any more; the room is already quiesced.
 
     def _confirmed(self, rec: SendRoom | None, peer: Peer, now: float) -> None:
-        """``peer`` has every chunk of ``rec`` and its record; the room succeeds once every target has."""
+        """``peer`` has every chunk of ``rec`` and its record; the room succeeds once every target has and every
+        job of it is done here too (a signalled job's report may come after the decode side saw it land)."""
         target = None if rec is None else rec.targets.get(peer.key)
         if rec is not None and target is not None and target.final_sent:
             target.confirmed = True
-            if all(t.confirmed for t in rec.targets.values()):
+            if rec.outstanding == 0 and all(t.confirmed for t in rec.targets.values()):
                 rec.advance(KVPoll.Success, now)
 
     def flush(self) -> None:
@@ -272,16 +275,34 @@ class PrefillRooms:
                 self.fail(rec, ErrorCode.UNAVAILABLE,
                           f"room {job.room}: chunk {job.chunk_id} to {job.peer.instance_id} failed: {error}", now)
             elif not rec.state.is_final and target is not None:
-                final = rec.last_submitted and job.chunk_id == rec.next_chunk - 1
-                self.mgr.send_to(job.peer, ChunkDone(
-                    **self.mgr.stamp(), room=job.room, chunk_id=job.chunk_id, num_pages=job.num_pages,
-                    num_chunks=rec.next_chunk if final else 0,
-                    metadata=rec.metadata if final and target.writes_metadata else None))
-                target.final_sent = final
-                rec.progress(now)
-                if final:
-                    rec.waiting_for = "the decode side to confirm the last chunk"
+                if job.chunk_id in target.announced:
+                    target.announced.discard(job.chunk_id)
+                    if rec.outstanding == 0 and all(t.confirmed for t in rec.targets.values()):
+                        rec.advance(KVPoll.Success, now)
+                else:
+                    self._chunk_done(rec, job, target, 0, now)
             self._maybe_drained(rec)
+
+    def job_enqueued(self, job: TransferJob, signal: int) -> None:
+        """The job's copy is enqueued with landing signal ``signal``: its ChunkDone leaves now (decode waits for the
+        signal); ``job_done`` still follows once it landed here."""
+        with self.mgr.lock:
+            rec = self.rooms.get(job.room)
+            target = None if rec is None else rec.targets.get(job.peer)
+            if rec is not None and target is not None and not rec.state.is_final:
+                target.announced.add(job.chunk_id)
+                self._chunk_done(rec, job, target, signal, time.monotonic())
+
+    def _chunk_done(self, rec: SendRoom, job: TransferJob, target: DecodeTarget, signal: int, now: float) -> None:
+        final = rec.last_submitted and job.chunk_id == rec.next_chunk - 1
+        self.mgr.send_to(job.peer, ChunkDone(
+            **self.mgr.stamp(), room=job.room, chunk_id=job.chunk_id, num_pages=job.num_pages,
+            num_chunks=rec.next_chunk if final else 0,
+            metadata=rec.metadata if final and target.writes_metadata else None, signal=signal))
+        target.final_sent = final
+        rec.progress(now)
+        if final:
+            rec.waiting_for = "the decode side to confirm the last chunk"
 
     def peer_lost(self, key: PeerKey, reason: str) -> None:
         now = time.monotonic()
@@ -361,7 +382,7 @@ class PrefillRooms:
             return
         writer = source_plan(dst.tp_rank, dst.tp_size, me.tp_size, me.total_kv_heads)[0][0] == me.tp_rank
         whole = is_whole_page(heads, me.kv_heads, dst.kv_heads)
-        rec.targets[peer.key] = DecodeTarget(peer.key, info, None if whole else heads, writer)
+        rec.targets[peer.key] = DecodeTarget(peer.key, info, None if whole else heads, writer, signals=info.landing_signals)
         rec.required = len(dst_ranks_served(me.tp_rank, me.tp_size, dst.tp_size, me.total_kv_heads))
         if len(rec.targets) >= rec.required:
             rec.advance(KVPoll.WaitingForInput, now)

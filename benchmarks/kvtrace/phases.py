@@ -9,7 +9,8 @@ time each later event of the request's path was seen, in both processes, as mill
 table gives the median and range over the requests (the first two, warm-up, left out). Consecutive rows are the
 path's phases: the send, the hand-off to the peer's worker, the backend's ``_move`` (for ``shm`` on CUDA: the page
 ids, the copy's launch), the landing's wait, the report to the control thread, the ``ChunkDone`` hop to decode,
-decode's handling, its ``Status`` hop back. The trace's own stamps cost a few µs each: read gaps, not totals.
+decode's handling, its ``Status`` hop back; with landing signals (``shm``'s default) the ``ChunkDone`` leaves from
+``job_enqueued`` (the copy enqueued) and reaches decode at ``landing.chunk``, alongside the landing's own report. The trace's own stamps cost a few µs each: read gaps, not totals.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PATH = ("KVSender.send >", "KVSender.send <", "_move >", "page_ids >", "page_ids <", "copy_pages >", "copy_pages <",
+        "job_enqueued >", "job_enqueued <", "landing.chunk >", "landing.chunk <",
         "_move <", "workers._report >", "on_job_done >", "workers._report <", "job_done >", "job_done <",
         "decode._chunk_done >", "decode._chunk_done <", "prefill.handle >", "prefill.handle <")
 WARMUP = 2
@@ -56,14 +58,15 @@ def requests(events: list[tuple[float, str]]) -> list[dict[str, float]]:
 
 
 def phases(reqs: list[dict[str, float]]) -> list[dict[str, Any]]:
-    """Per event of ``PATH`` seen: ms after the send began, median / min / max over the requests after warm-up."""
+    """Per event of ``PATH`` seen: ms after the send began, median / min / max over the requests after warm-up, in
+    the order of their medians (with landing signals a ChunkDone reaches decode before the copy's own report)."""
     rows = []
     for event in PATH:
         ms = [(r[event] - r[PATH[0]]) * 1e3 for r in reqs[WARMUP:] if event in r]
         if ms:
             rows.append({"event": event, "median_ms": round(statistics.median(ms), 3), "min_ms": round(min(ms), 3),
                          "max_ms": round(max(ms), 3), "requests": len(ms)})
-    return rows
+    return sorted(rows, key=lambda row: row["median_ms"])
 
 
 def table(rows: list[dict[str, Any]], requests_seen: int) -> str:

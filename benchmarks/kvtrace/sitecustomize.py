@@ -3,7 +3,8 @@
     KVTRACE_DIR=/tmp/kvt PYTHONPATH=benchmarks/kvtrace:$PYTHONPATH python -m benchmarks.kv_transfer --backends shm ...
 
 Python imports this ``sitecustomize`` in every process of the run (the spawned prefill child included). It wraps, as
-their modules load, ``KVSender.send``, the prefill rooms' ``job_done``/``handle``, the decode rooms' ``_chunk_done``,
+their modules load, ``KVSender.send``, the prefill rooms' ``job_done``/``handle``/``job_enqueued`` (a signalled
+job's ChunkDone, before its landing), decode's ``LandingWatch.chunk`` (a ChunkDone arrived) and ``_chunk_done``,
 the control plane's ``_do`` (a send) and ``_receive_all``, every backend's ``_move`` (for ``shm`` on CUDA also its
 ``page_ids`` and the copy's launch, ``PageCopier.__call__``, as ``copy_pages``), the workers' ``_report`` (a
 landing's wait, then the report) and the manager's ``on_job_done``, and writes ``<wall time> <pid> <thread> <event>
@@ -25,7 +26,7 @@ from typing import Any
 
 TARGETS = {"kvtransfer.sender", "kvtransfer.prefill_rooms", "kvtransfer.decode_rooms", "kvtransfer.control",
            "kvtransfer.manager", "kvtransfer.backends.workers", "kvtransfer.backends.shm", "kvtransfer.backends.shm_cuda",
-           "kvtransfer.backends.tcp", "common.engine.kernels.kv_pages_triton"}
+           "kvtransfer.backends.tcp", "common.engine.kernels.kv_pages_triton", "kvtransfer.landing"}
 
 
 def _stamp(out: Any, event: str) -> None:
@@ -60,6 +61,9 @@ def _patch(out: Any, name: str, mod: ModuleType) -> None:
     elif name == "kvtransfer.prefill_rooms":
         _wrap(out, mod.PrefillRooms, "job_done", "job_done")
         _wrap(out, mod.PrefillRooms, "handle", "prefill.handle")
+        _wrap(out, mod.PrefillRooms, "job_enqueued", "job_enqueued")  # a signalled job's ChunkDone leaves
+    elif name == "kvtransfer.landing":
+        _wrap(out, mod.LandingWatch, "chunk", "landing.chunk")  # a ChunkDone reached decode (maybe before landing)
     elif name == "kvtransfer.decode_rooms":
         _wrap(out, mod.DecodeRooms, "_chunk_done", "decode._chunk_done")
     elif name == "kvtransfer.control":

@@ -19,6 +19,11 @@ How a backend is driven
   finish normally. The manager sends ``AbortAck`` once every job of the room is done, which is what lets decode
   reuse the pages: after the last ``on_job_done`` of a room nothing may write to its destination pages.
 * A job may have no runs (an empty last chunk); it completes in order like any other.
+* Landing signals (``job.signal``: the decode rank reads this backend's signals, ``backends/signals.py``): a backend
+  that has a signal ring for the peer may call ``events.on_job_enqueued(job, seq)`` once the job's copy is enqueued
+  with signal ``seq`` set behind it (before ``on_job_done``, from the same worker); the decode rank's
+  ``signal_reader(prefill key)`` then tells when ``seq`` landed. ``on_job_done`` keeps its meaning (bytes landed).
+  A backend without signals ignores ``job.signal``.
 * Decode side: ``submit`` is never called. A two-sided backend receives what the prefill peer sends and writes
   it into ``args`` buffers at the pages and heads the job describes (it may trust only pages in
   [1, num_pages) and heads in [0, kv_heads)); a one-sided backend exposes its buffers through ``endpoint()``.
@@ -33,6 +38,7 @@ layout (whole pages move), else a ``HeadSlice`` (heterogeneous TP: only those he
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,6 +74,7 @@ class TransferJob:
     peer: PeerKey
     runs: tuple[PageRun, ...]
     heads: HeadSlice | None = None
+    signal: bool = False  # the peer reads landing signals: announce the job once enqueued (see the module docstring)
 
     @property
     def num_pages(self) -> int:
@@ -77,6 +84,9 @@ class TransferJob:
 class BackendEvents(Protocol):
     def on_job_done(self, job: TransferJob, error: str | None) -> None:
         """The job's bytes are in the destination (error None) or the job failed (error says why)."""
+
+    def on_job_enqueued(self, job: TransferJob, signal: int) -> None:
+        """The job's copy is enqueued; the peer's landing signal ``signal`` is set once it landed."""
 
 
 class KVBackend(ABC):
@@ -101,6 +111,15 @@ class KVBackend(ABC):
     @abstractmethod
     def remove_peer(self, key: PeerKey) -> None:
         """Forget a peer: its queued and in-flight jobs finish with an error; its connections/mappings close."""
+
+    def peer_endpoint(self, key: PeerKey) -> dict[str, str]:
+        """Prefill, after ``add_peer(key)``: what only that peer gets (its landing signals), sent in its HelloAck."""
+        return {}
+
+    def signal_reader(self, key: PeerKey) -> Callable[[int], bool] | None:
+        """Decode: ``landed(seq)`` of the landing signals prefill peer ``key`` exported (raises ``TransferError``
+        when ``seq`` will never land), or None when there are none (then ChunkDone follows the landing)."""
+        return None
 
     @abstractmethod
     def submit(self, job: TransferJob) -> None:

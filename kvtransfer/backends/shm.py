@@ -8,7 +8,11 @@ and now points at shared memory. A buffer that is a leading slice of a larger te
 under the target's numbering, then its own) moves with that whole tensor, which its other users read. Layout of the
 file: K0 | V0 | K1 | V1 | ... each ``layer_bytes`` long (the largest such tensor).
 The file is unlinked when the manager closes; files of dead processes are swept at the next start.
-Completion: a memmove is synchronous, so a job is done when its copies return (no confirmation needed).
+Completion: a memmove is synchronous, so a job is done when its copies return (no confirmation needed). With
+landing signals (``landing_signal=on``; ``auto``, the default, leaves them to GPU pools: on 2 loaded cores they cost
+more than they save; ``backends/signals.py``) the prefill rank makes a signal file
+per decode peer and announces a signalled job before its copies (``on_job_enqueued``), then writes the job's signal
+word after them: the decode rank's ``ChunkDone`` travels while the copies run.
 """
 
 from __future__ import annotations
@@ -20,14 +24,17 @@ import os
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from common.kv_backends import option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
+from kvtransfer.backends.signals import HostSignalReader, HostSignalRing
 from kvtransfer.backends.workers import QueuedBackend, TransferError
 from kvtransfer.pages import copy_runs
 
@@ -94,6 +101,12 @@ class ShmBackend(KVBackend):
     def add_peer(self, peer: PeerInfo) -> None:
         self.impl.add_peer(peer)
 
+    def peer_endpoint(self, key: PeerKey) -> dict[str, str]:
+        return self.impl.peer_endpoint(key)
+
+    def signal_reader(self, key: PeerKey) -> Callable[[int], bool] | None:
+        return self.impl.signal_reader(key)
+
     def remove_peer(self, key: PeerKey) -> None:
         self.impl.remove_peer(key)
 
@@ -121,6 +134,9 @@ class ShmFileBackend(QueuedBackend):
         self._maps: dict[PeerKey, _Mapping] = {}
         self._unmapped: dict[PeerKey, str] = {}  # peers whose pool could not be mapped: why
         self._path: Path | None = None
+        self._signals = option("shm", config.backend_options, "landing_signal") == "on"  # auto: GPU pools only
+        self._rings: dict[PeerKey, HostSignalRing] = {}  # prefill: each decode peer's signal words
+        self._readers: dict[PeerKey, HostSignalReader] = {}  # decode: each prefill peer's, mapped
         if mode == "decode":
             self._path = self._share_pool()
 
@@ -151,6 +167,7 @@ class ShmFileBackend(QueuedBackend):
 
     def add_peer(self, peer: PeerInfo) -> None:
         if self.mode != "prefill":
+            self._open_signals(peer)
             return
         try:
             if peer.endpoint.get("memory", "cpu") != "cpu":
@@ -171,10 +188,61 @@ class ShmFileBackend(QueuedBackend):
         with self._lock:
             self._maps[peer.key] = _Mapping(mm, array, array.ctypes.data, layer_bytes, peer.layout.num_pages,
                                             peer.layout.kv_heads)
+            ring = self._rings.get(peer.key)  # the same start handshaking again keeps its ring (and sequence)
+        if ring is None and self._signals:
+            try:
+                ring = HostSignalRing(SHM_DIR, PREFIX)
+            except OSError as exc:
+                log.warning("kv shm: no landing signals for %s (%s); its chunks are reported after they land",
+                            peer.key.instance_id, str(exc))  # not exc: its frames hold the mapping
+            else:
+                with self._lock:
+                    self._rings[peer.key] = ring
         super().add_peer(peer)  # the worker unmaps after its last job (_peer_stopped)
+
+    def peer_endpoint(self, key: PeerKey) -> dict[str, str]:
+        with self._lock:
+            ring = self._rings.get(key)
+        return ring.describe() if ring is not None else {}
+
+    def signal_reader(self, key: PeerKey) -> Callable[[int], bool] | None:
+        with self._lock:
+            reader = self._readers.get(key)
+        return reader.landed if reader is not None else None
+
+    def _open_signals(self, peer: PeerInfo) -> None:
+        """Decode: map the peer's signal words once; without them its chunks come after they land (today's path)."""
+        with self._lock:
+            stale = self._readers.pop(peer.key, None)
+        if stale is not None:
+            stale.close()
+        if peer.endpoint.get("signals") != "host_words" or not self._signals:
+            return
+        try:
+            reader = HostSignalReader(peer.endpoint)
+        except (KeyError, OSError, ValueError) as exc:
+            log.warning("kv shm: cannot map the landing signals of %s (%s); its chunks are reported after they land",
+                        peer.key.instance_id, str(exc))
+            return
+        with self._lock:
+            self._readers[peer.key] = reader
+
+    def remove_peer(self, key: PeerKey) -> None:
+        super().remove_peer(key)
+        with self._lock:
+            reader = self._readers.pop(key, None)
+        if reader is not None:
+            reader.close()
 
     def close(self) -> None:
         super().close()
+        with self._lock:
+            readers, self._readers = list(self._readers.values()), {}
+            rings, self._rings = list(self._rings.values()), {}
+        for reader in readers:
+            reader.close()
+        for ring in rings:
+            ring.close()
         if self._path is not None:
             self._path.unlink(missing_ok=True)
 
@@ -182,10 +250,24 @@ class ShmFileBackend(QueuedBackend):
     def _move(self, job: TransferJob) -> None:
         with self._lock:
             m, why = self._maps.get(job.peer), self._unmapped.get(job.peer)
+            ring = self._rings.get(job.peer) if job.signal else None
         if m is None:
             raise TransferError(f"the peer's shared pool is not mapped: {why or 'peer removed'}")
         if any(r.dst_page < 1 or r.dst_page + r.num_pages > m.num_pages for r in job.runs):
             raise TransferError(f"destination pages of room {job.room} outside the peer's {m.num_pages} pages")
+        if ring is None or not job.runs:
+            self._copy(job, m)
+            return
+        seq = ring.next()
+        self.events.on_job_enqueued(job, seq)  # its ChunkDone travels while the copies below run
+        landed = False
+        try:
+            self._copy(job, m)
+            landed = True
+        finally:
+            ring.set(seq, landed)
+
+    def _copy(self, job: TransferJob, m: _Mapping) -> None:
         item = self.args.item_len
         if job.heads is None:
             for i, buf in enumerate(self._buffers):
@@ -205,6 +287,9 @@ class ShmFileBackend(QueuedBackend):
         with self._lock:
             m = self._maps.pop(key, None)
             self._unmapped.pop(key, None)
+            ring = self._rings.pop(key, None)
+        if ring is not None:
+            ring.close()
         if m is not None:
             del m.array
             m.mm.close()

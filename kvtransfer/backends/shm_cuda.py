@@ -19,6 +19,12 @@ then an event is recorded, and the job's ``Landing`` synchronizes it: the worker
 copies are enqueued while this one's lands, and ``on_job_done`` still means the bytes are in the destination pool.
 A peer in this same process (tests) cannot open its own handles (CUDA refuses); it is found by its (random)
 export id in a process-local table and its tensors are used directly.
+
+Landing signals (``landing_signal=auto``, the default, or ``on``; ``backends/signals.py``): the prefill rank makes a
+ring of interprocess events per decode peer at ``add_peer`` (exported in that peer's HelloAck), records a signalled job's event on the
+peer's stream right after the job's copy and announces the job (``on_job_enqueued``) before its landing is waited
+for; the decode rank opens the ring once and queries the event before it uses or confirms the chunk. Either side
+that cannot set the ring up logs a warning and its chunks go today's way (ChunkDone after the landing).
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ import numpy as np
 import torch
 
 from common.engine.kernels.kv_pages import page_copier
+from common.kv_backends import option
 from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import device_identity
+from kvtransfer.backends.signals import CudaEventReader, CudaEventRing
 from kvtransfer.backends.workers import Landing, QueuedBackend, TransferError
 from kvtransfer.pages import copy_runs
 
@@ -64,6 +72,7 @@ class _PeerPool:
     stream: torch.cuda.Stream
     default_stream: torch.cuda.Stream  # this device's, where the forward that wrote the source pages runs
     copy: Callable[[torch.Tensor], None] | None = None  # whole pages, our pool -> the peer's (page_copier)
+    signals: CudaEventRing | None = None  # the peer's landing signals, recorded on ``stream``
 
 
 def _hex(b: bytes | None) -> str:
@@ -115,6 +124,8 @@ class CudaIpcBackend(QueuedBackend):
         self._export_id = uuid.uuid4().hex
         self._export: _Export | None = None
         self._handles = ""
+        self._signals = option("shm", config.backend_options, "landing_signal") != "off"
+        self._readers: dict[PeerKey, CudaEventReader] = {}  # decode: each prefill peer's ring, opened
         if mode == "decode":
             self._handles = export_handles(self._buffers)
             self._export = _Export(self._buffers)
@@ -129,6 +140,7 @@ class CudaIpcBackend(QueuedBackend):
 
     def add_peer(self, peer: PeerInfo) -> None:
         if self.mode != "prefill":
+            self._open_signals(peer)
             return
         try:
             pool = self._open(peer)
@@ -144,11 +156,29 @@ class CudaIpcBackend(QueuedBackend):
                 self._failed[peer.key] = reason
         super().add_peer(peer)  # the worker closes the mapping after its last job (_peer_stopped)
 
+    def peer_endpoint(self, key: PeerKey) -> dict[str, str]:
+        with self._lock:
+            pool = self._pools.get(key)
+        return pool.signals.describe() if pool is not None and pool.signals is not None else {}
+
+    def signal_reader(self, key: PeerKey) -> Callable[[int], bool] | None:
+        with self._lock:
+            reader = self._readers.get(key)
+        return reader.landed if reader is not None else None
+
+    def remove_peer(self, key: PeerKey) -> None:
+        super().remove_peer(key)
+        with self._lock:
+            reader = self._readers.pop(key, None)
+        if reader is not None:
+            reader.close()
+
     def close(self) -> None:
         super().close()
         with self._lock:
             self._pools.clear()
             self._failed.clear()
+            self._readers.clear()
         if self._export is not None:
             _EXPORTS.pop(self._export_id, None)
             self._export = None
@@ -175,8 +205,35 @@ class CudaIpcBackend(QueuedBackend):
         if len(buffers) != len(self._buffers):
             raise ValueError(f"peer {peer.key.instance_id} exported {len(buffers)} buffers, expected "
                              f"{len(self._buffers)}")
-        return _PeerPool(buffers, layout.num_pages, layout.kv_heads, torch.cuda.Stream(self._device),
+        pool = _PeerPool(buffers, layout.num_pages, layout.kv_heads, torch.cuda.Stream(self._device),
                          torch.cuda.default_stream(self._device))
+        if self._signals:
+            try:
+                pool.signals = CudaEventRing(self._device)
+                pool.signals.describe()  # the IPC handles exist (else: no signals, not a failed peer)
+            except RuntimeError as exc:
+                pool.signals = None
+                log.warning("kv shm: no landing signals for %s (CUDA IPC events: %s); its chunks are reported "
+                            "after they land", peer.key.instance_id, str(exc))  # not exc: its frames hold the pool
+        return pool
+
+    def _open_signals(self, peer: PeerInfo) -> None:
+        """Decode: open the peer's event ring once; without it its chunks come after they land (today's path)."""
+        with self._lock:
+            stale = self._readers.pop(peer.key, None)
+        if stale is not None:
+            stale.close()
+        if peer.endpoint.get("signals") != "cuda_events" or not self._signals:
+            return
+        try:
+            with torch.cuda.device(self._device):
+                reader = CudaEventReader(peer.endpoint, self._device)
+        except (KeyError, ValueError, RuntimeError) as exc:
+            log.warning("kv shm: cannot open the landing signals of %s (CUDA IPC events: %s); its chunks are "
+                        "reported after they land", peer.key.instance_id, str(exc))
+            return
+        with self._lock:
+            self._readers[peer.key] = reader
 
     def _peer_stopped(self, key: PeerKey) -> None:
         with self._lock:
@@ -218,6 +275,8 @@ class CudaIpcBackend(QueuedBackend):
                     copy_runs(src, dst, job.runs, self.args.page_size, job.heads)
             done = torch.cuda.Event()
             done.record(pool.stream)
+            if job.signal and pool.signals is not None:
+                self.events.on_job_enqueued(job, pool.signals.record(pool.stream))
         return done.synchronize
 
 

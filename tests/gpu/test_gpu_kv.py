@@ -166,3 +166,70 @@ def test_pd_on_one_gpu_tokens_match_colocated(model_path, backend: str) -> None:
     finally:
         for node in (colocated, prefill, decode):
             node.stop()
+
+
+@pytest.mark.parametrize("landing_signal", ["auto", "off"])
+def test_shm_cuda_ipc_landing_signals_across_processes(monkeypatch, landing_signal: str) -> None:
+    """The prefill child's event ring is opened here through its IPC handles (not this process's table) and every
+    chunk's ChunkDone carries a signal; with ``landing_signal=off`` none does (today's path). Byte-exact either way."""
+    from kvtransfer.backends import signals
+    from kvtransfer.landing import LandingWatch
+
+    seen: list[int] = []
+    chunk = LandingWatch.chunk
+    monkeypatch.setattr(LandingWatch, "chunk", lambda w, rec, src, msg, now: (seen.append(msg.signal),
+                                                                               chunk(w, rec, src, msg, now)))
+
+    def check(mgr: KVManager) -> None:
+        readers = mgr.backend.impl._readers
+        if landing_signal == "off":
+            assert not readers and seen and all(s == 0 for s in seen), seen
+            return
+        (reader,) = readers.values()
+        assert isinstance(reader, signals.CudaEventReader)
+        assert all(reader.events is not ring.events for ring in signals._RINGS.values())  # opened from its handles
+        assert seen and all(s > 0 for s in seen), seen
+
+    transfer_interleaved_rooms("shm", {"backend_options": {"landing_signal": landing_signal}}, seed=3,
+                               num_pages=NUM_PAGES, prefill_device="cuda:0", decode_device="cuda:0", check=check)
+
+
+def test_shm_cuda_chunk_done_precedes_the_landing_and_success_follows_it(monkeypatch) -> None:
+    """In one process (the same-process ring): the copy is held back on the prefill's stream by a spin kernel, so
+    the ChunkDone reaches decode before the copy landed; decode's Success and prefill's come after it landed, and
+    decode's pages are then byte-exact without a device synchronization of the copy stream."""
+    from kvtransfer.backends import shm_cuda
+    from kvtransfer.landing import LandingWatch
+    from tests.kvtransfer.test_kvtransfer_signals import Pair
+
+    make_copier = shm_cuda.page_copier
+
+    def slow_copier(*args, **kwargs):
+        copy = make_copier(*args, **kwargs)
+
+        def slow(ids: torch.Tensor) -> None:
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning on the copy stream before the copy
+            copy(ids)
+        return slow
+
+    monkeypatch.setattr(shm_cuda, "page_copier", slow_copier)
+    arrivals: list[tuple[int, bool]] = []  # (signal, the copy stream idle when the ChunkDone arrived)
+    chunk = LandingWatch.chunk
+
+    def copy_stream_idle() -> bool:
+        return all(pool.stream.query() for pool in pair.prefill.backend.impl._pools.values())
+
+    def arrive(watch, rec, source, msg, now):
+        arrivals.append((msg.signal, copy_stream_idle()))
+        chunk(watch, rec, source, msg, now)
+
+    monkeypatch.setattr(LandingWatch, "chunk", arrive)
+    pair = Pair({}, {}, device="cuda:0")
+    try:
+        sender, receiver, _ = pair.run(chunks=2)  # checks decode's pages when it reaches Success
+        assert sender.poll() == KVPoll.Success and receiver.poll() == KVPoll.Success
+        assert copy_stream_idle()
+        assert arrivals and all(signal > 0 for signal, _ in arrivals), arrivals
+        assert not all(idle for _, idle in arrivals), arrivals  # announced while the copy was still in flight
+    finally:
+        pair.close()
