@@ -6,7 +6,7 @@
 
 Steps, in order of value; each runs in a child process with its own deadline (cut to what is left of
 ``--budget-s``), and a failed step is recorded while the next one still runs. By default (issue 50's check, sized
-to fit the budget on an H200) scale, pd, kv, engine, tests; host, kvtrace and compile on request (``--steps``):
+to fit the budget on an H200) scale, pd, kv, kvsig, engine, tests; host, kvtrace and compile on request (``--steps``):
 
     env     GPU, driver, torch/triton/transformers versions, which optional packages load
     scale   benchmarks/model_scale.py: 8B- and 1B-shaped llamas (bf16, --load-format dummy): the decode step at
@@ -17,6 +17,8 @@ to fit the budget on an H200) scale, pd, kv, engine, tests; host, kvtrace and co
             API; throughput and TTFT against colocated; texts identical to colocated; pools back; start-up seconds
     kv      benchmarks/kv_transfer.py --device cuda: a 512 MiB paged request, alone and 4 in flight, over shm
             (CUDA IPC) against an in-process device copy; nixl (VRAM) too where its wheel loads
+    kvsig   the kv step with shm's landing signals (--option landing_signal=auto: CUDA IPC events), against kv's
+            default (off)
     engine  benchmarks/engine_throughput.py: colocated engine, 1B-shaped llama bf16 (dummy weights), 64 x 128 ->
             128 greedy, with CUDA graphs, against HF generate with a static cache, compiled (hf_static, the same
             weights), both warmed up with the full workload; decode step ms beside the card's weight-read floor;
@@ -96,8 +98,8 @@ def _parallel_tests() -> list[str]:
     return ["-n", "4", "--dist", "loadfile"]
 
 
-STEPS = ("scale", "pd", "kv", "engine", "tests", "host", "kvtrace", "compile")
-DEFAULT_STEPS = "scale,pd,kv,engine,tests"  # fits --budget-s on an H200 (benchmarks/pages/gpu_check.md)
+STEPS = ("scale", "pd", "kv", "kvsig", "engine", "tests", "host", "kvtrace", "compile")
+DEFAULT_STEPS = "scale,pd,kv,kvsig,engine,tests"  # fits --budget-s on an H200 (benchmarks/pages/gpu_check.md)
 DRY_RUN_STEPS = "scale,pd,kv,engine,tests,host,kvtrace"  # every step's code path (compile: GPU only)
 
 
@@ -144,6 +146,9 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
         Step("scale", [*py, "benchmarks.model_scale", *scale_sizes, "--json", str(out / "scale.json")], 140),
         Step("pd", [*py, "benchmarks.gpu_pd", *pd_sizes, "--json", str(out / "pd.json")], 180),
         Step("kv", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--json", str(out / "kv.json")], 60),
+        # shm's landing signals (CUDA IPC events) against the kv step's default (off): issue 50's item 4.
+        Step("kvsig", [*py, "benchmarks.kv_transfer", *kv_sizes, "--modes", "paged", "--option",
+                       "landing_signal=auto", "--json", str(out / "kvsig.json")], 60),
         Step("engine", [*py, "benchmarks.engine_throughput", *engine_sizes, "--warmup-full", "--json",
                         str(out / "engine.json")], 120),
         tests,

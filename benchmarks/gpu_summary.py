@@ -187,7 +187,7 @@ def _kvtrace(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-SECTIONS = {"tests": _tests, "engine": _engine, "host": _host, "kv": _kv, "pd": _pd, "kvtrace": _kvtrace,
+SECTIONS = {"tests": _tests, "engine": _engine, "host": _host, "kv": _kv, "kvsig": _kv, "pd": _pd, "kvtrace": _kvtrace,
             "compile": _engine, "scale": _scale}
 
 

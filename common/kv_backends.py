@@ -65,11 +65,11 @@ KV_TRANSFER_BACKENDS: dict[str, Backend] = {
     "mooncake": Backend("kvtransfer.backends.mooncake:MooncakeBackend", {
         "mooncake_protocol": Option("tcp", _one_of("tcp", "rdma")), "mooncake_device": Option("")}),
     # landing_signal: a chunk's ChunkDone leaves once its copy is enqueued and decode waits for its landing signal
-    # (kvtransfer/backends/signals.py) where both ranks set the signals up, else ChunkDone follows the landing. auto:
-    # on GPU pools (CUDA IPC events); on CPU pools they cost more than they save (benchmarks/pages/kv_transfer.md),
-    # on: CPU pools too (a /dev/shm word ring), off: neither.
+    # (kvtransfer/backends/signals.py) where both ranks set the signals up, else ChunkDone follows the landing. off
+    # (the default until a GPU run has proven the CUDA IPC event path: the GPU check's kvsig step), auto: GPU pools
+    # only (on CPU pools they cost more than they save, benchmarks/pages/kv_transfer.md), on: CPU pools too.
     "shm": Backend("kvtransfer.backends.shm:ShmBackend", {
-        "landing_signal": Option("auto", _one_of("auto", "on", "off"))}),
+        "landing_signal": Option("off", _one_of("auto", "on", "off"))}),
     "fake": Backend("kvtransfer.backends.fake:FakeBackend", {}),
 }
 

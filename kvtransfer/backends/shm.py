@@ -9,7 +9,7 @@ under the target's numbering, then its own) moves with that whole tensor, which 
 file: K0 | V0 | K1 | V1 | ... each ``layer_bytes`` long (the largest such tensor).
 The file is unlinked when the manager closes; files of dead processes are swept at the next start.
 Completion: a memmove is synchronous, so a job is done when its copies return (no confirmation needed). With
-landing signals (``landing_signal=on``; ``auto``, the default, leaves them to GPU pools: on 2 loaded cores they cost
+landing signals (``landing_signal=on``; ``auto`` leaves them to GPU pools, ``off`` is the default: on 2 loaded cores they cost
 more than they save; ``backends/signals.py``) the prefill rank makes a signal file
 per decode peer and announces a signalled job before its copies (``on_job_enqueued``), then writes the job's signal
 word after them: the decode rank's ``ChunkDone`` travels while the copies run.

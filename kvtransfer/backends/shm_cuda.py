@@ -20,7 +20,7 @@ copies are enqueued while this one's lands, and ``on_job_done`` still means the 
 A peer in this same process (tests) cannot open its own handles (CUDA refuses); it is found by its (random)
 export id in a process-local table and its tensors are used directly.
 
-Landing signals (``landing_signal=auto``, the default, or ``on``; ``backends/signals.py``): the prefill rank makes a
+Landing signals (``landing_signal=auto`` or ``on``, not the default; ``backends/signals.py``): the prefill rank makes a
 ring of interprocess events per decode peer at ``add_peer`` (exported in that peer's HelloAck), records a signalled job's event on the
 peer's stream right after the job's copy and announces the job (``on_job_enqueued``) before its landing is waited
 for; the decode rank opens the ring once and queries the event before it uses or confirms the chunk. Either side

@@ -224,7 +224,8 @@ def test_shm_cuda_chunk_done_precedes_the_landing_and_success_follows_it(monkeyp
         chunk(watch, rec, source, msg, now)
 
     monkeypatch.setattr(LandingWatch, "chunk", arrive)
-    pair = Pair({}, {}, device="cuda:0")
+    auto = {"landing_signal": "auto"}  # GPU pools only; off is the default
+    pair = Pair(auto, auto, device="cuda:0")
     try:
         sender, receiver, _ = pair.run(chunks=2)  # checks decode's pages when it reaches Success
         assert sender.poll() == KVPoll.Success and receiver.poll() == KVPoll.Success
