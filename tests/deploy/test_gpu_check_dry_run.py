@@ -74,7 +74,8 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: Path) -> None:
     for key, row in rows.items():  # fp32: greedy identical; the prompts hold the cycle, so drafts are accepted
         assert row["outputs_equal"] and row["identical_token_share"] == 1.0, key
         assert row["plain"]["tokens_per_s"] > 0 and row["ngram"]["tokens_per_s"] > 0, key
-        assert row["ngram"]["accept_length"] > 3 and row["ngram"]["drafted_share"] > 0.5, (key, row["ngram"])
+        # (the unmodified tiny model loops too, on a shorter cycle: accept length 4 of 9, a third drafted at batch 2)
+        assert row["ngram"]["accept_length"] > 6 and row["ngram"]["drafted_share"] > 0.7, (key, row["ngram"])
     assert spec["prompts"]["tiny"]["copy"]["prompts_in_cycle"] == 1.0, spec["prompts"]
     assert spec["runners"]["tiny"]["copy"] == {"plain": {"decode": "eager"},  # CPU: no graphs asked for
                                                "ngram": {"decode": "eager", "verify": "eager"}}
