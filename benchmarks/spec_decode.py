@@ -181,32 +181,34 @@ def model_folder(size: str, args: argparse.Namespace, tmp: Path) -> str:
     return str(default_model_path(size=size))
 
 
-def run_size(size: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def run_size(size: str, args: argparse.Namespace, tmp: Path, report: dict[str, Any]) -> None:
+    """Every workload of ``size`` into ``report``, written to ``--json`` after each row (a deadline keeps what ran)."""
     model = model_folder(size, args, tmp)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     args.current_size = size
-    out: dict[str, Any] = {"runners": {}, "results": []}
+    for key in ("runners", "startup_s", "prompts"):
+        report[key][size] = {}
     for kind in args.workloads.split(","):
         t0 = time.monotonic()
         engines = {"plain": engine(model, args, spec=False, copy=kind == "copy")}
         try:
             engines["ngram"] = engine(model, args, spec=True, copy=kind == "copy")
-            out["runners"][kind] = {name: runners(e) for name, e in engines.items()}
-            out.setdefault("startup_s", {})[kind] = round(time.monotonic() - t0, 1)
+            report["runners"][size][kind] = {name: runners(e) for name, e in engines.items()}
+            report["startup_s"][size][kind] = round(time.monotonic() - t0, 1)
             batch, facts = prompts(kind, engines["plain"], max(args.batch_sizes), args, vocab)
-            out.setdefault("prompts", {})[kind] = facts | {"tokens": [len(p) for p in batch]}
+            report["prompts"][size][kind] = facts | {"tokens": [len(p) for p in batch]}
             for bs in args.batch_sizes:
                 r = compare(engines, kind, batch[:bs], args)
                 print(json.dumps(r), flush=True)
-                out["results"].append(r)
+                report["results"].append(r)
+                if args.json:
+                    args.json.write_text(json.dumps(report, indent=2) + "\n")
         finally:
-            for e in engines.values():
-                e.shutdown()
-            engines.clear()
+            while engines:  # each shut down and dropped before the next workload's pair loads
+                engines.popitem()[1].shutdown()
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    return out
 
 
 def main() -> int:
@@ -238,6 +240,13 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device visible (use --device cpu)")
     sizes = [s for s in args.size.split(",") if s]
+    from common.model_gen.make_model import SIZES
+
+    for size in sizes:
+        if size not in SIZES:
+            p.error(f"--size: unknown {size!r}; choose from {', '.join(SIZES)}")
+        if not SIZES[size].weights and args.load_format != "dummy":
+            p.error(f"--size {size} is generated without weights: pass --load-format dummy")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     report: dict[str, Any] = {
@@ -250,17 +259,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
         for size in sizes:
             try:
-                got = run_size(size, args, Path(tmp))
+                run_size(size, args, Path(tmp), report)
             except Exception as e:  # recorded: the next size still runs
                 report.setdefault("errors", {})[size] = f"{type(e).__name__}: {e}"[:2000]
                 print(f"{size}: {report['errors'][size]}", flush=True)
                 failed = True
-                continue
-            report["results"] += got["results"]
-            for key in ("runners", "startup_s", "prompts"):
-                report[key][size] = got.get(key, {})
-            if args.json:  # what ran so far survives a deadline
-                args.json.write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if failed else 0
