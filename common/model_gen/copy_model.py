@@ -42,8 +42,8 @@ def zero_attention_output_(model: nn.Module) -> int:
     """Zero every attention output projection of a built model in place and return how many layers.
 
     In place, so step runners captured before (CUDA graphs read the weights' memory at replay) serve the zeroed
-    model. A CPU weight packed into oneDNN's layout ignores ``zero_``: it is replaced by a packed zero matrix (no
-    graphs on CPU hold it). Raises when the model has no such layer, so the copy workload never runs unmodified."""
+    model. On a CPU weight packed into oneDNN's layout ``zero_`` leaves some blocks as they were: it is replaced by a
+    packed zero matrix (no graphs on CPU hold it). Raises when the model has no such layer, so the copy workload never runs unmodified."""
     from common.engine.model.layers import Linear, onednn_pack
 
     layers = [m for name, m in model.named_modules() if name.endswith(O_PROJ) and isinstance(m, Linear)]
