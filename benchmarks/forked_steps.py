@@ -26,7 +26,7 @@ from typing import Any
 PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "pytest", "aiohttp", "grpc",
            "common.node.engine", "common.engine.model_runner", "kvtransfer.manager", "benchmarks.engine_throughput",
            "benchmarks.gpu_pd", "benchmarks.kv_transfer", "benchmarks.model_scale", "benchmarks.host_step",
-           "benchmarks.kvtrace.phases")
+           "benchmarks.kvtrace.phases", "benchmarks.spec_decode", "common.model_gen.copy_model")
 POLL_S = 0.02
 
 

@@ -5,8 +5,9 @@
     python -m benchmarks.gpu_check --dry-run --out /tmp/x # the same plumbing on CPU, tiny sizes (in make test)
 
 Steps, in order of value; each runs in a child process with its own deadline (cut to what is left of
-``--budget-s``), and a failed step is recorded while the next one still runs. By default (issue 50's check, sized
-to fit the budget on an H200) scale, pd, kv, kvsig, engine, tests; host, kvtrace and compile on request (``--steps``):
+``--budget-s``), and a failed step is recorded while the next one still runs. By default (issues 50 and 51's check,
+sized to fit the budget on an H200) scale, pd, kv, kvsig, engine, spec, tests; host, kvtrace and compile on request
+(``--steps``):
 
     env     GPU, driver, torch/triton/transformers versions, which optional packages load
     scale   benchmarks/model_scale.py: 8B- and 1B-shaped llamas (bf16, --load-format dummy): the decode step at
@@ -23,6 +24,9 @@ to fit the budget on an H200) scale, pd, kv, kvsig, engine, tests; host, kvtrace
             128 greedy, with CUDA graphs, against HF generate with a static cache, compiled (hf_static, the same
             weights), both warmed up with the full workload; decode step ms beside the card's weight-read floor;
             a torch profiler table of our decode steps
+    spec    benchmarks/spec_decode.py: NGRAM against plain decoding, 8B-shaped llama bf16 (dummy weights, attention
+            outputs zeroed: the copy workload), batch 1 and 8, CUDA graphs; tokens/s ratio (issue 51: >= 2x at
+            batch 1), accept length, which step runners served (graphs or fallen back to eager)
     tests   pytest tests/gpu (engine vs transformers, Triton kernels, CUDA graphs, GPU KV transfers, PD on one GPU)
     host    benchmarks/host_step.py: the engine step's decode at batch 64, each scheduler/forward function's thread
             CPU time per step (where the host time of a host-bound step goes)
@@ -98,9 +102,9 @@ def _parallel_tests() -> list[str]:
     return ["-n", "4", "--dist", "loadfile"]
 
 
-STEPS = ("scale", "pd", "kv", "kvsig", "engine", "tests", "host", "kvtrace", "compile")
-DEFAULT_STEPS = "scale,pd,kv,kvsig,engine,tests"  # fits --budget-s on an H200 (benchmarks/pages/gpu_check.md)
-DRY_RUN_STEPS = "scale,pd,kv,engine,tests,host,kvtrace"  # every step's code path (compile: GPU only)
+STEPS = ("scale", "pd", "kv", "kvsig", "engine", "spec", "tests", "host", "kvtrace", "compile")
+DEFAULT_STEPS = "scale,pd,kv,kvsig,engine,spec,tests"  # --budget-s on an H200: benchmarks/pages/gpu_check.md
+DRY_RUN_STEPS = "scale,pd,kv,engine,spec,tests,host,kvtrace"  # every step's code path (compile: GPU only)
 
 
 def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
@@ -126,6 +130,8 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
                     "--num-requests", "6", "--input-len", "16", "--input-len-max", "48", "--output-len", "4",
                     "--output-len-max", "8", "--concurrency", "3", "--node-flag=--max-total-tokens=4096"]
         trace_sizes = ["--device", "cpu", "--tokens", "64", "--reps", "4"]
+        spec_sizes = ["--device", "cpu", "--dtype", "float32", "--size", "tiny", "--batches", "1,2", "--repeats", "1",
+                      "--prompt-len", "64", "--cycle-search", "160", "--new-tokens", "16", "--threads", "1"]
     else:
         scale_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "8b", "--model-size", "1b"]
         engine_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "1b", "--num-prompts", "64",
@@ -140,6 +146,10 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
                     "--num-requests", "64", "--input-len", "512", "--input-len-max", "4096", "--output-len", "128",
                     "--output-len-max", "512", "--concurrency", "64"]
         trace_sizes = ["--device", "cuda", "--reps", "12"]
+        # Issue 51's GPU target at 8B, the copy workload only (free text / sampled and 1B: by hand, the page's
+        # command); the plain side overlaps, as served by default.
+        spec_sizes = ["--device", "cuda", "--dtype", "bfloat16", "--size", "8b", "--batches", "1,8", "--repeats", "3",
+                      "--prompt-len", "512", "--cycle-search", "1024", "--new-tokens", "128", "--plain-overlap"]
     pd_sizes += ["--load-format", "dummy", "--log-dir", str(out / "pd_logs")]
     engine_sizes += ["--load-format", "dummy", "--hf-static", "--skip-hf-dynamic"]
     steps = [
@@ -151,6 +161,8 @@ def steps_for(a: argparse.Namespace, out: Path) -> list[Step]:
                        "landing_signal=auto", "--json", str(out / "kvsig.json")], 60),
         Step("engine", [*py, "benchmarks.engine_throughput", *engine_sizes, "--warmup-full", "--json",
                         str(out / "engine.json")], 120),
+        Step("spec", [*py, "benchmarks.spec_decode", *spec_sizes, "--load-format", "dummy", "--workloads", "copy",
+                      "--json", str(out / "spec.json")], 90),
         tests,
         Step("host", [*py, "benchmarks.host_step", *host_sizes, "--json", str(out / "host.json")], 120),
         Step("kvtrace", [*py, "benchmarks.kvtrace.phases", "--run", "--backend", "shm", *trace_sizes, "--timeout",

@@ -13,6 +13,8 @@ SHM_INFLIGHT_TARGET = 0.8
 TCP_VS_RAW_TARGET = 0.8
 PD_THROUGHPUT_TARGET = 0.95  # P/D over shm against colocated on one GPU
 PD_TTFT_TARGET = 1.2
+NGRAM_COPY_TARGET = 2.0  # NGRAM / plain tokens/s, batch 1, the copy workload, 8B (issue 51)
+NGRAM_TARGET_SIZE = "8b"
 
 
 def _mark(ok: bool | None) -> str:
@@ -187,8 +189,46 @@ def _kvtrace(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _spec(r: dict[str, Any]) -> list[str]:
+    d = r.get("data") or {}
+    lines = [f"- {size}: error {err[:600]!r}" for size, err in (d.get("errors") or {}).items()]
+    rows = d.get("results") or []
+    if not rows:
+        return lines
+    lines += [f"NGRAM against plain decoding ({d.get('dtype') or 'model dtype'}, {d.get('load_format')} weights, "
+              f"prompts ~{d.get('prompt_len')} + cycle, {d.get('new_tokens')} new tokens, median of "
+              f"{d.get('repeats')}; plain side overlap {'on' if d.get('plain_overlap') else 'off'}):", "",
+              "| size | workload | batch | plain tok/s | NGRAM tok/s | ratio | ITL ratio | accept length | drafted "
+              "| greedy identical | target |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for x in rows:
+        target = "-"
+        if x["workload"] == "copy" and x["batch"] == 1:
+            ok = x["speedup_tokens_per_s"] >= NGRAM_COPY_TARGET if x["size"] == NGRAM_TARGET_SIZE else None
+            target = f">= {NGRAM_COPY_TARGET}x at {NGRAM_TARGET_SIZE}: {_mark(ok)}"
+        lines.append(f"| {x['size']} | {x['workload']} | {x['batch']} | {x['plain']['tokens_per_s']:.1f} | "
+                     f"{x['ngram']['tokens_per_s']:.1f} | {x['speedup_tokens_per_s']:.2f}x | {x['itl_ratio']:.2f} | "
+                     f"{x['ngram']['accept_length']:.2f} | {x['ngram']['drafted_share']:.2f} | "
+                     f"{x['identical_token_share']:.0%} | {target} |")
+    lines.append("")
+    for size, kinds in (d.get("runners") or {}).items():
+        for kind, sides in kinds.items():
+            served = "; ".join(f"{side}: " + ", ".join(f"{step} {how}" for step, how in steps.items())
+                               for side, steps in sides.items())
+            eager = d.get("device") == "cuda" and any(how != "cuda_graph" for steps in sides.values()
+                                                      for how in steps.values())
+            lines.append(f"- {size} {kind} step runners: {served}" + (" (**not all CUDA graphs**: a runner failed "
+                                                                      "its start-up check, see spec.log)" if eager else ""))
+    for size, kinds in (d.get("prompts") or {}).items():
+        for kind, facts in kinds.items():
+            if "prompts_in_cycle" in facts:
+                lines.append(f"- {size} {kind} prompts: {facts['prompts_in_cycle']:.0%} hold the copy model's cycle "
+                             f"(lengths {facts['cycle_lengths']}), {min(facts['tokens'])}..{max(facts['tokens'])} tokens")
+    return lines
+
+
 SECTIONS = {"tests": _tests, "engine": _engine, "host": _host, "kv": _kv, "kvsig": _kv, "pd": _pd, "kvtrace": _kvtrace,
-            "compile": _engine, "scale": _scale}
+            "compile": _engine, "scale": _scale,
+            "spec": _spec}
 
 
 def summarize(result: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "summary.json").read_text())
     steps = result["steps"]
-    assert list(steps) == ["scale", "pd", "kv", "engine", "tests", "host", "kvtrace"]
+    assert list(steps) == ["scale", "pd", "kv", "engine", "spec", "tests", "host", "kvtrace"]
     for name, step in steps.items():
         assert step["status"] == "ok", f"{name}: {step.get('log_tail', '')[-2000:]}"
 
@@ -67,7 +67,20 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: Path) -> None:
     # a request's last hops can fall after the next send, and that request then lacks them.
     assert all(1 <= p["requests"] <= 3 and p["median_ms"] >= 0 for p in trace["phases"]), trace["phases"]
 
+    spec = steps["spec"]["data"]  # NGRAM against plain on the copy workload, dummy weights with attention zeroed
+    assert spec["load_format"] == "dummy" and "errors" not in spec, spec.get("errors")
+    rows = {(r["size"], r["workload"], r["batch"]): r for r in spec["results"]}
+    assert set(rows) == {("tiny", "copy", 1), ("tiny", "copy", 2)}
+    for key, row in rows.items():  # fp32: greedy identical; the prompts hold the cycle, so drafts are accepted
+        assert row["outputs_equal"] and row["identical_token_share"] == 1.0, key
+        assert row["plain"]["tokens_per_s"] > 0 and row["ngram"]["tokens_per_s"] > 0, key
+        # (the unmodified tiny model loops too, on a shorter cycle: accept length 4 of 9, a third drafted at batch 2)
+        assert row["ngram"]["accept_length"] > 6 and row["ngram"]["drafted_share"] > 0.7, (key, row["ngram"])
+    assert spec["prompts"]["tiny"]["copy"]["prompts_in_cycle"] == 1.0, spec["prompts"]
+    assert spec["runners"]["tiny"]["copy"] == {"plain": {"decode": "eager"},  # CPU: no graphs asked for
+                                               "ngram": {"decode": "eager", "verify": "eager"}}
+
     page = (tmp_path / "summary.md").read_text()
     for heading in ("## scale: ok", "## tests: ok", "## engine: ok", "## host: ok", "## kv: ok", "## pd: ok",
-                    "## kvtrace: ok", "| 4 | 96 |"):
+                    "## kvtrace: ok", "| 4 | 96 |", "## spec: ok", "| tiny | copy | 1 |", "ngram: decode eager"):
         assert heading in page
