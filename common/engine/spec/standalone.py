@@ -34,9 +34,11 @@ the target's pages and is covered by the target's allocation, prefix caches and 
         newly committed positions from own pages to the target's slots and frees every own page of the row; an
         extend over committed positions the draft has not seen writes them at the target's slots too
 
-A prefix the target's cache holds was computed by a prefill forward on this node (the hook ran) or landed from a
-prefill node holding the same draft (the handshake's fingerprint), so its draft KV is in place. The host tier of
-the hierarchical cache keeps only the target's layers: it is refused with STANDALONE on P/D nodes.
+A prefix the target's cache holds was computed by a prefill forward on this node (the hook ran), landed from a
+prefill node holding the same draft (the handshake's fingerprint), or came back from the hierarchical cache's host
+or storage tier, whose pages hold the draft's layers beside the target's (``hicache.host_pool``; the storage key
+covers the draft), so its draft KV is in place. A decode node's retraction copies a request's pages to the host
+tier between steps, when ``on_verified`` has moved every committed position's draft KV to the target's slots.
 
 Tensor parallelism: the draft is sharded over the target's ``TPGroup`` (SGLang shards it with the target's tp):
 each rank holds the draft's shard and a pool of its KV heads, the pool's size agreed over the group as the
@@ -163,7 +165,12 @@ class StandaloneDrafter:
         return out
 
     def on_verified(self, req: Req, drafted: int, accepted: int) -> None:
-        """Nothing to adapt; the next ``propose`` trims the draft KV to what the verify kept."""
+        """P/D: the draft KV of the positions the verify committed moves to the target's slots now, so between steps
+        every committed position's draft KV is under the target's slots (a decode node's retraction copies those to
+        the host tier). Colocated: nothing to adapt; the next ``propose`` trims the draft KV to what the verify
+        kept."""
+        if self.mirror_slots and req.req_pool_idx is not None:
+            self._sync(req)
 
     def release(self, rows: list[int]) -> None:
         for r in rows:
