@@ -109,7 +109,8 @@ def test_a_retracted_standalone_request_resumes_drafting_from_its_host_copy(setu
     """STANDALONE on both nodes, the draft being the target: the retraction's host copy holds the draft's KV beside
     the target's, so the restored request extends one token and drafts from it: every draft is accepted. It is
     retracted right after a step whose drafts ran past its last target page (their KV in the draft's own pages):
-    the verify moved the committed positions' draft KV to the target's slots, or the host copy would miss it."""
+    the verify moved the committed positions' draft KV to the target's slots, or the host copy would miss it; and
+    after its full accept the draft never saw the last accepted token: the restore extends the draft over it."""
     from common.engine.spec.standalone import StandaloneDrafter
 
     spec = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": setup["model"],
@@ -144,15 +145,22 @@ def test_a_retracted_standalone_request_resumes_drafting_from_its_host_copy(setu
         before = draft_kv(drafter.table.req_to_token[r0.req_pool_idx, :keep])  # the draft's KV, wherever it is
         extends: list[tuple[str, int]] = []
         restored: list[Any] = []
+        off: list[float] = []
         launch = decode.worker.worker_batch
+        target = [*decode.runner.kv_pool.k_buffer, *decode.runner.kv_pool.v_buffer]
+
+        pending: list[Any] = []
 
         def record(batch: Any) -> Any:
+            if pending:  # the step after the restore: the draft is the target, its KV of every position so far the
+                slots = pending.pop()  # target's (to rounding), the one its last verify did not feed it included
+                off.append(max(float((d[slots] - t[slots]).abs().max()) for d, t in zip(buffers, target, strict=True)))
             if batch.forward_mode == ForwardMode.EXTEND:
                 extends.extend((r.rid, n) for r, n in zip(batch.reqs, batch.extend_lens, strict=True))
-            result = launch(batch)
-            if batch.forward_mode == ForwardMode.EXTEND:  # the draft's KV at the restored target slots
-                restored.extend(draft_kv(decode.req_to_token_pool.req_to_token[r0.req_pool_idx, :keep]))
-            return result
+                slots = decode.req_to_token_pool.req_to_token[r0.req_pool_idx, : keep + 1].clone()
+                restored.extend(draft_kv(slots[:keep]))  # the draft's KV at the restored target slots
+                pending.append(slots)
+            return launch(batch)
 
         monkeypatch.setattr(decode.worker, "worker_batch", record)
         decode.preempt_running([r0], live["r-1"])
@@ -160,5 +168,6 @@ def test_a_retracted_standalone_request_resumes_drafting_from_its_host_copy(setu
         assert tokens_of(out) == setup["expected"]
         assert extends == [("r-0", 1)], "the retracted request should resume from its host copy"
         assert all(a.equal(b) for a, b in zip(before, restored, strict=True))
+        assert len(off) == 1 and off[0] < 1e-3, off
         for rid, f in finals(out).items():
             assert f.spec_draft_tokens > 0 and f.spec_accepted_tokens == f.spec_draft_tokens, rid

@@ -166,11 +166,12 @@ class StandaloneDrafter:
 
     def on_verified(self, req: Req, drafted: int, accepted: int) -> None:
         """P/D: the draft KV of the positions the verify committed moves to the target's slots now, so between steps
-        every committed position's draft KV is under the target's slots (a decode node's retraction copies those to
-        the host tier). Colocated: nothing to adapt; the next ``propose`` trims the draft KV to what the verify
-        kept."""
+        the draft KV of the request's first ``Req.spec_state`` positions is under the target's slots (a decode node's
+        retraction copies those to the host tier; ``after_forward`` extends a restored request's draft from there).
+        Colocated: nothing to adapt; the next ``propose`` trims the draft KV to what the verify kept."""
         if self.mirror_slots and req.req_pool_idx is not None:
             self._sync(req)
+            req.spec_state = self.draft_lens[req.req_pool_idx]  # after a full accept: one position short of the KV
 
     def release(self, rows: list[int]) -> None:
         for r in rows:
@@ -208,12 +209,19 @@ class StandaloneDrafter:
             return
         reqs = [b.reqs[i] for i in picked]
         rows = [b.req_pool_indices[i] for i in picked]
-        seq, prefix = [b.seq_lens[i] for i in picked], [b.prefix_lens[i] for i in picked]
+        seq, prefix = [b.seq_lens[i] for i in picked], []
         input_ids: list[int] = []
         locs = []
         for i, at in zip(picked, starts, strict=True):
+            req, p, row = b.reqs[i], b.prefix_lens[i], b.req_pool_indices[i]
+            # a decode node's request restored from the host tier: its draft KV reaches where its last verify left it
+            start = min(p, req.spec_state) if isinstance(req.spec_state, int) else p
+            if start < p:
+                input_ids.extend(req.fill_ids[start:p])
+                locs.append(self.target_table.req_to_token[row, start:p].to(b.out_cache_loc.dtype))
             input_ids.extend(b.input_ids[at : at + b.extend_lens[i]])
             locs.append(b.out_cache_loc[at : at + b.extend_lens[i]])
+            prefix.append(start)
         for row, s in zip(rows, seq, strict=True):
             self._truncate(row, 0)
             self.table.write(row, 0, self.target_table.req_to_token[row, :s])
