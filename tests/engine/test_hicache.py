@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import prometheus_client
 import pytest
+import torch
 
 from common.config import ServerArgs
 from common.engine.mem.hicache.storage.base import decode_record
@@ -99,27 +100,25 @@ def test_an_eagle_heads_kv_comes_back_from_the_host_with_its_prefix(engine_facto
     assert all(a.equal(b) for a, b in zip(before, head_kv(), strict=True))
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_host_pages_hold_every_layer_group_of_the_slot_space(layout) -> None:
+def check_layer_groups(layout: str, io: str, device: str) -> None:
     """Extra layers of another geometry (a STANDALONE draft's) travel in a group of their own: device -> host, a
-    page's storage payload -> another host page, host -> other device pages, every byte of every layer kept."""
+    page's storage payload -> another host page, host -> other device pages, every byte of every layer kept
+    (tests/gpu runs it on CUDA: pinned host pages, copy streams, the Triton gather/scatter)."""
     import torch
 
-    from common.engine.mem.hicache import storage_fingerprint
     from common.engine.mem.hicache.copy_engine import CopyEngine
     from common.engine.mem.hicache.host_pool import HostKVPool, device_page_bytes, slot_space_groups
     from common.engine.mem.kv_pool import MHATokenToKVPool
-    from common.engine.spec.drafter import DraftKV
 
-    pool = MHATokenToKVPool(8, 4, torch.bfloat16, 2, 8, 2)
-    draft = [(torch.randn(36, 1, 6).to(torch.bfloat16), torch.randn(36, 1, 6).to(torch.bfloat16))]
+    pool = MHATokenToKVPool(8, 4, torch.bfloat16, 2, 8, 2, device)
+    draft = [(torch.randn(36, 1, 6).to(torch.bfloat16).to(device), torch.randn(36, 1, 6).to(torch.bfloat16).to(device))]
     for buf in (*pool.k_buffer, *pool.v_buffer):
         buf.copy_(torch.randn(buf.shape))
     groups = slot_space_groups(pool, draft)
     assert [len(g) for g in groups] == [4, 2]
-    host = HostKVPool(groups, 4, 4, layout, pin=False)
+    host = HostKVPool(groups, 4, 4, layout, pin=device != "cpu")
     assert host.bytes_per_page == device_page_bytes(groups, 4) == 4 * (4 * 2 * 8 + 2 * 6) * 2
-    copier = CopyEngine(groups, host, "kernel")
+    copier = CopyEngine(groups, host, io)
     try:
         staged: list[Any] = []
         assert copier.write(torch.tensor([2, 5]), torch.tensor([0, 1]), None, staged.append).wait()
@@ -131,9 +130,18 @@ def test_host_pages_hold_every_layer_group_of_the_slot_space(layout) -> None:
         for buf in bufs:
             pages = buf.view(-1, 4, *buf.shape[1:])
             assert pages[7].equal(pages[2]) and pages[8].equal(pages[5])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_host_pages_hold_every_layer_group_of_the_slot_space(layout) -> None:
+    from common.engine.mem.hicache import storage_fingerprint
+    from common.engine.spec.drafter import DraftKV
+
+    check_layer_groups(layout, "kernel", "cpu")
+    draft = ((torch.zeros(4, 1, 6), torch.zeros(4, 1, 6)),)
     model = type("M", (), {"fingerprint": lambda self: {"architecture": "llama"}})()
     args, tp = ServerArgs(page_size=4), type("TP", (), {"tp_size": 1, "tp_rank": 0})()
-    with_draft = DraftKV(tuple(draft), (0, 0), {"draft_model": "STANDALONE:x"})
+    with_draft = DraftKV(draft, (0, 0), {"draft_model": "STANDALONE:x"})
     assert storage_fingerprint(args, model, tp, with_draft) != storage_fingerprint(args, model, tp)  # type: ignore
 
 
