@@ -75,10 +75,6 @@ def check_speculative_flags(args: Any) -> None:
         raise ConfigError(f"--speculative-algorithm {algo} speculates decode steps: give it to decode nodes (and "
                           "colocated ones); a prefill node computes only a request's first token (with STANDALONE, "
                           "EAGLE or EAGLE3 it also runs the draft over the prompt, for the decode node's first step)")
-    if algo == "STANDALONE" and args.disaggregation_mode != "null" and args.enable_hierarchical_cache:
-        raise ConfigError("--speculative-algorithm STANDALONE on a prefill or decode node keeps the draft model's "
-                          "prompt KV beside the target's, which the host tier does not keep: drop "
-                          "--enable-hierarchical-cache there (or speculate on a colocated node)")
     if args.enable_overlap_schedule:
         raise ConfigError("--speculative-algorithm runs without the overlap schedule (a step's drafts need the "
                           "previous step's accepted tokens): drop --enable-overlap-schedule or pass "

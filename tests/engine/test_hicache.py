@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import prometheus_client
 import pytest
+import torch
 
 from common.config import ServerArgs
 from common.engine.mem.hicache.storage.base import decode_record
@@ -72,6 +73,76 @@ def test_evicted_prefixes_come_back_from_the_host_with_the_same_outputs(engine_f
         assert sample("pdcluster_node_hicache_load_bytes_total", {"dp_rank": "5200"}) == report.load_bytes
         assert sample("pdcluster_node_hicache_host_tokens", {"state": "total", "dp_rank": "5200"}) == 4 * 256
         assert sample("pdcluster_node_hicache_bandwidth_bytes_per_second", {"direction": "load", "dp_rank": "5200"})
+
+
+def test_an_eagle_heads_kv_comes_back_from_the_host_with_its_prefix(engine_factory, model_path, expected) -> None:
+    """EAGLE keeps its head's KV as one more layer under the target's slots: a prefix back from the host has the
+    head's KV it had before its eviction (left behind, its slots would hold the KV of the prompt that used the pages
+    since, the head would draft from that, and acceptance would drop with the outputs unchanged)."""
+    from tests.engine.test_eagle_head import head_dir
+
+    engine = engine_factory(model_path, **BASE, enable_hierarchical_cache=True, hicache_ratio=4.0,
+                            disable_overlap_schedule=True, speculative_algorithm="EAGLE",
+                            speculative_draft_model_path=str(head_dir("EAGLE")), speculative_num_steps=2)
+    runner, cache = engine.scheduler.runner, engine.scheduler.tree_cache
+
+    def head_kv() -> list[Any]:
+        slots = cache.match_prefix(PROMPTS[0][:FULL]).device_indices
+        assert len(slots) == FULL
+        return [buf[slots].clone() for layer in runner.draft_kv.layers for buf in layer]
+
+    outs = run(engine, PROMPTS[:1])
+    before = head_kv()
+    outs += run(engine, PROMPTS[1:3])  # two prompts' pages: prompt 0's leave the device, their pages reused
+    again = run(engine, PROMPTS[:1])[0]
+    assert [o.output_ids for o in [*outs, again]] == [*expected[:3], expected[0]]
+    assert again.timing.cached_tokens_host == FULL
+    assert all(a.equal(b) for a, b in zip(before, head_kv(), strict=True))
+
+
+def check_layer_groups(layout: str, io: str, device: str) -> None:
+    """Extra layers of another geometry (a STANDALONE draft's) travel in a group of their own: device -> host, a
+    page's storage payload -> another host page, host -> other device pages, every byte of every layer kept
+    (tests/gpu runs it on CUDA: pinned host pages, copy streams, the Triton gather/scatter)."""
+    import torch
+
+    from common.engine.mem.hicache.copy_engine import CopyEngine
+    from common.engine.mem.hicache.host_pool import HostKVPool, device_page_bytes, slot_space_groups
+    from common.engine.mem.kv_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(8, 4, torch.bfloat16, 2, 8, 2, device)
+    draft = [(torch.randn(36, 1, 6).to(torch.bfloat16).to(device), torch.randn(36, 1, 6).to(torch.bfloat16).to(device))]
+    for buf in (*pool.k_buffer, *pool.v_buffer):
+        buf.copy_(torch.randn(buf.shape))
+    groups = slot_space_groups(pool, draft)
+    assert [len(g) for g in groups] == [4, 2]
+    host = HostKVPool(groups, 4, 4, layout, pin=device != "cpu")
+    assert host.bytes_per_page == device_page_bytes(groups, 4) == 4 * (4 * 2 * 8 + 2 * 6) * 2
+    copier = CopyEngine(groups, host, io)
+    try:
+        staged: list[Any] = []
+        assert copier.write(torch.tensor([2, 5]), torch.tensor([0, 1]), None, staged.append).wait()
+        host.set_page_bytes(3, memoryview(bytearray(host.staged_page_bytes(staged[0], 1))))  # page 5 via "storage"
+        assert copier.load(torch.tensor([0, 3]), torch.tensor([7, 8]), None).wait()
+    finally:
+        copier.close()
+    for bufs in groups:
+        for buf in bufs:
+            pages = buf.view(-1, 4, *buf.shape[1:])
+            assert pages[7].equal(pages[2]) and pages[8].equal(pages[5])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_host_pages_hold_every_layer_group_of_the_slot_space(layout) -> None:
+    from common.engine.mem.hicache import storage_fingerprint
+    from common.engine.spec.drafter import DraftKV
+
+    check_layer_groups(layout, "kernel", "cpu")
+    draft = ((torch.zeros(4, 1, 6), torch.zeros(4, 1, 6)),)
+    model = type("M", (), {"fingerprint": lambda self: {"architecture": "llama"}})()
+    args, tp = ServerArgs(page_size=4), type("TP", (), {"tp_size": 1, "tp_rank": 0})()
+    with_draft = DraftKV(draft, (0, 0), {"draft_model": "STANDALONE:x"})
+    assert storage_fingerprint(args, model, tp, with_draft) != storage_fingerprint(args, model, tp)  # type: ignore
 
 
 def test_a_full_host_pool_evicts_its_least_recently_used_prefixes(engine_factory, model_path, expected) -> None:

@@ -162,8 +162,6 @@ def test_a_step_verifies_only_drafts_expected_to_pay_for_it() -> None:
       "speculative_ngram_max_match_window_size": 4}, "must be <="),
     ({"speculative_algorithm": "NGRAM", "disaggregation_mode": "prefill"}, "give it to decode nodes"),
     ({"speculative_algorithm": "NGRAM", "enable_overlap_schedule": True}, "--disable-overlap-schedule"),
-    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/m", "disaggregation_mode": "decode",
-      "enable_hierarchical_cache": True}, "drop --enable-hierarchical-cache"),
 ])
 def test_speculative_flags_that_do_not_go_together_are_refused(changes, message) -> None:
     with pytest.raises(ConfigError, match=message):

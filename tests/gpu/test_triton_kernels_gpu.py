@@ -174,3 +174,10 @@ def test_fused_layers_at_1b_shapes(dtype: torch.dtype, rows: int) -> None:
         f"rotary: {int((diff > 0).sum())} of {diff.numel()} values differ, max {float(diff.max()):.3g}")
     gu = torch.randn(rows, 2 * inter, device="cuda").to(dtype)
     assert (fl.silu_and_mul(gu).float() - fl.silu_and_mul_ref(gu).float()).abs().max().item() <= ulp * 4
+
+
+@pytest.mark.parametrize(("layout", "io"), [("layer_first", "kernel"), ("page_first", "direct")])
+def test_hicache_host_pages_hold_a_draft_layer_group_on_cuda(layout: str, io: str) -> None:
+    from tests.engine.test_hicache import check_layer_groups
+
+    check_layer_groups(layout, io, "cuda")

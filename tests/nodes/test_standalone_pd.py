@@ -9,7 +9,7 @@ node's draft did not write, a radix hit without it) shows as a rejected draft.""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -52,10 +52,11 @@ def standalone(draft: str) -> dict[str, Any]:
 
 
 def serve_pd(setup: dict[str, Any], monkeypatch, prefill_spec: dict[str, Any], decode_spec: dict[str, Any],
-             page_size: int, room: int, prompts: dict[str, list[int]] = PROMPTS
+             page_size: int, room: int, prompts: dict[str, list[int]] = PROMPTS,
+             served: Callable[[str, Scheduler], None] | None = None
              ) -> tuple[dict[str, list[int]], dict[str, TokenOut], int]:
-    """The prompts one at a time through a prefill and a decode scheduler; (tokens, finals, prompt positions the
-    decode node's draft extended over)."""
+    """The prompts one at a time through a prefill and a decode scheduler (``served(rid, prefill)`` after each);
+    (tokens, finals, prompt positions the decode node's draft extended over)."""
     from decode_node.role import DecodeRole
     from prefill_node.role import PrefillRole
 
@@ -89,6 +90,8 @@ def serve_pd(setup: dict[str, Any], monkeypatch, prefill_spec: dict[str, Any], d
                 assert time.monotonic() < deadline, "P/D pair did not finish in 120 s"
                 prefill.step([])
                 decode.step([])
+            if served is not None:
+                served(rid, prefill)
         assert_scheduler_pools_released(prefill, decode)
         for s in (prefill, decode):
             drafter = s.decode.speculator.drafter if s.decode.speculator is not None else None
@@ -108,6 +111,34 @@ def test_the_decode_node_drafts_from_the_prefill_nodes_draft_kv(setup, monkeypat
     assert prompt_positions == 0  # the draft KV of every prompt position came with the transfer
     assert ends["c"].cached_tokens == 32  # "a"'s prefix, its draft KV with it, from the prefill node's radix cache
     for rid, f in ends.items():  # the draft is the target: with its KV right every draft is accepted
+        assert f.spec_draft_tokens > 0 and f.spec_accepted_tokens == f.spec_draft_tokens, rid
+
+
+def test_a_prefix_back_from_the_host_tier_brings_its_draft_kv(setup, monkeypatch) -> None:
+    """--enable-hierarchical-cache on both nodes, a prefill pool of six pages: a prompt that fills the pool evicts
+    "a"'s prefix to the host, and "c" loads it back into pages that prompt's KV was in. The draft's KV at "c"'s
+    prefix slots is what it wrote for "a" before the eviction, and (the draft being the target) every draft is
+    accepted: the decode node drafted from the draft KV that came back from the host."""
+    spec = {**standalone(setup["model"]), "enable_hierarchical_cache": True}
+    prompts = {"a": PROMPTS["a"], "fill": prompt(90, 6), "c": PROMPTS["c"]}
+    draft_kv: dict[str, list[Any]] = {}
+    host_hits: list[int] = []
+
+    def served(rid: str, prefill: Scheduler) -> None:
+        cache = prefill.tree_cache
+        if rid != "fill":
+            slots = cache.match_prefix(PROMPTS["a"][:32]).device_indices
+            assert len(slots) == 32, rid
+            draft_kv[rid] = [buf[slots].clone() for layer in prefill.runner.draft_kv.layers for buf in layer]
+        host_hits.append(cache.hicache_report().hit_tokens["host"])
+
+    ids, ends, prompt_positions = serve_pd(setup, monkeypatch, {**spec, "max_total_tokens": 96}, spec, 16, 9500,
+                                           prompts, served)
+    assert (ids["a"], ids["c"]) == (setup["expected"]["a"], setup["expected"]["c"])
+    assert host_hits == [0, 0, 32] and ends["c"].cached_tokens == 32  # "a"'s prefix came back from the host
+    assert all(a.equal(c) for a, c in zip(draft_kv["a"], draft_kv["c"], strict=True))
+    assert prompt_positions == 0
+    for rid, f in ends.items():
         assert f.spec_draft_tokens > 0 and f.spec_accepted_tokens == f.spec_draft_tokens, rid
 
 

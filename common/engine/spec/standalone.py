@@ -34,9 +34,11 @@ the target's pages and is covered by the target's allocation, prefix caches and 
         newly committed positions from own pages to the target's slots and frees every own page of the row; an
         extend over committed positions the draft has not seen writes them at the target's slots too
 
-A prefix the target's cache holds was computed by a prefill forward on this node (the hook ran) or landed from a
-prefill node holding the same draft (the handshake's fingerprint), so its draft KV is in place. The host tier of
-the hierarchical cache keeps only the target's layers: it is refused with STANDALONE on P/D nodes.
+A prefix the target's cache holds was computed by a prefill forward on this node (the hook ran), landed from a
+prefill node holding the same draft (the handshake's fingerprint), or came back from the hierarchical cache's host
+or storage tier, whose pages hold the draft's layers beside the target's (``hicache.host_pool``; the storage key
+covers the draft), so its draft KV is in place. A decode node's retraction copies a request's pages to the host
+tier between steps, when ``on_verified`` has moved every committed position's draft KV to the target's slots.
 
 Tensor parallelism: the draft is sharded over the target's ``TPGroup`` (SGLang shards it with the target's tp):
 each rank holds the draft's shard and a pool of its KV heads, the pool's size agreed over the group as the
@@ -163,7 +165,13 @@ class StandaloneDrafter:
         return out
 
     def on_verified(self, req: Req, drafted: int, accepted: int) -> None:
-        """Nothing to adapt; the next ``propose`` trims the draft KV to what the verify kept."""
+        """P/D: the draft KV of the positions the verify committed moves to the target's slots now, so between steps
+        the draft KV of the request's first ``Req.spec_state`` positions is under the target's slots (a decode node's
+        retraction copies those to the host tier; ``after_forward`` extends a restored request's draft from there).
+        Colocated: nothing to adapt; the next ``propose`` trims the draft KV to what the verify kept."""
+        if self.mirror_slots and req.req_pool_idx is not None:
+            self._sync(req)
+            req.spec_state = self.draft_lens[req.req_pool_idx]  # after a full accept: one position short of the KV
 
     def release(self, rows: list[int]) -> None:
         for r in rows:
@@ -201,12 +209,19 @@ class StandaloneDrafter:
             return
         reqs = [b.reqs[i] for i in picked]
         rows = [b.req_pool_indices[i] for i in picked]
-        seq, prefix = [b.seq_lens[i] for i in picked], [b.prefix_lens[i] for i in picked]
+        seq, prefix = [b.seq_lens[i] for i in picked], []
         input_ids: list[int] = []
         locs = []
         for i, at in zip(picked, starts, strict=True):
+            req, p, row = b.reqs[i], b.prefix_lens[i], b.req_pool_indices[i]
+            # a decode node's request restored from the host tier: its draft KV reaches where its last verify left it
+            start = min(p, req.spec_state) if isinstance(req.spec_state, int) else p
+            if start < p:
+                input_ids.extend(req.fill_ids[start:p])
+                locs.append(self.target_table.req_to_token[row, start:p].to(b.out_cache_loc.dtype))
             input_ids.extend(b.input_ids[at : at + b.extend_lens[i]])
             locs.append(b.out_cache_loc[at : at + b.extend_lens[i]])
+            prefix.append(start)
         for row, s in zip(rows, seq, strict=True):
             self._truncate(row, 0)
             self.table.write(row, 0, self.target_table.req_to_token[row, :s])

@@ -1,7 +1,8 @@
 """The hierarchical KV cache (``--enable-hierarchical-cache``; SGLang's HiCache): a host tier under the radix cache
 and a storage tier under that, shared by the nodes of one model.
 
-    host_pool      HostKVPool: host copies of KV pages (bounded, LRU through the tree; pinned on CUDA)
+    host_pool      HostKVPool: host copies of KV pages, a drafter's KV layers included (bounded, LRU through the tree;
+                   pinned on CUDA)
     copy_engine    CopyEngine: device <-> host page batches on threads (and CUDA streams) of its own
     load_waits     LoadWaits: a queued request's deadline for its load; loads given up on (--hicache-load-timeout)
     tree           HiTreeNode: which tier each node's pages are on
@@ -20,11 +21,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import psutil
+import torch
 
 from common.engine.mem.chunk_cache import ChunkCache
 from common.engine.mem.held_prefix_cache import HeldPrefixCache
 from common.engine.mem.hicache.copy_engine import CopyEngine, Fence
-from common.engine.mem.hicache.host_pool import HostKVPool
+from common.engine.mem.hicache.host_pool import HostKVPool, device_page_bytes, slot_space_groups
 from common.engine.mem.radix_cache import BasePrefixCache, RadixCache
 from common.errors import ConfigError
 
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from common.engine.distributed import TPGroup
     from common.engine.model.config import ModelConfig
     from common.engine.model_runner import ModelRunner
+    from common.engine.spec.drafter import DraftKV
 
 logger = logging.getLogger(__name__)
 GB = 10**9  # --hicache-size is in SGLang's GB
@@ -49,9 +52,10 @@ def build_prefix_cache(args: ServerArgs, runner: ModelRunner, tp: TPGroup, fence
         if args.shares_decode_prompts:
             return HeldPrefixCache(slots, alloc, page)
         return ChunkCache(slots, alloc, page)
-    host_pool = HostKVPool(runner.kv_pool, host_pool_pages(args, runner), args.hicache_mem_layout,
-                           pin=runner.device.type == "cuda")
-    copier = CopyEngine(runner.kv_pool, host_pool, args.hicache_io_backend)
+    groups = device_groups(runner)
+    host_pool = HostKVPool(groups, page, host_pool_pages(args, runner, device_page_bytes(groups, page)),
+                           args.hicache_mem_layout, pin=runner.device.type == "cuda")
+    copier = CopyEngine(groups, host_pool, args.hicache_io_backend)
     logger.info("hierarchical cache: host pool of %d pages (%.1f MiB, %s), write policy %s, storage %s",
                 host_pool.num_pages, host_pool.num_pages * host_pool.bytes_per_page / 2**20, args.hicache_mem_layout,
                 args.hicache_write_policy, args.hicache_storage_backend or "none")
@@ -66,15 +70,21 @@ def build_prefix_cache(args: ServerArgs, runner: ModelRunner, tp: TPGroup, fence
     if args.hicache_storage is not None:
         from common.engine.mem.hicache.storage_tier import StorageTier
 
-        storage = StorageTier(args.hicache_storage, host_pool, page, tp, storage_fingerprint(args, model_config, tp),
-                              args.hicache_load_timeout)
+        fingerprint = storage_fingerprint(args, model_config, tp, runner.draft_kv)
+        storage = StorageTier(args.hicache_storage, host_pool, page, tp, fingerprint, args.hicache_load_timeout)
     return HiRadixCache(slots, alloc, page, host_pool=host_pool, copier=copier, write_policy=args.hicache_write_policy,
                         fence=fence, tp=tp, load_timeout=args.hicache_load_timeout, storage=storage)
 
 
-def host_pool_pages(args: ServerArgs, runner: ModelRunner) -> int:
-    """Pages of the host pool: --hicache-size GB, else --hicache-ratio x the device pool; refused beyond the RAM."""
-    per_page = 2 * runner.kv_pool.num_layers * runner.kv_pool.item_len
+def device_groups(runner: ModelRunner) -> list[list[torch.Tensor]]:
+    """What the host tier mirrors: every layer of the device pool's slot space, a drafter's (``runner.draft_kv``:
+    EAGLE's head, a P/D node's STANDALONE draft) after the target's, so a page loaded back drafts as it did."""
+    return slot_space_groups(runner.kv_pool, runner.draft_kv.layers if runner.draft_kv is not None else ())
+
+
+def host_pool_pages(args: ServerArgs, runner: ModelRunner, per_page: int) -> int:
+    """Pages of the host pool (``per_page`` bytes each): --hicache-size GB, else --hicache-ratio x the device pool;
+    refused beyond the RAM."""
     if args.hicache_size:
         pages = args.hicache_size * GB // per_page
     else:
@@ -91,8 +101,10 @@ def host_pool_pages(args: ServerArgs, runner: ModelRunner) -> int:
     return pages
 
 
-def storage_fingerprint(args: ServerArgs, model_config: ModelConfig, tp: TPGroup) -> dict[str, object]:
-    """What a stored page's bytes depend on: the model (the KV compatibility fingerprint of the bootstrap check),
+def storage_fingerprint(args: ServerArgs, model_config: ModelConfig, tp: TPGroup,
+                        draft_kv: DraftKV | None = None) -> dict[str, object]:
+    """What a stored page's bytes depend on: the model (the KV compatibility fingerprint of the bootstrap check), the
+    drafter whose KV layers a page holds too (its fingerprint in that check; none: the keys of a node without one),
     the serving dtype, the page size and this rank's share of the KV heads."""
-    return {**model_config.fingerprint(), "serving_dtype": args.dtype, "page_size": args.page_size,
-            "tp_size": tp.tp_size, "tp_rank": tp.tp_rank}
+    return {**model_config.fingerprint(), **(draft_kv.fingerprint if draft_kv is not None else {}),
+            "serving_dtype": args.dtype, "page_size": args.page_size, "tp_size": tp.tp_size, "tp_rank": tp.tp_rank}

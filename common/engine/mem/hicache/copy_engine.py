@@ -4,9 +4,10 @@ CUDA streams of its own), so no copy blocks the scheduler's step.
     write(device_pages, host_pages, fence)   device -> host (write-through, write-back, a decode node's offload)
     load(host_pages, device_pages, fence)    host -> device (a prefix coming back, a retracted request restored)
 
-Each job copies its whole batch with one gather and one scatter (``--hicache-io-backend kernel``: one launch for
-every layer, ``common.engine.kernels.kv_pages``; ``direct``: one torch index op per layer buffer), through a staging
-tensor the job owns. Writes and loads run on a thread (and stream) each, in submission order per kind: a load that
+Each job copies every buffer of the device pool's slot space (the target's layers and a drafter's extra layers:
+``host_pool.slot_space_groups``) with one gather and one scatter per layer group (``--hicache-io-backend kernel``: one
+launch for every layer of a group, ``common.engine.kernels.kv_pages``; ``direct``: one torch index op per layer
+buffer), through staging tensors the job owns. Writes and loads run on a thread (and stream) each, in submission order per kind: a load that
 hangs holds up later loads only, never the writes an eviction waits for. The two never touch one page at once: a
 load reads host pages whose write has ended and fills device pages no write reads (``hiradix_cache``). A job
 cancelled before it starts ends without copying (``CopyCancelled``); one already copying runs to its end.
@@ -25,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +34,7 @@ from typing import Any
 import torch
 
 from common.engine.kernels.kv_pages import gather_pages, gather_pages_ref, scatter_pages, scatter_pages_ref
-from common.engine.mem.hicache.host_pool import HostKVPool
-from common.engine.mem.kv_pool import MHATokenToKVPool
+from common.engine.mem.hicache.host_pool import HostKVPool, Staging
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class CopyJob:
     device_pages: torch.Tensor
     host_pages: torch.Tensor
     fence: Fence
-    then: Callable[[torch.Tensor], None] | None = None  # write: runs on the copy thread with the staged pages
+    then: Callable[[Staging], None] | None = None  # write: runs on the copy thread with the staged pages
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     seconds: float = 0.0
@@ -76,11 +76,14 @@ class CopyJob:
 
 
 class CopyEngine:
-    def __init__(self, device_pool: MHATokenToKVPool, host_pool: HostKVPool, io_backend: str) -> None:
+    def __init__(self, device_groups: Sequence[Sequence[torch.Tensor]], host_pool: HostKVPool, io_backend: str) -> None:
+        if [(len(g), g[0].shape[1:], g[0].dtype) for g in device_groups] != [
+                (h.num_buffers, h.page_shape[1:], h.dtype) for h in host_pool.groups]:
+            raise ValueError("the host KV pool's layer groups are not the device buffers'")
         self.host = host_pool
-        self.page_size = device_pool.page_size
-        self.device = device_pool.device
-        self.buffers = [b for layer in zip(device_pool.k_buffer, device_pool.v_buffer, strict=True) for b in layer]
+        self.page_size = host_pool.page_size
+        self.device = device_groups[0][0].device
+        self.groups = [list(g) for g in device_groups]
         self.kernel = io_backend == "kernel"
         cuda = self.device.type == "cuda"
         self.streams = {kind: torch.cuda.Stream(self.device) if cuda else None for kind in KINDS}
@@ -91,7 +94,7 @@ class CopyEngine:
             t.start()
 
     def write(self, device_pages: torch.Tensor, host_pages: torch.Tensor, fence: Fence,
-              then: Callable[[torch.Tensor], None] | None = None) -> CopyJob:
+              then: Callable[[Staging], None] | None = None) -> CopyJob:
         return self._submit(CopyJob("write", device_pages, host_pages, fence, then))
 
     def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor, fence: Fence) -> CopyJob:
@@ -131,7 +134,7 @@ class CopyEngine:
             job.seconds = time.monotonic() - start
             job.done.set()
 
-    def _copy(self, job: CopyJob) -> torch.Tensor | None:
+    def _copy(self, job: CopyJob) -> Staging | None:
         stream = self.streams[job.kind]
         if stream is None:
             return self._copy_pages(job)
@@ -141,29 +144,31 @@ class CopyEngine:
             stream.synchronize()
             return staged
 
-    def _copy_pages(self, job: CopyJob) -> torch.Tensor | None:
+    def _copy_pages(self, job: CopyJob) -> Staging | None:
         n, host = len(job.host_pages), self.host
         device_pages = job.device_pages.to(self.device, non_blocking=True)
         stream = self.streams[job.kind]
         pinned = stream is not None
+        staging = host.empty_staging(n, pin=pinned)
         if job.kind == "write":
-            staging = host.empty_staging(n, pin=pinned)
-            if stream is None:
-                self._gather(device_pages, staging)
-            else:
-                on_device = torch.empty(staging.shape, dtype=staging.dtype, device=self.device)
-                self._gather(device_pages, on_device)
-                staging.copy_(on_device, non_blocking=True)
+            for bufs, staged in zip(self.groups, staging, strict=True):
+                if stream is None:
+                    self._gather(bufs, device_pages, staged)
+                else:
+                    on_device = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
+                    self._gather(bufs, device_pages, on_device)
+                    staged.copy_(on_device, non_blocking=True)
+            if stream is not None:
                 stream.synchronize()
             host.scatter(job.host_pages, staging)
             return staging
-        staging = host.empty_staging(n, pin=pinned)
         host.gather(job.host_pages, staging)
-        self._scatter(device_pages, staging.to(self.device, non_blocking=True))
+        for bufs, staged in zip(self.groups, staging, strict=True):
+            self._scatter(bufs, device_pages, staged.to(self.device, non_blocking=True))
         return None
 
-    def _gather(self, pages: torch.Tensor, out: torch.Tensor) -> None:
-        (gather_pages if self.kernel else gather_pages_ref)(self.buffers, pages, self.page_size, out)
+    def _gather(self, buffers: list[torch.Tensor], pages: torch.Tensor, out: torch.Tensor) -> None:
+        (gather_pages if self.kernel else gather_pages_ref)(buffers, pages, self.page_size, out)
 
-    def _scatter(self, pages: torch.Tensor, src: torch.Tensor) -> None:
-        (scatter_pages if self.kernel else scatter_pages_ref)(self.buffers, pages, self.page_size, src)
+    def _scatter(self, buffers: list[torch.Tensor], pages: torch.Tensor, src: torch.Tensor) -> None:
+        (scatter_pages if self.kernel else scatter_pages_ref)(buffers, pages, self.page_size, src)

@@ -15,8 +15,9 @@
                    stay reserved until the reader has left it, and no new read starts meanwhile (it would queue
                    behind that one)
 
-Keys: the hash chain of ``storage.base``, seeded with the storage fingerprint (model, serving dtype, page size, TP
-shard), so nodes of one model share pages and a different model never reads them. A record that fails its check
+Keys: the hash chain of ``storage.base``, seeded with the storage fingerprint (model, a drafter whose KV layers the
+pages hold, serving dtype, page size, TP shard), so nodes of one model (and draft) share pages and a node of another
+model, or with another draft or none, never reads them. A record that fails its check
 reads as a miss (recomputed) and is removed. With TP, a read counts as done with the MIN of pages every rank read.
 """
 
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from common.engine.distributed import TPGroup
-from common.engine.mem.hicache.host_pool import HostKVPool
+from common.engine.mem.hicache.host_pool import HostKVPool, Staging
 from common.engine.mem.hicache.storage import open_backend
 from common.engine.mem.hicache.storage.base import decode_record, encode_record
 from common.engine.mem.hicache.tree import HiTreeNode
@@ -97,7 +98,7 @@ class StorageTier:
         self._write_limit = host_pool.num_pages * host_pool.bytes_per_page
         self._lock = threading.Lock()
         self._reads: queue.Queue[PrefetchOp | None] = queue.Queue()
-        self._writes: queue.Queue[tuple[list[bytes], torch.Tensor] | None] = queue.Queue()
+        self._writes: queue.Queue[tuple[list[bytes], Staging] | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._read_loop, name="pdcluster-hicache-read", daemon=True),
                          threading.Thread(target=self._write_loop, name="pdcluster-hicache-write", daemon=True)]
         for t in self._threads:
@@ -125,10 +126,10 @@ class StorageTier:
         return self.chain(parent.page_hashes[-1] if parent.page_hashes else self.seed, tokens)
 
     # -- write behind ----------------------------------------------------------------------------------------------
-    def write_behind_hook(self, keys: list[bytes]) -> Callable[[torch.Tensor], None]:
+    def write_behind_hook(self, keys: list[bytes]) -> Callable[[Staging], None]:
         """What a host write runs on the copy thread with its staged pages: queue them for the store."""
-        def stage(staging: torch.Tensor) -> None:
-            nbytes = staging.numel() * staging.element_size()
+        def stage(staging: Staging) -> None:
+            nbytes = len(keys) * self.host_pool.bytes_per_page
             with self._lock:
                 if self._pending_write_bytes + nbytes > self._write_limit:
                     self.dropped_pages += len(keys)
@@ -144,13 +145,13 @@ class StorageTier:
                 for i, key in enumerate(keys):
                     name = key.hex()
                     if not self.backend.exists(name):
-                        payload = staging[:, i].contiguous().view(torch.uint8).numpy().tobytes()
+                        payload = self.host_pool.staged_page_bytes(staging, i)
                         if self.backend.set(name, encode_record(key, payload)):
                             self.write_bytes += len(payload)
             except Exception:  # a store that fails a write loses that page only (it is recomputed when missed)
                 logger.exception("hicache storage: a write of %d pages failed", len(keys))
             with self._lock:
-                self._pending_write_bytes -= staging.numel() * staging.element_size()
+                self._pending_write_bytes -= len(keys) * self.host_pool.bytes_per_page
 
     # -- prefetch --------------------------------------------------------------------------------------------------
     def prefetch_waits(self, cache: HostTree, req: Req, key: list[int], matched: int, node: HiTreeNode) -> bool:
@@ -183,7 +184,6 @@ class StorageTier:
 
     def _read_loop(self) -> None:
         page_bytes = self.host_pool.bytes_per_page
-        shape = (self.host_pool.num_buffers, *self.host_pool.page_shape)
         while (op := self._reads.get()) is not None:
             try:
                 for i, key in enumerate(op.keys):
@@ -197,8 +197,7 @@ class StorageTier:
                             logger.warning("hicache storage: page %s failed its check; it is recomputed", name)
                             self.backend.remove(name)
                         break
-                    page = torch.frombuffer(payload, dtype=torch.uint8).view(self.host_pool.dtype).view(shape)
-                    self.host_pool.set_page(int(op.host_pages[i]), page)
+                    self.host_pool.set_page_bytes(int(op.host_pages[i]), payload)
                     op.n_read = i + 1
                     self.read_bytes += page_bytes
             except Exception:  # a failing store reads as a miss from here on
