@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.forward_batch import ForwardBatch
+from common.engine.model.padded_decode_backend import PaddedDecodeBackend
 
 
 @dataclass
@@ -29,19 +30,10 @@ class PaddedVerifyMetadata:
     mask: torch.Tensor  # bool [B, N, N]
 
 
-class PaddedVerifyBackend:
+class PaddedVerifyBackend(PaddedDecodeBackend):
     """The ``TorchAttentionBackend`` interface for padded verify batches whose ``attn_metadata`` is a
-    ``PaddedVerifyMetadata`` (set by the caller; there is no ``init_forward_metadata``)."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 sliding_window: int | None = None) -> None:
-        assert num_heads % num_kv_heads == 0
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.page_size = page_size
-        self.sliding_window = sliding_window
-        self.scale = head_dim**-0.5
+    ``PaddedVerifyMetadata`` (set by the caller; there is no ``init_forward_metadata``); the head geometry as
+    ``PaddedDecodeBackend``'s."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
