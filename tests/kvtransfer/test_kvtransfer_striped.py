@@ -161,8 +161,11 @@ def test_kv_transfer_options_come_from_the_cli_and_unknown_ones_are_refused() ->
     assert dict(config.backend_options) == {"streams": "4", "stripe_bytes": "65536"}
     mooncake = ServerArgs(kv_transfer_backend="mooncake", kv_transfer_option=("mooncake_protocol=rdma",))
     assert mooncake.kv_transfer_options == {"mooncake_protocol": "rdma"}
-    with pytest.raises(ConfigError, match="'streams' is not a setting of the shm KV transfer backend; it takes none"):
+    with pytest.raises(ConfigError, match="'streams' is not a setting of the shm KV transfer backend; it takes "
+                                          "landing_signal"):
         ServerArgs(kv_transfer_backend="shm", kv_transfer_option=("streams=2",))
+    with pytest.raises(ConfigError, match="'streams' is not a setting of the fake KV transfer backend; it takes none"):
+        ServerArgs(kv_transfer_backend="fake", kv_transfer_option=("streams=2",))
     with pytest.raises(ConfigError, match="it takes stage, stage_bytes, streams, stripe_bytes"):
         ServerArgs(kv_transfer_option=("stream=2",))
     with pytest.raises(ConfigError, match="must be KEY=VALUE, got 'streams'"):
