@@ -4,7 +4,6 @@ decode node drafts from its first step exactly what a colocated node drafts; tok
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,7 @@ from tests.conftest import assert_scheduler_pools_released
 from tests.engine.test_eagle_head import head_dir
 from tests.engine.test_spec_decode import greedy, prompt, run
 from tests.model_fixtures import make_tiny_model
-from tests.nodes.test_decode_shared_prompts import finals, tokens_of
+from tests.nodes.test_decode_shared_prompts import drive, finals, idle, tokens_of
 
 CLUSTER_TOKEN = "test-cluster-token"
 DRAFT = EagleWorker.draft
@@ -72,11 +71,7 @@ def _serve_pd(model: str, port: int, monkeypatch) -> tuple[dict[str, list[int]],
                                    bootstrap_addr=f"127.0.0.1:{port}")
             decode.step([msg])
             prefill.step([msg])
-            deadline = time.monotonic() + 120
-            while not (prefill.is_idle() and decode.is_idle()):
-                assert time.monotonic() < deadline, "P/D pair did not finish in 120 s"
-                prefill.step([])
-                decode.step([])
+            drive(prefill, decode, idle(prefill, decode))
         assert_scheduler_pools_released(prefill, decode)
     finally:
         prefill.close()

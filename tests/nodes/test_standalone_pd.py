@@ -8,7 +8,6 @@ node's draft did not write, a radix hit without it) shows as a rejected draft.""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +21,7 @@ from common.text.tokenizer import load_tokenizer
 from tests.conftest import assert_scheduler_pools_released
 from tests.engine.test_spec_decode import greedy, prompt, run
 from tests.model_fixtures import make_copy_model, make_tiny_model
-from tests.nodes.test_decode_shared_prompts import finals, tokens_of
+from tests.nodes.test_decode_shared_prompts import drive, finals, idle, tokens_of
 
 CLUSTER_TOKEN = "test-cluster-token"
 STEPS = 3
@@ -85,11 +84,7 @@ def serve_pd(setup: dict[str, Any], monkeypatch, prefill_spec: dict[str, Any], d
                                    bootstrap_addr=f"127.0.0.1:{port}")
             decode.step([msg])
             prefill.step([msg])
-            deadline = time.monotonic() + 120
-            while not (prefill.is_idle() and decode.is_idle()):
-                assert time.monotonic() < deadline, "P/D pair did not finish in 120 s"
-                prefill.step([])
-                decode.step([])
+            drive(prefill, decode, idle(prefill, decode))
             if served is not None:
                 served(rid, prefill)
         assert_scheduler_pools_released(prefill, decode)
