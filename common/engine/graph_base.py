@@ -40,6 +40,13 @@ def batch_size_buckets(max_bs: int) -> list[int]:
     return [*out, max_bs]
 
 
+def capture_max_bs(args: ServerArgs, use_cuda_graph: bool, compile_max_bs: int, *bounds: int) -> int:
+    """The largest bucket of a runner: the graphs' (``--cuda-graph-max-bs``) or the compiled step's cap, within
+    ``bounds`` (the most requests a batch of that step can hold)."""
+    cap = args.resolved_cuda_graph_max_bs if use_cuda_graph else compile_max_bs
+    return max(1, min(cap, *bounds))
+
+
 def check_close(what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     """Raises RuntimeError when ``got`` (logits through a runner) is non-finite or further than ``VERIFY_RTOL`` of
     eager's scale from ``want``."""

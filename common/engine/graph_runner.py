@@ -44,6 +44,7 @@ from common.engine.graph_base import (
     StepGraphRunner,
     batch_size_buckets,
     build_step_runner,
+    capture_max_bs,
     check_close,
 )
 from common.engine.model.padded_decode_backend import (
@@ -105,9 +106,8 @@ class DecodeGraphRunner(StepGraphRunner):
         self.req_to_token_pool = req_to_token_pool
         self.eager_backend = eager_backend
         self.capture = capture
-        cap = args.resolved_cuda_graph_max_bs if use_cuda_graph else compile_max_bs
         # NOTE: each request of a batch holds a page of its own, so no batch is larger than the pool's pages.
-        max_bs = max(1, min(cap, args.max_running_requests, kv_pool.num_pages))
+        max_bs = capture_max_bs(args, use_cuda_graph, compile_max_bs, args.max_running_requests, kv_pool.num_pages)
         super().__init__(max_bs, kv_pool.device, kv_pool.dtype, use_cuda_graph, compile_max_bs, model_step(capture))
         cfg = model.config
         self.padded_backend = PaddedDecodeBackend(

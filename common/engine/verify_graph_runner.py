@@ -29,7 +29,7 @@ import torch
 
 from common.config import ServerArgs
 from common.engine.forward_batch import ForwardBatch, ForwardMode
-from common.engine.graph_base import StepGraphRunner, build_step_runner, check_close
+from common.engine.graph_base import StepGraphRunner, build_step_runner, capture_max_bs, check_close
 from common.engine.graph_runner import model_step, split_out
 from common.engine.model.padded_decode_backend import padded_page_table
 from common.engine.model.padded_verify_backend import PaddedVerifyBackend, PaddedVerifyMetadata
@@ -54,8 +54,7 @@ class VerifyGraphRunner(StepGraphRunner):
         self.eager_backend = eager_backend
         self.capture = capture
         self.num_rows = num_rows
-        cap = args.resolved_cuda_graph_max_bs if use_cuda_graph else compile_max_bs
-        max_bs = max(1, min(cap, args.max_running_requests, kv_pool.num_pages))
+        max_bs = capture_max_bs(args, use_cuda_graph, compile_max_bs, args.max_running_requests, kv_pool.num_pages)
         super().__init__(max_bs, kv_pool.device, kv_pool.dtype, use_cuda_graph, compile_max_bs, model_step(capture))
         cfg = model.config
         self.padded_backend = PaddedVerifyBackend(model.shard.num_heads, model.shard.num_kv_heads, cfg.head_dim,

@@ -27,7 +27,7 @@ import torch
 
 from common.config import ServerArgs
 from common.engine.forward_batch import ForwardBatch, ForwardMode
-from common.engine.graph_base import StepGraphRunner, build_step_runner, check_close
+from common.engine.graph_base import StepGraphRunner, build_step_runner, capture_max_bs, check_close
 from common.engine.model.padded_decode_backend import PaddedDecodeBackend, PaddedDecodeMetadata
 
 if TYPE_CHECKING:
@@ -50,8 +50,7 @@ class DraftGraphRunner(StepGraphRunner):
         self.kv_pool = kv_pool
         self.eager_backend = eager_backend
         self.topk = topk
-        cap = args.resolved_cuda_graph_max_bs if use_cuda_graph else compile_max_bs
-        max_bs = max(1, min(cap, max_batch))
+        max_bs = capture_max_bs(args, use_cuda_graph, compile_max_bs, max_batch)
         super().__init__(max_bs, self.kv_pool.device, self.kv_pool.dtype, use_cuda_graph, compile_max_bs, _head_step)
         lc = self.head.config.layer
         self.padded_backend = PaddedDecodeBackend(self.head.shard.num_heads, self.head.shard.num_kv_heads, lc.head_dim,
