@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 # GPU machines have torch but no package index and no .venv (../shared/GPU.md): `make gpu-wheels` (here) fetches
 # the few packages they lack, pinned to this venv's versions, into $(WHL); `make test-gpu` (there) installs them
-# into $(GPU_SITE) and runs tests/gpu with the machine's python3.
+# into $(GPU_SITE) and runs tests/gpu with the machine's python3. NIXL's CUDA 13 wheel comes along slimmed to fit the
+# device tool's carry limit (deploy/gpu_wheels.py).
 WHL := .whl
 GPU_SITE := /tmp/site
 GPU_PYTHON_VERSION := 3.12
@@ -75,6 +76,7 @@ gpu-wheels: $(STAMP)
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d $(WHL) \
 		$$($(BIN)/python -m pip freeze | grep -iE '^($(GPU_PACKAGES))==')
+	$(BIN)/python -m deploy.gpu_wheels --dest $(WHL)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
