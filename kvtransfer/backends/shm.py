@@ -34,7 +34,7 @@ import torch
 from common.kv_backends import option
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, KVBackend, PeerInfo, PeerKey, TransferJob
-from kvtransfer.backends.signals import HostSignalReader, HostSignalRing
+from kvtransfer.backends.signals import HostSignalReader, HostSignalRing, PeerSignalReaders
 from kvtransfer.backends.workers import QueuedBackend, TransferError
 from kvtransfer.pages import copy_runs
 
@@ -136,7 +136,7 @@ class ShmFileBackend(QueuedBackend):
         self._path: Path | None = None
         self._signals = option("shm", config.backend_options, "landing_signal") == "on"  # auto: GPU pools only
         self._rings: dict[PeerKey, HostSignalRing] = {}  # prefill: each decode peer's signal words
-        self._readers: dict[PeerKey, HostSignalReader] = {}  # decode: each prefill peer's, mapped
+        self._signal_readers = PeerSignalReaders("host_words", HostSignalReader, self._signals)  # decode
         if mode == "decode":
             self._path = self._share_pool()
 
@@ -167,7 +167,7 @@ class ShmFileBackend(QueuedBackend):
 
     def add_peer(self, peer: PeerInfo) -> None:
         if self.mode != "prefill":
-            self._open_signals(peer)
+            self._signal_readers.open(peer)
             return
         try:
             if peer.endpoint.get("memory", "cpu") != "cpu":
@@ -206,41 +206,17 @@ class ShmFileBackend(QueuedBackend):
         return ring.describe() if ring is not None else {}
 
     def signal_reader(self, key: PeerKey) -> Callable[[int], bool] | None:
-        with self._lock:
-            reader = self._readers.get(key)
-        return reader.landed if reader is not None else None
-
-    def _open_signals(self, peer: PeerInfo) -> None:
-        """Decode: map the peer's signal words once; without them its chunks come after they land (today's path)."""
-        with self._lock:
-            stale = self._readers.pop(peer.key, None)
-        if stale is not None:
-            stale.close()
-        if peer.endpoint.get("signals") != "host_words" or not self._signals:
-            return
-        try:
-            reader = HostSignalReader(peer.endpoint)
-        except (KeyError, OSError, ValueError) as exc:
-            log.warning("kv shm: cannot map the landing signals of %s (%s); its chunks are reported after they land",
-                        peer.key.instance_id, str(exc))
-            return
-        with self._lock:
-            self._readers[peer.key] = reader
+        return self._signal_readers.landed_fn(key)
 
     def remove_peer(self, key: PeerKey) -> None:
         super().remove_peer(key)
-        with self._lock:
-            reader = self._readers.pop(key, None)
-        if reader is not None:
-            reader.close()
+        self._signal_readers.remove(key)
 
     def close(self) -> None:
         super().close()
+        self._signal_readers.close()
         with self._lock:
-            readers, self._readers = list(self._readers.values()), {}
             rings, self._rings = list(self._rings.values()), {}
-        for reader in readers:
-            reader.close()
         for ring in rings:
             ring.close()
         if self._path is not None:

@@ -46,7 +46,7 @@ from common.kv_backends import option
 from kvtransfer.args import KVArgs, KVLayout, KVTransferConfig, Mode
 from kvtransfer.backends.base import BackendEvents, PeerInfo, PeerKey, TransferJob
 from kvtransfer.backends.devices import device_identity
-from kvtransfer.backends.signals import CudaEventReader, CudaEventRing
+from kvtransfer.backends.signals import CudaEventReader, CudaEventRing, PeerSignalReaders
 from kvtransfer.backends.workers import Landing, QueuedBackend, TransferError
 from kvtransfer.pages import copy_runs
 
@@ -125,7 +125,7 @@ class CudaIpcBackend(QueuedBackend):
         self._export: _Export | None = None
         self._handles = ""
         self._signals = option("shm", config.backend_options, "landing_signal") != "off"
-        self._readers: dict[PeerKey, CudaEventReader] = {}  # decode: each prefill peer's ring, opened
+        self._signal_readers = PeerSignalReaders("cuda_events", self._open_event_ring, self._signals)  # decode
         if mode == "decode":
             self._handles = export_handles(self._buffers)
             self._export = _Export(self._buffers)
@@ -140,7 +140,7 @@ class CudaIpcBackend(QueuedBackend):
 
     def add_peer(self, peer: PeerInfo) -> None:
         if self.mode != "prefill":
-            self._open_signals(peer)
+            self._signal_readers.open(peer)
             return
         try:
             pool = self._open(peer)
@@ -162,23 +162,18 @@ class CudaIpcBackend(QueuedBackend):
         return pool.signals.describe() if pool is not None and pool.signals is not None else {}
 
     def signal_reader(self, key: PeerKey) -> Callable[[int], bool] | None:
-        with self._lock:
-            reader = self._readers.get(key)
-        return reader.landed if reader is not None else None
+        return self._signal_readers.landed_fn(key)
 
     def remove_peer(self, key: PeerKey) -> None:
         super().remove_peer(key)
-        with self._lock:
-            reader = self._readers.pop(key, None)
-        if reader is not None:
-            reader.close()
+        self._signal_readers.remove(key)
 
     def close(self) -> None:
         super().close()
         with self._lock:
             self._pools.clear()
             self._failed.clear()
-            self._readers.clear()
+        self._signal_readers.close()
         if self._export is not None:
             _EXPORTS.pop(self._export_id, None)
             self._export = None
@@ -217,23 +212,9 @@ class CudaIpcBackend(QueuedBackend):
                             "after they land", peer.key.instance_id, str(exc))  # not exc: its frames hold the pool
         return pool
 
-    def _open_signals(self, peer: PeerInfo) -> None:
-        """Decode: open the peer's event ring once; without it its chunks come after they land (today's path)."""
-        with self._lock:
-            stale = self._readers.pop(peer.key, None)
-        if stale is not None:
-            stale.close()
-        if peer.endpoint.get("signals") != "cuda_events" or not self._signals:
-            return
-        try:
-            with torch.cuda.device(self._device):
-                reader = CudaEventReader(peer.endpoint, self._device)
-        except (KeyError, ValueError, RuntimeError) as exc:
-            log.warning("kv shm: cannot open the landing signals of %s (CUDA IPC events: %s); its chunks are "
-                        "reported after they land", peer.key.instance_id, str(exc))
-            return
-        with self._lock:
-            self._readers[peer.key] = reader
+    def _open_event_ring(self, endpoint: dict[str, str]) -> CudaEventReader:
+        with torch.cuda.device(self._device):
+            return CudaEventReader(endpoint, self._device)
 
     def _peer_stopped(self, key: PeerKey) -> None:
         with self._lock:

@@ -22,17 +22,23 @@ The decode side polls ``landed`` with its room's deadline (``kvtransfer.landing`
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import threading
 import uuid
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from kvtransfer.backends.base import PeerInfo, PeerKey
 from kvtransfer.backends.workers import TransferError
+
+log = logging.getLogger(__name__)
 
 RING_SIZE = 256  # signals per peer ring: more than the jobs of one peer ever in flight at once
 _RINGS: weakref.WeakValueDictionary[str, CudaEventRing] = weakref.WeakValueDictionary()  # this process's rings
@@ -154,3 +160,51 @@ class HostSignalReader:
             if self.words is not None:
                 self.words = None
                 self._mm.close()
+
+
+class SignalReader(Protocol):
+    def landed(self, seq: int) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class PeerSignalReaders:
+    """Decode side: one opened reader per prefill peer whose endpoint offers ``kind`` signals. A peer that handshakes
+    again gets its ring opened afresh; one whose ring cannot be opened has none (its chunks come after they land)."""
+
+    def __init__(self, kind: str, open_reader: Callable[[dict[str, str]], SignalReader], enabled: bool) -> None:
+        self.kind = kind
+        self.enabled = enabled
+        self._open_reader = open_reader
+        self._lock = threading.Lock()
+        self.by_peer: dict[PeerKey, SignalReader] = {}
+
+    def open(self, peer: PeerInfo) -> None:
+        self.remove(peer.key)
+        if not self.enabled or peer.endpoint.get("signals") != self.kind:
+            return
+        try:
+            reader = self._open_reader(peer.endpoint)
+        except (KeyError, OSError, ValueError, RuntimeError) as exc:
+            log.warning("kv shm: cannot open the landing signals of %s (%s: %s); its chunks are reported after they "
+                        "land", peer.key.instance_id, self.kind, str(exc))  # not exc: its frames hold the mapping
+            return
+        with self._lock:
+            self.by_peer[peer.key] = reader
+
+    def landed_fn(self, key: PeerKey) -> Callable[[int], bool] | None:
+        with self._lock:
+            reader = self.by_peer.get(key)
+        return reader.landed if reader is not None else None
+
+    def remove(self, key: PeerKey) -> None:
+        with self._lock:
+            reader = self.by_peer.pop(key, None)
+        if reader is not None:
+            reader.close()
+
+    def close(self) -> None:
+        with self._lock:
+            readers, self.by_peer = list(self.by_peer.values()), {}
+        for reader in readers:
+            reader.close()

@@ -181,7 +181,7 @@ def test_shm_cuda_ipc_landing_signals_across_processes(monkeypatch, landing_sign
                                                                                chunk(w, rec, src, msg, now)))
 
     def check(mgr: KVManager) -> None:
-        readers = mgr.backend.impl._readers
+        readers = mgr.backend.impl._signal_readers.by_peer
         if landing_signal == "off":
             assert not readers and seen and all(s == 0 for s in seen), seen
             return
