@@ -61,7 +61,7 @@ def engine(model: str, args: argparse.Namespace, spec: bool, copy: bool) -> Any:
         extra["dtype"] = args.dtype
     if args.device == "cuda":
         extra["cuda_graph_max_bs"] = max(args.batch_sizes)
-    # Speculation runs without the overlap schedule (common/speculative.py); plain decoding as served by default
+    # A colocated node speculates without the overlap schedule (common/speculative.py); plain decoding as served by default
     # on a GPU overlaps (--plain-overlap), on a CPU whose threads take the cores it would not.
     overlap = args.plain_overlap and not spec
     e = Engine(model_path=model, device=args.device, load_format=args.load_format, max_total_tokens=32768,

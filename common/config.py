@@ -156,8 +156,8 @@ class ServerArgs:
                                           "(colocated, decode) or result processing (prefill) while the forward "
                                           "runs", group=MEMORY)
     enable_overlap_schedule: bool = flag(False, "overlap on CPU even when this node's torch threads take every core "
-                                         "(by default a CPU node overlaps only when they leave one free: the "
-                                         "scheduler thread needs a core of its own)", group=MEMORY)
+                                         "(by default only when they leave one free, for the scheduler thread); "
+                                         "with --speculative-algorithm on a prefill node only", group=MEMORY)
     stream_interval: int = flag(1, "output tokens a streaming request accumulates before they are sent (the first "
                                 "is sent at once); a non-streaming request's come with its end", group=MEMORY,
                                 check=at_least(1))

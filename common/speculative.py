@@ -75,10 +75,12 @@ def check_speculative_flags(args: Any) -> None:
         raise ConfigError(f"--speculative-algorithm {algo} speculates decode steps: give it to decode nodes (and "
                           "colocated ones); a prefill node computes only a request's first token (with STANDALONE, "
                           "EAGLE or EAGLE3 it also runs the draft over the prompt, for the decode node's first step)")
-    if args.enable_overlap_schedule:
-        raise ConfigError("--speculative-algorithm runs without the overlap schedule (a step's drafts need the "
-                          "previous step's accepted tokens): drop --enable-overlap-schedule or pass "
-                          "--disable-overlap-schedule")
+    if args.enable_overlap_schedule and args.disaggregation_mode != "prefill":
+        node = "a decode" if args.disaggregation_mode == "decode" else "a colocated"
+        raise ConfigError(f"--enable-overlap-schedule: {node} node speculates without the overlap schedule (a step's "
+                          "drafts need the previous step's accepted tokens, known only once that step ran); drop "
+                          "--enable-overlap-schedule (a prefill node takes it with --speculative-algorithm: it "
+                          "verifies nothing)")
 
 
 def draft_len(args: Any) -> int:

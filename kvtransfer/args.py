@@ -172,6 +172,14 @@ class KVArgs:
         """Bytes of one page of one layer's K (or V) buffer."""
         return self.page_size * self.kv_heads * self.head_dim * self.k_buffers[0].element_size()
 
+    @property
+    def model_bytes_per_page(self) -> int:
+        """Bytes one page of every layer's K and V takes for the whole model (each layer's total KV heads, not this
+        rank's): what a transfer moves per page over all TP ranks, a draft's layers (``from_pool``'s
+        ``extra_layers``, in every layer group) included."""
+        return sum(2 * self.page_size * total * k.shape[2] * k.element_size()
+                   for k, total in zip(self.k_buffers, self.layer_total_kv_heads, strict=True))
+
     def layout(self, model: Mapping[str, str]) -> KVLayout:
         extra = [KVGroup(len(layers), a.total_kv_heads, a.kv_heads, a.head_dim, a.item_len)
                  for layers, a in ((r, self.group_args(g)) for g, r in enumerate(self.groups()) if g)]

@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.engine.mem.pages import bytes_per_page
 from kvtransfer.args import KVArgs, KVTransferConfig, Mode
 from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.manager import KVManager, Rooms
@@ -63,7 +62,7 @@ class RankTransfer:
 
     manager: KVManager
     polls: GroupPolls  # the MIN of KVPoll over the rank's TP group
-    bytes_per_page: int  # bytes of one page of the model's KV (all KV heads, every layer) on the wire
+    bytes_per_page: int  # bytes one page moves: the model's KV and a draft's (all KV heads, every layer)
 
     def close(self) -> None:
         self.manager.close()
@@ -71,9 +70,8 @@ class RankTransfer:
 
 def rank_transfer(args: ServerArgs, runner: ModelRunner, mode: Mode, dp_rank: int, tp: TPGroup) -> RankTransfer:
     manager = make_kv_manager(args, runner, mode, dp_rank, tp_rank=tp.tp_rank, tp_size=tp.tp_size)
-    pool = runner.kv_pool
     return RankTransfer(manager, GroupPolls(tp.all_reduce_min, tp.tp_rank, tp.tp_size),
-                        bytes_per_page(pool) * runner.model_config.num_kv_heads // pool.num_kv_heads)
+                        manager.args.model_bytes_per_page)
 
 
 def bootstrap_addr(args: ServerArgs, mode: Mode) -> str | None:

@@ -30,10 +30,15 @@ RING_BATCHES = 4  # launched (k), being prepared (k+1), and slack: the reader of
 def overlap_schedule_on(args: ServerArgs, device: torch.device) -> bool:
     """Whether a rank overlaps its forward with scheduling: on unless ``--disable-overlap-schedule``, except on CPU
     where the node's torch threads take every core (there the scheduler thread would take a core from the forward's
-    threads, which then wait on each other: measured slower) unless ``--enable-overlap-schedule``. Speculative
-    decoding runs without it (a step's drafts need the previous step's accepted tokens; ``--enable-overlap-schedule``
-    with it is refused)."""
-    if args.disable_overlap_schedule or args.speculative_algorithm is not None:
+    threads, which then wait on each other: measured slower) unless ``--enable-overlap-schedule``.
+
+    Speculative decoding: a colocated or decode node runs without it (a step's drafts need the previous step's
+    accepted tokens; ``--enable-overlap-schedule`` with it is refused). A prefill node verifies nothing: the draft's
+    prefill-side work (STANDALONE's extend over each chunk, EAGLE's head extend and its handoff state) is the target
+    forward's spec hook, which runs on the forward thread right after that forward, in launch order, so it overlaps
+    as any prefill node does."""
+    if args.disable_overlap_schedule or (args.speculative_algorithm is not None
+                                         and args.disaggregation_mode != "prefill"):
         return False
     if args.enable_overlap_schedule or device.type != "cpu":
         return True

@@ -134,6 +134,9 @@ def test_overlap_outputs_equal_the_normal_loop(engine_factory, model_path, chunk
     assert 6 <= len(ours[8].output_ids) <= 12
 
 
+_EAGLE = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/head"}
+
+
 @pytest.mark.parametrize(("cores", "flags", "device", "on"), [
     (2, {}, "cpu", False),  # the default threads (cores // ranks) fill the cores
     (2, {"torch_num_threads": 1}, "cpu", True),
@@ -143,6 +146,11 @@ def test_overlap_outputs_equal_the_normal_loop(engine_factory, model_path, chunk
     (2, {"torch_num_threads": 1, "disable_overlap_schedule": True}, "cpu", False),
     (2, {}, "cuda", True),
     (2, {"disable_overlap_schedule": True}, "cuda", False),
+    # speculation: a prefill node verifies nothing and keeps it; colocated and decode nodes run without it
+    (2, {**_EAGLE, "disaggregation_mode": "prefill"}, "cuda", True),
+    (2, {**_EAGLE, "disaggregation_mode": "prefill", "enable_overlap_schedule": True}, "cpu", True),
+    (2, {**_EAGLE, "disaggregation_mode": "decode"}, "cuda", False),
+    (2, {**_EAGLE, "speculative_algorithm": "STANDALONE"}, "cuda", False),
 ])
 def test_overlap_default_leaves_the_cpu_forward_its_cores(monkeypatch, cores, flags, device, on) -> None:
     import common.engine.device

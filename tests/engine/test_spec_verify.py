@@ -161,7 +161,11 @@ def test_a_step_verifies_only_drafts_expected_to_pay_for_it() -> None:
     ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
       "speculative_ngram_max_match_window_size": 4}, "must be <="),
     ({"speculative_algorithm": "NGRAM", "disaggregation_mode": "prefill"}, "give it to decode nodes"),
-    ({"speculative_algorithm": "NGRAM", "enable_overlap_schedule": True}, "--disable-overlap-schedule"),
+    ({"speculative_algorithm": "NGRAM", "enable_overlap_schedule": True},
+     "a colocated node speculates without the overlap schedule .a step's drafts need the previous step's accepted "
+     "tokens, known only once that step ran.; drop --enable-overlap-schedule"),
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/m", "disaggregation_mode": "decode",
+      "enable_overlap_schedule": True}, "--enable-overlap-schedule: a decode node speculates without"),
 ])
 def test_speculative_flags_that_do_not_go_together_are_refused(changes, message) -> None:
     with pytest.raises(ConfigError, match=message):

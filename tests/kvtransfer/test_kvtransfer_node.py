@@ -13,7 +13,7 @@ import torch
 
 from common.config import ServerArgs
 from common.engine.mem.kv_pool import MHATokenToKVPool
-from common.engine.mem.pages import bytes_per_page, num_pages, req_pages
+from common.engine.mem.pages import num_pages, req_pages
 from kvtransfer.args import KVArgs
 from kvtransfer.decode_rooms import DecodeRooms
 from kvtransfer.node import make_kv_manager
@@ -86,10 +86,18 @@ def test_a_handle_refuses_a_manager_of_the_other_role() -> None:
         mgr.close()
 
 
-def test_bytes_per_page_counts_k_and_v_of_every_layer() -> None:
-    pool = MHATokenToKVPool(8, 4, torch.bfloat16, 3, 16, 5, "cpu")
-    one_page = sum(buf[4:8].nelement() * buf.element_size() for buf in (*pool.k_buffer, *pool.v_buffer))
-    assert bytes_per_page(pool) == one_page == 2 * 5 * KVArgs.from_pool(pool).item_len
+def test_model_bytes_per_page_counts_a_drafts_layers_with_every_kv_head() -> None:
+    """A TP rank of 2 holding 2 of the target's 4 KV heads, with a draft's 3 layers of another geometry (1 of its 2
+    KV heads, head dim 24): a page moves the target's and the draft's K and V, all heads of each."""
+    pool = MHATokenToKVPool(8, 4, torch.bfloat16, 2, 16, 5, "cpu")
+    draft = MHATokenToKVPool(8, 4, torch.bfloat16, 1, 24, 3, "cpu")
+    args = KVArgs.from_pool(pool, tp_rank=1, tp_size=2, total_kv_heads=4, extra_total_kv_heads=2,
+                            extra_layers=list(zip(draft.k_buffer, draft.v_buffer, strict=True)))
+    assert len(args.groups()) == 2
+    rank_page = sum(buf[4:8].nbytes for buf in (*pool.k_buffer, *pool.v_buffer, *draft.k_buffer, *draft.v_buffer))
+    assert rank_page == 2 * 5 * args.item_len + 2 * 3 * args.group_args(1).item_len
+    # the rank holds half of the target's heads and half of the draft's
+    assert args.model_bytes_per_page == 2 * rank_page == 2 * 4 * (5 * 4 * 16 + 3 * 2 * 24) * 2
 
 
 def test_page_numbers_of_a_request() -> None:

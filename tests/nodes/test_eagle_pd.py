@@ -51,7 +51,8 @@ def _recording(drafts: dict[tuple[int, ...], Any]):
     return wrapped
 
 
-def _serve_pd(model: str, port: int, monkeypatch) -> tuple[dict[str, list[int]], dict[str, TokenOut]]:
+def _serve_pd(model: str, port: int, monkeypatch, prefill_overlap: bool = False
+              ) -> tuple[dict[str, list[int]], dict[str, TokenOut]]:
     from decode_node.role import DecodeRole
     from prefill_node.role import PrefillRole
 
@@ -60,11 +61,13 @@ def _serve_pd(model: str, port: int, monkeypatch) -> tuple[dict[str, list[int]],
     base = ServerArgs(model_path=model, page_size=16, max_total_tokens=2048, max_running_requests=8,
                       chunked_prefill_size=32, disaggregation_bootstrap_port=port, disable_overlap_schedule=True,
                       **spec)
-    pargs, dargs = base.replace(disaggregation_mode="prefill"), base.replace(disaggregation_mode="decode")
+    overlap = {"disable_overlap_schedule": False, "enable_overlap_schedule": True} if prefill_overlap else {}
+    pargs, dargs = base.replace(disaggregation_mode="prefill", **overlap), base.replace(disaggregation_mode="decode")
     tokenizer = load_tokenizer(model)
     out: list[Any] = []
     prefill = Scheduler(pargs, model, tokenizer, lambda outs: None, role=PrefillRole(pargs))
     decode = Scheduler(dargs, model, tokenizer, out.extend, role=DecodeRole(dargs))
+    assert prefill.overlap is prefill_overlap and not decode.overlap
     try:
         for i, (rid, ids) in enumerate(PROMPTS.items()):  # one at a time: every forward as in the colocated run
             msg = GenerateReqInput(rid=rid, input_ids=ids, sampling_params=greedy(12), bootstrap_room=8000 + i,
@@ -79,7 +82,11 @@ def _serve_pd(model: str, port: int, monkeypatch) -> tuple[dict[str, list[int]],
     return tokens_of(out), finals(out)
 
 
-def test_a_decode_node_drafts_from_its_first_step_what_a_colocated_node_drafts(bootstrap_port, monkeypatch) -> None:
+@pytest.mark.parametrize("prefill_overlap", [False, True], ids=["inline", "overlap"])
+def test_a_decode_node_drafts_from_its_first_step_what_a_colocated_node_drafts(bootstrap_port, monkeypatch,
+                                                                               prefill_overlap) -> None:
+    """With ``prefill_overlap`` the prefill node runs the overlap schedule (forced on CPU): the head's extend and its
+    state's read for the metadata run on the forward thread in launch order, so the same KV and state arrive."""
     model = str(make_tiny_model("llama"))
     reqs = [GenerateReqInput(rid=r, input_ids=p, sampling_params=greedy(12)) for r, p in PROMPTS.items()]
     plain, _ = run(model, reqs)
@@ -89,7 +96,7 @@ def test_a_decode_node_drafts_from_its_first_step_what_a_colocated_node_drafts(b
     colo, _ = run(model, reqs, spec, page_size=16, chunked_prefill_size=32, steps_between=40)  # one at a time
     pd: dict[tuple[int, ...], Any] = {}
     monkeypatch.setattr(EagleWorker, "draft", _recording(pd))
-    ids, finals = _serve_pd(model, bootstrap_port, monkeypatch)
+    ids, finals = _serve_pd(model, bootstrap_port, monkeypatch, prefill_overlap)
     assert colo.ids == plain.ids and ids == plain.ids
     assert {(len(p),) for p in PROMPTS.values()} <= pd.keys()  # the first decode step drafted
     assert pd.keys() == colocated.keys()
@@ -97,6 +104,8 @@ def test_a_decode_node_drafts_from_its_first_step_what_a_colocated_node_drafts(b
         assert tokens == colocated[key][0], key
         assert torch.allclose(scores, colocated[key][1], rtol=1e-5, atol=0), key
     assert all(f.spec_draft_tokens > 0 for f in finals.values())
+    assert {r: (f.spec_draft_tokens, f.spec_accepted_tokens) for r, f in finals.items()} == {
+        r: (f.spec_draft_tokens, f.spec_accepted_tokens) for r, f in colo.final.items()}  # acceptance alike
 
 
 def test_metadata_carries_the_draft_state_and_refuses_another_shape() -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from common.config import ServerArgs
 from common.engine.io_struct import GenerateReqInput, TokenOut
+from common.engine.mem.pages import num_pages
 from common.engine.scheduler import Scheduler
 from common.engine.spec.standalone import StandaloneDrafter
 from common.text.tokenizer import load_tokenizer
@@ -28,6 +29,7 @@ STEPS = 3
 # "c" shares "a"'s first 32 tokens and comes after it: a radix hit on the prefill node (its draft KV too)
 PROMPTS = {"a": prompt(37, 3), "b": prompt(20, 4), "c": prompt(37, 3)[:32] + prompt(9, 5)}
 NEW = 1 + 4 * (STEPS + 1)
+PREFILL_OVERLAP = {"disable_overlap_schedule": False, "enable_overlap_schedule": True}  # on CPU too
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +54,10 @@ def standalone(draft: str) -> dict[str, Any]:
 
 def serve_pd(setup: dict[str, Any], monkeypatch, prefill_spec: dict[str, Any], decode_spec: dict[str, Any],
              page_size: int, room: int, prompts: dict[str, list[int]] = PROMPTS,
-             served: Callable[[str, Scheduler], None] | None = None
+             served: Callable[[str, Scheduler], None] | None = None, together: bool = False
              ) -> tuple[dict[str, list[int]], dict[str, TokenOut], int]:
-    """The prompts one at a time through a prefill and a decode scheduler (``served(rid, prefill)`` after each);
-    (tokens, finals, prompt positions the decode node's draft extended over)."""
+    """The prompts one at a time (or ``together``) through a prefill and a decode scheduler (``served(rid,
+    prefill)`` after each); (tokens, finals, prompt positions the decode node's draft extended over)."""
     from decode_node.role import DecodeRole
     from prefill_node.role import PrefillRole
 
@@ -79,14 +81,15 @@ def serve_pd(setup: dict[str, Any], monkeypatch, prefill_spec: dict[str, Any], d
     prefill = Scheduler(pargs, model, tokenizer, lambda outs: None, role=PrefillRole(pargs))
     decode = Scheduler(dargs, model, tokenizer, out.extend, role=DecodeRole(dargs))
     try:
-        for i, (rid, ids) in enumerate(prompts.items()):  # one at a time: "c" finds "a"'s prefix cached
-            msg = GenerateReqInput(rid=rid, input_ids=ids, sampling_params=greedy(NEW), bootstrap_room=room + i,
-                                   bootstrap_addr=f"127.0.0.1:{port}")
-            decode.step([msg])
-            prefill.step([msg])
+        msgs = [GenerateReqInput(rid=rid, input_ids=ids, sampling_params=greedy(NEW), bootstrap_room=room + i,
+                                 bootstrap_addr=f"127.0.0.1:{port}") for i, (rid, ids) in enumerate(prompts.items())]
+        for batch in [msgs] if together else [[m] for m in msgs]:  # one at a time: "c" finds "a"'s prefix cached
+            decode.step(batch)
+            prefill.step(batch)
             drive(prefill, decode, idle(prefill, decode))
             if served is not None:
-                served(rid, prefill)
+                for m in batch:
+                    served(m.rid, prefill)
         assert_scheduler_pools_released(prefill, decode)
         for s in (prefill, decode):
             drafter = s.decode.speculator.drafter if s.decode.speculator is not None else None
@@ -98,15 +101,35 @@ def serve_pd(setup: dict[str, Any], monkeypatch, prefill_spec: dict[str, Any], d
     return tokens_of(out), finals(out), prompt_positions[0]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_the_decode_node_drafts_from_the_prefill_nodes_draft_kv(setup, monkeypatch, page_size) -> None:
+@pytest.mark.parametrize(("page_size", "overlap", "together"), [(1, False, False), (16, False, False),
+                                                                 (16, True, False), (16, True, True)])
+def test_the_decode_node_drafts_from_the_prefill_nodes_draft_kv(setup, monkeypatch, page_size, overlap,
+                                                               together) -> None:
+    """With ``overlap`` the prefill node runs the overlap schedule (forced on CPU): the draft's extend is the target
+    forward's hook on the forward thread, in launch order, so the same draft KV lands; ``together``, a request's
+    result (its draft handoff, its last pages) is sent while the next batch's chunks run. Each request's
+    ``transfer_bytes`` counts the draft's layers that moved with the target's."""
     spec = standalone(setup["model"])
-    ids, ends, prompt_positions = serve_pd(setup, monkeypatch, spec, spec, page_size, 9000 + 10 * page_size)
+    page_bytes: list[int] = []
+
+    def served(rid: str, prefill: Scheduler) -> None:
+        assert prefill.overlap is overlap
+        runner = prefill.runner
+        layers = [*zip(runner.kv_pool.k_buffer, runner.kv_pool.v_buffer, strict=True), *runner.draft_kv.layers]
+        page_bytes.append(sum(buf[:page_size].nbytes for kv in layers for buf in kv))
+
+    prefill_spec = {**spec, **PREFILL_OVERLAP} if overlap else spec
+    ids, ends, prompt_positions = serve_pd(setup, monkeypatch, prefill_spec, spec, page_size,
+                                           9000 + 10 * page_size + 4 * overlap + 3 * together, served=served,
+                                           together=together)
     assert ids == setup["expected"]
     assert prompt_positions == 0  # the draft KV of every prompt position came with the transfer
-    assert ends["c"].cached_tokens == 32  # "a"'s prefix, its draft KV with it, from the prefill node's radix cache
+    if not together:  # "a"'s prefix, its draft KV with it, from the prefill node's radix cache
+        assert ends["c"].cached_tokens == 32
     for rid, f in ends.items():  # the draft is the target: with its KV right every draft is accepted
         assert f.spec_draft_tokens > 0 and f.spec_accepted_tokens == f.spec_draft_tokens, rid
+        assert f.timing is not None
+        assert f.timing.transfer_bytes == num_pages(len(PROMPTS[rid]), page_size) * page_bytes[0], rid
 
 
 def test_a_prefix_back_from_the_host_tier_brings_its_draft_kv(setup, monkeypatch) -> None:

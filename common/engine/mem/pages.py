@@ -1,4 +1,5 @@
-"""Page arithmetic over the paged KV pool: page counts, a request's page numbers, bytes a page holds.
+"""Page arithmetic over the paged KV pool: page counts and a request's page numbers (the bytes a page moves in a
+transfer: ``kvtransfer.args.KVArgs.model_bytes_per_page``).
 
 Invariant relied on (the allocator's alignment): slot % page_size == position % page_size, so the first slot of
 each page-aligned position run names its page (slot // page_size).
@@ -11,7 +12,6 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from common.engine.mem.kv_pool import MHATokenToKVPool
     from common.engine.req import Req
 
 
@@ -25,7 +25,3 @@ def req_pages(req_to_token: torch.Tensor, req: Req, first_page: int, num_tokens:
     row = req_to_token[req.req_pool_idx]
     return (row[first_page * page_size : num_tokens : page_size] // page_size).tolist()
 
-
-def bytes_per_page(pool: MHATokenToKVPool) -> int:
-    """Bytes one page occupies across the pool: K and V of every layer (this rank's KV heads only)."""
-    return 2 * pool.num_layers * pool.item_len

@@ -11,7 +11,10 @@ Modules: ``drafter`` (the interface), one module per algorithm (``ngram``, ``sta
 (the accept rule and the sampling rows of the draft positions), ``info`` (``VerifyInput``), ``speculator`` (the
 step), ``tree`` (tree drafts in the verify step). EAGLE's parts: ``eagle_model`` / ``eagle_loader`` (the head),
 ``eagle_worker`` (its forwards), ``eagle_tree`` (top-k steps to a tree), ``path_kv`` (the accepted path's KV).
-Speculation runs without the overlap schedule. CUDA graphs / compiled steps serve the verify forwards
+Colocated and decode nodes speculate without the overlap schedule (a step's drafts need the previous step's accepted
+tokens); a prefill node, which verifies nothing, keeps it: its draft work (STANDALONE's extend over each chunk,
+EAGLE's head extend and handoff state) is the target forward's ``spec_hook``, run on the forward thread in launch
+order (``common.engine.overlap.overlap_schedule_on``). CUDA graphs / compiled steps serve the verify forwards
 (``common.engine.verify_graph_runner``), the plain decode steps (with EAGLE capturing what the head reads), the
 draft model's decode steps (its own ``ModelRunner``) and EAGLE's draft steps (``eagle_graph_runner``).
 """

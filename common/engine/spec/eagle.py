@@ -12,8 +12,10 @@ Per step of a request (``EagleWorker`` does the head's forwards)::
 
 The state of a request slot (top-k of its last row, the head's feature there) is valid from its first prefill chunk
 on. In P/D the prefill node runs the head too: the head's KV layer travels with the target's (``DraftKV``: the
-pool's slots below the scratch, the target's numbering) and the state with the metadata (``handoff`` / ``resume``),
-so the decode node drafts from its first step. A request without a state decodes one plain step, then has one.
+pool's slots below the scratch, the target's numbering) and the state with the metadata (``handoff`` / ``resume``;
+the forward that completes a prompt reads its state to the host, on the forward thread, so under the overlap
+schedule the scheduler thread sends it without waiting for the next forward), so the decode node drafts from its
+first step. A request without a state decodes one plain step, then has one.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class EagleDrafter:
                                 torch.zeros(slots, self.topk, dtype=torch.int64, device=device),
                                 torch.zeros(slots, self.head.hidden_size, dtype=runner.dtype, device=device))
         self.ready = [False] * slots
+        # A prefill node's handoffs, read to the host by the forward that completed each prompt (``after_forward``)
+        self.prefill_node = args.disaggregation_mode == "prefill"
+        self.handoffs: dict[int, DraftHandoff] = {}
         pool, n = self.worker.kv_pool, runner.kv_pool.k_buffer[0].shape[0]
         # The whole head's geometry (every rank's shard derives from it): the same on P and D whatever their tp.
         cfg, lc = self.head.config, self.head.config.layer
@@ -105,6 +110,21 @@ class EagleDrafter:
                 nxt[i] = req.origin_input_ids[seq] if seq < prompt else req.output_ids[seq - prompt]
         ids[last] = nxt
         self._extend(ids, features, fb, b.prefix_lens, b.seq_lens)
+        if self.prefill_node:
+            self._keep_handoffs([b.req_pool_indices[i] for i, req in enumerate(b.reqs)
+                                 if b.seq_lens[i] == len(req.origin_input_ids)])
+
+    def _keep_handoffs(self, rows: list[int]) -> None:
+        """A prefill node: the state of the rows whose prompt this forward completed, read to the host here, on the
+        forward thread in launch order (under the overlap schedule the scheduler thread sends it while the next
+        forward runs, and a device read there would wait for that forward)."""
+        if not rows:
+            return
+        idx = torch.tensor(rows, device=self.state.hidden.device)
+        ids, p = self.state.topk_ids[idx].tolist(), self.state.topk_p[idx].tolist()
+        hidden = self.state.hidden[idx].float().cpu().numpy().astype("<f4")
+        for i, row in enumerate(rows):
+            self.handoffs[row] = DraftHandoff(tuple(ids[i]), tuple(p[i]), hidden[i].tobytes())
 
     def _extend_verified(self, fb: ForwardBatch, features: torch.Tensor, next_token_ids: torch.Tensor) -> None:
         spec = fb.spec_info
@@ -161,15 +181,15 @@ class EagleDrafter:
     def release(self, rows: list[int]) -> None:
         for r in rows:
             self.ready[r] = False
+            self.handoffs.pop(r, None)
 
     def close(self) -> None:
         self.ready = [False] * len(self.ready)
+        self.handoffs.clear()
 
     def handoff(self, row: int) -> DraftHandoff | None:
-        if not self.ready[row]:
-            return None
-        hidden = self.state.hidden[row].float().cpu().numpy().astype("<f4").tobytes()
-        return DraftHandoff(tuple(self.state.topk_ids[row].tolist()), tuple(self.state.topk_p[row].tolist()), hidden)
+        """A prefill node: the state ``after_forward`` kept when the row's prompt completed (None: none)."""
+        return self.handoffs.pop(row, None)
 
     def resume(self, row: int, handoff: DraftHandoff) -> None:
         s = self.state

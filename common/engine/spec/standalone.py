@@ -26,7 +26,9 @@ the target's pages and is covered by the target's allocation, prefix caches and 
 
     after every target prefill forward (``after_forward``, each prefill row of an EXTEND / MIXED batch): the draft
         extends over the chunk at the target's slots; row r := the target's row, draft_lens[r] = seq
-    prefill node: ``handoff`` tells the decode node the draft KV of the whole prompt came with the pages
+    prefill node: ``handoff`` tells the decode node the draft KV of the whole prompt came with the pages (the hook
+        runs on the forward thread in launch order; ``handoff`` reads ``draft_lens`` once that forward's result was
+        obtained, so the overlap schedule sends what an inline node sends)
     decode node: ``resume`` on landing: row r := the target's row over the prompt, draft_lens[r] = prompt length,
         so the first decode step extends the draft over one token, not the prompt
     propose: positions past the target's committed ones fill the rest of the request's last target page (the
