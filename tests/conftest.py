@@ -142,8 +142,8 @@ def _assert_released(s: Any) -> None:
 
 
 def _wait_hicache_settled(cache: Any, timeout: float = 10.0) -> None:
-    """A hierarchical cache's loads, reads and loads given up on (whose pages it still reserves) have ended: the
-    scheduler's idle steps settle them."""
+    """A hierarchical cache's loads, reads, write-throughs (their nodes locked) and loads given up on (whose pages
+    it may still reserve) have ended: the scheduler's idle steps settle them."""
     from common.engine.mem.hicache.decode_offload import HiHeldPrefixCache
     from common.engine.mem.hicache.hiradix_cache import HiRadixCache
 
@@ -152,7 +152,7 @@ def _wait_hicache_settled(cache: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and (cache.waits.stuck or (
             cache.offloads if isinstance(cache, HiHeldPrefixCache) else (
-                cache.ongoing_loads or (cache.storage is not None and cache.storage.ops)))):
+                cache.ongoing_loads or cache.writing or (cache.storage is not None and cache.storage.ops)))):
         time.sleep(0.01)
 
 

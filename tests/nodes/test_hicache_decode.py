@@ -2,7 +2,7 @@
 127.0.0.1, the overlap schedule on): a request retracted mid-decode keeps its KV on the host and resumes from it —
 one token extended, not its whole sequence recomputed — with the colocated node's tokens; the device and host pools
 come back whole (``pd_pair``). A restore whose copy hangs is given up at --hicache-load-timeout: the request is
-recomputed, with the same tokens. With STANDALONE speculation (the overlap schedule off) the host copy keeps the
+recomputed, with the same tokens, and the restore's pages are free again while the copy still hangs. With STANDALONE speculation (the overlap schedule off) the host copy keeps the
 draft's KV too."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def setup() -> Iterator[dict[str, Any]]:
 @pytest.mark.parametrize("hang", [False, True], ids=["restored", "restore-hangs"])
 def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatch, hang) -> None:
     """hang: the restore's copy hangs; past --hicache-load-timeout the request is recomputed instead (the same
-    tokens) while the copy still hangs, and the pages it fills stay reserved until it ends."""
+    tokens) while the copy still hangs, its pages free again (it is cancelled: it never writes them)."""
     from common.engine.mem.hicache.copy_engine import CopyEngine
 
     release, copy = threading.Event(), CopyEngine._copy_pages
@@ -96,10 +96,11 @@ def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatc
                 assert decode.tree_cache.hicache_report().load_bytes > 0
                 return
             assert {rid for rid, _ in extends} == {"r-0"} and sum(n for _, n in extends) > 1  # recomputed
-            [(job, _)] = decode.tree_cache.waits.abandoned
-            assert not job.done.is_set()  # answered while the restore still hangs
-            alloc = decode.allocator  # idle: every page is free but the hung copy's
-            assert alloc.available_size() == alloc.size - len(job.device_pages) * PAGE
+            [abandoned] = decode.tree_cache.waits.abandoned
+            assert not abandoned.job.done.is_set()  # answered while the restore still hangs
+            assert abandoned.release is None  # cancelled before it wrote a page: idle, every page is free
+            assert decode.allocator.available_size() == decode.allocator.size
+            assert decode.tree_cache.host_pool.used_pages == 0
         finally:
             release.set()
         drive(prefill, decode, lambda: not decode.tree_cache.waits.stuck)  # then its pages come back
