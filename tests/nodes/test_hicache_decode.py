@@ -2,8 +2,9 @@
 127.0.0.1, the overlap schedule on): a request retracted mid-decode keeps its KV on the host and resumes from it —
 one token extended, not its whole sequence recomputed — with the colocated node's tokens; the device and host pools
 come back whole (``pd_pair``). A restore whose copy hangs is given up at --hicache-load-timeout: the request is
-recomputed, with the same tokens, and the restore's pages are free again while the copy still hangs. With STANDALONE speculation (the overlap schedule off) the host copy keeps the
-draft's KV too, and with EAGLE its head's KV: the restored request drafts what it drafts when recomputed."""
+recomputed, with the same tokens, and the restore's pages are free again while the copy still hangs. With
+STANDALONE speculation (the overlap schedule off) the host copy keeps the draft's KV too, and with EAGLE its head's
+KV: the restored request drafts what it drafts when recomputed."""
 
 from __future__ import annotations
 
