@@ -115,17 +115,18 @@ def wait_idle(engine: Any, timeout: float = 30.0) -> None:
 def assert_pools_released(engine: Any) -> None:
     """Pools at their initial free counts once the prefix cache is emptied."""
     wait_idle(engine)
-    assert_scheduler_pools_released(engine.scheduler)
+    _assert_released(engine.scheduler, stepped=True)
 
 
 def assert_scheduler_pools_released(*schedulers: Any) -> None:
-    """Each scheduler's pools at their initial free counts once its prefix cache is emptied."""
+    """Each scheduler's pools at their initial free counts once its prefix cache is emptied (the caller's thread
+    steps them: their hierarchical cache's copies settle in their steps)."""
     for s in schedulers:
-        _assert_released(s)
+        _assert_released(s, stepped=False)
 
 
-def _assert_released(s: Any) -> None:
-    _wait_hicache_settled(s.tree_cache)
+def _assert_released(s: Any, stepped: bool) -> None:
+    _wait_hicache_settled(s.tree_cache, None if stepped else lambda: s.step([]))
     free_slots = s.req_to_token_pool.available_size()
     assert free_slots == s.req_to_token_pool.size, (
         f"request slots leaked: {s.req_to_token_pool.size - free_slots}"
@@ -141,9 +142,10 @@ def _assert_released(s: Any) -> None:
     _assert_host_released(s.tree_cache)
 
 
-def _wait_hicache_settled(cache: Any, timeout: float = 10.0) -> None:
-    """A hierarchical cache's loads, reads and loads given up on (whose pages it still reserves) have ended: the
-    scheduler's idle steps settle them."""
+def _wait_hicache_settled(cache: Any, step: Callable[[], Any] | None, timeout: float = 10.0) -> None:
+    """A hierarchical cache's loads, reads, write-throughs (their nodes locked) and loads given up on (whose pages
+    it may still reserve) have ended: the scheduler's idle steps settle them (``step``: run one, else its thread
+    does)."""
     from common.engine.mem.hicache.decode_offload import HiHeldPrefixCache
     from common.engine.mem.hicache.hiradix_cache import HiRadixCache
 
@@ -152,8 +154,10 @@ def _wait_hicache_settled(cache: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and (cache.waits.stuck or (
             cache.offloads if isinstance(cache, HiHeldPrefixCache) else (
-                cache.ongoing_loads or (cache.storage is not None and cache.storage.ops)))):
+                cache.ongoing_loads or cache.writing or (cache.storage is not None and cache.storage.ops)))):
         time.sleep(0.01)
+        if step is not None:
+            step()
 
 
 def _assert_host_released(cache: Any) -> None:

@@ -158,6 +158,41 @@ def test_a_full_host_pool_evicts_its_least_recently_used_prefixes(engine_factory
     assert cache.hicache_report().host_evicted_tokens >= 2 * FULL
 
 
+def test_an_eviction_leaves_a_write_through_in_flight_for_a_later_step(engine_factory, model_path, expected,
+                                                                       monkeypatch) -> None:
+    """Two prompts' host writes held by the test, a third prompt that needs their device pages: their nodes stay
+    locked while written, so no step waits for a write (the scheduler goes on answering) and the third prompt
+    waits in the queue; once the writes end it evicts them to the host, and the first prompt comes back from there."""
+    from common.engine.mem.hicache.copy_engine import CopyEngine
+
+    gate, held, copy = threading.Event(), [], CopyEngine._copy_pages
+
+    def gated(self: CopyEngine, job: Any) -> Any:
+        if job.kind == "write":
+            held.append(job)
+            gate.wait(10)  # bounded: a step that waits for the write is held this long
+        return copy(self, job)
+
+    monkeypatch.setattr(CopyEngine, "_copy_pages", gated)
+    engine = engine_factory(model_path, **BASE, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    third: list[Any] = []
+    waiter = threading.Thread(target=lambda: third.extend(run(engine, PROMPTS[2:3])))
+    try:
+        assert [o.output_ids for o in run(engine, PROMPTS[:2])] == expected[:2]  # 12 pages in the tree, 4 free
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while engine.get_load().waiting == 0:
+            assert time.monotonic() < deadline, "the third prompt was not queued"
+        load = engine.get_load(timeout=5)  # a step after the one that found no page it could evict now
+        assert load.waiting == 1 and not held[0].done.is_set()  # answered while the first write is still held
+    finally:
+        gate.set()
+        waiter.join(30)
+    assert [o.output_ids for o in third] == [expected[2]]
+    again = run(engine, PROMPTS[:1])[0]
+    assert again.output_ids == expected[0] and again.timing.cached_tokens_host == FULL  # written, then evicted
+
+
 def test_a_failed_load_is_recomputed_with_the_same_outputs(engine_factory, model_path, expected, monkeypatch) -> None:
     from common.engine.mem.hicache.copy_engine import CopyEngine
 
@@ -179,9 +214,10 @@ def test_a_failed_load_is_recomputed_with_the_same_outputs(engine_factory, model
 def test_a_hung_load_and_a_hung_read_are_given_up_at_the_deadline(engine_factory, model_path, expected, monkeypatch,
                                                                   tmp_path) -> None:
     """--hicache-load-timeout: a request whose host load (then one whose wait_complete prefetch) hangs computes its
-    prompt once the deadline passes, while the copy and the read still hang; the load's device pages stay reserved
-    until it ends, and every pool comes back once both end (``engine_factory``)."""
-    from common.engine.mem.hicache.copy_engine import CopyEngine
+    prompt once the deadline passes, while the copy and the read still hang. The load is cancelled before it wrote
+    a device page, so its pages are free again at once, and when the copy wakes up it writes none of them (they may
+    be another prompt's by then); every pool comes back once both end (``engine_factory``)."""
+    from common.engine.mem.hicache.copy_engine import CopyCancelled, CopyEngine
     from common.engine.mem.hicache.storage.file import FileStorage
 
     armed, release, hung = threading.Event(), threading.Event(), []
@@ -222,12 +258,24 @@ def test_a_hung_load_and_a_hung_read_are_given_up_at_the_deadline(engine_factory
         assert [(o.cached_tokens, o.timing.cached_tokens_host, o.timing.cached_tokens_storage) for o in outs] == [
             (0, 0, 0)] * 2
         assert hung == ["load", "read"]  # answered while both still hang
-        [(job, _)] = cache.waits.abandoned
-        alloc = engine.scheduler.allocator  # every device page is free or cached but the hung load's
-        assert not job.done.is_set() and not alloc._is_free[job.device_pages].any()
-        assert alloc.available_size() + cache.evictable_size() == alloc.size - len(job.device_pages) * PAGE
+        [abandoned] = cache.waits.abandoned
+        job, alloc = abandoned.job, engine.scheduler.allocator
+        deadline = time.monotonic() + 30
+        while cache.writing:  # the two prompts' write-throughs (not held): then their nodes are evictable
+            assert time.monotonic() < deadline, "a write-through did not end"
+            time.sleep(0.01)
+        assert not job.done.is_set() and abandoned.release is None  # cancelled, its device pages given back
+        assert alloc.available_size() + cache.evictable_size() == alloc.size
         assert [op.expired for op in tier.ops.values()] == [True]
         assert engine.get_load().hicache.timeouts == 2  # /metrics: pdcluster_node_hicache_timeouts_total
+        # its pages are free or another prompt's: a mark in them stays when the hung copy wakes up and ends
+        buffers = [b.view(-1, PAGE, *b.shape[1:]) for g in cache.copier.groups for b in g]
+        for b in buffers:
+            b[job.device_pages] = 7.0
+        release.set()
+        assert job.done.wait(20)
+        assert all(b[job.device_pages].eq(7.0).all() for b in buffers), "the late copy wrote its device pages"
+        assert isinstance(job.error, CopyCancelled)
     finally:
         release.set()
 

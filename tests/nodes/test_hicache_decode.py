@@ -2,8 +2,9 @@
 127.0.0.1, the overlap schedule on): a request retracted mid-decode keeps its KV on the host and resumes from it —
 one token extended, not its whole sequence recomputed — with the colocated node's tokens; the device and host pools
 come back whole (``pd_pair``). A restore whose copy hangs is given up at --hicache-load-timeout: the request is
-recomputed, with the same tokens. With STANDALONE speculation (the overlap schedule off) the host copy keeps the
-draft's KV too."""
+recomputed, with the same tokens, and the restore's pages are free again while the copy still hangs. With
+STANDALONE speculation (the overlap schedule off) the host copy keeps the draft's KV too, and with EAGLE its head's
+KV: the restored request drafts what it drafts when recomputed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from common.config import ServerArgs
 from common.engine.forward_batch import ForwardMode
@@ -58,7 +60,7 @@ def setup() -> Iterator[dict[str, Any]]:
 @pytest.mark.parametrize("hang", [False, True], ids=["restored", "restore-hangs"])
 def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatch, hang) -> None:
     """hang: the restore's copy hangs; past --hicache-load-timeout the request is recomputed instead (the same
-    tokens) while the copy still hangs, and the pages it fills stay reserved until it ends."""
+    tokens) while the copy still hangs, its pages free again (it is cancelled: it never writes them)."""
     from common.engine.mem.hicache.copy_engine import CopyEngine
 
     release, copy = threading.Event(), CopyEngine._copy_pages
@@ -96,10 +98,11 @@ def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatc
                 assert decode.tree_cache.hicache_report().load_bytes > 0
                 return
             assert {rid for rid, _ in extends} == {"r-0"} and sum(n for _, n in extends) > 1  # recomputed
-            [(job, _)] = decode.tree_cache.waits.abandoned
-            assert not job.done.is_set()  # answered while the restore still hangs
-            alloc = decode.allocator  # idle: every page is free but the hung copy's
-            assert alloc.available_size() == alloc.size - len(job.device_pages) * PAGE
+            [abandoned] = decode.tree_cache.waits.abandoned
+            assert not abandoned.job.done.is_set()  # answered while the restore still hangs
+            assert abandoned.release is None  # cancelled before it wrote a page: idle, every page is free
+            assert decode.allocator.available_size() == decode.allocator.size
+            assert decode.tree_cache.host_pool.used_pages == 0
         finally:
             release.set()
         drive(prefill, decode, lambda: not decode.tree_cache.waits.stuck)  # then its pages come back
@@ -171,3 +174,65 @@ def test_a_retracted_standalone_request_resumes_drafting_from_its_host_copy(setu
         assert len(off) == 1 and off[0] < 1e-3, off
         for rid, f in finals(out).items():
             assert f.spec_draft_tokens > 0 and f.spec_accepted_tokens == f.spec_draft_tokens, rid
+
+
+def test_a_retracted_eagle_request_resumes_drafting_from_its_host_copy(setup, monkeypatch) -> None:
+    """EAGLE on both nodes: the retraction's host copy holds the head's KV layer beside the target's (moved by the
+    code that moves a STANDALONE draft's layers), so the restored request extends one token, its head's KV at the
+    restored slots the KV it had, and from there it drafts the trees the same request drafts when recomputed without
+    a host tier (its head's KV computed again). Garbage head KV would show as other trees, the tokens unchanged."""
+    from common.engine.spec.eagle_worker import EagleWorker
+    from tests.engine.test_eagle_head import head_dir
+
+    spec = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(head_dir("EAGLE")),
+            "speculative_num_steps": 2}
+    pair = {**setup, "base": setup["base"].replace(**spec)}
+    draft, watched = EagleWorker.draft, []
+
+    def spy(self: EagleWorker, state: Any, verified: Any, pool_idx: Any, seq_lens: list[int], table: Any) -> Any:
+        tree = draft(self, state, verified, pool_idx, seq_lens, table)
+        if watched and (r0 := watched[0]).req_pool_idx in (rows := pool_idx.tolist()):  # r-0 since its retraction
+            i = rows.index(r0.req_pool_idx)
+            watched[1][seq_lens[i]] = (tree.tokens[i].tolist(), tree.scores[i].clone())
+        return tree
+
+    monkeypatch.setattr(EagleWorker, "draft", spy)
+
+    def retracted(**hicache: Any) -> tuple[dict[str, Any], dict[int, Any], list[Any], list[Any], list[Any]]:
+        with pd_pair(pair, monkeypatch, overlap=False, **hicache) as (prefill, decode, out):
+            msgs = requests(setup["port"])
+            decode.step(msgs)
+            prefill.step(msgs)
+            drive(prefill, decode, lambda: len(running(decode, 5)) == 2)
+            live = running(decode)
+            r0, table = live["r-0"], decode.req_to_token_pool.req_to_token
+            keep = min(r0.kv_committed_len, len(r0.all_ids()) - 1)  # what the retraction keeps
+            head = [buf for layer in decode.runner.draft_kv.layers for buf in layer]
+            before = [buf[table[r0.req_pool_idx, :keep]].clone() for buf in head]
+            extends: list[tuple[str, int]] = []
+            restored: list[Any] = []
+            launch = decode.worker.worker_batch
+
+            def record(batch: Any) -> Any:
+                if batch.forward_mode == ForwardMode.EXTEND:
+                    extends.extend((r.rid, n) for r, n in zip(batch.reqs, batch.extend_lens, strict=True))
+                    restored.extend(buf[table[r0.req_pool_idx, :keep]].clone() for buf in head)
+                return launch(batch)
+
+            monkeypatch.setattr(decode.worker, "worker_batch", record)
+            decode.preempt_running([r0], live["r-1"])
+            watched[:] = [r0, {}]
+            drive(prefill, decode, idle(prefill, decode))
+        return tokens_of(out), watched[1], extends, before, restored
+
+    tokens, trees, extends, before, restored = retracted(enable_hierarchical_cache=True, hicache_ratio=1.0)
+    assert tokens == setup["expected"]
+    assert extends == [("r-0", 1)], "the retracted request should resume from its host copy"
+    assert all(a.equal(b) for a, b in zip(before, restored, strict=True))
+    again, recomputed, extends, _, _ = retracted()
+    assert again == tokens and sum(n for _, n in extends) > 1  # recomputed: its head's KV computed again
+    common = trees.keys() & recomputed.keys()  # from the later of the two retractions (the transfers' timing)
+    assert len(common) > 8
+    for n in sorted(common):
+        ids, scores = trees[n]
+        assert ids == recomputed[n][0] and torch.allclose(scores, recomputed[n][1], rtol=1e-4, atol=1e-6), n

@@ -4,7 +4,8 @@ and a storage tier under that, shared by the nodes of one model.
     host_pool      HostKVPool: host copies of KV pages, a drafter's KV layers included (bounded, LRU through the tree;
                    pinned on CUDA)
     copy_engine    CopyEngine: device <-> host page batches on threads (and CUDA streams) of its own
-    load_waits     LoadWaits: a queued request's deadline for its load; loads given up on (--hicache-load-timeout)
+    load_waits     LoadWaits: a queued request's deadline for its load; loads given up on (--hicache-load-timeout);
+                   the TP group's verdicts on loads and write-throughs
     tree           HiTreeNode: which tier each node's pages are on
     host_tree      HostTierTree: the tree's host-side walks (host LRU eviction, storage pages joining the tree)
     hiradix_cache  HiRadixCache: the prefill / colocated node's tree (write policies, load back, eviction)

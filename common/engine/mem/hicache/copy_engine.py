@@ -7,17 +7,25 @@ CUDA streams of its own), so no copy blocks the scheduler's step.
 Each job copies every buffer of the device pool's slot space (the target's layers and a drafter's extra layers:
 ``host_pool.slot_space_groups``) with one gather and one scatter per layer group (``--hicache-io-backend kernel``: one
 launch for every layer of a group, ``common.engine.kernels.kv_pages``; ``direct``: one torch index op per layer
-buffer), through staging tensors the job owns. Writes and loads run on a thread (and stream) each, in submission order per kind: a load that
-hangs holds up later loads only, never the writes an eviction waits for. The two never touch one page at once: a
-load reads host pages whose write has ended and fills device pages no write reads (``hiradix_cache``). A job
-cancelled before it starts ends without copying (``CopyCancelled``); one already copying runs to its end.
+buffer), through staging tensors the job owns. Writes and loads run on a thread (and stream) each, in submission
+order per kind: a load that hangs holds up later loads only, never the writes an eviction waits for. The two never
+touch one page at once: a load reads host pages whose write has ended and fills device pages no write reads
+(``hiradix_cache``).
+
+Cancelling (the invariant a waiter that gives up relies on): a job reads its source into its staging tensors (on
+CUDA: into device tensors of its own), then ``claim``s its destination, then writes it. ``cancel`` and ``claim``
+exclude each other: once ``cancel`` returned True the job never writes a byte of its destination pages, however
+late it wakes up (it ends with ``CopyCancelled``), so they may be handed out again at once; once it returned False
+the job is writing them and owns them until ``done``. A job hung anywhere before its claim (its fence, the host
+read, the host -> device transfer) can be given up without keeping its destination.
 
 The fence (the hazard: ``common.engine.scheduler.Scheduler.step_overlap``): under the overlap schedule a batch may
 still be running when the scheduler hands its pages to a copy: a finished request's last page can still receive
 the in-flight batch's KV write, and a page freed outside result processing (an eviction) may still be written by
 it. So every job first waits for the batch launched last when it was submitted (its future; on CUDA the copy
 stream then waits on the device's default stream, which the forward enqueued its kernels on). A job's pages are
-owned by it until ``done``: the cache neither frees nor reuses them before (``hiradix_cache``).
+owned by it until ``done`` (its destination pages: or a ``cancel`` that returned True): the cache neither frees nor
+reuses them before (``hiradix_cache``, ``load_waits``).
 """
 
 from __future__ import annotations
@@ -58,7 +66,9 @@ class CopyJob:
     error: BaseException | None = None
     seconds: float = 0.0
     nbytes: int = 0
-    cancelled: bool = False  # set by the scheduler thread, read by the copy thread before it starts
+    cancelled: bool = False  # the waiter gave it up before its claim: it never writes its destination
+    claimed: bool = False  # the copy thread writes (wrote) its destination
+    _claim: threading.Lock = field(default_factory=threading.Lock)
 
     def wait(self, timeout: float = JOB_TIMEOUT_S) -> bool:
         """Whether the job completed without error (raises TimeoutError past ``timeout``)."""
@@ -70,9 +80,19 @@ class CopyJob:
     def ok(self) -> bool:
         return self.done.is_set() and self.error is None
 
-    def cancel(self) -> None:
-        """Skip the copy if it has not started; ``done`` still tells when the job is over either way."""
-        self.cancelled = True
+    def cancel(self) -> bool:
+        """Give the job up: True if it will never write its destination pages (not claimed yet; it ends without
+        them), False if it is writing them (they are its until ``done``)."""
+        with self._claim:
+            self.cancelled = not self.claimed
+            return self.cancelled
+
+    def claim(self) -> None:
+        """The copy thread, right before it writes the destination: raises ``CopyCancelled`` if given up."""
+        with self._claim:
+            if self.cancelled:
+                raise CopyCancelled(f"a KV {self.kind} of {len(self.host_pages)} pages")
+            self.claimed = True
 
 
 class CopyEngine:
@@ -160,11 +180,16 @@ class CopyEngine:
                     staged.copy_(on_device, non_blocking=True)
             if stream is not None:
                 stream.synchronize()
+            job.claim()
             host.scatter(job.host_pages, staging)
             return staging
         host.gather(job.host_pages, staging)
-        for bufs, staged in zip(self.groups, staging, strict=True):
-            self._scatter(bufs, device_pages, staged.to(self.device, non_blocking=True))
+        moved = [staged.to(self.device, non_blocking=True) for staged in staging]
+        if stream is not None:
+            stream.synchronize()  # the host -> device transfer has ended: what is left writes device pages only
+        job.claim()
+        for bufs, staged in zip(self.groups, moved, strict=True):
+            self._scatter(bufs, device_pages, staged)
         return None
 
     def _gather(self, buffers: list[torch.Tensor], pages: torch.Tensor, out: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ node. With it, the request's KV is copied to the host pool when it is retracted 
     check_hicache_events  finished loads become restorable; a restored request that was admitted owns its pages
                         (the record goes); one that left first (an abort) has its pages freed; a load past its
                         deadline, or whose request left, is given up (``LoadWaits``: its pages stay reserved until
-                        its copy has ended) and the request is recomputed
+                        its copy can no longer write them) and the request is recomputed
 
 The host pool keeps the records of the most recent retractions: a retraction that finds it full drops the oldest
 records not being restored (those requests are recomputed). Outputs are those of an uninterrupted request: the
@@ -134,7 +134,7 @@ class HiHeldPrefixCache(HeldPrefixCache):
     def check_hicache_events(self) -> None:
         if self.restoring or self.waits.stuck:
             recs = self.restoring
-            verdicts = self.waits.poll([(r.job, r.deadline) for r in recs])  # type: ignore[misc]
+            verdicts, _ = self.waits.poll([(r.job, r.deadline) for r in recs])  # type: ignore[misc]
             self.restoring = [r for r, verdict in zip(recs, verdicts, strict=True) if verdict == WAIT]
             for rec, verdict in zip(recs, verdicts, strict=True):
                 if verdict == EXPIRED:

@@ -12,13 +12,17 @@ Write policies (``--hicache-write-policy``): ``write_through`` copies a node to 
 node with a host copy (host-only now; ``tree``); without one, a leaf is dropped and a node with host-only children
 is written first. The host pool evicts its least recently used host-only leaves.
 
-Page ownership under copies (``copy_engine``): a write's device pages are those of a node the job backs up; a
-device eviction waits for that job before freeing them. A load's device pages belong to nodes locked until the job
-is done (``check_hicache_events``); its host pages to those nodes (host eviction skips locked nodes). A load given
-up on (past its deadline, or overtaken by an insert of the same tokens: no step waits for a load) leaves its nodes
-host-only; its device pages stay reserved until its copy has ended (``LoadWaits``). Every job waits for the batch
-in flight when it was submitted. With TP, a load's verdict (done, failed, expired) is agreed over the group, so
-every rank admits the same requests at the same step.
+Page ownership under copies (``copy_engine``): a write's device pages are those of a node the job backs up. A
+write-through (``write_through``, ``write_through_selective``) locks its nodes until its job has ended on every rank
+(``check_hicache_events``; SGLang's ``ongoing_write_through``): they are not evictable meanwhile, so no eviction
+frees pages a write still reads, none waits for one inside a step, and admission never counts on their pages. Only
+an eviction's own write (``write_back``, or a node with host-only children and no host copy) is waited for. A
+load's device pages belong to nodes locked until the job is done (``check_hicache_events``); its host pages to
+those nodes (host eviction skips locked nodes). A load given up on (past its deadline, or overtaken by an insert of
+the same tokens: no step waits for a load) leaves its nodes host-only; its device pages are reserved until its copy
+can no longer write them (cancelled before it began to, or ended: ``LoadWaits``). Every job waits for the batch in
+flight when it was submitted. With TP, a load's verdict (done, failed, expired) and a write-through's end are
+agreed over the group, so every rank admits the same requests at the same step.
 """
 
 from __future__ import annotations
@@ -73,13 +77,15 @@ class HiRadixCache(HostTierTree):
         self.waits = LoadWaits(tp, load_timeout)
         self.stats = HiCacheStats()
         self.ongoing_loads: list[LoadOp] = []
+        self.writing: list[tuple[CopyJob, list[HiTreeNode]]] = []  # write-throughs in flight, their nodes locked
         self.fenced: list[HiTreeNode] = []  # nodes whose batch may still run (their fence is let go once it ran)
         super().__init__(req_to_token_pool, allocator, page_size)
 
     def reset(self) -> None:
-        for job in [op.job for op in self.ongoing_loads] + [job for job, _ in self.waits.abandoned]:
+        for job in [op.job for op in self.ongoing_loads] + [a.job for a in self.waits.abandoned] + [
+                job for job, _ in self.writing]:
             job.wait()
-        self.ongoing_loads, self.waits.abandoned = [], []
+        self.ongoing_loads, self.waits.abandoned, self.writing = [], [], []
         self.host_pool.clear()
         super().reset()
         self.root_node = HiTreeNode()
@@ -170,9 +176,13 @@ class HiRadixCache(HostTierTree):
 
     # -- the step's events -----------------------------------------------------------------------------------------
     def check_hicache_events(self) -> None:
-        if self.ongoing_loads or self.waits.stuck:
-            ops = self.ongoing_loads
-            verdicts = self.waits.poll([(op.job, op.deadline) for op in ops])
+        if self.ongoing_loads or self.waits.stuck or self.writing:
+            ops, writes = self.ongoing_loads, self.writing
+            verdicts, written = self.waits.poll([(op.job, op.deadline) for op in ops], [job for job, _ in writes])
+            self.writing = [w for w, verdict in zip(writes, written, strict=True) if verdict == WAIT]
+            for (job, nodes), verdict in zip(writes, written, strict=True):
+                if verdict != WAIT:
+                    self._written(job, nodes, verdict == OK)
             self.ongoing_loads = [op for op, verdict in zip(ops, verdicts, strict=True) if verdict == WAIT]
             for op, verdict in zip(ops, verdicts, strict=True):
                 if verdict == EXPIRED:
@@ -185,6 +195,18 @@ class HiRadixCache(HostTierTree):
         if self.storage is not None:
             self.storage.settle(self)
         self.fenced = [x for x in self.fenced if x.pending_fence() is not None]  # drop the batches' futures
+
+    def _written(self, job: CopyJob, nodes: list[HiTreeNode], ok: bool) -> None:
+        """A write-through ended on every rank: its nodes are evictable again; a failed one (on any rank) leaves no
+        host copy."""
+        for x in nodes:
+            self.dec_lock_ref(x)
+            y: HiTreeNode | None = x
+            while y is not None and y.backup is job:  # the node and the upper halves split off it since
+                if not ok and y.host_pages is not None:
+                    self.host_pool.free(y.host_pages)
+                    y.host_pages = None
+                y.backup, y = None, y.parent  # type: ignore[assignment]
 
     def _finish_load(self, op: LoadOp, ok: bool) -> None:
         self.stats.loaded(op.job)
@@ -202,13 +224,13 @@ class HiRadixCache(HostTierTree):
 
     def _abandon_load(self, op: LoadOp) -> None:
         """Stop waiting for ``op``: its run is host-only again (its requests compute it, or an insert gives it
-        pages); the device pages it was given stay reserved until its copy has ended."""
+        pages); its device pages stay reserved until its copy can no longer write them."""
         self.dec_lock_ref(op.nodes[-1])
         slots = torch.cat([x.value for x in op.nodes])  # type: ignore[misc]
         for x in op.nodes:  # unlocked now: nothing but the load held the run
             x.value, x.loading, x.fence = None, None, None
             self.evictable_size_ -= len(x.key)
-        self.waits.abandon(op.job, lambda: self.token_to_kv_pool_allocator.free(slots))
+        self.waits.abandon(op.job, lambda: self.token_to_kv_pool_allocator.free(slots))  # once no copy writes them
         self._uncount(op)
 
     @staticmethod
@@ -255,7 +277,7 @@ class HiRadixCache(HostTierTree):
             node.children[self._child_key(key)] = new
             self.evictable_size_ += len(key)
             if self.write_policy == "write_through":
-                self.write_backup([new])
+                self.write_backup([new], lock=True)
         return matched
 
     def hicache_report(self) -> HiCacheLoad:
@@ -275,10 +297,11 @@ class HiRadixCache(HostTierTree):
     def _hit(self, node: HiTreeNode) -> None:
         node.hit_count += 1
         if self.write_policy == "write_through_selective" and node.hit_count >= 2 and node.host_pages is None:
-            self.write_backup([node])
+            self.write_backup([node], lock=True)
 
-    def write_backup(self, nodes: list[HiTreeNode]) -> CopyJob | None:
-        """Copy ``nodes``' device pages to new host pages (one job); None when the host pool has no room."""
+    def write_backup(self, nodes: list[HiTreeNode], lock: bool = False) -> CopyJob | None:
+        """Copy ``nodes``' device pages to new host pages (one job); None when the host pool has no room. ``lock``:
+        the nodes stay locked until the job has ended (``check_hicache_events``); else the caller waits for it."""
         fences = [f for x in nodes if (f := x.pending_fence()) is not None]
         fence = self.fence() if fences else None  # the batch launched last runs after theirs
         num = sum(len(x.key) for x in nodes) // self.page_size
@@ -294,6 +317,10 @@ class HiRadixCache(HostTierTree):
             pages = len(x.key) // self.page_size
             x.host_pages, x.backup = host[offset: offset + pages], job
             offset += pages
+        if lock:
+            for x in nodes:
+                self.inc_lock_ref(x)
+            self.writing.append((job, nodes))
         self.stats.track_write(job)
         return job
 
@@ -309,6 +336,8 @@ class HiRadixCache(HostTierTree):
         while evicted < num_tokens and leaves:
             x = heapq.heappop(leaves)
             x.settle_backup(self.host_pool.free)
+            if x.backup is not None:  # a write still reads its pages (not a write-through: those are locked)
+                continue
             # a host copy: keep the node host-only; none: write it first (write_back, or its host-only subtree
             # would hang from nothing), else drop it
             (keep if x.host_pages is not None else write if self.write_policy == "write_back" or x.children
@@ -325,11 +354,7 @@ class HiRadixCache(HostTierTree):
             else:
                 drop += write
         for x in keep:
-            if x.backup is not None and not x.backup.wait():
-                x.settle_backup(self.host_pool.free)
-                drop.append(x)
-                continue
-            x.backup = None
+            x.backup = None  # ended without error: settled when picked, or the write above
             self.token_to_kv_pool_allocator.free(x.value)
             self.evictable_size_ -= len(x.key)
             x.value, x.fence = None, None

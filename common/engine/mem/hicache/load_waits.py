@@ -1,5 +1,5 @@
-"""``LoadWaits``: how long a request waits in the queue for a host -> device load (``--hicache-load-timeout``), and
-the loads given up on, agreed over the TP group.
+"""``LoadWaits``: how long a request waits in the queue for a host -> device load (``--hicache-load-timeout``), the
+loads given up on, and the write-throughs whose end unlocks their nodes, agreed over the TP group.
 
 A request whose prefix comes back from the host waits in the queue; the step never blocks on the copy. Each step
 ``poll`` gives every load the group's verdict, in one collective::
@@ -10,17 +10,21 @@ A request whose prefix comes back from the host waits in the queue; the step nev
               it would have brought (same outputs)
     WAIT      neither
 
-A load given up on (``abandon``: expired, overtaken, its request gone) is cancelled if its copy has not started,
-and the pages it holds stay reserved until its copy has ended on every rank: a late copy writes only into them,
-never into pages handed out since. ``poll`` then runs its ``release``. While one is outstanding the load thread is
+and every write waited for (in submission order) OK, FAILED or WAIT alike.
+
+A load given up on (``abandon``: expired, overtaken, its request gone) is cancelled (``CopyJob.cancel``). Its
+device pages are released at the first ``poll`` at which, on every rank, the copy either can no longer write them
+(cancelled before its claim: a copy that wakes up later ends without touching them) or has ended: a late copy
+never writes into pages handed out since. While a load given up on has not ended on some rank the load thread is
 behind it (``stuck``): the caches start no new load then, which bounds what a hung copy holds to the loads in
-flight when it hung.
+flight when it hung (and, once cancelled, to none of its device pages).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,11 +34,18 @@ from common.engine.mem.hicache.copy_engine import CopyJob
 OK, FAILED, EXPIRED, WAIT = "ok", "failed", "expired", "wait"
 
 
+@dataclass(eq=False)
+class Abandoned:
+    job: CopyJob
+    release: Callable[[], None] | None  # frees the pages the copy writes into; None once run
+    fenced_off: bool  # this rank's copy was cancelled before its claim: it never writes them
+
+
 class LoadWaits:
     def __init__(self, tp: TPGroup, timeout_s: float) -> None:
         self.tp = tp
         self.timeout_s = timeout_s
-        self.abandoned: list[tuple[CopyJob, Callable[[], None]]] = []  # in the order given up
+        self.abandoned: list[Abandoned] = []  # in the order given up
 
     @property
     def stuck(self) -> bool:
@@ -46,28 +57,38 @@ class LoadWaits:
         return time.monotonic() + self.timeout_s
 
     def abandon(self, job: CopyJob, release: Callable[[], None]) -> None:
-        """Stop waiting for ``job``; ``release`` frees the pages it holds once it has ended on every rank."""
-        job.cancel()
-        self.abandoned.append((job, release))
+        """Stop waiting for ``job``; ``release`` frees the pages it writes into once no rank's copy can."""
+        self.abandoned.append(Abandoned(job, release, job.cancel()))
 
-    def poll(self, waits: Sequence[tuple[CopyJob, float]]) -> list[str]:
-        """The verdict on each ``(job, deadline)`` waited for; the abandoned loads that ended are released."""
-        if not waits and not self.abandoned:
-            return []
+    def poll(self, waits: Sequence[tuple[CopyJob, float]], writes: Sequence[CopyJob] = ()
+             ) -> tuple[list[str], list[str]]:
+        """The verdict on each ``(job, deadline)`` waited for and on each write; the pages of the loads given up on
+        that no copy writes any more are released."""
+        if not waits and not writes and not self.abandoned:
+            return [], []
         now = time.monotonic()
-        states = [(2 if job.error is None else 1) if job.done.is_set() else 0 for job, _ in waits]
+        states = [self._state(job) for job, _ in waits]
         late = [-int(now > deadline) for _, deadline in waits]  # MIN of the negation: whether any rank is late
-        ended = [int(job.done.is_set()) for job, _ in self.abandoned]
-        flags = states + late + ended
+        written = [self._state(job) for job in writes]
+        safe = [int(a.fenced_off or a.job.done.is_set()) for a in self.abandoned]
+        ended = [int(a.job.done.is_set()) for a in self.abandoned]
+        flags = states + late + written + safe + ended
         if self.tp.tp_size > 1:
             flags = self.tp.all_reduce_min(torch.tensor(flags, dtype=torch.int64)).tolist()
-        n = len(waits)
+        n, w, k = len(waits), len(writes), len(self.abandoned)
+        rest = flags[2 * n + w:]
         still = []
-        for entry, end in zip(self.abandoned, flags[2 * n:], strict=True):
-            if end:
-                entry[1]()
-            else:
+        for entry, off, end in zip(self.abandoned, rest[:k], rest[k:], strict=True):
+            if off and entry.release is not None:
+                entry.release()
+                entry.release = None
+            if not end:
                 still.append(entry)
         self.abandoned = still
-        return [OK if s == 2 else FAILED if s == 1 else EXPIRED if x else WAIT
-                for s, x in zip(flags[:n], flags[n: 2 * n], strict=True)]
+        verdicts = [OK if s == 2 else FAILED if s == 1 else EXPIRED if x else WAIT
+                    for s, x in zip(flags[:n], flags[n: 2 * n], strict=True)]
+        return verdicts, [OK if s == 2 else FAILED if s == 1 else WAIT for s in flags[2 * n: 2 * n + w]]
+
+    @staticmethod
+    def _state(job: CopyJob) -> int:
+        return (2 if job.error is None else 1) if job.done.is_set() else 0

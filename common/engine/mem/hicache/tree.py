@@ -11,7 +11,7 @@ A node's tokens live on the device (``value``: KV slots), on the host (``host_pa
 Tree invariants (on top of ``RadixCache``'s):
 - The device-resident nodes (``value`` set) form a subtree at the root: a node's ancestors are on the device when
   it is. Device eviction takes device leaves (no child on the device); loads bring back runs below a device node.
-- ``lock_ref > 0`` only on device-resident nodes (a running request's path, a load in flight).
+- ``lock_ref > 0`` only on device-resident nodes (a running request's path, a load or a write-through in flight).
 - ``host_ref > 0`` keeps a host-only node from host eviction while a load of it is being planned.
 - ``evictable_size_`` / ``protected_size_`` count device tokens only.
 """
