@@ -151,7 +151,7 @@ def spec_graph_runners_case() -> float:
     within 1e-5 of eager Triton: ``VerifyGraphRunner`` (static tree masks through the extend kernel's mask form,
     trees of 1 .. N rows, a padding request in bucket 2, EAGLE3's captured streams) and ``DraftGraphRunner`` (an
     EAGLE3 head's draft steps over the static branch table) and ``EagleExtendGraphRunner`` (the head's decode-time
-extends: causal chains of 1 .. N rows, a padding request); the checks' pages and rows are left clean."""
+    extends: causal chains of 1 .. N rows, a padding request); the checks' pages and rows are left clean."""
     from common.config import ServerArgs
     from common.engine import graph_runner
     from common.engine.mem.kv_pool import MHATokenToKVPool
