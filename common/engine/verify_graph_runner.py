@@ -19,6 +19,10 @@ at ``req_to_token[row, C_i + k]``, so a batch runs here only if ``C_i + N`` fits
 
 Modes and the start-up check as ``DecodeGraphRunner`` (``common.engine.graph_base``): the check runs a dummy batch
 of random trees of 1 .. N rows on free pages eagerly and through the runner.
+
+The decode-time draft extends (``common.engine.spec.draft_extend_graph_runner``) are this layout with causal chains,
+another model (the draft model, EAGLE's head) and, for the head, a static input beside the batch
+(``_step_extras``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ step), ``tree`` (tree drafts in the verify step). EAGLE's parts: ``eagle_model``
 ``eagle_worker`` (its forwards), ``eagle_tree`` (top-k steps to a tree), ``path_kv`` (the accepted path's KV).
 Speculation runs without the overlap schedule. CUDA graphs / compiled steps serve the verify forwards
 (``common.engine.verify_graph_runner``), the plain decode steps (with EAGLE capturing what the head reads), the
-draft model's decode steps (its own ``ModelRunner``) and EAGLE's draft steps (``eagle_graph_runner``).
+draft model's decode steps (its own ``ModelRunner``), EAGLE's draft steps (``eagle_graph_runner``) and the
+decode-time DRAFT_EXTEND of EAGLE's head and of the draft model (``draft_extend_graph_runner``); prefill-time extends
+run eagerly.
 """
 
 from __future__ import annotations

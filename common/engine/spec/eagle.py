@@ -10,6 +10,10 @@ Per step of a request (``EagleWorker`` does the head's forwards)::
                   target's features at p; the head's K/V lands at the target's slots; the request's state is kept
     propose:  the draft steps from each request's state -> chains, or ``TreeDrafts``
 
+The head's forwards run as CUDA graphs / compiled steps where the flags allow: its draft steps
+(``eagle_graph_runner``) and its extends after a verify or decode step (``draft_extend_graph_runner``); its extends
+over a prefill forward's rows eagerly.
+
 The state of a request slot (top-k of its last row, the head's feature there) is valid from its first prefill chunk
 on. In P/D the prefill node runs the head too: the head's KV layer travels with the target's (``DraftKV``: the
 pool's slots below the scratch, the target's numbering) and the state with the metadata (``handoff`` / ``resume``),

@@ -13,6 +13,8 @@ committed positions [0, C) and sampled x_C (``verified``)::
 
     DRAFT_EXTEND  rows at [P, C) with tokens x_{P+1} .. x_C and the target's features at P .. C-1: writes the head's
                   K/V there; its last row's top-k are the tree's first level, its output the state's feature.
+                  After a verify / decode step through ``extend_graph_runner`` when it fits; after a prefill
+                  forward (EXTEND) eagerly.
     draft step i  (1 .. num_steps-1) one row per branch at position C + i - 1: the branch's token, its parent's
                   feature; attends the request's [0, C) plus the branch's own chain of earlier steps' scratch slots
                   (a per-branch row of ``branch_table``), so each branch sees exactly its ancestors.
