@@ -75,8 +75,9 @@ def engine(model: str, args: argparse.Namespace, spec: bool, copy: bool) -> Any:
 
 
 def runners(e: Any) -> dict[str, str]:
-    """What serves the engine's decode (and verify) steps: ``cuda_graph``, ``compiled`` or ``eager`` (none asked for,
-    or every option failed its start-up check)."""
+    """What serves each step kind of the engine: ``cuda_graph``, ``compiled`` or ``eager`` (none asked for, or every
+    option failed its start-up check): decode, and with speculation verify, the draft's steps (STANDALONE: the draft
+    model's decode; EAGLE: the head's draft steps) and its decode-time extends."""
     r = e.scheduler.runner
 
     def kind(x: Any) -> str:
@@ -85,6 +86,16 @@ def runners(e: Any) -> dict[str, str]:
     out = {"decode": kind(r.graph_runner)}
     if e.args.speculative_algorithm:
         out["verify"] = kind(r.verify_graph_runner)
+        from common.engine.spec.eagle import EagleDrafter
+        from common.engine.spec.standalone import StandaloneDrafter
+
+        drafter = e.scheduler.decode.speculator.drafter
+        if isinstance(drafter, EagleDrafter):
+            out["draft"] = kind(drafter.worker.graph_runner)
+            out["draft_extend"] = kind(drafter.worker.extend_graph_runner)
+        elif isinstance(drafter, StandaloneDrafter):  # the draft model's own runner
+            out["draft"] = kind(drafter.runner.graph_runner)
+            out["draft_extend"] = kind(drafter.runner.draft_extend_graph_runner)
     return out
 
 

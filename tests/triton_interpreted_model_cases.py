@@ -150,11 +150,13 @@ def spec_graph_runners_case() -> float:
     """The CUDA-graph mode of speculation's runners without CUDA (``_eager_capture``), each bucket's start-up check
     within 1e-5 of eager Triton: ``VerifyGraphRunner`` (static tree masks through the extend kernel's mask form,
     trees of 1 .. N rows, a padding request in bucket 2, EAGLE3's captured streams) and ``DraftGraphRunner`` (an
-    EAGLE3 head's draft steps over the static branch table); the checks' pages and rows are left clean."""
+    EAGLE3 head's draft steps over the static branch table) and ``EagleExtendGraphRunner`` (the head's decode-time
+    extends: causal chains of 1 .. N rows, a padding request); the checks' pages and rows are left clean."""
     from common.config import ServerArgs
     from common.engine import graph_runner
     from common.engine.mem.kv_pool import MHATokenToKVPool
     from common.engine.mem.req_to_token_pool import ReqToTokenPool
+    from common.engine.spec.draft_extend_graph_runner import EagleExtendGraphRunner
     from common.engine.spec.eagle_graph_runner import DraftGraphRunner
     from common.engine.spec.eagle_loader import load_eagle_head
     from common.engine.spec.eagle_worker import EagleWorker
@@ -175,12 +177,18 @@ def spec_graph_runners_case() -> float:
     worker = EagleWorker(head, pool.num_pages, 4, 2, 2, 3, 4, "triton")
     draft = _eager_capture(DraftGraphRunner)(args, head, worker.kv_pool, worker.attn_backend, 2, 2,
                                              r2t.req_to_token.shape[1] + 3, True, 0)
+    # bucket 4: 3 requests, so a request of fewer than N rows sits before another (its rows at i * N, not packed)
+    extend_args = args.replace(cuda_graph_max_bs=4, max_running_requests=4)
+    extend_r2t = ReqToTokenPool(5, cfg.context_len)
+    extend = _eager_capture(EagleExtendGraphRunner)(extend_args, head, worker.kv_pool, extend_r2t, worker.attn_backend,
+                                                    True, 0, 3)
     with torch.inference_mode():
         verify.warm_up()  # raises when a bucket is off
         draft.warm_up()
-    assert verify.buckets == [1, 2] and draft.buckets == [1, 2], (verify.buckets, draft.buckets)
+        extend.warm_up()
+    assert verify.buckets == [1, 2] and draft.buckets == [1, 2] and extend.buckets == [1, 2, 4]
     assert all(not buf[4:].any() for buf in pool.k_buffer + pool.v_buffer), "the check left K/V on pages >= 1"
     assert all(not buf.any() for buf in worker.kv_pool.k_buffer + worker.kv_pool.v_buffer)
-    assert not r2t.req_to_token.any()
+    assert not r2t.req_to_token.any() and not extend_r2t.req_to_token.any()
     model.use_triton_kernels(False)
     return 0.0

@@ -28,7 +28,8 @@ class ForwardMode(enum.IntEnum):
     MIXED = 3  # a prefill chunk plus running decode requests (extend_len 1 each) in one pass
     IDLE = 4  # nothing to run (DP ranks keep step with their peers)
     # Speculative decoding (common.engine.spec): the target verifies each request's drafts as an extend of its last
-    # token and its drafts, with logits at every position; the draft model extends over tokens it has not seen.
+    # token and its drafts, with logits at every position; the draft model (or EAGLE's head) extends over tokens it has
+    # not seen after a verify / decode step (its extends over a prefill forward's tokens are EXTEND, as SGLang's).
     TARGET_VERIFY = 5
     DRAFT_EXTEND = 6
 

@@ -1,4 +1,5 @@
-"""What every fixed-shape step runner shares (``DecodeGraphRunner``, ``VerifyGraphRunner``, ``DraftGraphRunner``):
+"""What every fixed-shape step runner shares (``DecodeGraphRunner``, ``VerifyGraphRunner`` and its draft-extend
+subclasses ``DraftExtendGraphRunner`` / ``EagleExtendGraphRunner``, ``DraftGraphRunner``):
 batch-size buckets, the CUDA-graph capture of a bucket, the compiled step function, the start-up loop that
 captures/compiles each bucket and checks it against eager, and the choice among the modes the flags allow.
 

@@ -136,6 +136,8 @@ class ModelRunner:
         # the head's capture set (``build_spec_graph_runners``).
         self.graph_runner: DecodeGraphRunner | None = None
         self.verify_graph_runner: VerifyGraphRunner | None = None
+        # A STANDALONE draft model's decode-time extends (``spec.draft_extend_graph_runner``; set by its drafter).
+        self.draft_extend_graph_runner: VerifyGraphRunner | None = None
         if args.speculative_algorithm not in ("EAGLE", "EAGLE3"):
             self.graph_runner = build_graph_runner(args, self.model, self.kv_pool, self.req_to_token_pool,
                                                    self.attn_backend)
@@ -206,7 +208,7 @@ class ModelRunner:
 
     def _step_runner(self, fb: ForwardBatch) -> DecodeGraphRunner | VerifyGraphRunner | None:
         capture = self.spec_hook.capture if self.spec_hook is not None else frozenset()
-        for runner in (self.graph_runner, self.verify_graph_runner):
+        for runner in (self.graph_runner, self.verify_graph_runner, self.draft_extend_graph_runner):
             if runner is not None and runner.capture == capture and runner.can_run(fb):
                 return runner
         return None

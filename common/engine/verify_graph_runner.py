@@ -19,10 +19,15 @@ at ``req_to_token[row, C_i + k]``, so a batch runs here only if ``C_i + N`` fits
 
 Modes and the start-up check as ``DecodeGraphRunner`` (``common.engine.graph_base``): the check runs a dummy batch
 of random trees of 1 .. N rows on free pages eagerly and through the runner.
+
+The decode-time draft extends (``common.engine.spec.draft_extend_graph_runner``) are this layout with causal chains,
+another model (the draft model, EAGLE's head) and, for the head, a static input beside the batch
+(``_step_extras``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,11 +48,14 @@ if TYPE_CHECKING:
 
 class VerifyGraphRunner(StepGraphRunner):
     kind = "verify"
+    forward_mode = ForwardMode.TARGET_VERIFY
+    check_features = False  # the start-up check compares the step's second output too (always with ``capture``)
 
-    def __init__(self, args: ServerArgs, model: LlamaForCausalLM, kv_pool: MHATokenToKVPool,
-                 req_to_token_pool: ReqToTokenPool, eager_backend: Any, use_cuda_graph: bool, compile_max_bs: int,
-                 num_rows: int, capture: frozenset[int] = frozenset()) -> None:
-        """``num_rows``: N, rows per request (``--speculative-num-draft-tokens``)."""
+    def __init__(self, args: ServerArgs, model: Any, kv_pool: MHATokenToKVPool, req_to_token_pool: ReqToTokenPool,
+                 eager_backend: Any, use_cuda_graph: bool, compile_max_bs: int, num_rows: int,
+                 capture: frozenset[int] = frozenset(), step: Callable[..., Any] | None = None) -> None:
+        """``num_rows``: N, rows per request (``--speculative-num-draft-tokens``); ``step``: the step function
+        (default: the target's, ``model_step(capture)``)."""
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
@@ -55,10 +63,9 @@ class VerifyGraphRunner(StepGraphRunner):
         self.capture = capture
         self.num_rows = num_rows
         max_bs = capture_max_bs(args, use_cuda_graph, compile_max_bs, args.max_running_requests, kv_pool.num_pages)
-        super().__init__(max_bs, kv_pool.device, kv_pool.dtype, use_cuda_graph, compile_max_bs, model_step(capture))
-        cfg = model.config
-        self.padded_backend = PaddedVerifyBackend(model.shard.num_heads, model.shard.num_kv_heads, cfg.head_dim,
-                                                  kv_pool.page_size, cfg.sliding_window)
+        super().__init__(max_bs, kv_pool.device, kv_pool.dtype, use_cuda_graph, compile_max_bs,
+                         model_step(capture) if step is None else step)
+        self.padded_backend = self._padded_backend()
         n, dev = num_rows, self.device
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(max_bs * n, **i64)
@@ -74,9 +81,21 @@ class VerifyGraphRunner(StepGraphRunner):
         self.mask = self._eye.clone()  # bool [max_bs * N * N]
         self._graph_batches: dict[int, ForwardBatch] = {}
 
+    def _padded_backend(self) -> PaddedVerifyBackend:
+        cfg = self.model.config
+        return PaddedVerifyBackend(self.model.shard.num_heads, self.model.shard.num_kv_heads, cfg.head_dim,
+                                   self.kv_pool.page_size, cfg.sliding_window)
+
+    def _vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def _step_extras(self, bs: int) -> tuple[torch.Tensor, ...]:
+        """Static inputs the step takes after (model, batch), ``bs * N`` rows each (none for the target)."""
+        return ()
+
     # -- serving ---------------------------------------------------------------------------------------------------
     def can_run(self, fb: ForwardBatch) -> bool:
-        return (fb.forward_mode == ForwardMode.TARGET_VERIFY and 0 < fb.batch_size <= self.max_bs
+        return (fb.forward_mode == self.forward_mode and 0 < fb.batch_size <= self.max_bs
                 and max(fb.extend_lens_cpu) <= self.num_rows
                 and max(fb.prefix_lens_cpu) + self.num_rows <= self.req_to_token_pool.device_req_to_token.shape[1])
 
@@ -86,7 +105,10 @@ class VerifyGraphRunner(StepGraphRunner):
         Writes the rows' K/V like ``model.forward``."""
         n = fb.batch_size
         bs = self._bucket(n) if bucket is None else bucket
-        rows = self._load(fb, n, bs)
+        return self._run_rows(fb, bs, self._load(fb, n, bs))
+
+    def _run_rows(self, fb: ForwardBatch, bs: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step over the loaded buffers at ``bs``: (hidden, features) of ``rows`` (the batch's own)."""
         out = self._replay(bs) if self.use_cuda_graph else self._run_compiled(bs, max(fb.prefix_lens_cpu))
         hidden, features = split_out(out)
         return hidden.index_select(0, rows), features.index_select(0, rows)
@@ -127,7 +149,7 @@ class VerifyGraphRunner(StepGraphRunner):
     def _static_batch(self, bs: int, backend: Any, metadata: Any) -> ForwardBatch:
         t = bs * self.num_rows
         return ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=self.input_ids[:t],
+            forward_mode=self.forward_mode, batch_size=bs, input_ids=self.input_ids[:t],
             positions=self.positions[:t], out_cache_loc=self.out_cache_loc[:t],
             req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
             extend_lens=self.extend_lens[:bs], prefix_lens=self.prefix_lens[:bs],
@@ -146,7 +168,7 @@ class VerifyGraphRunner(StepGraphRunner):
         torch._dynamo.mark_dynamic(table, 1)
         mask = self.mask[: bs * big_n * big_n].view(bs, big_n, big_n)
         fb = self._static_batch(bs, self.padded_backend, PaddedVerifyMetadata(table, self.prefix_lens[:bs], mask))
-        return self._call_compiled(self.model, fb)
+        return self._call_compiled(self.model, fb, *self._step_extras(bs))
 
     # -- start-up (the loop: StepGraphRunner.warm_up) ----------------------------------------------------------------
     def _capture_inputs(self, bs: int) -> tuple[Any, tuple[Any, ...]]:
@@ -166,16 +188,25 @@ class VerifyGraphRunner(StepGraphRunner):
                                 mask_start=self.mask_start[:bs])
         fb = self._static_batch(bs, self.eager_backend, md)
         self._graph_batches[bs] = fb
-        return self._step_fn(bs), (self.model, fb)
+        return self._step_fn(bs), (self.model, fb, *self._step_extras(bs))
+
+    def _dummy_extras(self, num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """Random values of the step's extra inputs (``_step_extras``) for the start-up check's ``num_tokens`` rows."""
+        return ()
+
+    def _serve(self, fb: ForwardBatch, bs: int, extras: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, features) of ``fb`` through the runner at ``bs``: the serving call the start-up check compares."""
+        return self.forward_features(fb, bs)
 
     def _verify(self, bs: int) -> None:
-        """Raises ``RuntimeError`` unless a dummy verify batch of ``bs - 1`` requests (1 when bs == 1) with trees
-        of 1 .. N rows gives eager's logits through the runner. Uses free pages and rows and restores them."""
+        """Raises ``RuntimeError`` unless a dummy batch of ``bs - 1`` requests (1 when bs == 1) of 1 .. N rows (trees
+        for a verify, chains for an extend) gives eager's logits through the runner. Uses free pages and rows and
+        restores them."""
         n, big_n, ps = max(1, bs - 1), self.num_rows, self.kv_pool.page_size
         pages_per_req = -(-(big_n + 2 * ps) // ps)
         width = pages_per_req * ps
         if n * pages_per_req > self.kv_pool.num_pages or width > self.req_to_token_pool.device_req_to_token.shape[1]:
-            raise RuntimeError(f"batch size {bs}: the KV pool is too small for the start-up check")
+            raise RuntimeError(f"{self.kind} batch size {bs}: the KV pool is too small for the start-up check")
         gen = torch.Generator().manual_seed(bs)
         dev_gen = torch.Generator(device=self.device).manual_seed(bs)
         ext = [big_n if i == 0 else int(torch.randint(1, big_n + 1, (1,), generator=gen)) for i in range(n)]
@@ -184,7 +215,11 @@ class VerifyGraphRunner(StepGraphRunner):
         for e in ext:  # random parents: each draft under an earlier node (the first request: a chain)
             parents = [j - 1 if len(trees) == 0 else int(torch.randint(-1, j, (1,), generator=gen)) for j in range(e - 1)]
             trees.append(([0] * (e - 1), parents))
-        positions, custom_mask = tree_positions_and_mask(committed, trees)
+        if self.forward_mode == ForwardMode.TARGET_VERIFY:
+            positions, custom_mask = tree_positions_and_mask(committed, trees)
+        else:  # an extend: each request's rows causal after its prefix
+            positions = [c + j for c, e in zip(committed, ext, strict=True) for j in range(e)]
+            custom_mask = None
         slots = ps + torch.arange(n * width).view(n, width)  # pages 1.. in request order
         table = self.req_to_token_pool.device_req_to_token
         saved = table[:n, :width].clone()
@@ -195,21 +230,23 @@ class VerifyGraphRunner(StepGraphRunner):
                 for buf in (self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer]):
                     buf[used] = torch.randn(used.numel(), *buf.shape[1:], generator=dev_gen, device=self.device,
                                             dtype=buf.dtype)
-            ids = torch.randint(0, self.model.config.vocab_size, (sum(ext),), generator=gen)
+            ids = torch.randint(0, self._vocab_size(), (sum(ext),), generator=gen)
+            extras = self._dummy_extras(sum(ext), gen)
             loc = torch.cat([slots[i, c : c + e] for i, (c, e) in enumerate(zip(committed, ext, strict=True))])
             seq = [c + e for c, e in zip(committed, ext, strict=True)]
             dev = [t.to(self.device) for t in (ids, torch.tensor(positions), loc, torch.arange(n), torch.tensor(seq),
-                                                torch.tensor(ext), torch.tensor(committed), custom_mask)]
+                                                torch.tensor(ext), torch.tensor(committed))]
             fb = ForwardBatch(
-                forward_mode=ForwardMode.TARGET_VERIFY, batch_size=n, input_ids=dev[0], positions=dev[1],
+                forward_mode=self.forward_mode, batch_size=n, input_ids=dev[0], positions=dev[1],
                 out_cache_loc=dev[2], req_pool_indices=dev[3], seq_lens=dev[4], extend_lens=dev[5],
                 prefix_lens=dev[6], req_to_token=table, seq_lens_cpu=seq, extend_lens_cpu=ext,
-                prefix_lens_cpu=committed, kv_pool=self.kv_pool, attn_backend=self.eager_backend, custom_mask=dev[7],
+                prefix_lens_cpu=committed, kv_pool=self.kv_pool, attn_backend=self.eager_backend,
+                custom_mask=None if custom_mask is None else custom_mask.to(self.device),
             )
             self.eager_backend.init_forward_metadata(fb)
-            want_hidden, want_features = split_out(self._step(self.model, fb))
+            want_hidden, want_features = split_out(self._step(self.model, fb, *extras))
             want, want_features = self.model.compute_logits(want_hidden), want_features.clone()
-            hidden, features = self.forward_features(fb, bs)
+            hidden, features = self._serve(fb, bs, extras)
             got, got_features = self.model.compute_logits(hidden), features.clone()
         finally:
             table[:n, :width] = saved
@@ -218,9 +255,9 @@ class VerifyGraphRunner(StepGraphRunner):
                 self.kv_pool.v_buffer[layer][used] = 0
                 self.kv_pool.k_buffer[layer][:ps] = 0  # the padding rows' writes
                 self.kv_pool.v_buffer[layer][:ps] = 0
-        check_close(f"verify batch size {bs}", got, want, self.dtype)
-        if self.capture:
-            check_close(f"verify batch size {bs} (captured streams)", got_features, want_features, self.dtype)
+        check_close(f"{self.kind} batch size {bs}", got, want, self.dtype)
+        if self.capture or self.check_features:
+            check_close(f"{self.kind} batch size {bs} (features)", got_features, want_features, self.dtype)
 
 
 def build_verify_graph_runner(args: ServerArgs, model: LlamaForCausalLM, kv_pool: MHATokenToKVPool,

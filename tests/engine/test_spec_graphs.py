@@ -1,10 +1,14 @@
 """Speculation's steps through compiled step runners on CPU (``--enable-torch-compile``; the CUDA graphs of the same
 runners: tests/gpu/test_spec_graphs_cuda.py): the verify forwards (``VerifyGraphRunner``), EAGLE's draft steps
-(``DraftGraphRunner``), the STANDALONE draft model's and the target's decode steps (``DecodeGraphRunner``).
+(``DraftGraphRunner``), the STANDALONE draft model's and the target's decode steps (``DecodeGraphRunner``), the
+decode-time draft extends of EAGLE's head (``EagleExtendGraphRunner``) and of the STANDALONE draft
+(``DraftExtendGraphRunner``).
 
 For NGRAM (verify only), STANDALONE and EAGLE (a topk 2 tree): greedy output equal to eager speculation's, every
-step a runner served within 1e-4 of the eager forward of the same batch (logits and features), each runner used, with padding (1 to 3 requests run in bucket 4); pools back (``run``). And the
-start-up check: a runner whose replay is wrong is dropped with a warning, the step then runs eagerly."""
+step a runner served within 1e-4 of the eager forward of the same batch (logits and features), each runner used,
+with padding (1 to 3 requests run in bucket 4; extends with fewer rows than the bucket's per request); pools back
+(``run``). And the start-up check: a runner whose replay is wrong is dropped with a warning, the step then runs
+eagerly."""
 
 from __future__ import annotations
 
@@ -21,6 +25,11 @@ from common.engine.graph_base import StepGraphRunner
 from common.engine.graph_runner import DecodeGraphRunner, split_out
 from common.engine.mem.kv_pool import MHATokenToKVPool
 from common.engine.mem.req_to_token_pool import ReqToTokenPool
+from common.engine.spec.draft_extend_graph_runner import (
+    EagleExtendGraphRunner,
+    build_draft_extend_graph_runner,
+    build_eagle_extend_graph_runner,
+)
 from common.engine.spec.eagle_graph_runner import DraftGraphRunner, build_draft_graph_runner
 from common.engine.spec.eagle_loader import load_eagle_head
 from common.engine.spec.eagle_worker import EagleWorker
@@ -82,6 +91,7 @@ class StepLog:
         for cls in (DecodeGraphRunner, VerifyGraphRunner):
             monkeypatch.setattr(cls, "forward_features", self._wrap_target(cls.forward_features))
         monkeypatch.setattr(DraftGraphRunner, "forward", self._wrap_draft(DraftGraphRunner.forward))
+        monkeypatch.setattr(EagleExtendGraphRunner, "forward", self._wrap_head_extend(EagleExtendGraphRunner.forward))
 
     def _record(self, runner: StepGraphRunner, model: Any, rows: int, n: int, got: torch.Tensor,
                 want: torch.Tensor, got_f: torch.Tensor, want_f: torch.Tensor) -> None:
@@ -110,6 +120,18 @@ class StepLog:
             want, want_f = runner.head(fb, hidden)
             self._record(runner, runner.head, fb.batch_size, -(-fb.batch_size // runner.topk), logit_h, want,
                          feature, want_f)
+            return logit_h, feature
+
+        return checked
+
+    def _wrap_head_extend(self, serve: Any) -> Any:
+        def checked(runner: Any, fb: Any, hidden: torch.Tensor, *bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if not runner.serving:
+                return serve(runner, fb, hidden, *bucket)
+            logit_h, feature = (t.clone() for t in serve(runner, fb, hidden))
+            fb.attn_metadata = None
+            want, want_f = runner.model(fb, hidden)
+            self._record(runner, runner.model, fb.num_tokens, fb.batch_size, logit_h, want, feature, want_f)
             return logit_h, feature
 
         return checked
@@ -156,6 +178,10 @@ def test_standalone_draft_and_verify_steps_compiled_match_eager(tiny, monkeypatc
     draft = sched.decode.speculator.drafter.runner
     assert draft.graph_runner is not None and draft.graph_runner.buckets == [4]
     assert log.of("decode", draft.model)  # the draft model's decode steps
+    extend = draft.draft_extend_graph_runner
+    assert extend is not None and extend.buckets == [4] and extend.num_rows == 2
+    served = log.of("draft extend", draft.model)  # after each full accept: the last draft and the target's token
+    assert served and any(s[2] < 4 * 2 for s in served), served  # padding requests / rows
 
 
 def test_eagle_tree_draft_and_verify_steps_compiled_match_eager(tiny, monkeypatch, one_bucket) -> None:
@@ -167,6 +193,9 @@ def test_eagle_tree_draft_and_verify_steps_compiled_match_eager(tiny, monkeypatc
     assert worker.graph_runner is not None
     draft = log.of("EAGLE draft")
     assert draft and all(s[2] % 2 == 0 for s in draft), draft  # topk rows per request
+    assert worker.extend_graph_runner is not None and worker.extend_graph_runner.num_rows == 4
+    extend = log.of("EAGLE draft extend")  # after each verify: the verified token and the accepted path
+    assert extend and any(s[2] < 4 * 4 for s in extend), extend
     assert sched.runner.graph_runner is not None  # plain decode steps keep their runner under EAGLE
 
 
@@ -185,15 +214,21 @@ def test_wrong_replays_fall_back_to_eager(monkeypatch: pytest.MonkeyPatch, caplo
         return zeros, zeros
 
     monkeypatch.setattr(VerifyGraphRunner, "_run_compiled", wrong)
-    monkeypatch.setattr(DraftGraphRunner, "_run_compiled", wrong)
+    monkeypatch.setattr(DraftGraphRunner, "_run_compiled", wrong)  # the extend runners' too: VerifyGraphRunner's
     head = load_eagle_head(head_dir("EAGLE"), "EAGLE", model, torch.float32, torch.device("cpu"))
     worker = EagleWorker(head, pool.num_pages, 4, 4, 2, 3, 6)
     with caplog.at_level(logging.WARNING):
         assert build_verify_graph_runner(args, model, pool, r2t, model.make_attn_backend(), 6) is None
         assert build_draft_graph_runner(args, head, worker.kv_pool, worker.attn_backend, 2, 4, 3,
                                         cfg.context_len + 11) is None
+        assert build_eagle_extend_graph_runner(args, head, worker.kv_pool, r2t, worker.attn_backend, 3) is None
+        assert build_draft_extend_graph_runner(args, model, pool, r2t, model.make_attn_backend()) is None
     text = caplog.text
     assert "verify batch size 2: logits differ from eager" in text and "verify steps run eagerly" in text
     assert "EAGLE draft batch size 2: logits differ from eager" in text and "EAGLE draft steps run eagerly" in text
+    assert "EAGLE draft extend batch size 2: logits differ" in text and "EAGLE draft extend steps run eagerly" in text
+    msgs = [r.getMessage() for r in caplog.records]  # the STANDALONE draft's (its kind is a suffix of EAGLE's)
+    assert any("RuntimeError: draft extend batch size 2: logits differ" in m for m in msgs), msgs
+    assert "draft extend steps run eagerly" in msgs
     assert all(not buf.any() for buf in pool.k_buffer + pool.v_buffer + worker.kv_pool.k_buffer)
     assert not r2t.req_to_token.any()

@@ -1,6 +1,8 @@
 """Speculation's steps replayed as CUDA graphs (triton attention, fp32) against eager speculation on the same GPU:
 the verify forwards (``VerifyGraphRunner``, chains and an EAGLE3 tree with its captured streams), EAGLE's draft
-steps (``DraftGraphRunner``), the STANDALONE draft model's and the target's decode steps (``DecodeGraphRunner``).
+steps (``DraftGraphRunner``), the STANDALONE draft model's and the target's decode steps (``DecodeGraphRunner``),
+the decode-time draft extends of the EAGLE3 head (``EagleExtendGraphRunner``) and of the STANDALONE draft
+(``DraftExtendGraphRunner``, 2 rows per request after each full accept, padded to bucket 4).
 
 Per algorithm: every runner passed its start-up check and serves as CUDA graphs (not fallen back), every replayed
 step's logits / features within 1e-4 of the eager forward of the same batch, a padded bucket among them (3
@@ -61,10 +63,16 @@ def test_spec_steps_replayed_as_cuda_graphs_match_eager(algo: str, monkeypatch: 
         draft = drafter.runner.graph_runner
         assert draft is not None and draft.use_cuda_graph
         assert log.of("decode", drafter.runner.model)
+        extend = drafter.runner.draft_extend_graph_runner
+        assert extend is not None and extend.use_cuda_graph
+        assert log.of("draft extend", drafter.runner.model)
         assert all(f.spec_accepted_tokens == f.spec_draft_tokens > 0 for f in graphs.final.values())
     if algo == "EAGLE3":
         assert drafter.worker.graph_runner is not None and drafter.worker.graph_runner.use_cuda_graph
         assert log.of("EAGLE draft") and runner.graph_runner.capture == drafter.capture
+        extend = drafter.worker.extend_graph_runner
+        assert extend is not None and extend.use_cuda_graph and extend.buckets == [1, 2, 4]
+        assert 4 in {s[3] for s in log.of("EAGLE draft extend")}  # 3 requests: a padding request
     if algo == "NGRAM":
         finals = graphs.final.values()
         assert 0 < sum(f.spec_accepted_tokens for f in finals) < sum(f.spec_draft_tokens for f in finals)

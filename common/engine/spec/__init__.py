@@ -16,7 +16,9 @@ tokens); a prefill node, which verifies nothing, keeps it: its draft work (STAND
 EAGLE's head extend and handoff state) is the target forward's ``spec_hook``, run on the forward thread in launch
 order (``common.engine.overlap.overlap_schedule_on``). CUDA graphs / compiled steps serve the verify forwards
 (``common.engine.verify_graph_runner``), the plain decode steps (with EAGLE capturing what the head reads), the
-draft model's decode steps (its own ``ModelRunner``) and EAGLE's draft steps (``eagle_graph_runner``).
+draft model's decode steps (its own ``ModelRunner``), EAGLE's draft steps (``eagle_graph_runner``) and the
+decode-time DRAFT_EXTEND of EAGLE's head and of the draft model (``draft_extend_graph_runner``); prefill-time extends
+run eagerly.
 """
 
 from __future__ import annotations

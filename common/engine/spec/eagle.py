@@ -10,6 +10,10 @@ Per step of a request (``EagleWorker`` does the head's forwards)::
                   target's features at p; the head's K/V lands at the target's slots; the request's state is kept
     propose:  the draft steps from each request's state -> chains, or ``TreeDrafts``
 
+The head's forwards run as CUDA graphs / compiled steps where the flags allow: its draft steps
+(``eagle_graph_runner``) and its extends after a verify or decode step (``draft_extend_graph_runner``); its extends
+over a prefill forward's rows eagerly.
+
 The state of a request slot (top-k of its last row, the head's feature there) is valid from its first prefill chunk
 on. In P/D the prefill node runs the head too: the head's KV layer travels with the target's (``DraftKV``: the
 pool's slots below the scratch, the target's numbering) and the state with the metadata (``handoff`` / ``resume``;
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.forward_batch import ForwardMode
+from common.engine.spec.draft_extend_graph_runner import build_eagle_extend_graph_runner
 from common.engine.spec.drafter import DraftHandoff, DraftKV
 from common.engine.spec.eagle_graph_runner import build_draft_graph_runner
 from common.engine.spec.eagle_loader import load_eagle_head
@@ -63,6 +68,8 @@ class EagleDrafter:
         w = self.worker
         w.graph_runner = build_draft_graph_runner(args, self.head, w.kv_pool, w.attn_backend, self.topk, w.max_batch,
                                                   draft_len, width)
+        w.extend_graph_runner = build_eagle_extend_graph_runner(args, self.head, w.kv_pool, runner.req_to_token_pool,
+                                                                w.attn_backend, draft_len)
         self.runner = runner
         self.capture = self.head.config.capture
         slots = runner.req_to_token_pool.size + 1
@@ -109,7 +116,9 @@ class EagleDrafter:
             if seq < prompt + len(req.output_ids):  # a prefill chunk that is not the last: the tokens go on
                 nxt[i] = req.origin_input_ids[seq] if seq < prompt else req.output_ids[seq - prompt]
         ids[last] = nxt
-        self._extend(ids, features, fb, b.prefix_lens, b.seq_lens)
+        # a prefill forward's rows: EXTEND (eager; SGLang's draft prefill); a decode step's one row: DRAFT_EXTEND
+        mode = ForwardMode.DRAFT_EXTEND if fb.forward_mode.is_decode() else ForwardMode.EXTEND
+        self._extend(ids, features, fb, b.prefix_lens, b.seq_lens, mode)
         if self.prefill_node:
             self._keep_handoffs([b.req_pool_indices[i] for i, req in enumerate(b.reqs)
                                  if b.seq_lens[i] == len(req.origin_input_ids)])
@@ -143,11 +152,12 @@ class EagleDrafter:
         compact_path_kv([self.runner.kv_pool], src, dst)
         index = torch.tensor(rows, device=features.device)
         ids = next_token_ids.to(features.device)[index]  # the emitted tokens: x_{p+1} of each kept row
-        self._extend(ids, features[index], fb, spec.committed, seq)
+        self._extend(ids, features[index], fb, spec.committed, seq, ForwardMode.DRAFT_EXTEND)
 
     def _extend(self, ids: torch.Tensor, features: torch.Tensor, fb: ForwardBatch, prefix: list[int],
-                seq: list[int]) -> None:
-        state = self.worker.extend(ids, features, fb.req_pool_indices, list(prefix), list(seq), fb.req_to_token)
+                seq: list[int], mode: ForwardMode) -> None:
+        state = self.worker.extend(ids, features, fb.req_pool_indices, list(prefix), list(seq), fb.req_to_token,
+                                   mode)
         rows = fb.req_pool_indices.to(self.state.hidden.device)
         self.state.topk_p[rows] = state.topk_p
         self.state.topk_ids[rows] = state.topk_ids

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from common.engine.spec.eagle_model import EagleHead
 
 
-def _head_step(head: EagleHead, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def head_step(head: EagleHead, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return head(fb, hidden)
 
 
@@ -51,7 +51,7 @@ class DraftGraphRunner(StepGraphRunner):
         self.eager_backend = eager_backend
         self.topk = topk
         max_bs = capture_max_bs(args, use_cuda_graph, compile_max_bs, max_batch)
-        super().__init__(max_bs, self.kv_pool.device, self.kv_pool.dtype, use_cuda_graph, compile_max_bs, _head_step)
+        super().__init__(max_bs, self.kv_pool.device, self.kv_pool.dtype, use_cuda_graph, compile_max_bs, head_step)
         lc = self.head.config.layer
         self.padded_backend = PaddedDecodeBackend(self.head.shard.num_heads, self.head.shard.num_kv_heads, lc.head_dim,
                                                   1, None)

@@ -13,6 +13,8 @@ committed positions [0, C) and sampled x_C (``verified``)::
 
     DRAFT_EXTEND  rows at [P, C) with tokens x_{P+1} .. x_C and the target's features at P .. C-1: writes the head's
                   K/V there; its last row's top-k are the tree's first level, its output the state's feature.
+                  After a verify / decode step through ``extend_graph_runner`` when it fits; after a prefill
+                  forward (EXTEND) eagerly.
     draft step i  (1 .. num_steps-1) one row per branch at position C + i - 1: the branch's token, its parent's
                   feature; attends the request's [0, C) plus the branch's own chain of earlier steps' scratch slots
                   (a per-branch row of ``branch_table``), so each branch sees exactly its ancestors.
@@ -29,6 +31,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.engine.mem.kv_pool import MHATokenToKVPool
+from common.engine.spec.draft_extend_graph_runner import EagleExtendGraphRunner
 from common.engine.spec.eagle_graph_runner import DraftGraphRunner
 from common.engine.spec.eagle_model import EagleHead
 from common.engine.spec.eagle_tree import DraftLevels, DraftTree, build_tree
@@ -68,15 +71,18 @@ class EagleWorker:
         self.max_batch = max_batch
         self.attn_backend = head.make_attn_backend(backend)
         self.graph_runner: DraftGraphRunner | None = None  # the draft steps' graphs / compiled steps, if any
+        self.extend_graph_runner: EagleExtendGraphRunner | None = None  # the decode-time extends', if any
 
     @torch.inference_mode()
     def extend(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int],
-        seq_lens: list[int], req_to_token: torch.Tensor,
+        seq_lens: list[int], req_to_token: torch.Tensor, mode: ForwardMode = ForwardMode.DRAFT_EXTEND,
     ) -> DraftState:
         """DRAFT_EXTEND: request i's rows at positions [prefix_lens[i], seq_lens[i]) with ``input_ids`` (x_{p+1},
         the last one the token just sampled) and ``hidden`` (the target's features at those positions), packed in
-        order. Writes the head's K/V at the target's slots of those positions; returns each request's state."""
+        order. Writes the head's K/V at the target's slots of those positions; returns each request's state.
+        ``mode``: DRAFT_EXTEND after a verify / decode step (``extend_graph_runner`` serves it when it fits), EXTEND
+        after a prefill forward (eager)."""
         device = self.head.device
         ext = [s - p for p, s in zip(prefix_lens, seq_lens, strict=True)]
         i64 = torch.int64
@@ -84,7 +90,7 @@ class EagleWorker:
         positions = positions.to(device)
         rows = req_pool_indices.repeat_interleave(torch.tensor(ext, device=req_pool_indices.device))
         fb = ForwardBatch(
-            forward_mode=ForwardMode.DRAFT_EXTEND,
+            forward_mode=mode,
             batch_size=len(ext), input_ids=input_ids.to(device, i64), positions=positions,
             out_cache_loc=req_to_token[rows.to(req_to_token.device), positions.to(req_to_token.device)].to(device),
             req_pool_indices=req_pool_indices.to(device), seq_lens=torch.tensor(seq_lens, dtype=i64, device=device),
@@ -93,7 +99,10 @@ class EagleWorker:
             seq_lens_cpu=list(seq_lens), extend_lens_cpu=ext, prefix_lens_cpu=list(prefix_lens),
             kv_pool=self.kv_pool, attn_backend=self.attn_backend,
         )
-        logit_h, feature = self.head(fb, hidden)
+        if self.extend_graph_runner is not None and self.extend_graph_runner.can_run(fb):
+            logit_h, feature = self.extend_graph_runner.forward(fb, hidden)
+        else:
+            logit_h, feature = self.head(fb, hidden)
         last = torch.cumsum(torch.tensor(ext, device=device), 0) - 1
         p, ids = self.head.draft_topk(logit_h[last], self.topk)
         return DraftState(p, ids, feature[last])

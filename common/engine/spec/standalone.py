@@ -1,6 +1,7 @@
 """``StandaloneDrafter``: a smaller model with the target's tokenizer drafts ``k`` tokens greedily, over a paged KV
-pool of its own (a second ``ModelRunner``: its own allocator, KV pool and ``req_to_token`` table; its decode steps run as
-CUDA graphs / compiled steps under the target's flags, its extends eagerly).
+pool of its own (a second ``ModelRunner``: its own allocator, KV pool and ``req_to_token`` table). Its decode steps
+and its decode-time extends (``draft_extend_graph_runner``) run as CUDA graphs / compiled
+steps under the target's flags; its prefill-time extends (a prompt, a P/D prefill chunk) eagerly.
 
 The draft's table is indexed by the target's request slots: row r holds the draft KV of the request in target slot
 r, valid for its first ``draft_lens[r]`` positions. Per step, for each request with a cap (``propose``)::
@@ -64,6 +65,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.sampling.params import SamplingParams
 from common.engine.sampling.sampler import SamplingBatchInfo
 from common.engine.schedule_batch import ModelWorkerBatch
+from common.engine.spec.draft_extend_graph_runner import build_draft_extend_graph_runner
 from common.engine.spec.drafter import DraftHandoff, DraftKV
 from common.engine.spec.path_kv import compact_path_kv
 from common.errors import ConfigError
@@ -122,6 +124,9 @@ class StandaloneDrafter:
         self.mirror_slots = 0  # P/D: slots below it are the target's numbering (0: the whole pool is the draft's)
         if args.disaggregation_mode in ("prefill", "decode"):
             self._share_target_slots(target, path)
+        r = self.runner
+        r.draft_extend_graph_runner = build_draft_extend_graph_runner(draft_args, r.model, r.kv_pool,
+                                                                      r.req_to_token_pool, r.attn_backend)
         target.req_to_token_pool.on_free = self.release
         logger.info("STANDALONE draft model %s: %d draft tokens per step%s", path, draft_len,
                     ", its prompt KV at the target's slots (P/D)" if self.mirror_slots else "")
@@ -228,7 +233,8 @@ class StandaloneDrafter:
             self._truncate(row, 0)
             self.table.write(row, 0, self.target_table.req_to_token[row, :s])
             self.draft_lens[row] = s
-        self._forward(ForwardMode.DRAFT_EXTEND, reqs, input_ids, torch.cat(locs), rows, seq, prefix)
+        # EXTEND (SGLang's draft prefill): prefill-time extends never go to the decode-time extend runner
+        self._forward(ForwardMode.EXTEND, reqs, input_ids, torch.cat(locs), rows, seq, prefix)
 
     # -- internals ---------------------------------------------------------------------------------------------------
     def _truncate(self, row: int, keep: int) -> None:
