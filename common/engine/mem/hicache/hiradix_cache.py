@@ -16,13 +16,15 @@ Page ownership under copies (``copy_engine``): a write's device pages are those 
 write-through (``write_through``, ``write_through_selective``) locks its nodes until its job has ended on every rank
 (``check_hicache_events``; SGLang's ``ongoing_write_through``): they are not evictable meanwhile, so no eviction
 frees pages a write still reads, none waits for one inside a step, and admission never counts on their pages. Only
-an eviction's own write (``write_back``, or a node with host-only children and no host copy) is waited for. A
+an eviction's own write (``write_back``, or a node with host-only children and no host copy) is waited for: its
+nodes keep their host copy only if every rank's write ended without error (``LoadWaits.settle_write``), else they
+are dropped on every rank (recomputed later); while a write given up on still runs, evictions write nothing. A
 load's device pages belong to nodes locked until the job is done (``check_hicache_events``); its host pages to
 those nodes (host eviction skips locked nodes). A load given up on (past its deadline, or overtaken by an insert of
 the same tokens: no step waits for a load) leaves its nodes host-only; its device pages are reserved until its copy
 can no longer write them (cancelled before it began to, or ended: ``LoadWaits``). Every job waits for the batch in
-flight when it was submitted. With TP, a load's verdict (done, failed, expired) and a write-through's end are
-agreed over the group, so every rank admits the same requests at the same step.
+flight when it was submitted. With TP, a load's verdict (done, failed, expired), a write-through's end and an
+eviction write's outcome are agreed over the group, so every rank admits the same requests at the same step.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class HiRadixCache(HostTierTree):
 
     # -- the step's events -----------------------------------------------------------------------------------------
     def check_hicache_events(self) -> None:
-        if self.ongoing_loads or self.waits.stuck or self.writing:
+        if self.ongoing_loads or self.waits.settling or self.writing:
             ops, writes = self.ongoing_loads, self.writing
             verdicts, written = self.waits.poll([(op.job, op.deadline) for op in ops], [job for job, _ in writes])
             self.writing = [w for w, verdict in zip(writes, written, strict=True) if verdict == WAIT]
@@ -348,8 +350,8 @@ class HiRadixCache(HostTierTree):
             if parent is not self.root_node and self._device_leaf(parent, gone):
                 heapq.heappush(leaves, parent)
         if write:
-            job = self.write_backup(write)
-            if job is not None and job.wait():
+            job = None if self.waits.writes_stuck else self.write_backup(write)
+            if job is not None and self._settle_write(job, write):
                 keep += write
             else:
                 drop += write
@@ -361,6 +363,16 @@ class HiRadixCache(HostTierTree):
         for x in drop:
             self._delete_subtree(x)
         return evicted
+
+    def _settle_write(self, job: CopyJob, nodes: list[HiTreeNode]) -> bool:
+        """Whether ``nodes`` keep the host copy ``job`` wrote: it ended without error on every rank. If not, they
+        lose it on every rank (its host pages go once no rank's copy writes them)."""
+        host = torch.cat([x.host_pages for x in nodes])  # type: ignore[misc]
+        if self.waits.settle_write(job, lambda: self.host_pool.free(host)):
+            return True
+        for x in nodes:
+            x.host_pages, x.backup = None, None
+        return False
 
     def _device_leaf(self, x: HiTreeNode, gone: set[int] = frozenset()) -> bool:  # type: ignore[assignment]
         return x.ready and x.lock_ref == 0 and x.id not in gone and not any(
