@@ -152,7 +152,7 @@ def _wait_hicache_settled(cache: Any, step: Callable[[], Any] | None, timeout: f
     if not isinstance(cache, HiRadixCache | HiHeldPrefixCache):
         return
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and (cache.waits.stuck or (
+    while time.monotonic() < deadline and (cache.waits.settling or (
             cache.offloads if isinstance(cache, HiHeldPrefixCache) else (
                 cache.ongoing_loads or cache.writing or (cache.storage is not None and cache.storage.ops)))):
         time.sleep(0.01)

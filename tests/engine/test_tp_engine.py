@@ -8,6 +8,8 @@ broadcast path. Every rank's pools are checked back at their free counts after e
 The same pair then runs the hierarchical cache: rank 1's loads are slower than rank 0's, its first one past
 --hicache-load-timeout, yet both settle every load at the same step (``LoadWaits.poll``: done, failed or expired,
 agreed over the group), so they admit the same requests, count the same host hits and produce the same tokens.
+With ``write_back``, rank 1's eviction writes fail or hang: the ranks agree to drop those host copies
+(``LoadWaits.settle_write``), so they again hit and miss the host alike.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.tp_helpers import run_ranks
 pytestmark = pytest.mark.slow  # spawns rank processes
 NEW_TOKENS = 12
 SLOW_FIRST_S, SLOW_S = 1.5, 0.2  # rank 1's first load, its later ones (--hicache-load-timeout 0.5)
+WRITE_WAIT_S, HANG_S = 0.3, 1.0  # how long a step waits for its eviction write; rank 1's hung write
 
 
 def _pools_released(sched: Any) -> str | None:
@@ -127,7 +130,7 @@ def _hicache_rank(tp: TPGroup, model: str) -> dict[str, Any]:
     for run in ("a", "b", "c"):  # b: rank 1's first load expires (its pages free at once); c: none does
         sched.step([GenerateReqInput(rid=f"{run}{i}", input_ids=p, sampling_params=sp) for i, p in enumerate(PROMPTS)])
         deadline = time.monotonic() + 120
-        while (not sched.is_idle() or cache.waits.stuck or cache.writing) and time.monotonic() < deadline:  # agreed
+        while (not sched.is_idle() or cache.waits.settling or cache.writing) and time.monotonic() < deadline:  # agreed
             sched.step([])
     sched.close()
     CopyEngine._copy_pages, LoadWaits.abandon = copy, abandon  # type: ignore[method-assign]
@@ -136,8 +139,69 @@ def _hicache_rank(tp: TPGroup, model: str) -> dict[str, Any]:
     return {"tokens": tokens, "cached": cached, "abandoned": abandoned, "leak": leak}
 
 
+def _write_back_rank(tp: TPGroup, model: str) -> dict[str, Any]:
+    """``write_back``: the prompts twice (the second pass loads what the first's evictions wrote back), rank 1's
+    first eviction write failing and its second hanging past the step's wait; what each request got and cached,
+    and the writes given up on."""
+    import msgspec
+
+    from common.config import ServerArgs
+    from common.engine.io_struct import GenerateReqInput, TokenOut
+    from common.engine.mem.hicache.copy_engine import CopyEngine
+    from common.engine.mem.hicache.load_waits import LoadWaits
+    from common.engine.sampling.params import SamplingParams
+    from common.engine.scheduler import Scheduler
+    from common.text.tokenizer import load_tokenizer
+
+    faults = ["fail", "hang"] if tp.tp_rank == 1 else []
+    copy, abandon = CopyEngine._copy_pages, LoadWaits.abandon
+    given_up: list[int] = []
+
+    def faulty(self: CopyEngine, job: Any) -> Any:
+        fault = faults.pop(0) if job.kind == "write" and faults else None
+        if fault == "fail":
+            raise RuntimeError("injected: rank 1's eviction write fails")
+        if fault == "hang":  # past the step's wait: it is cancelled before it writes the host pages
+            time.sleep(HANG_S)
+        return copy(self, job)
+
+    def counted(self: LoadWaits, job: Any, release: Any) -> None:
+        given_up.append(len(job.host_pages))
+        abandon(self, job, release)
+
+    CopyEngine._copy_pages, LoadWaits.abandon = faulty, counted  # type: ignore[method-assign]
+    args = ServerArgs(model_path=model, tp_size=2, **BASE, enable_hierarchical_cache=True, hicache_ratio=4.0,
+                      hicache_write_policy="write_back")
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, tuple[int, int]] = {}
+
+    def collect(msgs: list[Any]) -> None:
+        for m in msgs:
+            if isinstance(m, TokenOut):
+                tokens.setdefault(m.rid, []).extend(m.token_ids)
+                if m.finish_reason:
+                    cached[m.rid] = (m.cached_tokens, m.timing.cached_tokens_host if m.timing else -1)
+
+    sched = Scheduler(args, model, load_tokenizer(model), collect, 0, tp)
+    cache = sched.tree_cache
+    cache.waits.write_timeout_s = WRITE_WAIT_S
+    sp = msgspec.convert(greedy(6), SamplingParams)
+    for run in ("a", "b"):
+        sched.step([GenerateReqInput(rid=f"{run}{i}", input_ids=p, sampling_params=sp) for i, p in enumerate(PROMPTS)])
+        deadline = time.monotonic() + 120
+        while (not sched.is_idle() or cache.waits.settling) and time.monotonic() < deadline:  # agreed
+            sched.step([])
+    sched.close()
+    CopyEngine._copy_pages, LoadWaits.abandon = copy, abandon  # type: ignore[method-assign]
+    host_held = sum(len(n.host_pages) for n in cache._nodes() if n.host_pages is not None)
+    leak = _pools_released(sched) or (None if cache.host_pool.used_pages == host_held else "host pages leaked")
+    return {"tokens": tokens, "cached": cached, "given_up": given_up, "leak": leak,
+            "host_hits": dict(cache.stats.hit_tokens)}
+
+
 def _ranks(tp: TPGroup, model: str) -> dict[str, Any]:
-    return {"matrix": _matrix_rank(tp, model), "hicache": _hicache_rank(tp, model)}
+    return {"matrix": _matrix_rank(tp, model), "hicache": _hicache_rank(tp, model),
+            "write_back": _write_back_rank(tp, model)}
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +229,19 @@ def test_tp2_hicache_ranks_agree_on_every_load(tp2_ranks) -> None:
     assert all(r0["tokens"][f"{run}{i}"] == r0["tokens"][f"a{i}"] for i in range(len(PROMPTS)) for run in "bc")
     assert r0["abandoned"] == r1["abandoned"] and r0["abandoned"]  # rank 1's first load (and those behind it)
     assert any(r0["cached"][f"c{i}"] == (FULL, FULL) for i in range(len(PROMPTS)))  # its later loads came back
+
+
+def test_tp2_ranks_agree_when_one_ranks_eviction_write_fails(tp2_ranks) -> None:
+    """Rank 1's first write-back fails and its second hangs: both ranks drop those host copies (the prefixes are
+    recomputed, the same tokens) and keep the others, so they hit and miss the host alike."""
+    r0, r1 = (r["write_back"] for r in tp2_ranks)
+    assert r0["leak"] is None and r1["leak"] is None, (r0["leak"], r1["leak"])
+    assert r0["given_up"] == r1["given_up"] and len(r0["given_up"]) == 2  # the failed write and the hung one
+    assert r0["tokens"] == r1["tokens"] and r0["cached"] == r1["cached"] and r0["host_hits"] == r1["host_hits"]
+    fresh = tp2_ranks[0]["hicache"]["tokens"]  # the other run's first pass: nothing cached yet
+    assert all(r0["tokens"][f"{run}{i}"] == fresh[f"a{i}"] for i in range(len(PROMPTS)) for run in "ab")
+    host = [r0["cached"][f"b{i}"][1] for i in range(len(PROMPTS))]
+    assert FULL in host and min(host) < FULL, host  # the copies kept serve; the dropped ones are recomputed
 
 
 def test_engine_tp2_serves_and_releases(engine_factory) -> None:

@@ -57,17 +57,20 @@ def setup() -> Iterator[dict[str, Any]]:
     bootstrap.stop()
 
 
-@pytest.mark.parametrize("hang", [False, True], ids=["restored", "restore-hangs"])
-def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatch, hang) -> None:
+@pytest.mark.parametrize("fault", [None, "hang", "offload"], ids=["restored", "restore-hangs", "offload-fails"])
+def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatch, fault) -> None:
     """hang: the restore's copy hangs; past --hicache-load-timeout the request is recomputed instead (the same
-    tokens) while the copy still hangs, its pages free again (it is cancelled: it never writes them)."""
+    tokens) while the copy still hangs, its pages free again (it is cancelled: it never writes them). offload: the
+    retraction's write to the host fails; the request keeps no host copy and is recomputed."""
     from common.engine.mem.hicache.copy_engine import CopyEngine
 
-    release, copy = threading.Event(), CopyEngine._copy_pages
+    release, copy, hang = threading.Event(), CopyEngine._copy_pages, fault == "hang"
 
     def hanging(self: CopyEngine, job: Any) -> Any:
         if job.kind == "load" and hang:
             release.wait(20)  # bounded: without the deadline the request waits this long, then is restored
+        if job.kind == "write" and fault == "offload":
+            raise RuntimeError("injected: the retraction's offload fails")
         return copy(self, job)
 
     monkeypatch.setattr(CopyEngine, "_copy_pages", hanging)
@@ -93,9 +96,13 @@ def test_a_retracted_decode_request_resumes_from_its_host_copy(setup, monkeypatc
             drive(prefill, decode, idle(prefill, decode))
             assert all(f.finish_reason == "length" for f in finals(out).values())
             assert tokens_of(out) == setup["expected"]
-            if not hang:
+            if fault is None:
                 assert extends == [("r-0", 1)], "the retracted request should resume from its host copy"
                 assert decode.tree_cache.hicache_report().load_bytes > 0
+                return
+            if fault == "offload":
+                assert {rid for rid, _ in extends} == {"r-0"} and sum(n for _, n in extends) > 1  # recomputed
+                assert decode.tree_cache.hicache_report().load_bytes == 0 and not decode.tree_cache.offloads
                 return
             assert {rid for rid, _ in extends} == {"r-0"} and sum(n for _, n in extends) > 1  # recomputed
             [abandoned] = decode.tree_cache.waits.abandoned

@@ -5,10 +5,11 @@ and a storage tier under that, shared by the nodes of one model.
                    pinned on CUDA)
     copy_engine    CopyEngine: device <-> host page batches on threads (and CUDA streams) of its own
     load_waits     LoadWaits: a queued request's deadline for its load; loads given up on (--hicache-load-timeout);
-                   the TP group's verdicts on loads and write-throughs
+                   the TP group's verdicts on loads, write-throughs and the writes a step waits for
     tree           HiTreeNode: which tier each node's pages are on
     host_tree      HostTierTree: the tree's host-side walks (host LRU eviction, storage pages joining the tree)
-    hiradix_cache  HiRadixCache: the prefill / colocated node's tree (write policies, load back, eviction)
+    backup_tree    BackupTree: device -> host copies of nodes and device eviction (an eviction's own write)
+    hiradix_cache  HiRadixCache: the prefill / colocated node's tree (write policies, load back)
     storage_tier   StorageTier: prefetch and write-behind over a storage backend (``storage/``)
     decode_offload HiHeldPrefixCache: a decode node keeps retracted requests' KV on the host and restores it
 

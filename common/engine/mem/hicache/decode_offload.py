@@ -5,7 +5,9 @@ node. With it, the request's KV is copied to the host pool when it is retracted 
 
     release_retracted   its first n positions' pages -> host (n = what it resumes from: every committed position
                         but the newest token's, which the resuming extend recomputes for its next logits); the
-                        copy waits for the batch in flight (it may still write the last page), then the pages go
+                        copy waits for the batch in flight (it may still write the last page), then the pages go;
+                        a copy that failed or ran late on any rank keeps no record on any (``LoadWaits.settle_write``):
+                        the request is recomputed on every rank
     init_load_back      at its turn in the waiting queue: fresh device pages, the host copy loaded into them (the
                         request waits, until --hicache-load-timeout); once loaded, its prefix is those pages and it
                         extends one token
@@ -81,14 +83,12 @@ class HiHeldPrefixCache(HeldPrefixCache):
     def release_retracted(self, req: Req) -> None:
         keep = min(req.kv_committed_len, len(req.all_ids()) - 1)
         num = -(-keep // self.page_size)
-        host = self._alloc_host(num) if keep > 0 else None
+        host = self._alloc_host(num) if keep > 0 and not self.waits.writes_stuck else None
         if host is not None:
             row = self.req_to_token_pool.req_to_token[_req_slot(req)]
             job = self.copier.write(device_pages(row[: num * self.page_size], self.page_size), host, self.fence())
-            if job.wait():
+            if self.waits.settle_write(job, lambda: self.host_pool.free(host)):  # every rank's copy: else recomputed
                 self.offloads[id(req)] = Offload(req, host, keep)
-            else:
-                self.host_pool.free(host)
             self.stats.track_write(job)
         self.cache_finished_req(req)
 
@@ -132,7 +132,7 @@ class HiHeldPrefixCache(HeldPrefixCache):
         return True
 
     def check_hicache_events(self) -> None:
-        if self.restoring or self.waits.stuck:
+        if self.restoring or self.waits.settling:
             recs = self.restoring
             verdicts, _ = self.waits.poll([(r.job, r.deadline) for r in recs])  # type: ignore[misc]
             self.restoring = [r for r, verdict in zip(recs, verdicts, strict=True) if verdict == WAIT]

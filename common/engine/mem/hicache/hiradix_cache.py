@@ -10,24 +10,24 @@ The scheduler sees the ``RadixCache`` calls plus two (``BasePrefixCache``'s hook
 Write policies (``--hicache-write-policy``): ``write_through`` copies a node to the host at insert,
 ``write_through_selective`` on its second hit, ``write_back`` when the device evicts it. A device eviction keeps a
 node with a host copy (host-only now; ``tree``); without one, a leaf is dropped and a node with host-only children
-is written first. The host pool evicts its least recently used host-only leaves.
+is written first (``backup_tree``). The host pool evicts its least recently used host-only leaves.
 
 Page ownership under copies (``copy_engine``): a write's device pages are those of a node the job backs up. A
 write-through (``write_through``, ``write_through_selective``) locks its nodes until its job has ended on every rank
 (``check_hicache_events``; SGLang's ``ongoing_write_through``): they are not evictable meanwhile, so no eviction
 frees pages a write still reads, none waits for one inside a step, and admission never counts on their pages. Only
-an eviction's own write (``write_back``, or a node with host-only children and no host copy) is waited for. A
-load's device pages belong to nodes locked until the job is done (``check_hicache_events``); its host pages to
-those nodes (host eviction skips locked nodes). A load given up on (past its deadline, or overtaken by an insert of
-the same tokens: no step waits for a load) leaves its nodes host-only; its device pages are reserved until its copy
-can no longer write them (cancelled before it began to, or ended: ``LoadWaits``). Every job waits for the batch in
-flight when it was submitted. With TP, a load's verdict (done, failed, expired) and a write-through's end are
-agreed over the group, so every rank admits the same requests at the same step.
+an eviction's own write (``write_back``, or a node with host-only children and no host copy) is waited for, its
+outcome agreed over the TP group (``backup_tree``). A load's device pages belong to nodes locked until the job is
+done (``check_hicache_events``); its host pages to those nodes (host eviction skips locked nodes). A load given up
+on (past its deadline, or overtaken by an insert of the same tokens: no step waits for a load) leaves its nodes
+host-only; its device pages are reserved until its copy can no longer write them (cancelled before it began to, or
+ended: ``LoadWaits``). Every job waits for the batch in flight when it was submitted. With TP, a load's verdict
+(done, failed, expired), a write-through's end and an eviction write's outcome are agreed over the group, so every
+rank admits the same requests at the same step.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,9 +38,9 @@ import torch
 from common.engine.distributed import TPGroup
 from common.engine.io_struct import HiCacheLoad
 from common.engine.mem.allocator import TokenToKVPoolAllocator
+from common.engine.mem.hicache.backup_tree import BackupTree
 from common.engine.mem.hicache.copy_engine import CopyEngine, CopyJob, Fence
 from common.engine.mem.hicache.host_pool import HostKVPool
-from common.engine.mem.hicache.host_tree import HostTierTree
 from common.engine.mem.hicache.load_waits import EXPIRED, OK, WAIT, LoadWaits
 from common.engine.mem.hicache.stats import HiCacheStats
 from common.engine.mem.hicache.tree import HiTreeNode, device_pages, split_tiers
@@ -64,7 +64,7 @@ class LoadOp:
     deadline: float
 
 
-class HiRadixCache(HostTierTree):
+class HiRadixCache(BackupTree):
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int, *,
                  host_pool: HostKVPool, copier: CopyEngine, write_policy: str, fence: Callable[[], Fence],
                  tp: TPGroup, load_timeout: float, storage: StorageTier | None = None) -> None:
@@ -176,7 +176,7 @@ class HiRadixCache(HostTierTree):
 
     # -- the step's events -----------------------------------------------------------------------------------------
     def check_hicache_events(self) -> None:
-        if self.ongoing_loads or self.waits.stuck or self.writing:
+        if self.ongoing_loads or self.waits.settling or self.writing:
             ops, writes = self.ongoing_loads, self.writing
             verdicts, written = self.waits.poll([(op.job, op.deadline) for op in ops], [job for job, _ in writes])
             self.writing = [w for w, verdict in zip(writes, written, strict=True) if verdict == WAIT]
@@ -298,73 +298,6 @@ class HiRadixCache(HostTierTree):
         node.hit_count += 1
         if self.write_policy == "write_through_selective" and node.hit_count >= 2 and node.host_pages is None:
             self.write_backup([node], lock=True)
-
-    def write_backup(self, nodes: list[HiTreeNode], lock: bool = False) -> CopyJob | None:
-        """Copy ``nodes``' device pages to new host pages (one job); None when the host pool has no room. ``lock``:
-        the nodes stay locked until the job has ended (``check_hicache_events``); else the caller waits for it."""
-        fences = [f for x in nodes if (f := x.pending_fence()) is not None]
-        fence = self.fence() if fences else None  # the batch launched last runs after theirs
-        num = sum(len(x.key) for x in nodes) // self.page_size
-        host = self.alloc_host(num)
-        if host is None:
-            return None
-        dev = torch.cat([device_pages(x.value, self.page_size) for x in nodes])  # type: ignore[arg-type]
-        keys = [k for x in nodes for k in (x.page_hashes or [])] if self.storage is not None else []
-        then = self.storage.write_behind_hook(keys) if self.storage is not None and keys else None
-        job = self.copier.write(dev, host, fence, then)
-        offset = 0
-        for x in nodes:
-            pages = len(x.key) // self.page_size
-            x.host_pages, x.backup = host[offset: offset + pages], job
-            offset += pages
-        if lock:
-            for x in nodes:
-                self.inc_lock_ref(x)
-            self.writing.append((job, nodes))
-        self.stats.track_write(job)
-        return job
-
-    # -- eviction --------------------------------------------------------------------------------------------------
-    def evict(self, num_tokens: int) -> int:
-        if self.disable or num_tokens <= 0:
-            return 0
-        leaves = [x for x in self._nodes() if self._device_leaf(x)]
-        heapq.heapify(leaves)
-        gone: set[int] = set()
-        keep, write, drop = [], [], []
-        evicted = 0
-        while evicted < num_tokens and leaves:
-            x = heapq.heappop(leaves)
-            x.settle_backup(self.host_pool.free)
-            if x.backup is not None:  # a write still reads its pages (not a write-through: those are locked)
-                continue
-            # a host copy: keep the node host-only; none: write it first (write_back, or its host-only subtree
-            # would hang from nothing), else drop it
-            (keep if x.host_pages is not None else write if self.write_policy == "write_back" or x.children
-             else drop).append(x)
-            gone.add(x.id)
-            evicted += len(x.key)
-            parent = x.parent
-            if parent is not self.root_node and self._device_leaf(parent, gone):
-                heapq.heappush(leaves, parent)
-        if write:
-            job = self.write_backup(write)
-            if job is not None and job.wait():
-                keep += write
-            else:
-                drop += write
-        for x in keep:
-            x.backup = None  # ended without error: settled when picked, or the write above
-            self.token_to_kv_pool_allocator.free(x.value)
-            self.evictable_size_ -= len(x.key)
-            x.value, x.fence = None, None
-        for x in drop:
-            self._delete_subtree(x)
-        return evicted
-
-    def _device_leaf(self, x: HiTreeNode, gone: set[int] = frozenset()) -> bool:  # type: ignore[assignment]
-        return x.ready and x.lock_ref == 0 and x.id not in gone and not any(
-            c.on_device and c.id not in gone for c in x.children.values())
 
     # -- tree plumbing ---------------------------------------------------------------------------------------------
     def _split_node(self, child: HiTreeNode, split_len: int) -> HiTreeNode:  # type: ignore[override]

@@ -5,8 +5,8 @@
     insert_host     pages read from storage join the tree as host-only nodes
     _delete_subtree a node and what hangs below it leave the tree, every tier's pages freed
 
-``HiRadixCache`` builds on it with the device side (matching, write policies, loads, device eviction) and splits
-nodes on every tier (``_split_node``).
+``BackupTree`` builds on it with device -> host copies and device eviction, ``HiRadixCache`` on that with the rest
+of the device side (matching, write policies, loads) and splits nodes on every tier (``_split_node``).
 """
 
 from __future__ import annotations

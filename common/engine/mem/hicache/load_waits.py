@@ -18,20 +18,31 @@ device pages are released at the first ``poll`` at which, on every rank, the cop
 never writes into pages handed out since. While a load given up on has not ended on some rank the load thread is
 behind it (``stuck``): the caches start no new load then, which bounds what a hung copy holds to the loads in
 flight when it hung (and, once cancelled, to none of its device pages).
+
+A write the step itself waits for (an eviction's, a decode node's retraction offload: ``settle_write``) is agreed
+in one collective at that point: its host copy is kept only if every rank's write ended without error within
+``write_timeout_s``; else every rank gives it up like a load (its host pages released once no rank's copy writes
+them) and drops the copy, so no rank hits a host copy another lacks. While a write given up on has not ended the
+write thread is behind it (``writes_stuck``): the caches start no write they would wait for then.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from common.config import TP_MIN_TIMEOUT_S
 from common.engine.distributed import TPGroup
 from common.engine.mem.hicache.copy_engine import CopyJob
 
+logger = logging.getLogger(__name__)
+
 OK, FAILED, EXPIRED, WAIT = "ok", "failed", "expired", "wait"
+WRITE_WAIT_S = TP_MIN_TIMEOUT_S / 2  # a rank whose write hangs joins the agreement before its peers' collective ends
 
 
 @dataclass(eq=False)
@@ -46,10 +57,21 @@ class LoadWaits:
         self.tp = tp
         self.timeout_s = timeout_s
         self.abandoned: list[Abandoned] = []  # in the order given up
+        self.write_timeout_s = WRITE_WAIT_S
 
     @property
     def stuck(self) -> bool:
         """A load given up on has not ended (on some rank): a new load would only queue behind it."""
+        return any(a.job.kind == "load" for a in self.abandoned)
+
+    @property
+    def writes_stuck(self) -> bool:
+        """A write given up on has not ended (on some rank): a new write would only queue behind it."""
+        return any(a.job.kind == "write" for a in self.abandoned)
+
+    @property
+    def settling(self) -> bool:
+        """A copy given up on has not ended (on some rank): ``poll`` releases its pages and forgets it."""
         return bool(self.abandoned)
 
     def deadline(self) -> float:
@@ -59,6 +81,21 @@ class LoadWaits:
     def abandon(self, job: CopyJob, release: Callable[[], None]) -> None:
         """Stop waiting for ``job``; ``release`` frees the pages it writes into once no rank's copy can."""
         self.abandoned.append(Abandoned(job, release, job.cancel()))
+
+    def settle_write(self, job: CopyJob, release: Callable[[], None]) -> bool:
+        """Whether ``job``'s host copy is kept: its write ended without error on every rank (one collective). If
+        not, it is given up on every rank: ``release`` frees its host pages once no rank's copy writes them."""
+        try:
+            ok = job.wait(self.write_timeout_s)
+        except TimeoutError:
+            logger.warning("a device -> host write of %d pages ran past %.1f s: its host copy is dropped",
+                           len(job.host_pages), self.write_timeout_s)
+            ok = False
+        if self.tp.tp_size > 1:
+            ok = bool(self.tp.all_reduce_min(torch.tensor([int(ok)], dtype=torch.int64)).item())
+        if not ok:
+            self.abandon(job, release)
+        return ok
 
     def poll(self, waits: Sequence[tuple[CopyJob, float]], writes: Sequence[CopyJob] = ()
              ) -> tuple[list[str], list[str]]:
