@@ -238,7 +238,17 @@ async def test_a_router_loop_held_up_past_the_keepalive_does_not_fail_an_answere
         stream = await link.get(5)
         assert stream is not None and stream.transport == "socket"
         io = stream.io
-        await eventually(lambda: io.ping_at is not None)  # type: ignore[union-attr]  (a ping is out)
-        time.sleep(0.6)  # (the router's loop held up: the answer waits in the socket)
+        pinged = asyncio.Event()
+        send_now = io.conn.send_now  # type: ignore[union-attr]
+
+        def send_then_hold_up(frame: worker_pb2.MuxFrame) -> None:
+            send_now(frame)
+            if not pinged.is_set() and any(m.HasField("ping") for m in frame.messages):
+                pinged.set()
+                time.sleep(0.6)  # the router's loop held up right after its ping went out: the answer waits
+
+        # (held up from inside the send: a poll for the unanswered ping can miss it, answered within a loop turn)
+        io.conn.send_now = send_then_hold_up  # type: ignore[union-attr]
+        await asyncio.wait_for(pinged.wait(), 5)
         await asyncio.sleep(0.3)
         assert stream.alive and io.seq >= 1  # type: ignore[union-attr]
