@@ -15,6 +15,7 @@ With ``write_back``, rank 1's eviction writes fail or hang: the ranks agree to d
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -85,9 +86,11 @@ def _matrix_rank(tp: TPGroup, model: str) -> list[dict[str, Any]]:
     return results
 
 
-def _hicache_rank(tp: TPGroup, model: str) -> dict[str, Any]:
-    """The hierarchical cache's prompts three times (the later passes load them back from the host), rank 1's loads
-    delayed; what each request got and cached, and the loads given up on."""
+def _hicache_passes(tp: TPGroup, model: str, runs: str, fault: Callable[[Any], None], given_up_pages: str,
+                    write_timeout_s: float | None = None, **hicache: Any) -> dict[str, Any]:
+    """The hierarchical cache's prompts once per letter of ``runs`` (the later passes hit what the earlier ones left
+    on the host), ``fault(job)`` before each of this rank's copies; what each request got and cached, the host hits
+    and the pages of each job given up on (its ``given_up_pages``)."""
     import msgspec
 
     from common.config import ServerArgs
@@ -98,22 +101,20 @@ def _hicache_rank(tp: TPGroup, model: str) -> dict[str, Any]:
     from common.engine.scheduler import Scheduler
     from common.text.tokenizer import load_tokenizer
 
-    delays = [SLOW_FIRST_S] if tp.tp_rank == 1 else []
     copy, abandon = CopyEngine._copy_pages, LoadWaits.abandon
-    abandoned: list[int] = []
+    given_up: list[int] = []
 
-    def delayed(self: CopyEngine, job: Any) -> Any:
-        if job.kind == "load" and tp.tp_rank == 1:
-            time.sleep(delays.pop() if delays else SLOW_S)
+    def faulty(self: CopyEngine, job: Any) -> Any:
+        fault(job)
         return copy(self, job)
 
     def counted(self: LoadWaits, job: Any, release: Any) -> None:
-        abandoned.append(len(job.device_pages))
+        given_up.append(len(getattr(job, given_up_pages)))
         abandon(self, job, release)
 
-    CopyEngine._copy_pages, LoadWaits.abandon = delayed, counted  # type: ignore[method-assign]
+    CopyEngine._copy_pages, LoadWaits.abandon = faulty, counted  # type: ignore[method-assign]
     args = ServerArgs(model_path=model, tp_size=2, **BASE, enable_hierarchical_cache=True, hicache_ratio=4.0,
-                      hicache_load_timeout=0.5)
+                      **hicache)
     tokens: dict[str, list[int]] = {}
     cached: dict[str, tuple[int, int]] = {}
 
@@ -126,8 +127,10 @@ def _hicache_rank(tp: TPGroup, model: str) -> dict[str, Any]:
 
     sched = Scheduler(args, model, load_tokenizer(model), collect, 0, tp)
     cache = sched.tree_cache
+    if write_timeout_s is not None:
+        cache.waits.write_timeout_s = write_timeout_s
     sp = msgspec.convert(greedy(6), SamplingParams)
-    for run in ("a", "b", "c"):  # b: rank 1's first load expires (its pages free at once); c: none does
+    for run in runs:
         sched.step([GenerateReqInput(rid=f"{run}{i}", input_ids=p, sampling_params=sp) for i, p in enumerate(PROMPTS)])
         deadline = time.monotonic() + 120
         while (not sched.is_idle() or cache.waits.settling or cache.writing) and time.monotonic() < deadline:  # agreed
@@ -136,67 +139,36 @@ def _hicache_rank(tp: TPGroup, model: str) -> dict[str, Any]:
     CopyEngine._copy_pages, LoadWaits.abandon = copy, abandon  # type: ignore[method-assign]
     host_held = sum(len(n.host_pages) for n in cache._nodes() if n.host_pages is not None)
     leak = _pools_released(sched) or (None if cache.host_pool.used_pages == host_held else "host pages leaked")
-    return {"tokens": tokens, "cached": cached, "abandoned": abandoned, "leak": leak}
+    return {"tokens": tokens, "cached": cached, "given_up": given_up, "leak": leak,
+            "host_hits": dict(cache.stats.hit_tokens)}
+
+
+def _hicache_rank(tp: TPGroup, model: str) -> dict[str, Any]:
+    """Three passes (b: rank 1's first load expires, its pages free at once; c: none does), rank 1's loads
+    delayed; the loads given up on."""
+    delays = [SLOW_FIRST_S] if tp.tp_rank == 1 else []
+
+    def delayed(job: Any) -> None:
+        if job.kind == "load" and tp.tp_rank == 1:
+            time.sleep(delays.pop() if delays else SLOW_S)
+
+    return _hicache_passes(tp, model, "abc", delayed, "device_pages", hicache_load_timeout=0.5)
 
 
 def _write_back_rank(tp: TPGroup, model: str) -> dict[str, Any]:
-    """``write_back``: the prompts twice (the second pass loads what the first's evictions wrote back), rank 1's
-    first eviction write failing and its second hanging past the step's wait; what each request got and cached,
-    and the writes given up on."""
-    import msgspec
-
-    from common.config import ServerArgs
-    from common.engine.io_struct import GenerateReqInput, TokenOut
-    from common.engine.mem.hicache.copy_engine import CopyEngine
-    from common.engine.mem.hicache.load_waits import LoadWaits
-    from common.engine.sampling.params import SamplingParams
-    from common.engine.scheduler import Scheduler
-    from common.text.tokenizer import load_tokenizer
-
+    """``write_back``: two passes (the second loads what the first's evictions wrote back), rank 1's first eviction
+    write failing and its second hanging past the step's wait; the writes given up on."""
     faults = ["fail", "hang"] if tp.tp_rank == 1 else []
-    copy, abandon = CopyEngine._copy_pages, LoadWaits.abandon
-    given_up: list[int] = []
 
-    def faulty(self: CopyEngine, job: Any) -> Any:
+    def faulty(job: Any) -> None:
         fault = faults.pop(0) if job.kind == "write" and faults else None
         if fault == "fail":
             raise RuntimeError("injected: rank 1's eviction write fails")
         if fault == "hang":  # past the step's wait: it is cancelled before it writes the host pages
             time.sleep(HANG_S)
-        return copy(self, job)
 
-    def counted(self: LoadWaits, job: Any, release: Any) -> None:
-        given_up.append(len(job.host_pages))
-        abandon(self, job, release)
-
-    CopyEngine._copy_pages, LoadWaits.abandon = faulty, counted  # type: ignore[method-assign]
-    args = ServerArgs(model_path=model, tp_size=2, **BASE, enable_hierarchical_cache=True, hicache_ratio=4.0,
-                      hicache_write_policy="write_back")
-    tokens: dict[str, list[int]] = {}
-    cached: dict[str, tuple[int, int]] = {}
-
-    def collect(msgs: list[Any]) -> None:
-        for m in msgs:
-            if isinstance(m, TokenOut):
-                tokens.setdefault(m.rid, []).extend(m.token_ids)
-                if m.finish_reason:
-                    cached[m.rid] = (m.cached_tokens, m.timing.cached_tokens_host if m.timing else -1)
-
-    sched = Scheduler(args, model, load_tokenizer(model), collect, 0, tp)
-    cache = sched.tree_cache
-    cache.waits.write_timeout_s = WRITE_WAIT_S
-    sp = msgspec.convert(greedy(6), SamplingParams)
-    for run in ("a", "b"):
-        sched.step([GenerateReqInput(rid=f"{run}{i}", input_ids=p, sampling_params=sp) for i, p in enumerate(PROMPTS)])
-        deadline = time.monotonic() + 120
-        while (not sched.is_idle() or cache.waits.settling) and time.monotonic() < deadline:  # agreed
-            sched.step([])
-    sched.close()
-    CopyEngine._copy_pages, LoadWaits.abandon = copy, abandon  # type: ignore[method-assign]
-    host_held = sum(len(n.host_pages) for n in cache._nodes() if n.host_pages is not None)
-    leak = _pools_released(sched) or (None if cache.host_pool.used_pages == host_held else "host pages leaked")
-    return {"tokens": tokens, "cached": cached, "given_up": given_up, "leak": leak,
-            "host_hits": dict(cache.stats.hit_tokens)}
+    return _hicache_passes(tp, model, "ab", faulty, "host_pages", write_timeout_s=WRITE_WAIT_S,
+                           hicache_write_policy="write_back")
 
 
 def _ranks(tp: TPGroup, model: str) -> dict[str, Any]:
@@ -227,7 +199,7 @@ def test_tp2_hicache_ranks_agree_on_every_load(tp2_ranks) -> None:
     assert r0["leak"] is None and r1["leak"] is None, (r0["leak"], r1["leak"])
     assert r0["tokens"] == r1["tokens"] and r0["cached"] == r1["cached"]  # the same admissions on both ranks
     assert all(r0["tokens"][f"{run}{i}"] == r0["tokens"][f"a{i}"] for i in range(len(PROMPTS)) for run in "bc")
-    assert r0["abandoned"] == r1["abandoned"] and r0["abandoned"]  # rank 1's first load (and those behind it)
+    assert r0["given_up"] == r1["given_up"] and r0["given_up"]  # rank 1's first load (and those behind it)
     assert any(r0["cached"][f"c{i}"] == (FULL, FULL) for i in range(len(PROMPTS)))  # its later loads came back
 
 
