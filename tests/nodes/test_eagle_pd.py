@@ -51,8 +51,9 @@ def _recording(drafts: dict[tuple[int, ...], Any]):
     return wrapped
 
 
-def _serve_pd(model: str, port: int, monkeypatch, prefill_overlap: bool = False
+def _serve_pd(model: str, port: int, monkeypatch, prefill_overlap: bool = False, **node: Any
               ) -> tuple[dict[str, list[int]], dict[str, TokenOut]]:
+    """``PROMPTS`` one at a time through a prefill and a decode scheduler (both with ``node``'s flags too)."""
     from decode_node.role import DecodeRole
     from prefill_node.role import PrefillRole
 
@@ -60,7 +61,7 @@ def _serve_pd(model: str, port: int, monkeypatch, prefill_overlap: bool = False
     spec = {**EAGLE3, "speculative_draft_model_path": str(head_dir("EAGLE3"))}
     base = ServerArgs(model_path=model, page_size=16, max_total_tokens=2048, max_running_requests=8,
                       chunked_prefill_size=32, disaggregation_bootstrap_port=port, disable_overlap_schedule=True,
-                      **spec)
+                      **spec, **node)
     overlap = {"disable_overlap_schedule": False, "enable_overlap_schedule": True} if prefill_overlap else {}
     pargs, dargs = base.replace(disaggregation_mode="prefill", **overlap), base.replace(disaggregation_mode="decode")
     tokenizer = load_tokenizer(model)
