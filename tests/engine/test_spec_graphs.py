@@ -90,8 +90,8 @@ class StepLog:
         self.steps: list[tuple[str, int, int, int, float]] = []
         for cls in (DecodeGraphRunner, VerifyGraphRunner):
             monkeypatch.setattr(cls, "forward_features", self._wrap_target(cls.forward_features))
-        monkeypatch.setattr(DraftGraphRunner, "forward", self._wrap_draft(DraftGraphRunner.forward))
-        monkeypatch.setattr(EagleExtendGraphRunner, "forward", self._wrap_head_extend(EagleExtendGraphRunner.forward))
+        monkeypatch.setattr(DraftGraphRunner, "forward", self._wrap_head(DraftGraphRunner.forward, False))
+        monkeypatch.setattr(EagleExtendGraphRunner, "forward", self._wrap_head(EagleExtendGraphRunner.forward, True))
 
     def _record(self, runner: StepGraphRunner, model: Any, rows: int, n: int, got: torch.Tensor,
                 want: torch.Tensor, got_f: torch.Tensor, want_f: torch.Tensor) -> None:
@@ -111,27 +111,17 @@ class StepLog:
 
         return checked
 
-    def _wrap_draft(self, serve: Any) -> Any:
+    def _wrap_head(self, serve: Any, extend: bool) -> Any:
+        """EAGLE's head steps: a draft step (one row per branch) or, with ``extend``, a draft extend."""
         def checked(runner: Any, fb: Any, hidden: torch.Tensor, *bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
             if not runner.serving:
                 return serve(runner, fb, hidden, *bucket)
             logit_h, feature = (t.clone() for t in serve(runner, fb, hidden))
             fb.attn_metadata = None
-            want, want_f = runner.head(fb, hidden)
-            self._record(runner, runner.head, fb.batch_size, -(-fb.batch_size // runner.topk), logit_h, want,
-                         feature, want_f)
-            return logit_h, feature
-
-        return checked
-
-    def _wrap_head_extend(self, serve: Any) -> Any:
-        def checked(runner: Any, fb: Any, hidden: torch.Tensor, *bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if not runner.serving:
-                return serve(runner, fb, hidden, *bucket)
-            logit_h, feature = (t.clone() for t in serve(runner, fb, hidden))
-            fb.attn_metadata = None
-            want, want_f = runner.model(fb, hidden)
-            self._record(runner, runner.model, fb.num_tokens, fb.batch_size, logit_h, want, feature, want_f)
+            head = runner.model if extend else runner.head
+            want, want_f = head(fb, hidden)
+            rows, reqs = (fb.num_tokens, fb.batch_size) if extend else (fb.batch_size, -(-fb.batch_size // runner.topk))
+            self._record(runner, head, rows, reqs, logit_h, want, feature, want_f)
             return logit_h, feature
 
         return checked
